@@ -1,0 +1,110 @@
+"""Typed errors with stable codes.
+
+Every error that crosses the control socket carries its ``code`` so a client can
+re-raise the same class on its side. A user-facing message says what was wrong and
+what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class KVTierError(Exception):
+    """Base class of all kvtier errors; ``code`` is stable across versions."""
+
+    code: str = "internal"
+
+
+class ConfigError(KVTierError):
+    """The configuration (file, env or flags) is invalid."""
+
+    code = "config"
+
+
+class ProtocolError(KVTierError):
+    """A control-plane frame was malformed, oversized or out of order."""
+
+    code = "protocol"
+
+
+class HandshakeError(ProtocolError):
+    """Client and daemon do not speak a common protocol version."""
+
+    code = "handshake"
+
+
+class LayoutMismatch(KVTierError):
+    """A layout or buffer does not match the namespace it was used with."""
+
+    code = "layout_mismatch"
+
+
+class UnknownNamespace(KVTierError):
+    """The namespace was never registered on this connection's daemon."""
+
+    code = "unknown_namespace"
+
+
+class BufferSizeError(KVTierError):
+    """A buffer's size differs from the layout's block size."""
+
+    code = "buffer_size"
+
+
+class LeaseError(KVTierError):
+    """A commit or release named a lease never handed out, already used, or expired."""
+
+    code = "lease"
+
+
+class CapacityError(KVTierError):
+    """No tier could take the block (hard capacity reached, nothing evictable)."""
+
+    code = "capacity"
+
+
+class FrameError(KVTierError):
+    """A stored frame failed a check (magic, version, checksum, key, layout)."""
+
+    code = "frame"
+
+
+class ChecksumError(FrameError):
+    """A frame's payload checksum did not match."""
+
+    code = "checksum"
+
+
+class DaemonUnavailable(KVTierError):
+    """No daemon answered at the socket path (not running, or died)."""
+
+    code = "unavailable"
+
+
+class RequestTimeout(KVTierError):
+    """The daemon did not answer within the client's timeout."""
+
+    code = "timeout"
+
+
+class Overloaded(KVTierError):
+    """The daemon's bounded queue for this connection is full: retry later."""
+
+    code = "overloaded"
+
+
+_BY_CODE: dict[str, type[KVTierError]] = {}
+
+
+def _register(cls: type[KVTierError]) -> None:
+    _BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _register(sub)
+
+
+_register(KVTierError)
+
+
+def error_from_code(code: str, message: str) -> KVTierError:
+    """Rebuild the typed error a daemon reported (unknown codes become KVTierError)."""
+    cls = _BY_CODE.get(code, KVTierError)
+    return cls(message)

@@ -1,0 +1,101 @@
+"""KVLayout: the shape of one kvtier block and its fingerprint.
+
+A block holds the KV of all layers for ``tokens_per_block`` tokens, contiguous as
+``[layer][component][token][head][dim]`` where component is K and V (``kv_components=2``)
+or a single compressed latent (``kv_components=1``, MLA). Engines with another page
+format may store their pages verbatim; ``kv_format`` names that format and is part of
+the fingerprint, so two formats never share blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import xxhash
+
+from kvtier.errors import LayoutMismatch
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+CANONICAL_FORMAT = "layer_kv_token_head_dim"
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Geometry of a block; ``block_bytes`` is what every tier stores per key."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    tokens_per_block: int = 256
+    kv_components: int = 2
+    kv_format: str = CANONICAL_FORMAT
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise LayoutMismatch(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.kv_components not in (1, 2):
+            raise LayoutMismatch(f"kv_components must be 1 (MLA latent) or 2 (K and V), "
+                                 f"got {self.kv_components!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise LayoutMismatch(
+                f"unsupported KV dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token across all layers (the planner's unit)."""
+        return (self.num_layers * self.kv_components * self.num_kv_heads * self.head_dim
+                * self.element_bytes)
+
+    @property
+    def block_bytes(self) -> int:
+        """Payload size of one block, the unit of allocation in every tier."""
+        return self.bytes_per_token * self.tokens_per_block
+
+    def to_dict(self) -> dict[str, int | str]:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "tokens_per_block": self.tokens_per_block,
+            "kv_components": self.kv_components,
+            "kv_format": self.kv_format,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> KVLayout:
+        """Build a layout from untrusted data (a socket frame); bad input raises LayoutMismatch."""
+        if not isinstance(data, dict):
+            raise LayoutMismatch("layout must be a map")
+        allowed = {"num_layers", "num_kv_heads", "head_dim", "dtype", "tokens_per_block",
+                   "kv_components", "kv_format"}
+        unknown = set(data) - allowed
+        if unknown:
+            raise LayoutMismatch(f"unknown layout fields {sorted(map(str, unknown))}")
+        try:
+            return cls(**data)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise LayoutMismatch(f"incomplete layout: {exc}") from None
+
+    @property
+    def fingerprint(self) -> int:
+        """64-bit digest of the geometry; stored in every frame header."""
+        packed = msgpack.packb(sorted(self.to_dict().items()), use_bin_type=True)
+        return xxhash.xxh3_64_intdigest(packed)
