@@ -1,0 +1,273 @@
+"""One typed config tree: embedded defaults < TOML file < env ``KVTIER_*`` < CLI flags.
+
+Sections mirror the daemon's parts (``[daemon]``, ``[http]``, ``[cpu]``, ``[nvme]``,
+``[redis]``, ``[policy]``). Env names are ``KVTIER_<SECTION>_<FIELD>`` (for example
+``KVTIER_CPU_BYTES=8GiB``, ``KVTIER_REDIS_URL=redis://...``); a few short aliases exist for
+the most used settings (``KVTIER_SOCKET``, ``KVTIER_DATA_DIR``). Sizes accept ``4GiB``,
+``512MiB``, ``1e9``. Every value is checked once here, so the rest of the code trusts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
+          "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20, "g": 10**9, "gb": 10**9,
+          "gi": 2**30, "gib": 2**30, "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: object) -> int:
+    """Parse ``4GiB`` / ``512MB`` / ``1e9`` / an int into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"size must be >= 0, got {value}")
+        return value
+    if isinstance(value, float):
+        return parse_size(int(value))
+    m = _SIZE_RE.match(str(value))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ConfigError(f"not a size: {value!r} (examples: 4GiB, 512MiB, 1e9)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def default_runtime_dir() -> Path:
+    """Per-user runtime directory for the socket ($XDG_RUNTIME_DIR or /tmp/kvtier-UID)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return Path(xdg) / "kvtier"
+    return Path(f"/tmp/kvtier-{os.getuid()}")
+
+
+def default_socket_path() -> Path:
+    """Where clients look for the daemon when nothing else is configured."""
+    env = os.environ.get("KVTIER_SOCKET") or os.environ.get("KVTIER_DAEMON_SOCKET")
+    return Path(env) if env else default_runtime_dir() / "kvtier.sock"
+
+
+def default_data_dir() -> Path:
+    """Per-user data directory for the nvme tier ($XDG_DATA_HOME/kvtier)."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "kvtier"
+
+
+@dataclass(slots=True)
+class DaemonConfig:
+    data_dir: Path = field(default_factory=default_data_dir)
+    socket: Path = field(default_factory=default_socket_path)
+    max_frame_bytes: int = 16 * 2**20     # control frames only: KV bytes never cross here
+    max_inflight_per_conn: int = 64       # bounded per-connection request queue
+    lease_ttl_s: float = 30.0
+    drain_timeout_s: float = 10.0
+    log_level: str = "info"
+
+
+@dataclass(slots=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8470                      # 0 picks a free port (printed at start)
+    admin_token: str = ""
+
+
+@dataclass(slots=True)
+class CpuConfig:
+    bytes: int = 2 * 2**30
+    shm_dir: Path = Path("/dev/shm")
+    slab_bytes: int = 64 * 2**20
+    prefault: bool = True
+
+
+@dataclass(slots=True)
+class NvmeConfig:
+    enabled: bool = True
+    bytes: int = 16 * 2**30
+    path: Path | None = None              # default: <data_dir>/nvme
+    direct: str = "auto"                  # auto | on | off (O_DIRECT)
+    io_threads: int = 4
+    backend: str = "auto"                 # auto | posix | kvikio
+    write_budget_bytes_per_s: int = 0     # 0: unlimited (admission protects endurance)
+
+
+@dataclass(slots=True)
+class RedisConfig:
+    enabled: bool = False
+    url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss:// (TLS), unix://
+    cluster: bool = False
+    username: str = ""
+    password: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_verify: bool = True
+    key_prefix: str = "kvtier:"
+    ttl_s: int = 0                        # 0: no expiry
+    max_connections: int = 16
+    codec: str = "none"                   # none | lz4 | shuffle-lz4 | auto
+    write_through: bool = False           # also write puts through (not only demotions)
+    write_queue_blocks: int = 256         # bounded write-behind queue; full: drop oldest
+    max_inflight: int = 8                 # bounded concurrent pipelines
+    connect_timeout_s: float = 1.0
+    op_timeout_s: float = 2.0
+    bytes: int = 0                        # 0: bounded by Redis maxmemory / TTL
+
+
+@dataclass(slots=True)
+class PolicyConfig:
+    eviction: str = "cost"                # lru | lfu | cost
+    prefetch_wait: str = "timeout"        # best_effort | wait | timeout
+    prefetch_timeout_ms_per_block: float = 2.0
+    model_params: float = 7e9             # for the recompute-cost model
+
+
+@dataclass(slots=True)
+class Config:
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    @property
+    def nvme_path(self) -> Path:
+        return self.nvme.path or self.daemon.data_dir / "nvme"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for sec in fields(self):
+            section = getattr(self, sec.name)
+            out[sec.name] = {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
+        if out["redis"]["password"]:
+            out["redis"]["password"] = "***"
+        return out
+
+
+ENV_ALIASES = {
+    "KVTIER_SOCKET": ("daemon", "socket"),
+    "KVTIER_DATA_DIR": ("daemon", "data_dir"),
+    "KVTIER_HTTP_HOST": ("http", "host"),
+    "KVTIER_HTTP_PORT": ("http", "port"),
+    "KVTIER_CPU_BYTES": ("cpu", "bytes"),
+    "KVTIER_NVME_BYTES": ("nvme", "bytes"),
+    "KVTIER_REDIS_URL": ("redis", "url"),
+}
+
+
+def _plain(value: Any) -> Any:
+    return str(value) if isinstance(value, Path) else value
+
+
+def _coerce(section: str, name: str, typ: Any, value: Any) -> Any:
+    where = f"{section}.{name}"
+    t = str(typ)
+    try:
+        if name == "bytes" or name.endswith("_bytes") or name.endswith("bytes_per_s"):
+            return parse_size(value)
+        if "bool" in t:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if "Path" in t:
+            return None if value in (None, "") and "None" in t else Path(str(value)).expanduser()
+        if t in ("int", "<class 'int'>"):
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if t in ("float", "<class 'float'>"):
+            return float(value)
+        return str(value)
+    except (ValueError, TypeError):
+        raise ConfigError(f"{where}: invalid value {value!r} (expected {t})") from None
+
+
+def _apply(cfg: Config, section: str, name: str, value: Any, source: str) -> None:
+    sec = getattr(cfg, section, None)
+    if sec is None or not dataclasses.is_dataclass(sec):
+        raise ConfigError(f"{source}: unknown section [{section}]")
+    types = {f.name: f.type for f in fields(sec)}
+    if name not in types:
+        raise ConfigError(f"{source}: unknown setting {section}.{name}; "
+                          f"known: {', '.join(sorted(types))}")
+    setattr(sec, name, _coerce(section, name, types[name], value))
+
+
+def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """Build the config: defaults, then the TOML file, then env, then ``overrides``.
+
+    ``overrides`` maps ``"section.field"`` to a value (what CLI flags set; None = unset).
+    """
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p}: {exc}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{p}: top-level key {section!r} must be a [section]")
+            for name, value in values.items():
+                _apply(cfg, section, name, value, str(p))
+    environ = os.environ if env is None else env
+    section_names = {f.name for f in fields(cfg)}
+    for key, value in sorted(environ.items()):
+        if not key.startswith("KVTIER_"):
+            continue
+        if key in ENV_ALIASES:
+            section, name = ENV_ALIASES[key]
+        else:
+            rest = key[len("KVTIER_"):].lower()
+            section, _, name = rest.partition("_")
+            if section not in section_names or not name:
+                continue  # not ours (e.g. KVTIER_TEST_*): ignore rather than fail
+        _apply(cfg, section, name, value, f"env {key}")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, name = dotted.partition(".")
+        _apply(cfg, section, name, value, f"flag {dotted}")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks with messages that say what to change."""
+    if cfg.cpu.bytes < cfg.cpu.slab_bytes and cfg.cpu.bytes > 0:
+        cfg.cpu.slab_bytes = max(cfg.cpu.bytes, 4096)
+    if cfg.cpu.bytes <= 0:
+        raise ConfigError("cpu.bytes must be > 0: the cpu tier is the staging tier")
+    if cfg.nvme.direct not in ("auto", "on", "off"):
+        raise ConfigError("nvme.direct must be auto, on or off")
+    if cfg.nvme.backend not in ("auto", "posix", "kvikio"):
+        raise ConfigError("nvme.backend must be auto, posix or kvikio")
+    if cfg.redis.codec not in ("none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"):
+        raise ConfigError("redis.codec must be none, lz4, shuffle-lz4, shuffle-zstd or auto")
+    if cfg.policy.eviction not in ("lru", "lfu", "cost"):
+        raise ConfigError("policy.eviction must be lru, lfu or cost")
+    if cfg.policy.prefetch_wait not in ("best_effort", "wait", "timeout"):
+        raise ConfigError("policy.prefetch_wait must be best_effort, wait or timeout")
+    if not 0 <= cfg.http.port <= 65535:
+        raise ConfigError(f"http.port {cfg.http.port} out of range")
