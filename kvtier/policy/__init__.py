@@ -1,1 +1,46 @@
-"""kvtier package."""
+"""Pure decision code shared by the store and ``kvtier replay``: eviction, admission, prefetch.
+
+Importing the package registers the built-in eviction policies, so
+``make_eviction_policy("lru")`` works after ``import kvtier.policy``.
+"""
+
+from __future__ import annotations
+
+from kvtier.policy import lru as _lru  # noqa: F401  (registers "lru")
+from kvtier.policy.base import (
+    AdmissionPolicy,
+    Clock,
+    EvictionPolicy,
+    FakeClock,
+    Key,
+    LookupObserver,
+    eviction_policy_names,
+    make_eviction_policy,
+    register_eviction_policy,
+)
+from kvtier.policy.prefetch import (
+    PrefetchCounters,
+    PrefetchTracker,
+    PrefetchWait,
+    WaitOutcome,
+    prefetch_deadline,
+    wait_for_prefix,
+)
+
+__all__ = [
+    "AdmissionPolicy",
+    "Clock",
+    "EvictionPolicy",
+    "FakeClock",
+    "Key",
+    "LookupObserver",
+    "PrefetchCounters",
+    "PrefetchTracker",
+    "PrefetchWait",
+    "WaitOutcome",
+    "eviction_policy_names",
+    "make_eviction_policy",
+    "prefetch_deadline",
+    "register_eviction_policy",
+    "wait_for_prefix",
+]
