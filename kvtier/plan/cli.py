@@ -1,0 +1,145 @@
+"""``kvtier plan``: argument parsing and the command's entry point."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from kvtier.plan.errors import PlanError
+from kvtier.plan.hardware import GPUS, find_gpu
+from kvtier.plan.kvmath import KV_DTYPES, normalize_dtype
+from kvtier.plan.model import load_model
+from kvtier.plan.planner import PlanInput, make_plan
+from kvtier.plan.presets import preset_names
+from kvtier.plan.report import render_table, to_json
+from kvtier.plan.workload import parse_context, read_trace
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+
+
+def _count(text: str) -> int:
+    """Parse a parameter count: ``14e9``, ``14B``, ``70b``, ``7.6B``, ``560M``."""
+    t = text.strip().upper()
+    scale = {"B": 1e9, "M": 1e6, "T": 1e12}.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("a parameter count must be positive")
+    return int(value)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``plan`` on the ``kvtier`` command line."""
+    p = subparsers.add_parser(
+        "plan", help="size KV memory and kvtier tiers for a model and workload",
+        description="KV-cache capacity planning: weights and KV per GPU, sequences that "
+                    "fit in HBM at P50/P95/P99, spill at the target concurrency, and "
+                    "recommended kvtier tier sizes. Sizes are decimal GB.")
+    p.add_argument("--model", required=True,
+                   help=f"preset ({', '.join(preset_names())}) or a config.json path/folder")
+    p.add_argument("--kv-dtype", default="auto",
+                   help=f"KV cache dtype: auto (the model's dtype) or {', '.join(KV_DTYPES)}")
+    p.add_argument("--weights-dtype", default="auto",
+                   help="weights dtype: auto (the checkpoint's), fp32, bf16, fp16, fp8, "
+                        "int8, int4")
+    p.add_argument("--params", type=_count, default=None,
+                   help="parameter count override, e.g. 14B (default: counted from config)")
+    p.add_argument("--gpu", default="h100-80gb", help=f"GPU type: {', '.join(GPUS)}")
+    p.add_argument("--gpu-mem-gb", type=float, default=None,
+                   help="memory per GPU in GB (overrides the --gpu preset's)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (default: --tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per engine")
+    p.add_argument("--mem-util", type=float, default=0.9,
+                   help="share of GPU memory the engine may use (vLLM "
+                        "--gpu-memory-utilization)")
+    p.add_argument("--reserve-gb", type=float, default=0.0,
+                   help="GB per GPU kept for activations, CUDA graphs, NCCL")
+    p.add_argument("--concurrency", type=int, default=32,
+                   help="running sequences to serve at once, over all engine instances")
+    p.add_argument("--context", default="2048,4096,8192",
+                   help="prompt tokens at P50,P95,P99 (or one value for all)")
+    p.add_argument("--max-output", type=int, default=0,
+                   help="output tokens added to each --context length")
+    p.add_argument("--prefix-share", type=float, default=0.0,
+                   help="share of prompt tokens in reused prefixes, 0..1")
+    p.add_argument("--trace", default=None,
+                   help="measure context percentiles and prefix reuse from a kvtier replay "
+                        "trace (Mooncake or Bailian JSONL) instead of --context")
+    p.add_argument("--trace-block-tokens", type=int, default=None,
+                   help="tokens per hash_ids entry (default 512 Mooncake, 16 Bailian)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="engine KV page size in tokens (allocation granularity)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw KV memory vs context length against the HBM budget")
+    p.set_defaults(func=run)
+
+
+def build_input(args: argparse.Namespace) -> PlanInput:
+    """Turn parsed arguments into a PlanInput (raises PlanError on bad values)."""
+    model = load_model(args.model)
+    gpu = find_gpu(args.gpu)
+    if args.gpu_mem_gb is not None:
+        if args.gpu_mem_gb <= 0:
+            raise PlanError(f"--gpu-mem-gb must be positive, got {args.gpu_mem_gb}")
+        gpu = dataclasses.replace(gpu, name=f"{gpu.name} ({args.gpu_mem_gb:g} GB)",
+                                  memory_bytes=int(args.gpu_mem_gb * 1e9))
+    if args.kv_dtype == "auto":
+        kv_dtype = normalize_dtype(model.torch_dtype or "bf16")
+        kv_dtype = "bf16" if kv_dtype not in ("fp16", "bf16") else kv_dtype
+    else:
+        kv_dtype = normalize_dtype(args.kv_dtype)
+        if kv_dtype not in KV_DTYPES:
+            raise PlanError(f"--kv-dtype {args.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+    trace = None
+    context = parse_context(args.context)
+    max_output = args.max_output
+    prefix_share = args.prefix_share
+    if args.trace:
+        if args.max_output:
+            raise PlanError("--max-output and --trace exclude each other: the trace holds "
+                            "output lengths")
+        trace = read_trace(args.trace, args.trace_block_tokens)
+        context, max_output, prefix_share = trace.sequence_tokens, 0, trace.prefix_share
+    return PlanInput(
+        model=model, gpu=gpu, kv_dtype=kv_dtype,
+        weights_dtype=None if args.weights_dtype == "auto" else args.weights_dtype,
+        gpus=args.gpus or args.tp, tp=args.tp, mem_util=args.mem_util,
+        reserve_bytes=int(args.reserve_gb * 1e9), concurrency=args.concurrency,
+        context=context, max_output=max_output, prefix_share=prefix_share,
+        block_tokens=args.block_size, params_override=args.params, trace=trace,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``kvtier plan``; returns the exit status."""
+    try:
+        plan = make_plan(build_input(args))
+        if args.plot:
+            from kvtier.plan.plot import write_plot
+
+            out = write_plot(plan, args.plot)
+            if not args.json:
+                print(f"plot written to {out}", file=sys.stderr)
+    except PlanError as exc:
+        print(f"kvtier plan: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(to_json(plan), indent=2))
+    else:
+        print(render_table(plan))
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``plan`` alone (``python -m kvtier.plan``) until kvtier's CLI wires it in."""
+    parser = argparse.ArgumentParser(prog="kvtier")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))

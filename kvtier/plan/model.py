@@ -1,0 +1,202 @@
+"""ModelSpec: what the planner needs to know about a model, read from a config.json.
+
+A spec is built from the fields of a Hugging Face ``config.json`` (a user's file or a
+built-in preset, which is stored in the same form), so both paths give the same numbers.
+It records the attention kind (MHA, GQA/MQA, MLA), which layers use a sliding window,
+and enough of the architecture to count parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from kvtier.plan.errors import PlanError
+from kvtier.plan.presets import find_preset, preset_names
+
+
+class AttentionKind(str, Enum):
+    """How a layer's KV is shaped: separate K and V per KV head, or one MLA latent."""
+
+    MHA = "mha"  # one KV head per attention head
+    GQA = "gqa"  # fewer KV heads than attention heads (MQA when there is one)
+    MLA = "mla"  # DeepSeek: compressed latent + decoupled rope key, no separate K and V
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """Mixture-of-experts shape; ``dense_layers`` lead with a plain MLP (DeepSeek)."""
+
+    routed_experts: int
+    active_experts: int
+    shared_experts: int
+    expert_intermediate: int
+    dense_layers: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The model geometry the KV and weights arithmetic reads.
+
+    ``layer_windows`` holds, per layer, the sliding-window length in tokens or ``None``
+    for full attention; a windowed layer never holds more than its window of KV.
+    """
+
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    torch_dtype: str
+    tie_embeddings: bool
+    attention: AttentionKind
+    layer_windows: tuple[int | None, ...]
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    moe: MoESpec | None = None
+    attention_bias: bool = False
+    quantization: str | None = None
+
+    @property
+    def windowed_layers(self) -> int:
+        """How many layers use a sliding window."""
+        return sum(1 for w in self.layer_windows if w is not None)
+
+
+def _require_int(cfg: dict[str, Any], key: str, source: str) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(f"{source}: config field {key!r} must be a positive integer, "
+                        f"got {value!r}")
+    return value
+
+
+def _opt_int(cfg: dict[str, Any], key: str, default: int = 0) -> int:
+    value = cfg.get(key)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return default
+
+
+def _layer_windows(cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows, following each architecture's own convention."""
+    window = cfg.get("sliding_window")
+    window = window if isinstance(window, int) and window > 0 else None
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    model_type = str(cfg.get("model_type", ""))
+    if window is None:
+        return (None,) * layers
+    if model_type == "gemma2":
+        # Gemma 2 alternates: even layers local (sliding), odd layers global.
+        return tuple(window if i % 2 == 0 else None for i in range(layers))
+    if model_type in ("gemma3", "gemma3_text"):
+        pattern = _opt_int(cfg, "sliding_window_pattern", 6)
+        return tuple(None if (i + 1) % pattern == 0 else window for i in range(layers))
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        if not cfg.get("use_sliding_window", False):
+            return (None,) * layers
+        first = _opt_int(cfg, "max_window_layers", layers)
+        return tuple(window if i >= first else None for i in range(layers))
+    if window >= _opt_int(cfg, "max_position_embeddings", 1 << 62):
+        return (None,) * layers
+    return (window,) * layers
+
+
+def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
+    """Build a ModelSpec from the fields of a Hugging Face config.json.
+
+    Multimodal configs that nest the language model under ``text_config`` are unwrapped.
+    Raises PlanError naming the missing or malformed field.
+    """
+    if not isinstance(cfg, dict):
+        raise PlanError(f"{name or 'config'}: expected a JSON object, got {type(cfg).__name__}")
+    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
+        inner = dict(cfg["text_config"])
+        inner.setdefault("torch_dtype", cfg.get("torch_dtype"))
+        cfg = inner
+    source = name or str(cfg.get("_name_or_path") or "config.json")
+    layers = _require_int(cfg, "num_hidden_layers", source)
+    hidden = _require_int(cfg, "hidden_size", source)
+    heads = _require_int(cfg, "num_attention_heads", source)
+    kv_heads = _opt_int(cfg, "num_key_value_heads", heads)
+    head_dim = _opt_int(cfg, "head_dim", hidden // heads)
+    kv_lora = _opt_int(cfg, "kv_lora_rank")
+    if kv_lora:
+        attention = AttentionKind.MLA
+    elif kv_heads == heads:
+        attention = AttentionKind.MHA
+    else:
+        attention = AttentionKind.GQA
+    if attention is not AttentionKind.MLA and heads % kv_heads:
+        raise PlanError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                        f"num_key_value_heads={kv_heads}")
+    routed = _opt_int(cfg, "n_routed_experts") or _opt_int(cfg, "num_local_experts") \
+        or _opt_int(cfg, "num_experts")
+    moe = None
+    if routed:
+        moe = MoESpec(
+            routed_experts=routed,
+            active_experts=_opt_int(cfg, "num_experts_per_tok", 1),
+            shared_experts=_opt_int(cfg, "n_shared_experts"),
+            expert_intermediate=_opt_int(cfg, "moe_intermediate_size",
+                                         _require_int(cfg, "intermediate_size", source)),
+            dense_layers=_opt_int(cfg, "first_k_dense_replace"),
+        )
+    quant = cfg.get("quantization_config")
+    quant_method = str(quant.get("quant_method")) if isinstance(quant, dict) else None
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return ModelSpec(
+        name=source,
+        model_type=str(cfg.get("model_type", "")),
+        num_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=_opt_int(cfg, "intermediate_size", 4 * hidden),
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_require_int(cfg, "vocab_size", source),
+        max_context=_opt_int(cfg, "max_position_embeddings", 0),
+        torch_dtype=dtype,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention=attention,
+        layer_windows=_layer_windows(cfg, layers),
+        kv_lora_rank=kv_lora,
+        qk_rope_head_dim=_opt_int(cfg, "qk_rope_head_dim"),
+        q_lora_rank=_opt_int(cfg, "q_lora_rank"),
+        qk_nope_head_dim=_opt_int(cfg, "qk_nope_head_dim"),
+        v_head_dim=_opt_int(cfg, "v_head_dim"),
+        moe=moe,
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        quantization=quant_method,
+    )
+
+
+def load_model(ref: str) -> ModelSpec:
+    """Resolve ``--model``: a preset name, a config.json path, or a folder holding one."""
+    fields = find_preset(ref)
+    if fields is not None:
+        return spec_from_config(fields, name=ref.strip().lower())
+    path = Path(ref)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise PlanError(f"unknown model {ref!r}: not a preset and no config.json there; "
+                        f"presets: {', '.join(preset_names())}")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read model config {path}: {exc}") from exc
+    return spec_from_config(cfg, name=str(cfg.get("_name_or_path") or path))

@@ -1,0 +1,226 @@
+"""The capacity plan: weights and KV per GPU, sequences that fit, spill, tier sizes.
+
+Pure arithmetic over a ModelSpec, a GPU and a workload; no I/O. The topology is
+``gpus`` GPUs on one node, split into ``gpus / tp`` engine instances (replicas) of
+``tp`` GPUs each; ``concurrency`` running sequences are spread evenly over replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvtier.plan.errors import PlanError
+from kvtier.plan.hardware import GIB, GPUSpec
+from kvtier.plan.kvmath import (
+    DTYPE_BYTES,
+    check_tensor_parallel,
+    estimate_params,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    kv_share_per_rank,
+    normalize_dtype,
+    serving_dtype,
+)
+from kvtier.plan.model import AttentionKind, ModelSpec
+from kvtier.plan.workload import ContextPercentiles, TraceSummary
+
+#: Model FLOPs utilisation assumed for prefill time estimates.
+PREFILL_MFU = 0.5
+#: NVMe is sized at this multiple of the CPU tier when no trace gives the working set.
+NVME_PER_CPU = 4
+#: Prompt tokens at P50/P95/P99 when neither --context nor --trace is given.
+DEFAULT_CONTEXT = ContextPercentiles(2048, 4096, 8192)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInput:
+    """Everything ``kvtier plan`` takes; validated by ``make_plan``."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    kv_dtype: str
+    weights_dtype: str | None = None  # None: the model's serving dtype
+    gpus: int = 1
+    tp: int = 1
+    mem_util: float = 0.9
+    reserve_bytes: int = 0  # activations, CUDA graphs, NCCL buffers
+    concurrency: int = 32
+    context: ContextPercentiles = DEFAULT_CONTEXT
+    max_output: int = 0
+    prefix_share: float = 0.0
+    block_tokens: int = 16
+    params_override: int | None = None
+    trace: TraceSummary | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TierSize:
+    """A recommended kvtier tier size and the reason for it."""
+
+    tier: str
+    bytes: int
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The result: every number the table, the JSON and the plot show."""
+
+    inputs: PlanInput
+    weights_dtype: str
+    params: int
+    active_params: int
+    weights_bytes: int
+    weights_bytes_per_gpu: int
+    replicas: int
+    kv_bytes_per_token: int
+    kv_bytes_per_token_per_gpu: int
+    sequence_tokens: dict[str, int]
+    kv_bytes_per_sequence: dict[str, int]
+    kv_budget_bytes_per_gpu: int
+    max_sequences_in_hbm: dict[str, int]  # whole deployment (all replicas)
+    kv_pool_bytes: int  # HBM KV pools of all instances, counted once per token (not per rank)
+    kv_demand_bytes_p99: int  # concurrency x P99 sequence
+    spill_bytes_p99: int  # P99 sequences beyond what HBM holds, whole sequences
+    tiers: tuple[TierSize, ...]
+    prefill_saving: dict[str, float]
+    decode_step_s_p99: float
+    decode_sequences_p99: int  # per engine instance, resident in HBM
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _round_up_gib(n: float) -> int:
+    return int(math.ceil(n / GIB) * GIB) if n > 0 else 0
+
+
+def _validate(p: PlanInput) -> None:
+    if p.gpus <= 0 or p.gpus % p.tp:
+        raise PlanError(f"--gpus {p.gpus} must be a positive multiple of --tp {p.tp}")
+    if not 0.0 < p.mem_util <= 1.0:
+        raise PlanError(f"--mem-util must be in (0, 1], got {p.mem_util}")
+    if p.concurrency <= 0:
+        raise PlanError(f"--concurrency must be positive, got {p.concurrency}")
+    if not 0.0 <= p.prefix_share <= 1.0:
+        raise PlanError(f"--prefix-share must be in [0, 1], got {p.prefix_share}")
+    if p.max_output < 0:
+        raise PlanError(f"--max-output must not be negative, got {p.max_output}")
+    check_tensor_parallel(p.model, p.tp)
+
+
+def make_plan(p: PlanInput) -> Plan:
+    """Compute the capacity plan for one model, GPU type, topology and workload."""
+    _validate(p)
+    m = p.model
+    notes: list[str] = []
+    weights_dtype = normalize_dtype(p.weights_dtype) if p.weights_dtype else serving_dtype(m)
+    counted = estimate_params(m)
+    params = p.params_override or counted.total
+    active = counted.active if p.params_override is None else int(
+        p.params_override * counted.active / counted.total)
+    weights = int(params * DTYPE_BYTES[weights_dtype])
+    weights_gpu = math.ceil(weights / p.tp)
+    replicas = p.gpus // p.tp
+
+    per_token = kv_bytes_per_token(m, p.kv_dtype)
+    share = kv_share_per_rank(m, p.tp)
+    per_token_gpu = int(per_token * share)
+    copies = share * p.tp  # how many times the TP group stores each KV byte
+    if copies > 1.0 and m.attention is AttentionKind.MLA:
+        notes.append(f"MLA: each of the {p.tp} TP ranks holds the whole latent, so the TP "
+                     f"group stores {copies:.0f} copies of every token's KV")
+    elif copies > 1.0:
+        notes.append(f"{m.num_kv_heads} KV heads over TP {p.tp}: ranks hold copies "
+                     f"({copies:.0f}x the model's KV per token across the TP group)")
+
+    seq_tokens: dict[str, int] = {}
+    for name, ctx in p.context.items():
+        tokens = ctx + p.max_output
+        if m.max_context and tokens > m.max_context:
+            notes.append(f"{name.upper()} of {tokens:,} tokens exceeds the model's context "
+                         f"window of {m.max_context:,}; planned at {m.max_context:,}")
+            tokens = m.max_context
+        seq_tokens[name] = tokens
+    seq_bytes = {k: kv_bytes_per_sequence(m, p.kv_dtype, t, p.block_tokens)
+                 for k, t in seq_tokens.items()}
+    if m.windowed_layers:
+        notes.append(f"{m.windowed_layers} of {m.num_layers} layers use a sliding window of "
+                     f"{max(w for w in m.layer_windows if w):,} tokens: their KV stops growing")
+
+    budget = int(p.gpu.memory_bytes * p.mem_util) - weights_gpu - p.reserve_bytes
+    if budget <= 0:
+        need = math.ceil(weights / (p.gpu.memory_bytes * p.mem_util - p.reserve_bytes))
+        notes.append(f"weights do not fit: {weights_gpu / 1e9:.1f} GB per GPU at TP {p.tp}; "
+                     f"use TP >= {need} or a smaller weights dtype")
+    pool = int(max(budget, 0) / share)  # one instance's HBM KV pool, in model KV bytes
+    fits_one = {k: pool // b if b else 0 for k, b in seq_bytes.items()}
+    fits = {k: n * replicas for k, n in fits_one.items()}
+
+    per_replica = math.ceil(p.concurrency / replicas)
+    demand = p.concurrency * seq_bytes["p99"]
+    spill = max(0, per_replica - fits_one["p99"]) * seq_bytes["p99"] * replicas
+    tiers = _tiers(p, spill, pool * replicas, per_token)
+    saving = _prefill_saving(p, active, seq_tokens["p50"])
+    resident = min(per_replica, fits_one["p99"])  # sequences decoding from HBM
+    kv_read = resident * seq_bytes["p99"] * share  # per GPU
+    decode_s = (weights_gpu + kv_read) / p.gpu.bandwidth_bytes_s
+    return Plan(
+        inputs=p, weights_dtype=weights_dtype, params=params, active_params=active,
+        weights_bytes=weights, weights_bytes_per_gpu=weights_gpu, replicas=replicas,
+        kv_bytes_per_token=per_token, kv_bytes_per_token_per_gpu=per_token_gpu,
+        sequence_tokens=seq_tokens, kv_bytes_per_sequence=seq_bytes,
+        kv_budget_bytes_per_gpu=budget, max_sequences_in_hbm=fits,
+        kv_pool_bytes=pool * replicas, kv_demand_bytes_p99=demand, spill_bytes_p99=spill,
+        tiers=tiers,
+        prefill_saving=saving, decode_step_s_p99=decode_s,
+        decode_sequences_p99=resident, notes=tuple(notes),
+    )
+
+
+def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int) -> tuple[TierSize, ...]:
+    """kvtier tier sizes for the node: CPU catches spill and HBM evictions, NVMe the rest."""
+    cpu = _round_up_gib(spill + hbm_pool)
+    cpu_why = (f"P99 spill {spill / 1e9:.1f} GB + one HBM KV pool "
+               f"({hbm_pool / 1e9:.1f} GB) for prefixes evicted from the GPU")
+    tr = p.trace
+    if tr is not None:
+        working = tr.reused_blocks * tr.block_tokens * per_token
+        nvme = _round_up_gib(max(working, cpu))
+        nvme_why = (f"every reused prefix in the trace: {tr.reused_blocks:,} blocks x "
+                    f"{tr.block_tokens} tokens = {working / 1e9:.1f} GB"
+                    + ("" if working >= cpu else "; at least the CPU tier, to take its "
+                       "evictions"))
+    else:
+        working = 0
+        nvme = cpu * NVME_PER_CPU
+        nvme_why = f"{NVME_PER_CPU}x the CPU tier (no trace to measure the reused prefixes)"
+    tiers = [TierSize("cpu", cpu, cpu_why), TierSize("nvme", nvme, nvme_why)]
+    replicas = p.gpus // p.tp
+    if replicas > 1:
+        shared = _round_up_gib(working) if working else cpu
+        tiers.append(TierSize("redis", shared, f"shares prefixes across {replicas} engine "
+                                               "instances"))
+    else:
+        tiers.append(TierSize("redis", 0, "not needed: one engine instance"))
+    return tuple(tiers)
+
+
+def _prefill_saving(p: PlanInput, active_params: int, p50_tokens: int) -> dict[str, float]:
+    """Prefill work skipped when a share of prompt tokens comes from reused KV.
+
+    Prefill costs about 2 FLOPs per active parameter per token (attention's quadratic
+    term left out, so long prompts save somewhat more than shown).
+    """
+    share = p.prefix_share if p.trace is None else p.trace.prefix_share
+    prompt = p.context.p50 if p.trace is None else p.trace.prompt_tokens.p50
+    flops = 2.0 * active_params * prompt
+    saved = flops * share
+    tp_flops = p.gpu.bf16_flops * p.tp * PREFILL_MFU
+    return {
+        "prefix_share": share,
+        "prompt_tokens_p50": float(prompt),
+        "prefill_flops_p50": flops,
+        "saved_flops_p50": saved,
+        "prefill_seconds_p50": flops / tp_flops,
+        "saved_seconds_p50": saved / tp_flops,
+    }

@@ -1,0 +1,53 @@
+"""``--plot``: KV memory against context length at the target concurrency vs HBM.
+
+matplotlib is an optional extra (``pip install 'kvtier[plot]'``); it is imported only
+here, and its absence is a PlanError that says how to install it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.plan.errors import PlanError
+from kvtier.plan.kvmath import kv_bytes_per_sequence
+from kvtier.plan.planner import Plan
+
+
+def write_plot(plan: Plan, path: str | Path) -> Path:
+    """Draw the deployment's KV demand per context length and its HBM KV budget."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise PlanError("--plot needs matplotlib: pip install 'kvtier[plot]' "
+                        "(or pip install matplotlib)") from exc
+    p = plan.inputs
+    top = max(plan.sequence_tokens["p99"] * 5 // 4, 1024)
+    steps = 200
+    xs = [max(1, top * i // steps) for i in range(steps + 1)]
+    ys = [p.concurrency * kv_bytes_per_sequence(p.model, p.kv_dtype, x, p.block_tokens) / 1e9
+          for x in xs]
+    budget = plan.kv_budget_bytes_per_gpu * p.gpus / 1e9
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    ax.plot(xs, ys, label=f"KV of {p.concurrency} sequences ({p.kv_dtype})")
+    ax.axhline(budget, color="tab:red", linestyle="--",
+               label=f"HBM left for KV: {budget:,.1f} GB on {p.gpus} GPU(s)")
+    for name, tokens in plan.sequence_tokens.items():
+        ax.axvline(tokens, color="grey", linestyle=":", linewidth=1)
+        ax.annotate(name.upper(), (tokens, ax.get_ylim()[1] * 0.95), rotation=90,
+                    ha="right", va="top", fontsize=8, color="grey")
+    ax.set_xlabel("tokens per sequence")
+    ax.set_ylabel("GB")
+    ax.set_title(f"{p.model.name}: KV memory vs context length")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    out = Path(path)
+    try:
+        fig.savefig(out)
+    except OSError as exc:
+        raise PlanError(f"cannot write plot {out}: {exc}") from exc
+    finally:
+        plt.close(fig)
+    return out
