@@ -44,11 +44,13 @@ def select_path(
         return KernelPath.TORCH
     if not _cuda_kernels_usable():
         return KernelPath.TORCH
+    from kvtier.kernels.cuda import is_device_accessible
+
     device = layer_caches[0].device
     for buf in buffers:
         if buf.device.type == "cuda" and buf.device != device:
             return KernelPath.TORCH
-        if buf.device.type == "cpu" and not buf.is_pinned():
+        if buf.device.type == "cpu" and not is_device_accessible(buf.data_ptr()):
             return KernelPath.TORCH
     return KernelPath.CUDA
 
