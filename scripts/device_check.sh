@@ -48,11 +48,13 @@ PYEOF
 # a throwaway import shim: kvtier/ = links to the repo's kvtier/* plus kernels/.
 if ! "$PY" -c "import kvtier.kernels" >/dev/null 2>&1; then
   SHIM=$(mktemp -d)
+  trap 'rm -rf "$SHIM"' EXIT
   mkdir "$SHIM/kvtier"
   for entry in "$REPO"/kvtier/*; do ln -s "$entry" "$SHIM/kvtier/$(basename "$entry")"; done
   ln -s "$REPO/kernels" "$SHIM/kvtier/kernels"
   [ -d "$REPO/connectors" ] && ln -s "$REPO/connectors" "$SHIM/kvtier/connectors"
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONSAFEPATH=1  # keep the repo's own kvtier/ (cwd) from shadowing the shim
   say "kvtier not installed: using import shim $SHIM"
 fi
 
