@@ -90,7 +90,7 @@ def test_import_needs_no_torch_or_cupy():
     import sys
 
     code = ("import sys; sys.modules['torch'] = None; sys.modules['cupy'] = None; "
-            "import kvtier.kernels, kvtier.kernels.cuda; "
+            "import kvtier.kernels, kvtier.kernels.cuda, kvtier.kernels.cuda_stream; "
             "print(kvtier.kernels.PagedLayout.CPU.value)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)

@@ -1,0 +1,80 @@
+"""LayerStreams' synchronous CPU fallback and input checks (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+from kvtier.kernels.cuda_stream import LayerStreams, register_host_memory
+
+
+def test_cpu_fallback_runs_transfers_synchronously_in_order():
+    streams = LayerStreams(3, device="cpu") if _has_torch() else LayerStreams(3)
+    assert not streams.is_async
+    assert streams.load_stream is None and streams.save_stream is None
+    calls: list[tuple[str, int, object]] = []
+    streams.start_step()
+    for layer in range(3):
+        streams.load_layer(layer, lambda s, i=layer: calls.append(("load", i, s)))
+        assert streams.layer_loaded(layer)
+    assert calls == [("load", 0, None), ("load", 1, None), ("load", 2, None)]
+    for layer in range(3):
+        streams.wait_for_layer(layer)
+    streams.save_layer(1, lambda s: calls.append(("save", 1, s)))
+    assert calls[-1] == ("save", 1, None)
+    streams.wait_for_saves()
+
+
+def test_new_step_forgets_previous_loads():
+    streams = LayerStreams(2)
+    streams.load_layer(0, lambda s: None)
+    assert streams.layer_loaded(0) and not streams.layer_loaded(1)
+    streams.start_step()
+    assert not streams.layer_loaded(0)
+    streams.wait_for_layer(1)  # nothing submitted: returns at once
+
+
+def test_layer_bounds_and_size_checked():
+    streams = LayerStreams(2)
+    with pytest.raises(IndexError):
+        streams.load_layer(2, lambda s: None)
+    with pytest.raises(IndexError):
+        streams.wait_for_layer(-1)
+    with pytest.raises(ValueError):
+        LayerStreams(0)
+
+
+def test_transfer_errors_propagate_on_the_fallback():
+    streams = LayerStreams(1)
+
+    def boom(stream: object) -> None:
+        raise OSError("arena read failed")
+
+    with pytest.raises(OSError):
+        streams.load_layer(0, boom)
+    assert not streams.layer_loaded(0)
+
+
+def test_host_registration_without_a_gpu_is_a_clean_no():
+    buf = bytearray(4096)
+    import ctypes
+
+    address = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+    if _gpu_present():
+        pytest.skip("a GPU is present: registration would succeed")
+    assert register_host_memory(address, len(buf)) is False
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gpu_present() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
