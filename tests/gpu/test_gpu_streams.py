@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvtier.kernels.cuda_stream import LayerStreams
 
 pytestmark = pytest.mark.gpu
