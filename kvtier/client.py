@@ -1,0 +1,526 @@
+"""The connector API that engines call: sync (``connect``) and asyncio (``connect_async``).
+
+KV bytes move through the daemon's shared-memory arena; the socket carries only small
+msgpack control frames. Every operation is written once, as a sans-I/O generator that
+yields requests and receives replies; the sync client drives it with a blocking socket
+and the async client with asyncio streams, so the two can never drift apart.
+
+Two-phase under the hood: ``prepare_put`` hands out write-locked arena slots (a lease
+with a TTL) that the caller fills and then commits; ``prepare_get`` hands out read-locked
+slots that the caller releases. A crashed client's leases expire; a closed connection's
+leases are released at once. See docs/client-api.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.config import default_socket_path
+from kvtier.errors import (
+    BufferSizeError,
+    DaemonUnavailable,
+    HandshakeError,
+    KVTierError,
+    ProtocolError,
+    RequestTimeout,
+    error_from_code,
+)
+from kvtier.keys import BlockKey, Namespace
+from kvtier.layout import KVLayout
+from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
+from kvtier.tiers.arena import ArenaMapping
+
+__all__ = [
+    "AsyncKVTierClient", "GetLease", "KVTierClient", "LookupResult", "PutLease", "connect",
+    "connect_async",
+]
+
+_MAX_REPLY = 64 * 2**20
+PUT_BATCH = 64
+"""Blocks per put round trip in ``put``: amortises the control round trip without pinning
+a large share of the arena at once."""
+Op = Generator[dict[str, Any], dict[str, Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """``hits`` leading blocks are present; ``tiers[i]`` says where block i was found."""
+
+    hits: int
+    tiers: list[str]
+
+
+def _as_bytes(buf: Any) -> np.ndarray:
+    """A flat uint8 view of any C-contiguous buffer (bytes, numpy, memoryview)."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+
+
+class _Ops:
+    """Sans-I/O request logic shared by both clients."""
+
+    def __init__(self) -> None:
+        self._registered: set[bytes] = set()
+        self.arena: ArenaMapping | None = None
+
+    def _ensure(self, ns: Namespace) -> Op:
+        if ns.digest not in self._registered:
+            yield from self._register(ns)
+
+    def _register(self, ns: Namespace) -> Op:
+        reply = yield {"op": "register_layout", "layout": ns.layout.to_dict(),
+                       "model_id": ns.model_id, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
+                       "cache_salt": ns.cache_salt}
+        if reply["ns"] != ns.digest:
+            raise HandshakeError("daemon computed another namespace digest: client and daemon "
+                                 "run incompatible kvtier versions")
+        self._registered.add(ns.digest)
+        return ns
+
+    @staticmethod
+    def _target(op: str, ns: Namespace, keys: Sequence[BlockKey]) -> dict[str, Any]:
+        return {"op": op, "ns": ns.digest, "layout_fp": ns.layout.fingerprint,
+                "keys": b"".join(keys)}
+
+    def op_register(self, layout: KVLayout, model_id: str, tp_rank: int, tp_size: int,
+                    cache_salt: str | None) -> Op:
+        ns = Namespace(model_id, layout, tp_rank, tp_size, cache_salt)
+        return (yield from self._register(ns))
+
+    def op_lookup(self, ns: Namespace, keys: Sequence[BlockKey], prefetch: bool) -> Op:
+        if not keys:
+            return LookupResult(0, [])
+        yield from self._ensure(ns)
+        req = self._target("lookup", ns, keys)
+        req["prefetch"] = prefetch
+        reply = yield req
+        return LookupResult(int(reply["hits"]), list(reply["tiers"]))
+
+    def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
+        yield from self._ensure(ns)
+        reply = yield self._target("put_prepare", ns, keys)
+        assert self.arena is not None
+        nbytes = ns.layout.block_bytes
+        views = [None if off is None else self.arena.view(off, nbytes, writable=True)
+                 for off in reply["offsets"]]
+        return reply["lease"], views
+
+    def op_commit(self, lease: int, durable: bool) -> Op:
+        reply = yield {"op": "put_commit", "lease": lease, "durable": durable}
+        return int(reply["stored"])
+
+    def op_abort(self, lease: int) -> Op:
+        yield {"op": "put_abort", "lease": lease}
+
+    def op_prepare_get(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
+        yield from self._ensure(ns)
+        reply = yield self._target("get_prepare", ns, keys)
+        assert self.arena is not None
+        nbytes = ns.layout.block_bytes
+        return reply["lease"], [self.arena.view(off, nbytes, writable=False)
+                                for off in reply["offsets"]]
+
+    def op_release(self, lease: int) -> Op:
+        yield {"op": "get_release", "lease": lease}
+
+    def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
+        yield from self._ensure(ns)
+        reply = yield self._target("delete", ns, keys)
+        return int(reply["deleted"])
+
+    def op_stats(self) -> Op:
+        reply = yield {"op": "stats"}
+        return reply["stats"]
+
+    def op_report(self, values: dict[str, float]) -> Op:
+        yield {"op": "report_engine", **values}
+
+    @staticmethod
+    def check_reply(reply: dict[str, Any]) -> dict[str, Any]:
+        if not reply.get("ok"):
+            raise error_from_code(str(reply.get("code", "internal")),
+                                  str(reply.get("error", "daemon reported an error")))
+        return reply
+
+    @staticmethod
+    def hello() -> dict[str, Any]:
+        return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}"}
+
+    def on_hello(self, reply: dict[str, Any]) -> None:
+        if reply.get("version") != PROTOCOL_VERSION:
+            raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
+                                 f"{PROTOCOL_VERSION}")
+        arena = reply["arena"]
+        self.arena = ArenaMapping(arena["path"], int(arena["size"]))
+
+
+def _check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> None:
+    if len(buffers) != len(keys):
+        raise BufferSizeError(f"{len(keys)} keys but {len(buffers)} buffers")
+    nbytes = ns.layout.block_bytes
+    for i, b in enumerate(buffers):
+        size = memoryview(b).nbytes
+        if size != nbytes:
+            raise BufferSizeError(f"buffer {i} has {size} bytes; the layout's block is "
+                                  f"{nbytes} bytes")
+
+
+class PutLease:
+    """Write-locked arena slots; ``views[i]`` is None where key i needs no write."""
+
+    def __init__(self, client: KVTierClient, lease: int, views: list[np.ndarray | None]):
+        self._client, self.lease, self.views = client, lease, views
+        self._open = True
+
+    def commit(self, *, durable: bool = False) -> int:
+        """Publish the written blocks; ``durable`` waits until they are on nvme."""
+        self._open = False
+        return self._client._run(self._client._ops.op_commit(self.lease, durable))
+
+    def abort(self) -> None:
+        if self._open:
+            self._open = False
+            self._client._run(self._client._ops.op_abort(self.lease))
+
+    def __enter__(self) -> PutLease:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if not self._open:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            with contextlib.suppress(KVTierError):
+                self.abort()
+
+
+class GetLease:
+    """Read-locked arena slots of the leading available blocks."""
+
+    def __init__(self, client: KVTierClient, lease: int, views: list[np.ndarray]):
+        self._client, self.lease, self.views = client, lease, views
+        self._open = True
+
+    def release(self) -> None:
+        if self._open:
+            self._open = False
+            self._client._run(self._client._ops.op_release(self.lease))
+
+    def __enter__(self) -> GetLease:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        with contextlib.suppress(KVTierError):
+            self.release()
+
+
+class KVTierClient:
+    """Blocking client. One per thread; cheap to create."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self._sock = sock
+        self._timeout = timeout
+        self._ids = itertools.count(1)
+        self._ops = _Ops()
+        self._broken: KVTierError | None = None
+        self._ops.on_hello(self._call(_Ops.hello()))
+
+    # transport
+    def _recv_exact(self, n: int) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            chunk = self._sock.recv(min(n - got, 1 << 20))
+            if not chunk:
+                raise ConnectionError("daemon closed the connection")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self._broken is not None:
+            raise DaemonUnavailable(f"connection unusable after an earlier failure: "
+                                    f"{self._broken}")
+        rid = next(self._ids)
+        req["id"] = rid
+        try:
+            self._sock.sendall(pack(req))
+            while True:
+                (n,) = LENGTH.unpack(self._recv_exact(LENGTH.size))
+                if n > _MAX_REPLY:
+                    raise ProtocolError(f"reply of {n} bytes is too large")
+                reply = unpack_body(self._recv_exact(n), _MAX_REPLY)
+                if reply.get("id") in (rid, 0):
+                    break
+        except TimeoutError:
+            self._broken = RequestTimeout(f"no reply to {req.get('op')} within "
+                                          f"{self._timeout}s")
+            raise self._broken from None
+        except OSError as exc:
+            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
+            raise self._broken from None
+        return _Ops.check_reply(reply)
+
+    def _run(self, op: Op) -> Any:
+        try:
+            req = next(op)
+            while True:
+                req = op.send(self._call(req))
+        except StopIteration as stop:
+            return stop.value
+
+    # API
+    def register_layout(self, layout: KVLayout, model_id: str, *, tp_rank: int = 0,
+                        tp_size: int = 1, cache_salt: str | None = None) -> Namespace:
+        """Tell the daemon about a layout; returns the Namespace to key blocks with."""
+        return self._run(self._ops.op_register(layout, model_id, tp_rank, tp_size, cache_salt))
+
+    def lookup(self, ns: Namespace, keys: Sequence[BlockKey], *,
+               prefetch: bool = True) -> LookupResult:
+        """Leading keys present in any tier; starts promoting lower-tier hits."""
+        return self._run(self._ops.op_lookup(ns, keys, prefetch))
+
+    def prepare_put(self, ns: Namespace, keys: Sequence[BlockKey]) -> PutLease:
+        return PutLease(self, *self._run(self._ops.op_prepare_put(ns, keys)))
+
+    def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey]) -> GetLease:
+        return GetLease(self, *self._run(self._ops.op_prepare_get(ns, keys)))
+
+    def put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any], *,
+            durable: bool = False) -> int:
+        """Store blocks (one memcpy each into the arena); returns how many were stored."""
+        _check_buffers(ns, keys, buffers)
+        stored = 0
+        for i in range(0, len(keys), PUT_BATCH):  # bounded batches: never pin the whole arena
+            with self.prepare_put(ns, keys[i: i + PUT_BATCH]) as lease:
+                for view, buf in zip(lease.views, buffers[i: i + PUT_BATCH], strict=True):
+                    if view is not None:
+                        np.copyto(view, _as_bytes(buf))
+                stored += lease.commit(durable=durable)
+        return stored
+
+    def get(self, ns: Namespace, keys: Sequence[BlockKey], out_buffers: Sequence[Any]) -> int:
+        """Copy the leading available blocks into ``out_buffers``; returns how many."""
+        _check_buffers(ns, keys, out_buffers)
+        with self.prepare_get(ns, keys) as lease:
+            for view, out in zip(lease.views, out_buffers, strict=False):
+                np.copyto(_as_bytes(out), view)
+            return len(lease.views)
+
+    def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
+        return self._run(self._ops.op_delete(ns, keys))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._ops.op_stats())
+
+    def report_engine(self, **values: float) -> None:
+        """Connector-side gauges (running, waiting, preemptions, context_tokens_p50/p99)."""
+        self._run(self._ops.op_report(values))
+
+    def ping(self) -> None:
+        self._call({"op": "ping"})
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self._ops.arena is not None:
+            self._ops.arena.close()
+
+    def __enter__(self) -> KVTierClient:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+
+def connect(socket_path: str | Path | None = None, timeout: float = 5.0) -> KVTierClient:
+    """Connect to the node's daemon; DaemonUnavailable when none answers."""
+    path = str(socket_path or default_socket_path())
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        return KVTierClient(sock, timeout)
+    except (TimeoutError, FileNotFoundError, ConnectionRefusedError, OSError) as exc:
+        sock.close()
+        if isinstance(exc, KVTierError):
+            raise
+        raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
+                                "start one with `kvtier serve`") from None
+    except KVTierError:
+        sock.close()
+        raise
+
+
+class AsyncPutLease:
+    def __init__(self, client: AsyncKVTierClient, lease: int, views: list[np.ndarray | None]):
+        self._client, self.lease, self.views = client, lease, views
+
+    async def commit(self, *, durable: bool = False) -> int:
+        return await self._client._run(self._client._ops.op_commit(self.lease, durable))
+
+    async def abort(self) -> None:
+        await self._client._run(self._client._ops.op_abort(self.lease))
+
+
+class AsyncGetLease:
+    def __init__(self, client: AsyncKVTierClient, lease: int, views: list[np.ndarray]):
+        self._client, self.lease, self.views = client, lease, views
+
+    async def release(self) -> None:
+        await self._client._run(self._client._ops.op_release(self.lease))
+
+
+class AsyncKVTierClient:
+    """asyncio client; several coroutines may issue requests concurrently."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 timeout: float) -> None:
+        self._reader, self._writer, self._timeout = reader, writer, timeout
+        self._ids = itertools.count(1)
+        self._ops = _Ops()
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._reader_task: asyncio.Task[None] | None = None
+        self._broken: KVTierError | None = None
+
+    async def _start(self) -> None:
+        self._reader_task = asyncio.ensure_future(self._read_loop())
+        self._ops.on_hello(await self._call(_Ops.hello()))
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                (n,) = LENGTH.unpack(await self._reader.readexactly(LENGTH.size))
+                if n > _MAX_REPLY:
+                    raise ProtocolError(f"reply of {n} bytes is too large")
+                reply = unpack_body(await self._reader.readexactly(n), _MAX_REPLY)
+                rid = reply.get("id", 0)
+                targets = list(self._pending.values()) if rid == 0 else [
+                    self._pending.get(rid)]
+                for fut in targets:
+                    if fut is not None and not fut.done():
+                        fut.set_result(reply)
+        except (asyncio.IncompleteReadError, ConnectionError, KVTierError) as exc:
+            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(self._broken)
+
+    async def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self._broken is not None:
+            raise self._broken
+        rid = next(self._ids)
+        req["id"] = rid
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            self._writer.write(pack(req))
+            await self._writer.drain()
+            reply = await asyncio.wait_for(fut, self._timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no reply to {req.get('op')} within {self._timeout}s") from None
+        except OSError as exc:
+            raise DaemonUnavailable(f"daemon connection lost: {exc}") from None
+        finally:
+            self._pending.pop(rid, None)
+        return _Ops.check_reply(reply)
+
+    async def _run(self, op: Op) -> Any:
+        try:
+            req = next(op)
+            while True:
+                req = op.send(await self._call(req))
+        except StopIteration as stop:
+            return stop.value
+
+    async def register_layout(self, layout: KVLayout, model_id: str, *, tp_rank: int = 0,
+                              tp_size: int = 1, cache_salt: str | None = None) -> Namespace:
+        return await self._run(self._ops.op_register(layout, model_id, tp_rank, tp_size,
+                                                     cache_salt))
+
+    async def lookup(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                     prefetch: bool = True) -> LookupResult:
+        return await self._run(self._ops.op_lookup(ns, keys, prefetch))
+
+    async def prepare_put(self, ns: Namespace, keys: Sequence[BlockKey]) -> AsyncPutLease:
+        return AsyncPutLease(self, *await self._run(self._ops.op_prepare_put(ns, keys)))
+
+    async def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey]) -> AsyncGetLease:
+        return AsyncGetLease(self, *await self._run(self._ops.op_prepare_get(ns, keys)))
+
+    async def put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any], *,
+                  durable: bool = False) -> int:
+        _check_buffers(ns, keys, buffers)
+        stored = 0
+        for i in range(0, len(keys), PUT_BATCH):
+            lease = await self.prepare_put(ns, keys[i: i + PUT_BATCH])
+            try:
+                for view, buf in zip(lease.views, buffers[i: i + PUT_BATCH], strict=True):
+                    if view is not None:
+                        np.copyto(view, _as_bytes(buf))
+            except BaseException:
+                with contextlib.suppress(KVTierError):
+                    await lease.abort()
+                raise
+            stored += await lease.commit(durable=durable)
+        return stored
+
+    async def get(self, ns: Namespace, keys: Sequence[BlockKey],
+                  out_buffers: Sequence[Any]) -> int:
+        _check_buffers(ns, keys, out_buffers)
+        lease = await self.prepare_get(ns, keys)
+        try:
+            for view, out in zip(lease.views, out_buffers, strict=False):
+                np.copyto(_as_bytes(out), view)
+            return len(lease.views)
+        finally:
+            with contextlib.suppress(KVTierError):
+                await lease.release()
+
+    async def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
+        return await self._run(self._ops.op_delete(ns, keys))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(self._ops.op_stats())
+
+    async def report_engine(self, **values: float) -> None:
+        await self._run(self._ops.op_report(values))
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+        if self._ops.arena is not None:
+            self._ops.arena.close()
+
+
+async def connect_async(socket_path: str | Path | None = None,
+                        timeout: float = 5.0) -> AsyncKVTierClient:
+    """Connect an asyncio client; DaemonUnavailable when no daemon answers."""
+    path = str(socket_path or default_socket_path())
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(path, limit=_MAX_REPLY + 1024), timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
+                                "start one with `kvtier serve`") from None
+    client = AsyncKVTierClient(reader, writer, timeout)
+    try:
+        await client._start()
+    except BaseException:
+        await client.close()
+        raise
+    return client

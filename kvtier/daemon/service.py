@@ -1,0 +1,209 @@
+"""Daemon lifecycle: set up tiers and servers, serve, drain on SIGTERM, clean up.
+
+Phases (each bounded): setup (arena, nvme index rebuild, redis connect in the
+background), start (control socket, HTTP), serve, drain (stop accepting, let in-flight
+requests finish, persist cpu-only blocks to nvme, flush redis), cleanup in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+from kvtier import __version__
+from kvtier.config import Config
+from kvtier.daemon.control import ControlServer
+from kvtier.daemon.http import HttpServer
+from kvtier.daemon.metrics import Metrics
+from kvtier.errors import ConfigError
+from kvtier.store import TieredStore
+from kvtier.tiers.arena import Arena, remove_stale_arenas
+
+log = logging.getLogger("kvtier.daemon")
+
+
+def _socket_alive(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(0.5)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+class Daemon:
+    """One kvtier daemon per node."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.started = time.time()
+        self.arena: Arena | None = None
+        self.nvme: Any = None
+        self.redis: Any = None
+        self.store: TieredStore | None = None
+        self.control: ControlServer | None = None
+        self.http: HttpServer | None = None
+        self.metrics: Metrics | None = None
+        self._stop = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- setup ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        sock = cfg.daemon.socket
+        if sock.exists():
+            if _socket_alive(str(sock)):
+                raise ConfigError(f"another kvtier daemon is already serving {sock}; stop it "
+                                  "or pass --socket")
+            sock.unlink()
+        cfg.daemon.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for stale in remove_stale_arenas(cfg.cpu.shm_dir):
+            log.info("removed stale arena %s", stale)
+        self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
+                           slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault)
+        if cfg.nvme.enabled and cfg.nvme.bytes > 0:
+            self.nvme = self._make_nvme()
+        if cfg.redis.enabled:
+            from kvtier.tiers.redis import RedisTier
+
+            self.redis = RedisTier(cfg.redis)
+            await self.redis.start()
+        self.store = self._make_store()
+        rebuilt = await asyncio.get_running_loop().run_in_executor(
+            None, self.store.rebuild_from_nvme)
+        if rebuilt:
+            log.info("rebuilt index from nvme: %d blocks", rebuilt)
+        self.metrics = Metrics(self.stats)
+        self.control = ControlServer(
+            self.store, sock, max_frame=cfg.daemon.max_frame_bytes,
+            max_inflight=cfg.daemon.max_inflight_per_conn, arena_path=str(self.arena.path),
+            arena_size=self.arena.size, observe=self.metrics.observe)
+        self.control.stats_provider = self.stats
+        await self.control.start()
+        self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
+                               cfg.to_dict, cfg.http.admin_token)
+        await self.http.start()
+        self._sweeper = asyncio.ensure_future(self._sweep())
+        self.rebuilt_blocks = rebuilt
+
+    def _make_nvme(self) -> Any:
+        from kvtier.tiers.nvme import NvmeTier
+
+        return NvmeTier(self.cfg.nvme_path, self.cfg.nvme.bytes, direct=self.cfg.nvme.direct,
+                        io_threads=self.cfg.nvme.io_threads)
+
+    def _make_store(self) -> TieredStore:
+        cfg = self.cfg
+        assert self.arena is not None
+        kwargs: dict[str, Any] = {}
+        try:
+            from kvtier.policy.factory import build_policies  # cost policy wiring
+
+            kwargs.update(build_policies(cfg))
+        except ImportError:
+            kwargs["eviction"] = cfg.policy.eviction if cfg.policy.eviction != "cost" else "lru"
+        return TieredStore(
+            self.arena, nvme=self.nvme, redis=self.redis, lease_ttl_s=cfg.daemon.lease_ttl_s,
+            prefetch_wait=cfg.policy.prefetch_wait,
+            prefetch_ms_per_block=cfg.policy.prefetch_timeout_ms_per_block,
+            redis_write_through=cfg.redis.write_through, **kwargs)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self.store is not None:
+                n = self.store.expire_leases()
+                if n:
+                    log.warning("expired %d leases (client hung or crashed)", n)
+
+    # -- serve / stop --------------------------------------------------------------------
+    def banner(self) -> str:
+        assert self.http is not None and self.arena is not None
+        tiers = f"cpu {self.arena.size / 2**30:.2f} GiB (shm {self.arena.path})"
+        if self.nvme is not None:
+            tiers += (f", nvme {self.cfg.nvme.bytes / 2**30:.2f} GiB at {self.cfg.nvme_path} "
+                      f"({self.nvme.backend})")
+        if self.redis is not None:
+            tiers += f", redis {self.cfg.redis.url.split('@')[-1]}"
+        return (f"kvtier {__version__} serving (pid {os.getpid()})\n"
+                f"  socket: {self.cfg.daemon.socket}\n"
+                f"  http:   http://{self.cfg.http.host}:{self.http.port}  "
+                f"(/metrics /v1/stats /healthz)\n"
+                f"  tiers:  {tiers}\n"
+                f"  policy: {self.cfg.policy.eviction}; rebuilt {self.rebuilt_blocks} blocks "
+                "from nvme")
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def serve_until_signal(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        await self._stop.wait()
+
+    async def stop(self) -> None:
+        """Graceful drain bounded by daemon.drain_timeout_s, then cleanup in reverse order."""
+        deadline = time.monotonic() + self.cfg.daemon.drain_timeout_s
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self.control is not None:
+            await self.control.stop_accepting()
+            await self.control.close_connections(max(0.1, (deadline - time.monotonic()) / 2))
+        if self.store is not None:
+            try:
+                saved = await asyncio.wait_for(self.store.drain(deadline),
+                                               max(0.1, deadline - time.monotonic()))
+                log.info("drain: persisted %d cpu-only blocks to nvme", saved)
+            except asyncio.TimeoutError:
+                log.warning("drain timed out; some cpu-only blocks were not persisted")
+        if self.http is not None:
+            await self.http.stop()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.redis.close(), 2.0)
+        if self.nvme is not None:
+            self.nvme.close()
+        if self.arena is not None:
+            self.arena.close()
+
+    # -- stats ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        assert self.store is not None
+        out: dict[str, Any] = {"version": 1}
+        out["daemon"] = {
+            "pid": os.getpid(), "version": __version__,
+            "uptime_s": round(time.time() - self.started, 3),
+            "socket": str(self.cfg.daemon.socket),
+            "clients": len(self.control.connections) if self.control else 0,
+            "rejected_peers": self.control.rejected_peers if self.control else 0,
+            "protocol_errors": self.control.protocol_errors if self.control else 0,
+        }
+        out.update(self.store.stats())
+        out["connector"] = self.control.engine_summary() if self.control else {}
+        return out
+
+
+async def run_daemon(cfg: Config, *, ready: Any = None) -> None:
+    """Start, print where to find the daemon, serve until SIGTERM/SIGINT, drain."""
+    daemon = Daemon(cfg)
+    try:
+        await daemon.start()
+        print(daemon.banner(), flush=True)
+        if ready is not None:
+            ready(daemon)
+        await daemon.serve_until_signal()
+        print("kvtier: draining", flush=True)
+    finally:
+        await daemon.stop()
+    print("kvtier: stopped", flush=True)

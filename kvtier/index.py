@@ -1,0 +1,103 @@
+"""BlockIndex: what the daemon knows about each block, per tier.
+
+Residency is data: a ``BlockMeta`` says whether the block is in the cpu arena (and in
+what state), on nvme, or both; readers pin it. Only ``TieredStore`` mutates the index,
+always on the event loop thread, so no locks are needed.
+
+Slot states (cpu arena):
+    NONE -> WRITING (put lease) -> READY          (commit)
+    NONE -> LOADING (promotion from nvme/redis) -> READY
+    WRITING/LOADING -> NONE                       (abort, expiry, failed load)
+Illegal transitions raise: a bug here would hand out wrong bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from kvtier.errors import KVTierError
+
+
+class SlotState(str, Enum):
+    NONE = "none"
+    WRITING = "writing"
+    LOADING = "loading"
+    READY = "ready"
+
+
+_ALLOWED = {
+    (SlotState.NONE, SlotState.WRITING),
+    (SlotState.NONE, SlotState.LOADING),
+    (SlotState.WRITING, SlotState.READY),
+    (SlotState.LOADING, SlotState.READY),
+    (SlotState.WRITING, SlotState.NONE),
+    (SlotState.LOADING, SlotState.NONE),
+    (SlotState.READY, SlotState.NONE),
+}
+
+
+@dataclass(slots=True, eq=False)
+class BlockMeta:
+    """One block: identity, geometry and where it lives."""
+
+    key: bytes
+    namespace: bytes
+    layout_fp: int
+    nbytes: int
+    parent: bytes | None
+    depth: int
+    cpu: int | None = None              # arena offset
+    cpu_state: SlotState = SlotState.NONE
+    nvme: Any = None                    # NvmeSlot when on nvme
+    nvme_ready: bool = False            # frame completely written
+    nvme_busy: bool = False             # a write or read of the nvme slot is in flight
+    readers: int = 0                    # read leases holding the cpu slot
+    loading: asyncio.Future[bool] | None = None
+    prefetched: bool = False            # promoted ahead of use (for prefetch metrics)
+    seq: int = 0
+
+    def set_cpu_state(self, new: SlotState) -> None:
+        if (self.cpu_state, new) not in _ALLOWED:
+            raise KVTierError(f"illegal cpu slot transition {self.cpu_state} -> {new}")
+        self.cpu_state = new
+
+    @property
+    def in_cpu(self) -> bool:
+        return self.cpu_state is SlotState.READY
+
+    @property
+    def in_nvme(self) -> bool:
+        return self.nvme is not None and self.nvme_ready
+
+    @property
+    def present(self) -> bool:
+        """Readable now or soon (a promotion in flight counts)."""
+        return (self.cpu_state in (SlotState.READY, SlotState.LOADING)) or self.in_nvme
+
+    @property
+    def cpu_pinned(self) -> bool:
+        """Must not be evicted from the cpu tier right now."""
+        return self.readers > 0 or self.cpu_state is not SlotState.READY or self.nvme_busy
+
+    @property
+    def where(self) -> str:
+        if self.cpu_state in (SlotState.READY, SlotState.LOADING):
+            return "cpu"
+        return "nvme" if self.in_nvme else "none"
+
+
+class BlockIndex(dict[bytes, BlockMeta]):
+    """key -> BlockMeta. A dict with a name: O(1) lookups on the hot path."""
+
+    def leading_present(self, keys: list[bytes]) -> int:
+        """How many leading keys of a chain are present in the local tiers."""
+        n = 0
+        for k in keys:
+            meta = self.get(k)
+            if meta is None or not meta.present:
+                break
+            n += 1
+        return n

@@ -1,0 +1,69 @@
+"""Control-plane framing shared by the client and the daemon.
+
+A frame is a 4-byte big-endian length followed by a msgpack map. Requests carry
+``id`` (per-connection request id, echoed back) and ``op``; replies carry ``id`` and
+``ok``, plus either results or ``code``/``error``. The first request on a connection
+must be ``hello`` with the client's protocol ``version``: the daemon answers with the
+version it will speak and where the shared-memory arena is. KV bytes never appear here.
+msgpack only (``raw=False``, bytes stay bytes, no ext types): nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+from kvtier.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+LENGTH = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 16 * 2**20
+
+OPS = frozenset({
+    "hello", "register_layout", "lookup", "put_prepare", "put_commit", "put_abort",
+    "get_prepare", "get_release", "delete", "stats", "report_engine", "ping",
+})
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return LENGTH.pack(len(body)) + body
+
+
+def unpack_body(body: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+    """Decode one frame body from an untrusted peer; malformed input -> ProtocolError."""
+    try:
+        if len(body) > max_frame:
+            raise ProtocolError(f"frame of {len(body)} bytes exceeds the limit of {max_frame}")
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"malformed frame: {exc.__class__.__name__}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("a frame must be a map")
+    return msg
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack ext type {code} is not allowed")
+
+
+def check_length(n: int, max_frame: int) -> None:
+    if n > max_frame:
+        raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_frame}")
+    if n == 0:
+        raise ProtocolError("empty frame")
+
+
+def field(msg: dict[str, Any], name: str, typ: type | tuple[type, ...]) -> Any:
+    """A required, typed request field (ProtocolError names what was wrong)."""
+    if name not in msg:
+        raise ProtocolError(f"missing field {name!r}")
+    value = msg[name]
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ProtocolError(f"field {name!r} has type {type(value).__name__}")
+    return value

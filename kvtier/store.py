@@ -1,0 +1,794 @@
+"""TieredStore: lookup / put / get / promote / demote across cpu, nvme and redis.
+
+The store is the control plane of the daemon. It decides and keeps the index; tiers move
+bytes. It is the sole writer of the index and runs on the event loop thread; blocking I/O
+happens inside the tiers' thread pools or Redis' asyncio client.
+
+Movement:
+- put: a client leases write-locked arena slots (``prepare_put``), fills them through
+  shared memory and commits; a ``durable`` commit also writes the frames through to nvme
+  before answering (what a caller needs to survive a daemon crash).
+- get: ``lookup`` walks cpu -> nvme -> redis until the first miss and starts promoting
+  lower-tier hits into the arena right away (prefetch); ``prepare_get`` waits for them
+  as the prefetch policy says and hands out read-locked slots.
+- eviction: each tier asks its eviction policy for a victim; a cpu victim is demoted to
+  nvme (if admitted), an nvme victim to redis (if configured); otherwise it is dropped.
+- leases expire, so a crashed client never pins arena memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import (
+    KVTierError,
+    LayoutMismatch,
+    LeaseError,
+    ProtocolError,
+    UnknownNamespace,
+)
+from kvtier.frame import make_header
+from kvtier.index import BlockIndex, BlockMeta, SlotState
+from kvtier.keys import KEY_BYTES, Namespace
+from kvtier.layout import KVLayout
+from kvtier.policy.base import EvictionPolicy, make_eviction_policy
+from kvtier.tiers.arena import Arena, round_up
+from kvtier.tiers.base import EvictionReason, Tier, TierCounters, TierName
+
+log = logging.getLogger("kvtier.store")
+
+for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
+    with contextlib.suppress(ImportError):
+        importlib.import_module(f"kvtier.policy.{_mod}")
+
+
+class LeaseKind(str, Enum):
+    PUT = "put"
+    GET = "get"
+
+
+@dataclass(slots=True)
+class Lease:
+    """Slots handed to one client connection, valid until ``deadline``."""
+
+    id: int
+    kind: LeaseKind
+    owner: int
+    metas: list[BlockMeta]
+    deadline: float
+
+
+@dataclass(slots=True)
+class LookupResult:
+    hits: int
+    tiers: list[str]
+
+
+@dataclass(slots=True)
+class RequestCounters:
+    lookups: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    puts: int = 0
+    put_blocks: int = 0
+    gets: int = 0
+    get_blocks: int = 0
+    deletes: int = 0
+    lease_expired: int = 0
+
+
+@dataclass(slots=True)
+class PrefetchCounters:
+    issued: int = 0
+    hit_before_use: int = 0
+    late: int = 0
+    wasted: int = 0
+    failed: int = 0
+
+
+@dataclass(slots=True)
+class CpuTier:
+    """The arena seen as a tier (capacity, occupancy, counters)."""
+
+    arena: Arena
+    index: BlockIndex
+    name: TierName = TierName.CPU
+    counters: TierCounters = field(default_factory=TierCounters)
+    resident: int = 0
+
+    @property
+    def backend(self) -> str:
+        return "shm"
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.arena.size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.arena.used_bytes
+
+    @property
+    def blocks(self) -> int:
+        return self.resident
+
+    @property
+    def up(self) -> bool:
+        return True
+
+
+@dataclass(slots=True)
+class _Namespace:
+    namespace: Namespace
+    layout: KVLayout
+    slot_bytes: int
+
+
+class TieredStore:
+    """The daemon's block store. All methods run on the event loop thread."""
+
+    def __init__(self, arena: Arena, *, nvme: Any = None, redis: Any = None,
+                 eviction: str = "lru", lease_ttl_s: float = 30.0,
+                 prefetch_wait: str = "timeout", prefetch_ms_per_block: float = 2.0,
+                 policy_factory: Callable[[str, TierName], EvictionPolicy] | None = None,
+                 admission: Any = None, observer: Any = None,
+                 redis_write_through: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = BlockIndex()
+        self.arena = arena
+        self.cpu = CpuTier(arena, self.index)
+        self.nvme = nvme
+        self.redis = redis
+        self.redis_write_through = redis_write_through
+        self.clock = clock
+        self.lease_ttl_s = lease_ttl_s
+        self.prefetch_wait = prefetch_wait
+        self.prefetch_s_per_block = prefetch_ms_per_block / 1000.0
+        make = policy_factory or (lambda name, tier: make_eviction_policy(name))
+        self.cpu_policy: EvictionPolicy = make(eviction, TierName.CPU)
+        self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
+        self.admission = admission
+        self.observer = observer
+        self.namespaces: dict[bytes, _Namespace] = {}
+        self.leases: dict[int, Lease] = {}
+        self._next_lease = 1
+        self._seq = 0
+        self.requests = RequestCounters()
+        self.prefetch = PrefetchCounters()
+        self.bytes_moved: dict[tuple[str, str], int] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- tiers ---------------------------------------------------------------------------
+    @property
+    def tiers(self) -> list[Tier]:
+        out: list[Tier] = [self.cpu]
+        if self.nvme is not None:
+            out.append(self.nvme)
+        if self.redis is not None:
+            out.append(self.redis)
+        return out
+
+    def _moved(self, src: str, dst: str, nbytes: int) -> None:
+        k = (src, dst)
+        self.bytes_moved[k] = self.bytes_moved.get(k, 0) + nbytes
+
+    def rebuild_from_nvme(self) -> int:
+        """Index every valid frame found on nvme (oldest first, so LRU order survives)."""
+        if self.nvme is None:
+            return 0
+        entries = self.nvme.open()
+        now = self.clock()
+        for slot, header in entries:
+            if header.key in self.index:   # duplicate after a torn overwrite: keep newest
+                old = self.index.pop(header.key)
+                self.nvme_policy.remove(old.key)
+                self.nvme.free(old.nvme)
+            meta = BlockMeta(header.key, header.namespace, header.layout_fp, header.raw_len,
+                             None, 0, nvme=slot, nvme_ready=True, seq=header.seq)
+            self.index[header.key] = meta
+            self.nvme_policy.insert(header.key, nbytes=header.raw_len, parent=None, depth=0,
+                                    now=now)
+            self._seq = max(self._seq, header.seq)
+        return len(entries)
+
+    # -- namespaces ----------------------------------------------------------------------
+    def register_namespace(self, layout: KVLayout, model_id: str, tp_rank: int, tp_size: int,
+                           cache_salt: str | None) -> Namespace:
+        ns = Namespace(model_id, layout, tp_rank, tp_size, cache_salt)
+        self.namespaces[ns.digest] = _Namespace(ns, layout, round_up(layout.block_bytes))
+        return ns
+
+    def _ns(self, digest: bytes, layout_fp: int) -> _Namespace:
+        entry = self.namespaces.get(digest)
+        if entry is None:
+            raise UnknownNamespace("namespace not registered with this daemon: call "
+                                   "register_layout first (the daemon may have restarted)")
+        if entry.layout.fingerprint != layout_fp:
+            raise LayoutMismatch("the layout fingerprint does not match the namespace's "
+                                 "registered layout")
+        return entry
+
+    @staticmethod
+    def split_keys(blob: bytes) -> list[bytes]:
+        if not isinstance(blob, bytes) or len(blob) % KEY_BYTES:
+            raise ProtocolError(f"keys must be a byte string of 16-byte keys, "
+                                f"got {type(blob).__name__} of length {len(blob)}")
+        return [blob[i: i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
+
+    # -- lookup + prefetch ---------------------------------------------------------------
+    async def lookup(self, digest: bytes, layout_fp: int, keys: list[bytes],
+                     *, prefetch: bool = True) -> LookupResult:
+        """Leading keys present anywhere (cpu -> nvme -> redis); starts promotion."""
+        ns = self._ns(digest, layout_fp)
+        now = self.clock()
+        tiers: list[str] = []
+        to_promote: list[BlockMeta] = []
+        cpu_c, tpb = self.cpu.counters, ns.layout.tokens_per_block
+        for k in keys:
+            meta = self.index.get(k)
+            if meta is None or not meta.present:
+                break
+            if meta.cpu_state in (SlotState.READY, SlotState.LOADING):
+                tiers.append("cpu")
+                if meta.in_cpu:
+                    self.cpu_policy.touch(k, now=now)
+            else:
+                tiers.append("nvme")
+                self.nvme_policy.touch(k, now=now)
+                to_promote.append(meta)
+        n_local = len(tiers)
+        n_cpu = tiers.count("cpu")
+        cpu_c.hit_blocks += n_cpu
+        cpu_c.hit_tokens += n_cpu * tpb
+        if n_local < len(keys):
+            cpu_c.miss_blocks += 1
+            cpu_c.miss_tokens += tpb
+        if self.nvme is not None:
+            nc = self.nvme.counters
+            nc.hit_blocks += n_local - n_cpu
+            nc.hit_tokens += (n_local - n_cpu) * tpb
+            if n_local < len(keys):
+                nc.miss_blocks += 1
+                nc.miss_tokens += tpb
+        redis_keys: list[bytes] = []
+        if n_local < len(keys) and self.redis is not None and self.redis.up:
+            n_r = await self.redis.exists_prefix(keys[n_local:])
+            redis_keys = keys[n_local: n_local + n_r]
+            tiers.extend(["redis"] * n_r)
+        hits = len(tiers)
+        r = self.requests
+        r.lookups += 1
+        r.lookup_blocks += len(keys)
+        r.hit_blocks += hits
+        r.lookup_tokens += len(keys) * tpb
+        r.hit_tokens += hits * tpb
+        if self.observer is not None:
+            self.observer.on_lookup(keys, hits, now=now)
+        if prefetch:
+            for meta in to_promote:
+                await self._promote_from_nvme(meta, prefetched=True)
+            if redis_keys:
+                await self._promote_from_redis(ns, redis_keys, keys, n_local)
+        return LookupResult(hits, tiers)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _promote_from_nvme(self, meta: BlockMeta, *, prefetched: bool) -> None:
+        if meta.cpu_state is not SlotState.NONE or not meta.in_nvme or meta.nvme_busy:
+            return
+        off = await self._alloc_cpu(meta.nbytes)
+        if off is None or meta.cpu_state is not SlotState.NONE or not meta.in_nvme:
+            if off is not None:
+                self.arena.free(off)
+            return
+        meta.cpu = off
+        meta.set_cpu_state(SlotState.LOADING)
+        meta.prefetched = prefetched
+        meta.nvme_busy = True
+        if prefetched:
+            self.prefetch.issued += 1
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        meta.loading = fut
+        self._spawn(self._load_nvme(meta, off, fut))
+
+    async def _load_nvme(self, meta: BlockMeta, off: int, fut: asyncio.Future[bool]) -> None:
+        view = memoryview(self.arena.view(off, round_up(meta.nbytes)))
+        ok = False
+        try:
+            await self.nvme.read_into(meta.nvme, view, namespace=meta.namespace, key=meta.key,
+                                      layout_fp=meta.layout_fp)
+            ok = True
+        except KVTierError as exc:
+            log.warning("dropping nvme block %s: %s", meta.key.hex(), exc)
+        except Exception:  # pragma: no cover - keep serving, never hand out the slot
+            log.exception("nvme read failed for %s", meta.key.hex())
+            self.nvme.counters.errors += 1
+        finally:
+            meta.nvme_busy = False
+        meta.loading = None
+        if ok and meta.cpu == off:
+            meta.set_cpu_state(SlotState.READY)
+            self.cpu.resident += 1
+            self.cpu_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                                   depth=meta.depth, now=self.clock())
+            self._moved("nvme", "cpu", meta.nbytes)
+        elif meta.cpu == off:
+            self._drop_cpu(meta)
+            if not ok:
+                self.prefetch.failed += 1
+                self._drop_nvme(meta, EvictionReason.CORRUPT)
+            self._forget_if_gone(meta)
+        if not fut.done():
+            fut.set_result(ok)
+
+    async def _promote_from_redis(self, ns: _Namespace, rkeys: list[bytes],
+                                  chain: list[bytes], start: int) -> None:
+        metas: list[BlockMeta] = []
+        for i, k in enumerate(rkeys):
+            if k in self.index:
+                break
+            off = await self._alloc_cpu(ns.layout.block_bytes)
+            if off is None or k in self.index:
+                if off is not None:
+                    self.arena.free(off)
+                break
+            depth = start + i
+            parent = chain[depth - 1] if depth > 0 else None
+            meta = BlockMeta(k, ns.namespace.digest, ns.layout.fingerprint,
+                             ns.layout.block_bytes, parent, depth, cpu=off, prefetched=True)
+            meta.set_cpu_state(SlotState.LOADING)
+            meta.loading = asyncio.get_running_loop().create_future()
+            self.index[k] = meta
+            metas.append(meta)
+        if metas:
+            self.prefetch.issued += len(metas)
+            self._spawn(self._load_redis(metas))
+
+    async def _load_redis(self, metas: list[BlockMeta]) -> None:
+        views = [memoryview(self.arena.view(m.cpu, m.nbytes)) for m in metas]  # type: ignore[arg-type]
+        try:
+            n = await self.redis.get_into([m.key for m in metas], views,
+                                          namespace=metas[0].namespace,
+                                          layout_fp=metas[0].layout_fp)
+        except Exception:  # the tier promises not to raise; be defensive anyway
+            log.exception("redis promotion failed")
+            n = 0
+        now = self.clock()
+        for i, meta in enumerate(metas):
+            ok = i < n
+            if ok:
+                meta.set_cpu_state(SlotState.READY)
+                self.cpu.resident += 1
+                self.cpu_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                                       depth=meta.depth, now=now)
+                self._moved("redis", "cpu", meta.nbytes)
+            else:
+                self.prefetch.failed += 1
+                self._drop_cpu(meta)
+                self._forget_if_gone(meta)
+            fut, meta.loading = meta.loading, None
+            if fut is not None and not fut.done():
+                fut.set_result(ok)
+
+    # -- cpu allocation and eviction -----------------------------------------------------
+    async def _alloc_cpu(self, nbytes: int) -> int | None:
+        """A free arena slot, evicting by policy when needed; None if nothing can go."""
+        for _ in range(4096):
+            off = self.arena.alloc(nbytes)
+            if off is not None:
+                return off
+            victim = self.cpu_policy.victim()
+            if victim is None:
+                break
+            await self._evict_cpu(victim)
+        self.cpu.counters.allocation_failures += 1
+        return None
+
+    async def _evict_cpu(self, key: Any) -> None:
+        meta = self.index.get(key)
+        if meta is None or not meta.in_cpu:
+            self.cpu_policy.remove(key)
+            return
+        if meta.cpu_pinned:  # the policy should not offer it; keep it out of its queue
+            self.cpu_policy.set_pinned(key, True)
+            return
+        if not meta.in_nvme and self.nvme is not None and self._admit(meta, "nvme"):
+            await self._write_nvme(meta)
+        if meta.readers or meta.cpu_state is not SlotState.READY:
+            return  # re-pinned while we were writing
+        if meta.prefetched:
+            self.prefetch.wasted += 1
+        self._drop_cpu(meta)
+        self.cpu.counters.evicted(EvictionReason.CAPACITY)
+        self._forget_if_gone(meta)
+
+    def _admit(self, meta: BlockMeta, tier: str) -> bool:
+        if self.admission is None:
+            return True
+        return bool(self.admission.admit(meta.key, tier=tier, nbytes=meta.nbytes,
+                                         now=self.clock()))
+
+    def _drop_cpu(self, meta: BlockMeta) -> None:
+        if meta.cpu is None:
+            return
+        was_ready = meta.in_cpu
+        self.arena.free(meta.cpu)
+        meta.cpu = None
+        meta.set_cpu_state(SlotState.NONE)
+        meta.prefetched = False
+        if was_ready:
+            self.cpu.resident -= 1
+        self.cpu_policy.remove(meta.key)
+
+    def _forget_if_gone(self, meta: BlockMeta) -> None:
+        if meta.cpu is None and meta.nvme is None and self.index.get(meta.key) is meta:
+            del self.index[meta.key]
+
+    # -- nvme ----------------------------------------------------------------------------
+    async def _alloc_nvme(self, nbytes: int) -> Any:
+        for _ in range(4096):
+            slot = self.nvme.alloc(nbytes)
+            if slot is not None:
+                return slot
+            victim = self.nvme_policy.victim()
+            if victim is None:
+                return None
+            await self._evict_nvme(victim)
+        return None
+
+    async def _evict_nvme(self, key: Any) -> None:
+        meta = self.index.get(key)
+        if meta is None or not meta.in_nvme:
+            self.nvme_policy.remove(key)
+            return
+        if meta.nvme_busy:
+            self.nvme_policy.set_pinned(key, True)
+            return
+        if self.redis is not None and self.redis.up and not self.redis_write_through \
+                and self._admit(meta, "redis"):
+            await self._demote_to_redis(meta)
+        if meta.nvme_busy or not meta.in_nvme:
+            return
+        self._drop_nvme(meta, EvictionReason.CAPACITY)
+        self._forget_if_gone(meta)
+
+    async def _demote_to_redis(self, meta: BlockMeta) -> None:
+        """Hand a block leaving nvme to Redis (from the arena copy, or read back first)."""
+        if meta.in_cpu:
+            self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
+                              memoryview(self.arena.view(meta.cpu, meta.nbytes)), seq=meta.seq)
+            self._moved("nvme", "redis", meta.nbytes)
+            return
+        buf = _aligned_buffer(round_up(meta.nbytes))
+        meta.nvme_busy = True
+        try:
+            await self.nvme.read_into(meta.nvme, memoryview(buf), namespace=meta.namespace,
+                                      key=meta.key, layout_fp=meta.layout_fp)
+        except KVTierError:
+            return
+        finally:
+            meta.nvme_busy = False
+        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
+                          memoryview(buf[: meta.nbytes]), seq=meta.seq)
+        self._moved("nvme", "redis", meta.nbytes)
+
+    def _drop_nvme(self, meta: BlockMeta, reason: EvictionReason, *, erase: bool = False) -> None:
+        if meta.nvme is None:
+            return
+        self.nvme.free(meta.nvme, erase=erase)
+        meta.nvme = None
+        meta.nvme_ready = False
+        self.nvme_policy.remove(meta.key)
+        self.nvme.counters.evicted(reason)
+
+    async def _write_nvme(self, meta: BlockMeta, *, sync: bool = False) -> bool:
+        """Write the arena copy of ``meta`` to nvme as a frame; True when it is durable."""
+        if meta.in_nvme:
+            return True
+        if meta.nvme_busy or not meta.in_cpu:
+            return False
+        meta.nvme_busy = True
+        self.cpu_policy.set_pinned(meta.key, True)
+        try:
+            slot = await self._alloc_nvme(meta.nbytes)
+            if slot is None or not meta.in_cpu:
+                if slot is not None:
+                    self.nvme.free(slot)
+                return False
+            self._seq += 1
+            meta.seq = self._seq
+            payload = memoryview(self.arena.view(meta.cpu, round_up(meta.nbytes)))
+            header = make_header(meta.namespace, meta.key, meta.layout_fp,
+                                 payload[: meta.nbytes], seq=meta.seq)
+            try:
+                await self.nvme.write(slot, header, payload, sync=sync)
+            except Exception as exc:
+                log.warning("nvme write of %s failed: %s", meta.key.hex(), exc)
+                self.nvme.free(slot)
+                return False
+            meta.nvme = slot
+            meta.nvme_ready = True
+            self.nvme_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                                    depth=meta.depth, now=self.clock())
+            self._moved("cpu", "nvme", meta.nbytes)
+            return True
+        finally:
+            meta.nvme_busy = False
+            if meta.in_cpu:
+                self.cpu_policy.set_pinned(meta.key, meta.cpu_pinned)
+
+    # -- put -----------------------------------------------------------------------------
+    async def prepare_put(self, owner: int, digest: bytes, layout_fp: int,
+                          keys: list[bytes]) -> tuple[int, list[int | None]]:
+        """Write-locked arena slots for the keys not stored yet (None: skip this key)."""
+        ns = self._ns(digest, layout_fp)
+        nbytes = ns.layout.block_bytes
+        metas: list[BlockMeta] = []
+        offsets: list[int | None] = []
+        for i, k in enumerate(keys):
+            if k in self.index:
+                offsets.append(None)
+                continue
+            off = await self._alloc_cpu(nbytes)
+            if off is None or k in self.index:
+                if off is not None:
+                    self.arena.free(off)
+                offsets.append(None)
+                continue
+            meta = BlockMeta(k, digest, layout_fp, nbytes, keys[i - 1] if i else None, i,
+                             cpu=off)
+            meta.set_cpu_state(SlotState.WRITING)
+            self.index[k] = meta
+            metas.append(meta)
+            offsets.append(off)
+        lease = self._new_lease(LeaseKind.PUT, owner, metas)
+        return lease.id, offsets
+
+    async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False) -> int:
+        """Make the written blocks visible; ``durable`` also writes them to nvme first."""
+        lease = self._take_lease(owner, lease_id, LeaseKind.PUT)
+        now = self.clock()
+        committed = []
+        for meta in lease.metas:
+            if meta.cpu_state is not SlotState.WRITING or self.index.get(meta.key) is not meta:
+                continue
+            meta.set_cpu_state(SlotState.READY)
+            self.cpu.resident += 1
+            self.cpu_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                                   depth=meta.depth, now=now)
+            committed.append(meta)
+        self.requests.puts += 1
+        self.requests.put_blocks += len(committed)
+        self.cpu.counters.bytes_written += sum(m.nbytes for m in committed)
+        if self.redis is not None and self.redis_write_through:
+            for meta in committed:
+                self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
+                                  memoryview(self.arena.view(meta.cpu, meta.nbytes)),
+                                  seq=meta.seq)
+                self._moved("cpu", "redis", meta.nbytes)
+        if durable and self.nvme is not None:
+            results = await asyncio.gather(*(self._write_nvme(m, sync=True) for m in committed))
+            return sum(results)
+        return len(committed)
+
+    def abort_put(self, owner: int, lease_id: int) -> None:
+        lease = self._take_lease(owner, lease_id, LeaseKind.PUT)
+        self._abort_put(lease)
+
+    def _abort_put(self, lease: Lease) -> None:
+        for meta in lease.metas:
+            if meta.cpu_state is SlotState.WRITING and self.index.get(meta.key) is meta:
+                self._drop_cpu(meta)
+                self._forget_if_gone(meta)
+
+    # -- get -----------------------------------------------------------------------------
+    async def prepare_get(self, owner: int, digest: bytes, layout_fp: int,
+                          keys: list[bytes]) -> tuple[int, list[int]]:
+        """Read-locked arena slots for the leading keys that are (or become) readable."""
+        ns = self._ns(digest, layout_fp)
+        pending: list[asyncio.Future[bool]] = []
+        chain: list[BlockMeta] = []
+        for k in keys:
+            meta = self.index.get(k)
+            if meta is None or not meta.present:
+                break
+            if meta.cpu_state is SlotState.NONE:
+                await self._promote_from_nvme(meta, prefetched=False)
+            if meta.cpu_state is SlotState.NONE:
+                break
+            if meta.loading is not None:
+                pending.append(meta.loading)
+            chain.append(meta)
+        if len(chain) < len(keys) and self.redis is not None and self.redis.up:
+            before = len(chain)
+            rkeys = keys[before:]
+            n_r = await self.redis.exists_prefix(rkeys)
+            if n_r:
+                await self._promote_from_redis(ns, rkeys[:n_r], keys, before)
+                for k in rkeys[:n_r]:
+                    meta = self.index.get(k)
+                    if meta is None or meta.loading is None:
+                        break
+                    pending.append(meta.loading)
+                    chain.append(meta)
+        if pending:
+            await self._wait_prefetch(pending)
+        now = self.clock()
+        metas: list[BlockMeta] = []
+        for meta in chain:
+            if not meta.in_cpu or self.index.get(meta.key) is not meta:
+                break
+            if meta.prefetched:
+                self.prefetch.hit_before_use += 1
+                meta.prefetched = False
+            meta.readers += 1
+            self.cpu_policy.set_pinned(meta.key, True)
+            self.cpu_policy.touch(meta.key, now=now)
+            metas.append(meta)
+        self.requests.gets += 1
+        self.requests.get_blocks += len(metas)
+        self.cpu.counters.bytes_read += sum(m.nbytes for m in metas)
+        lease = self._new_lease(LeaseKind.GET, owner, metas)
+        return lease.id, [m.cpu for m in metas]  # type: ignore[misc]
+
+    async def _wait_prefetch(self, pending: list[asyncio.Future[bool]]) -> None:
+        not_done = [f for f in pending if not f.done()]
+        if not not_done or self.prefetch_wait == "best_effort":
+            self.prefetch.late += len(not_done)
+            return
+        timeout = None
+        if self.prefetch_wait == "timeout":
+            timeout = 0.05 + self.prefetch_s_per_block * len(pending)
+        _done, still = await asyncio.wait(not_done, timeout=timeout)
+        self.prefetch.late += len(not_done)
+        if still:
+            log.info("prefetch deadline passed with %d of %d blocks pending",
+                     len(still), len(pending))
+
+    def release_get(self, owner: int, lease_id: int) -> None:
+        lease = self._take_lease(owner, lease_id, LeaseKind.GET)
+        self._release_get(lease)
+
+    def _release_get(self, lease: Lease) -> None:
+        for meta in lease.metas:
+            meta.readers -= 1
+            if meta.readers == 0 and meta.in_cpu:
+                self.cpu_policy.set_pinned(meta.key, meta.cpu_pinned)
+
+    # -- delete --------------------------------------------------------------------------
+    async def delete(self, digest: bytes, layout_fp: int, keys: list[bytes]) -> int:
+        """Remove blocks from every tier (blocks under a read lease are skipped)."""
+        self._ns(digest, layout_fp)
+        n = 0
+        for k in keys:
+            meta = self.index.get(k)
+            if meta is None or meta.readers or meta.nvme_busy or meta.cpu_state in (
+                    SlotState.WRITING, SlotState.LOADING):
+                continue
+            if meta.in_cpu:
+                self._drop_cpu(meta)
+                self.cpu.counters.evicted(EvictionReason.DELETED)
+            if meta.nvme is not None:
+                self._drop_nvme(meta, EvictionReason.DELETED, erase=True)
+            self._forget_if_gone(meta)
+            n += 1
+        if self.redis is not None and self.redis.up:
+            n = max(n, await self.redis.delete(keys))
+        self.requests.deletes += 1
+        return n
+
+    # -- leases --------------------------------------------------------------------------
+    def _new_lease(self, kind: LeaseKind, owner: int, metas: list[BlockMeta]) -> Lease:
+        lease = Lease(self._next_lease, kind, owner, metas, self.clock() + self.lease_ttl_s)
+        self._next_lease += 1
+        self.leases[lease.id] = lease
+        return lease
+
+    def _take_lease(self, owner: int, lease_id: int, kind: LeaseKind) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.owner != owner or lease.kind is not kind:
+            raise LeaseError(f"{kind.value} lease {lease_id} was never handed to this "
+                             "connection, or was already used or expired")
+        del self.leases[lease_id]
+        return lease
+
+    def expire_leases(self) -> int:
+        """Release leases past their deadline (a client that hung or forgot)."""
+        now = self.clock()
+        expired = [lease for lease in self.leases.values() if lease.deadline <= now]
+        for lease in expired:
+            self._drop_lease(lease)
+        self.requests.lease_expired += len(expired)
+        return len(expired)
+
+    def release_owner(self, owner: int) -> int:
+        """A client connection closed: abort its puts, release its reads."""
+        mine = [lease for lease in self.leases.values() if lease.owner == owner]
+        for lease in mine:
+            self._drop_lease(lease)
+        return len(mine)
+
+    def _drop_lease(self, lease: Lease) -> None:
+        self.leases.pop(lease.id, None)
+        if lease.kind is LeaseKind.PUT:
+            self._abort_put(lease)
+        else:
+            self._release_get(lease)
+
+    # -- shutdown ------------------------------------------------------------------------
+    async def drain(self, deadline: float) -> int:
+        """Finish in-flight I/O and persist cpu-only blocks to nvme until ``deadline``."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=max(0.0, deadline - self.clock()))
+        saved = 0
+        if self.nvme is not None:
+            for meta in list(self.index.values()):
+                if self.clock() >= deadline:
+                    break
+                if meta.in_cpu and not meta.in_nvme and await self._write_nvme(meta):
+                    saved += 1
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.flush(timeout=max(0.0, deadline - self.clock()))
+        return saved
+
+    # -- stats ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        from kvtier.tiers.base import tier_stats
+
+        r = self.requests
+        hit_rate = r.hit_blocks / r.lookup_blocks if r.lookup_blocks else 0.0
+        out_tiers = {}
+        for t in self.tiers:
+            out_tiers[t.name.value] = tier_stats(t)
+            extra = getattr(t, "stats_extra", None)
+            if callable(extra):
+                out_tiers[t.name.value].update(extra())
+        return {
+            "tiers": out_tiers,
+            "requests": {**_asdict(r), "prefix_hit_rate": round(hit_rate, 6)},
+            "prefetch": _asdict(self.prefetch),
+            "bytes_moved": [{"src": s, "dst": d, "bytes": b}
+                            for (s, d), b in sorted(self.bytes_moved.items())],
+            "leases": {"active": len(self.leases)},
+            "policy": {"eviction": getattr(self.cpu_policy, "name", "?")},
+            "namespaces": len(self.namespaces),
+            "index_blocks": len(self.index),
+        }
+
+
+def _asdict(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + 4096, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    return raw[start: start + nbytes]
+
+
+def validate_views(views: Sequence[Any], nbytes: int) -> None:
+    """Raise BufferSizeError unless each buffer holds exactly ``nbytes`` bytes."""
+    from kvtier.errors import BufferSizeError
+
+    for i, v in enumerate(views):
+        size = memoryview(v).nbytes
+        if size != nbytes:
+            raise BufferSizeError(f"buffer {i} has {size} bytes; the layout's block is "
+                                  f"{nbytes} bytes")
