@@ -1,0 +1,84 @@
+"""``kvtier doctor``: argument parsing and the command's entry point.
+
+Exit status: 0 healthy, 1 one or more findings, 2 the metrics could not be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvtier.doctor.collect import DEFAULT_STATS_URL, Request, collect
+from kvtier.doctor.errors import DoctorError
+from kvtier.doctor.report import render_text, to_json
+from kvtier.doctor.rules import diagnose
+from kvtier.doctor.signals import derive
+
+EXIT_HEALTHY = 0
+EXIT_FINDINGS = 1
+EXIT_UNREADABLE = 2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``doctor`` on the ``kvtier`` command line."""
+    p = subparsers.add_parser(
+        "doctor", help="match live or saved metrics against common KV failure patterns",
+        description="Reads kvtier's /v1/stats and, optionally, the serving engine's "
+                    "Prometheus metrics (vLLM names), and reports which KV failure patterns "
+                    "they show, with evidence and what to change. Exit status: 0 healthy, "
+                    "1 findings, 2 metrics unreadable.")
+    p.add_argument("--stats", nargs="+", metavar="URL|FILE", default=None,
+                   help=f"kvtier /v1/stats URL, or saved JSON files oldest first "
+                        f"(default {DEFAULT_STATS_URL})")
+    p.add_argument("--engine-metrics", nargs="+", metavar="URL|FILE", default=None,
+                   help="engine Prometheus endpoint (e.g. http://127.0.0.1:8000/metrics), or "
+                        "saved scrapes oldest first")
+    p.add_argument("--gpu-metrics", nargs="+", metavar="URL|FILE", default=None,
+                   help="DCGM exporter endpoint or saved scrapes (GPU and memory busy)")
+    p.add_argument("--samples", type=int, default=2,
+                   help="scrapes of live endpoints (2 or more for rates and trends)")
+    p.add_argument("--interval", type=float, default=None,
+                   help="seconds between scrapes, or between the saved files "
+                        "(default 5, or the daemon's uptime difference for saved stats)")
+    p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``kvtier doctor``; returns the exit status."""
+    req = Request(
+        stats=tuple(args.stats) if args.stats else (DEFAULT_STATS_URL,),
+        stats_explicit=bool(args.stats),
+        engine=tuple(args.engine_metrics or ()),
+        gpu=tuple(args.gpu_metrics or ()),
+        samples=args.samples, interval_s=args.interval,
+    )
+    try:
+        if req.interval_s is not None and req.interval_s <= 0:
+            raise DoctorError(f"--interval must be positive, got {req.interval_s}")
+        got = collect(req)
+        if not got.engine and not got.stats:
+            raise DoctorError("no metrics to read: give --stats and/or --engine-metrics")
+    except DoctorError as exc:
+        if args.json:
+            print(json.dumps({"status": "unreadable", "error": str(exc)}, indent=2))
+        else:
+            print(f"kvtier doctor: could not read metrics: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    signals = derive(got.engine, got.stats, got.interval_s)
+    findings = diagnose(signals)
+    if args.json:
+        print(json.dumps(to_json(findings, signals, got), indent=2))
+    else:
+        print(render_text(findings, signals, got))
+    return EXIT_FINDINGS if findings else EXIT_HEALTHY
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``doctor`` alone (``python -m kvtier.doctor``) until kvtier's CLI wires it in."""
+    parser = argparse.ArgumentParser(prog="kvtier")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["doctor", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))

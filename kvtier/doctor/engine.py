@@ -1,0 +1,134 @@
+"""A serving engine's Prometheus scrape, reduced to what the patterns read.
+
+vLLM's v1 names come first, with the older names as fallbacks
+(``vllm:gpu_cache_usage_perc``, ``vllm:time_per_output_token_seconds``, the
+``gpu_``-prefixed prefix-cache counters). DCGM exporter gauges, when present in the
+same scrape or given with ``--gpu-metrics``, tell whether the GPU is busy and on what.
+Series of several engines (data parallel) are summed; usage gauges take the maximum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.doctor.errors import DoctorError
+from kvtier.doctor.histogram import Histogram
+
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+RUNNING = ("vllm:num_requests_running",)
+WAITING = ("vllm:num_requests_waiting",)
+PREEMPTIONS = ("vllm:num_preemptions_total",)
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+PROMPT_TOKENS = ("vllm:prompt_tokens_total",)
+GENERATION_TOKENS = ("vllm:generation_tokens_total",)
+TTFT = ("vllm:time_to_first_token_seconds",)
+ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+PROMPT_LEN = ("vllm:request_prompt_tokens",)
+OUTPUT_LEN = ("vllm:request_generation_tokens",)
+E2E = ("vllm:e2e_request_latency_seconds",)
+QUEUE_TIME = ("vllm:request_queue_time_seconds",)
+CACHE_INFO = "vllm:cache_config_info"
+GPU_UTIL = ("DCGM_FI_DEV_GPU_UTIL",)  # percent
+DRAM_ACTIVE = ("DCGM_FI_PROF_DRAM_ACTIVE",)  # ratio of cycles the memory interface is busy
+TENSOR_ACTIVE = ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",)  # ratio
+_MAX_GAUGES = frozenset(KV_USAGE)
+_MEAN_GAUGES = frozenset(GPU_UTIL + DRAM_ACTIVE + TENSOR_ACTIVE)
+_KNOWN = frozenset(KV_USAGE + RUNNING + WAITING + PREEMPTIONS + PREFIX_QUERIES + PREFIX_HITS
+                   + PROMPT_TOKENS + GENERATION_TOKENS)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """One scrape: scalar samples by name, histograms by family, info labels."""
+
+    source: str
+    values: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+    cache_info: dict[str, str] = field(default_factory=dict)
+
+    def get(self, names: tuple[str, ...]) -> float | None:
+        """The first of ``names`` present in the scrape (new name before old)."""
+        for name in names:
+            if name in self.values:
+                return self.values[name]
+        return None
+
+    def histogram(self, names: tuple[str, ...]) -> Histogram | None:
+        """The first histogram family of ``names`` present in the scrape."""
+        for name in names:
+            if name in self.histograms:
+                return self.histograms[name]
+        return None
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the GPU KV pool holds (``num_gpu_blocks`` x ``block_size``), if exported."""
+        try:
+            return int(self.cache_info["num_gpu_blocks"]) * int(self.cache_info["block_size"])
+        except (KeyError, ValueError):
+            return None
+
+    @property
+    def has_engine_metrics(self) -> bool:
+        """Whether any vLLM metric doctor knows was found."""
+        return any(name in self.values for name in _KNOWN) or bool(self.histograms)
+
+
+def parse_engine(text: str, source: str) -> EngineSample:
+    """Parse Prometheus exposition text; DoctorError when it is not exposition format."""
+    values: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    buckets: dict[str, dict[tuple[tuple[str, str], ...], dict[float, float]]] = {}
+    sums: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    info: dict[str, str] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise DoctorError(f"{source} is not Prometheus exposition text: {exc}") from exc
+    for family in families:
+        if family.type == "histogram":
+            for s in family.samples:
+                if s.name.endswith("_bucket") and "le" in s.labels:
+                    series = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+                    per = buckets.setdefault(family.name, {}).setdefault(series, {})
+                    per[float(s.labels["le"])] = s.value
+                elif s.name.endswith("_sum"):
+                    sums[family.name] = sums.get(family.name, 0.0) + s.value
+                elif s.name.endswith("_count"):
+                    totals[family.name] = totals.get(family.name, 0.0) + s.value
+            continue
+        for s in family.samples:
+            if s.name == CACHE_INFO or family.name == CACHE_INFO:
+                info.update(s.labels)
+                continue
+            if s.name in _MAX_GAUGES:
+                values[s.name] = max(values.get(s.name, s.value), s.value)
+            else:
+                values[s.name] = values.get(s.name, 0.0) + s.value
+            counts[s.name] = counts.get(s.name, 0) + 1
+    for name in _MEAN_GAUGES & values.keys():
+        values[name] /= counts[name]
+    histograms: dict[str, Histogram] = {}
+    for name, series in buckets.items():
+        merged: Histogram | None = None
+        for per in series.values():
+            bounds = tuple(sorted(per))
+            h = Histogram(bounds, tuple(per[b] for b in bounds), 0.0, per[bounds[-1]])
+            merged = h if merged is None else merged.plus(h)
+        if merged is not None:
+            histograms[name] = Histogram(merged.bounds, merged.counts, sums.get(name, 0.0),
+                                         totals.get(name, merged.count))
+    return EngineSample(source=source, values=values, histograms=histograms, cache_info=info)
+
+
+def merge(engine: EngineSample, gpu: EngineSample) -> EngineSample:
+    """Add a DCGM scrape's gauges to an engine scrape taken at the same time."""
+    values = dict(engine.values)
+    for name in _MEAN_GAUGES:
+        if name in gpu.values:
+            values[name] = gpu.values[name]
+    return EngineSample(engine.source, values, engine.histograms, engine.cache_info)
