@@ -1,0 +1,391 @@
+"""RedisTier against real redis-server processes: single server, two nodes, a 3-master
+cluster, a server killed and restarted, corrupted values, AUTH/ACL and TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.config import RedisConfig
+from kvtier.frame import HEADER_SIZE, FrameHeader, make_header
+from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_queue import PendingWrite, WriteQueue
+from tests.support.redis_servers import (
+    LocalCluster,
+    RedisServer,
+    TlsCerts,
+    free_port,
+    make_certs,
+    redis_server_or_skip,
+    running_cluster,
+    running_server,
+    start_server,
+    tls_terminator,
+    tls_unsupported_reason,
+)
+
+NS = bytes(range(16))
+LAYOUT_FP = 0x5EED_C0DE_1234_5678
+BLOCK = 64 * 1024
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    with running_server(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    with running_cluster(tmp_path / "cluster") as cluster:
+        yield cluster
+
+
+def cfg_for(url: str, **over: object) -> RedisConfig:
+    base = RedisConfig(enabled=True, url=url, connect_timeout_s=0.5, op_timeout_s=1.0)
+    return dataclasses.replace(base, **over)
+
+
+def blocks(n: int, size: int = BLOCK, seed: int = 0) -> tuple[list[bytes], list[bytes]]:
+    """``n`` (key, payload) pairs: fp16 normal data, like real KV."""
+    rng = np.random.default_rng(seed)
+    keys = [rng.bytes(16) for _ in range(n)]
+    data = [rng.standard_normal(size // 2).astype(np.float16).tobytes() for _ in range(n)]
+    return keys, data
+
+
+def buffers(n: int, size: int = BLOCK) -> list[memoryview]:
+    return [memoryview(bytearray(size)) for _ in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: RedisConfig) -> AsyncIterator[RedisTier]:
+    tier = RedisTier(cfg)
+    await tier.start()
+    try:
+        yield tier
+    finally:
+        await tier.close()
+
+
+async def put_all(tier: RedisTier, keys: list[bytes], data: list[bytes]) -> None:
+    for key, payload in zip(keys, data, strict=True):
+        tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+    assert await tier.flush(timeout=10)
+
+
+async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+# --- single server ------------------------------------------------------------------------
+
+async def test_put_lookup_get_delete(redis_server: RedisServer) -> None:
+    keys, data = blocks(6)
+    async with running(cfg_for(redis_server.url)) as tier:
+        assert tier.up and tier.backend == "redis"
+        await put_all(tier, keys[:5], data[:5])
+        assert await tier.exists_prefix(keys) == 5          # key 5 was never written
+        assert await tier.exists_prefix([keys[0], keys[5], keys[1]]) == 1
+        outs = buffers(6)
+        got = await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP)
+        assert got == 5
+        assert all(bytes(outs[i]) == data[i] for i in range(5))
+        assert tier.counters.hit_blocks == 5 and tier.counters.miss_blocks == 1
+        assert tier.counters.bytes_written >= 5 * (BLOCK + HEADER_SIZE)
+        assert tier.counters.bytes_read >= 5 * BLOCK
+        assert await tier.delete(keys[2:3]) == 1
+        assert await tier.exists_prefix(keys) == 2
+        assert tier.counters.errors == 0
+    # key layout: prefix + hex, no hash tags
+    assert redis_server.client().exists(b"kvtier:" + keys[0].hex().encode())
+
+
+async def test_get_into_stops_at_first_miss_across_batches(redis_server: RedisServer) -> None:
+    keys, data = blocks(80, size=4096)
+    async with running(cfg_for(redis_server.url)) as tier:
+        await put_all(tier, keys[:70], data[:70])
+        await tier.delete([keys[50]])
+        outs = buffers(80, 4096)
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 50
+        assert await tier.exists_prefix(keys) == 50
+        assert [bytes(o) for o in outs[:50]] == data[:50]
+        assert bytes(outs[50]) == bytes(4096)  # nothing written past the miss
+
+
+async def test_submit_copies_payload_and_sets_ttl(redis_server: RedisServer) -> None:
+    keys, data = blocks(1)
+    source = bytearray(data[0])
+    async with running(cfg_for(redis_server.url, ttl_s=120)) as tier:
+        tier.submit(NS, keys[0], LAYOUT_FP, memoryview(source))
+        source[:] = bytes(len(source))  # the arena slot is reused right away
+        assert await tier.flush(timeout=10)
+        out = buffers(1)
+        assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 1
+        assert bytes(out[0]) == data[0]
+    ttl = redis_server.client().ttl(b"kvtier:" + keys[0].hex().encode())
+    assert 0 < ttl <= 120
+
+
+async def test_close_drains_pending_writes(redis_server: RedisServer) -> None:
+    keys, data = blocks(8)
+    tier = RedisTier(cfg_for(redis_server.url))
+    await tier.start()
+    for key, payload in zip(keys, data, strict=True):
+        tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+    await tier.close()
+    assert redis_server.client().dbsize() == 8
+
+
+async def test_write_queue_drops_oldest_when_full(redis_server: RedisServer) -> None:
+    keys, data = blocks(10)
+    async with running(cfg_for(redis_server.url, write_queue_blocks=4)) as tier:
+        for key, payload in zip(keys, data, strict=True):  # no await: the writer cannot run
+            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+        assert tier.stats_extra()["queue_depth"] == 4
+        assert tier.counters.dropped_writes == 6
+        assert await tier.flush(timeout=10)
+        assert await tier.exists_prefix(keys[6:]) == 4
+        assert await tier.exists_prefix(keys[:6]) == 0
+
+
+def test_write_queue_unit() -> None:
+    q = WriteQueue(3)
+    items = [PendingWrite.copy_of(b"k%d" % i, NS, bytes(16), 0, i, memoryview(b"x" * 10))
+             for i in range(5)]
+    dropped = [q.push(it) for it in items]
+    assert [d.seq if d else None for d in dropped] == [None, None, None, 0, 1]
+    assert q.dropped == 2 and q.queued_bytes == 30
+    assert [it.seq for it in q.take(2, 1 << 20)] == [2, 3]
+    assert [it.seq for it in q.take(9, 1)] == [4]  # at least one, even over the byte bound
+    assert len(q) == 0 and q.queued_bytes == 0
+
+
+@pytest.mark.parametrize("codec", ["none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"])
+async def test_codecs_round_trip_through_redis(redis_server: RedisServer, codec: str) -> None:
+    if codec == "shuffle-zstd":
+        pytest.importorskip("zstandard")
+    keys, data = blocks(20, seed=3)
+    async with running(cfg_for(redis_server.url, codec=codec)) as tier:
+        await put_all(tier, keys, data)
+        outs = buffers(20)
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 20
+        assert [bytes(o) for o in outs] == data
+        ratio = tier.stats_extra()["codec_ratio"]
+        if codec in ("shuffle-zstd", "auto"):
+            assert ratio > 1.15, ratio  # fp16 normal data: byte planes compress ~1.18x
+        assert tier.counters.checksum_failures == 0
+
+
+# --- two nodes, cluster -------------------------------------------------------------------
+
+async def test_two_nodes_share_one_server(redis_server: RedisServer) -> None:
+    keys, data = blocks(4, size=256 * 1024, seed=7)
+    async with running(cfg_for(redis_server.url)) as node_a, \
+            running(cfg_for(redis_server.url)) as node_b:
+        await put_all(node_a, keys, data)
+        assert await node_b.exists_prefix(keys) == 4
+        outs = buffers(4, 256 * 1024)
+        assert await node_b.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 4
+        assert [bytes(o) for o in outs] == data
+        # another layout (or namespace) never reads these bytes
+        other = buffers(1, 256 * 1024)
+        assert await node_b.get_into(keys[:1], other, namespace=NS, layout_fp=1) == 0
+        assert node_b.counters.checksum_failures == 1
+
+
+async def test_cluster_spreads_blocks_over_all_masters(redis_cluster: LocalCluster) -> None:
+    keys, data = blocks(48, size=16 * 1024, seed=11)
+    async with running(cfg_for(redis_cluster.url)) as writer, \
+            running(cfg_for(redis_cluster.url.replace("+cluster", ""), cluster=True)) as reader:
+        assert writer.backend == reader.backend == "redis-cluster"
+        await put_all(writer, keys, data)
+        sizes = [node.client().dbsize() for node in redis_cluster.nodes]
+        assert sum(sizes) == 48 and all(s > 0 for s in sizes), sizes
+        assert await reader.exists_prefix(keys) == 48
+        outs = buffers(48, 16 * 1024)
+        assert await reader.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 48
+        assert [bytes(o) for o in outs] == data
+        assert await reader.delete(keys) == 48
+
+
+# --- failures -----------------------------------------------------------------------------
+
+async def test_redis_killed_and_restarted(redis_server: RedisServer) -> None:
+    keys, data = blocks(6)
+    async with running(cfg_for(redis_server.url)) as tier:
+        await put_all(tier, keys[:3], data[:3])
+        redis_server.kill()
+        outs = buffers(6)
+        # no exception reaches the caller; everything is a miss while Redis is gone
+        assert await tier.exists_prefix(keys) == 0
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 0
+        tier.submit(NS, keys[3], LAYOUT_FP, memoryview(data[3]))
+        assert await tier.delete(keys[:1]) == 0
+        await eventually(lambda: not tier.up)
+        assert tier.counters.errors >= 1 and tier.stats_extra()["last_error"]
+        assert await tier.exists_prefix(keys) == 0
+        assert await tier.flush(timeout=1) is False  # down: returns instead of hanging
+        redis_server.start()  # same port, empty (nothing persisted)
+        await eventually(lambda: tier.up)
+        assert tier.stats_extra()["reconnects"] >= 1
+        await put_all(tier, keys[4:], data[4:])  # the write queued while down went too
+        assert await tier.exists_prefix(keys[3:]) == 3
+        assert await tier.get_into(keys[3:], outs[3:], namespace=NS, layout_fp=LAYOUT_FP) == 3
+        assert [bytes(o) for o in outs[3:]] == data[3:]
+
+
+async def test_hung_server_times_out_and_recovers(redis_server: RedisServer) -> None:
+    """A server that stops answering (SIGSTOP) costs at most the op timeout per call."""
+    keys, data = blocks(2)
+    async with running(cfg_for(redis_server.url, op_timeout_s=0.3)) as tier:
+        await put_all(tier, keys, data)
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            for _ in range(3):
+                assert await tier.exists_prefix(keys) == 0
+            assert time.monotonic() - t0 < 3 * 0.3 + 1.0
+            assert not tier.up and tier.counters.errors >= 3
+            assert "timeout" in tier.stats_extra()["last_error"].lower()
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        await eventually(lambda: tier.up)
+        assert await tier.exists_prefix(keys) == 2
+
+
+async def test_unreachable_at_start_then_comes_up(tmp_path: Path) -> None:
+    redis_server_or_skip()
+    port = free_port()
+    keys, data = blocks(2)
+    async with running(cfg_for(f"redis://127.0.0.1:{port}/0")) as tier:
+        assert not tier.up
+        assert await tier.exists_prefix(keys) == 0
+        assert await tier.get_into(keys, buffers(2), namespace=NS, layout_fp=LAYOUT_FP) == 0
+        assert tier.counters.errors >= 1
+        server = start_server(tmp_path / "late", port=port)
+        try:
+            await eventually(lambda: tier.up)
+            await put_all(tier, keys, data)
+            assert await tier.exists_prefix(keys) == 2
+        finally:
+            server.stop()
+
+
+async def test_corrupt_values_are_misses_counted_and_deleted(
+        redis_server: RedisServer) -> None:
+    keys, data = blocks(4)
+    admin = redis_server.client()
+    rkeys = [b"kvtier:" + k.hex().encode() for k in keys]
+    async with running(cfg_for(redis_server.url)) as tier:
+        await put_all(tier, keys, data)
+        good = admin.get(rkeys[0])
+        admin.set(rkeys[0], os.urandom(BLOCK))                       # garbage
+        flipped = bytearray(admin.get(rkeys[1]))
+        flipped[HEADER_SIZE + 100] ^= 0xFF                           # payload bit rot
+        admin.set(rkeys[1], bytes(flipped))
+        admin.set(rkeys[2], good)                                    # another key's frame
+        hdr = make_header(NS, keys[3], LAYOUT_FP, data[3])
+        wrong = dataclasses.replace(hdr, checksum=hdr.checksum ^ 1)  # bad checksum field
+        admin.set(rkeys[3], FrameHeader.pack(wrong) + data[3])
+        for i in range(4):
+            out = buffers(1)
+            assert await tier.get_into(keys[i:i + 1], out, namespace=NS,
+                                       layout_fp=LAYOUT_FP) == 0
+            assert bytes(out[0]) == bytes(BLOCK) or i == 2  # never handed out as data
+            assert not admin.exists(rkeys[i]), f"corrupt value {i} not deleted"
+        assert tier.counters.checksum_failures == 4
+        assert tier.counters.evictions["corrupt"] == 4
+        assert tier.up and tier.counters.errors == 0
+
+
+# --- auth, TLS ----------------------------------------------------------------------------
+
+async def test_auth_password(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "auth", password="s3cret")
+    keys, data = blocks(2)
+    try:
+        async with running(cfg_for(server.url, password="s3cret")) as tier:
+            assert tier.up
+            await put_all(tier, keys, data)
+            assert await tier.exists_prefix(keys) == 2
+        for bad in ("wrong", ""):
+            async with running(cfg_for(server.url, password=bad)) as tier:
+                assert not tier.up
+                assert await tier.exists_prefix(keys) == 0
+                tier.submit(NS, keys[0], LAYOUT_FP, memoryview(data[0]))
+                assert tier.counters.errors >= 1
+                assert "auth" in tier.stats_extra()["last_error"].lower()
+    finally:
+        server.stop()
+
+
+async def test_acl_user_limited_to_prefix(redis_server: RedisServer) -> None:
+    admin = redis_server.client()
+    admin.execute_command("ACL SETUSER", "kvnode", "on", ">nodepw", "~kvtier:*", "+@all")
+    keys, data = blocks(2)
+    async with running(cfg_for(redis_server.url, username="kvnode", password="nodepw")) as tier:
+        assert tier.up
+        await put_all(tier, keys, data)
+        outs = buffers(2)
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 2
+    async with running(cfg_for(redis_server.url, username="kvnode", password="nope")) as tier:
+        assert not tier.up and await tier.exists_prefix(keys) == 0
+    # a prefix outside the ACL's key pattern: error replies are counted, never raised
+    async with running(cfg_for(redis_server.url, username="kvnode", password="nodepw",
+                               key_prefix="other:")) as tier:
+        assert await tier.exists_prefix(keys) == 0
+        assert tier.counters.errors >= 1 and "permission" in tier.stats_extra()["last_error"]
+
+
+def test_tls_native_server(tmp_path: Path) -> None:
+    exe = redis_server_or_skip()
+    reason = tls_unsupported_reason(exe)
+    if reason:
+        pytest.skip(reason)
+    certs = make_certs(tmp_path / "certs")
+    port = free_port()
+    server = start_server(tmp_path / "tls", extra_args=[
+        "--tls-port", str(port), "--tls-cert-file", str(certs.server_cert),
+        "--tls-key-file", str(certs.server_key), "--tls-ca-cert-file", str(certs.ca_cert)])
+    try:
+        asyncio.run(_tls_round_trip(f"rediss://127.0.0.1:{port}/0", certs))
+    finally:
+        server.stop()
+
+
+async def test_tls_through_terminating_proxy(redis_server: RedisServer, tmp_path: Path) -> None:
+    """TLS from the tier's side (CA verification, client certificate) against a real TLS
+    endpoint that forwards to the real server: covers the rediss:// path even where the
+    bundled redis-server was built without TLS."""
+    certs = make_certs(tmp_path / "certs")
+    async with tls_terminator(certs, redis_server.port) as port:
+        await _tls_round_trip(f"rediss://127.0.0.1:{port}/0", certs)
+        untrusted = cfg_for(f"rediss://127.0.0.1:{port}/0")  # system CAs: must not trust it
+        async with running(untrusted) as tier:
+            assert not tier.up and "certificate" in tier.stats_extra()["last_error"].lower()
+
+
+async def _tls_round_trip(url: str, certs: TlsCerts) -> None:
+    keys, data = blocks(3)
+    cfg = cfg_for(url, tls_ca=str(certs.ca_cert), tls_cert=str(certs.client_cert),
+                  tls_key=str(certs.client_key))
+    async with running(cfg) as tier:
+        assert tier.up, tier.stats_extra()["last_error"]
+        await put_all(tier, keys, data)
+        outs = buffers(3)
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 3
+        assert [bytes(o) for o in outs] == data

