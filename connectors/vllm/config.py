@@ -1,0 +1,173 @@
+"""Typed configuration of the vLLM connector, read once from ``kv_connector_extra_config``.
+
+Everything an operator may set lives here with its default; unknown keys are refused so a
+typo (``tokens_per_blok``) is an error at engine start, not a silent default. The KV
+geometry (layers, heads, head size, dtype, page size) is not configurable: it comes from
+vLLM's own ``KVCacheConfig``, the same object on the scheduler and on every worker, so both
+sides derive the identical :class:`~kvtier.layout.KVLayout` and hence the same namespace.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import ConfigError
+from kvtier.layout import CANONICAL_FORMAT, KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+DEFAULT_TOKENS_PER_BLOCK = 256
+
+_KEYS = frozenset({
+    "socket_path", "tokens_per_block", "model_id", "namespace", "save_decode_tokens",
+    "async_load", "timeout_s", "reconnect_min_s", "reconnect_max_s",
+})
+
+
+def default_socket_path() -> Path:
+    """The daemon's default socket: ``kvtier.config.default_socket_path()`` when it exists,
+    else ``$KVTIER_SOCKET``, ``$XDG_RUNTIME_DIR/kvtier/kvtier.sock`` or
+    ``/tmp/kvtier-$UID/kvtier.sock`` (the same rules, kept here for older cores)."""
+    try:
+        from kvtier.config import default_socket_path as core_default
+    except ImportError:
+        core_default = None
+    if core_default is not None:
+        return Path(core_default())
+    env = os.environ.get("KVTIER_SOCKET")
+    if env:
+        return Path(env)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "kvtier" / "kvtier.sock"
+    return Path(f"/tmp/kvtier-{os.getuid()}") / "kvtier.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """What the connector needs besides vLLM's own config.
+
+    ``tokens_per_block`` must be a multiple of vLLM's ``block_size`` (a kvtier block spans
+    whole engine pages). ``model_id`` defaults to vLLM's model path/name; ``namespace``
+    (optional) prefixes it so two deployments of one model can be kept apart.
+    ``save_decode_tokens`` also offloads KV of generated tokens (off by default: prompts are
+    what gets reused). ``async_load`` loads in a background thread between scheduler steps
+    (vLLM's ``WAITING_FOR_REMOTE_KVS`` path) instead of before the step's forward.
+    ``timeout_s`` bounds every daemon call; reconnect attempts back off from
+    ``reconnect_min_s`` to ``reconnect_max_s``.
+    """
+
+    socket_path: Path
+    tokens_per_block: int
+    model_id: str
+    save_decode_tokens: bool = False
+    async_load: bool = False
+    timeout_s: float = 2.0
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 10.0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, *, block_size: int,
+                   default_model_id: str) -> ConnectorConfig:
+        """Validate ``kv_connector_extra_config``; a bad value raises ``ConfigError``."""
+        extra = dict(extra or {})
+        unknown = set(extra) - _KEYS
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                              f"KVTierConnector accepts {sorted(_KEYS)}")
+        tpb = _positive_int(extra, "tokens_per_block",
+                            _default_tokens_per_block(block_size))
+        if tpb % block_size:
+            raise ConfigError(f"tokens_per_block={tpb} must be a multiple of vLLM's "
+                              f"block_size={block_size}; use e.g. "
+                              f"{_default_tokens_per_block(block_size)}")
+        model_id = str(extra.get("model_id") or default_model_id)
+        prefix = extra.get("namespace")
+        if prefix:
+            model_id = f"{prefix}/{model_id}"
+        socket = extra.get("socket_path")
+        min_s = _positive_float(extra, "reconnect_min_s", 0.5)
+        return cls(
+            socket_path=Path(socket) if socket else default_socket_path(),
+            tokens_per_block=tpb,
+            model_id=model_id,
+            save_decode_tokens=_flag(extra, "save_decode_tokens", False),
+            async_load=_flag(extra, "async_load", False),
+            timeout_s=_positive_float(extra, "timeout_s", 2.0),
+            reconnect_min_s=min_s,
+            reconnect_max_s=max(min_s, _positive_float(extra, "reconnect_max_s", 10.0)),
+        )
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorConfig:
+        """Read the connector's section of a vLLM config."""
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config if transfer is not None else {}
+        return cls.from_extra(extra, block_size=vllm_config.cache_config.block_size,
+                              default_model_id=str(vllm_config.model_config.model))
+
+
+def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
+                                tokens_per_block: int) -> tuple[KVLayout, int]:
+    """The kvtier layout of this engine's (per-rank) KV cache, and vLLM's page size.
+
+    Only one KV cache group of full attention is supported: block keys are a chain over
+    token chunks, which needs every layer to keep every token.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"KVTierConnector supports models with one KV cache group "
+                          f"(full attention); this model has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    for attr in ("num_kv_heads", "head_size", "dtype", "block_size"):
+        if not hasattr(spec, attr):
+            raise ConfigError(f"KVTierConnector needs an attention KV cache spec, got "
+                              f"{type(spec).__name__}")
+    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+        raise ConfigError("KVTierConnector does not support sliding-window or chunked "
+                          "attention caches (they drop old tokens)")
+    head_v = getattr(spec, "head_size_v", spec.head_size)
+    if head_v != spec.head_size:
+        raise ConfigError("KVTierConnector needs K and V of the same head size")
+    layout = KVLayout(
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        tokens_per_block=tokens_per_block,
+        kv_format=CANONICAL_FORMAT,
+    )
+    return layout, int(spec.block_size)
+
+
+def _default_tokens_per_block(block_size: int) -> int:
+    return max(block_size, DEFAULT_TOKENS_PER_BLOCK // block_size * block_size)
+
+
+def _positive_int(extra: dict[str, Any], key: str, default: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a positive int, "
+                          f"got {value!r}")
+    return value
+
+
+def _positive_float(extra: dict[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a positive number, "
+                          f"got {value!r}")
+    return float(value)
+
+
+def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be true or false, "
+                          f"got {value!r}")
+    return value

@@ -1,0 +1,157 @@
+"""KVTierConnector: kvtier as a vLLM v1 KV connector (vLLM 0.32).
+
+Enable with::
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector",
+                           "kv_connector_module_path": "kvtier.connectors.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
+
+vLLM builds one instance per role: the scheduler's (lookups, load and save plans) and one
+per worker (the KV copies). This class only routes vLLM's calls to the half for its role
+(:mod:`.scheduler`, :mod:`.worker`); the halves share nothing but the step metadata.
+
+``kv_load_failure_policy="recompute"`` is strongly recommended: with vLLM's default
+("fail") a block that disappears between lookup and load (daemon restart, eviction, a
+checksum failure) fails the request instead of being recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.errors import ConfigError
+
+from .config import ConnectorConfig, layout_from_kv_cache_config
+from .metadata import KVTierConnectorMetadata
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvtier.connectors.vllm")
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """Prefix reuse across requests, engine restarts and engines on one node, through
+    the node's kvtier daemon."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        if kv_cache_config is None:
+            raise ConfigError("KVTierConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
+        self.config = ConnectorConfig.from_vllm(vllm_config)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ConfigError("KVTierConnector does not support pipeline parallelism yet")
+        layout, block_size = layout_from_kv_cache_config(kv_cache_config,
+                                                         self.config.tokens_per_block)
+        tp_size = parallel.tensor_parallel_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.config, layout, block_size, tp_size)
+            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+            if policy != "recompute":
+                logger.warning("kvtier: kv_load_failure_policy=%r makes vLLM fail a request "
+                               "whose cached KV vanished between lookup and load; set "
+                               "\"kv_load_failure_policy\": \"recompute\"", policy)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+            self._worker = WorkerSide(self.config, layout, block_size, rank, tp_size)
+        logger.info("kvtier: %s side, socket %s, %d tokens per block, model_id %r, tp %d",
+                    role.name.lower(), self.config.socket_path, self.config.tokens_per_block,
+                    self.config.model_id, tp_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A dropped save is only a future miss: kvtier is a best-effort cache."""
+        return False
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def _w(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side call on the scheduler connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._w().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVTierConnectorMetadata):
+            self._w().start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Synchronous loads finish in ``start_load_kv``; asynchronous ones belong to
+        requests vLLM does not run until they are reported finished."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Saving waits for ``wait_for_save``: a kvtier block holds all layers."""
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVTierConnectorMetadata) and meta.saves:
+            self._w().save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                 set[str] | None]:
+        done = self._w().get_finished()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w().take_load_errors()
+
+    def shutdown(self) -> None:
+        for side in (self._worker, self._scheduler):
+            if side is not None:
+                side.shutdown()
+
+    # -- scheduler side --------------------------------------------------------------------
+
+    def _s(self) -> SchedulerSide:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._s().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._s().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request)

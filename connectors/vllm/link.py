@@ -1,0 +1,176 @@
+"""DaemonLink: a kvtier client that never takes vLLM down with it.
+
+vLLM must keep serving when the daemon is absent, restarting or wedged. The link connects
+lazily, turns every failure into "no hit / nothing stored", logs one warning per outage
+(not one per step), and reconnects with exponential backoff. Every daemon call is bounded
+by the client's timeout, so a step never waits longer than ``timeout_s`` per call, and not
+at all while the link is backing off.
+
+A ``kvtier.client`` client is not thread-safe: each thread that talks to the daemon owns
+its own link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvtier.errors import (
+    DaemonUnavailable,
+    KVTierError,
+    ProtocolError,
+    RequestTimeout,
+)
+from kvtier.keys import BlockKey, Namespace
+from kvtier.layout import KVLayout
+
+from .config import ConnectorConfig
+
+logger = logging.getLogger("kvtier.connectors.vllm")
+
+T = TypeVar("T")
+
+# Errors after which the connection itself is suspect: drop it and reconnect later.
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    DaemonUnavailable, RequestTimeout, ProtocolError, OSError, EOFError,
+)
+
+
+def _connect(socket_path: str, timeout: float) -> Any:
+    """Open a client (indirection so the import happens only when a daemon is wanted)."""
+    from kvtier.client import connect
+
+    return connect(socket_path=socket_path, timeout=timeout)
+
+
+@dataclass(slots=True)
+class DaemonLink:
+    """One resilient connection to the node daemon, with namespaces registered on it.
+
+    ``layout``, ``tp_size`` and ``model_id`` are fixed per engine; namespaces differ by
+    (cache_salt, tp_rank) and are computed locally, so keys never need the daemon.
+    """
+
+    config: ConnectorConfig
+    layout: KVLayout
+    tp_size: int = 1
+    name: str = "connector"
+    clock: Callable[[], float] = time.monotonic
+    _client: Any = field(default=None, init=False)
+    _retry_at: float = field(default=0.0, init=False)
+    _backoff: float = field(default=0.0, init=False)
+    _down_since: float | None = field(default=None, init=False)
+    errors: int = field(default=0, init=False)
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def namespace(self, cache_salt: str | None, tp_rank: int) -> Namespace:
+        """The namespace of (salt, rank); computed locally, so keys work without a daemon."""
+        return Namespace(self.config.model_id, self.layout, tp_rank, self.tp_size, cache_salt)
+
+    def call(self, op: Callable[[Any], T], default: T) -> T:
+        """Run ``op(client)``; ``default`` on any failure (the client registers a
+        namespace with the daemon on its first use on a connection)."""
+        client = self._ensure()
+        if client is None:
+            return default
+        try:
+            return op(client)
+        except _CONNECTION_ERRORS as exc:
+            self._drop(exc)
+        except KVTierError as exc:
+            self.errors += 1
+            logger.warning("kvtier %s: daemon refused a request (%s: %s); continuing "
+                           "without it", self.name, exc.code, exc)
+        return default
+
+    @contextlib.contextmanager
+    def lease(self, opener: Callable[[Any], Any]) -> Iterator[Any]:
+        """A put/get lease as a context manager, or ``None`` when the daemon is unusable.
+
+        Errors raised by the daemon while opening or closing the lease drop the
+        connection (or are logged); errors from the body propagate after the lease is
+        aborted/released by the client's own context manager.
+        """
+        client = self._ensure()
+        cm = None
+        if client is not None:
+            try:
+                cm = opener(client)
+                lease = cm.__enter__()
+            except _CONNECTION_ERRORS as exc:
+                self._drop(exc)
+                cm = None
+            except KVTierError as exc:
+                self.errors += 1
+                logger.warning("kvtier %s: lease refused (%s: %s)", self.name, exc.code, exc)
+                cm = None
+        if cm is None:
+            yield None
+            return
+        try:
+            yield lease
+        except BaseException as exc:
+            with contextlib.suppress(*_CONNECTION_ERRORS, KVTierError):
+                cm.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        try:
+            cm.__exit__(None, None, None)
+        except _CONNECTION_ERRORS as exc:
+            self._drop(exc)
+        except KVTierError as exc:
+            self.errors += 1
+            logger.warning("kvtier %s: lease not completed (%s: %s)", self.name, exc.code, exc)
+
+    def lookup(self, namespace: Namespace, keys: Sequence[BlockKey]) -> int:
+        """Leading blocks of ``keys`` the daemon holds (0 when it is unreachable)."""
+        if not keys:
+            return 0
+        return int(self.call(lambda c: c.lookup(namespace, list(keys)).hits, 0))
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _ensure(self) -> Any:
+        if self._client is not None:
+            return self._client
+        now = self.clock()
+        if now < self._retry_at:
+            return None
+        try:
+            self._client = _connect(str(self.config.socket_path), self.config.timeout_s)
+        except (*_CONNECTION_ERRORS, KVTierError) as exc:
+            self._note_down(exc, now)
+            return None
+        if self._down_since is not None:
+            logger.warning("kvtier %s: reconnected to the daemon at %s after %.1f s",
+                           self.name, self.config.socket_path, now - self._down_since)
+        self._down_since = None
+        self._backoff = 0.0
+        return self._client
+
+    def _drop(self, exc: BaseException) -> None:
+        self.errors += 1
+        self.close()
+        self._note_down(exc, self.clock())
+
+    def _note_down(self, exc: BaseException, now: float) -> None:
+        if self._down_since is None:
+            self._down_since = now
+            logger.warning("kvtier %s: daemon unavailable at %s (%s: %s); vLLM continues "
+                           "without KV offload and reconnects in the background",
+                           self.name, self.config.socket_path, type(exc).__name__, exc)
+        self._backoff = min(self.config.reconnect_max_s,
+                            max(self.config.reconnect_min_s, self._backoff * 2))
+        self._retry_at = now + self._backoff

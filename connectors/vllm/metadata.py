@@ -1,0 +1,49 @@
+"""What the scheduler-side connector tells the workers each step.
+
+Specs carry token ids rather than block keys: keys depend on the tensor-parallel rank
+(it is part of the namespace), which only the worker knows. Page ids are in the
+request's logical order, one row of ``pages_per_block`` pages per kvtier block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(slots=True)
+class TransferSpec:
+    """Move kvtier blocks ``[first_block, first_block + len(pages))`` of one request.
+
+    ``token_ids`` are the request's tokens from position 0 through the end of the last
+    block (the key chain starts at the first token). For a load, ``skip_pages`` leading
+    pages of the first block hold locally computed KV that must be kept as is.
+    """
+
+    req_id: str
+    cache_salt: str | None
+    token_ids: np.ndarray
+    first_block: int
+    pages: list[list[int]]
+    skip_pages: int = 0
+
+    @property
+    def end_block(self) -> int:
+        return self.first_block + len(self.pages)
+
+    @property
+    def page_ids(self) -> list[int]:
+        """All pages of the spec, flattened, in token order."""
+        return [p for row in self.pages for p in row]
+
+
+@dataclass(slots=True)
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    """One step's work: loads to run before the forward (or in the background when
+    ``async_loads``), and saves to run after it."""
+
+    loads: list[TransferSpec] = field(default_factory=list)
+    async_loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
