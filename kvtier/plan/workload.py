@@ -61,6 +61,7 @@ class TraceSummary:
     prompt_tokens: ContextPercentiles
     output_tokens_p99: int
     prefix_share: float  # share of prompt tokens in a previously seen prefix
+    block_hit_share: float  # share of block references an unbounded cache hits
     unique_blocks: int
     reused_blocks: int  # unique blocks referenced by two or more requests
 
@@ -116,6 +117,8 @@ def read_trace(path: str | Path, block_tokens: int | None = None) -> TraceSummar
     refs: dict[object, int] = {}
     prompt_total = 0
     hit_total = 0
+    block_refs = 0
+    block_hits = 0
     block: int | None = block_tokens
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -150,6 +153,8 @@ def read_trace(path: str | Path, block_tokens: int | None = None) -> TraceSummar
             refs[key] = refs.get(key, 0) + 1
         prompt_total += prompt
         hit_total += min(hit_blocks * block, prompt)
+        block_refs += len(keys)
+        block_hits += hit_blocks
     if fmt is None or block is None:
         raise PlanError(f"trace {path} holds no requests")
     return TraceSummary(
@@ -161,6 +166,7 @@ def read_trace(path: str | Path, block_tokens: int | None = None) -> TraceSummar
         prompt_tokens=_percentiles(prompts),
         output_tokens_p99=percentile(sorted(outputs), 99),
         prefix_share=hit_total / prompt_total if prompt_total else 0.0,
+        block_hit_share=block_hits / block_refs if block_refs else 0.0,
         unique_blocks=len(refs),
         reused_blocks=sum(1 for n in refs.values() if n >= 2),
     )

@@ -1,0 +1,182 @@
+"""``kvtier plan`` end to end through its argparse entry point (add_parser + run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.plan import add_parser
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "plan"
+MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+
+
+def plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="kvtier")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    code, out, err = plan(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_llama_2_13b_fp16_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = plan(capsys, "--model", "llama-2-13b", "--kv-dtype", "fp16")
+    assert code == 0
+    assert "819,200 B" in out
+    p50 = next(line for line in out.splitlines() if line.startswith("P50"))
+    assert "2,048" in p50 and "1.68 GB" in p50
+
+
+def test_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plan_json(capsys, "--model", "llama-2-13b", "--kv-dtype", "fp16")
+    assert doc["kv_bytes_per_token"] == 819_200
+    assert doc["kv_bytes_per_sequence"]["p50"] == 819_200 * 2048
+    assert set(doc["max_sequences_in_hbm"]) == {"p50", "p95", "p99"}
+    assert doc["weights_bytes"] == 13_015_864_320 * 2
+
+
+def test_14b_params_in_bf16_is_28_gb_of_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plan_json(capsys, "--model", "qwen2.5-14b", "--params", "14B",
+                    "--weights-dtype", "bf16")
+    assert doc["weights_bytes"] == 28_000_000_000
+    counted = plan_json(capsys, "--model", "qwen2.5-14b")  # 14.77 B counted from the config
+    assert counted["weights_bytes"] / 1e9 == pytest.approx(29.5, abs=0.1)
+
+
+def test_sequences_that_fit_and_spill_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
+    # 40 GB x 0.5 = 20 GB; weights 8,030,261,248 x 2 B = 16.06 GB; 3,939,477,504 B left.
+    # A 2,048-token sequence is 2048 x 131,072 = 268,435,456 B: 14 fit; 4,096 tokens: 7.
+    doc = plan_json(capsys, "--model", "llama-3-8b", "--gpu-mem-gb", "40", "--mem-util", "0.5",
+                    "--context", "2048,2048,4096", "--concurrency", "10")
+    assert doc["kv_budget_bytes_per_gpu"] == 20_000_000_000 - 16_060_522_496
+    assert doc["max_sequences_in_hbm"] == {"p50": 14, "p95": 14, "p99": 7}
+    assert doc["spill_bytes_p99"] == (10 - 7) * 4096 * 131_072
+    assert doc["tiers"]["redis"]["bytes"] == 0  # one engine instance
+
+
+def test_replicas_multiply_what_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    one = plan_json(capsys, "--model", "llama-3-70b", "--tp", "4")
+    two = plan_json(capsys, "--model", "llama-3-70b", "--tp", "4", "--gpus", "8")
+    assert two["max_sequences_in_hbm"]["p50"] == 2 * one["max_sequences_in_hbm"]["p50"]
+    assert two["weights_bytes_per_gpu"] == one["weights_bytes_per_gpu"]
+    assert two["tiers"]["redis"]["bytes"] > 0  # shared across the two instances
+
+
+def test_max_output_is_added_to_the_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plan_json(capsys, "--model", "llama-3-8b", "--context", "1000,2000,3000",
+                    "--max-output", "500")
+    assert doc["sequence_tokens"] == {"p50": 1500, "p95": 2500, "p99": 3500}
+
+
+def test_context_beyond_the_model_window_is_capped_with_a_note(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plan_json(capsys, "--model", "llama-2-13b", "--context", "2048,4096,16384")
+    assert doc["sequence_tokens"]["p99"] == 4096
+    assert any("16,384" in n and "4,096" in n for n in doc["notes"])
+
+
+@pytest.mark.parametrize("name", ["llama-2-13b", "llama-3-8b", "mistral-7b", "deepseek-v3"])
+def test_config_json_plans_like_the_preset(capsys: pytest.CaptureFixture[str],
+                                           name: str) -> None:
+    common = ("--context", "2048,16384,65536", "--tp", "1", "--gpu", "h200")
+    preset = plan_json(capsys, "--model", name, *common)
+    from_file = plan_json(capsys, "--model", str(FIXTURES / name / "config.json"), *common)
+    preset.pop("model"), from_file.pop("model")
+    assert from_file == preset
+    folder = plan_json(capsys, "--model", str(FIXTURES / name), *common)
+    folder.pop("model")
+    assert folder == preset
+
+
+def test_trace_gives_the_context_percentiles(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plan_json(capsys, "--model", "llama-3-8b", "--trace",
+                    str(FIXTURES / "mooncake_small.jsonl"))
+    assert doc["sequence_tokens"] == {"p50": 1024, "p95": 2100, "p99": 2100}
+    assert doc["kv_bytes_per_sequence"]["p99"] == 2112 * 131_072  # whole 16-token pages
+    assert doc["prefill_saving"]["prefix_share"] == pytest.approx(2560 / 4848)
+
+
+def test_trace_and_max_output_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = plan(capsys, "--model", "llama-3-8b", "--max-output", "10", "--trace",
+                          str(FIXTURES / "mooncake_small.jsonl"))
+    assert code == 2 and out == ""
+    assert "--max-output" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--model", "gpt-9"], "presets: llama-2-7b"),
+    (["--model", "llama-3-8b", "--kv-dtype", "int4"], "--kv-dtype"),
+    (["--model", "llama-3-8b", "--tp", "3"], "--tp 3"),
+    (["--model", "llama-3-8b", "--gpus", "3", "--tp", "2"], "multiple of --tp"),
+    (["--model", "llama-3-8b", "--context", "8k"], "--context"),
+    (["--model", "llama-3-8b", "--context", "4096,2048,8192"], "must not decrease"),
+    (["--model", "llama-3-8b", "--gpu", "tpu-v5"], "unknown GPU"),
+    (["--model", "llama-3-8b", "--trace", "/nonexistent/trace.jsonl"], "cannot read trace"),
+])
+def test_bad_input_is_exit_2_with_a_message(capsys: pytest.CaptureFixture[str],
+                                            argv: list[str], needle: str) -> None:
+    code, out, err = plan(capsys, *argv)
+    assert code == 2 and out == ""
+    assert needle in err and err.startswith("kvtier plan: error:")
+
+
+def test_malformed_config_json_is_a_clear_error(capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text('{"num_hidden_layers": 32,')
+    code, _, err = plan(capsys, "--model", str(bad))
+    assert code == 2 and "cannot read model config" in err
+
+
+def test_weights_that_do_not_fit_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plan_json(capsys, "--model", "llama-3-70b", "--gpu", "l4")
+    assert doc["max_sequences_in_hbm"] == {"p50": 0, "p95": 0, "p99": 0}
+    assert any("weights do not fit" in n for n in doc["notes"])
+
+
+def test_mla_under_tp_notes_the_replicated_latent(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plan_json(capsys, "--model", "deepseek-v3", "--gpu", "h200", "--tp", "8")
+    assert doc["kv_bytes_per_token_per_gpu"] == 70_272
+    assert doc["weights_dtype"] == "fp8"
+    assert any("MLA" in n for n in doc["notes"])
+
+
+def test_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "kv.png"
+    code, _, err = plan(capsys, "--model", "llama-3-8b", "--plot", str(out))
+    assert code == 0, err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_says_how_to_install(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    code, out, err = plan(capsys, "--model", "llama-3-8b", "--plot", str(tmp_path / "x.png"))
+    assert code == 2 and out == ""
+    assert "matplotlib" in err and "pip install" in err
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared Mooncake trace not present")
+def test_real_mooncake_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plan_json(capsys, "--model", "deepseek-v3", "--gpu", "h200", "--tp", "8",
+                    "--trace", str(MOONCAKE))
+    p = doc["sequence_tokens"]
+    assert p["p50"] < p["p95"] < p["p99"] < doc["model"]["max_context"]
+    assert doc["kv_bytes_per_sequence"]["p99"] == -(-p["p99"] // 16) * 16 * 70_272
+    assert 0.6 < doc["prefill_saving"]["prefix_share"] < 0.7
+    capped = plan_json(capsys, "--model", "llama-3-8b", "--trace", str(MOONCAKE))
+    assert capped["sequence_tokens"]["p99"] == 8192  # Llama-3's context window
