@@ -1,0 +1,89 @@
+"""A real kvtier daemon as a subprocess, for integration tests.
+
+Starts ``python -m kvtier.cli serve`` on a temp socket, data directory and a free HTTP
+port, waits until it answers, and can SIGKILL, SIGTERM and restart it on the same data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class DaemonProcess:
+    root: Path
+    cpu_bytes: str = "64MiB"
+    nvme_bytes: str = "256MiB"
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[str] | None = None
+    http_url: str = ""
+    log_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.root / "daemon.log"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "kvtier.sock"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    def start(self, timeout: float = 30.0) -> DaemonProcess:
+        args = [sys.executable, "-m", "kvtier.cli", "serve", "--data-dir", str(self.data_dir),
+                "--socket", str(self.socket), "--http-port", "0",
+                "--cpu-bytes", self.cpu_bytes, "--nvme-bytes", self.nvme_bytes,
+                *self.extra_args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        log = open(self.log_path, "a")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True,
+                                     env=env)
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        banner = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            banner.append(line)
+            m = re.search(r"http:\s+(http://[0-9.]+:\d+)", line)
+            if m:
+                self.http_url = m.group(1)
+            if line.strip().startswith("policy:"):
+                return self
+        self.kill()
+        raise RuntimeError(f"daemon did not start: {''.join(banner)}\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def stats(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.http_url + "/v1/stats", timeout=5) as r:
+            return json.loads(r.read())
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def restart(self) -> DaemonProcess:
+        self.kill()
+        return self.start()
