@@ -190,9 +190,10 @@ def derive(engine: list[EngineSample], stats: list[KVTierStats],
         )
     if stats:
         s0, s1 = stats[0], stats[-1]
-        for section in s1.missing:
-            notes.append(f"kvtier stats from {s1.source} lack '{section}': checks that need "
-                         "it use the engine's metrics or are skipped")
+        if s1.missing:
+            lacking = ", ".join(f"'{x}'" for x in s1.missing)
+            notes.append(f"kvtier stats lack {lacking}: checks that need them use the "
+                         "engine's metrics or are skipped")
         if s1.version not in (None, 1):
             notes.append(f"kvtier stats version {s1.version} is newer than this doctor "
                          "knows (1); reading the fields it recognises")
