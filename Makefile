@@ -45,8 +45,8 @@ kernels-check: $(STAMP)
 	@if command -v nvcc >/dev/null 2>&1; then $(PY) -m kvtier.kernels.build --arch sm_90; \
 	else echo "kernels-check: nvcc not found, CUDA sources not compiled"; fi
 
-bench: $(TSTAMP)
-	$(VENV)/bin/kvtier bench
+bench: $(STAMP)
+	$(PY) benchmarks/bench_tiers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
