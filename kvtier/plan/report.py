@@ -35,11 +35,11 @@ def render_table(plan: Plan) -> str:
         + (f", trace {p.trace.path} ({p.trace.requests:,} requests)" if p.trace else "")
         + (f", max output {p.max_output:,} tokens" if p.max_output else ""),
         "",
-        f"weights ({plan.weights_dtype})          {gb(plan.weights_bytes)} total, "
+        f"{'weights (' + plan.weights_dtype + ')':<24} {gb(plan.weights_bytes)} total, "
         f"{gb(plan.weights_bytes_per_gpu)} per GPU",
-        f"KV per token ({p.kv_dtype})      {plan.kv_bytes_per_token:,} B"
+        f"{'KV per token (' + p.kv_dtype + ')':<24} {plan.kv_bytes_per_token:,} B"
         + (f" ({plan.kv_bytes_per_token_per_gpu:,} B per GPU)" if p.tp > 1 else ""),
-        f"HBM left for KV per GPU  {gb(plan.kv_budget_bytes_per_gpu)} "
+        f"{'HBM left for KV per GPU':<24} {gb(plan.kv_budget_bytes_per_gpu)} "
         f"({p.mem_util:.2f} x {gb(p.gpu.memory_bytes)} - weights"
         + (f" - reserve {gb(p.reserve_bytes)}" if p.reserve_bytes else "") + ")",
         "",
