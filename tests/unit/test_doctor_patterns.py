@@ -133,3 +133,20 @@ def test_interval_from_daemon_uptime(capsys: pytest.CaptureFixture[str]) -> None
                           "--stats", *files("preemption", "stats"), "--json")
     assert code == 1
     assert json.loads(out)["signals"]["interval_s"] == pytest.approx(10.0)
+
+
+def test_kvtier_command_line_runs_doctor_in_a_subprocess() -> None:
+    pytest.importorskip("kvtier.cli")
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from kvtier.cli import main; sys.exit(main())",
+         "doctor", *scenario_argv("long_prompts"), "--json"],
+        capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert [f["pattern"] for f in json.loads(proc.stdout)["findings"]] == [
+        Pattern.LONG_PROMPTS_KV_FULL.value]
