@@ -248,20 +248,21 @@ class TieredStore:
                 tiers.append("nvme")
                 self.nvme_policy.touch(k, now=now)
                 to_promote.append(meta)
+        # Per tier: a hit is a block found there; a miss is a block that reached the tier
+        # and was not there (blocks past the first overall miss reach no tier).
         n_local = len(tiers)
         n_cpu = tiers.count("cpu")
+        stopped = 1 if n_local < len(keys) else 0
         cpu_c.hit_blocks += n_cpu
         cpu_c.hit_tokens += n_cpu * tpb
-        if n_local < len(keys):
-            cpu_c.miss_blocks += 1
-            cpu_c.miss_tokens += tpb
+        cpu_c.miss_blocks += n_local - n_cpu + stopped
+        cpu_c.miss_tokens += (n_local - n_cpu + stopped) * tpb
         if self.nvme is not None:
             nc = self.nvme.counters
             nc.hit_blocks += n_local - n_cpu
             nc.hit_tokens += (n_local - n_cpu) * tpb
-            if n_local < len(keys):
-                nc.miss_blocks += 1
-                nc.miss_tokens += tpb
+            nc.miss_blocks += stopped
+            nc.miss_tokens += stopped * tpb
         redis_keys: list[bytes] = []
         if n_local < len(keys) and self.redis is not None and self.redis.up:
             n_r = await self.redis.exists_prefix(keys[n_local:])
