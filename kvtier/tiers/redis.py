@@ -58,8 +58,9 @@ EXISTS_BATCH = 64                 # keys per pipelined EXISTS round trip
 GET_BATCH_KEYS = 32               # keys per pipelined GET round trip ...
 GET_BATCH_BYTES = 16 << 20        # ... and about this many bytes
 SET_BATCH_KEYS = 32               # same bounds for one pipelined SET batch
-SET_BATCH_BYTES = 16 << 20
-INLINE_DECODE_BYTES = 1 << 20     # decode smaller batches on the loop, larger in a thread
+SET_BATCH_BYTES = 4 << 20
+INLINE_DECODE_BYTES = 1 << 20     # check/decode/frame smaller batches on the loop, larger
+                                  # in a thread (xxh3, memcpy and codecs release the GIL)
 DOWN_AFTER_FAILURES = 3           # soft failures (timeouts, error replies) in a row
 BACKOFF_START_S = 0.05
 BACKOFF_CAP_S = 5.0
@@ -221,34 +222,47 @@ class RedisTier:
         trouble (down, timeouts, error replies all end the run early).
         """
         n = min(len(keys), len(outs))
+        bounds = _batches([o.nbytes for o in outs[:n]], GET_BATCH_KEYS, GET_BATCH_BYTES)
         filled = 0
-        while self._up and filled < n:
-            end, size = filled, 0
-            while end < n and end - filled < GET_BATCH_KEYS and (
-                    end == filled or size + outs[end].nbytes <= GET_BATCH_BYTES):
-                size += outs[end].nbytes
-                end += 1
-            rkeys = [self._rkey(k) for k in keys[filled:end]]
-            try:
-                values = await self._pipeline([("GET", k) for k in rkeys])
-            except Exception as exc:
-                self._failed(exc)
-                break
-            self._succeeded()
-            wire = sum(len(v) for v in values if isinstance(v, bytes))
-            self.counters.bytes_read += wire
-            args = (values, keys[filled:end], outs[filled:end], namespace, layout_fp)
-            if wire > INLINE_DECODE_BYTES:
-                got, bad, why = await asyncio.to_thread(_decode_run, *args)
-            else:
-                got, bad, why = _decode_run(*args)
-            if got < len(values) and isinstance(values[got], Exception):
-                self._failed(values[got])
-            if bad is not None:
-                await self._drop_corrupt(rkeys[bad], why)
-            filled += got
-            if got < len(values):
-                break
+        fetch: asyncio.Task[list[Any]] | None = None
+        try:
+            for i, (lo, hi) in enumerate(bounds):
+                if not self._up:
+                    break
+                rkeys = [self._rkey(k) for k in keys[lo:hi]]
+                if fetch is None:
+                    fetch = asyncio.ensure_future(self._pipeline([("GET", k) for k in rkeys]))
+                try:
+                    values = await fetch
+                except Exception as exc:
+                    self._failed(exc)
+                    break
+                finally:
+                    fetch = None
+                self._succeeded()
+                if i + 1 < len(bounds):  # read ahead while this batch is checked and copied
+                    nlo, nhi = bounds[i + 1]
+                    nxt = [("GET", self._rkey(k)) for k in keys[nlo:nhi]]
+                    fetch = asyncio.ensure_future(self._pipeline(nxt))
+                wire = sum(len(v) for v in values if isinstance(v, bytes))
+                self.counters.bytes_read += wire
+                args = (values, keys[lo:hi], outs[lo:hi], namespace, layout_fp)
+                if wire > INLINE_DECODE_BYTES:
+                    got, bad, why = await asyncio.to_thread(_decode_run, *args)
+                else:
+                    got, bad, why = _decode_run(*args)
+                if got < len(values) and isinstance(values[got], Exception):
+                    self._failed(values[got])
+                if bad is not None:
+                    await self._drop_corrupt(rkeys[bad], why)
+                filled += got
+                if got < len(values):
+                    break
+        finally:
+            if fetch is not None:  # a read-ahead past the first miss: not needed
+                fetch.cancel()
+                with contextlib.suppress(BaseException):
+                    await fetch
         self.counters.hit_blocks += filled
         self.counters.miss_blocks += n - filled
         return filled
@@ -346,7 +360,7 @@ class RedisTier:
 
     async def _write_batch(self, batch: list[PendingWrite]) -> None:
         try:
-            if self._codec is Codec.NONE:
+            if self._codec is Codec.NONE and sum(it.raw_len for it in batch) <= INLINE_DECODE_BYTES:
                 for item in batch:  # header + checksum only: the payload is already copied
                     frame_pending(item, Codec.NONE, self._elem_bytes)
             else:
@@ -464,6 +478,22 @@ class RedisTier:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _batches(sizes: Sequence[int], max_keys: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Split consecutive items into [lo, hi) runs of at most ``max_keys`` items and about
+    ``max_bytes`` bytes (a run always holds at least one item)."""
+    bounds: list[tuple[int, int]] = []
+    lo = 0
+    while lo < len(sizes):
+        hi, total = lo, 0
+        while hi < len(sizes) and hi - lo < max_keys and (
+                hi == lo or total + sizes[hi] <= max_bytes):
+            total += sizes[hi]
+            hi += 1
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
 
 
 def _describe(exc: BaseException) -> str:

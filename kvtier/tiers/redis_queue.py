@@ -38,8 +38,8 @@ class PendingWrite:
     def copy_of(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
                 seq: int, payload: memoryview) -> PendingWrite:
         """Snapshot ``payload`` (one memcpy) into a buffer with room for the header."""
-        buf = bytearray(HEADER_SIZE + payload.nbytes)
-        buf[HEADER_SIZE:] = payload.cast("B") if payload.format != "B" else payload
+        buf = bytearray(HEADER_SIZE)  # grown by the copy: no zero-fill pass over the payload
+        buf += payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
         return cls(redis_key, namespace, key, layout_fp, seq, buf, payload.nbytes)
 
 
