@@ -38,6 +38,8 @@ T = TypeVar("T")
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     DaemonUnavailable, RequestTimeout, ProtocolError, OSError, EOFError,
 )
+# Of those, the ones a fresh connection may cure at once (the daemon restarted).
+_RETRYABLE: tuple[type[BaseException], ...] = (DaemonUnavailable, OSError, EOFError)
 
 
 def _connect(socket_path: str, timeout: float) -> Any:
@@ -77,18 +79,8 @@ class DaemonLink:
     def call(self, op: Callable[[Any], T], default: T) -> T:
         """Run ``op(client)``; ``default`` on any failure (the client registers a
         namespace with the daemon on its first use on a connection)."""
-        client = self._ensure()
-        if client is None:
-            return default
-        try:
-            return op(client)
-        except _CONNECTION_ERRORS as exc:
-            self._drop(exc)
-        except KVTierError as exc:
-            self.errors += 1
-            logger.warning("kvtier %s: daemon refused a request (%s: %s); continuing "
-                           "without it", self.name, exc.code, exc)
-        return default
+        ok, value = self._run(op)
+        return value if ok else default
 
     @contextlib.contextmanager
     def lease(self, opener: Callable[[Any], Any]) -> Iterator[Any]:
@@ -98,22 +90,16 @@ class DaemonLink:
         connection (or are logged); errors from the body propagate after the lease is
         aborted/released by the client's own context manager.
         """
-        client = self._ensure()
-        cm = None
-        if client is not None:
-            try:
-                cm = opener(client)
-                lease = cm.__enter__()
-            except _CONNECTION_ERRORS as exc:
-                self._drop(exc)
-                cm = None
-            except KVTierError as exc:
-                self.errors += 1
-                logger.warning("kvtier %s: lease refused (%s: %s)", self.name, exc.code, exc)
-                cm = None
-        if cm is None:
+
+        def open_lease(client: Any) -> tuple[Any, Any]:
+            cm = opener(client)
+            return cm, cm.__enter__()
+
+        ok, opened = self._run(open_lease)
+        if not ok:
             yield None
             return
+        cm, lease = opened
         try:
             yield lease
         except BaseException as exc:
@@ -127,6 +113,36 @@ class DaemonLink:
         except KVTierError as exc:
             self.errors += 1
             logger.warning("kvtier %s: lease not completed (%s: %s)", self.name, exc.code, exc)
+
+    def _run(self, op: Callable[[Any], T]) -> tuple[bool, T | None]:
+        """``(True, op(client))``, or ``(False, None)`` after a failure.
+
+        A connection that worked before and now fails at once (broken pipe, reset: the
+        daemon restarted) is replaced immediately and the call retried once; a timeout is
+        not retried, so one call never waits more than twice ``timeout_s``.
+        """
+        for attempt in range(2):
+            reused = self._client is not None
+            client = self._ensure()
+            if client is None:
+                return False, None
+            try:
+                return True, op(client)
+            except _RETRYABLE as exc:
+                if attempt == 0 and reused:
+                    self.close()
+                    logger.info("kvtier %s: daemon connection lost (%s); reconnecting",
+                                self.name, exc)
+                    continue
+                self._drop(exc)
+            except _CONNECTION_ERRORS as exc:
+                self._drop(exc)
+            except KVTierError as exc:
+                self.errors += 1
+                logger.warning("kvtier %s: daemon refused a request (%s: %s); continuing "
+                               "without it", self.name, exc.code, exc)
+            return False, None
+        return False, None
 
     def lookup(self, namespace: Namespace, keys: Sequence[BlockKey]) -> int:
         """Leading blocks of ``keys`` the daemon holds (0 when it is unreachable)."""

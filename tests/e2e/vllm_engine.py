@@ -1,0 +1,107 @@
+"""Helpers shared by the vLLM end-to-end tests, and a runner for engines in subprocesses.
+
+Tiny random Llama: no download; ``initializer_range=0.3`` so greedy outputs depend on the
+context (with the default 0.02 every prompt yields nearly the same tokens and equality
+checks prove nothing). The CPU attention backend needs a supported head size (32).
+
+As a script (``python tests/e2e/vllm_engine.py SPEC.json OUT.json``) it runs one engine
+and a list of phases, each a list of prompts generated together, and writes the tokens
+and ``num_cached_tokens`` of every request: this is how tests get a second engine
+process, an engine in vLLM's default multiprocess mode, and a baseline without kvtier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 32          # vLLM page size
+TOKENS_PER_BLOCK = 64    # kvtier block: two vLLM pages, so page<->block mapping is exercised
+VOCAB = 1000
+MAX_TOKENS = 12
+
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def build_tiny_llama(path: Path) -> Path:
+    """A 2-layer random LlamaForCausalLM (hidden 64, 4 heads, 2 KV heads, head_dim 32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=4096, initializer_range=0.3,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """Deterministic token ids in [1, VOCAB)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def kv_transfer_config(socket: Path | str, **extra: Any) -> dict[str, Any]:
+    """The KVTransferConfig fields of a kvtier-enabled engine."""
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket_path": str(socket),
+                                      "tokens_per_block": TOKENS_PER_BLOCK,
+                                      "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
+                                      **extra},
+    }
+
+
+def make_llm(model: Path, transfer: dict[str, Any] | None) -> Any:
+    """An engine as the issue prescribes (float32, block 32, eager, no local prefix cache)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if transfer is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
+    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32",
+               block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=False,
+               max_model_len=4096, seed=0, **kwargs)
+
+
+def generate(llm: Any, prompts: list[list[int]], salts: list[str | None] | None = None,
+             max_tokens: int = MAX_TOKENS) -> list[tuple[list[int], int]]:
+    """Greedy outputs and num_cached_tokens of each prompt, in order."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    salts = salts or [None] * len(prompts)
+    inputs = []
+    for p, salt in zip(prompts, salts, strict=True):
+        tp = TokensPrompt(prompt_token_ids=p)
+        if salt is not None:
+            tp["cache_salt"] = salt
+        inputs.append(tp)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    llm = make_llm(Path(spec["model"]), spec.get("transfer"))
+    results = []
+    for phase in spec["phases"]:
+        results.append(generate(llm, phase["prompts"], phase.get("salts"),
+                                phase.get("max_tokens", MAX_TOKENS)))
+    Path(out_path).write_text(json.dumps(results))
+    os._exit(0)  # skip vLLM's slow interpreter teardown; results are on disk
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
