@@ -147,24 +147,27 @@ class RedisTier:
         self._writer = asyncio.create_task(self._write_loop(), name="kvtier-redis-writer")
         self._monitor = asyncio.create_task(self._monitor_loop(), name="kvtier-redis-health")
 
-    async def close(self) -> None:
-        """Drain pending writes for at most CLOSE_FLUSH_S, then stop tasks and close pools.
+    async def close(self, timeout: float = CLOSE_FLUSH_S) -> None:
+        """Drain pending writes for at most ``timeout`` s, then stop tasks and close pools.
 
-        Writes still queued after the bounded wait are dropped and counted.
+        Writes still queued after the bounded wait are dropped and counted. Cleanup runs
+        even when the caller cancels the drain (e.g. an outer ``wait_for``).
         """
         if self._closed:
             return
-        await self.flush(timeout=CLOSE_FLUSH_S)
-        self._closed = True
-        self.counters.dropped_writes += self._queue.clear()
-        tasks = [t for t in (self._writer, self._monitor, self._reconnector) if t]
-        tasks += list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await close_quietly(self._client)
-        self._client = None
-        self._up = False
+        try:
+            await self.flush(timeout=timeout)
+        finally:
+            self._closed = True
+            self.counters.dropped_writes += self._queue.clear()
+            tasks = [t for t in (self._writer, self._monitor, self._reconnector) if t]
+            tasks += list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await close_quietly(self._client)
+            self._client = None
+            self._up = False
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write was sent; False on timeout or while down.

@@ -1,0 +1,155 @@
+"""Two real daemons (separate data directories and sockets) sharing one real Redis, driven
+through the client: blocks cross "nodes" through Redis, and Redis trouble never reaches a
+client (it only shows as a down tier in stats and metrics)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.client import connect
+from kvtier.keys import block_keys
+from kvtier.layout import KVLayout
+from tests.support.daemon import DaemonProcess
+from tests.support.redis_servers import (
+    RedisServer,
+    free_port,
+    redis_server_or_skip,
+    running_server,
+    start_server,
+)
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
+                  tokens_per_block=64)  # 32 KiB blocks
+WRITE_THROUGH = {"KVTIER_REDIS_WRITE_THROUGH": "true"}
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    with running_server(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture
+def node_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    made: list[DaemonProcess] = []
+
+    def make(name: str, redis_url: str, *extra: str) -> DaemonProcess:
+        d = DaemonProcess(tmp_path / name, extra_args=["--redis-url", redis_url, *extra],
+                          env=dict(WRITE_THROUGH))
+        made.append(d)
+        return d.start()
+
+    try:
+        yield make
+    finally:
+        for d in made:
+            d.kill()
+
+
+def content(key: bytes, nbytes: int) -> np.ndarray:
+    seed = int.from_bytes(key[:8], "little")
+    return np.random.default_rng(seed).standard_normal(nbytes // 2).astype(np.float16).view(
+        np.uint8)
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def redis_stats(node: DaemonProcess) -> dict:
+    return node.stats()["tiers"]["redis"]
+
+
+def tier_up_metric(node: DaemonProcess) -> float:
+    with urllib.request.urlopen(node.http_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith("kvtier_tier_up{") and 'tier="redis"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("kvtier_tier_up{tier=\"redis\"} not exported")
+
+
+def test_block_put_on_node_a_is_read_exactly_on_node_b(
+        redis_server: RedisServer, node_factory: Callable[..., DaemonProcess]) -> None:
+    node_a = node_factory("a", redis_server.url)
+    node_b = node_factory("b", redis_server.url)
+    ca, cb = connect(node_a.socket), connect(node_b.socket)
+    ns_a = ca.register_layout(LAYOUT, "model")
+    keys = block_keys(ns_a, np.arange(8 * 64))
+    data = [content(bytes(k), LAYOUT.block_bytes) for k in keys]
+    assert ca.put(ns_a, keys, data) == 8
+    admin = redis_server.client()
+    wait_for(lambda: admin.dbsize() == 8)  # write-behind reached Redis
+
+    ns_b = cb.register_layout(LAYOUT, "model")
+    found = cb.lookup(ns_b, keys)
+    assert found.hits == 8 and set(found.tiers) == {"redis"}
+    outs = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
+    assert cb.get(ns_b, keys, outs) == 8
+    for out, want in zip(outs, data, strict=True):
+        assert np.array_equal(out, want)
+    stats = redis_stats(node_b)
+    assert stats["up"] and stats["hit_blocks"] >= 8 and stats["checksum_failures"] == 0
+    # a tenant with another cache salt never sees node A's blocks
+    salted = cb.register_layout(LAYOUT, "model", cache_salt="tenant-b")
+    assert cb.lookup(salted, block_keys(salted, np.arange(8 * 64))).hits == 0
+    ca.close()
+    cb.close()
+
+
+def test_redis_killed_mid_run_clients_see_no_error(
+        redis_server: RedisServer, node_factory: Callable[..., DaemonProcess]) -> None:
+    node = node_factory("a", redis_server.url)
+    c = connect(node.socket)
+    ns = c.register_layout(LAYOUT, "model")
+    keys = block_keys(ns, np.arange(16 * 64))
+    data = [content(bytes(k), LAYOUT.block_bytes) for k in keys]
+    assert c.put(ns, keys[:8], data[:8]) == 8
+    assert tier_up_metric(node) == 1.0
+
+    redis_server.kill()
+    assert c.put(ns, keys[8:], data[8:]) == 8          # served by the cpu tier
+    assert c.lookup(ns, keys).hits == 16
+    outs = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
+    assert c.get(ns, keys, outs) == 16
+    assert all(np.array_equal(o, d) for o, d in zip(outs, data, strict=True))
+    wait_for(lambda: not redis_stats(node)["up"])
+    assert redis_stats(node)["errors"] >= 1
+    assert tier_up_metric(node) == 0.0
+
+    redis_server.start()
+    wait_for(lambda: redis_stats(node)["up"])
+    assert tier_up_metric(node) == 1.0
+    more = block_keys(ns, np.arange(20 * 64))[16:]
+    assert c.put(ns, more, [content(bytes(k), LAYOUT.block_bytes) for k in more]) == 4
+    admin = redis_server.client()
+    wait_for(lambda: admin.dbsize() >= 4)
+    c.close()
+
+
+def test_daemon_starts_and_serves_with_redis_unreachable(
+        tmp_path: Path, node_factory: Callable[..., DaemonProcess]) -> None:
+    redis_server_or_skip()
+    port = free_port()
+    node = node_factory("a", f"redis://127.0.0.1:{port}/0")
+    c = connect(node.socket)
+    ns = c.register_layout(LAYOUT, "model")
+    keys = block_keys(ns, np.arange(4 * 64))
+    assert c.put(ns, keys, [content(bytes(k), LAYOUT.block_bytes) for k in keys]) == 4
+    assert c.lookup(ns, keys).hits == 4
+    assert not redis_stats(node)["up"] and tier_up_metric(node) == 0.0
+    server = start_server(tmp_path / "late-redis", port=port)
+    try:
+        wait_for(lambda: redis_stats(node)["up"])
+    finally:
+        server.stop()
+    c.close()
