@@ -6,6 +6,8 @@ Importing the package registers the built-in eviction policies, so
 
 from __future__ import annotations
 
+from kvtier.policy import cost as _cost  # noqa: F401  (registers "cost")
+from kvtier.policy import lfu as _lfu  # noqa: F401  (registers "lfu")
 from kvtier.policy import lru as _lru  # noqa: F401  (registers "lru")
 from kvtier.policy.base import (
     AdmissionPolicy,

@@ -1,0 +1,208 @@
+"""``kvtier replay TRACE``: measure eviction policies on a request trace.
+
+Wiring: ``kvtier/cli.py`` calls :func:`add_parser` with its subparsers; the parsed
+namespace's ``func`` is :func:`run`, which returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from kvtier.errors import KVTierError
+from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondHitAdmission, WriteBudget
+from kvtier.policy.costmodel import BlockCosts, PrefillModel
+from kvtier.policy.prefetch import PrefetchWait
+from kvtier.replay.report import format_table, to_record
+from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
+from kvtier.replay.trace import Trace, TraceFormat, load_trace
+
+POLICIES = ("lru", "lfu", "cost", "belady")
+DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.40)
+DEFAULT_BW = {"hbm": 1.0e12, "cpu": 25.0e9, "nvme": 3.0e9, "redis": 1.0e9}
+
+
+def _kv(text: str, what: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{what} must look like NAME=VALUE, got {text!r}")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} {text!r}: {value!r} is not a number") from None
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``replay`` subcommand on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "replay",
+        help="replay a request trace through the tiers with each eviction policy",
+        description="Replay a Mooncake or Alibaba Bailian JSONL trace through a simulated "
+        "tier hierarchy driven by kvtier's own policies, and compare them with LRU and "
+        "Belady's offline bound.",
+    )
+    p.add_argument("trace", help="JSONL trace file (Mooncake or Alibaba Bailian format)")
+    p.add_argument("--format", choices=[f.value for f in TraceFormat], default="auto")
+    p.add_argument("--block-tokens", type=int, default=None,
+                   help="tokens per hash id (default: 512 Mooncake, 16 Bailian)")
+    p.add_argument("--policy", nargs="+", choices=POLICIES, default=list(POLICIES),
+                   help="policies to compare (default: all)")
+    p.add_argument("--capacity-fraction", nargs="+", type=float, default=None,
+                   help="one-tier runs sized as fractions of the trace's unique blocks "
+                   "(default: 0.01 0.02 0.05 0.1 0.2 0.4)")
+    p.add_argument("--tier", action="append", default=[], metavar="NAME=BLOCKS",
+                   type=lambda s: _kv(s, "--tier"),
+                   help="a tier and its size in blocks, top first (e.g. --tier cpu=2000 "
+                   "--tier nvme=20000); replaces --capacity-fraction")
+    p.add_argument("--bandwidth", action="append", default=[], metavar="NAME=B/S",
+                   type=lambda s: _kv(s, "--bandwidth"),
+                   help="read bandwidth of a tier toward the GPU (defaults: cpu 25e9, "
+                   "nvme 3e9, redis 1e9)")
+    p.add_argument("--nvme-admission", choices=["always", "second-hit"], default="always")
+    p.add_argument("--nvme-write-budget", type=float, default=None, metavar="B/S",
+                   help="token-bucket write budget of the nvme tier")
+    p.add_argument("--prefetch", choices=[w.value for w in PrefetchWait], default="wait")
+    p.add_argument("--model-params", type=float, default=8.0e9)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--flops", type=float, default=4.0e14, help="effective prefill FLOP/s")
+    p.add_argument("--bytes-per-token", type=int, default=131072,
+                   help="KV bytes per token (default: 8B model, 8 KV heads, fp16)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--json", action="store_true", help="one JSON object per line per run")
+    p.add_argument("--progress", action="store_true",
+                   help="show a progress bar even when stderr is not a terminal")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw hit rate against capacity (needs matplotlib)")
+    p.set_defaults(func=run)
+    return p
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn at most 10 times a second."""
+
+    def __init__(self, total: int, label: str, stream: TextIO) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.label = label
+        self.stream = stream
+        self.t0 = time.monotonic()
+        self.last = 0.0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= 0.1 or self.done >= self.total:
+            self.last = now
+            frac = self.done / self.total
+            bar = "#" * int(frac * 30)
+            rate = self.done / max(now - self.t0, 1e-9)
+            self.stream.write(f"\r{self.label:<18} [{bar:<30}] {frac:6.1%} {rate:>9,.0f} refs/s")
+            self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def _admission(args: argparse.Namespace) -> Callable[[str], AdmissionPolicy]:
+    def build(tier: str) -> AdmissionPolicy:
+        if tier != "nvme":
+            return AlwaysAdmit()
+        inner: AdmissionPolicy | None = (
+            SecondHitAdmission() if args.nvme_admission == "second-hit" else None
+        )
+        if args.nvme_write_budget is not None:
+            burst = max(args.nvme_write_budget, 1.0)
+            return WriteBudget(args.nvme_write_budget, burst, inner=inner)
+        return inner or AlwaysAdmit()
+
+    return build
+
+
+def _configs(args: argparse.Namespace, trace: Trace) -> list[tuple[float | None, SimConfig]]:
+    bw = dict(DEFAULT_BW)
+    bw.update(dict(args.bandwidth))
+    costs = BlockCosts(
+        block_tokens=trace.block_tokens,
+        block_bytes=trace.block_tokens * args.bytes_per_token,
+        prefill=PrefillModel(params=args.model_params, layers=args.layers, hidden=args.hidden,
+                             flops_per_s=args.flops),
+    )
+    common: dict[str, Any] = {
+        "costs": costs, "bytes_per_token": args.bytes_per_token,
+        "prefetch": PrefetchWait(args.prefetch), "admission": _admission(args),
+    }
+    if args.tier and args.capacity_fraction:
+        raise KVTierError("give either --tier sizes or --capacity-fraction, not both")
+    if args.tier:
+        tiers = tuple(
+            TierSpec(name, int(blocks), bw.get(name, DEFAULT_BW["cpu"]))
+            for name, blocks in args.tier
+        )
+        return [(None, SimConfig(tiers=tiers, **common))]
+    unique = trace.n_unique_blocks
+    out = []
+    for f in args.capacity_fraction or DEFAULT_FRACTIONS:
+        if not 0 < f <= 1:
+            raise KVTierError(f"--capacity-fraction must be in (0, 1], got {f}")
+        cap = max(1, int(unique * f))
+        out.append((f, SimConfig(tiers=(TierSpec("cpu", cap, bw["cpu"]),), **common)))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``kvtier replay``; prints a table (or JSON lines) and returns the exit code."""
+    try:
+        trace = load_trace(args.trace, fmt=TraceFormat(args.format),
+                           block_tokens=args.block_tokens)
+        if args.limit is not None:
+            trace = Trace(trace.requests[: args.limit], trace.block_tokens, trace.format)
+        configs = _configs(args, trace)
+    except KVTierError as exc:
+        print(f"kvtier replay: {exc}", file=sys.stderr)
+        return 2
+    show = args.progress or sys.stderr.isatty()
+    results: list[ReplayResult] = []
+    for fraction, config in configs:
+        for policy in args.policy:
+            bar = None
+            if show:
+                label = f"{policy} " + (f"{fraction:.0%}" if fraction is not None else "tiers")
+                bar = _Progress(trace.n_references, label, sys.stderr)
+            results.append(simulate(trace, policy, config, capacity_fraction=fraction,
+                                    progress=bar))
+            if bar is not None:
+                bar.close()
+    if args.json:
+        for r in results:
+            print(json.dumps(to_record(r, results)))
+    else:
+        print(f"{args.trace}: {len(trace.requests)} requests, {trace.n_references} block "
+              f"references, {trace.n_unique_blocks} unique blocks of {trace.block_tokens} tokens")
+        print(format_table(results))
+    if args.plot:
+        from kvtier.replay.plot import plot_hit_rates
+
+        try:
+            plot_hit_rates(results, args.plot)
+        except KVTierError as exc:
+            print(f"kvtier replay: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point (``python -m kvtier.replay.cli``) until kvtier/cli.py wires it."""
+    parser = argparse.ArgumentParser(prog="kvtier")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

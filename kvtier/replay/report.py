@@ -1,0 +1,103 @@
+"""Turn replay results into the table an operator reads and the JSON a script parses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.replay.simulator import ReplayResult
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[idx]
+
+
+def _belady_of(results: Sequence[ReplayResult], r: ReplayResult) -> ReplayResult | None:
+    for other in results:
+        if other.policy == "belady" and other.capacity_fraction == r.capacity_fraction and [
+            t.capacity_blocks for t in other.tiers
+        ] == [t.capacity_blocks for t in r.tiers]:
+            return other
+    return None
+
+
+def _lru_of(results: Sequence[ReplayResult], r: ReplayResult) -> ReplayResult | None:
+    for other in results:
+        if other.policy == "lru" and other.capacity_fraction == r.capacity_fraction and [
+            t.capacity_blocks for t in other.tiers
+        ] == [t.capacity_blocks for t in r.tiers]:
+            return other
+    return None
+
+
+def to_record(r: ReplayResult, results: Sequence[ReplayResult] = ()) -> dict[str, Any]:
+    """One JSON object per (policy, capacity): the keys ``--json`` prints."""
+    bel = _belady_of(results, r)
+    lru = _lru_of(results, r)
+    ttft = r.ttft_s
+    rec: dict[str, Any] = {
+        "policy": r.policy,
+        "capacity_fraction": r.capacity_fraction,
+        "capacity_blocks": {t.name: t.capacity_blocks for t in r.tiers},
+        "requests": r.requests,
+        "block_references": r.references,
+        "token_hit_rate": r.token_hit_rate,
+        "block_hit_rate": r.block_hit_rate,
+        "token_hit_rate_by_tier": {
+            t.name: (t.hit_tokens / r.total_tokens if r.total_tokens else 0.0) for t in r.tiers
+        },
+        "prefill_tokens_saved": r.hit_tokens,
+        "prefill_tokens_total": r.total_tokens,
+        "bytes_read_by_tier": {t.name: t.bytes_read for t in r.tiers},
+        "bytes_written_by_tier": {t.name: t.bytes_written for t in r.tiers},
+        "evictions_by_tier": {t.name: t.evictions for t in r.tiers},
+        "admission_rejects_by_tier": {t.name: t.rejected for t in r.tiers},
+        "orphans_dropped": r.orphans_dropped,
+        "prefetch_late_blocks": r.late_blocks,
+        "ttft_mean_s": sum(ttft) / len(ttft) if ttft else 0.0,
+        "ttft_p99_s": _percentile(ttft, 0.99),
+        "vs_belady": (
+            r.hit_tokens / bel.hit_tokens if bel is not None and bel.hit_tokens else None
+        ),
+        "vs_lru": r.hit_tokens / lru.hit_tokens if lru is not None and lru.hit_tokens else None,
+        "refs_per_s": r.references / r.elapsed_s if r.elapsed_s > 0 else None,
+    }
+    return rec
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def format_table(results: Sequence[ReplayResult]) -> str:
+    """A fixed-width table, one row per (capacity, policy), grouped by capacity."""
+    tiers = [t.name for t in results[0].tiers] if results else []
+    head = ["capacity", "policy", "tok hit", "blk hit"]
+    head += [f"{n} hit" for n in tiers] if len(tiers) > 1 else []
+    head += ["saved Mtok", *[f"{n} wr GB" for n in tiers], "TTFT mean", "TTFT p99",
+             "vs belady", "vs lru"]
+    rows: list[list[str]] = []
+    for r in results:
+        rec = to_record(r, results)
+        cap = (
+            f"{r.capacity_fraction:.0%}" if r.capacity_fraction is not None
+            else "+".join(str(t.capacity_blocks) for t in r.tiers)
+        )
+        row = [cap, r.policy, f"{r.token_hit_rate:.4f}", f"{r.block_hit_rate:.4f}"]
+        if len(tiers) > 1:
+            row += [f"{v:.4f}" for v in rec["token_hit_rate_by_tier"].values()]
+        row += [f"{r.hit_tokens / 1e6:.1f}"]
+        row += [_gb(v) for v in rec["bytes_written_by_tier"].values()]
+        row += [f"{rec['ttft_mean_s']:.3f}s", f"{rec['ttft_p99_s']:.3f}s"]
+        row += ["-" if rec["vs_belady"] is None else f"{rec['vs_belady']:.2f}"]
+        row += ["-" if rec["vs_lru"] is None else f"{rec['vs_lru']:.2f}"]
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,287 @@
+"""Replay a trace through a simulated tier hierarchy driven by kvtier's own policies.
+
+Semantics (the same as the reference figures in shared/traces/README.md):
+
+- a request hits the longest prefix of its block chain that is resident in some tier at
+  its arrival; blocks in a lower tier are promoted (prefetched) toward the top tier;
+- after the request runs, every block of its chain is touched (if in the top tier) or
+  inserted into the top tier, in chain order;
+- a tier over capacity asks its eviction policy for a victim; the victim is demoted to the
+  next tier if that tier's admission policy agrees (and it is not already there), else
+  dropped; a block gone from every tier takes its resident descendants with it (orphans);
+- capacity is counted in blocks (slots); bytes moved count real tokens x bytes per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit
+from kvtier.policy.base import EvictionPolicy, Key, make_eviction_policy
+from kvtier.policy.costmodel import BlockCosts
+from kvtier.policy.prefetch import PrefetchWait, wait_for_prefix
+from kvtier.policy.prefix import PrefixForest
+from kvtier.policy.stats import WorkloadStats
+from kvtier.replay.belady import BeladyPolicy
+from kvtier.replay.trace import Trace
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One simulated tier: capacity in blocks and bandwidth toward the engine (B/s)."""
+
+    name: str
+    capacity_blocks: int
+    read_bw: float
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Everything a replay needs besides the trace and the policy name."""
+
+    tiers: tuple[TierSpec, ...]
+    costs: BlockCosts = field(default_factory=BlockCosts)
+    bytes_per_token: int = 131072
+    prefetch: PrefetchWait = PrefetchWait.WAIT
+    drop_orphans: bool = True
+    admission: Callable[[str], AdmissionPolicy] | None = None  # tier name -> policy
+
+
+@dataclass(slots=True)
+class TierResult:
+    """Per-tier outcome of one replay."""
+
+    name: str
+    capacity_blocks: int
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    rejected: int = 0
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """Outcome of replaying one trace with one policy and one set of capacities."""
+
+    policy: str
+    capacity_fraction: float | None
+    requests: int = 0
+    references: int = 0
+    total_tokens: int = 0
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+    orphans_dropped: int = 0
+    late_blocks: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    tiers: list[TierResult] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.references if self.references else 0.0
+
+
+def next_use_index(trace: Trace) -> list[float]:
+    """For each block reference (flattened in trace order), the index of its next use."""
+    refs = [b for r in trace.requests for b in r.blocks]
+    out = [INF] * len(refs)
+    last: dict[int, int] = {}
+    for i in range(len(refs) - 1, -1, -1):
+        k = refs[i]
+        j = last.get(k)
+        if j is not None:
+            out[i] = float(j)
+        last[k] = i
+    return out
+
+
+def make_policy(
+    name: str, tier_index: int, config: SimConfig, stats: WorkloadStats | None
+) -> EvictionPolicy:
+    """Build the eviction policy of one simulated tier (``belady`` is replay-only)."""
+    if name == "belady":
+        return BeladyPolicy()
+    if name == "cost":
+        below = config.tiers[tier_index + 1].read_bw if tier_index + 1 < len(config.tiers) else None
+        return make_eviction_policy("cost", stats=stats, costs=config.costs,
+                                    reload_bandwidth=below)
+    return make_eviction_policy(name)
+
+
+def simulate(
+    trace: Trace,
+    policy: str,
+    config: SimConfig,
+    *,
+    capacity_fraction: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay ``trace`` with eviction policy ``policy`` on every tier of ``config``."""
+    import time
+
+    t0 = time.perf_counter()
+    n_tiers = len(config.tiers)
+    total = sum(t.capacity_blocks for t in config.tiers)
+    # reuse counts within about one top-tier lifetime; keys remembered for 16x the capacity
+    stats = WorkloadStats(
+        horizon=max(64, config.tiers[0].capacity_blocks), history=max(1024, 16 * total)
+    )
+    pols = [make_policy(policy, i, config, stats) for i in range(n_tiers)]
+    caps = [t.capacity_blocks for t in config.tiers]
+    bws = [t.read_bw for t in config.tiers]
+    admits = [
+        (config.admission(t.name) if config.admission else AlwaysAdmit()) for t in config.tiers
+    ]
+    belady = policy == "belady"
+    nxt = next_use_index(trace) if belady else []
+    loc: dict[Key, int] = {}  # key -> bitmask of tiers holding it
+    forest = PrefixForest() if config.drop_orphans else None
+    res = ReplayResult(policy=policy, capacity_fraction=capacity_fraction)
+    tres = [TierResult(t.name, t.capacity_blocks) for t in config.tiers]
+    res.tiers = tres
+    bt = trace.block_tokens
+    bpt = config.bytes_per_token
+    slot = config.costs.block_bytes
+    prefill = config.costs.prefill
+    top = pols[0]
+    ref = 0
+    depth_of: dict[Key, int] = {}  # only kept with several tiers (demotion needs the depth)
+
+    def drop_everywhere(key: Key) -> None:
+        # key left every tier: its descendants are unreachable
+        if forest is None:
+            return
+        for orphan in forest.discard(key):
+            mask = loc.pop(orphan, 0)
+            j = 0
+            while mask:
+                if mask & 1:
+                    pols[j].remove(orphan)
+                mask >>= 1
+                j += 1
+            res.orphans_dropped += 1
+
+    def make_room(j: int, now: float) -> None:
+        pol = pols[j]
+        cap = caps[j]
+        while len(pol) > cap:
+            v = pol.victim()
+            if v is None:
+                return
+            tres[j].evictions += 1
+            mask = loc[v] & ~(1 << j)
+            if j + 1 < n_tiers and not mask & (1 << (j + 1)):
+                if admits[j + 1].admit(v, tier=config.tiers[j + 1].name, nbytes=slot, now=now):
+                    if belady:
+                        below = pols[j + 1]
+                        below.next_use = pol.next_use_of(v)  # type: ignore[attr-defined]
+                    nb = forest.parent(v) if forest is not None else None
+                    pols[j + 1].insert(v, nbytes=slot, parent=nb, depth=depth_of.get(v, 0),
+                                       now=now)
+                    mask |= 1 << (j + 1)
+                    tres[j + 1].bytes_written += slot
+                    pol.remove(v)
+                    loc[v] = mask
+                    make_room(j + 1, now)
+                    continue
+                tres[j + 1].rejected += 1
+            pol.remove(v)
+            if mask:
+                loc[v] = mask
+            else:
+                del loc[v]
+                depth_of.pop(v, None)
+                drop_everywhere(v)
+
+    for r in trace.requests:
+        keys = r.blocks
+        n = len(keys)
+        now = r.arrival_s
+        inp = r.input_tokens if r.input_tokens > 0 else n * bt
+        # ---- lookup: longest resident prefix, served by the highest tier holding each block
+        hit = 0
+        served: list[int] = []
+        for k in keys:
+            mask = loc.get(k, 0)
+            if not mask:
+                break
+            served.append((mask & -mask).bit_length() - 1)
+            hit += 1
+        stats.on_lookup(keys, hit, now=now)
+        # ---- prefetch: lower-tier blocks land one after another at their tier's bandwidth
+        ready_at: list[float] = []
+        t_ready = now
+        for d in range(hit):
+            j = served[d]
+            if j:
+                t_ready += min(bt, inp - d * bt) * bpt / bws[j]
+                ready_at.append(t_ready)
+            else:
+                ready_at.append(now)
+        usable = hit
+        wait_s = 0.0
+        if n_tiers > 1 and hit:
+            out = wait_for_prefix(config.prefetch, ready_at, now,
+                                  per_block_s=slot / bws[-1])
+            usable = out.ready_blocks
+            res.late_blocks += out.late_blocks
+            wait_s = out.return_at - now
+        hit_tokens = 0
+        load_s = wait_s
+        for d in range(usable):
+            tok = min(bt, inp - d * bt)
+            if tok <= 0:
+                break
+            j = served[d]
+            hit_tokens += tok
+            tres[j].hit_tokens += tok
+            tres[j].hit_blocks += 1
+            tres[j].bytes_read += tok * bpt
+            if j == 0:
+                load_s += tok * bpt / bws[0]
+            else:
+                tres[0].bytes_written += slot  # promotion into the top tier
+        res.hit_blocks += usable
+        res.hit_tokens += hit_tokens
+        res.total_tokens += inp
+        res.references += n
+        res.requests += 1
+        res.ttft_s.append(load_s + prefill.seconds(hit_tokens, inp))
+        # ---- after the run: every block touched or inserted into the top tier, in order
+        parent: Key | None = None
+        for d, k in enumerate(keys):
+            mask = loc.get(k, 0)
+            if belady:
+                top.next_use = nxt[ref]  # type: ignore[attr-defined]
+            ref += 1
+            if mask & 1:
+                top.touch(k, now=now)
+            else:
+                if not admits[0].admit(k, tier=config.tiers[0].name, nbytes=slot, now=now):
+                    tres[0].rejected += 1
+                    parent = k
+                    continue
+                top.insert(k, nbytes=slot, parent=parent, depth=d, now=now)
+                loc[k] = mask | 1
+                if not mask:
+                    tres[0].bytes_written += slot
+                    if forest is not None:
+                        forest.add(k, parent)
+                    if n_tiers > 1:
+                        depth_of[k] = d
+                if len(top) > caps[0]:
+                    make_room(0, now)
+            parent = k
+        if progress is not None:
+            progress(n)
+    res.elapsed_s = time.perf_counter() - t0
+    return res

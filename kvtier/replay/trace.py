@@ -1,0 +1,165 @@
+"""Trace readers: Mooncake JSONL and Alibaba Bailian JSONL into one request record.
+
+Both formats carry per-request ``hash_ids``: prefix-chained block ids, so equal ids at the
+same position mean a shared prefix. They differ in time unit and block size:
+
+- Mooncake (FAST'25): ``timestamp`` in ms, ``input_length``, ``output_length``,
+  ``hash_ids``; block size given by the caller (512 tokens for the published traces).
+- Alibaba Bailian (qwen-bailian-usagetraces-anon): ``chat_id``, ``parent_chat_id``,
+  ``timestamp`` in seconds, ``input_length``, ``output_length``, ``turn``, ``hash_ids``;
+  block size 16 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from kvtier.errors import KVTierError
+
+
+class TraceError(KVTierError):
+    """A trace file could not be read (format, field or value)."""
+
+    code = "trace"
+
+
+class TraceFormat(str, Enum):
+    """Supported trace formats; ``AUTO`` picks by the fields of the first record."""
+
+    AUTO = "auto"
+    MOONCAKE = "mooncake"
+    BAILIAN = "bailian"
+
+
+MOONCAKE_BLOCK_TOKENS = 512
+BAILIAN_BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a trace, normalised: seconds, tokens and block ids."""
+
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...]
+    chat_id: int | None = None
+    parent_chat_id: int | None = None
+    turn: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A whole trace: its requests in arrival order and its block size."""
+
+    requests: tuple[Request, ...]
+    block_tokens: int
+    format: TraceFormat
+
+    @property
+    def n_references(self) -> int:
+        """Block references over all requests (one per block id per request)."""
+        return sum(len(r.blocks) for r in self.requests)
+
+    @property
+    def n_unique_blocks(self) -> int:
+        """Distinct block ids in the trace (what an infinite cache would hold)."""
+        seen: set[int] = set()
+        for r in self.requests:
+            seen.update(r.blocks)
+        return len(seen)
+
+
+def _detect(record: dict[str, object]) -> TraceFormat:
+    if "chat_id" in record or "parent_chat_id" in record or "turn" in record:
+        return TraceFormat.BAILIAN
+    return TraceFormat.MOONCAKE
+
+
+def _parse(record: dict[str, object], fmt: TraceFormat, where: str) -> Request:
+    try:
+        ts = float(record["timestamp"])  # type: ignore[arg-type]
+        blocks = tuple(int(h) for h in record["hash_ids"])  # type: ignore[attr-defined]
+        inp = int(record.get("input_length", 0))  # type: ignore[call-overload]
+        out = int(record.get("output_length", 0))  # type: ignore[call-overload]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TraceError(
+            f"{where}: not a {fmt.value} trace record ({exc!r}); each line needs "
+            "'timestamp', 'input_length', 'output_length' and 'hash_ids'"
+        ) from None
+    if fmt is TraceFormat.MOONCAKE:
+        return Request(arrival_s=ts / 1000.0, input_tokens=inp, output_tokens=out, blocks=blocks)
+
+    def opt_int(name: str) -> int | None:
+        value = record.get(name)
+        return None if value is None else int(value)  # type: ignore[call-overload]
+
+    parent = opt_int("parent_chat_id")
+    return Request(
+        arrival_s=ts, input_tokens=inp, output_tokens=out, blocks=blocks,
+        chat_id=opt_int("chat_id"),
+        parent_chat_id=None if parent is None or parent < 0 else parent,
+        turn=opt_int("turn"),
+    )
+
+
+def parse_lines(
+    lines: Iterable[str], *, fmt: TraceFormat = TraceFormat.AUTO, source: str = "<trace>"
+) -> Iterator[Request]:
+    """Parse JSONL lines into requests (blank lines skipped), in file order."""
+    for lineno, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise TraceError(f"{where}: expected a JSON object per line")
+        if fmt is TraceFormat.AUTO:
+            fmt = _detect(record)
+        yield _parse(record, fmt, where)
+
+
+def load_trace(
+    path: str | Path, *, fmt: TraceFormat = TraceFormat.AUTO, block_tokens: int | None = None
+) -> Trace:
+    """Read a whole trace file, sorted by arrival time (stable, so turns keep their order).
+
+    ``block_tokens`` defaults to the format's published block size (Mooncake 512,
+    Bailian 16).
+    """
+    path = Path(path)
+    try:
+        with path.open(encoding="utf-8") as fh:
+            first = ""
+            for first in fh:
+                if first.strip():
+                    break
+            fh.seek(0)
+            if fmt is TraceFormat.AUTO and first.strip():
+                try:
+                    fmt = _detect(json.loads(first))
+                except (json.JSONDecodeError, AttributeError, TypeError):
+                    fmt = TraceFormat.MOONCAKE
+            requests = list(parse_lines(fh, fmt=fmt, source=str(path)))
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    if not requests:
+        raise TraceError(f"trace {path} holds no requests")
+    if fmt is TraceFormat.AUTO:
+        fmt = TraceFormat.MOONCAKE
+    requests.sort(key=lambda r: r.arrival_s)
+    if block_tokens is None:
+        block_tokens = (
+            BAILIAN_BLOCK_TOKENS if fmt is TraceFormat.BAILIAN else MOONCAKE_BLOCK_TOKENS
+        )
+    if block_tokens <= 0:
+        raise TraceError(f"block size must be positive, got {block_tokens}")
+    return Trace(requests=tuple(requests), block_tokens=block_tokens, format=fmt)

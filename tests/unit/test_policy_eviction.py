@@ -1,0 +1,168 @@
+"""LFU, cost, prefix bookkeeping and admission on hand-made sequences with known answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.policy import EvictionPolicy, FakeClock, eviction_policy_names, make_eviction_policy
+from kvtier.policy.admission import SecondHitAdmission, TierAdmission, WriteBudget
+from kvtier.policy.costmodel import BlockCosts, PrefillModel
+from kvtier.policy.prefix import PrefixForest
+from kvtier.policy.stats import WorkloadStats
+
+MB = 1 << 20
+
+
+def chain(pol: EvictionPolicy, keys: list[str], now: float = 0.0) -> None:
+    """Insert ``keys`` as one prefix chain, parent first."""
+    parent = None
+    for depth, key in enumerate(keys):
+        pol.insert(key, nbytes=MB, parent=parent, depth=depth, now=now)
+        parent = key
+
+
+def test_registry_knows_all_three() -> None:
+    assert {"lru", "lfu", "cost"} <= set(eviction_policy_names())
+    for name in ("lru", "lfu", "cost"):
+        assert isinstance(make_eviction_policy(name), EvictionPolicy)
+
+
+# ------------------------------------------------------------------ lfu
+def test_lfu_evicts_least_frequent_and_ages() -> None:
+    pol = make_eviction_policy("lfu", half_life_s=10.0)
+    for k in "abc":
+        pol.insert(k, nbytes=1, parent=None, depth=0, now=0.0)
+    for _ in range(3):
+        pol.touch("a", now=0.0)
+    pol.touch("b", now=0.0)
+    assert pol.victim() == "c"
+    pol.remove("c")
+    assert pol.victim() == "b"
+    # much later, one fresh use of b outweighs a's old, decayed uses
+    pol.touch("b", now=100.0)
+    assert pol.victim() == "a"
+
+
+def test_lfu_ties_go_to_the_deeper_block_and_pins_are_skipped() -> None:
+    pol = make_eviction_policy("lfu")
+    chain(pol, ["r", "m", "leaf"])
+    assert pol.victim() == "leaf"
+    pol.set_pinned("leaf", True)
+    assert pol.victim() == "m"
+    pol.set_pinned("leaf", False)
+    assert pol.victim() == "leaf"
+
+
+# ------------------------------------------------------------------ cost
+def test_cost_evicts_leaves_before_parents() -> None:
+    pol = make_eviction_policy("cost")
+    chain(pol, ["a0", "a1", "a2"])
+    chain(pol, ["b0", "b1"], now=1.0)
+    # the root a0 is the oldest block, but it has a resident child: a leaf goes first
+    order = []
+    while len(pol):
+        v = pol.victim()
+        assert v is not None
+        order.append(v)
+        pol.remove(v)
+    assert order.index("a2") < order.index("a1") < order.index("a0")
+    assert order.index("b1") < order.index("b0")
+
+
+def test_cost_skips_pinned_leaves_and_their_ancestors() -> None:
+    pol = make_eviction_policy("cost")
+    chain(pol, ["a0", "a1"])
+    pol.set_pinned("a1", True)
+    assert pol.victim() is None  # a1 pinned, a0 has a resident child
+    pol.set_pinned("a1", False)
+    assert pol.victim() == "a1"
+
+
+def test_cost_prefers_to_keep_blocks_the_workload_reuses() -> None:
+    stats = WorkloadStats(horizon=100)
+    pol = make_eviction_policy("cost", stats=stats)
+    # teach the stats: 'hot' prompts come back, one-off prompts never do
+    for i in range(50):
+        stats.on_lookup([f"hot{i % 5}"], 1 if i >= 5 else 0)
+        stats.on_lookup([f"once{i}"], 0)
+    stats.on_lookup(["hot0"], 1)
+    stats.on_lookup(["once-new"], 0)
+    pol.insert("hot0", nbytes=MB, parent=None, depth=0, now=0.0)
+    pol.insert("once-new", nbytes=MB, parent=None, depth=0, now=0.0)
+    # the one-off block was inserted last (LRU would keep it) but is worth less
+    assert pol.value("hot0") > pol.value("once-new")
+    assert pol.victim() == "once-new"
+
+
+def test_cost_values_late_chunks_of_long_prompts_more() -> None:
+    costs = BlockCosts(block_tokens=512, block_bytes=512 * 131072, prefill=PrefillModel())
+    assert costs.recompute_s(100) > 2 * costs.recompute_s(0)
+    pol = make_eviction_policy("cost", costs=costs)
+    pol.insert("early", nbytes=costs.block_bytes, parent=None, depth=0, now=0.0)
+    pol.insert("late", nbytes=costs.block_bytes, parent=None, depth=100, now=0.0)
+    assert pol.value("late") > pol.value("early")
+    assert pol.victim() == "early"
+
+
+def test_cost_block_cheaper_to_reload_than_recompute_is_worth_nothing() -> None:
+    costs = BlockCosts(block_tokens=16, block_bytes=16 * 131072)
+    # the tier below reloads at 1 TB/s: recomputing 16 early tokens is slower? no: faster
+    pol = make_eviction_policy("cost", costs=costs, reload_bandwidth=1e15)
+    pol.insert("k", nbytes=costs.block_bytes, parent=None, depth=0, now=0.0)
+    assert pol.value("k") > 0
+    slow = make_eviction_policy("cost", costs=costs, reload_bandwidth=1e6)
+    slow.insert("k", nbytes=costs.block_bytes, parent=None, depth=0, now=0.0)
+    assert slow.value("k") == 0.0  # reloading from below costs more than recomputing
+
+
+# ------------------------------------------------------------------ prefix forest
+def test_prefix_forest_reports_orphaned_descendants() -> None:
+    forest = PrefixForest()
+    forest.add("r", None)
+    forest.add("a", "r")
+    forest.add("a1", "a")
+    forest.add("a2", "a")
+    forest.add("b", "r")
+    assert forest.n_children("a") == 2
+    assert sorted(forest.discard("a")) == ["a1", "a2"]
+    assert "a1" not in forest and "b" in forest and forest.n_children("r") == 1
+    assert forest.discard("a") == []
+    assert forest.discard("r") == ["b"]
+    assert len(forest) == 0
+
+
+# ------------------------------------------------------------------ admission
+def test_second_hit_admission() -> None:
+    adm = SecondHitAdmission(ghost=2)
+    assert not adm.admit("a", tier="nvme", nbytes=1, now=0.0)
+    assert adm.admit("a", tier="nvme", nbytes=1, now=0.0)
+    adm.admit("b", tier="nvme", nbytes=1, now=0.0)
+    adm.admit("c", tier="nvme", nbytes=1, now=0.0)  # the ghost list forgets a
+    assert not adm.admit("a", tier="nvme", nbytes=1, now=0.0)
+
+
+def test_write_budget_refills_with_the_fake_clock() -> None:
+    clock = FakeClock()
+    adm = WriteBudget(bytes_per_s=100.0, burst_bytes=200.0)
+    assert adm.admit("a", tier="nvme", nbytes=150, now=clock())
+    assert not adm.admit("b", tier="nvme", nbytes=100, now=clock())  # 50 left
+    clock.advance(0.5)  # +50
+    assert adm.admit("b", tier="nvme", nbytes=100, now=clock())
+    clock.advance(100.0)  # refills only up to the burst
+    assert adm.available_bytes == pytest.approx(0.0)
+    assert adm.admit("c", tier="nvme", nbytes=200, now=clock())
+    assert adm.rejected == 1
+
+
+def test_write_budget_with_inner_policy_spends_only_on_admitted_writes() -> None:
+    adm = WriteBudget(0.0, 100.0, inner=SecondHitAdmission())
+    assert not adm.admit("a", tier="nvme", nbytes=60, now=0.0)  # first sight
+    assert adm.available_bytes == 100.0
+    assert adm.admit("a", tier="nvme", nbytes=60, now=0.0)
+    assert not adm.admit("a", tier="nvme", nbytes=60, now=0.0)  # budget exhausted
+
+
+def test_tier_admission_dispatches_by_tier() -> None:
+    adm = TierAdmission({"nvme": SecondHitAdmission()})
+    assert adm.admit("a", tier="cpu", nbytes=1, now=0.0)
+    assert not adm.admit("a", tier="nvme", nbytes=1, now=0.0)
