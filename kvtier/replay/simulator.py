@@ -15,7 +15,7 @@ Semantics (the same as the reference figures in shared/traces/README.md):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit
 from kvtier.policy.base import EvictionPolicy, Key, make_eviction_policy
@@ -43,7 +43,7 @@ class SimConfig:
     """Everything a replay needs besides the trace and the policy name."""
 
     tiers: tuple[TierSpec, ...]
-    costs: BlockCosts = field(default_factory=BlockCosts)
+    costs: BlockCosts | None = None  # None: default model at the trace's block size
     bytes_per_token: int = 131072
     prefetch: PrefetchWait = PrefetchWait.WAIT
     drop_orphans: bool = True
@@ -129,6 +129,10 @@ def simulate(
     import time
 
     t0 = time.perf_counter()
+    costs = config.costs or BlockCosts(
+        block_tokens=trace.block_tokens, block_bytes=trace.block_tokens * config.bytes_per_token
+    )
+    config = replace(config, costs=costs)
     n_tiers = len(config.tiers)
     total = sum(t.capacity_blocks for t in config.tiers)
     # reuse counts within about one top-tier lifetime; keys remembered for 16x the capacity
@@ -150,8 +154,8 @@ def simulate(
     res.tiers = tres
     bt = trace.block_tokens
     bpt = config.bytes_per_token
-    slot = config.costs.block_bytes
-    prefill = config.costs.prefill
+    slot = costs.block_bytes
+    prefill = costs.prefill
     top = pols[0]
     ref = 0
     depth_of: dict[Key, int] = {}  # only kept with several tiers (demotion needs the depth)
