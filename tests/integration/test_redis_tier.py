@@ -204,6 +204,11 @@ async def test_two_nodes_share_one_server(redis_server: RedisServer) -> None:
         other = buffers(1, 256 * 1024)
         assert await node_b.get_into(keys[:1], other, namespace=NS, layout_fp=1) == 0
         assert node_b.counters.checksum_failures == 1
+        # a buffer too small is the caller's error: a counted miss, the block stays
+        small = buffers(1, 1024)
+        assert await node_b.get_into(keys[1:2], small, namespace=NS, layout_fp=LAYOUT_FP) == 0
+        assert node_b.counters.errors == 1 and node_b.counters.checksum_failures == 1
+        assert await node_b.exists_prefix(keys[1:2]) == 1
 
 
 async def test_cluster_spreads_blocks_over_all_masters(redis_cluster: LocalCluster) -> None:
