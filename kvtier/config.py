@@ -10,6 +10,7 @@ the most used settings (``KVTIER_SOCKET``, ``KVTIER_DATA_DIR``). Sizes accept ``
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -39,11 +40,16 @@ def parse_size(value: object) -> int:
             raise ConfigError(f"size must be >= 0, got {value}")
         return value
     if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"not a size: {value!r}")
         return parse_size(int(value))
     m = _SIZE_RE.match(str(value))
     if not m or (m.group(2) or "").lower() not in _UNITS:
         raise ConfigError(f"not a size: {value!r} (examples: 4GiB, 512MiB, 1e9)")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    number = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if not math.isfinite(number):  # "1e999": int(inf) would raise OverflowError
+        raise ConfigError(f"size out of range: {value!r}")
+    return int(number)
 
 
 def default_runtime_dir() -> Path:
@@ -177,7 +183,10 @@ def _coerce(section: str, name: str, typ: Any, value: Any) -> Any:
     t = str(typ)
     try:
         if name == "bytes" or name.endswith("_bytes") or name.endswith("bytes_per_s"):
-            return parse_size(value)
+            try:
+                return parse_size(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
         if "bool" in t:
             if isinstance(value, bool):
                 return value
@@ -192,11 +201,20 @@ def _coerce(section: str, name: str, typ: Any, value: Any) -> Any:
         if t in ("int", "<class 'int'>"):
             if isinstance(value, bool):
                 raise ValueError(value)
-            return int(value)
+            number = int(value)
+            if number < 0:  # every int setting is a count, a port or a TTL
+                raise ValueError(value)
+            return number
         if t in ("float", "<class 'float'>"):
-            return float(value)
+            if isinstance(value, bool):
+                raise ValueError(value)
+            real = float(value)
+            # nan would make every deadline comparison false (leases never expire)
+            if not math.isfinite(real) or real < 0:
+                raise ValueError(value)
+            return real
         return str(value)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         raise ConfigError(f"{where}: invalid value {value!r} (expected {t})") from None
 
 

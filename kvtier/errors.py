@@ -7,11 +7,22 @@ what to do about it.
 
 from __future__ import annotations
 
+_BY_CODE: dict[str, type[KVTierError]] = {}
+
 
 class KVTierError(Exception):
-    """Base class of all kvtier errors; ``code`` is stable across versions."""
+    """Base class of all kvtier errors; ``code`` is stable across versions.
+
+    A subclass that sets its own ``code`` is registered for ``error_from_code`` wherever it
+    is defined (e.g. ``NvmeIOError`` in the nvme tier), the first class to claim a code wins.
+    """
 
     code: str = "internal"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" in cls.__dict__:
+            _BY_CODE.setdefault(cls.code, cls)
 
 
 class ConfigError(KVTierError):
@@ -92,16 +103,7 @@ class Overloaded(KVTierError):
     code = "overloaded"
 
 
-_BY_CODE: dict[str, type[KVTierError]] = {}
-
-
-def _register(cls: type[KVTierError]) -> None:
-    _BY_CODE[cls.code] = cls
-    for sub in cls.__subclasses__():
-        _register(sub)
-
-
-_register(KVTierError)
+_BY_CODE.setdefault(KVTierError.code, KVTierError)
 
 
 def error_from_code(code: str, message: str) -> KVTierError:

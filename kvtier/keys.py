@@ -63,7 +63,7 @@ def block_keys(
     ``parent`` continues a chain (the key of the block before ``token_ids[0]``).
     """
     tpb = tokens_per_block or namespace.layout.tokens_per_block
-    tokens = np.asarray(token_ids, dtype="<u4")
+    tokens = _as_u4(token_ids)
     n_full = len(tokens) // tpb
     if n_full == 0:
         return []
@@ -79,3 +79,26 @@ def block_keys(
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+_U4_MAX = 0xFFFF_FFFF
+
+
+def _as_u4(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as contiguous little-endian u4, refusing any id that would wrap.
+
+    A silent cast (-1 or 2**32 becoming another id, 7.5 becoming 7) would make two
+    different prompts share keys, i.e. hand one prompt another prompt's KV.
+    """
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype="<u4")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" or arr.dtype.itemsize > 4:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > _U4_MAX:
+            raise ValueError(f"token ids must lie in [0, 2**32), got [{lo}, {hi}]")
+    return np.ascontiguousarray(arr, dtype="<u4")

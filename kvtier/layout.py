@@ -29,6 +29,11 @@ DTYPE_BYTES: dict[str, int] = {
 CANONICAL_FORMAT = "layer_kv_token_head_dim"
 
 
+def _is_int(value: object) -> bool:
+    """A real int (bool is an int subclass, but True is not a layer count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Geometry of a block; ``block_bytes`` is what every tier stores per key."""
@@ -44,12 +49,15 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise LayoutMismatch(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.kv_components not in (1, 2):
+        # 2.0 == 2 but packs differently: equal layouts with different fingerprints.
+        if not _is_int(self.kv_components) or self.kv_components not in (1, 2):
             raise LayoutMismatch(f"kv_components must be 1 (MLA latent) or 2 (K and V), "
                                  f"got {self.kv_components!r}")
-        if self.dtype not in DTYPE_BYTES:
+        if not isinstance(self.kv_format, str) or not self.kv_format:
+            raise LayoutMismatch(f"kv_format must be a non-empty string, got {self.kv_format!r}")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise LayoutMismatch(
                 f"unsupported KV dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
 

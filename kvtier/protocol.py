@@ -38,7 +38,8 @@ def unpack_body(body: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, An
     try:
         if len(body) > max_frame:
             raise ProtocolError(f"frame of {len(body)} bytes exceeds the limit of {max_frame}")
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_no_ext)
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_no_ext,
+                              object_hook=_no_timestamp_values, list_hook=_no_timestamp_items)
     except ProtocolError:
         raise
     except Exception as exc:
@@ -50,6 +51,20 @@ def unpack_body(body: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, An
 
 def _no_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(f"msgpack ext type {code} is not allowed")
+
+
+# msgpack decodes ext type -1 (timestamp) itself, without calling ext_hook; these hooks
+# see every container once, so a Timestamp anywhere below the top-level map is refused.
+def _no_timestamp_values(obj: dict[str, Any]) -> dict[str, Any]:
+    if any(isinstance(v, msgpack.Timestamp) for v in obj.values()):
+        raise ProtocolError("msgpack ext type -1 (timestamp) is not allowed")
+    return obj
+
+
+def _no_timestamp_items(obj: list[Any]) -> list[Any]:
+    if any(isinstance(v, msgpack.Timestamp) for v in obj):
+        raise ProtocolError("msgpack ext type -1 (timestamp) is not allowed")
+    return obj
 
 
 def check_length(n: int, max_frame: int) -> None:

@@ -32,6 +32,13 @@ def round_up(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
 
+def _slot_bytes(nbytes: int) -> int:
+    """The size class of ``nbytes``: whole pages, at least one (0 would divide by zero)."""
+    if nbytes < 0:
+        raise ValueError(f"slot size must be >= 0, got {nbytes}")
+    return round_up(max(nbytes, 1))
+
+
 @dataclass(slots=True)
 class _Unit:
     """A run of contiguous slabs serving one size class."""
@@ -53,8 +60,10 @@ class Arena:
 
     def __init__(self, capacity_bytes: int, *, shm_dir: Path = Path("/dev/shm"),
                  slab_bytes: int = 64 * 2**20, prefault: bool = True) -> None:
-        slab = round_up(max(PAGE, min(slab_bytes, capacity_bytes)))
-        n_slabs = capacity_bytes // slab
+        slab = round_up(max(PAGE, slab_bytes))
+        if slab > capacity_bytes:  # a small arena is one slab (rounding up would not fit)
+            slab = capacity_bytes // PAGE * PAGE
+        n_slabs = capacity_bytes // slab if slab else 0
         if n_slabs <= 0:
             raise ConfigError(f"cpu tier of {capacity_bytes} bytes is smaller than one slab")
         self.slab_bytes = slab
@@ -79,7 +88,7 @@ class Arena:
             self._prefault()
         self._slab_owner: list[_Unit | None] = [None] * n_slabs
         self._classes: dict[int, list[_Unit]] = {}
-        self._unit_of_slot: dict[int, _Unit] = {}  # unit start offset -> unit (for free)
+        self._allocated: set[int] = set()  # offsets of slots handed out (catches bad frees)
         self.used_bytes = 0
         self.allocated_slots = 0
 
@@ -93,7 +102,7 @@ class Arena:
     # -- allocation ---------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a free slot able to hold ``nbytes``, or None when the arena is full."""
-        slot_bytes = round_up(nbytes)
+        slot_bytes = _slot_bytes(nbytes)
         for unit in self._classes.get(slot_bytes, ()):
             if unit.free:
                 return self._take(unit)
@@ -104,6 +113,7 @@ class Arena:
 
     def _take(self, unit: _Unit) -> int:
         off = unit.free.pop()
+        self._allocated.add(off)
         self.used_bytes += unit.slot_bytes
         self.allocated_slots += 1
         return off
@@ -130,8 +140,9 @@ class Arena:
         """Return a slot; a unit left empty gives its slabs back to the pool."""
         slab = offset // self.slab_bytes
         unit = self._slab_owner[slab] if 0 <= slab < len(self._slab_owner) else None
-        if unit is None or (offset - unit.offset) % unit.slot_bytes:
+        if unit is None or offset not in self._allocated:
             raise CapacityError(f"free of an offset {offset} that is not an allocated slot")
+        self._allocated.remove(offset)
         unit.free.append(offset)
         self.used_bytes -= unit.slot_bytes
         self.allocated_slots -= 1
@@ -142,7 +153,7 @@ class Arena:
 
     def could_fit(self, nbytes: int) -> bool:
         """Whether alloc(nbytes) would succeed now without eviction."""
-        slot_bytes = round_up(nbytes)
+        slot_bytes = _slot_bytes(nbytes)
         if any(u.free for u in self._classes.get(slot_bytes, ())):
             return True
         k = -(-slot_bytes // self.slab_bytes)

@@ -1,0 +1,184 @@
+"""Config: defaults < TOML < env < overrides, sizes, and errors that name the setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import Config, load_config, parse_size
+from kvtier.errors import ConfigError
+
+GiB = 2**30
+MiB = 2**20
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvtier.toml"
+    path.write_text(text)
+    return path
+
+
+# -- sizes ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("text", "expected"), [
+    ("4GiB", 4 * GiB), ("4gib", 4 * GiB), ("4 GiB", 4 * GiB), ("4Gi", 4 * GiB),
+    ("512MB", 512 * 10**6), ("512MiB", 512 * MiB), ("512M", 512 * 10**6),
+    ("1e9", 10**9), ("1E9", 10**9), ("1.5GiB", 3 * GiB // 2), ("0.5KiB", 512),
+    ("64KiB", 65536), ("2TB", 2 * 10**12), ("1TiB", 2**40), ("4096", 4096),
+    ("4096B", 4096), ("  8kb ", 8000), ("0", 0),
+    (4096, 4096), (0, 0), (1e9, 10**9), (2.5e3, 2500),
+])
+def test_parse_size(text: object, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "", "GiB", "-1", "-1GiB", "4 GiBs", "4XB", "1PB", "four", "1e999", "1e9999GiB",
+    -1, -0.5, True, False, None, float("inf"), float("nan"), [1],
+])
+def test_parse_size_rejects_garbage(text: object) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(text)
+
+
+# -- precedence ------------------------------------------------------------------------------
+def test_defaults_without_file_or_env() -> None:
+    cfg = load_config(env={})
+    assert cfg.cpu.bytes == Config().cpu.bytes == 2 * GiB
+    assert cfg.redis.enabled is False
+    assert cfg.http.port == 8470
+
+
+def test_precedence_file_then_env_then_overrides(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, """
+[cpu]
+bytes = "1GiB"
+prefault = false
+[http]
+port = 9000
+host = "0.0.0.0"
+[redis]
+url = "redis://file:6379/0"
+""")
+    env = {"KVTIER_CPU_BYTES": "2GiB", "KVTIER_HTTP_PORT": "9001"}
+    cfg = load_config(path, env=env, overrides={"cpu.bytes": "3GiB", "http.port": None})
+    assert cfg.cpu.bytes == 3 * GiB          # override beats env and file
+    assert cfg.http.port == 9001             # env beats file; a None override is unset
+    assert cfg.http.host == "0.0.0.0"        # file beats default
+    assert cfg.cpu.prefault is False
+    assert cfg.redis.url == "redis://file:6379/0"
+    assert cfg.nvme.io_threads == 4          # default
+
+
+def test_env_uses_section_and_field_names(tmp_path: Path) -> None:
+    env = {"KVTIER_DAEMON_LOG_LEVEL": "debug", "KVTIER_REDIS_ENABLED": "yes",
+           "KVTIER_NVME_WRITE_BUDGET_BYTES_PER_S": "100MB",
+           "KVTIER_POLICY_PREFETCH_TIMEOUT_MS_PER_BLOCK": "3.5",
+           "KVTIER_DATA_DIR": str(tmp_path / "data"), "KVTIER_SOCKET": str(tmp_path / "s"),
+           "KVTIER_TEST_SOMETHING": "ignored", "OTHER_CPU_BYTES": "x", "KVTIER_": "x"}
+    cfg = load_config(env=env)
+    assert cfg.daemon.log_level == "debug"
+    assert cfg.redis.enabled is True
+    assert cfg.nvme.write_budget_bytes_per_s == 100 * 10**6
+    assert cfg.policy.prefetch_timeout_ms_per_block == 3.5
+    assert cfg.daemon.data_dir == tmp_path / "data"
+    assert cfg.daemon.socket == tmp_path / "s"
+    assert cfg.nvme_path == tmp_path / "data" / "nvme"
+
+
+def test_env_none_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_CPU_BYTES", "3GiB")
+    assert load_config().cpu.bytes == 3 * GiB
+
+
+def test_paths_expand_user_and_nvme_path_may_be_unset(tmp_path: Path) -> None:
+    cfg = load_config(env={"KVTIER_NVME_PATH": "~/kv"})
+    assert cfg.nvme.path == Path("~/kv").expanduser()
+    assert cfg.nvme_path == cfg.nvme.path
+    assert load_config(env={"KVTIER_NVME_PATH": ""}).nvme.path is None
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("1", True), ("true", True), ("Yes", True), ("ON", True),
+    ("0", False), ("false", False), ("no", False), ("off", False),
+])
+def test_booleans_from_env(text: str, expected: bool) -> None:
+    assert load_config(env={"KVTIER_CPU_PREFAULT": text}).cpu.prefault is expected
+
+
+def test_to_dict_masks_the_password_and_stringifies_paths() -> None:
+    cfg = load_config(env={"KVTIER_REDIS_PASSWORD": "hunter2"})
+    data = cfg.to_dict()
+    assert data["redis"]["password"] == "***"
+    assert cfg.redis.password == "hunter2"
+    assert isinstance(data["daemon"]["socket"], str)
+
+
+def test_small_cpu_tier_shrinks_the_slab() -> None:
+    cfg = load_config(env={"KVTIER_CPU_BYTES": "16MiB"})
+    assert cfg.cpu.slab_bytes == 16 * MiB
+
+
+# -- errors name the setting ------------------------------------------------------------------
+@pytest.mark.parametrize(("env", "setting"), [
+    ({"KVTIER_CPU_BYTES": "lots"}, "cpu.bytes"),
+    ({"KVTIER_CPU_BYTES": "1e999"}, "cpu.bytes"),
+    ({"KVTIER_NVME_BYTES": "-1GiB"}, "nvme.bytes"),
+    ({"KVTIER_DAEMON_MAX_FRAME_BYTES": "big"}, "daemon.max_frame_bytes"),
+    ({"KVTIER_HTTP_PORT": "eighty"}, "http.port"),
+    ({"KVTIER_HTTP_PORT": "1e3"}, "http.port"),
+    ({"KVTIER_HTTP_PORT": "-1"}, "http.port"),
+    ({"KVTIER_HTTP_PORT": "70000"}, "http.port"),
+    ({"KVTIER_NVME_IO_THREADS": "-4"}, "nvme.io_threads"),
+    ({"KVTIER_CPU_PREFAULT": "maybe"}, "cpu.prefault"),
+    ({"KVTIER_DAEMON_LEASE_TTL_S": "soon"}, "daemon.lease_ttl_s"),
+    ({"KVTIER_DAEMON_LEASE_TTL_S": "nan"}, "daemon.lease_ttl_s"),
+    ({"KVTIER_DAEMON_LEASE_TTL_S": "inf"}, "daemon.lease_ttl_s"),
+    ({"KVTIER_DAEMON_LEASE_TTL_S": "-5"}, "daemon.lease_ttl_s"),
+    ({"KVTIER_CPU_BOGUS": "1"}, "cpu.bogus"),
+    ({"KVTIER_NVME_DIRECT": "sometimes"}, "nvme.direct"),
+    ({"KVTIER_NVME_BACKEND": "spdk"}, "nvme.backend"),
+    ({"KVTIER_REDIS_CODEC": "gzip"}, "redis.codec"),
+    ({"KVTIER_POLICY_EVICTION": "random"}, "policy.eviction"),
+    ({"KVTIER_POLICY_PREFETCH_WAIT": "never"}, "policy.prefetch_wait"),
+    ({"KVTIER_CPU_BYTES": "0"}, "cpu.bytes"),
+], ids=lambda v: next(iter(v.items()))[0] + "=" + next(iter(v.values()))
+    if isinstance(v, dict) else None)
+def test_bad_env_values_raise_config_error_naming_the_setting(env: dict[str, str],
+                                                              setting: str) -> None:
+    with pytest.raises(ConfigError, match=setting.replace(".", r"\.")):
+        load_config(env=env)
+
+
+@pytest.mark.parametrize(("toml", "what"), [
+    ("[cpu]\nbytes = \"many\"\n", "cpu.bytes"),
+    ("[cpu]\nbytes = inf\n", "cpu.bytes"),
+    ("[cpu]\nbytes = nan\n", "cpu.bytes"),
+    ("[http]\nport = true\n", "http.port"),
+    ("[daemon]\nlease_ttl_s = true\n", "daemon.lease_ttl_s"),
+    ("[daemon]\nlease_ttl_s = nan\n", "daemon.lease_ttl_s"),
+    ("[cpu]\nunknown = 1\n", "cpu.unknown"),
+    ("[gpu]\nbytes = 1\n", "gpu"),
+    ("bytes = 1\n", "bytes"),
+    ("[cpu\nbytes = 1\n", "kvtier.toml"),
+])
+def test_bad_file_values_raise_config_error(tmp_path: Path, toml: str, what: str) -> None:
+    with pytest.raises(ConfigError, match=what):
+        load_config(write_toml(tmp_path, toml), env={})
+
+
+def test_unknown_setting_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"known: .*bytes.*prefault"):
+        load_config(env={}, overrides={"cpu.byte": "1GiB"})
+
+
+def test_bad_override_names_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"flag cpu\.bogus"):
+        load_config(env={}, overrides={"cpu.bogus": 1})
+    with pytest.raises(ConfigError, match=r"cpu\.bytes"):
+        load_config(env={}, overrides={"cpu.bytes": "x"})
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml", env={})

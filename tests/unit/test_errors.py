@@ -1,0 +1,89 @@
+"""Typed errors: stable codes, and the client rebuilds the class the daemon raised."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier import errors
+from kvtier.errors import (
+    BufferSizeError,
+    CapacityError,
+    ChecksumError,
+    ConfigError,
+    DaemonUnavailable,
+    FrameError,
+    HandshakeError,
+    KVTierError,
+    LayoutMismatch,
+    LeaseError,
+    Overloaded,
+    ProtocolError,
+    RequestTimeout,
+    UnknownNamespace,
+    error_from_code,
+)
+
+# The codes cross the control socket: changing one breaks older clients.
+STABLE_CODES: dict[type[KVTierError], str] = {
+    KVTierError: "internal",
+    ConfigError: "config",
+    ProtocolError: "protocol",
+    HandshakeError: "handshake",
+    LayoutMismatch: "layout_mismatch",
+    UnknownNamespace: "unknown_namespace",
+    BufferSizeError: "buffer_size",
+    LeaseError: "lease",
+    CapacityError: "capacity",
+    FrameError: "frame",
+    ChecksumError: "checksum",
+    DaemonUnavailable: "unavailable",
+    RequestTimeout: "timeout",
+    Overloaded: "overloaded",
+}
+
+
+@pytest.mark.parametrize(("cls", "code"), list(STABLE_CODES.items()),
+                         ids=[c.__name__ for c in STABLE_CODES])
+def test_codes_are_stable(cls: type[KVTierError], code: str) -> None:
+    assert cls.code == code
+
+
+@pytest.mark.parametrize("cls", list(STABLE_CODES), ids=lambda c: c.__name__)
+def test_error_from_code_rebuilds_the_exact_class(cls: type[KVTierError]) -> None:
+    err = error_from_code(cls.code, "what went wrong")
+    assert type(err) is cls
+    assert str(err) == "what went wrong"
+    assert isinstance(err, KVTierError)
+
+
+def test_every_error_class_in_the_module_has_a_unique_code() -> None:
+    classes = [obj for obj in vars(errors).values()
+               if isinstance(obj, type) and issubclass(obj, KVTierError)]
+    assert set(classes) == set(STABLE_CODES)
+    assert len({c.code for c in classes}) == len(classes)
+
+
+def test_subclasses_keep_their_parents_catchable() -> None:
+    assert isinstance(error_from_code("checksum", "x"), FrameError)
+    assert isinstance(error_from_code("handshake", "x"), ProtocolError)
+
+
+@pytest.mark.parametrize("code", ["", "no_such_code", "INTERNAL", "lease "])
+def test_unknown_codes_become_the_base_class(code: str) -> None:
+    err = error_from_code(code, "msg")
+    assert type(err) is KVTierError
+    assert str(err) == "msg"
+
+
+def test_errors_defined_in_other_modules_are_rebuilt_too() -> None:
+    from kvtier.tiers.nvme import NvmeIOError
+
+    assert type(error_from_code(NvmeIOError.code, "EIO")) is NvmeIOError
+
+
+def test_a_subclass_without_its_own_code_does_not_steal_its_parents() -> None:
+    class SpecialLease(LeaseError):
+        pass
+
+    assert SpecialLease.code == "lease"
+    assert type(error_from_code("lease", "x")) is LeaseError
