@@ -107,17 +107,22 @@ class _Ops:
         reply = yield req
         return LookupResult(int(reply["hits"]), list(reply["tiers"]))
 
-    def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
+    def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey],
+                       parent: BlockKey | None, start_depth: int) -> Op:
         yield from self._ensure(ns)
-        reply = yield self._target("put_prepare", ns, keys)
+        req = self._target("put_prepare", ns, keys)
+        if parent is not None or start_depth:
+            req["parent"], req["depth"] = parent, start_depth
+        reply = yield req
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
         views = [None if off is None else self.arena.view(off, nbytes, writable=True)
                  for off in reply["offsets"]]
         return reply["lease"], views
 
-    def op_commit(self, lease: int, durable: bool) -> Op:
-        reply = yield {"op": "put_commit", "lease": lease, "durable": durable}
+    def op_commit(self, lease: int, durable: bool, output_tokens: int | None) -> Op:
+        reply = yield {"op": "put_commit", "lease": lease, "durable": durable,
+                       "output_tokens": output_tokens}
         return int(reply["stored"])
 
     def op_abort(self, lease: int) -> Op:
@@ -183,10 +188,15 @@ class PutLease:
         self._client, self.lease, self.views = client, lease, views
         self._open = True
 
-    def commit(self, *, durable: bool = False) -> int:
-        """Publish the written blocks; ``durable`` waits until they are on nvme."""
+    def commit(self, *, durable: bool = False, output_tokens: int | None = None) -> int:
+        """Publish the written blocks; ``durable`` waits until they are on nvme.
+
+        ``output_tokens``: how many tokens the engine generated after this prompt, when
+        known; the daemon's cost policy learns reuse per kind of request from it.
+        """
         self._open = False
-        return self._client._run(self._client._ops.op_commit(self.lease, durable))
+        return self._client._run(self._client._ops.op_commit(self.lease, durable,
+                                                             output_tokens))
 
     def abort(self) -> None:
         if self._open:
@@ -291,23 +301,31 @@ class KVTierClient:
         """Leading keys present in any tier; starts promoting lower-tier hits."""
         return self._run(self._ops.op_lookup(ns, keys, prefetch))
 
-    def prepare_put(self, ns: Namespace, keys: Sequence[BlockKey]) -> PutLease:
-        return PutLease(self, *self._run(self._ops.op_prepare_put(ns, keys)))
+    def prepare_put(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                    parent: BlockKey | None = None, start_depth: int = 0) -> PutLease:
+        """Write-locked slots for ``keys``, a piece of a prefix chain (``parent`` is the key
+        before ``keys[0]``, ``start_depth`` its position; defaults: a whole prompt)."""
+        return PutLease(self, *self._run(self._ops.op_prepare_put(ns, keys, parent,
+                                                                  start_depth)))
 
     def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey]) -> GetLease:
         return GetLease(self, *self._run(self._ops.op_prepare_get(ns, keys)))
 
     def put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any], *,
-            durable: bool = False) -> int:
+            durable: bool = False, output_tokens: int | None = None) -> int:
         """Store blocks (one memcpy each into the arena); returns how many were stored."""
         _check_buffers(ns, keys, buffers)
         stored = 0
         for i in range(0, len(keys), PUT_BATCH):  # bounded batches: never pin the whole arena
-            with self.prepare_put(ns, keys[i: i + PUT_BATCH]) as lease:
+            lease = self.prepare_put(ns, keys[i: i + PUT_BATCH], parent=keys[i - 1] if i else None,
+                                     start_depth=i)
+            with lease:
                 for view, buf in zip(lease.views, buffers[i: i + PUT_BATCH], strict=True):
                     if view is not None:
                         np.copyto(view, _as_bytes(buf))
-                stored += lease.commit(durable=durable)
+                last = i + PUT_BATCH >= len(keys)
+                stored += lease.commit(durable=durable,
+                                       output_tokens=output_tokens if last else None)
         return stored
 
     def get(self, ns: Namespace, keys: Sequence[BlockKey], out_buffers: Sequence[Any]) -> int:
@@ -367,8 +385,9 @@ class AsyncPutLease:
     def __init__(self, client: AsyncKVTierClient, lease: int, views: list[np.ndarray | None]):
         self._client, self.lease, self.views = client, lease, views
 
-    async def commit(self, *, durable: bool = False) -> int:
-        return await self._client._run(self._client._ops.op_commit(self.lease, durable))
+    async def commit(self, *, durable: bool = False, output_tokens: int | None = None) -> int:
+        return await self._client._run(self._client._ops.op_commit(self.lease, durable,
+                                                                   output_tokens))
 
     async def abort(self) -> None:
         await self._client._run(self._client._ops.op_abort(self.lease))
@@ -453,18 +472,22 @@ class AsyncKVTierClient:
                      prefetch: bool = True) -> LookupResult:
         return await self._run(self._ops.op_lookup(ns, keys, prefetch))
 
-    async def prepare_put(self, ns: Namespace, keys: Sequence[BlockKey]) -> AsyncPutLease:
-        return AsyncPutLease(self, *await self._run(self._ops.op_prepare_put(ns, keys)))
+    async def prepare_put(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                          parent: BlockKey | None = None,
+                          start_depth: int = 0) -> AsyncPutLease:
+        return AsyncPutLease(self, *await self._run(self._ops.op_prepare_put(
+            ns, keys, parent, start_depth)))
 
     async def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey]) -> AsyncGetLease:
         return AsyncGetLease(self, *await self._run(self._ops.op_prepare_get(ns, keys)))
 
     async def put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any], *,
-                  durable: bool = False) -> int:
+                  durable: bool = False, output_tokens: int | None = None) -> int:
         _check_buffers(ns, keys, buffers)
         stored = 0
         for i in range(0, len(keys), PUT_BATCH):
-            lease = await self.prepare_put(ns, keys[i: i + PUT_BATCH])
+            lease = await self.prepare_put(ns, keys[i: i + PUT_BATCH],
+                                           parent=keys[i - 1] if i else None, start_depth=i)
             try:
                 for view, buf in zip(lease.views, buffers[i: i + PUT_BATCH], strict=True):
                     if view is not None:
@@ -473,7 +496,9 @@ class AsyncKVTierClient:
                 with contextlib.suppress(KVTierError):
                     await lease.abort()
                 raise
-            stored += await lease.commit(durable=durable)
+            last = i + PUT_BATCH >= len(keys)
+            stored += await lease.commit(durable=durable,
+                                         output_tokens=output_tokens if last else None)
         return stored
 
     async def get(self, ns: Namespace, keys: Sequence[BlockKey],

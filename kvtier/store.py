@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import (
+    FrameError,
     KVTierError,
     LayoutMismatch,
     LeaseError,
@@ -66,6 +67,7 @@ class Lease:
     owner: int
     metas: list[BlockMeta]
     deadline: float
+    chain: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -144,7 +146,7 @@ class TieredStore:
                  prefetch_wait: str = "timeout", prefetch_ms_per_block: float = 2.0,
                  policy_factory: Callable[[str, TierName], EvictionPolicy] | None = None,
                  admission: Any = None, observer: Any = None,
-                 redis_write_through: bool = False,
+                 redis_write_through: bool = False, forest: Any = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.index = BlockIndex()
         self.arena = arena
@@ -161,10 +163,10 @@ class TieredStore:
         self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
         self.admission = admission
         self.observer = observer
+        self.forest = forest  # PrefixForest: orphans of a block gone from every tier
         self.namespaces: dict[bytes, _Namespace] = {}
         self.leases: dict[int, Lease] = {}
         self._next_lease = 1
-        self._seq = 0
         self.requests = RequestCounters()
         self.prefetch = PrefetchCounters()
         self.bytes_moved: dict[tuple[str, str], int] = {}
@@ -200,7 +202,8 @@ class TieredStore:
             self.index[header.key] = meta
             self.nvme_policy.insert(header.key, nbytes=header.raw_len, parent=None, depth=0,
                                     now=now)
-            self._seq = max(self._seq, header.seq)
+            if self.forest is not None:
+                self.forest.add(header.key, None)
         return len(entries)
 
     # -- namespaces ----------------------------------------------------------------------
@@ -277,12 +280,33 @@ class TieredStore:
         r.hit_tokens += hits * tpb
         if self.observer is not None:
             self.observer.on_lookup(keys, hits, now=now)
-        if prefetch:
-            for meta in to_promote:
-                await self._promote_from_nvme(meta, prefetched=True)
-            if redis_keys:
-                await self._promote_from_redis(ns, redis_keys, keys, n_local)
+        if prefetch and (to_promote or redis_keys):
+            # Pin the chain while its tail is promoted: promotion must never evict the
+            # head of the same chain (a chain longer than the arena keeps what fits).
+            chain = [self.index[k] for k in keys[:n_local]]
+            self._pin(chain)
+            try:
+                for meta in to_promote:
+                    if not await self._promote_from_nvme(meta, prefetched=True):
+                        break
+                else:
+                    if redis_keys:
+                        await self._promote_from_redis(ns, redis_keys, keys, n_local)
+            finally:
+                self._unpin(chain)
         return LookupResult(hits, tiers)
+
+    def _pin(self, metas: list[BlockMeta]) -> None:
+        for meta in metas:
+            meta.readers += 1
+            if meta.in_cpu:
+                self.cpu_policy.set_pinned(meta.key, True)
+
+    def _unpin(self, metas: list[BlockMeta]) -> None:
+        for meta in metas:
+            meta.readers -= 1
+            if meta.readers == 0 and meta.in_cpu:
+                self.cpu_policy.set_pinned(meta.key, meta.cpu_pinned)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -290,14 +314,17 @@ class TieredStore:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _promote_from_nvme(self, meta: BlockMeta, *, prefetched: bool) -> None:
-        if meta.cpu_state is not SlotState.NONE or not meta.in_nvme or meta.nvme_busy:
-            return
+    async def _promote_from_nvme(self, meta: BlockMeta, *, prefetched: bool) -> bool:
+        """Start loading ``meta`` into the arena; False when there was no room for it."""
+        if meta.cpu_state is not SlotState.NONE:
+            return True
+        if not meta.in_nvme or meta.nvme_busy:
+            return False
         off = await self._alloc_cpu(meta.nbytes)
         if off is None or meta.cpu_state is not SlotState.NONE or not meta.in_nvme:
             if off is not None:
                 self.arena.free(off)
-            return
+            return meta.cpu_state is not SlotState.NONE
         meta.cpu = off
         meta.set_cpu_state(SlotState.LOADING)
         meta.prefetched = prefetched
@@ -307,16 +334,20 @@ class TieredStore:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         meta.loading = fut
         self._spawn(self._load_nvme(meta, off, fut))
+        return True
 
     async def _load_nvme(self, meta: BlockMeta, off: int, fut: asyncio.Future[bool]) -> None:
         view = memoryview(self.arena.view(off, round_up(meta.nbytes)))
-        ok = False
+        ok = corrupt = False
         try:
             await self.nvme.read_into(meta.nvme, view, namespace=meta.namespace, key=meta.key,
                                       layout_fp=meta.layout_fp)
             ok = True
-        except KVTierError as exc:
+        except FrameError as exc:  # the frame is bad for good: drop it
+            corrupt = True
             log.warning("dropping nvme block %s: %s", meta.key.hex(), exc)
+        except KVTierError as exc:  # transient I/O trouble: keep the frame, miss this time
+            log.warning("nvme read of %s failed: %s", meta.key.hex(), exc)
         except Exception:  # pragma: no cover - keep serving, never hand out the slot
             log.exception("nvme read failed for %s", meta.key.hex())
             self.nvme.counters.errors += 1
@@ -324,15 +355,12 @@ class TieredStore:
             meta.nvme_busy = False
         meta.loading = None
         if ok and meta.cpu == off:
-            meta.set_cpu_state(SlotState.READY)
-            self.cpu.resident += 1
-            self.cpu_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
-                                   depth=meta.depth, now=self.clock())
+            self._cpu_ready(meta, self.clock())
             self._moved("nvme", "cpu", meta.nbytes)
         elif meta.cpu == off:
             self._drop_cpu(meta)
-            if not ok:
-                self.prefetch.failed += 1
+            self.prefetch.failed += 1
+            if corrupt:
                 self._drop_nvme(meta, EvictionReason.CORRUPT)
             self._forget_if_gone(meta)
         if not fut.done():
@@ -374,10 +402,9 @@ class TieredStore:
         for i, meta in enumerate(metas):
             ok = i < n
             if ok:
-                meta.set_cpu_state(SlotState.READY)
-                self.cpu.resident += 1
-                self.cpu_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
-                                       depth=meta.depth, now=now)
+                self._cpu_ready(meta, now)
+                if self.forest is not None:
+                    self.forest.add(meta.key, meta.parent)
                 self._moved("redis", "cpu", meta.nbytes)
             else:
                 self.prefetch.failed += 1
@@ -386,6 +413,15 @@ class TieredStore:
             fut, meta.loading = meta.loading, None
             if fut is not None and not fut.done():
                 fut.set_result(ok)
+
+    def _cpu_ready(self, meta: BlockMeta, now: float) -> None:
+        """A slot's bytes are complete: make it readable and evictable (unless in use)."""
+        meta.set_cpu_state(SlotState.READY)
+        self.cpu.resident += 1
+        self.cpu_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                               depth=meta.depth, now=now)
+        if meta.cpu_pinned:
+            self.cpu_policy.set_pinned(meta.key, True)
 
     # -- cpu allocation and eviction -----------------------------------------------------
     async def _alloc_cpu(self, nbytes: int) -> int | None:
@@ -438,8 +474,26 @@ class TieredStore:
         self.cpu_policy.remove(meta.key)
 
     def _forget_if_gone(self, meta: BlockMeta) -> None:
+        """Drop ``meta`` from the index once no tier holds it, and with it its orphans:
+        a block whose parent is gone everywhere can never be reached by a prefix walk."""
         if meta.cpu is None and meta.nvme is None and self.index.get(meta.key) is meta:
             del self.index[meta.key]
+            if self.forest is not None:
+                for key in self.forest.discard(meta.key):
+                    self._drop_orphan(key)
+
+    def _drop_orphan(self, key: bytes) -> None:
+        meta = self.index.get(key)
+        if meta is None or meta.readers or meta.nvme_busy or meta.cpu_state in (
+                SlotState.WRITING, SlotState.LOADING):
+            return  # in use: it stays until it is evicted the ordinary way
+        if meta.in_cpu:
+            self._drop_cpu(meta)
+            self.cpu.counters.evicted(EvictionReason.ORPHAN)
+        if meta.nvme is not None:
+            self._drop_nvme(meta, EvictionReason.ORPHAN)
+        if self.index.get(key) is meta:
+            del self.index[key]
 
     # -- nvme ----------------------------------------------------------------------------
     async def _alloc_nvme(self, nbytes: int) -> Any:
@@ -512,8 +566,7 @@ class TieredStore:
                 if slot is not None:
                     self.nvme.free(slot)
                 return False
-            self._seq += 1
-            meta.seq = self._seq
+            meta.seq = self.nvme.next_seq()
             payload = memoryview(self.arena.view(meta.cpu, round_up(meta.nbytes)))
             header = make_header(meta.namespace, meta.key, meta.layout_fp,
                                  payload[: meta.nbytes], seq=meta.seq)
@@ -536,8 +589,13 @@ class TieredStore:
 
     # -- put -----------------------------------------------------------------------------
     async def prepare_put(self, owner: int, digest: bytes, layout_fp: int,
-                          keys: list[bytes]) -> tuple[int, list[int | None]]:
-        """Write-locked arena slots for the keys not stored yet (None: skip this key)."""
+                          keys: list[bytes], *, parent: bytes | None = None,
+                          depth: int = 0) -> tuple[int, list[int | None]]:
+        """Write-locked arena slots for the keys not stored yet (None: skip this key).
+
+        ``keys`` is a piece of a prefix chain: ``parent`` is the key before ``keys[0]``
+        and ``depth`` its 0-based position in the chain (0 and None for a whole prompt).
+        """
         ns = self._ns(digest, layout_fp)
         nbytes = ns.layout.block_bytes
         metas: list[BlockMeta] = []
@@ -552,27 +610,35 @@ class TieredStore:
                     self.arena.free(off)
                 offsets.append(None)
                 continue
-            meta = BlockMeta(k, digest, layout_fp, nbytes, keys[i - 1] if i else None, i,
-                             cpu=off)
+            meta = BlockMeta(k, digest, layout_fp, nbytes, keys[i - 1] if i else parent,
+                             depth + i, cpu=off)
             meta.set_cpu_state(SlotState.WRITING)
             self.index[k] = meta
             metas.append(meta)
             offsets.append(off)
         lease = self._new_lease(LeaseKind.PUT, owner, metas)
+        lease.chain = keys
         return lease.id, offsets
 
-    async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False) -> int:
-        """Make the written blocks visible; ``durable`` also writes them to nvme first."""
+    async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False,
+                         output_tokens: int | None = None) -> int:
+        """Make the written blocks visible; ``durable`` also writes them to nvme first.
+
+        ``output_tokens`` (what the engine generated after this prompt, when known) feeds
+        the workload observer: reuse is learned per class of request.
+        """
         lease = self._take_lease(owner, lease_id, LeaseKind.PUT)
         now = self.clock()
+        on_stored = getattr(self.observer, "on_stored", None)
+        if on_stored is not None and lease.chain:
+            on_stored(lease.chain, output_tokens=output_tokens, now=now)
         committed = []
         for meta in lease.metas:
             if meta.cpu_state is not SlotState.WRITING or self.index.get(meta.key) is not meta:
                 continue
-            meta.set_cpu_state(SlotState.READY)
-            self.cpu.resident += 1
-            self.cpu_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
-                                   depth=meta.depth, now=now)
+            self._cpu_ready(meta, now)
+            if self.forest is not None:
+                self.forest.add(meta.key, meta.parent)
             committed.append(meta)
         self.requests.puts += 1
         self.requests.put_blocks += len(committed)
@@ -609,13 +675,16 @@ class TieredStore:
             meta = self.index.get(k)
             if meta is None or not meta.present:
                 break
+            self._pin([meta])  # pinned as it joins: the tail never evicts the head
+            chain.append(meta)
             if meta.cpu_state is SlotState.NONE:
                 await self._promote_from_nvme(meta, prefetched=False)
             if meta.cpu_state is SlotState.NONE:
+                chain.pop()
+                self._unpin([meta])
                 break
             if meta.loading is not None:
                 pending.append(meta.loading)
-            chain.append(meta)
         if len(chain) < len(keys) and self.redis is not None and self.redis.up:
             before = len(chain)
             rkeys = keys[before:]
@@ -626,20 +695,22 @@ class TieredStore:
                     meta = self.index.get(k)
                     if meta is None or meta.loading is None:
                         break
+                    self._pin([meta])
                     pending.append(meta.loading)
                     chain.append(meta)
         if pending:
             await self._wait_prefetch(pending)
         now = self.clock()
         metas: list[BlockMeta] = []
-        for meta in chain:
-            if not meta.in_cpu or self.index.get(meta.key) is not meta:
-                break
+        ready = True
+        for meta in chain:  # keep the leading ready blocks pinned; let the rest go
+            ready = ready and meta.in_cpu and self.index.get(meta.key) is meta
+            if not ready:
+                self._unpin([meta])
+                continue
             if meta.prefetched:
                 self.prefetch.hit_before_use += 1
                 meta.prefetched = False
-            meta.readers += 1
-            self.cpu_policy.set_pinned(meta.key, True)
             self.cpu_policy.touch(meta.key, now=now)
             metas.append(meta)
         self.requests.gets += 1
@@ -676,7 +747,7 @@ class TieredStore:
     async def delete(self, digest: bytes, layout_fp: int, keys: list[bytes]) -> int:
         """Remove blocks from every tier (blocks under a read lease are skipped)."""
         self._ns(digest, layout_fp)
-        n = 0
+        before = sum(1 for k in keys if k in self.index)
         for k in keys:
             meta = self.index.get(k)
             if meta is None or meta.readers or meta.nvme_busy or meta.cpu_state in (
@@ -687,8 +758,8 @@ class TieredStore:
                 self.cpu.counters.evicted(EvictionReason.DELETED)
             if meta.nvme is not None:
                 self._drop_nvme(meta, EvictionReason.DELETED, erase=True)
-            self._forget_if_gone(meta)
-            n += 1
+            self._forget_if_gone(meta)  # also drops descendants orphaned by this delete
+        n = before - sum(1 for k in keys if k in self.index)
         if self.redis is not None and self.redis.up:
             n = max(n, await self.redis.delete(keys))
         self.requests.deletes += 1

@@ -254,12 +254,23 @@ class ControlServer:
 
     async def _put_prepare(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         ns, fp, keys = self._target(msg)
-        lease, offsets = await self.store.prepare_put(conn.id, ns, fp, keys)
+        parent = msg.get("parent")
+        if parent is not None and not (isinstance(parent, bytes) and len(parent) == 16):
+            raise ProtocolError("parent must be a 16-byte key or nil")
+        depth = msg.get("depth", 0)
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ProtocolError("depth must be a non-negative int")
+        lease, offsets = await self.store.prepare_put(conn.id, ns, fp, keys, parent=parent,
+                                                      depth=depth)
         return {"lease": lease, "offsets": offsets}
 
     async def _put_commit(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+        out = msg.get("output_tokens")
+        if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 0):
+            raise ProtocolError("output_tokens must be a non-negative int or nil")
         stored = await self.store.commit_put(conn.id, req_field(msg, "lease", int),
-                                             durable=bool(msg.get("durable", False)))
+                                             durable=bool(msg.get("durable", False)),
+                                             output_tokens=out)
         return {"stored": stored}
 
     async def _put_abort(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:

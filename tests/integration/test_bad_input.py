@@ -122,7 +122,7 @@ def test_commit_of_unknown_used_or_expired_lease(daemon_factory) -> None:
     ns = c.register_layout(LAYOUT, "m")
     keys = block_keys(ns, np.arange(64 * 2))
     with pytest.raises(LeaseError):
-        c._run(c._ops.op_commit(424242, False))
+        c._run(c._ops.op_commit(424242, False, None))
     lease = c.prepare_put(ns, keys)
     for v in lease.views:
         v[:] = 7

@@ -472,8 +472,6 @@ async def test_random_workload_keeps_every_tier_consistent(
         small.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (store.py, reported to the lead): prepare_get pins "
-                   "its chain only after promoting, so promoting the tail evicts the head")
 async def test_get_longer_than_the_arena_serves_the_prefix_that_fits(
         store: TieredStore, client: ArenaMapping) -> None:
     keys = chain(ARENA_BLOCKS + 2)

@@ -1,0 +1,55 @@
+"""Build the daemon's policies from its config: one eviction policy per tier, admission,
+the shared workload observer and the prefix forest.
+
+The same policy classes run in ``kvtier replay``; this module only decides their
+parameters for a live node (capacities, next-tier bandwidths, the model's prefill cost).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.policy.admission import TierAdmission, WriteBudget
+from kvtier.policy.base import EvictionPolicy, make_eviction_policy
+from kvtier.policy.costmodel import BlockCosts, PrefillModel
+from kvtier.policy.prefix import PrefixForest
+from kvtier.policy.stats import WorkloadStats
+from kvtier.tiers.base import TierName
+
+TYPICAL_BLOCK_BYTES = 8 * 2**20
+"""Sizing unit for the observer's horizon before any layout is known (a 256-token block
+of an 8B model in bf16 is 32 MiB; small test models are far smaller)."""
+
+NVME_READ_BPS = 2.0e9     # reload bandwidth of the tier below cpu (re-measured by bench)
+REDIS_READ_BPS = 0.8e9    # reload bandwidth of the tier below nvme
+
+
+def build_policies(cfg: Any) -> dict[str, Any]:
+    """Keyword arguments for ``TieredStore``: eviction, policy_factory, admission,
+    observer and forest."""
+    name = cfg.policy.eviction
+    stats: WorkloadStats | None = None
+    costs: BlockCosts | None = None
+    if name == "cost":
+        top_blocks = max(1024, cfg.cpu.bytes // TYPICAL_BLOCK_BYTES)
+        all_blocks = top_blocks + (cfg.nvme.bytes // TYPICAL_BLOCK_BYTES
+                                   if cfg.nvme.enabled else 0)
+        stats = WorkloadStats(horizon=top_blocks, history=max(1 << 16, 16 * all_blocks))
+        costs = BlockCosts(block_tokens=256, block_bytes=TYPICAL_BLOCK_BYTES,
+                           prefill=PrefillModel(params=cfg.policy.model_params))
+    below_cpu = NVME_READ_BPS if cfg.nvme.enabled else (
+        REDIS_READ_BPS if cfg.redis.enabled else None)
+    below_nvme = REDIS_READ_BPS if cfg.redis.enabled else None
+
+    def factory(policy: str, tier: TierName) -> EvictionPolicy:
+        if policy != "cost":
+            return make_eviction_policy(policy)
+        bw = below_cpu if tier is TierName.CPU else below_nvme
+        return make_eviction_policy("cost", stats=stats, costs=costs, reload_bandwidth=bw)
+
+    admission = None
+    if cfg.nvme.write_budget_bytes_per_s > 0:
+        rate = cfg.nvme.write_budget_bytes_per_s
+        admission = TierAdmission({"nvme": WriteBudget(rate, burst_bytes=max(rate, 2**26))})
+    return {"eviction": name, "policy_factory": factory, "admission": admission,
+            "observer": stats, "forest": PrefixForest()}
