@@ -50,6 +50,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--redis-codec", choices=("none", "lz4", "shuffle-lz4", "shuffle-zstd",
                                              "auto"), help="codec for frames sent to redis")
     p.add_argument("--redis-ttl", type=int, help="redis key TTL in seconds (0 = none)")
+    p.add_argument("--redis-write-through", action="store_true", default=None,
+                   help="write every put to redis too (not only blocks demoted from nvme)")
     p.add_argument("--log-level", help="debug, info, warning")
     p.set_defaults(func=_run_serve)
 
@@ -62,6 +64,7 @@ def _serve_overrides(a: argparse.Namespace) -> dict[str, Any]:
         "policy.eviction": a.eviction, "redis.url": a.redis_url,
         "redis.cluster": a.redis_cluster, "redis.password": a.redis_password,
         "redis.codec": a.redis_codec, "redis.ttl_s": a.redis_ttl,
+        "redis.write_through": a.redis_write_through,
         "daemon.log_level": a.log_level,
     }
     if a.redis_url:

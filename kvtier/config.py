@@ -112,7 +112,8 @@ class NvmeConfig:
 @dataclass(slots=True)
 class RedisConfig:
     enabled: bool = False
-    url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss:// (TLS), unix://
+    url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss:// (TLS), unix://,
+    #                                          redis+cluster:// (same as cluster = true)
     cluster: bool = False
     username: str = ""
     password: str = ""
@@ -123,7 +124,7 @@ class RedisConfig:
     key_prefix: str = "kvtier:"
     ttl_s: int = 0                        # 0: no expiry
     max_connections: int = 16
-    codec: str = "none"                   # none | lz4 | shuffle-lz4 | auto
+    codec: str = "none"                   # none | lz4 | shuffle-lz4 | shuffle-zstd | auto
     write_through: bool = False           # also write puts through (not only demotions)
     write_queue_blocks: int = 256         # bounded write-behind queue; full: drop oldest
     max_inflight: int = 8                 # bounded concurrent pipelines
