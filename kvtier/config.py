@@ -134,6 +134,13 @@ class RedisConfig:
 
 
 @dataclass(slots=True)
+class HbmConfig:
+    enabled: bool = False                 # needs a CUDA device and the [gpu] extra
+    bytes: int = 0                        # device memory pool handed to engines by CUDA IPC
+    device: int = 0
+
+
+@dataclass(slots=True)
 class PolicyConfig:
     eviction: str = "cost"                # lru | lfu | cost
     prefetch_wait: str = "timeout"        # best_effort | wait | timeout
@@ -148,6 +155,7 @@ class Config:
     cpu: CpuConfig = field(default_factory=CpuConfig)
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    hbm: HbmConfig = field(default_factory=HbmConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
     @property
