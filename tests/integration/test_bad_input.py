@@ -204,28 +204,7 @@ def test_socket_is_private_to_the_daemon_user(daemon: DaemonProcess) -> None:
     assert (os.stat(daemon.socket).st_mode & 0o777) == 0o600
     if os.getuid() != 0:
         pytest.skip("needs root to try the socket as another uid")
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: become nobody and knock
-        os.close(rfd)
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            probe = socket.socket(socket.AF_UNIX)
-            probe.settimeout(2)
-            try:
-                probe.connect(str(daemon.socket))
-                probe.sendall(pack({"id": 1, "op": "hello", "version": 1}))
-                got = probe.recv(1)
-                os.write(wfd, b"served" if got else b"closed")
-            except OSError as exc:
-                os.write(wfd, f"refused:{exc.errno}".encode())
-        finally:
-            os._exit(0)
-    os.close(wfd)
-    os.waitpid(pid, 0)
-    verdict = os.read(rfd, 100).decode()
-    os.close(rfd)
+    verdict = _knock_as_nobody(str(daemon.socket))
     assert verdict.startswith("refused"), verdict  # EACCES: the 0600 socket keeps others out
 
 
