@@ -100,7 +100,10 @@ def main(spec_path: str, out_path: str) -> None:
         results.append(generate(llm, phase["prompts"], phase.get("salts"),
                                 phase.get("max_tokens", MAX_TOKENS)))
     Path(out_path).write_text(json.dumps(results))
-    os._exit(0)  # skip vLLM's slow interpreter teardown; results are on disk
+    # Stop the engine-core process (multiprocess mode) before leaving; then skip vLLM's
+    # slow interpreter teardown, the results are on disk.
+    llm.llm_engine.engine_core.shutdown(timeout=30)
+    os._exit(0)
 
 
 if __name__ == "__main__":
