@@ -3,9 +3,11 @@
 #
 # Run from the repository root on a machine with a GPU:  scripts/device_check.sh
 # Installs nothing (the device machine may have no network). It reports what is there
-# (GPU, nvcc, python, torch+CUDA, cupy, kvikio), compiles the kernels with nvcc, runs
-# the GPU tests and the bandwidth benchmark, and writes everything under $OUT
-# (default ./device-check-out). Use KVTIER_PY=/path/to/python to pick the interpreter
+# (GPU, nvcc, python, torch+CUDA, cupy, kvikio), compiles the kernels with nvcc, prints the
+# nvme backend / hbm availability the daemon would see, runs the GPU tests (tests/gpu:
+# kernels, streams, test_hbm.py, test_kvikio.py) and the bandwidth benchmark, and writes
+# everything under $OUT (default ./device-check-out). KVTIER_GPU_TEST_DIR (default
+# $BENCH_DIR) puts test_kvikio.py's slot files on a disk-backed directory. Use KVTIER_PY=/path/to/python to pick the interpreter
 # (e.g. a carried virtual environment); default: .venv-gpu/bin/python if present,
 # else python3. Exit status: 0 all ran and passed, 1 something failed, 2 no usable GPU.
 set -u
@@ -67,7 +69,24 @@ else
   say "skipped (no nvcc)"
 fi
 
-say "== GPU tests"
+say "== tier backends (what the daemon would pick here)"
+"$PY" - <<'PYEOF' 2>&1 | tee -a "$LOG"
+from kvtier.tiers.hbm import hbm_available
+from kvtier.tiers.nvme_backend import cuda_driver_status, select_nvme_backend
+print(f"cuda driver: {cuda_driver_status()}")
+print(f"nvme.backend=auto -> {select_nvme_backend('auto')}")
+print(f"hbm available (device 0): {hbm_available(0)}")
+try:
+    import kvikio
+    from kvtier.tiers.nvme_backend import kvikio_mode
+    print(f"kvikio mode: {kvikio_mode(kvikio)}")
+except ImportError:
+    pass
+PYEOF
+
+say "== GPU tests (kernels, streams, hbm tier + CUDA IPC, nvme through kvikio)"
+# kvikio's GDS path needs a disk-backed directory (tmpfs only runs its compat mode)
+export KVTIER_GPU_TEST_DIR=${KVTIER_GPU_TEST_DIR:-${BENCH_DIR:-}}
 "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider \
   --junitxml="$OUT/gpu-tests.xml" >"$OUT/gpu-tests.txt" 2>&1
 rc=$?

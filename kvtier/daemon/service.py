@@ -48,6 +48,7 @@ class Daemon:
         self.started = time.time()
         self.arena: Arena | None = None
         self.nvme: Any = None
+        self.hbm: Any = None
         self.redis: Any = None
         self.store: TieredStore | None = None
         self.control: ControlServer | None = None
@@ -70,6 +71,8 @@ class Daemon:
             log.info("removed stale arena %s", stale)
         self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
                            slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault)
+        if cfg.hbm.enabled:
+            self.hbm = self._make_hbm()
         if cfg.nvme.enabled and cfg.nvme.bytes > 0:
             self.nvme = self._make_nvme()
         if cfg.redis.enabled:
@@ -97,9 +100,32 @@ class Daemon:
 
     def _make_nvme(self) -> Any:
         from kvtier.tiers.nvme import NvmeTier
+        from kvtier.tiers.nvme_backend import make_frame_io, select_nvme_backend
 
-        return NvmeTier(self.cfg.nvme_path, self.cfg.nvme.bytes, direct=self.cfg.nvme.direct,
-                        io_threads=self.cfg.nvme.io_threads)
+        nvme = self.cfg.nvme
+        choice = select_nvme_backend(nvme.backend)   # ConfigError when kvikio is forced in vain
+        log.info("nvme I/O backend: %s (%s)", choice.name, choice.reason)
+        return NvmeTier(self.cfg.nvme_path, nvme.bytes, direct=nvme.direct,
+                        io_threads=nvme.io_threads,
+                        io=make_frame_io(choice, threads=nvme.io_threads))
+
+    def _make_hbm(self) -> Any:
+        """The HBM pool (hbm.enabled): a clear ConfigError when this host cannot have one."""
+        from kvtier.tiers.hbm import HbmTier, hbm_available
+
+        hbm = self.cfg.hbm
+        if hbm.bytes <= 0:
+            raise ConfigError("hbm.enabled needs hbm.bytes > 0 (the device pool size, e.g. "
+                              "8GiB)")
+        ok, why = hbm_available(hbm.device)
+        if not ok:
+            raise ConfigError(f"hbm.enabled needs a CUDA device: {why}; set hbm.enabled = false "
+                              "or run on a GPU host with the [gpu] extra installed")
+        tier = HbmTier(hbm.bytes, device=hbm.device)
+        tier.open()
+        log.info("hbm tier: %d bytes on CUDA device %d (%s)", tier.capacity_bytes, hbm.device,
+                 why)
+        return tier
 
     def _make_store(self) -> TieredStore:
         cfg = self.cfg
@@ -129,6 +155,9 @@ class Daemon:
     def banner(self) -> str:
         assert self.http is not None and self.arena is not None
         tiers = f"cpu {self.arena.size / 2**30:.2f} GiB (shm {self.arena.path})"
+        if self.hbm is not None:
+            tiers = (f"hbm {self.hbm.capacity_bytes / 2**30:.2f} GiB (cuda device "
+                     f"{self.cfg.hbm.device}), " + tiers)
         if self.nvme is not None:
             tiers += (f", nvme {self.cfg.nvme.bytes / 2**30:.2f} GiB at {self.cfg.nvme_path} "
                       f"({self.nvme.backend})")
@@ -176,6 +205,8 @@ class Daemon:
             self.nvme.close()
         if self.arena is not None:
             self.arena.close()
+        if self.hbm is not None:
+            self.hbm.close()
 
     # -- stats ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -190,6 +221,11 @@ class Daemon:
             "protocol_errors": self.control.protocol_errors if self.control else 0,
         }
         out.update(self.store.stats())
+        if self.hbm is not None:   # the store does not drive the hbm tier (yet): add it here
+            from kvtier.tiers.base import tier_stats
+
+            out["tiers"] = {"hbm": {**tier_stats(self.hbm), **self.hbm.stats_extra()},
+                            **out.get("tiers", {})}
         out["connector"] = self.control.engine_summary() if self.control else {}
         return out
 

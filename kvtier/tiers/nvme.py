@@ -12,6 +12,12 @@ fit their slot; payloads are verified on every read. A block is visible to the s
 ``write()`` returned. Evicted slots keep their frame (it is still correct data and may come back
 after a restart); an explicit delete erases the header page so it cannot.
 
+I/O backend. Frame reads and writes go through a ``FrameIO`` object: ``PosixFrameIO`` (the
+default, the functions below) or ``kvtier.tiers.nvme_backend.KvikioFileIO`` (kvikio's CuFile on
+GPU hosts). The on-disk format is the same for both; the slot scan at ``open()``, erases and
+trims always use the tier's own descriptors. ``backend`` and ``stats_extra()`` say which one
+runs and why.
+
 Threading. Every disk access runs in a thread pool (never on the event loop). Counters and the
 slot bookkeeping are touched only from the caller's thread (the daemon's event loop), so they
 need no locks. A slot's disk operations are ordered: an erase or write waits for the previous
@@ -34,14 +40,15 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvtier.errors import BufferSizeError, ConfigError, FrameError, KVTierError
 from kvtier.frame import HEADER_SIZE, FrameHeader
 from kvtier.tiers._aligned import PAGE, aligned_buffer, byte_view, is_aligned
 from kvtier.tiers.base import EvictionReason, TierCounters, TierName
 
-__all__ = ["PAGE", "NvmeIOError", "NvmeSlot", "NvmeTier", "SlotState", "TierState"]
+__all__ = ["PAGE", "FrameIO", "NvmeIOError", "NvmeSlot", "NvmeTier", "PosixFrameIO",
+           "SlotState", "TierState"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,6 +130,68 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
+class FrameIO(Protocol):
+    """How an NvmeTier moves one frame between memory and a slot file (runs in its threads).
+
+    ``attach``/``detach`` bracket the life of each slot file descriptor the tier opens;
+    ``write_frame``/``read_frame`` have the contracts of ``_write_sync``/``_read_sync`` below
+    (OS failures raise OSError, bad frames FrameError, small buffers BufferSizeError).
+    """
+
+    name: str      # "posix" | "kvikio": ``io_backend`` in stats
+    reason: str    # why this backend was chosen: ``io_backend_reason`` in stats
+
+    def label(self, direct: bool) -> str: ...
+
+    def stats_extra(self) -> dict[str, Any]: ...
+
+    def attach(self, path: Path, fd: int) -> None: ...
+
+    def detach(self, fd: int) -> None: ...
+
+    def close(self) -> None: ...
+
+    def write_frame(self, fd: int, offset: int, packed: bytes, payload: memoryview,
+                    payload_len: int, slot_bytes: int, direct: bool, sync: bool) -> int: ...
+
+    def read_frame(self, fd: int, offset: int, out: memoryview, slot_bytes: int, direct: bool,
+                   namespace: bytes | None, key: bytes | None, layout_fp: int | None,
+                   ) -> tuple[FrameHeader, int]: ...
+
+
+class PosixFrameIO:
+    """The default FrameIO: one ``pwritev``/``preadv`` per frame on the tier's descriptors."""
+
+    name = "posix"
+
+    def __init__(self, reason: str = "default") -> None:
+        self.reason = reason
+
+    def label(self, direct: bool) -> str:
+        return "posix+odirect" if direct else "posix"
+
+    def stats_extra(self) -> dict[str, Any]:
+        return {}
+
+    def attach(self, path: Path, fd: int) -> None:
+        """Nothing to do: the tier's own descriptor is used."""
+
+    def detach(self, fd: int) -> None:
+        """Nothing to do: the tier closes its descriptor."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def write_frame(self, fd: int, offset: int, packed: bytes, payload: memoryview,
+                    payload_len: int, slot_bytes: int, direct: bool, sync: bool) -> int:
+        return _write_sync(fd, offset, packed, payload, payload_len, slot_bytes, direct, sync)
+
+    def read_frame(self, fd: int, offset: int, out: memoryview, slot_bytes: int, direct: bool,
+                   namespace: bytes | None, key: bytes | None, layout_fp: int | None,
+                   ) -> tuple[FrameHeader, int]:
+        return _read_sync(fd, offset, out, slot_bytes, direct, namespace, key, layout_fp)
+
+
 def probe_direct(root: Path) -> str | None:
     """None when O_DIRECT works under ``root`` (aligned write + read back), else why not."""
     if not hasattr(os, "O_DIRECT"):
@@ -159,7 +228,7 @@ class NvmeTier:
     name = TierName.NVME
 
     def __init__(self, root: Path, capacity_bytes: int, *, direct: str = "auto",
-                 io_threads: int = 4) -> None:
+                 io_threads: int = 4, io: FrameIO | None = None) -> None:
         if direct not in ("auto", "on", "off"):
             raise ConfigError(f"nvme.direct must be auto, on or off, got {direct!r}")
         if capacity_bytes < 0 or io_threads < 1:
@@ -169,6 +238,7 @@ class NvmeTier:
         self._capacity = capacity_bytes
         self._direct_mode = direct
         self._io_threads = io_threads
+        self._io: FrameIO = io if io is not None else PosixFrameIO()
         self._direct = False
         self._state = TierState.NEW
         self._pool: ThreadPoolExecutor | None = None
@@ -182,7 +252,17 @@ class NvmeTier:
     # ------------------------------------------------------------------ Tier protocol
     @property
     def backend(self) -> str:
-        return "posix+odirect" if self._direct else "posix"
+        return self._io.label(self._direct)
+
+    @property
+    def io(self) -> FrameIO:
+        """The frame I/O backend (POSIX unless the daemon selected kvikio)."""
+        return self._io
+
+    def stats_extra(self) -> dict[str, Any]:
+        """Backend details merged into this tier's section of /v1/stats."""
+        return {"io_backend": self._io.name, "io_backend_reason": self._io.reason,
+                "direct": self._direct, **self._io.stats_extra()}
 
     @property
     def capacity_bytes(self) -> int:
@@ -254,7 +334,9 @@ class NvmeTier:
             self._pool.shutdown(wait=True)
             self._pool = None
         for cls in self._classes.values():
+            self._io.detach(cls.fd)
             os.close(cls.fd)
+        self._io.close()
         self._classes.clear()
         self._pending.clear()
         self._state = TierState.CLOSED
@@ -330,8 +412,9 @@ class NvmeTier:
             raise BufferSizeError(
                 f"frame of {header.payload_len} bytes from a {len(view)}-byte buffer does not "
                 f"fit a {slot.slot_bytes}-byte slot; alloc() with the payload length")
-        nbytes = await self._run(slot, True, _write_sync, cls.fd, slot.offset, header.pack(), view,
-                                 header.payload_len, slot.slot_bytes, self._direct, sync,
+        nbytes = await self._run(slot, True, self._io.write_frame, cls.fd, slot.offset,
+                                 header.pack(), view, header.payload_len, slot.slot_bytes,
+                                 self._direct, sync,
                                  what=f"write to {cls.path} slot {slot.index}")
         if cls.busy.get(slot.index) is SlotState.RESERVED:  # not freed while in flight
             cls.busy[slot.index] = SlotState.STORED
@@ -352,7 +435,7 @@ class NvmeTier:
         self._require_open()
         cls = self._slot_class(slot, SlotState.STORED)
         header, nbytes = await self._run(
-            slot, False, _read_sync, cls.fd, slot.offset, byte_view(out), slot.slot_bytes,
+            slot, False, self._io.read_frame, cls.fd, slot.offset, byte_view(out), slot.slot_bytes,
             self._direct, namespace, key, layout_fp,
             what=f"read from {cls.path} slot {slot.index}")
         self.counters.bytes_read += nbytes
@@ -409,6 +492,11 @@ class NvmeTier:
         path = self.root / f"slots-{slot_bytes}.dat"
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if self._direct else 0)
         cls = _SizeClass(slot_bytes, path, os.open(path, flags, 0o600))
+        try:
+            self._io.attach(path, cls.fd)
+        except BaseException:
+            os.close(cls.fd)
+            raise
         self._classes[slot_bytes] = cls
         return cls
 

@@ -1,0 +1,509 @@
+"""HBM tier: a daemon-owned GPU memory pool, carved into slots, shared with engines by CUDA IPC.
+
+Owner side (the daemon): ``HbmTier`` allocates one device buffer of ``hbm.bytes`` with a plain
+``cudaMalloc`` (``cupy.cuda.Memory``, never cupy's memory pool: an IPC handle always names a
+whole allocation, so the pool must be one) and exports it once with
+``cupy.cuda.runtime.ipcGetMemHandle``. Slots are handed out by ``SlabAllocator``, the same
+slab/size-class scheme as the cpu arena (``kvtier.tiers.arena``): slots are whole 4 KiB pages,
+a size class takes a unit of contiguous slabs, an emptied unit goes back to the pool.
+
+Client side (an engine process): ``HbmMapping.open(handle, size, device)`` maps the pool once
+per process (``ipcOpenMemHandle``) and gives device pointers, cupy arrays or torch tensors of
+slots by offset, so engines copy device-to-device. The process that allocated the pool cannot
+open its own handle (CUDA refuses), which is why this is a separate class.
+
+Availability: off unless ``hbm.enabled`` and ``hbm_available()`` holds (driver, device, cupy).
+Nothing here imports cupy or torch at module import time.
+
+What is wired today: the daemon builds the pool, exports the handle and reports the tier under
+``tiers.hbm`` in ``/v1/stats``. The store does not place blocks in HBM yet and the control
+handshake does not carry the handle yet (see ``HbmTier.handshake_info``).
+
+UNTESTED ON HARDWARE: written without a GPU. The CUDA calls follow cupy's documented API
+(``cupy.cuda.Memory``, ``runtime.ipcGetMemHandle``/``ipcOpenMemHandle``/``ipcCloseMemHandle``,
+``cupy.cuda.UnownedMemory``/``MemoryPointer``); the CPU tests cover the allocator, the tier's
+bookkeeping over a host-memory fake pool, the availability checks and argument validation.
+``tests/gpu/test_hbm.py`` checks the real pool and an IPC round trip in a second process.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvtier.errors import BufferSizeError, CapacityError, ConfigError, KVTierError
+from kvtier.tiers.base import TierCounters, TierName
+from kvtier.tiers.nvme_backend import cuda_driver_status
+
+__all__ = [
+    "IPC_HANDLE_BYTES",
+    "PAGE",
+    "CupyDevicePool",
+    "DevicePool",
+    "HbmMapping",
+    "HbmTier",
+    "SlabAllocator",
+    "hbm_available",
+]
+
+PAGE = 4096
+IPC_HANDLE_BYTES = 64          # sizeof(cudaIpcMemHandle_t)
+_GPU_EXTRA = "pip install 'kvtier[gpu]'"
+
+
+def _round_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+def _slot_bytes(nbytes: int) -> int:
+    if nbytes < 0:
+        raise ValueError(f"slot size must be >= 0, got {nbytes}")
+    return _round_up(max(nbytes, 1))
+
+
+# ---------------------------------------------------------------------- availability
+def hbm_available(device: int = 0) -> tuple[bool, str]:
+    """(True, what was found) when the HBM tier can run on CUDA device ``device``, else
+    (False, why not). Checks, in order: Linux (CUDA IPC), the driver (``libcuda.so.1``,
+    ``cuInit``, device count), cupy importable, cupy agreeing that the device exists.
+    Never raises; creates no CUDA context.
+    """
+    if not sys.platform.startswith("linux"):
+        return False, f"CUDA IPC memory handles need Linux (this is {sys.platform})"
+    if device < 0:
+        return False, f"hbm.device must be >= 0, got {device}"
+    driver = cuda_driver_status()
+    if not driver.ok:
+        return False, driver.reason
+    if device >= driver.devices:
+        return False, (f"hbm.device = {device} but only {driver.devices} CUDA device(s) are "
+                       "visible")
+    try:
+        import cupy
+    except ImportError:
+        return False, f"cupy not installed ({_GPU_EXTRA})"
+    except Exception as exc:  # a broken install
+        return False, f"cupy failed to import ({type(exc).__name__}: {exc})"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        return False, f"cupy cannot use the CUDA runtime ({exc})"
+    if device >= count:
+        return False, f"hbm.device = {device} but cupy sees {count} CUDA device(s)"
+    return True, f"cupy {getattr(cupy, '__version__', '?')}, device {device} of {count}"
+
+
+# ---------------------------------------------------------------------- allocator
+@dataclass(slots=True)
+class _Unit:
+    """A run of contiguous slabs serving one size class."""
+
+    first_slab: int
+    n_slabs: int
+    offset: int
+    slot_bytes: int
+    n_slots: int
+    free: list[int] = field(default_factory=list)   # slot offsets, popped from the end
+
+
+class SlabAllocator:
+    """Offsets of slots in a buffer of ``capacity_bytes``: the arena's scheme without memory.
+
+    The buffer is cut into equal slabs (``slab_bytes`` rounded up to a page, shrunk to the
+    whole buffer when that is smaller). A size class (request rounded up to whole pages) takes
+    a unit of ``ceil(slot / slab)`` contiguous free slabs, first fit, and cuts it into slots;
+    a unit whose slots are all free returns its slabs. It makes the same choices as
+    ``kvtier.tiers.arena.Arena`` for the same calls (a test checks this), so the arena could
+    later be rebuilt on it. Not thread-safe: the daemon drives it from its event loop.
+    """
+
+    def __init__(self, capacity_bytes: int, slab_bytes: int = 64 * 2**20) -> None:
+        slab = _round_up(max(PAGE, slab_bytes))
+        if slab > capacity_bytes:
+            slab = capacity_bytes // PAGE * PAGE
+        n_slabs = capacity_bytes // slab if slab else 0
+        if n_slabs <= 0:
+            raise ConfigError(f"a pool of {capacity_bytes} bytes is smaller than one "
+                              f"{PAGE}-byte page")
+        self.slab_bytes = slab
+        self.size = n_slabs * slab
+        self._slab_owner: list[_Unit | None] = [None] * n_slabs
+        self._classes: dict[int, list[_Unit]] = {}
+        self._allocated: dict[int, int] = {}   # offset -> slot bytes of handed-out slots
+        self.used_bytes = 0
+        self.allocated_slots = 0
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free slot able to hold ``nbytes``, or None when none is left."""
+        slot_bytes = _slot_bytes(nbytes)
+        for unit in self._classes.get(slot_bytes, ()):
+            if unit.free:
+                return self._take(unit)
+        unit = self._new_unit(slot_bytes)
+        return None if unit is None else self._take(unit)
+
+    def free(self, offset: int) -> None:
+        """Return a slot; an emptied unit gives its slabs back. Bad offsets raise."""
+        slab = offset // self.slab_bytes if offset >= 0 else -1
+        unit = self._slab_owner[slab] if 0 <= slab < len(self._slab_owner) else None
+        if unit is None or offset not in self._allocated:
+            raise CapacityError(f"free of an offset {offset} that is not an allocated slot")
+        del self._allocated[offset]
+        unit.free.append(offset)
+        self.used_bytes -= unit.slot_bytes
+        self.allocated_slots -= 1
+        if len(unit.free) == unit.n_slots:
+            for j in range(unit.first_slab, unit.first_slab + unit.n_slabs):
+                self._slab_owner[j] = None
+            self._classes[unit.slot_bytes].remove(unit)
+
+    def could_fit(self, nbytes: int) -> bool:
+        """Whether ``alloc(nbytes)`` would succeed now."""
+        slot_bytes = _slot_bytes(nbytes)
+        if any(u.free for u in self._classes.get(slot_bytes, ())):
+            return True
+        return self._free_run(-(-slot_bytes // self.slab_bytes)) is not None
+
+    def slot_size(self, offset: int) -> int:
+        """The slot bytes of an allocated offset (KeyError when it is not allocated)."""
+        return self._allocated[offset]
+
+    def _take(self, unit: _Unit) -> int:
+        off = unit.free.pop()
+        self._allocated[off] = unit.slot_bytes
+        self.used_bytes += unit.slot_bytes
+        self.allocated_slots += 1
+        return off
+
+    def _free_run(self, k: int) -> int | None:
+        run = 0
+        for i, owner in enumerate(self._slab_owner):
+            run = run + 1 if owner is None else 0
+            if run == k:
+                return i - k + 1
+        return None
+
+    def _new_unit(self, slot_bytes: int) -> _Unit | None:
+        k = -(-slot_bytes // self.slab_bytes)
+        first = self._free_run(k)
+        if first is None:
+            return None
+        offset = first * self.slab_bytes
+        n_slots = (k * self.slab_bytes) // slot_bytes
+        unit = _Unit(first, k, offset, slot_bytes, n_slots,
+                     [offset + j * slot_bytes for j in reversed(range(n_slots))])
+        for j in range(first, first + k):
+            self._slab_owner[j] = unit
+        self._classes.setdefault(slot_bytes, []).append(unit)
+        return unit
+
+
+# ---------------------------------------------------------------------- device pool
+class DevicePool(Protocol):
+    """One device allocation the tier carves up (``CupyDevicePool``; tests use a host fake)."""
+
+    ptr: int
+    size: int
+    device: int
+
+    def export_handle(self) -> bytes: ...
+
+    def view(self, offset: int, nbytes: int) -> Any: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def _normalize_bus_id(bus_id: str) -> str:
+    """``0000:C1:00.0`` and ``00000000:c1:00.0`` name the same device: compare them equal."""
+    text = bus_id.strip().lower()
+    parts = text.split(":")
+    if len(parts) == 3:
+        try:
+            return f"{int(parts[0], 16):08x}:{parts[1]}:{parts[2]}"
+        except ValueError:
+            return text
+    return text
+
+
+class CupyDevicePool:
+    """``size`` bytes of device memory on ``device`` from one ``cudaMalloc`` (cupy).
+
+    UNTESTED ON HARDWARE (see the module docstring).
+    """
+
+    def __init__(self, size: int, device: int = 0) -> None:
+        import cupy
+
+        self.size = size
+        self.device = device
+        try:
+            with cupy.cuda.Device(device):
+                self._mem = cupy.cuda.memory.Memory(size)   # a whole allocation: IPC exports it all
+                cupy.cuda.runtime.memset(self._mem.ptr, 0, size)
+                cupy.cuda.runtime.deviceSynchronize()
+                self.pci_bus_id = str(cupy.cuda.runtime.deviceGetPCIBusId(device))
+                props = cupy.cuda.runtime.getDeviceProperties(device)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            raise ConfigError(f"cannot allocate hbm.bytes = {size} on CUDA device {device}: "
+                              f"{exc}; lower hbm.bytes") from exc
+        name = props.get("name", b"?")
+        self.name = name.decode() if isinstance(name, bytes) else str(name)
+        self.ptr = int(self._mem.ptr)
+        self._handle: bytes | None = None
+
+    def export_handle(self) -> bytes:
+        """The pool's ``cudaIpcMemHandle_t`` (64 bytes), made once."""
+        if self._handle is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                self._handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(self.ptr))
+        return self._handle
+
+    def view(self, offset: int, nbytes: int) -> Any:
+        """A uint8 cupy array over ``[offset, offset + nbytes)`` of the pool (no copy)."""
+        import cupy
+
+        _check_range(offset, nbytes, self.size)
+        ptr = cupy.cuda.memory.MemoryPointer(self._mem, offset)
+        return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=ptr)
+
+    def describe(self) -> dict[str, Any]:
+        return {"device": self.device, "device_name": self.name, "pci_bus_id": self.pci_bus_id}
+
+    def close(self) -> None:
+        """Free the allocation (engines must have closed their mappings first)."""
+        self._mem = None
+        self.ptr = 0
+
+
+def _check_range(offset: int, nbytes: int, size: int) -> None:
+    """BufferSizeError unless ``[offset, offset + nbytes)`` lies inside a ``size``-byte pool."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise BufferSizeError(f"range [{offset}, {offset + nbytes}) is outside the "
+                              f"{size}-byte HBM pool")
+
+
+# ---------------------------------------------------------------------- the tier
+class HbmTier:
+    """The daemon's HBM pool as a tier: capacity, occupancy, counters, slot allocation.
+
+    Lifecycle: construct (checks sizes only), ``open()`` (allocates the device pool; a pool
+    factory can be injected for tests), ``alloc``/``free``/``view`` from the event loop,
+    ``close()``. ``capacity_bytes`` is the configured ``hbm.bytes`` rounded down to whole slabs
+    and is a hard limit.
+    """
+
+    name = TierName.HBM
+
+    def __init__(self, capacity_bytes: int, *, device: int = 0,
+                 slab_bytes: int = 64 * 2**20, pool_factory: Any = None) -> None:
+        if capacity_bytes <= 0:
+            raise ConfigError("hbm.enabled needs hbm.bytes > 0 (the device pool size, e.g. 8GiB)")
+        if device < 0:
+            raise ConfigError(f"hbm.device must be >= 0, got {device}")
+        self.counters = TierCounters()
+        self.device = device
+        self.allocator = SlabAllocator(capacity_bytes, slab_bytes)
+        self._factory = pool_factory if pool_factory is not None else CupyDevicePool
+        self._pool: DevicePool | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ Tier protocol
+    @property
+    def backend(self) -> str:
+        return "cuda-ipc"
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.allocator.size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used_bytes
+
+    @property
+    def blocks(self) -> int:
+        return self.allocator.allocated_slots
+
+    @property
+    def up(self) -> bool:
+        return self._pool is not None and not self._closed
+
+    def stats_extra(self) -> dict[str, Any]:
+        """Device details merged into ``tiers.hbm`` of /v1/stats."""
+        out: dict[str, Any] = {"slab_bytes": self.allocator.slab_bytes,
+                               "placement": "pool only: the store does not place blocks in "
+                                            "hbm yet"}
+        if self._pool is not None:
+            out.update(self._pool.describe())
+        else:
+            out["device"] = self.device
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self) -> None:
+        """Allocate the device pool (once)."""
+        if self._pool is not None or self._closed:
+            raise KVTierError("hbm tier: open() is called once")
+        self._pool = self._factory(self.allocator.size, self.device)
+
+    def close(self) -> None:
+        """Free the device pool. Engines that still map it must not touch it afterwards."""
+        if self._pool is not None:
+            self._pool.close()
+        self._pool = None
+        self._closed = True
+
+    # ------------------------------------------------------------------ slots
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a slot for ``nbytes`` bytes, or None (counted) when the pool is full."""
+        self._require_open()
+        off = self.allocator.alloc(nbytes)
+        if off is None:
+            self.counters.allocation_failures += 1
+        return off
+
+    def free(self, offset: int) -> None:
+        """Return a slot."""
+        self._require_open()
+        self.allocator.free(offset)
+
+    def device_ptr(self, offset: int) -> int:
+        """The daemon-side device address of a slot offset."""
+        pool = self._require_open()
+        _check_range(offset, 0, pool.size)
+        return pool.ptr + offset
+
+    def view(self, offset: int, nbytes: int) -> Any:
+        """A device array (cupy) over a slot, for daemon-side copies."""
+        return self._require_open().view(offset, nbytes)
+
+    def export_handle(self) -> bytes:
+        """The CUDA IPC handle of the whole pool (64 bytes) for engine processes."""
+        return self._require_open().export_handle()
+
+    def handshake_info(self) -> dict[str, Any]:
+        """What a client needs to map the pool: to go in the control handshake (msgpack-safe).
+
+        ``pci_bus_id`` lets a client whose ``CUDA_VISIBLE_DEVICES`` numbers devices
+        differently find the same GPU.
+        """
+        pool = self._require_open()
+        desc = pool.describe()
+        return {"handle": pool.export_handle(), "size": pool.size, "device": pool.device,
+                "pci_bus_id": desc.get("pci_bus_id", "")}
+
+    def _require_open(self) -> DevicePool:
+        if self._pool is None or self._closed:
+            raise KVTierError("hbm tier is not open")
+        return self._pool
+
+
+# ---------------------------------------------------------------------- client side
+_MAPPINGS: dict[tuple[bytes, int], HbmMapping] = {}
+_MAPPINGS_LOCK = threading.Lock()
+
+
+def _validate_handle(handle: bytes, size: int) -> bytes:
+    if not isinstance(handle, (bytes, bytearray, memoryview)):
+        raise ConfigError(f"HBM IPC handle must be bytes, got {type(handle).__name__}")
+    raw = bytes(handle)
+    if len(raw) != IPC_HANDLE_BYTES:
+        raise ConfigError(f"HBM IPC handle must be {IPC_HANDLE_BYTES} bytes, got {len(raw)}")
+    if size <= 0:
+        raise ConfigError(f"HBM pool size must be > 0, got {size}")
+    return raw
+
+
+def _resolve_device(device: int, pci_bus_id: str | None) -> int:
+    """The local ordinal of the daemon's GPU: by PCI bus id when given, else ``device``."""
+    if not pci_bus_id:
+        return device
+    import cupy
+
+    want = _normalize_bus_id(pci_bus_id)
+    for i in range(int(cupy.cuda.runtime.getDeviceCount())):
+        if _normalize_bus_id(str(cupy.cuda.runtime.deviceGetPCIBusId(i))) == want:
+            return i
+    raise ConfigError(f"the daemon's HBM pool is on GPU {pci_bus_id}, which this process does "
+                      "not see (check CUDA_VISIBLE_DEVICES)")
+
+
+class HbmMapping:
+    """An engine process's view of the daemon's HBM pool (mapped once per process and device).
+
+    ``open`` returns the existing mapping when the same handle was already opened here. Slots
+    are addressed by the offsets the daemon hands out. UNTESTED ON HARDWARE.
+    """
+
+    def __init__(self, ptr: int, size: int, device: int, *, handle: bytes = b"",
+                 closer: Any = None) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.device = device
+        self._handle = handle
+        self._closer = closer
+        self._closed = False
+
+    @classmethod
+    def open(cls, handle: bytes, size: int, device: int = 0, *,
+             pci_bus_id: str | None = None) -> HbmMapping:
+        """Map the pool exported by ``HbmTier.export_handle`` (``cudaIpcOpenMemHandle`` with
+        lazy peer access). Raises ConfigError for a malformed handle or a GPU not visible
+        here, and cupy's CUDARuntimeError when CUDA refuses the handle."""
+        raw = _validate_handle(handle, size)
+        with _MAPPINGS_LOCK:
+            found = _MAPPINGS.get((raw, size))
+            if found is not None and not found._closed:
+                return found
+            import cupy
+
+            local = _resolve_device(device, pci_bus_id)
+            with cupy.cuda.Device(local):
+                ptr = int(cupy.cuda.runtime.ipcOpenMemHandle(raw))
+
+            def closer(p: int = ptr, d: int = local) -> None:
+                with cupy.cuda.Device(d):
+                    cupy.cuda.runtime.ipcCloseMemHandle(p)
+
+            mapping = cls(ptr, size, local, handle=raw, closer=closer)
+            _MAPPINGS[(raw, size)] = mapping
+            return mapping
+
+    def device_ptr(self, offset: int, nbytes: int = 0) -> int:
+        """The device address of ``[offset, offset + nbytes)`` in this process."""
+        if self._closed:
+            raise KVTierError("HBM mapping is closed")
+        _check_range(offset, nbytes, self.size)
+        return self.ptr + offset
+
+    def cupy_view(self, offset: int, nbytes: int) -> Any:
+        """A uint8 cupy array over a slot (no copy); keeps this mapping alive."""
+        import cupy
+
+        ptr = self.device_ptr(offset, nbytes)
+        mem = cupy.cuda.memory.UnownedMemory(ptr, nbytes, self, self.device)
+        memptr = cupy.cuda.memory.MemoryPointer(mem, 0)
+        return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=memptr)
+
+    def torch_view(self, offset: int, nbytes: int) -> Any:
+        """A uint8 torch tensor over a slot (no copy, through DLPack)."""
+        import torch
+
+        return torch.from_dlpack(self.cupy_view(offset, nbytes))
+
+    def close(self) -> None:
+        """Unmap (``cudaIpcCloseMemHandle``). Views made from it must be dropped first."""
+        if self._closed:
+            return
+        self._closed = True
+        with _MAPPINGS_LOCK:
+            if _MAPPINGS.get((self._handle, self.size)) is self:
+                del _MAPPINGS[(self._handle, self.size)]
+        if self._closer is not None:
+            self._closer()
