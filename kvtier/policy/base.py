@@ -12,7 +12,9 @@ Three concerns, three interfaces (after CacheLib's Navy):
 - :class:`AdmissionPolicy`: whether a block may enter a tier at all (write budgets,
   second-hit admission).
 - :class:`LookupObserver`: workload signals that are not tied to one tier (which blocks a
-  request asked for, how deep its prefix matched). The ``cost`` policy reads them.
+  request asked for, how deep its prefix matched) and, optionally
+  (:class:`StoreObserver`), what a request was like when its KV is stored (how many tokens
+  it generated). The ``cost`` policy reads them.
 
 Keys are opaque :class:`~collections.abc.Hashable` values: 16-byte ``bytes`` in the
 daemon, ints in the replay simulator.
@@ -122,6 +124,23 @@ class LookupObserver(Protocol):
     """
 
     def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float) -> None: ...
+
+
+@runtime_checkable
+class StoreObserver(Protocol):
+    """The optional second method of a :class:`LookupObserver`: request features at store.
+
+    ``on_stored`` is called once per request, after it ran and BEFORE the store inserts or
+    touches its blocks, with the request's whole prefix chain (every full chunk of its
+    prompt, in order, cached or not) and ``output_tokens``, the tokens it generated when
+    the caller knows them (the vLLM connector does at ``request_finished``), else
+    ``None``. A store calls it when its observer has it (``getattr(observer,
+    "on_stored", None)``), so an observer with only ``on_lookup`` keeps working.
+    """
+
+    def on_stored(
+        self, keys: Sequence[Key], *, output_tokens: int | None, now: float
+    ) -> None: ...
 
 
 # --------------------------------------------------------------------------- registry

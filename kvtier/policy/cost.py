@@ -3,18 +3,30 @@
 A block's value is ``reuse probability x (recompute seconds - reload seconds from the next
 tier down) / bytes``: what keeping it here saves, per byte it occupies.
 
-- reuse probability comes from :class:`~kvtier.policy.stats.WorkloadStats` (learned online
-  per reuse class: use count, fresh-vs-shared, chain tail, depth);
+- reuse probability comes from :class:`~kvtier.policy.stats.WorkloadStats`, learned online
+  from the workload itself: every reference of a block falls into a reuse class (reuse
+  count so far, generated-token bucket of the request when the store reports it, distance
+  from the end of the chain, whether the request hit a cached prefix, prompt length), and
+  the class's rate of "referenced again within the horizon" is estimated from decayed
+  counts, shrunk level by level toward coarser classes (so a class without evidence takes
+  its parent's rate and a feature without signal changes nothing);
 - recompute seconds from :class:`~kvtier.policy.costmodel.BlockCosts` (prefill FLOPs of the
   chunk at its position: later chunks of long prompts cost more);
 - reload seconds from the bandwidth of the tier below (``None``: nothing below, the block
   would have to be recomputed).
 
-Ordering: each block gets a deadline ``t + horizon x value / mean value`` when it is
-inserted or used, where ``t`` is the lookup clock and ``horizon`` the number of resident
-blocks (the time an average block survives under LRU). The victim is the leaf with the
-earliest deadline. With equal values this is exactly LRU; a block twice as valuable as
-average survives about twice as long without a hit, a worthless one leaves first.
+Ordering (GreedyDual): a block inserted or used gets the priority ``L + value / unit``,
+where ``unit`` is the value of a certainly-reused first chunk and ``L``, the water level,
+is the priority of the last block evicted. The victim is the leaf with the lowest
+priority. ``L`` rises by about one average value per turnover of the tier, so a block
+survives without a hit for a time proportional to its value: twice the average value,
+about two turnovers. With equal values this is exactly LRU (priorities only grow with
+time). A block worth nothing gets ``L`` itself and leaves at the next eviction, before
+anything older: with insert-then-evict (the replay), the block just inserted is the
+victim, a bypass, as in Belady's optimum; a store that evicts before it inserts drops it at
+its next allocation. This is how blocks the workload shows will not come back (in the
+shared Mooncake trace: the tails of prompts that answered at length) stop displacing the
+ones that will.
 
 Prefix-aware: only leaves (blocks with no child resident in this tier) are candidates, so
 a chain is shortened from its tail and a parent never leaves before its children. Orphans
@@ -36,7 +48,7 @@ from kvtier.policy.stats import WorkloadStats
 class _Entry:
     """One resident block (a plain slotted class: mutable, no dataclass overhead)."""
 
-    __slots__ = ("children", "depth", "key", "nbytes", "parent", "pinned", "prio")
+    __slots__ = ("children", "depth", "key", "nbytes", "parent", "pinned", "prio", "seq")
 
     def __init__(self, key: Key, nbytes: int, parent: Key | None, depth: int) -> None:
         self.key = key
@@ -46,23 +58,24 @@ class _Entry:
         self.children = 0
         self.pinned = False
         self.prio = 0.0
+        self.seq = -1  # sequence number of its one live heap item (older ones are stale)
 
 
 @register_eviction_policy("cost")
 class CostPolicy:
-    """Evicts the leaf block with the earliest value-scaled deadline (see module doc).
+    """Evicts the leaf block with the lowest GreedyDual priority (see module doc).
 
-    ``stats`` is shared by the tiers of one store and fed with every lookup; without it
-    every block has the same reuse estimate and the policy orders by cost and recency
-    only. ``reload_bandwidth`` is the read bandwidth (B/s) of the next tier down, ``None``
+    ``stats`` is shared by the tiers of one store and fed with every lookup and store;
+    without it every block has the same reuse estimate and the policy orders by cost and
+    recency only. ``reload_bandwidth`` is the read bandwidth (B/s) of the next tier down, ``None``
     for the last tier.
     """
 
     name = "cost"
 
     __slots__ = (
-        "_costs", "_entries", "_heap", "_mean", "_reload_bw", "_saved", "_seq", "_stats",
-        "_tick",
+        "_costs", "_entries", "_heap", "_level", "_reload_bw", "_saved", "_seq", "_stats",
+        "_unit", "_victim",
     )
 
     def __init__(
@@ -78,8 +91,9 @@ class CostPolicy:
         self._entries: dict[Key, _Entry] = {}
         self._heap: list[tuple[float, int, _Entry]] = []
         self._seq = 0
-        self._tick = 0
-        self._mean = 0.0  # running mean of value, the unit of the deadline bonus
+        self._level = 0.0  # inflation value L: the priority of the last block evicted
+        self._unit = 0.0   # value of a sure-to-be-reused depth-0 block: prio's scale
+        self._victim: _Entry | None = None  # what victim() named last
         self._saved: dict[tuple[int, int], float] = {}
 
     # ------------------------------------------------------------------ value
@@ -109,32 +123,28 @@ class CostPolicy:
         return p * saved
 
     def _schedule(self, entry: _Entry) -> None:
-        value = self._value(entry)
-        mean = self._mean
-        mean = value if mean == 0.0 else mean + (value - mean) * 0.001
-        self._mean = mean
-        now = self._stats.tick if self._stats is not None else self._tick
-        self._tick += 1
-        bonus = len(self._entries) * (value / mean) if mean > 0.0 else 0.0
-        entry.prio = now + bonus
+        unit = self._unit
+        if unit == 0.0:
+            unit = self._unit = self._saved_per_byte(0, entry.nbytes) or 1.0
+        entry.prio = self._level + self._value(entry) / unit
         if entry.children == 0 and not entry.pinned:
             self._push(entry)
 
     def _push(self, entry: _Entry) -> None:
         self._seq += 1
+        entry.seq = self._seq
         heapq.heappush(self._heap, (entry.prio, self._seq, entry))
         if len(self._heap) > 2 * len(self._entries) + 1024:
             self._compact()
 
     def _compact(self) -> None:
         heap = [
-            (e.prio, i, e)
-            for i, e in enumerate(self._entries.values())
-            if e.children == 0 and not e.pinned
+            (e.prio, e.seq, e)
+            for e in self._entries.values()
+            if e.children == 0 and not e.pinned and e.seq >= 0
         ]
         heapq.heapify(heap)
         self._heap = heap
-        self._seq = len(heap)
 
     # ------------------------------------------------------------------ protocol
     def insert(
@@ -155,7 +165,7 @@ class CostPolicy:
         self._schedule(entry)
 
     def touch(self, key: Key, *, now: float = 0.0) -> None:
-        """A use of resident ``key``: re-estimate its value and push its deadline."""
+        """A use of resident ``key``: re-estimate its value and raise its priority."""
         entry = self._entries.get(key)
         if entry is not None:
             self._schedule(entry)
@@ -163,7 +173,13 @@ class CostPolicy:
     def remove(self, key: Key) -> None:
         """``key`` left the tier; its parent may become a leaf (and a candidate)."""
         entry = self._entries.pop(key, None)
-        if entry is None or entry.parent is None:
+        if entry is None:
+            return
+        if entry is self._victim:  # evicted: the water level rises to its priority
+            self._victim = None
+            if entry.prio > self._level:
+                self._level = entry.prio
+        if entry.parent is None:
             return
         up = self._entries.get(entry.parent)
         if up is not None and up.children > 0:
@@ -172,17 +188,19 @@ class CostPolicy:
                 self._push(up)
 
     def victim(self) -> Key | None:
-        """The unpinned leaf with the earliest deadline, or ``None``."""
+        """The unpinned leaf with the lowest priority (oldest first among equals), or None."""
         heap = self._heap
         entries = self._entries
         while heap:
-            prio, _, entry = heap[0]
+            prio, seq, entry = heap[0]
             if (
-                entries.get(entry.key) is entry
+                entry.seq == seq
                 and entry.prio == prio
+                and entries.get(entry.key) is entry
                 and entry.children == 0
                 and not entry.pinned
             ):
+                self._victim = entry
                 return entry.key
             heapq.heappop(heap)
         return None

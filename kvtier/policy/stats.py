@@ -1,147 +1,252 @@
-"""Workload statistics learned online from lookups: how likely is a block to be reused?
+"""Workload statistics learned online: how likely is a block to be asked for again?
 
-The store (or the replay simulator) reports every lookup's full prefix chain to one
-:class:`WorkloadStats` shared by the tiers' ``cost`` policies. It sorts each access into a
-small *reuse class* from signals every prefix-caching workload has:
+The store (or the replay simulator) reports two events to one :class:`WorkloadStats`
+shared by the tiers' ``cost`` policies:
 
-- how many distinct lookups have asked for the block so far (1, 2, 3-4, 5-8, 9+),
-- whether the block was new to this lookup and, if so, whether the lookup matched a
-  prefix before it (a fresh suffix behind a shared prefix vs. a wholly new prompt),
-- whether it is the tail of the chain (the last chunk a prompt produced),
-- its depth in the chain (log buckets).
+- :meth:`WorkloadStats.on_lookup` when a request arrives: its whole prefix chain and how
+  many leading blocks were cached somewhere;
+- :meth:`WorkloadStats.on_stored` when the request has run and its KV is about to be
+  stored: the same chain, plus the number of tokens the request generated when the engine
+  knows it (``None`` otherwise).
 
-For each class it keeps exponentially decayed counts of accesses and of accesses that
-were followed by another one within the history horizon, so the estimate follows the
-workload as it shifts. Nothing here is fitted to a particular trace: a new deployment
-starts from a neutral prior and learns its own rates.
+Each reference of a block puts it into a *reuse class* built from signals any prefix
+caching workload has, known at the moment the block is stored:
+
+- ``uses``: how many requests referenced the block so far (1, 2, 3-4, 5+);
+- ``hit``: the block was part of the cached prefix / new behind a cached prefix / new in a
+  request that hit nothing / unknown (a store without a lookup);
+- ``tail``: distance from the end of the chain (0, 1, 2, 3-5, 6+): a follow-up request
+  extends its predecessor's prompt, so the last chunks of a prompt are the least shared;
+- ``length``: the prompt length in blocks, log2 buckets;
+- ``output``: the generated tokens, log2 buckets, or unknown. A request that answered at
+  length is more often the end of its conversation than one that answered briefly; how
+  much that holds is for the workload to show, not for this code to assume.
+
+**Outcome.** A reference of class ``c`` is *reused* if the block is referenced again
+within ``horizon`` block references, *not reused* if it is not (noticed when the horizon
+passes or the key falls out of the bounded history). Outcomes are counted when they are
+resolved, both numerator and denominator, so the open references of the last horizon do
+not bias the rate down.
+
+**Estimate.** Counts decay exponentially (``half_life`` references), so the estimate
+follows a workload that shifts. The classes are nested (``uses`` > ``hit`` > ``tail`` >
+``length`` > ``output``) and each level's rate is shrunk toward its parent's with
+``strength`` pseudo-references (hierarchical empirical Bayes): a class with little evidence
+takes its coarser parent's rate, a class with plenty speaks for itself, and a feature that
+carries no signal yields children equal to their parent. The root starts at ``prior``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvtier.policy.base import Key
 
-_USE_BUCKETS = 5
-_DEPTH_BUCKETS = 4
-N_CLASSES = _USE_BUCKETS * 3 * 2 * _DEPTH_BUCKETS
+# class layout, coarse to fine: ((((uses * OUT + output) * TAIL + tail) * HIT + hit) * LEN + length)
+_USE_B = 4
+_OUT_B = 16
+_TAIL_B = 5
+_HIT_B = 4
+_LEN_B = 8
+HIT, FRESH_BEHIND_HIT, FRESH_NO_HIT, HIT_UNKNOWN = 0, 1, 2, 3
+OUT_UNKNOWN = _OUT_B - 1
+N_CLASSES = _USE_B * _OUT_B * _TAIL_B * _HIT_B * _LEN_B
+_OUT_DIV = _TAIL_B * _HIT_B * _LEN_B
+# divisor that maps a full class to its ancestor at each level (root first)
+_LEVEL_DIV = (N_CLASSES, _OUT_B * _OUT_DIV, _OUT_DIV, _HIT_B * _LEN_B, _LEN_B, 1)
+_TAIL_OF = (0, 1, 2, 3, 3, 3)
 
 
 def _use_bucket(uses: int) -> int:
     if uses <= 2:
         return uses - 1
-    if uses <= 4:
-        return 2
-    return 3 if uses <= 8 else 4
+    return 2 if uses <= 4 else 3
 
 
-def _depth_bucket(depth: int) -> int:
-    if depth < 4:
-        return 0
-    if depth < 16:
-        return 1
-    return 2 if depth < 64 else 3
+def _log_bucket(n: int, top: int) -> int:
+    b = (n + 1).bit_length() - 1  # int(log2(n + 1))
+    return b if b < top else top
 
 
-@dataclass(slots=True)
-class _History:
-    uses: int
-    cls: int
-    last: int  # lookup-clock tick of the last access
+def output_bucket(output_tokens: int | None) -> int:
+    """The ``output`` feature of a request: log2 bucket of its tokens, or unknown."""
+    if output_tokens is None or output_tokens < 0:
+        return OUT_UNKNOWN
+    return _log_bucket(output_tokens, OUT_UNKNOWN - 1)
+
+
+class _Rec:
+    """What the stats remember of one key (slotted: one per key in the history)."""
+
+    __slots__ = ("cls", "last", "stored", "uses", "w")
+
+    def __init__(self, uses: int, cls: int, last: int, w: float, stored: bool) -> None:
+        self.uses = uses
+        self.cls = cls      # class of the last reference
+        self.last = last    # tick of the last reference
+        self.w = w          # weight the last reference was counted with
+        self.stored = stored  # the last reference was (also) reported by on_stored
 
 
 class WorkloadStats:
-    """Per-class reuse probabilities, learned from the lookups the store reports.
+    """Per-class reuse probabilities, learned from the lookups and stores reported.
 
-    ``history`` bounds the keys remembered (an LRU of key records); a reuse that comes
-    after a key fell out of the history counts as a new block, which is the horizon that
-    matters to a cache of about ``history / 4`` blocks. ``half_life`` (in accesses) sets how
-    fast old evidence fades. O(len(keys)) per lookup, O(1) per query.
+    ``horizon``: a reference counts as reused only if the next one comes within this many
+    block references (how long a block could usefully stay cached). ``history``: most keys
+    remembered (an LRU of records; a reuse after a key fell out counts as a new block).
+    ``half_life``: references after which old evidence weighs half. ``strength``:
+    pseudo-references of the parent level's rate in every class estimate. ``prior``: the
+    root's rate before any evidence. O(len(keys)) per event, O(1) per query.
     """
 
     __slots__ = (
-        "_access", "_decay", "_hist", "_history", "_reuse", "_scale", "horizon", "prior", "tick",
+        "_access", "_cache", "_cache_at", "_decay", "_hist", "_history", "_reuse", "_scale",
+        "_strength", "horizon", "prior", "tick",
     )
 
     def __init__(
-        self, *, horizon: int = 65536, history: int = 1 << 20, half_life: float = 200_000.0
+        self, *, horizon: int = 65536, history: int = 1 << 20, half_life: float = 200_000.0,
+        strength: float = 8.0, prior: float = 0.5,
     ) -> None:
-        if history <= 0 or half_life <= 0:
-            raise ValueError("history and half_life must be positive")
+        if history <= 0 or half_life <= 0 or horizon <= 0 or strength <= 0:
+            raise ValueError("horizon, history, half_life and strength must be positive")
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must be a probability, got {prior}")
         self._history = history
-        self._hist: OrderedDict[Key, _History] = OrderedDict()
-        self._access = [0.0] * N_CLASSES
-        self._reuse = [0.0] * N_CLASSES
-        # decayed counts are stored scaled by _scale, which grows each access (no O(n) decay)
+        self._hist: OrderedDict[Key, _Rec] = OrderedDict()  # by last reference
+        # decayed counts per level, stored scaled by _scale (grows per reference: no O(n)
+        # decay); a reference is counted in its class's accesses when it happens and in its
+        # reuses when the next reference of the key comes within the horizon
+        self._access = [[0.0] * (N_CLASSES // d) for d in _LEVEL_DIV]
+        self._reuse = [[0.0] * (N_CLASSES // d) for d in _LEVEL_DIV]
         self._decay = 0.5 ** (1.0 / half_life)
         self._scale = 1.0
-        self.prior = 0.5   # neutral guess before a class has evidence
-        self.tick = 0      # lookup clock: block references seen so far
-        self.horizon = horizon  # a reuse counts only within this many references
+        self._strength = strength
+        self._cache: dict[int, float] = {}  # class -> estimate, cleared every 256 references
+        self._cache_at = 0
+        self.prior = prior
+        self.tick = 0  # block references seen so far
+        self.horizon = horizon
 
     # ---------------------------------------------------------------- observer API
     def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float = 0.0) -> None:
-        """Record one lookup of the chain ``keys`` whose first ``hit_blocks`` were cached."""
-        hist = self._hist
-        access = self._access
-        reuse = self._reuse
+        """A request asked for the chain ``keys``; its first ``hit_blocks`` were cached."""
         n = len(keys)
-        fresh_kind = 1 if hit_blocks > 0 else 2
+        fresh = FRESH_BEHIND_HIT if hit_blocks > 0 else FRESH_NO_HIT
+        length = _log_bucket(n, _LEN_B - 1)
         for depth, key in enumerate(keys):
-            self._scale /= self._decay
-            w = self._scale
+            self._reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
+                            OUT_UNKNOWN, False)
+
+    def on_stored(
+        self, keys: Sequence[Key], *, output_tokens: int | None, now: float = 0.0
+    ) -> None:
+        """The request whose chain is ``keys`` ran and its KV is about to be stored.
+
+        Called once per request, before the store inserts or touches the blocks, with the
+        whole chain (every full block of the prompt, in order, cached or not).
+        ``output_tokens`` is how many tokens the request generated (``None``: unknown).
+        A key whose lookup was reported and not yet followed by a store only gains the
+        ``output`` feature (its reference is moved to the refined class, not counted
+        again); any other key counts as a new reference of unknown hit state.
+        """
+        out = output_bucket(output_tokens)
+        n = len(keys)
+        length = _log_bucket(n, _LEN_B - 1)
+        hist = self._hist
+        for depth, key in enumerate(keys):
             rec = hist.get(key)
-            tail = 1 if depth == n - 1 else 0
-            if rec is None:
-                uses = 1
-                kind = fresh_kind
+            if rec is not None and not rec.stored:
+                old = rec.cls
+                new = old + (out - old // _OUT_DIV % _OUT_B) * _OUT_DIV
+                rec.stored = True
+                if new != old:
+                    rec.cls = new
+                    w = rec.w
+                    for level, div in enumerate(_LEVEL_DIV):
+                        counts = self._access[level]
+                        counts[old // div] -= w
+                        counts[new // div] += w
             else:
-                if self.tick - rec.last <= self.horizon:
-                    reuse[rec.cls] += w
-                hist.move_to_end(key)
-                uses = rec.uses + 1
-                kind = 0
-            cls = ((_use_bucket(uses) * 3 + kind) * 2 + tail) * _DEPTH_BUCKETS + _depth_bucket(
-                depth
-            )
-            access[cls] += w
-            if rec is None:
-                hist[key] = _History(uses, cls, self.tick)
-                if len(hist) > self._history:
-                    hist.popitem(last=False)
-            else:
-                rec.uses = uses
-                rec.cls = cls
-                rec.last = self.tick
-            self.tick += 1
-        if self._scale > 1e200:
-            self._renormalise()
+                self._reference(key, HIT_UNKNOWN, n - 1 - depth, length, out, True)
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _reference(
+        self, key: Key, hit: int, tail: int, length: int, out: int, stored: bool
+    ) -> None:
+        hist = self._hist
+        rec = hist.get(key)
+        tick = self.tick
+        uses = 1
+        if rec is not None:
+            if tick - rec.last <= self.horizon:  # the previous reference was reused in time
+                w = rec.w
+                cls = rec.cls
+                for level, div in enumerate(_LEVEL_DIV):
+                    self._reuse[level][cls // div] += w
+            hist.move_to_end(key)
+            uses = rec.uses + 1
+        cls = (
+            ((_use_bucket(uses) * _OUT_B + out) * _TAIL_B + (_TAIL_OF[tail] if tail < 6 else 4))
+            * _HIT_B + hit
+        ) * _LEN_B + length
+        self._scale /= self._decay
+        w = self._scale
+        for level, div in enumerate(_LEVEL_DIV):
+            self._access[level][cls // div] += w
+        if rec is None:
+            hist[key] = _Rec(uses, cls, tick, w, stored)
+            if len(hist) > self._history:
+                hist.popitem(last=False)
+        else:
+            rec.uses = uses
+            rec.cls = cls
+            rec.last = tick
+            rec.w = w
+            rec.stored = stored
+        self.tick = tick + 1
+        self._cache_at += 1
+        if self._cache_at >= 256:  # estimates move slowly: recompute at most every 256
+            self._cache_at = 0
+            self._cache.clear()
+            if self._scale > 1e200:
+                self._renormalise()
 
     # ---------------------------------------------------------------- queries
     def reuse_probability(self, key: Key) -> float:
-        """Estimated probability that ``key`` is asked for again within the horizon."""
+        """Estimated probability that ``key`` is referenced again within the horizon."""
         rec = self._hist.get(key)
         if rec is None:
             return self.prior
         return self.class_probability(rec.cls)
 
     def class_probability(self, cls: int) -> float:
-        """Smoothed reuse rate of one class (Bayesian: two pseudo-accesses at ``prior``)."""
-        s = self._scale
-        pseudo = 2.0 * s
-        return (self._reuse[cls] + pseudo * self.prior) / (self._access[cls] + pseudo)
+        """Hierarchically smoothed reuse rate of one full class (see the module doc)."""
+        p = self._cache.get(cls)
+        if p is not None:
+            return p
+        pseudo = self._strength * self._scale
+        p = self.prior
+        access = self._access
+        reuse = self._reuse
+        for level, div in enumerate(_LEVEL_DIV):
+            idx = cls // div
+            p = (reuse[level][idx] + pseudo * p) / (access[level][idx] + pseudo)
+        self._cache[cls] = p
+        return p
 
     def uses(self, key: Key) -> int:
-        """Distinct lookups that asked for ``key`` while it stayed in the history."""
+        """Requests that referenced ``key`` while it stayed in the history."""
         rec = self._hist.get(key)
         return 0 if rec is None else rec.uses
 
     def _renormalise(self) -> None:
         s = self._scale
-        self._access = [a / s for a in self._access]
-        self._reuse = [r / s for r in self._reuse]
+        self._access = [[a / s for a in level] for level in self._access]
+        self._reuse = [[r / s for r in level] for level in self._reuse]
+        for rec in self._hist.values():
+            rec.w /= s
         self._scale = 1.0
 
     def __len__(self) -> int:

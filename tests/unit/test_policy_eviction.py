@@ -166,3 +166,79 @@ def test_tier_admission_dispatches_by_tier() -> None:
     adm = TierAdmission({"nvme": SecondHitAdmission()})
     assert adm.admit("a", tier="cpu", nbytes=1, now=0.0)
     assert not adm.admit("a", tier="nvme", nbytes=1, now=0.0)
+
+
+# ------------------------------------------------------------------ workload stats
+def test_stats_learns_the_output_feature_from_on_stored() -> None:
+    stats = WorkloadStats(horizon=50, history=1000)
+    # brief answers are followed up (their chain comes back), long answers end the session
+    for i in range(200):
+        brief, long_ = [f"b{i}"], [f"l{i}"]
+        for keys, out in ((brief, 10), (long_, 2000)):
+            stats.on_lookup(keys, 0)
+            stats.on_stored(keys, output_tokens=out)
+        if i:
+            stats.on_lookup([f"b{i - 1}"], 1)
+    stats.on_lookup(["b-new"], 0)
+    stats.on_stored(["b-new"], output_tokens=12)
+    stats.on_lookup(["l-new"], 0)
+    stats.on_stored(["l-new"], output_tokens=1800)
+    assert stats.reuse_probability("b-new") > 0.8
+    assert stats.reuse_probability("l-new") < 0.2
+    # the cost policy bypasses the block it expects never to see again
+    pol = make_eviction_policy("cost", stats=stats)
+    pol.insert("b-new", nbytes=MB, parent=None, depth=0, now=0.0)
+    pol.insert("l-new", nbytes=MB, parent=None, depth=0, now=0.0)
+    assert pol.victim() == "l-new"
+
+
+def test_stats_on_stored_after_lookup_refines_without_counting_twice() -> None:
+    stats = WorkloadStats()
+    stats.on_lookup(["a", "b"], 0)
+    assert stats.tick == 2 and stats.uses("a") == 1
+    stats.on_stored(["a", "b"], output_tokens=100)
+    assert stats.tick == 2 and stats.uses("a") == 1  # the same reference, refined
+    stats.on_stored(["a", "b"], output_tokens=None)  # a put with no lookup: a new reference
+    assert stats.tick == 4 and stats.uses("b") == 2
+    stats.on_stored(["c"], output_tokens=None)
+    assert stats.uses("c") == 1 and len(stats) == 3
+
+
+def test_stats_feature_without_signal_changes_nothing() -> None:
+    import random
+
+    rng = random.Random(3)
+    stats = WorkloadStats(horizon=40, history=10_000)
+    for _ in range(3000):
+        keys = [f"k{rng.randrange(300)}"]
+        stats.on_lookup(keys, 0)
+        stats.on_stored(keys, output_tokens=rng.choice((5, 50, 500, 5000)))
+    probe = []
+    for out in (5, 50, 500, 5000):
+        stats.on_lookup([f"new{out}"], 0)
+        stats.on_stored([f"new{out}"], output_tokens=out)
+        probe.append(stats.reuse_probability(f"new{out}"))
+    assert max(probe) - min(probe) < 0.1
+
+
+def test_stats_reject_bad_parameters() -> None:
+    with pytest.raises(ValueError):
+        WorkloadStats(horizon=0)
+    with pytest.raises(ValueError):
+        WorkloadStats(prior=1.5)
+
+
+def test_cost_water_level_makes_it_lru_when_values_are_equal() -> None:
+    pol = make_eviction_policy("cost")
+    for k in "abcd":
+        pol.insert(k, nbytes=MB, parent=None, depth=0, now=0.0)
+    pol.touch("a", now=1.0)
+    order = []
+    for new in "efg":
+        v = pol.victim()
+        assert v is not None
+        order.append(v)
+        pol.remove(v)
+        pol.insert(new, nbytes=MB, parent=None, depth=0, now=2.0)
+    assert order == ["b", "c", "d"]
+    assert pol.victim() == "a"

@@ -1,10 +1,12 @@
 """The simulator against the shared Mooncake trace: reference figures and acceptance.
 
-Runs ~12 replays of 121,877 block references (about 15 s on 2 cores).
+Runs ~14 replays of 121,877 block references (about 20 s on 2 cores).
 """
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -63,9 +65,22 @@ def test_cost_never_hits_fewer_tokens_than_lru(trace: Trace, fraction: float) ->
     assert replay(trace, "cost", fraction).hit_tokens >= replay(trace, "lru", fraction).hit_tokens
 
 
-@pytest.mark.xfail(strict=True, reason="issue 4 target not reached yet: cost is 1.02x/1.06x "
-                   "LRU at 5%/10% on this trace (see the replay table in the policy report)")
+@pytest.mark.xfail(strict=True, reason="issue 4 target not reached yet: cost is 1.15x/1.14x "
+                   "LRU at 5%/10% on this trace with features learned online (an oracle that "
+                   "knows dead blocks reaches 1.45x with the same policy)")
 @pytest.mark.parametrize("fraction", [0.05, 0.10])
 def test_cost_hits_1_2x_lru_at_5_and_10_percent(trace: Trace, fraction: float) -> None:
     cost = replay(trace, "cost", fraction).hit_tokens
     assert cost >= 1.2 * replay(trace, "lru", fraction).hit_tokens
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.10])
+def test_cost_holds_up_when_output_lengths_carry_no_signal(trace: Trace, fraction: float) -> None:
+    """Control: shuffled output lengths are noise; the learned estimates must not hurt."""
+    outs = [r.output_tokens for r in trace.requests]
+    random.Random(1).shuffle(outs)
+    reqs = tuple(replace(r, output_tokens=o) for r, o in zip(trace.requests, outs, strict=True))
+    noisy = Trace(reqs, trace.block_tokens, trace.format)
+    cfg = SimConfig(tiers=(TierSpec("cpu", int(trace.n_unique_blocks * fraction), 25e9),))
+    cost = simulate(noisy, "cost", cfg).hit_tokens
+    assert cost >= 0.97 * replay(trace, "lru", fraction).hit_tokens
