@@ -34,7 +34,10 @@ def build_policies(cfg: Any) -> dict[str, Any]:
         top_blocks = max(1024, cfg.cpu.bytes // TYPICAL_BLOCK_BYTES)
         all_blocks = top_blocks + (cfg.nvme.bytes // TYPICAL_BLOCK_BYTES
                                    if cfg.nvme.enabled else 0)
-        stats = WorkloadStats(horizon=top_blocks, history=max(1 << 16, 16 * all_blocks))
+        # Reuse counts within a window of ~16x everything the node can hold (as in replay):
+        # one cache size of references is too short to tell reused blocks from dead ones.
+        window = max(1 << 16, 16 * all_blocks)
+        stats = WorkloadStats(horizon=window, history=window)
         costs = BlockCosts(block_tokens=256, block_bytes=TYPICAL_BLOCK_BYTES,
                            prefill=PrefillModel(params=cfg.policy.model_params))
     below_cpu = NVME_READ_BPS if cfg.nvme.enabled else (
