@@ -75,9 +75,13 @@ class DaemonProcess:
             return json.loads(r.read())
 
     def kill(self) -> None:
+        """SIGKILL (as a crash would), then remove the arena the dead daemon left in shm."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+        if self.proc is not None:
+            for arena in Path("/dev/shm").glob(f"kvtier-{os.getuid()}-{self.proc.pid}-*.arena"):
+                arena.unlink(missing_ok=True)
 
     def terminate(self, timeout: float = 30.0) -> int:
         assert self.proc is not None
