@@ -15,6 +15,15 @@ tier down) / bytes``: what keeping it here saves, per byte it occupies.
 - reload seconds from the bandwidth of the tier below (``None``: nothing below, the block
   would have to be recomputed).
 
+Reuse probability is turned into a rate, because a cache pays for a block per unit of time
+it holds it, not once: the *hit density* (Beckmann et al., LHD, NSDI'18) of a block with
+reuse probability ``p`` and expected reuse gap ``g`` (both from the stats, the key's own
+record first), in a tier whose blocks are evicted at age ``T`` (learned from this tier's
+own victims), is ``p / (p*min(g, T) + (1-p)*T)`` hits per block reference of residency;
+the value is that density x ``T`` (so a block with no timing signal, ``g >= T``, is worth
+exactly ``p``) x saved seconds per byte. A prefix that comes back every few references is
+worth many times a block that will, at best, come back once.
+
 Ordering (GreedyDual): a block inserted or used gets the priority ``L + value / unit``,
 where ``unit`` is the value of a certainly-reused first chunk and ``L``, the water level,
 is the priority of the last block evicted. The victim is the leaf with the lowest
@@ -48,7 +57,7 @@ from kvtier.policy.stats import WorkloadStats
 class _Entry:
     """One resident block (a plain slotted class: mutable, no dataclass overhead)."""
 
-    __slots__ = ("children", "depth", "key", "nbytes", "parent", "pinned", "prio", "seq")
+    __slots__ = ("at", "children", "depth", "key", "nbytes", "parent", "pinned", "prio", "seq")
 
     def __init__(self, key: Key, nbytes: int, parent: Key | None, depth: int) -> None:
         self.key = key
@@ -59,6 +68,7 @@ class _Entry:
         self.pinned = False
         self.prio = 0.0
         self.seq = -1  # sequence number of its one live heap item (older ones are stale)
+        self.at = 0  # the stats' reference count when it was last inserted or used
 
 
 @register_eviction_policy("cost")
@@ -74,8 +84,8 @@ class CostPolicy:
     name = "cost"
 
     __slots__ = (
-        "_costs", "_entries", "_heap", "_level", "_reload_bw", "_saved", "_seq", "_stats",
-        "_unit", "_victim",
+        "_costs", "_entries", "_heap", "_level", "_life", "_reload_bw", "_saved", "_seq",
+        "_stats", "_unit", "_victim",
     )
 
     def __init__(
@@ -95,6 +105,7 @@ class CostPolicy:
         self._unit = 0.0   # value of a sure-to-be-reused depth-0 block: prio's scale
         self._victim: _Entry | None = None  # what victim() named last
         self._saved: dict[tuple[int, int], float] = {}
+        self._life = 0.0  # mean age (block references since last use) of evicted blocks
 
     # ------------------------------------------------------------------ value
     def value(self, key: Key) -> float:
@@ -119,14 +130,21 @@ class CostPolicy:
         saved = self._saved_per_byte(entry.depth, entry.nbytes)
         if saved == 0.0:
             return 0.0
-        p = self._stats.reuse_probability(entry.key) if self._stats is not None else 0.5
-        return p * saved
+        stats = self._stats
+        if stats is None:
+            return 0.5 * saved
+        p, gap = stats.reuse_estimate(entry.key)
+        life = self._life or float(len(self._entries) + 1)
+        # hit density: expected hits per block reference of residency (see module doc)
+        return saved * p * life / (p * min(gap, life) + (1.0 - p) * life)
 
     def _schedule(self, entry: _Entry) -> None:
         unit = self._unit
         if unit == 0.0:
             unit = self._unit = self._saved_per_byte(0, entry.nbytes) or 1.0
         entry.prio = self._level + self._value(entry) / unit
+        if self._stats is not None:
+            entry.at = self._stats.tick
         if entry.children == 0 and not entry.pinned:
             self._push(entry)
 
@@ -179,6 +197,9 @@ class CostPolicy:
             self._victim = None
             if entry.prio > self._level:
                 self._level = entry.prio
+            if self._stats is not None:
+                age = float(self._stats.tick - entry.at)
+                self._life = age if self._life == 0.0 else self._life + (age - self._life) / 64.0
         if entry.parent is None:
             return
         up = self._entries.get(entry.parent)

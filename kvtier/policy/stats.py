@@ -34,6 +34,17 @@ follows a workload that shifts. The classes are nested (``uses`` > ``hit`` > ``t
 ``strength`` pseudo-references (hierarchical empirical Bayes): a class with little evidence
 takes its coarser parent's rate, a class with plenty speaks for itself, and a feature that
 carries no signal yields children equal to their parent. The root starts at ``prior``.
+The same counts, weighted by the gap of each reuse, give a class's mean reuse gap.
+
+**Per-key evidence.** The class is only the prior of a key. Every key also keeps its own
+record, decayed like the class counts: how many of its resolved references (all but the
+last) were followed by a reuse within the horizon, and the gaps of those reuses. The key's
+estimate is the Beta posterior of that record with ``key_strength`` pseudo-references at
+its class's rate. This matters most while the class counts are young: until a horizon has
+passed, the open references of one-off blocks weigh on every class as not (yet) reused,
+so a prefix that six requests came back to, judged by its class alone, looked no more
+reusable than a block seen once (0.14-0.19 vs 0.18 in a daemon 150 references old). Its
+own record (five reuses out of five, five references apart) says otherwise.
 """
 
 from __future__ import annotations
@@ -79,7 +90,7 @@ def output_bucket(output_tokens: int | None) -> int:
 class _Rec:
     """What the stats remember of one key (slotted: one per key in the history)."""
 
-    __slots__ = ("cls", "last", "stored", "uses", "w")
+    __slots__ = ("cls", "gaps", "last", "reused", "stored", "tried", "uses", "w")
 
     def __init__(self, uses: int, cls: int, last: int, w: float, stored: bool) -> None:
         self.uses = uses
@@ -87,6 +98,11 @@ class _Rec:
         self.last = last    # tick of the last reference
         self.w = w          # weight the last reference was counted with
         self.stored = stored  # the last reference was (also) reported by on_stored
+        # the key's own resolved outcomes (every reference before the last one), decayed
+        # with the class counts' half-life: how many were followed by a reuse in time
+        self.reused = 0.0
+        self.tried = 0.0
+        self.gaps = 0.0  # decayed sum of the gaps (in references) of those reuses
 
 
 class WorkloadStats:
@@ -97,19 +113,20 @@ class WorkloadStats:
     remembered (an LRU of records; a reuse after a key fell out counts as a new block).
     ``half_life``: references after which old evidence weighs half. ``strength``:
     pseudo-references of the parent level's rate in every class estimate. ``prior``: the
-    root's rate before any evidence. O(len(keys)) per event, O(1) per query.
+    root's rate before any evidence. ``key_strength``: pseudo-references of the class's
+    rate against a key's own record. O(len(keys)) per event, O(1) per query.
     """
 
     __slots__ = (
-        "_access", "_cache", "_cache_at", "_decay", "_hist", "_history", "_reuse", "_scale",
-        "_strength", "horizon", "prior", "tick",
+        "_access", "_cache", "_cache_at", "_decay", "_gap", "_hist", "_history",
+        "_key_strength", "_reuse", "_scale", "_strength", "horizon", "prior", "tick",
     )
 
     def __init__(
         self, *, horizon: int = 65536, history: int = 1 << 20, half_life: float = 200_000.0,
-        strength: float = 8.0, prior: float = 0.5,
+        strength: float = 8.0, prior: float = 0.5, key_strength: float = 2.0,
     ) -> None:
-        if history <= 0 or half_life <= 0 or horizon <= 0 or strength <= 0:
+        if history <= 0 or half_life <= 0 or horizon <= 0 or strength <= 0 or key_strength <= 0:
             raise ValueError("horizon, history, half_life and strength must be positive")
         if not 0.0 <= prior <= 1.0:
             raise ValueError(f"prior must be a probability, got {prior}")
@@ -120,10 +137,13 @@ class WorkloadStats:
         # reuses when the next reference of the key comes within the horizon
         self._access = [[0.0] * (N_CLASSES // d) for d in _LEVEL_DIV]
         self._reuse = [[0.0] * (N_CLASSES // d) for d in _LEVEL_DIV]
+        self._gap = [[0.0] * (N_CLASSES // d) for d in _LEVEL_DIV]  # reuse-weighted gaps
         self._decay = 0.5 ** (1.0 / half_life)
         self._scale = 1.0
         self._strength = strength
-        self._cache: dict[int, float] = {}  # class -> estimate, cleared every 256 references
+        self._key_strength = key_strength
+        # class -> (reuse probability, mean reuse gap), cleared every 256 references
+        self._cache: dict[int, tuple[float, float]] = {}
         self._cache_at = 0
         self.prior = prior
         self.tick = 0  # block references seen so far
@@ -180,11 +200,21 @@ class WorkloadStats:
         tick = self.tick
         uses = 1
         if rec is not None:
-            if tick - rec.last <= self.horizon:  # the previous reference was reused in time
+            gap = tick - rec.last
+            fade = self._decay ** gap
+            rec.tried = rec.tried * fade + 1.0
+            rec.reused *= fade
+            rec.gaps *= fade
+            if gap <= self.horizon:  # the previous reference was reused in time
+                rec.reused += 1.0
+                rec.gaps += gap
                 w = rec.w
+                wg = w * gap
                 cls = rec.cls
                 for level, div in enumerate(_LEVEL_DIV):
-                    self._reuse[level][cls // div] += w
+                    idx = cls // div
+                    self._reuse[level][idx] += w
+                    self._gap[level][idx] += wg
             hist.move_to_end(key)
             uses = rec.uses + 1
         cls = (
@@ -216,25 +246,59 @@ class WorkloadStats:
     # ---------------------------------------------------------------- queries
     def reuse_probability(self, key: Key) -> float:
         """Estimated probability that ``key`` is referenced again within the horizon."""
+        return self.reuse_estimate(key)[0]
+
+    def reuse_estimate(self, key: Key) -> tuple[float, float]:
+        """``(p, gap)``: probability that ``key`` is referenced again within the horizon,
+        and the expected number of block references until then if it is.
+
+        The key's class gives the prior; the key's own resolved references (how many were
+        followed by a reuse in time, and after how long, decayed like the class counts)
+        are the evidence, weighed against ``key_strength`` pseudo-references of the class.
+        A block that requests keep coming back to is known by its own record however
+        young the class statistics are; a block seen once is its class.
+        """
         rec = self._hist.get(key)
         if rec is None:
-            return self.prior
-        return self.class_probability(rec.cls)
+            return self.prior, self.horizon / 2.0
+        p, gap = self.class_estimate(rec.cls)
+        if rec.tried:
+            k = self._key_strength
+            kp = k * p
+            gap = (rec.gaps + kp * gap) / (rec.reused + kp) if rec.reused + kp > 0 else gap
+            p = (rec.reused + kp) / (rec.tried + k)
+        return p, gap
 
     def class_probability(self, cls: int) -> float:
         """Hierarchically smoothed reuse rate of one full class (see the module doc)."""
-        p = self._cache.get(cls)
-        if p is not None:
-            return p
+        return self.class_estimate(cls)[0]
+
+    def class_estimate(self, cls: int) -> tuple[float, float]:
+        """Smoothed ``(reuse rate, mean reuse gap)`` of one full class: each level of the
+        hierarchy is shrunk toward its parent with ``strength`` pseudo-references (the
+        gap with as many pseudo-reuses as the parent's rate gives them)."""
+        est = self._cache.get(cls)
+        if est is not None:
+            return est
         pseudo = self._strength * self._scale
         p = self.prior
+        g = self.horizon / 2.0
         access = self._access
         reuse = self._reuse
+        gaps = self._gap
         for level, div in enumerate(_LEVEL_DIV):
             idx = cls // div
-            p = (reuse[level][idx] + pseudo * p) / (access[level][idx] + pseudo)
-        self._cache[cls] = p
-        return p
+            r = reuse[level][idx]
+            pr = pseudo * p
+            if level == 0:  # the root's gap is what it has seen (the prior only if nothing)
+                if r > 0:
+                    g = gaps[0][0] / r
+            elif r + pr > 0:
+                g = (gaps[level][idx] + pr * g) / (r + pr)
+            p = (r + pr) / (access[level][idx] + pseudo)
+        est = (p, g)
+        self._cache[cls] = est
+        return est
 
     def uses(self, key: Key) -> int:
         """Requests that referenced ``key`` while it stayed in the history."""
@@ -245,6 +309,7 @@ class WorkloadStats:
         s = self._scale
         self._access = [[a / s for a in level] for level in self._access]
         self._reuse = [[r / s for r in level] for level in self._reuse]
+        self._gap = [[g / s for g in level] for level in self._gap]
         for rec in self._hist.values():
             rec.w /= s
         self._scale = 1.0

@@ -242,3 +242,27 @@ def test_cost_water_level_makes_it_lru_when_values_are_equal() -> None:
         pol.insert(new, nbytes=MB, parent=None, depth=0, now=2.0)
     assert order == ["b", "c", "d"]
     assert pol.victim() == "a"
+
+
+def test_stats_a_key_own_reuses_count_before_the_horizon_has_passed() -> None:
+    """A young daemon (far less than one horizon of references): the open references of
+    one-off blocks weigh on every class, but a prefix that keeps coming back is known by
+    its own record, and its short reuse gap makes it worth keeping over fresh blocks."""
+    stats = WorkloadStats(horizon=65536, history=65536)
+    hot = ["h0", "h1", "h2", "h3"]
+    for turn in range(6):
+        keys = [*hot, f"q{turn}"]
+        stats.on_lookup(keys, 4 if turn else 0)
+        stats.on_stored(keys, output_tokens=8)
+    for i in range(12):
+        keys = [f"o{i}.{d}" for d in range(4)]
+        stats.on_lookup(keys, 0)
+        stats.on_stored(keys, output_tokens=500)
+    p_hot, gap_hot = stats.reuse_estimate("h3")
+    p_new, _ = stats.reuse_estimate("o11.3")
+    assert p_hot > 3 * p_new and gap_hot < 10
+    pol = make_eviction_policy("cost", stats=stats)
+    pol.insert("h3", nbytes=MB, parent=None, depth=3, now=0.0)
+    pol.insert("o11.3", nbytes=MB, parent=None, depth=3, now=0.0)
+    assert pol.value("h3") > 4 * pol.value("o11.3")
+    assert pol.victim() == "o11.3"
