@@ -19,10 +19,12 @@ Reuse probability is turned into a rate, because a cache pays for a block per un
 it holds it, not once: the *hit density* (Beckmann et al., LHD, NSDI'18) of a block with
 reuse probability ``p`` and expected reuse gap ``g`` (both from the stats, the key's own
 record first), in a tier whose blocks are evicted at age ``T`` (learned from this tier's
-own victims), is ``p / (p*min(g, T) + (1-p)*T)`` hits per block reference of residency;
-the value is that density x ``T`` (so a block with no timing signal, ``g >= T``, is worth
-exactly ``p``) x saved seconds per byte. A prefix that comes back every few references is
-worth many times a block that will, at best, come back once.
+own victims), is ``p / (p*g + (1-p)*T)`` hits per block reference of residency, where a
+reuse expected later than ``T`` (``g > T``) counts only ``T/g`` of a hit with ``g = T``
+(it would mostly find the block gone). The value is that density x ``T`` (so a block whose
+reuse comes at the eviction age is worth exactly ``p``) x saved seconds per byte. A prefix
+that comes back every few references is worth many times a block that will, at best, come
+back once.
 
 Ordering (GreedyDual): a block inserted or used gets the priority ``L + value / unit``,
 where ``unit`` is the value of a certainly-reused first chunk and ``L``, the water level,
@@ -136,7 +138,10 @@ class CostPolicy:
         p, gap = stats.reuse_estimate(entry.key)
         life = self._life or float(len(self._entries) + 1)
         # hit density: expected hits per block reference of residency (see module doc)
-        return saved * p * life / (p * min(gap, life) + (1.0 - p) * life)
+        if gap > life:  # a reuse that late is likely to find the block already evicted
+            p *= life / gap
+            gap = life
+        return saved * p * life / (p * gap + (1.0 - p) * life)
 
     def _schedule(self, entry: _Entry) -> None:
         unit = self._unit
