@@ -9,6 +9,13 @@ Two-phase under the hood: ``prepare_put`` hands out write-locked arena slots (a 
 with a TTL) that the caller fills and then commits; ``prepare_get`` hands out read-locked
 slots that the caller releases. A crashed client's leases expire; a closed connection's
 leases are released at once. See docs/client-api.md.
+
+Device placement (GPU engines, daemons with an HBM pool): a client made with
+``connect(..., device=True)``, or a ``prepare_get(..., prefer_device=True)`` call, maps the
+daemon's HBM pool (CUDA IPC handle from the handshake) the first time it needs it, and its
+get leases may hand out device views (``GetLease.devices[i] == "hbm"``) that the engine
+copies device-to-device. Other clients never import cupy and see no change.
+UNTESTED ON HARDWARE: the device path runs on the CPU tests only through a fake mapping.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import socket
 from collections.abc import Generator, Sequence
@@ -50,6 +58,7 @@ PUT_BATCH = 64
 """Blocks per put round trip in ``put``: amortises the control round trip without pinning
 a large share of the arena at once."""
 Op = Generator[dict[str, Any], dict[str, Any], Any]
+log = logging.getLogger("kvtier.client")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +79,47 @@ def _as_bytes(buf: Any) -> np.ndarray:
 class _Ops:
     """Sans-I/O request logic shared by both clients."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: bool = False) -> None:
         self._registered: set[bytes] = set()
         self.arena: ArenaMapping | None = None
+        self.device = device                      # default of prepare_get's prefer_device
+        self.hbm_info: dict[str, Any] | None = None   # the daemon's pool, from the hello
+        self.hbm: Any = None                      # HbmMapping, opened at first device get
+        self.hbm_error: str | None = None         # why the pool could not be mapped here
+
+    def _device_mapping(self, prefer_device: bool | None) -> Any:
+        """The HBM mapping to read device views through, or None for a cpu-only get.
+
+        Opened lazily, once, and only for a get that asked for device placement on a daemon
+        that has a pool, so cpu-only clients never import cupy. A pool this process cannot
+        map (no GPU visible, CUDA refuses the handle) is logged once and the client falls
+        back to cpu views for good.
+        """
+        if not (self.device if prefer_device is None else prefer_device):
+            return None
+        if self.hbm is not None or self.hbm_info is None or self.hbm_error is not None:
+            return self.hbm
+        from kvtier.tiers import hbm as hbm_mod
+
+        info = self.hbm_info
+        try:
+            self.hbm = hbm_mod.HbmMapping.open(
+                info["handle"], int(info["size"]), int(info.get("device", 0)),
+                pci_bus_id=str(info.get("pci_bus_id", "")) or None)
+        except Exception as exc:  # ImportError (no cupy), ConfigError, CUDARuntimeError
+            self.hbm_error = f"{type(exc).__name__}: {exc}"
+            log.warning("cannot map the daemon's HBM pool (%s); reading from cpu instead",
+                        self.hbm_error)
+        return self.hbm
+
+    def close(self) -> None:
+        """Unmap the arena and drop this client's reference to the HBM mapping."""
+        if self.arena is not None:
+            self.arena.close()
+        if self.hbm is not None:
+            hbm, self.hbm = self.hbm, None
+            with contextlib.suppress(Exception):
+                hbm.close()
 
     def _ensure(self, ns: Namespace) -> Op:
         if ns.digest not in self._registered:
@@ -128,13 +175,32 @@ class _Ops:
     def op_abort(self, lease: int) -> Op:
         yield {"op": "put_abort", "lease": lease}
 
-    def op_prepare_get(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
+    def op_prepare_get(self, ns: Namespace, keys: Sequence[BlockKey],
+                       prefer_device: bool | None = None) -> Op:
         yield from self._ensure(ns)
-        reply = yield self._target("get_prepare", ns, keys)
+        mapping = self._device_mapping(prefer_device)
+        req = self._target("get_prepare", ns, keys)
+        if mapping is not None:
+            req["device"] = True
+        reply = yield req
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
-        return reply["lease"], [self.arena.view(off, nbytes, writable=False)
-                                for off in reply["offsets"]]
+        offsets = reply["offsets"]
+        devices = list(reply.get("devices") or ["cpu"] * len(offsets))
+        try:
+            if len(devices) != len(offsets) or any(d not in ("cpu", "hbm") for d in devices):
+                raise ProtocolError(f"get_prepare reply has devices {devices!r} for "
+                                    f"{len(offsets)} offsets")
+            if "hbm" in devices and mapping is None:
+                raise ProtocolError("daemon handed out hbm slots to a client that did not "
+                                    "ask for them")
+            views = [self.arena.view(off, nbytes, writable=False) if dev == "cpu"
+                     else mapping.view(off, nbytes)
+                     for off, dev in zip(offsets, devices, strict=True)]
+        except BaseException:
+            yield {"op": "get_release", "lease": reply["lease"]}
+            raise
+        return reply["lease"], views, devices
 
     def op_release(self, lease: int) -> Op:
         yield {"op": "get_release", "lease": lease}
@@ -168,6 +234,8 @@ class _Ops:
                                  f"{PROTOCOL_VERSION}")
         arena = reply["arena"]
         self.arena = ArenaMapping(arena["path"], int(arena["size"]))
+        hbm = reply.get("hbm")
+        self.hbm_info = hbm if isinstance(hbm, dict) and hbm.get("handle") else None
 
 
 def _check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> None:
@@ -217,10 +285,17 @@ class PutLease:
 
 
 class GetLease:
-    """Read-locked arena slots of the leading available blocks."""
+    """Read-locked slots of the leading available blocks.
 
-    def __init__(self, client: KVTierClient, lease: int, views: list[np.ndarray]):
+    ``views[i]`` is a read-only numpy array over the arena when ``devices[i] == "cpu"`` (always,
+    unless the get asked for device placement), and a uint8 cupy array over the daemon's
+    HBM pool when ``devices[i] == "hbm"`` (read it, never write it).
+    """
+
+    def __init__(self, client: KVTierClient, lease: int, views: list[Any],
+                 devices: list[str] | None = None):
         self._client, self.lease, self.views = client, lease, views
+        self.devices: list[str] = devices if devices is not None else ["cpu"] * len(views)
         self._open = True
 
     def release(self) -> None:
@@ -237,13 +312,13 @@ class GetLease:
 
 
 class KVTierClient:
-    """Blocking client. One per thread; cheap to create."""
+    """Blocking client. One per thread; cheap to create. ``device``: see ``connect``."""
 
-    def __init__(self, sock: socket.socket, timeout: float) -> None:
+    def __init__(self, sock: socket.socket, timeout: float, *, device: bool = False) -> None:
         self._sock = sock
         self._timeout = timeout
         self._ids = itertools.count(1)
-        self._ops = _Ops()
+        self._ops = _Ops(device)
         self._broken: KVTierError | None = None
         self._ops.on_hello(self._call(_Ops.hello()))
 
@@ -308,8 +383,25 @@ class KVTierClient:
         return PutLease(self, *self._run(self._ops.op_prepare_put(ns, keys, parent,
                                                                   start_depth)))
 
-    def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey]) -> GetLease:
-        return GetLease(self, *self._run(self._ops.op_prepare_get(ns, keys)))
+    def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                    prefer_device: bool | None = None) -> GetLease:
+        """Read-locked views of the leading available blocks (see ``GetLease``).
+
+        ``prefer_device`` (default: the client's ``device``): when the daemon has an HBM
+        pool, place the blocks there and hand out device views where it could.
+        """
+        return GetLease(self, *self._run(self._ops.op_prepare_get(ns, keys, prefer_device)))
+
+    @property
+    def hbm_info(self) -> dict[str, Any] | None:
+        """The daemon's HBM pool from the handshake (handle, size, device, pci_bus_id), or
+        None when it has none."""
+        return self._ops.hbm_info
+
+    @property
+    def hbm_mapped(self) -> bool:
+        """Whether this client has mapped the daemon's HBM pool (after a device get)."""
+        return self._ops.hbm is not None
 
     def put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any], *,
             durable: bool = False, output_tokens: int | None = None) -> int:
@@ -329,9 +421,10 @@ class KVTierClient:
         return stored
 
     def get(self, ns: Namespace, keys: Sequence[BlockKey], out_buffers: Sequence[Any]) -> int:
-        """Copy the leading available blocks into ``out_buffers``; returns how many."""
+        """Copy the leading available blocks into host ``out_buffers``; returns how many.
+        Always reads through cpu views (``prefer_device=False``)."""
         _check_buffers(ns, keys, out_buffers)
-        with self.prepare_get(ns, keys) as lease:
+        with self.prepare_get(ns, keys, prefer_device=False) as lease:
             for view, out in zip(lease.views, out_buffers, strict=False):
                 np.copyto(_as_bytes(out), view)
             return len(lease.views)
@@ -352,8 +445,7 @@ class KVTierClient:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.close()
-        if self._ops.arena is not None:
-            self._ops.arena.close()
+        self._ops.close()
 
     def __enter__(self) -> KVTierClient:
         return self
@@ -362,14 +454,19 @@ class KVTierClient:
         self.close()
 
 
-def connect(socket_path: str | Path | None = None, timeout: float = 5.0) -> KVTierClient:
-    """Connect to the node's daemon; DaemonUnavailable when none answers."""
+def connect(socket_path: str | Path | None = None, timeout: float = 5.0, *,
+            device: bool = False) -> KVTierClient:
+    """Connect to the node's daemon; DaemonUnavailable when none answers.
+
+    ``device=True`` (GPU engines): gets prefer device placement, so on a daemon with an HBM
+    pool they may hand out device views (the pool is mapped at the first such get).
+    """
     path = str(socket_path or default_socket_path())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(path)
-        return KVTierClient(sock, timeout)
+        return KVTierClient(sock, timeout, device=device)
     except (TimeoutError, FileNotFoundError, ConnectionRefusedError, OSError) as exc:
         sock.close()
         if isinstance(exc, KVTierError):
@@ -394,8 +491,12 @@ class AsyncPutLease:
 
 
 class AsyncGetLease:
-    def __init__(self, client: AsyncKVTierClient, lease: int, views: list[np.ndarray]):
+    """``GetLease`` for the asyncio client (same ``views`` and ``devices``)."""
+
+    def __init__(self, client: AsyncKVTierClient, lease: int, views: list[Any],
+                 devices: list[str] | None = None):
         self._client, self.lease, self.views = client, lease, views
+        self.devices: list[str] = devices if devices is not None else ["cpu"] * len(views)
 
     async def release(self) -> None:
         await self._client._run(self._client._ops.op_release(self.lease))
@@ -405,10 +506,10 @@ class AsyncKVTierClient:
     """asyncio client; several coroutines may issue requests concurrently."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 timeout: float) -> None:
+                 timeout: float, *, device: bool = False) -> None:
         self._reader, self._writer, self._timeout = reader, writer, timeout
         self._ids = itertools.count(1)
-        self._ops = _Ops()
+        self._ops = _Ops(device)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader_task: asyncio.Task[None] | None = None
         self._broken: KVTierError | None = None
@@ -478,8 +579,18 @@ class AsyncKVTierClient:
         return AsyncPutLease(self, *await self._run(self._ops.op_prepare_put(
             ns, keys, parent, start_depth)))
 
-    async def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey]) -> AsyncGetLease:
-        return AsyncGetLease(self, *await self._run(self._ops.op_prepare_get(ns, keys)))
+    async def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                          prefer_device: bool | None = None) -> AsyncGetLease:
+        return AsyncGetLease(self, *await self._run(self._ops.op_prepare_get(ns, keys,
+                                                                             prefer_device)))
+
+    @property
+    def hbm_info(self) -> dict[str, Any] | None:
+        return self._ops.hbm_info
+
+    @property
+    def hbm_mapped(self) -> bool:
+        return self._ops.hbm is not None
 
     async def put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any], *,
                   durable: bool = False, output_tokens: int | None = None) -> int:
@@ -504,7 +615,7 @@ class AsyncKVTierClient:
     async def get(self, ns: Namespace, keys: Sequence[BlockKey],
                   out_buffers: Sequence[Any]) -> int:
         _check_buffers(ns, keys, out_buffers)
-        lease = await self.prepare_get(ns, keys)
+        lease = await self.prepare_get(ns, keys, prefer_device=False)
         try:
             for view, out in zip(lease.views, out_buffers, strict=False):
                 np.copyto(_as_bytes(out), view)
@@ -528,13 +639,13 @@ class AsyncKVTierClient:
         self._writer.close()
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
-        if self._ops.arena is not None:
-            self._ops.arena.close()
+        self._ops.close()
 
 
-async def connect_async(socket_path: str | Path | None = None,
-                        timeout: float = 5.0) -> AsyncKVTierClient:
-    """Connect an asyncio client; DaemonUnavailable when no daemon answers."""
+async def connect_async(socket_path: str | Path | None = None, timeout: float = 5.0, *,
+                        device: bool = False) -> AsyncKVTierClient:
+    """Connect an asyncio client; DaemonUnavailable when no daemon answers (``device``: see
+    ``connect``)."""
     path = str(socket_path or default_socket_path())
     try:
         reader, writer = await asyncio.wait_for(
@@ -542,7 +653,7 @@ async def connect_async(socket_path: str | Path | None = None,
     except (OSError, asyncio.TimeoutError) as exc:
         raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
                                 "start one with `kvtier serve`") from None
-    client = AsyncKVTierClient(reader, writer, timeout)
+    client = AsyncKVTierClient(reader, writer, timeout, device=device)
     try:
         await client._start()
     except BaseException:

@@ -14,6 +14,9 @@ Movement:
 - eviction: each tier asks its eviction policy for a victim; a cpu victim is demoted to
   nvme (if admitted), an nvme victim to redis (if configured); otherwise it is dropped.
 - leases expire, so a crashed client never pins arena memory.
+- hbm (optional, GPU hosts): gets that ask for device placement (``prepare_get_device``)
+  also copy their leading blocks into the daemon's HBM pool and hand out device offsets;
+  the pool is inclusive of the arena, see ``kvtier.store_hbm``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from kvtier.index import BlockIndex, BlockMeta, SlotState
 from kvtier.keys import KEY_BYTES, Namespace
 from kvtier.layout import KVLayout
 from kvtier.policy.base import EvictionPolicy, make_eviction_policy
+from kvtier.store_hbm import HbmEntry, HbmPlacement
 from kvtier.tiers.arena import Arena, round_up
 from kvtier.tiers.base import EvictionReason, Tier, TierCounters, TierName
 
@@ -68,6 +72,7 @@ class Lease:
     metas: list[BlockMeta]
     deadline: float
     chain: list[bytes] = field(default_factory=list)
+    hbm: list[HbmEntry] = field(default_factory=list)   # hbm read-locks of a device get
 
 
 @dataclass(slots=True)
@@ -141,7 +146,7 @@ class _Namespace:
 class TieredStore:
     """The daemon's block store. All methods run on the event loop thread."""
 
-    def __init__(self, arena: Arena, *, nvme: Any = None, redis: Any = None,
+    def __init__(self, arena: Arena, *, nvme: Any = None, redis: Any = None, hbm: Any = None,
                  eviction: str = "lru", lease_ttl_s: float = 30.0,
                  prefetch_wait: str = "timeout", prefetch_ms_per_block: float = 2.0,
                  policy_factory: Callable[[str, TierName], EvictionPolicy] | None = None,
@@ -161,6 +166,12 @@ class TieredStore:
         make = policy_factory or (lambda name, tier: make_eviction_policy(name))
         self.cpu_policy: EvictionPolicy = make(eviction, TierName.CPU)
         self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
+        self.hbm = hbm
+        self.hbm_place: HbmPlacement | None = None
+        if hbm is not None:
+            self.hbm_place = HbmPlacement(hbm, make(eviction, TierName.HBM), arena,
+                                          clock=clock, moved=self._moved, pin_cpu=self._pin,
+                                          unpin_cpu=self._unpin)
         self.admission = admission
         self.observer = observer
         self.forest = forest  # PrefixForest: orphans of a block gone from every tier
@@ -175,7 +186,7 @@ class TieredStore:
     # -- tiers ---------------------------------------------------------------------------
     @property
     def tiers(self) -> list[Tier]:
-        out: list[Tier] = [self.cpu]
+        out: list[Tier] = [self.hbm, self.cpu] if self.hbm is not None else [self.cpu]
         if self.nvme is not None:
             out.append(self.nvme)
         if self.redis is not None:
@@ -461,9 +472,13 @@ class TieredStore:
         return bool(self.admission.admit(meta.key, tier=tier, nbytes=meta.nbytes,
                                          now=self.clock()))
 
-    def _drop_cpu(self, meta: BlockMeta) -> None:
+    def _drop_cpu(self, meta: BlockMeta,
+                  reason: EvictionReason = EvictionReason.CAPACITY) -> None:
+        """Free the arena slot; an hbm copy goes with it (hbm is inclusive of cpu)."""
         if meta.cpu is None:
             return
+        if self.hbm_place is not None:
+            self.hbm_place.drop(meta.key, reason)
         was_ready = meta.in_cpu
         self.arena.free(meta.cpu)
         meta.cpu = None
@@ -488,7 +503,7 @@ class TieredStore:
                 SlotState.WRITING, SlotState.LOADING):
             return  # in use: it stays until it is evicted the ordinary way
         if meta.in_cpu:
-            self._drop_cpu(meta)
+            self._drop_cpu(meta, EvictionReason.ORPHAN)
             self.cpu.counters.evicted(EvictionReason.ORPHAN)
         if meta.nvme is not None:
             self._drop_nvme(meta, EvictionReason.ORPHAN)
@@ -668,6 +683,43 @@ class TieredStore:
     async def prepare_get(self, owner: int, digest: bytes, layout_fp: int,
                           keys: list[bytes]) -> tuple[int, list[int]]:
         """Read-locked arena slots for the leading keys that are (or become) readable."""
+        metas = await self._readable_prefix(digest, layout_fp, keys)
+        self.cpu.counters.bytes_read += sum(m.nbytes for m in metas)
+        lease = self._new_lease(LeaseKind.GET, owner, metas)
+        return lease.id, [m.cpu for m in metas]  # type: ignore[misc]
+
+    async def prepare_get_device(self, owner: int, digest: bytes, layout_fp: int,
+                                 keys: list[bytes]) -> tuple[int, list[int], list[str]]:
+        """``prepare_get`` for a client that maps the HBM pool: (lease, offsets, devices).
+
+        ``devices[i]`` is "hbm" when ``offsets[i]`` is a read-locked slot of the HBM pool and
+        "cpu" when it is an arena slot (no hbm tier, no room in it, or a failed copy). The
+        leading blocks are promoted cpu -> hbm first; the lease read-locks both copies.
+        """
+        metas = await self._readable_prefix(digest, layout_fp, keys)
+        entries: list[HbmEntry | None] = [None] * len(metas)
+        in_hbm: set[bytes] = set()
+        if self.hbm_place is not None and metas:
+            in_hbm = {m.key for m in metas if m.key in self.hbm_place.entries}
+            tpb = self.namespaces[digest].layout.tokens_per_block
+            try:
+                entries = await self.hbm_place.acquire(metas, tpb)
+            except BaseException:   # cancelled: no lease will hold the cpu read-locks
+                self._unpin(metas)
+                raise
+        # read from cpu: blocks served from the arena and blocks copied from it into hbm
+        self.cpu.counters.bytes_read += sum(m.nbytes for m, e in zip(metas, entries, strict=True)
+                                            if e is None or m.key not in in_hbm)
+        lease = self._new_lease(LeaseKind.GET, owner, metas)
+        lease.hbm = [e for e in entries if e is not None]
+        offsets = [m.cpu if e is None else e.offset for m, e in zip(metas, entries, strict=True)]
+        devices = ["cpu" if e is None else "hbm" for e in entries]
+        return lease.id, offsets, devices  # type: ignore[return-value]
+
+    async def _readable_prefix(self, digest: bytes, layout_fp: int,
+                               keys: list[bytes]) -> list[BlockMeta]:
+        """The leading keys ready in the arena (promoting and waiting as the prefetch policy
+        says), each read-locked once for the caller's lease."""
         ns = self._ns(digest, layout_fp)
         pending: list[asyncio.Future[bool]] = []
         chain: list[BlockMeta] = []
@@ -715,9 +767,7 @@ class TieredStore:
             metas.append(meta)
         self.requests.gets += 1
         self.requests.get_blocks += len(metas)
-        self.cpu.counters.bytes_read += sum(m.nbytes for m in metas)
-        lease = self._new_lease(LeaseKind.GET, owner, metas)
-        return lease.id, [m.cpu for m in metas]  # type: ignore[misc]
+        return metas
 
     async def _wait_prefetch(self, pending: list[asyncio.Future[bool]]) -> None:
         not_done = [f for f in pending if not f.done()]
@@ -738,6 +788,9 @@ class TieredStore:
         self._release_get(lease)
 
     def _release_get(self, lease: Lease) -> None:
+        if lease.hbm and self.hbm_place is not None:
+            self.hbm_place.release(lease.hbm)
+            lease.hbm = []
         for meta in lease.metas:
             meta.readers -= 1
             if meta.readers == 0 and meta.in_cpu:
@@ -754,7 +807,7 @@ class TieredStore:
                     SlotState.WRITING, SlotState.LOADING):
                 continue
             if meta.in_cpu:
-                self._drop_cpu(meta)
+                self._drop_cpu(meta, EvictionReason.DELETED)
                 self.cpu.counters.evicted(EvictionReason.DELETED)
             if meta.nvme is not None:
                 self._drop_nvme(meta, EvictionReason.DELETED, erase=True)

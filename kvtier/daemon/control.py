@@ -57,12 +57,17 @@ class ControlServer:
 
     def __init__(self, store: TieredStore, socket_path: Path, *, max_frame: int,
                  max_inflight: int, arena_path: str, arena_size: int,
-                 observe: Callable[[str, float], None] | None = None) -> None:
+                 observe: Callable[[str, float], None] | None = None,
+                 hbm: dict[str, Any] | None = None) -> None:
+        """``hbm``: the HBM pool's ``HbmTier.handshake_info()`` (handle, size, device,
+        pci_bus_id) when the daemon has one; every hello reply then carries it, and clients
+        that want device placement map the pool with it."""
         self.store = store
         self.socket_path = socket_path
         self.max_frame = max_frame
         self.max_inflight = max_inflight
         self.arena = {"path": arena_path, "size": arena_size}
+        self.hbm = hbm
         self.observe = observe
         self.connections: dict[int, Connection] = {}
         self._ids = itertools.count(1)
@@ -194,9 +199,11 @@ class ControlServer:
             raise HandshakeError(f"protocol version {version!r} not supported; this daemon "
                                  f"speaks {sorted(SUPPORTED_VERSIONS)}: upgrade the client")
         conn.client = str(msg.get("client", ""))[:64]
-        writer.write(pack({"id": msg.get("id", 0), "ok": True, "version": PROTOCOL_VERSION,
-                           "server": f"kvtier/{__version__}", "conn": conn.id,
-                           "arena": self.arena}))
+        reply = {"id": msg.get("id", 0), "ok": True, "version": PROTOCOL_VERSION,
+                 "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
+        if self.hbm is not None:
+            reply["hbm"] = self.hbm
+        writer.write(pack(reply))
         await writer.drain()
 
     async def _dispatch(self, conn: Connection, msg: dict[str, Any],
@@ -278,7 +285,12 @@ class ControlServer:
         return {}
 
     async def _get_prepare(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+        """Read-locked slots; with ``device: true`` (a client that mapped the HBM pool) the
+        reply adds ``devices``, "hbm" or "cpu" per offset."""
         ns, fp, keys = self._target(msg)
+        if msg.get("device") is True:
+            lease, offsets, devices = await self.store.prepare_get_device(conn.id, ns, fp, keys)
+            return {"lease": lease, "offsets": offsets, "devices": devices}
         lease, offsets = await self.store.prepare_get(conn.id, ns, fp, keys)
         return {"lease": lease, "offsets": offsets}
 

@@ -89,7 +89,8 @@ class Daemon:
         self.control = ControlServer(
             self.store, sock, max_frame=cfg.daemon.max_frame_bytes,
             max_inflight=cfg.daemon.max_inflight_per_conn, arena_path=str(self.arena.path),
-            arena_size=self.arena.size, observe=self.metrics.observe)
+            arena_size=self.arena.size, observe=self.metrics.observe,
+            hbm=self.hbm.handshake_info() if self.hbm is not None else None)
         self.control.stats_provider = self.stats
         await self.control.start()
         self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
@@ -110,7 +111,12 @@ class Daemon:
                         io=make_frame_io(choice, threads=nvme.io_threads))
 
     def _make_hbm(self) -> Any:
-        """The HBM pool (hbm.enabled): a clear ConfigError when this host cannot have one."""
+        """The HBM pool (hbm.enabled): a clear ConfigError when this host cannot have one.
+
+        The store places blocks in it for clients that ask for device placement, and the
+        handshake hands its CUDA IPC handle to every client. UNTESTED ON HARDWARE: the CPU
+        tests run this with a host-memory fake pool (tests/support/fake_hbm.py).
+        """
         from kvtier.tiers.hbm import HbmTier, hbm_available
 
         hbm = self.cfg.hbm
@@ -138,7 +144,8 @@ class Daemon:
         except ImportError:
             kwargs["eviction"] = cfg.policy.eviction if cfg.policy.eviction != "cost" else "lru"
         return TieredStore(
-            self.arena, nvme=self.nvme, redis=self.redis, lease_ttl_s=cfg.daemon.lease_ttl_s,
+            self.arena, nvme=self.nvme, redis=self.redis, hbm=self.hbm,
+            lease_ttl_s=cfg.daemon.lease_ttl_s,
             prefetch_wait=cfg.policy.prefetch_wait,
             prefetch_ms_per_block=cfg.policy.prefetch_timeout_ms_per_block,
             redis_write_through=cfg.redis.write_through, **kwargs)
@@ -220,12 +227,7 @@ class Daemon:
             "rejected_peers": self.control.rejected_peers if self.control else 0,
             "protocol_errors": self.control.protocol_errors if self.control else 0,
         }
-        out.update(self.store.stats())
-        if self.hbm is not None:   # the store does not drive the hbm tier (yet): add it here
-            from kvtier.tiers.base import tier_stats
-
-            out["tiers"] = {"hbm": {**tier_stats(self.hbm), **self.hbm.stats_extra()},
-                            **out.get("tiers", {})}
+        out.update(self.store.stats())   # tiers.hbm first when the daemon has a pool
         out["connector"] = self.control.engine_summary() if self.control else {}
         return out
 

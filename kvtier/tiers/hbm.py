@@ -6,6 +6,8 @@ whole allocation, so the pool must be one) and exports it once with
 ``cupy.cuda.runtime.ipcGetMemHandle``. Slots are handed out by ``SlabAllocator``, the same
 slab/size-class scheme as the cpu arena (``kvtier.tiers.arena``): slots are whole 4 KiB pages,
 a size class takes a unit of contiguous slabs, an emptied unit goes back to the pool.
+``HbmTier.copy_in`` fills slots from host memory (the arena) and returns once the bytes are on
+the device, so a slot handed to an engine right after is complete.
 
 Client side (an engine process): ``HbmMapping.open(handle, size, device)`` maps the pool once
 per process (``ipcOpenMemHandle``) and gives device pointers, cupy arrays or torch tensors of
@@ -15,21 +17,25 @@ open its own handle (CUDA refuses), which is why this is a separate class.
 Availability: off unless ``hbm.enabled`` and ``hbm_available()`` holds (driver, device, cupy).
 Nothing here imports cupy or torch at module import time.
 
-What is wired today: the daemon builds the pool, exports the handle and reports the tier under
-``tiers.hbm`` in ``/v1/stats``. The store does not place blocks in HBM yet and the control
-handshake does not carry the handle yet (see ``HbmTier.handshake_info``).
+Wiring: the daemon builds the pool and passes it to the store, which places blocks in it for
+clients that ask for device placement (``kvtier.store_hbm``); the control handshake carries
+``HbmTier.handshake_info`` to every client, and ``kvtier.client`` maps the pool lazily, only
+for callers that asked for device placement.
 
 UNTESTED ON HARDWARE: written without a GPU. The CUDA calls follow cupy's documented API
 (``cupy.cuda.Memory``, ``runtime.ipcGetMemHandle``/``ipcOpenMemHandle``/``ipcCloseMemHandle``,
+``runtime.memcpyAsync`` on a non-blocking ``cupy.cuda.Stream``,
 ``cupy.cuda.UnownedMemory``/``MemoryPointer``); the CPU tests cover the allocator, the tier's
-bookkeeping over a host-memory fake pool, the availability checks and argument validation.
-``tests/gpu/test_hbm.py`` checks the real pool and an IPC round trip in a second process.
+bookkeeping and the store's placement over host-memory fake pools, the availability checks
+and argument validation. ``tests/gpu/test_hbm.py`` and ``tests/gpu/test_hbm_daemon.py`` check
+the real pool, an IPC round trip in a second process and a daemon serving device views.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -212,6 +218,11 @@ class DevicePool(Protocol):
 
     def view(self, offset: int, nbytes: int) -> Any: ...
 
+    def copy_in(self, items: Sequence[tuple[int, Any]]) -> None:
+        """Copy each host buffer (a C-contiguous uint8 numpy array) to its pool offset and
+        return once every byte is on the device. Called from a worker thread."""
+        ...
+
     def describe(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
@@ -254,6 +265,8 @@ class CupyDevicePool:
         self.name = name.decode() if isinstance(name, bytes) else str(name)
         self.ptr = int(self._mem.ptr)
         self._handle: bytes | None = None
+        self._stream: Any = None
+        self._stream_lock = threading.Lock()
 
     def export_handle(self) -> bytes:
         """The pool's ``cudaIpcMemHandle_t`` (64 bytes), made once."""
@@ -271,6 +284,29 @@ class CupyDevicePool:
         _check_range(offset, nbytes, self.size)
         ptr = cupy.cuda.memory.MemoryPointer(self._mem, offset)
         return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=ptr)
+
+    def copy_in(self, items: Sequence[tuple[int, Any]]) -> None:
+        """H2D copies of host arrays into pool slots on the pool's own non-blocking stream,
+        then one stream synchronize: ``cudaMemcpyAsync`` from pageable memory may return
+        before the DMA lands, and the daemon hands the slots to engines right after.
+
+        Thread-safe (CUDA API calls are; the stream is made once under a lock).
+        """
+        import cupy
+
+        for off, src in items:
+            _check_range(off, int(src.nbytes), self.size)
+        with cupy.cuda.Device(self.device):
+            with self._stream_lock:
+                if self._stream is None:
+                    self._stream = cupy.cuda.Stream(non_blocking=True)
+                stream = self._stream
+            for off, src in items:
+                cupy.cuda.runtime.memcpyAsync(self.ptr + off, int(src.ctypes.data),
+                                              int(src.nbytes),
+                                              cupy.cuda.runtime.memcpyHostToDevice,
+                                              stream.ptr)
+            stream.synchronize()
 
     def describe(self) -> dict[str, Any]:
         return {"device": self.device, "device_name": self.name, "pci_bus_id": self.pci_bus_id}
@@ -312,6 +348,8 @@ class HbmTier:
         self._factory = pool_factory if pool_factory is not None else CupyDevicePool
         self._pool: DevicePool | None = None
         self._closed = False
+        self.placement = "pool only: no store places blocks in hbm"
+        """What uses the pool, shown in stats (the store replaces it when it takes the tier)."""
 
     # ------------------------------------------------------------------ Tier protocol
     @property
@@ -337,8 +375,7 @@ class HbmTier:
     def stats_extra(self) -> dict[str, Any]:
         """Device details merged into ``tiers.hbm`` of /v1/stats."""
         out: dict[str, Any] = {"slab_bytes": self.allocator.slab_bytes,
-                               "placement": "pool only: the store does not place blocks in "
-                                            "hbm yet"}
+                               "placement": self.placement}
         if self._pool is not None:
             out.update(self._pool.describe())
         else:
@@ -382,6 +419,11 @@ class HbmTier:
     def view(self, offset: int, nbytes: int) -> Any:
         """A device array (cupy) over a slot, for daemon-side copies."""
         return self._require_open().view(offset, nbytes)
+
+    def copy_in(self, items: Sequence[tuple[int, Any]]) -> None:
+        """Fill slots from host memory: ``items`` are (slot offset, uint8 numpy array) pairs.
+        Blocking (run it in a worker thread); returns once the bytes are on the device."""
+        self._require_open().copy_in(items)
 
     def export_handle(self) -> bytes:
         """The CUDA IPC handle of the whole pool (64 bytes) for engine processes."""
@@ -437,8 +479,11 @@ def _resolve_device(device: int, pci_bus_id: str | None) -> int:
 class HbmMapping:
     """An engine process's view of the daemon's HBM pool (mapped once per process and device).
 
-    ``open`` returns the existing mapping when the same handle was already opened here. Slots
-    are addressed by the offsets the daemon hands out. UNTESTED ON HARDWARE.
+    ``open`` returns the existing mapping when the same handle was already opened here and
+    counts the reference; each ``open`` is paired with one ``close``, and the last ``close``
+    unmaps (so several clients in one process share one mapping, and an engine that outlives
+    a daemon restart does not keep the old pool's memory mapped). Slots are addressed by the
+    offsets the daemon hands out. UNTESTED ON HARDWARE.
     """
 
     def __init__(self, ptr: int, size: int, device: int, *, handle: bytes = b"",
@@ -449,6 +494,7 @@ class HbmMapping:
         self._handle = handle
         self._closer = closer
         self._closed = False
+        self._refs = 1
 
     @classmethod
     def open(cls, handle: bytes, size: int, device: int = 0, *,
@@ -460,6 +506,7 @@ class HbmMapping:
         with _MAPPINGS_LOCK:
             found = _MAPPINGS.get((raw, size))
             if found is not None and not found._closed:
+                found._refs += 1
                 return found
             import cupy
 
@@ -491,6 +538,11 @@ class HbmMapping:
         memptr = cupy.cuda.memory.MemoryPointer(mem, 0)
         return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=memptr)
 
+    def view(self, offset: int, nbytes: int) -> Any:
+        """The view a client lease hands out for an hbm slot: a uint8 cupy array (device
+        memory of the daemon's pool; read it, never write it)."""
+        return self.cupy_view(offset, nbytes)
+
     def torch_view(self, offset: int, nbytes: int) -> Any:
         """A uint8 torch tensor over a slot (no copy, through DLPack)."""
         import torch
@@ -498,11 +550,15 @@ class HbmMapping:
         return torch.from_dlpack(self.cupy_view(offset, nbytes))
 
     def close(self) -> None:
-        """Unmap (``cudaIpcCloseMemHandle``). Views made from it must be dropped first."""
+        """Drop one reference; the last one unmaps (``cudaIpcCloseMemHandle``). Views made
+        from it must be dropped first."""
         if self._closed:
             return
-        self._closed = True
         with _MAPPINGS_LOCK:
+            self._refs -= 1
+            if self._refs > 0:
+                return
+            self._closed = True
             if _MAPPINGS.get((self._handle, self.size)) is self:
                 del _MAPPINGS[(self._handle, self.size)]
         if self._closer is not None:

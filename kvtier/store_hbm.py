@@ -1,0 +1,240 @@
+"""HBM placement for the store: the optional top tier that GPU clients read from.
+
+``TieredStore`` owns one ``HbmPlacement`` when the daemon has an HBM pool. It only acts for
+gets that ask for device placement (``TieredStore.prepare_get_device``): the leading blocks
+of such a get, already ready and read-locked in the cpu arena by the store, are copied
+arena slot -> device slot (``HbmTier.copy_in``: a cupy H2D copy on a GPU, a memcpy over a
+host-memory fake in tests), read-locked in hbm and handed out by hbm offset, so the engine's
+load is a device-to-device copy. A later device get of the same block is an hbm hit.
+
+Inclusion: a block is in hbm only while its cpu copy is. Blocks enter hbm from the arena
+(never from a put), the store drops the hbm copy whenever it drops the cpu copy (eviction,
+delete, orphan), and every hbm read lease also read-locks the cpu copy. So an hbm eviction
+never needs a device-to-host write-back: it frees the device slot and the block stays
+readable from cpu (and below). The cost is that hbm bytes are also counted in the arena,
+which is normally several times larger than the pool. Hot hbm blocks stay hot in the cpu
+policy too, because the store touches the cpu copy on every get.
+
+Leases: each hbm read-lock is an ``HbmEntry.readers`` count, kept in the store's ``Lease``
+(``Lease.hbm``) and given back on release, expiry or owner disconnect. A block with hbm
+readers is pinned in the hbm eviction policy, so the pool never evicts a slot an engine may
+be reading; capacity is hard (``SlabAllocator``), so a get that finds the pool full of
+pinned blocks serves the rest from cpu.
+
+Runs on the event loop thread like the store; only the copies run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.index import BlockMeta
+from kvtier.policy.base import EvictionPolicy
+from kvtier.tiers.base import EvictionReason
+
+log = logging.getLogger("kvtier.store")
+
+__all__ = ["HbmEntry", "HbmPlacement"]
+
+
+@dataclass(slots=True, eq=False)
+class HbmEntry:
+    """One block's device slot. ``ready`` once its bytes are on the device."""
+
+    key: bytes
+    offset: int
+    nbytes: int
+    readers: int = 0
+    ready: bool = False
+    loading: asyncio.Future[bool] | None = None
+
+
+class HbmPlacement:
+    """Residency, leases and eviction of blocks in the HBM pool (see the module docstring).
+
+    ``tier`` is an ``HbmTier`` (or anything with its slot interface: ``allocator``,
+    ``alloc``, ``free``, ``copy_in``, ``counters``); ``arena`` the cpu arena the copies read
+    from; ``moved`` the store's bytes-moved counter; ``pin_cpu``/``unpin_cpu`` the store's
+    read-lock of cpu copies (to keep a copy's source while a cancelled get's copy finishes).
+    """
+
+    def __init__(self, tier: Any, policy: EvictionPolicy, arena: Any, *,
+                 clock: Callable[[], float], moved: Callable[[str, str, int], None],
+                 pin_cpu: Callable[[list[BlockMeta]], None],
+                 unpin_cpu: Callable[[list[BlockMeta]], None]) -> None:
+        self.tier = tier
+        self.policy = policy
+        self.arena = arena
+        self.clock = clock
+        self._moved = moved
+        self._pin_cpu = pin_cpu
+        self._unpin_cpu = unpin_cpu
+        self.entries: dict[bytes, HbmEntry] = {}
+        tier.placement = ("store: gets with device placement promote cpu -> hbm; inclusive "
+                          "of cpu (evicting from hbm frees the device slot)")
+
+    def __contains__(self, key: object) -> bool:
+        entry = self.entries.get(key)  # type: ignore[call-overload]
+        return entry is not None and entry.ready
+
+    # -- gets ----------------------------------------------------------------------------
+    async def acquire(self, metas: list[BlockMeta],
+                      tokens_per_block: int) -> list[HbmEntry | None]:
+        """Read-lock ``metas`` in hbm, copying the ones not there yet from the arena.
+
+        The caller has the blocks ready in cpu and read-locked there for the whole call.
+        Returns, per block, the read-locked entry to hand out, or None where the block is
+        served from cpu (no room for it, or its copy failed). Promotion stops at the first
+        block that does not fit; blocks after it that are already in hbm are still used.
+        """
+        out: list[HbmEntry | None] = [None] * len(metas)
+        copies: list[tuple[int, BlockMeta, HbmEntry]] = []
+        waits: list[tuple[int, HbmEntry]] = []
+        can_place = True
+        now = self.clock()
+        c = self.tier.counters
+        for i, meta in enumerate(metas):
+            entry = self.entries.get(meta.key)
+            if entry is not None:
+                c.hit_blocks += 1
+                c.hit_tokens += tokens_per_block
+                if entry.ready:
+                    self._lock(entry)
+                    self.policy.touch(meta.key, now=now)
+                    out[i] = entry
+                else:  # another get is copying it right now: wait for that copy
+                    waits.append((i, entry))
+                continue
+            c.miss_blocks += 1
+            c.miss_tokens += tokens_per_block
+            if not can_place:
+                continue
+            off = self._alloc(meta.nbytes)
+            if off is None:
+                can_place = False
+                continue
+            entry = HbmEntry(meta.key, off, meta.nbytes, readers=1,
+                             loading=asyncio.get_running_loop().create_future())
+            self.entries[meta.key] = entry
+            copies.append((i, meta, entry))
+        try:
+            if copies:
+                await self._copy(copies, out)
+            for i, entry in waits:
+                if entry.loading is not None:
+                    await asyncio.shield(entry.loading)
+                if self.entries.get(entry.key) is entry and entry.ready:
+                    self._lock(entry)
+                    out[i] = entry
+        except BaseException:   # cancelled: no lease will hold these locks
+            self.release([e for e in out if e is not None])
+            raise
+        for entry in out:
+            if entry is not None:
+                c.bytes_read += entry.nbytes
+        return out
+
+    async def _copy(self, copies: list[tuple[int, BlockMeta, HbmEntry]],
+                    out: list[HbmEntry | None]) -> None:
+        """Run the copies in a worker thread and settle their entries.
+
+        If the waiting get is cancelled the copy still finishes in its thread (its slots
+        cannot be reused before that), and the entries are settled and unlocked then."""
+        items = [(e.offset, self.arena.view(m.cpu, m.nbytes)) for _, m, e in copies]
+        job = asyncio.get_running_loop().run_in_executor(None, self.tier.copy_in, items)
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            sources = [m for _, m, _ in copies]
+            self._pin_cpu(sources)    # the caller unpins its get; the thread still reads
+
+            def finish(f: asyncio.Future[Any]) -> None:
+                self._settle(copies, None, f)
+                self._unpin_cpu(sources)
+
+            job.add_done_callback(finish)
+            raise
+        except Exception:
+            pass
+        self._settle(copies, out, job)
+
+    def _settle(self, copies: list[tuple[int, BlockMeta, HbmEntry]],
+                out: list[HbmEntry | None] | None, job: asyncio.Future[Any]) -> None:
+        """Make copied entries ready (or drop them when the copy failed); ``out`` None: the
+        get that started them is gone, so their read-locks are given back too."""
+        exc = None if job.cancelled() else job.exception()
+        ok = not job.cancelled() and exc is None
+        if not ok:  # a device error: serve these blocks from cpu
+            self.tier.counters.errors += 1
+            log.warning("cpu -> hbm copy of %d blocks failed: %s", len(copies), exc)
+        now = self.clock()
+        for i, meta, entry in copies:
+            fut, entry.loading = entry.loading, None
+            if ok:
+                entry.ready = True
+                self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                                   depth=meta.depth, now=now)
+                self.policy.set_pinned(meta.key, True)
+                self.tier.counters.bytes_written += meta.nbytes
+                self._moved("cpu", "hbm", meta.nbytes)
+                if out is not None:
+                    out[i] = entry
+                else:
+                    self.release([entry])
+            else:
+                del self.entries[meta.key]
+                self.tier.free(entry.offset)
+            if fut is not None and not fut.done():
+                fut.set_result(ok)
+
+    def _lock(self, entry: HbmEntry) -> None:
+        entry.readers += 1
+        self.policy.set_pinned(entry.key, True)
+
+    def release(self, entries: list[HbmEntry]) -> None:
+        """Give back the read-locks of a get lease (released, expired or owner gone)."""
+        for entry in entries:
+            entry.readers -= 1
+            if entry.readers == 0 and self.entries.get(entry.key) is entry:
+                self.policy.set_pinned(entry.key, False)
+
+    # -- capacity ------------------------------------------------------------------------
+    def _alloc(self, nbytes: int) -> int | None:
+        """A device slot, evicting unpinned blocks by policy; None (counted) when full."""
+        for _ in range(4096):
+            if self.tier.allocator.could_fit(nbytes):
+                return self.tier.alloc(nbytes)
+            victim = self.policy.victim()
+            if victim is None:
+                break
+            entry = self.entries.get(victim)
+            if entry is None:
+                self.policy.remove(victim)
+            elif entry.readers or not entry.ready:  # the policy should not offer it
+                self.policy.set_pinned(victim, True)
+            else:
+                self.drop(victim, EvictionReason.CAPACITY)
+        self.tier.counters.allocation_failures += 1
+        return None
+
+    def drop(self, key: bytes, reason: EvictionReason) -> bool:
+        """Free ``key``'s device slot (the cpu copy, when there is one, is untouched).
+
+        The store calls it before dropping a cpu copy; a block still being copied or read
+        is left alone (the store never drops such a block: its cpu copy is read-locked).
+        """
+        entry = self.entries.get(key)
+        if entry is None:
+            return False
+        if entry.readers or not entry.ready:   # would break inclusion: a bug, say so
+            log.error("hbm copy of %s is in use while its cpu copy is dropped", key.hex())
+            return False
+        del self.entries[key]
+        self.tier.free(entry.offset)
+        self.policy.remove(key)
+        self.tier.counters.evicted(reason)
+        return True
