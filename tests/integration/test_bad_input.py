@@ -220,10 +220,14 @@ def _knock_as_nobody(path: str) -> str:
             probe.settimeout(2)
             try:
                 probe.connect(path)
-                probe.sendall(pack({"id": 1, "op": "hello", "version": 1}))
-                os.write(wfd, b"served" if probe.recv(1) else b"closed")
-            except OSError as exc:
+            except OSError as exc:  # the file mode kept us out
                 os.write(wfd, f"refused:{exc.errno}".encode())
+            else:
+                try:
+                    probe.sendall(pack({"id": 1, "op": "hello", "version": 1}))
+                    os.write(wfd, b"served" if probe.recv(1) else b"closed")
+                except (BrokenPipeError, ConnectionResetError):
+                    os.write(wfd, b"closed")  # the daemon hung up first
         finally:
             os._exit(0)
     os.close(wfd)
