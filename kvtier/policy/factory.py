@@ -20,6 +20,7 @@ TYPICAL_BLOCK_BYTES = 8 * 2**20
 """Sizing unit for the observer's horizon before any layout is known (a 256-token block
 of an 8B model in bf16 is 32 MiB; small test models are far smaller)."""
 
+H2D_BPS = 2.0e10          # reload bandwidth of the tier below hbm (cpu arena -> device)
 NVME_READ_BPS = 2.0e9     # reload bandwidth of the tier below cpu (re-measured by bench)
 REDIS_READ_BPS = 0.8e9    # reload bandwidth of the tier below nvme
 
@@ -47,7 +48,7 @@ def build_policies(cfg: Any) -> dict[str, Any]:
     def factory(policy: str, tier: TierName) -> EvictionPolicy:
         if policy != "cost":
             return make_eviction_policy(policy)
-        bw = below_cpu if tier is TierName.CPU else below_nvme
+        bw = {TierName.HBM: H2D_BPS, TierName.CPU: below_cpu}.get(tier, below_nvme)
         return make_eviction_policy("cost", stats=stats, costs=costs, reload_bandwidth=bw)
 
     admission = None
