@@ -26,18 +26,14 @@ import contextlib
 import importlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
-
-import numpy as np
 
 from kvtier.errors import (
     FrameError,
     KVTierError,
     LayoutMismatch,
-    LeaseError,
     ProtocolError,
     UnknownNamespace,
 )
@@ -45,8 +41,10 @@ from kvtier.frame import make_header
 from kvtier.index import BlockIndex, BlockMeta, SlotState
 from kvtier.keys import KEY_BYTES, Namespace
 from kvtier.layout import KVLayout
+from kvtier.leases import Lease, LeaseKind, LeaseTable
 from kvtier.policy.base import EvictionPolicy, make_eviction_policy
 from kvtier.store_hbm import HbmEntry, HbmPlacement
+from kvtier.tiers._aligned import aligned_buffer
 from kvtier.tiers.arena import Arena, round_up
 from kvtier.tiers.base import EvictionReason, Tier, TierCounters, TierName
 
@@ -55,24 +53,6 @@ log = logging.getLogger("kvtier.store")
 for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
     with contextlib.suppress(ImportError):
         importlib.import_module(f"kvtier.policy.{_mod}")
-
-
-class LeaseKind(str, Enum):
-    PUT = "put"
-    GET = "get"
-
-
-@dataclass(slots=True)
-class Lease:
-    """Slots handed to one client connection, valid until ``deadline``."""
-
-    id: int
-    kind: LeaseKind
-    owner: int
-    metas: list[BlockMeta]
-    deadline: float
-    chain: list[bytes] = field(default_factory=list)
-    hbm: list[HbmEntry] = field(default_factory=list)   # hbm read-locks of a device get
 
 
 @dataclass(slots=True)
@@ -176,8 +156,7 @@ class TieredStore:
         self.observer = observer
         self.forest = forest  # PrefixForest: orphans of a block gone from every tier
         self.namespaces: dict[bytes, _Namespace] = {}
-        self.leases: dict[int, Lease] = {}
-        self._next_lease = 1
+        self.leases = LeaseTable(lease_ttl_s, clock)
         self.requests = RequestCounters()
         self.prefetch = PrefetchCounters()
         self.bytes_moved: dict[tuple[str, str], int] = {}
@@ -545,17 +524,17 @@ class TieredStore:
                               memoryview(self.arena.view(meta.cpu, meta.nbytes)), seq=meta.seq)
             self._moved("nvme", "redis", meta.nbytes)
             return
-        buf = _aligned_buffer(round_up(meta.nbytes))
+        buf = aligned_buffer(round_up(meta.nbytes))
         meta.nvme_busy = True
         try:
-            await self.nvme.read_into(meta.nvme, memoryview(buf), namespace=meta.namespace,
+            await self.nvme.read_into(meta.nvme, buf, namespace=meta.namespace,
                                       key=meta.key, layout_fp=meta.layout_fp)
         except KVTierError:
             return
         finally:
             meta.nvme_busy = False
         self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                          memoryview(buf[: meta.nbytes]), seq=meta.seq)
+                          buf[: meta.nbytes], seq=meta.seq)
         self._moved("nvme", "redis", meta.nbytes)
 
     def _drop_nvme(self, meta: BlockMeta, reason: EvictionReason, *, erase: bool = False) -> None:
@@ -820,23 +799,14 @@ class TieredStore:
 
     # -- leases --------------------------------------------------------------------------
     def _new_lease(self, kind: LeaseKind, owner: int, metas: list[BlockMeta]) -> Lease:
-        lease = Lease(self._next_lease, kind, owner, metas, self.clock() + self.lease_ttl_s)
-        self._next_lease += 1
-        self.leases[lease.id] = lease
-        return lease
+        return self.leases.open(kind, owner, metas)
 
     def _take_lease(self, owner: int, lease_id: int, kind: LeaseKind) -> Lease:
-        lease = self.leases.get(lease_id)
-        if lease is None or lease.owner != owner or lease.kind is not kind:
-            raise LeaseError(f"{kind.value} lease {lease_id} was never handed to this "
-                             "connection, or was already used or expired")
-        del self.leases[lease_id]
-        return lease
+        return self.leases.take(owner, lease_id, kind)
 
     def expire_leases(self) -> int:
         """Release leases past their deadline (a client that hung or forgot)."""
-        now = self.clock()
-        expired = [lease for lease in self.leases.values() if lease.deadline <= now]
+        expired = self.leases.take_expired()
         for lease in expired:
             self._drop_lease(lease)
         self.requests.lease_expired += len(expired)
@@ -844,13 +814,12 @@ class TieredStore:
 
     def release_owner(self, owner: int) -> int:
         """A client connection closed: abort its puts, release its reads."""
-        mine = [lease for lease in self.leases.values() if lease.owner == owner]
+        mine = self.leases.take_owner(owner)
         for lease in mine:
             self._drop_lease(lease)
         return len(mine)
 
     def _drop_lease(self, lease: Lease) -> None:
-        self.leases.pop(lease.id, None)
         if lease.kind is LeaseKind.PUT:
             self._abort_put(lease)
         else:
@@ -900,20 +869,3 @@ class TieredStore:
 
 def _asdict(obj: Any) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in obj.__slots__}
-
-
-def _aligned_buffer(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + 4096, dtype=np.uint8)
-    start = (-raw.ctypes.data) % 4096
-    return raw[start: start + nbytes]
-
-
-def validate_views(views: Sequence[Any], nbytes: int) -> None:
-    """Raise BufferSizeError unless each buffer holds exactly ``nbytes`` bytes."""
-    from kvtier.errors import BufferSizeError
-
-    for i, v in enumerate(views):
-        size = memoryview(v).nbytes
-        if size != nbytes:
-            raise BufferSizeError(f"buffer {i} has {size} bytes; the layout's block is "
-                                  f"{nbytes} bytes")
