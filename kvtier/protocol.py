@@ -4,7 +4,10 @@ A frame is a 4-byte big-endian length followed by a msgpack map. Requests carry
 ``id`` (per-connection request id, echoed back) and ``op``; replies carry ``id`` and
 ``ok``, plus either results or ``code``/``error``. The first request on a connection
 must be ``hello`` with the client's protocol ``version``: the daemon answers with the
-version it will speak and where the shared-memory arena is. KV bytes never appear here.
+version it will speak and where the shared-memory arena is (and, on GPU hosts with an hbm
+tier, the pool's CUDA IPC handle under ``hbm``; a ``get_prepare`` with ``device: true``
+may then answer with hbm offsets). Optional fields are additions, not a new version.
+KV bytes never appear here.
 msgpack only (``raw=False``, bytes stay bytes, no ext types): nothing is ever unpickled.
 """
 
