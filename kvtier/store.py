@@ -45,8 +45,9 @@ from kvtier.leases import Lease, LeaseKind, LeaseTable
 from kvtier.policy.base import EvictionPolicy, make_eviction_policy
 from kvtier.store_hbm import HbmEntry, HbmPlacement
 from kvtier.tiers._aligned import aligned_buffer
-from kvtier.tiers.arena import Arena, round_up
+from kvtier.tiers.arena import Arena
 from kvtier.tiers.base import EvictionReason, Tier, TierCounters, TierName
+from kvtier.tiers.slab import round_up
 
 log = logging.getLogger("kvtier.store")
 

@@ -4,11 +4,9 @@ The daemon creates and owns the file; clients map the same file (path handed ove
 handshake) and read/write KV straight into slots the daemon leases to them, so KV bytes
 never cross the control socket. The arena's size is the cpu tier's hard capacity.
 
-Allocation: the arena is an array of equal slabs. A size class (slot size, a multiple of
-4 KiB so slots can feed O_DIRECT I/O) takes a *unit* of ``ceil(slot / slab)`` contiguous
-free slabs and cuts it into equal slots. A unit whose slots are all free goes back to the
-free slab pool, so memory moves between size classes as layouts come and go. Allocation
-is O(1) from a class's free list; taking a new unit scans the slab table (rare).
+Allocation is ``kvtier.tiers.slab.SlabAllocator`` (shared with the hbm pool): equal slabs,
+size classes of 4 KiB-multiple slots cut from units of contiguous slabs, emptied units
+returned to the pool, O(1) from a class's free list.
 """
 
 from __future__ import annotations
@@ -17,42 +15,14 @@ import contextlib
 import mmap
 import os
 import secrets
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from kvtier.errors import CapacityError, ConfigError
+from kvtier.errors import ConfigError
+from kvtier.tiers.slab import PAGE, SlabAllocator
 
-PAGE = 4096
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-
-
-def round_up(n: int, to: int = PAGE) -> int:
-    return (n + to - 1) // to * to
-
-
-def _slot_bytes(nbytes: int) -> int:
-    """The size class of ``nbytes``: whole pages, at least one (0 would divide by zero)."""
-    if nbytes < 0:
-        raise ValueError(f"slot size must be >= 0, got {nbytes}")
-    return round_up(max(nbytes, 1))
-
-
-@dataclass(slots=True)
-class _Unit:
-    """A run of contiguous slabs serving one size class."""
-
-    first_slab: int
-    n_slabs: int
-    offset: int
-    slot_bytes: int
-    n_slots: int
-    free: list[int] = field(default_factory=list)  # slot offsets
-
-    @property
-    def used(self) -> int:
-        return self.n_slots - len(self.free)
 
 
 class Arena:
@@ -60,14 +30,11 @@ class Arena:
 
     def __init__(self, capacity_bytes: int, *, shm_dir: Path = Path("/dev/shm"),
                  slab_bytes: int = 64 * 2**20, prefault: bool = True) -> None:
-        slab = round_up(max(PAGE, slab_bytes))
-        if slab > capacity_bytes:  # a small arena is one slab (rounding up would not fit)
-            slab = capacity_bytes // PAGE * PAGE
-        n_slabs = capacity_bytes // slab if slab else 0
-        if n_slabs <= 0:
+        if capacity_bytes < PAGE:
             raise ConfigError(f"cpu tier of {capacity_bytes} bytes is smaller than one slab")
-        self.slab_bytes = slab
-        self.size = n_slabs * slab
+        self.slots = SlabAllocator(capacity_bytes, slab_bytes)
+        self.slab_bytes = self.slots.slab_bytes
+        self.size = self.slots.size
         if not shm_dir.is_dir():
             raise ConfigError(f"shared-memory directory {shm_dir} does not exist")
         name = f"kvtier-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}.arena"
@@ -86,11 +53,6 @@ class Arena:
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         if prefault:
             self._prefault()
-        self._slab_owner: list[_Unit | None] = [None] * n_slabs
-        self._classes: dict[int, list[_Unit]] = {}
-        self._allocated: set[int] = set()  # offsets of slots handed out (catches bad frees)
-        self.used_bytes = 0
-        self.allocated_slots = 0
 
     def _prefault(self) -> None:
         """Touch every page once so first use runs at memcpy speed, not page-fault speed."""
@@ -99,70 +61,26 @@ class Arena:
         except (OSError, AttributeError, ValueError):
             self.buf.reshape(-1, PAGE)[:, 0] = 0
 
-    # -- allocation ---------------------------------------------------------------------
+    # -- allocation (see kvtier.tiers.slab) -----------------------------------------------
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a free slot able to hold ``nbytes``, or None when the arena is full."""
-        slot_bytes = _slot_bytes(nbytes)
-        for unit in self._classes.get(slot_bytes, ()):
-            if unit.free:
-                return self._take(unit)
-        unit = self._new_unit(slot_bytes)
-        if unit is None:
-            return None
-        return self._take(unit)
-
-    def _take(self, unit: _Unit) -> int:
-        off = unit.free.pop()
-        self._allocated.add(off)
-        self.used_bytes += unit.slot_bytes
-        self.allocated_slots += 1
-        return off
-
-    def _new_unit(self, slot_bytes: int) -> _Unit | None:
-        k = -(-slot_bytes // self.slab_bytes)
-        owners = self._slab_owner
-        run = 0
-        for i, owner in enumerate(owners):
-            run = run + 1 if owner is None else 0
-            if run == k:
-                first = i - k + 1
-                offset = first * self.slab_bytes
-                n_slots = (k * self.slab_bytes) // slot_bytes
-                unit = _Unit(first, k, offset, slot_bytes, n_slots,
-                             [offset + j * slot_bytes for j in reversed(range(n_slots))])
-                for j in range(first, first + k):
-                    owners[j] = unit
-                self._classes.setdefault(slot_bytes, []).append(unit)
-                return unit
-        return None
+        return self.slots.alloc(nbytes)
 
     def free(self, offset: int) -> None:
-        """Return a slot; a unit left empty gives its slabs back to the pool."""
-        slab = offset // self.slab_bytes
-        unit = self._slab_owner[slab] if 0 <= slab < len(self._slab_owner) else None
-        if unit is None or offset not in self._allocated:
-            raise CapacityError(f"free of an offset {offset} that is not an allocated slot")
-        self._allocated.remove(offset)
-        unit.free.append(offset)
-        self.used_bytes -= unit.slot_bytes
-        self.allocated_slots -= 1
-        if len(unit.free) == unit.n_slots:
-            for j in range(unit.first_slab, unit.first_slab + unit.n_slabs):
-                self._slab_owner[j] = None
-            self._classes[unit.slot_bytes].remove(unit)
+        """Return a slot; a bad or repeated free raises CapacityError."""
+        self.slots.free(offset)
 
     def could_fit(self, nbytes: int) -> bool:
         """Whether alloc(nbytes) would succeed now without eviction."""
-        slot_bytes = _slot_bytes(nbytes)
-        if any(u.free for u in self._classes.get(slot_bytes, ())):
-            return True
-        k = -(-slot_bytes // self.slab_bytes)
-        run = 0
-        for owner in self._slab_owner:
-            run = run + 1 if owner is None else 0
-            if run == k:
-                return True
-        return False
+        return self.slots.could_fit(nbytes)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.slots.used_bytes
+
+    @property
+    def allocated_slots(self) -> int:
+        return self.slots.allocated_slots
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.buf[offset: offset + nbytes]

@@ -23,7 +23,8 @@ from hypothesis.stateful import (
 )
 
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.tiers.arena import PAGE, Arena, ArenaMapping, remove_stale_arenas, round_up
+from kvtier.tiers.arena import Arena, ArenaMapping, remove_stale_arenas
+from kvtier.tiers.slab import PAGE, round_up
 
 KiB = 1024
 SLAB = 16 * KiB

@@ -19,7 +19,6 @@ from kvtier.config import load_config
 from kvtier.errors import BufferSizeError, CapacityError, ConfigError, KVTierError
 from kvtier.tiers import hbm as hbm_mod
 from kvtier.tiers import nvme_backend as nb
-from kvtier.tiers.arena import Arena
 from kvtier.tiers.base import Tier, TierName, tier_stats
 from kvtier.tiers.hbm import (
     IPC_HANDLE_BYTES,
@@ -126,34 +125,34 @@ def test_this_host_reports_a_reason() -> None:
 
 
 # ---------------------------------------------------------------------- allocator
-def test_allocator_matches_the_arena(tmp_path: Path) -> None:
-    """Same calls, same answers: SlabAllocator is the arena's scheme without the memory."""
+def test_allocator_random_calls_keep_slots_disjoint_and_counts_exact() -> None:
+    """The pool allocator (shared by the arena and hbm) under random alloc/free: slots never
+    overlap, could_fit predicts alloc, counts are exact and capacity is never exceeded."""
     for seed in range(6):
         rng = random.Random(seed)
         capacity = rng.choice([1, 3, 8, 17]) * 64 * 1024 + rng.choice([0, 4095])
-        slab = rng.choice([PAGE, 3 * PAGE, 64 * 1024, 10**9])
-        arena = Arena(capacity, shm_dir=tmp_path, slab_bytes=slab, prefault=False)
-        alloc = SlabAllocator(capacity, slab)
-        try:
-            assert (alloc.size, alloc.slab_bytes) == (arena.size, arena.slab_bytes)
-            live: list[int] = []
-            for _ in range(400):
-                if live and rng.random() < 0.45:
-                    off = live.pop(rng.randrange(len(live)))
-                    arena.free(off)
-                    alloc.free(off)
-                else:
-                    n = rng.choice([0, 1, 100, PAGE, PAGE + 1, 3 * PAGE, 20_000, 70_000,
-                                    rng.randrange(1, capacity + PAGE)])
-                    assert alloc.could_fit(n) == arena.could_fit(n)
-                    a, b = arena.alloc(n), alloc.alloc(n)
-                    assert a == b
-                    if b is not None:
-                        live.append(b)
-                assert (alloc.used_bytes, alloc.allocated_slots) == (
-                    arena.used_bytes, arena.allocated_slots)
-        finally:
-            arena.close()
+        alloc = SlabAllocator(capacity, rng.choice([PAGE, 3 * PAGE, 64 * 1024, 10**9]))
+        live: dict[int, int] = {}  # offset -> slot bytes
+        for _ in range(400):
+            if live and rng.random() < 0.45:
+                off = rng.choice(list(live))
+                del live[off]
+                alloc.free(off)
+            else:
+                n = rng.choice([0, 1, 100, PAGE, PAGE + 1, 3 * PAGE, 20_000, 70_000,
+                                rng.randrange(1, capacity + PAGE)])
+                predicted = alloc.could_fit(n)
+                off = alloc.alloc(n)
+                assert (off is not None) == predicted
+                if off is not None:
+                    size = alloc.slot_size(off)
+                    assert size >= max(n, 1) and size % PAGE == 0
+                    assert off + size <= alloc.size
+                    for o, sz in live.items():
+                        assert off + size <= o or o + sz <= off, "overlapping slots"
+                    live[off] = size
+            assert alloc.used_bytes == sum(live.values()) <= alloc.size
+            assert alloc.allocated_slots == len(live)
 
 
 def test_allocator_hard_capacity_and_reuse() -> None:

@@ -18,9 +18,10 @@ from kvtier.index import SlotState
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
-from kvtier.tiers.arena import PAGE, Arena, ArenaMapping
+from kvtier.tiers.arena import Arena, ArenaMapping
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.slab import PAGE
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16",
                   tokens_per_block=128)

@@ -1,0 +1,131 @@
+"""Slab allocation of fixed-size slots: offsets only, no memory.
+
+Used by the cpu arena (shared memory) and the hbm pool (device memory). A pool is an array
+of equal slabs. A size class (slot size rounded up to 4 KiB, so slots can feed O_DIRECT
+I/O) takes a *unit* of ``ceil(slot / slab)`` contiguous free slabs and cuts it into equal
+slots; a unit whose slots are all free goes back to the free slab pool, so memory moves
+between size classes as layouts come and go. Allocation is O(1) from a class's free list;
+taking a new unit scans the slab table (rare). Capacity is hard: the pool never hands out
+more than ``size`` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.errors import CapacityError, ConfigError
+
+PAGE = 4096
+
+
+def round_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+def _slot_bytes(nbytes: int) -> int:
+    if nbytes < 0:
+        raise ValueError(f"slot size must be >= 0, got {nbytes}")
+    return round_up(max(nbytes, 1))
+
+
+@dataclass(slots=True)
+class _Unit:
+    """A run of contiguous slabs serving one size class."""
+
+    first_slab: int
+    n_slabs: int
+    offset: int
+    slot_bytes: int
+    n_slots: int
+    free: list[int] = field(default_factory=list)   # slot offsets, popped from the end
+
+
+class SlabAllocator:
+    """Offsets of slots in a buffer of ``capacity_bytes``: the slab scheme of every kvtier pool.
+
+    The buffer is cut into equal slabs (``slab_bytes`` rounded up to a page, shrunk to the
+    whole buffer when that is smaller). A size class (request rounded up to whole pages) takes
+    a unit of ``ceil(slot / slab)`` contiguous free slabs, first fit, and cuts it into slots;
+    a unit whose slots are all free returns its slabs. The shared-memory arena and the HBM
+    pool both allocate through it. Not thread-safe: the daemon drives it from its event loop.
+    """
+
+    def __init__(self, capacity_bytes: int, slab_bytes: int = 64 * 2**20) -> None:
+        slab = round_up(max(PAGE, slab_bytes))
+        if slab > capacity_bytes:
+            slab = capacity_bytes // PAGE * PAGE
+        n_slabs = capacity_bytes // slab if slab else 0
+        if n_slabs <= 0:
+            raise ConfigError(f"a pool of {capacity_bytes} bytes is smaller than one "
+                              f"{PAGE}-byte page")
+        self.slab_bytes = slab
+        self.size = n_slabs * slab
+        self._slab_owner: list[_Unit | None] = [None] * n_slabs
+        self._classes: dict[int, list[_Unit]] = {}
+        self._allocated: dict[int, int] = {}   # offset -> slot bytes of handed-out slots
+        self.used_bytes = 0
+        self.allocated_slots = 0
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free slot able to hold ``nbytes``, or None when none is left."""
+        slot_bytes = _slot_bytes(nbytes)
+        for unit in self._classes.get(slot_bytes, ()):
+            if unit.free:
+                return self._take(unit)
+        unit = self._new_unit(slot_bytes)
+        return None if unit is None else self._take(unit)
+
+    def free(self, offset: int) -> None:
+        """Return a slot; an emptied unit gives its slabs back. Bad offsets raise."""
+        slab = offset // self.slab_bytes if offset >= 0 else -1
+        unit = self._slab_owner[slab] if 0 <= slab < len(self._slab_owner) else None
+        if unit is None or offset not in self._allocated:
+            raise CapacityError(f"free of an offset {offset} that is not an allocated slot")
+        del self._allocated[offset]
+        unit.free.append(offset)
+        self.used_bytes -= unit.slot_bytes
+        self.allocated_slots -= 1
+        if len(unit.free) == unit.n_slots:
+            for j in range(unit.first_slab, unit.first_slab + unit.n_slabs):
+                self._slab_owner[j] = None
+            self._classes[unit.slot_bytes].remove(unit)
+
+    def could_fit(self, nbytes: int) -> bool:
+        """Whether ``alloc(nbytes)`` would succeed now."""
+        slot_bytes = _slot_bytes(nbytes)
+        if any(u.free for u in self._classes.get(slot_bytes, ())):
+            return True
+        return self._free_run(-(-slot_bytes // self.slab_bytes)) is not None
+
+    def slot_size(self, offset: int) -> int:
+        """The slot bytes of an allocated offset (KeyError when it is not allocated)."""
+        return self._allocated[offset]
+
+    def _take(self, unit: _Unit) -> int:
+        off = unit.free.pop()
+        self._allocated[off] = unit.slot_bytes
+        self.used_bytes += unit.slot_bytes
+        self.allocated_slots += 1
+        return off
+
+    def _free_run(self, k: int) -> int | None:
+        run = 0
+        for i, owner in enumerate(self._slab_owner):
+            run = run + 1 if owner is None else 0
+            if run == k:
+                return i - k + 1
+        return None
+
+    def _new_unit(self, slot_bytes: int) -> _Unit | None:
+        k = -(-slot_bytes // self.slab_bytes)
+        first = self._free_run(k)
+        if first is None:
+            return None
+        offset = first * self.slab_bytes
+        n_slots = (k * self.slab_bytes) // slot_bytes
+        unit = _Unit(first, k, offset, slot_bytes, n_slots,
+                     [offset + j * slot_bytes for j in reversed(range(n_slots))])
+        for j in range(first, first + k):
+            self._slab_owner[j] = unit
+        self._classes.setdefault(slot_bytes, []).append(unit)
+        return unit
