@@ -14,27 +14,14 @@ longest prefix of its ``hash_ids`` already seen, counted in prompt tokens.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 from kvtier.plan.errors import PlanError
+from kvtier.replay.trace import TraceError, TraceFormat, load_trace
 
 PERCENTILES: tuple[str, ...] = ("p50", "p95", "p99")
-
-
-class TraceFormat(str, Enum):
-    """The ``kvtier replay`` trace formats the planner can measure."""
-
-    MOONCAKE = "mooncake"
-    BAILIAN = "bailian"
-
-    @property
-    def block_tokens(self) -> int:
-        """Tokens per ``hash_ids`` entry in this format's published traces."""
-        return 512 if self is TraceFormat.MOONCAKE else 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,71 +82,40 @@ def _percentiles(values: list[int]) -> ContextPercentiles:
                               percentile(ordered, 99))
 
 
-def _length(record: dict[str, object], key: str, where: str) -> int:
-    value = record.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise PlanError(f"{where}: field {key!r} must be a non-negative number, got {value!r}")
-    return int(value)
-
-
 def read_trace(path: str | Path, block_tokens: int | None = None) -> TraceSummary:
-    """Measure context percentiles and prefix reuse from a replay trace (JSONL)."""
-    path = Path(path)
+    """Measure context percentiles and prefix reuse from a replay trace (JSONL).
+
+    Parsing is ``kvtier replay``'s (one reader for both tools); requests are taken in
+    arrival order, as the simulator replays them.
+    """
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PlanError(f"cannot read trace {path}: {exc}") from exc
-    fmt: TraceFormat | None = None
+        trace = load_trace(path, block_tokens=block_tokens)
+    except TraceError as exc:
+        raise PlanError(str(exc)) from None
+    block = trace.block_tokens
     seq: list[int] = []
     prompts: list[int] = []
     outputs: list[int] = []
-    seen: set[object] = set()
-    refs: dict[object, int] = {}
-    prompt_total = 0
-    hit_total = 0
-    block_refs = 0
-    block_hits = 0
-    block: int | None = block_tokens
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{where}: not JSON ({exc.msg})") from exc
-        if not isinstance(record, dict):
-            raise PlanError(f"{where}: expected a JSON object per line")
-        if fmt is None:
-            fmt = TraceFormat.BAILIAN if "chat_id" in record else TraceFormat.MOONCAKE
-            block = block or fmt.block_tokens
-        assert block is not None
-        prompt = _length(record, "input_length", where)
-        output = _length(record, "output_length", where)
-        prompts.append(prompt)
-        outputs.append(output)
-        seq.append(prompt + output)
-        hashes = record.get("hash_ids") or []
-        if not isinstance(hashes, list):
-            raise PlanError(f"{where}: 'hash_ids' must be a list")
-        keys = [h if isinstance(h, int | str) else json.dumps(h) for h in hashes]
+    refs: dict[int, int] = {}
+    prompt_total = hit_total = block_refs = block_hits = 0
+    for req in trace.requests:
+        prompts.append(req.input_tokens)
+        outputs.append(req.output_tokens)
+        seq.append(req.input_tokens + req.output_tokens)
         hit_blocks = 0
-        for key in keys:
-            if key not in seen:
+        for key in req.blocks:
+            if key not in refs:
                 break
             hit_blocks += 1
-        for key in keys:
-            seen.add(key)
+        for key in req.blocks:
             refs[key] = refs.get(key, 0) + 1
-        prompt_total += prompt
-        hit_total += min(hit_blocks * block, prompt)
-        block_refs += len(keys)
+        prompt_total += req.input_tokens
+        hit_total += min(hit_blocks * block, req.input_tokens)
+        block_refs += len(req.blocks)
         block_hits += hit_blocks
-    if fmt is None or block is None:
-        raise PlanError(f"trace {path} holds no requests")
     return TraceSummary(
         path=str(path),
-        format=fmt,
+        format=trace.format,
         requests=len(seq),
         block_tokens=block,
         sequence_tokens=_percentiles(seq),

@@ -80,12 +80,22 @@ def _detect(record: dict[str, object]) -> TraceFormat:
     return TraceFormat.MOONCAKE
 
 
+def _count(record: dict[str, object], name: str, where: str) -> int:
+    value = record.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise TraceError(f"{where}: field {name!r} must be a non-negative number, got {value!r}")
+    return int(value)
+
+
 def _parse(record: dict[str, object], fmt: TraceFormat, where: str) -> Request:
+    inp = _count(record, "input_length", where)
+    out = _count(record, "output_length", where)
+    hashes = record.get("hash_ids")
+    if not isinstance(hashes, list):
+        raise TraceError(f"{where}: field 'hash_ids' must be a list of block ids")
     try:
         ts = float(record["timestamp"])  # type: ignore[arg-type]
-        blocks = tuple(int(h) for h in record["hash_ids"])  # type: ignore[attr-defined]
-        inp = int(record.get("input_length", 0))  # type: ignore[call-overload]
-        out = int(record.get("output_length", 0))  # type: ignore[call-overload]
+        blocks = tuple(int(h) for h in hashes)
     except (KeyError, TypeError, ValueError) as exc:
         raise TraceError(
             f"{where}: not a {fmt.value} trace record ({exc!r}); each line needs "
@@ -119,7 +129,7 @@ def parse_lines(
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+            raise TraceError(f"{where}: not JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise TraceError(f"{where}: expected a JSON object per line")
         if fmt is TraceFormat.AUTO:
