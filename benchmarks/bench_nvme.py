@@ -5,7 +5,11 @@ the same offsets) with the same open flags (the tier's O_DIRECT choice), from th
 page-aligned buffers, on the same file system, at the same concurrency (1, and the tier's
 io_threads). The tier side goes through ``NvmeTier.write``/``read_into`` from an asyncio loop
 (thread pool hop, payload checksum verification on read); the plain side calls the OS from
-threads directly. Rounds alternate which side runs first; the median round is reported.
+threads directly: one os.pwrite/os.preadv of the whole frame per request, at the same queue
+depth. The tier may split a frame internally (a lone read is issued as several concurrent
+page-aligned pieces, see kvtier.tiers.nvme); the baseline never does, so the ratio compares
+the tier's whole path with the simplest honest use of the same syscalls. Rounds alternate
+which side runs first; the median round is reported.
 
 Usage: python benchmarks/bench_nvme.py [--root DIR] [--n 64] [--rounds 3] [--json]
 The root must be on the disk you want to measure (not tmpfs); the default is /var/tmp.

@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -486,3 +487,208 @@ async def test_cancelled_io_propagates_and_leaves_the_tier_usable(tier: NvmeTier
         await reader
     assert await get(tier, slot, 1, MiB) == bytes(buf)
     assert tier.counters.checksum_failures == 0 and tier.counters.errors == 0
+
+
+# ------------------------------------------------------------------------- split reads
+PIECE = 2 * PAGE    # small pieces, so modest frames are read as several concurrent pieces
+
+
+@pytest.fixture
+def split_tier(tmp_path: Path, direct: str) -> Iterator[NvmeTier]:
+    t = NvmeTier(tmp_path / "split", 64 * MiB, direct=direct, io_threads=4, split_bytes=PIECE)
+    t.open()
+    yield t
+    t.close()
+
+
+def test_split_geometry() -> None:
+    assert nvme_mod._split(MiB, 0, 8) == (1, MiB)                  # splitting off
+    assert nvme_mod._split(MiB, 512 * 1024, 1) == (1, MiB)         # one piece allowed
+    assert nvme_mod._split(MiB - 1, 512 * 1024, 8) == (1, MiB - 1)  # too small to split
+    assert nvme_mod._split(MiB, 512 * 1024, 8) == (2, 512 * 1024)
+    assert nvme_mod._split(4 * MiB, 512 * 1024, 8) == (8, 512 * 1024)
+    assert nvme_mod._split(4 * MiB, 256 * 1024, 8) == (8, 512 * 1024)   # capped at 8
+    for length in (MiB + PAGE, 5 * PAGE, 17 * PAGE + 5):
+        pieces, size = nvme_mod._split(length, PIECE, 4)
+        assert size % PAGE == 0 and (pieces - 1) * size < length <= pieces * size
+
+
+def test_streaming_checksum_matches_the_frame_checksum() -> None:
+    """The split read hashes pieces with a streaming xxh3-64: it must equal the frame's."""
+    rng = random.Random(20)
+    data = rng.randbytes(3 * MiB + 11)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(len(data)), rng.randint(1, 9)))
+        hasher = nvme_mod.xxhash.xxh3_64()
+        for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
+            hasher.update(memoryview(data)[a:b])
+        assert hasher.intdigest() == make_header(NS, key_of(0), LAYOUT, data).checksum
+
+
+@pytest.mark.parametrize("n", [
+    PIECE * 2,                  # exactly two pieces
+    PIECE * 2 - 1,              # payload ends one byte before a piece boundary
+    PIECE * 2 + 1,              # one byte into the third piece
+    PIECE * 3 - PAGE + 7,       # the last piece holds padding only past the payload
+    5 * PIECE + 123,
+    MiB + 17,
+])
+async def test_split_reads_round_trip_at_piece_boundaries(split_tier: NvmeTier, n: int) -> None:
+    rng = random.Random(n)
+    buf = block(rng, n)
+    slot, _ = await put(split_tier, 1, buf, n)
+    assert nvme_mod._split(slot.slot_bytes, PIECE, nvme_mod.MAX_PIECES)[0] > 1
+    assert await get(split_tier, slot, 1, n) == bytes(buf[:n])
+    unaligned = memoryview(bytearray(slot.slot_bytes + 1))[1:]   # bounce buffer path
+    await split_tier.read_into(slot, unaligned, namespace=NS, key=key_of(1), layout_fp=LAYOUT)
+    assert bytes(unaligned[:n]) == bytes(buf[:n])
+    exact = memoryview(bytearray(n))                               # shorter than the slot
+    await split_tier.read_into(slot, exact, namespace=NS, key=key_of(1), layout_fp=LAYOUT)
+    assert bytes(exact) == bytes(buf[:n])
+    assert split_tier.counters.bytes_read == 3 * (PAGE + slot.slot_bytes) or not split_tier.direct
+    assert split_tier.counters.checksum_failures == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+async def test_split_read_never_returns_a_frame_torn_in_any_piece(split_tier: NvmeTier,
+                                                                 damage: str) -> None:
+    """Damage inside each piece in turn (first byte, last byte, a middle byte): every read
+    fails, is counted, and the other frames still read back exactly."""
+    rng = random.Random(21)
+    n = 4 * PIECE + 100            # the last piece ends in padding
+    pieces, size = nvme_mod._split(NvmeTier.slot_bytes_for(n), PIECE, nvme_mod.MAX_PIECES)
+    assert pieces >= 3 and (pieces - 1) * size < n
+    cases = [(j, off) for j in range(pieces)
+             for off in sorted({j * size, j * size + size // 2, min((j + 1) * size, n) - 1})]
+    slots = []
+    for i in range(len(cases) + 1):
+        buf = block(rng, n)
+        slot, _ = await put(split_tier, i, buf, n)
+        slots.append((slot, bytes(buf[:n])))
+    path = split_tier.root / f"slots-{slots[0][0].slot_bytes}.dat"
+    if damage == "truncate":
+        cases = cases[-1:]         # truncating cuts every later frame: check the last one
+        victims = [slots[-2][0]]
+        os.truncate(path, victims[0].offset + PAGE + cases[0][1])
+    else:
+        victims = [slots[i][0] for i in range(len(cases))]
+        for (_, off), victim in zip(cases, victims, strict=True):
+            _flip(path, victim.offset + PAGE + off)
+    for victim in victims:
+        i = slots.index(next(s for s in slots if s[0] == victim))
+        out = aligned_buffer(victim.slot_bytes)
+        out[:] = b"\xee" * victim.slot_bytes
+        err = ChecksumError if damage == "flip" else FrameError
+        with pytest.raises(err):
+            await split_tier.read_into(victim, out, namespace=NS, key=key_of(i),
+                                       layout_fp=LAYOUT)
+    assert split_tier.counters.checksum_failures == len(victims)
+    for i, (slot, data) in enumerate(slots):
+        if slot not in victims and (damage == "flip" or slot.offset < victims[0].offset):
+            assert await get(split_tier, slot, i, n) == data
+
+
+async def test_split_read_os_error_in_one_piece_is_typed_and_waits_for_the_others(
+        split_tier: NvmeTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(22)
+    n = 6 * PIECE
+    buf = block(rng, n)
+    slot, _ = await put(split_tier, 1, buf, n)
+    real = os.preadv
+    calls: list[int] = []
+    active = [0]
+
+    def flaky(fd: int, bufs: list[memoryview], offset: int) -> int:
+        calls.append(offset)
+        active[0] += 1
+        try:
+            if offset == slot.offset + PAGE + 3 * PIECE:
+                raise OSError(5, "Input/output error")
+            return real(fd, bufs, offset)
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(nvme_mod.os, "preadv", flaky)
+    with pytest.raises(NvmeIOError):
+        await split_tier.read_into(slot, aligned_buffer(slot.slot_bytes), namespace=NS,
+                                   key=key_of(1), layout_fp=LAYOUT)
+    assert active[0] == 0 and len(calls) == 6          # every piece ended before the raise
+    assert split_tier.counters.errors == 1
+    monkeypatch.undo()
+    assert await get(split_tier, slot, 1, n) == bytes(buf[:n])
+
+
+async def test_cancelled_split_read_waits_for_every_piece(split_tier: NvmeTier,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancelled read re-raises CancelledError only once no thread touches ``out``."""
+    rng = random.Random(23)
+    n = 8 * PIECE
+    buf = block(rng, n)
+    slot, _ = await put(split_tier, 1, buf, n)
+    real = os.preadv
+    active = [0]
+    started = [0]
+
+    def slow(fd: int, bufs: list[memoryview], offset: int) -> int:
+        started[0] += 1
+        active[0] += 1
+        try:
+            time.sleep(0.02)
+            return real(fd, bufs, offset)
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(nvme_mod.os, "preadv", slow)
+    out = aligned_buffer(slot.slot_bytes)
+    reader = asyncio.create_task(
+        split_tier.read_into(slot, out, namespace=NS, key=key_of(1), layout_fp=LAYOUT))
+    await asyncio.sleep(0.005)          # pieces are in flight
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    assert started[0] > 0 and active[0] == 0
+    monkeypatch.undo()
+    assert await get(split_tier, slot, 1, n) == bytes(buf[:n])
+    assert split_tier.counters.checksum_failures == 0 and split_tier.counters.errors == 0
+
+
+async def test_split_reads_on_a_saturated_pool_do_not_deadlock(tmp_path: Path,
+                                                               direct: str) -> None:
+    """Pieces never wait for each other: one I/O thread still finishes every split read,
+    with writes and erases queued among them."""
+    t = NvmeTier(tmp_path / "one", 64 * MiB, direct=direct, io_threads=1, split_bytes=PIECE)
+    t.open()
+    try:
+        rng = random.Random(24)
+        n = 6 * PIECE + 5
+        stored = []
+        for i in range(6):
+            buf = block(rng, n)
+            slot, _ = await put(t, i, buf, n)
+            stored.append((slot, bytes(buf[:n])))
+        datas = await asyncio.wait_for(asyncio.gather(
+            *(get(t, slot, i, n) for i, (slot, _) in enumerate(stored))), timeout=30)
+        assert datas == [data for _, data in stored]
+        t.free(stored[0][0], erase=True)
+        assert await asyncio.wait_for(get(t, stored[1][0], 1, n), timeout=30) == stored[1][1]
+    finally:
+        t.close()
+
+
+def test_posix_frame_io_reads_and_writes_inline(tmp_path: Path) -> None:
+    """PosixFrameIO (the sync FrameIO API) still moves a frame in the calling thread."""
+    rng = random.Random(25)
+    n = 3 * PAGE + 9
+    buf = block(rng, n)
+    io = nvme_mod.PosixFrameIO()
+    fd = os.open(tmp_path / "f.dat", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        header = make_header(NS, key_of(1), LAYOUT, buf[:n], seq=1)
+        slot_bytes = NvmeTier.slot_bytes_for(n)
+        assert io.write_frame(fd, 0, header.pack(), buf, n, slot_bytes, False, False) == (
+            PAGE + slot_bytes)
+        out = aligned_buffer(slot_bytes)
+        back, got = io.read_frame(fd, 0, out, slot_bytes, False, NS, key_of(1), LAYOUT)
+        assert back == header and got == PAGE + slot_bytes and bytes(out[:n]) == bytes(buf[:n])
+    finally:
+        os.close(fd)
