@@ -43,6 +43,7 @@ import os
 import re
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -664,7 +665,7 @@ class _Bounces:
 _bounces = _Bounces()
 
 
-class _FrameJob:
+class _FrameJob(ABC):
     """One frame's disk transfer cut into ``pieces`` page-aligned pieces.
 
     Piece ``j`` covers payload bytes ``[j * piece, (j + 1) * piece)`` (the last one is shorter)
@@ -747,11 +748,13 @@ class _FrameJob:
         else:
             self.future.set_result(result)
 
+    @abstractmethod
     def _piece(self, j: int) -> None:
-        raise NotImplementedError
+        """Transfer piece ``j`` (runs in a pool thread)."""
 
+    @abstractmethod
     def _finish(self) -> Any:
-        raise NotImplementedError
+        """Check the whole frame once every piece is done; the future's result."""
 
 
 class _ReadJob(_FrameJob):
