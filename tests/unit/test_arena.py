@@ -25,16 +25,11 @@ from hypothesis.stateful import (
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.tiers.arena import Arena, ArenaMapping, remove_stale_arenas
 from kvtier.tiers.slab import PAGE, round_up
+from tests.support.arena import shm_root
 
 KiB = 1024
 SLAB = 16 * KiB
 N_SLABS = 8
-
-
-def shm_root() -> Path:
-    """Where test arenas live: /dev/shm when usable (the real thing), else the temp dir."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 @pytest.fixture

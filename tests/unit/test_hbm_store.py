@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, ArenaMapping
 from kvtier.tiers.base import TierName
 from kvtier.tiers.hbm import HbmTier
+from tests.support.arena import temp_arena
 from tests.support.fake_hbm import ShmDevicePool
 from tests.unit.test_store import (
     BLOCK,
@@ -40,7 +40,6 @@ from tests.unit.test_store import (
     get,
     payload,
     put,
-    shm_root,
 )
 
 ARENA_BLOCKS = 8
@@ -54,10 +53,8 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-        a = Arena(ARENA_BLOCKS * BLOCK, shm_dir=Path(d), slab_bytes=BLOCK, prefault=False)
+    with temp_arena(ARENA_BLOCKS * BLOCK, BLOCK) as a:
         yield a
-        a.close()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ Time is a fake clock (leases expire when the test says so); prefetch waits for c
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kvtier.tiers.arena import Arena, ArenaMapping
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.slab import PAGE
+from tests.support.arena import temp_arena
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16",
                   tokens_per_block=128)
@@ -44,11 +44,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-def shm_root() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def payload(key: bytes) -> bytes:
@@ -74,10 +69,8 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-        a = Arena(ARENA_BLOCKS * BLOCK, shm_dir=Path(d), slab_bytes=BLOCK, prefault=False)
+    with temp_arena(ARENA_BLOCKS * BLOCK, BLOCK) as a:
         yield a
-        a.close()
 
 
 @pytest.fixture
