@@ -17,7 +17,7 @@ from kvtier.errors import KVTierError
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondHitAdmission, WriteBudget
 from kvtier.policy.costmodel import BlockCosts, PrefillModel
 from kvtier.policy.prefetch import PrefetchWait
-from kvtier.replay.report import format_table, to_record
+from kvtier.replay.report import format_reuse_breakdown, format_table, to_record
 from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, TraceFormat, load_trace
 
@@ -74,6 +74,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="KV bytes per token (default: 8B model, 8 KV heads, fp16)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="one JSON object per line per run")
+    p.add_argument("--reuse-breakdown", action="store_true",
+                   help="also show the share of reuses each policy hits by reuse distance "
+                   "(in capacities): whether it loses on recent reuses or on distant ones")
     p.add_argument("--progress", action="store_true",
                    help="show a progress bar even when stderr is not a terminal")
     p.add_argument("--plot", metavar="FILE.png", default=None,
@@ -175,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                 label = f"{policy} " + (f"{fraction:.0%}" if fraction is not None else "tiers")
                 bar = _Progress(trace.n_references, label, sys.stderr)
             results.append(simulate(trace, policy, config, capacity_fraction=fraction,
-                                    progress=bar))
+                                    progress=bar, reuse_breakdown=args.reuse_breakdown))
             if bar is not None:
                 bar.close()
     if args.json:
@@ -185,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.trace}: {len(trace.requests)} requests, {trace.n_references} block "
               f"references, {trace.n_unique_blocks} unique blocks of {trace.block_tokens} tokens")
         print(format_table(results))
+        if args.reuse_breakdown:
+            print()
+            print(format_reuse_breakdown(results))
     if args.plot:
         from kvtier.replay.plot import plot_hit_rates
 

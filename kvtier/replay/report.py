@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.replay.simulator import ReplayResult
+from kvtier.replay.simulator import REUSE_EDGES, ReplayResult
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -67,11 +67,52 @@ def to_record(r: ReplayResult, results: Sequence[ReplayResult] = ()) -> dict[str
         "vs_lru": r.hit_tokens / lru.hit_tokens if lru is not None and lru.hit_tokens else None,
         "refs_per_s": r.references / r.elapsed_s if r.elapsed_s > 0 else None,
     }
+    if r.reuses_by_distance:
+        rec["reuse_distance"] = [
+            {"max_capacities": edge, "reuses": n, "hits": h}
+            for edge, n, h in zip(
+                (*REUSE_EDGES, None), r.reuses_by_distance, r.hits_by_distance, strict=True
+            )
+        ]
     return rec
 
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.1f}"
+
+
+def _bucket_names() -> list[str]:
+    names = [f"<={e:g}" for e in REUSE_EDGES]
+    return [*names, f">{REUSE_EDGES[-1]:g}"]
+
+
+def format_reuse_breakdown(results: Sequence[ReplayResult]) -> str:
+    """Share of reuses hit, by reuse distance in capacities (one row per run), under a header
+    row with how many reuses each bucket holds (the same for every policy of a capacity)."""
+    runs = [r for r in results if r.reuses_by_distance]
+    if not runs:
+        return ""
+    head = ["capacity", "policy", *_bucket_names()]
+    rows: list[list[str]] = []
+    last_cap: str | None = None
+    for r in runs:
+        cap = (
+            f"{r.capacity_fraction:.0%}" if r.capacity_fraction is not None
+            else "+".join(str(t.capacity_blocks) for t in r.tiers)
+        )
+        if cap != last_cap:
+            rows.append([cap, "reuses", *(f"{n:,}" for n in r.reuses_by_distance)])
+            last_cap = cap
+        rows.append([cap, r.policy, *(
+            f"{h / n:.3f}" if n else "-"
+            for h, n in zip(r.hits_by_distance, r.reuses_by_distance, strict=True)
+        )])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    title = ("share of reuses hit, by reuse distance (block references since the previous "
+             "use of the block, in capacities)")
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines)
 
 
 def format_table(results: Sequence[ReplayResult]) -> str:

@@ -10,10 +10,16 @@ Semantics (the same as the reference figures in shared/traces/README.md):
   next tier if that tier's admission policy agrees (and it is not already there), else
   dropped; a block gone from every tier takes its resident descendants with it (orphans);
 - capacity is counted in blocks (slots); bytes moved count real tokens x bytes per token.
+
+With ``reuse_breakdown`` the result also counts, per reuse distance (block references since
+the block's previous use, in multiples of the total capacity), how many references were
+reuses and how many of them hit: where a policy loses to another one. Belady's optimum
+hits nearly every reuse closer than a couple of capacities; LRU hits none beyond one.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +33,10 @@ from kvtier.replay.belady import BeladyPolicy
 from kvtier.replay.trace import Trace
 
 INF = float("inf")
+
+REUSE_EDGES: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+"""Inclusive upper bounds of the reuse-distance buckets, in capacities (the last bucket,
+beyond 16, is open). A reuse within one capacity is always an LRU hit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +90,9 @@ class ReplayResult:
     ttft_s: list[float] = field(default_factory=list)
     tiers: list[TierResult] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # per REUSE_EDGES bucket (+1 open bucket): reuses seen and reuses hit; empty unless asked
+    reuses_by_distance: list[int] = field(default_factory=list)
+    hits_by_distance: list[int] = field(default_factory=list)
 
     @property
     def token_hit_rate(self) -> float:
@@ -104,6 +117,24 @@ def next_use_index(trace: Trace) -> list[float]:
     return out
 
 
+def reuse_buckets(trace: Trace, capacity_blocks: int) -> list[int]:
+    """For each block reference (flattened in trace order), its reuse-distance bucket:
+    the index into :data:`REUSE_EDGES` of ``(references since the previous use of the same
+    block) / capacity_blocks``, ``len(REUSE_EDGES)`` beyond the last edge, -1 for a first use.
+    """
+    bounds = [e * capacity_blocks for e in REUSE_EDGES]
+    out: list[int] = []
+    last: dict[int, int] = {}
+    i = 0
+    for r in trace.requests:
+        for k in r.blocks:
+            j = last.get(k)
+            out.append(-1 if j is None else bisect_left(bounds, i - j))
+            last[k] = i
+            i += 1
+    return out
+
+
 def make_policy(
     name: str, tier_index: int, config: SimConfig, stats: WorkloadStats | None
 ) -> EvictionPolicy:
@@ -124,8 +155,10 @@ def simulate(
     *,
     capacity_fraction: float | None = None,
     progress: Callable[[int], None] | None = None,
+    reuse_breakdown: bool = False,
 ) -> ReplayResult:
-    """Replay ``trace`` with eviction policy ``policy`` on every tier of ``config``."""
+    """Replay ``trace`` with eviction policy ``policy`` on every tier of ``config``
+    (``reuse_breakdown``: also count reuses and hits by reuse distance, see module doc)."""
     import time
 
     t0 = time.perf_counter()
@@ -160,6 +193,8 @@ def simulate(
     top = pols[0]
     ref = 0
     depth_of: dict[Key, int] = {}  # only kept with several tiers (demotion needs the depth)
+    buckets = reuse_buckets(trace, total) if reuse_breakdown else []
+    by_hits = [0] * (len(REUSE_EDGES) + 1)
 
     def drop_everywhere(key: Key) -> None:
         # key left every tier: its descendants are unreachable
@@ -256,6 +291,9 @@ def simulate(
             else:
                 tres[0].bytes_written += slot  # promotion into the top tier
         res.hit_blocks += usable
+        if buckets:
+            for b in buckets[ref:ref + usable]:
+                by_hits[b] += 1
         res.hit_tokens += hit_tokens
         res.total_tokens += inp
         res.references += n
@@ -295,4 +333,10 @@ def simulate(
         if progress is not None:
             progress(n)
     res.elapsed_s = time.perf_counter() - t0
+    if buckets:
+        res.hits_by_distance = by_hits
+        res.reuses_by_distance = [0] * (len(REUSE_EDGES) + 1)
+        for b in buckets:
+            if b >= 0:
+                res.reuses_by_distance[b] += 1
     return res

@@ -9,7 +9,14 @@ import pytest
 
 from kvtier.policy.admission import AlwaysAdmit, SecondHitAdmission
 from kvtier.replay import cli
-from kvtier.replay.simulator import SimConfig, TierSpec, next_use_index, simulate
+from kvtier.replay.simulator import (
+    REUSE_EDGES,
+    SimConfig,
+    TierSpec,
+    next_use_index,
+    reuse_buckets,
+    simulate,
+)
 from kvtier.replay.trace import Request, Trace, TraceError, TraceFormat, load_trace
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
@@ -107,6 +114,30 @@ def test_two_tiers_demote_promote_and_admission() -> None:
     assert r2.tiers[1].rejected > 0 and r2.tiers[1].hit_blocks == 0
 
 
+def test_reuse_buckets_count_references_since_the_previous_use() -> None:
+    # references: 1 2 1 3 4 5 6 7 8 2 ; capacity 2 -> bucket bounds 1, 2, 4, 8, 16, 32 refs
+    tr = tiny([[1], [2], [1], [3], [4], [5], [6], [7], [8], [2]])
+    b = reuse_buckets(tr, 2)
+    assert b[:2] == [-1, -1] and b[3:9] == [-1] * 6  # first uses
+    assert b[2] == 1  # block 1 again 2 references later: <= 1 capacity
+    assert b[9] == 3  # block 2 again 8 references later: 4 capacities, the <= 4 bucket
+    assert len(REUSE_EDGES) == 6
+
+
+def test_reuse_breakdown_lru_hits_every_reuse_within_one_capacity() -> None:
+    # capacity 3; block 1 reused after 3 references (<= 1 capacity: an LRU hit), block 2
+    # reused after 7 (> 2 capacities: an LRU miss); Belady keeps 2 by bypassing one-offs
+    tr = tiny([[1], [2], [3], [1], [4], [5], [6], [7], [2]])
+    lru = simulate(tr, "lru", one_tier(3), reuse_breakdown=True)
+    bel = simulate(tr, "belady", one_tier(3), reuse_breakdown=True)
+    assert lru.reuses_by_distance == bel.reuses_by_distance == [0, 1, 0, 1, 0, 0, 0]
+    assert lru.hits_by_distance == [0, 1, 0, 0, 0, 0, 0]
+    assert bel.hits_by_distance == [0, 1, 0, 1, 0, 0, 0]
+    assert sum(lru.hits_by_distance) == lru.hit_blocks
+    plain = simulate(tr, "lru", one_tier(3))
+    assert plain.reuses_by_distance == [] and plain.hit_blocks == lru.hit_blocks
+
+
 def test_cli_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["replay", str(FIXTURES / "mooncake_small.jsonl"), "--policy", "lru", "cost",
                    "belady", "--capacity-fraction", "0.5", "--json"])
@@ -118,6 +149,17 @@ def test_cli_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
                 "ttft_mean_s", "ttft_p99_s", "vs_belady"} <= rec.keys()
         assert rec["capacity_fraction"] == 0.5
     assert lines[2]["vs_belady"] == 1.0
+    rc = cli.main(["replay", str(FIXTURES / "mooncake_small.jsonl"), "--policy", "lru",
+                   "--capacity-fraction", "0.5", "--json", "--reuse-breakdown"])
+    rec = json.loads(capsys.readouterr().out)
+    buckets = rec["reuse_distance"]
+    assert [b["max_capacities"] for b in buckets] == [*REUSE_EDGES, None]
+    assert sum(b["hits"] for b in buckets) == round(rec["block_hit_rate"] * rec["block_references"])
+    assert all(0 <= b["hits"] <= b["reuses"] for b in buckets)
+    rc = cli.main(["replay", str(FIXTURES / "mooncake_small.jsonl"), "--policy", "lru", "cost",
+                   "--capacity-fraction", "0.5", "--reuse-breakdown"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "share of reuses hit, by reuse distance" in out and "<=0.5" in out
     rc = cli.main(["replay", str(FIXTURES / "bailian_small.jsonl"), "--tier", "cpu=2",
                    "--tier", "nvme=4", "--policy", "cost", "--prefetch", "best_effort"])
     out = capsys.readouterr().out
