@@ -1,65 +1,19 @@
-"""A second, independent workload: multi-turn chat sessions over shared system prompts.
+"""Workloads besides the Mooncake file: the cost policy must not be fitted to one trace.
 
-The cost policy must not be fitted to the one Mooncake file; this generator produces a
-different shape (Zipf-popular system prompts, sessions whose turns extend the previous
-prompt, exponential think times, one-off prompts mixed in) and the tests check that cost
-does not lose to LRU here either.
+Four seeded shapes from tests/support/workloads.py (multi-turn chat, document QA, agent
+loops, scans). On each, cost must stay below Belady's bound and not lose to LRU; where the
+shape gives a cost/frequency-aware policy something to win (popular documents, one-off
+scans) it must win clearly. Agent loops are pure recency: there cost may trail LRU, by
+less than 1% (measured: 0.996-0.997 at 5-20%), and the test holds it to that.
 """
 
 from __future__ import annotations
 
-import heapq
-import random
-
 import pytest
 
 from kvtier.replay.simulator import SimConfig, TierSpec, simulate
-from kvtier.replay.trace import Request, Trace, TraceFormat
-
-
-def multi_turn_trace(
-    *,
-    sessions: int = 1500,
-    system_prompts: int = 40,
-    seed: int = 7,
-    block_tokens: int = 512,
-) -> Trace:
-    """Sessions arrive as a Poisson process; each picks a system prompt (Zipf), then runs
-    1-8 turns, each turn's prompt = previous prompt + previous answer + new user text."""
-    rng = random.Random(seed)
-    next_id = 0
-
-    def fresh(n: int) -> list[int]:
-        nonlocal next_id
-        out = list(range(next_id, next_id + n))
-        next_id += n
-        return out
-
-    prompts = [fresh(rng.randint(2, 12)) for _ in range(system_prompts)]
-    weights = [1.0 / (i + 1) ** 1.1 for i in range(system_prompts)]
-    events: list[tuple[float, int, list[int], int]] = []  # (time, seq, blocks, turns left)
-    t = 0.0
-    seq = 0
-    for _ in range(sessions):
-        t += rng.expovariate(2.0)
-        if rng.random() < 0.3:  # a one-off prompt with no shared prefix
-            blocks = fresh(rng.randint(1, 40))
-            turns = 1
-        else:
-            blocks = prompts[rng.choices(range(system_prompts), weights)[0]] + fresh(
-                rng.randint(1, 6))
-            turns = rng.randint(1, 8)
-        heapq.heappush(events, (t, seq, blocks, turns))
-        seq += 1
-    reqs: list[Request] = []
-    while events:
-        at, _, blocks, turns = heapq.heappop(events)
-        reqs.append(Request(at, len(blocks) * block_tokens, 200, tuple(blocks)))
-        if turns > 1:
-            nxt = blocks + fresh(rng.randint(1, 4))
-            heapq.heappush(events, (at + rng.expovariate(1 / 60.0), seq, nxt, turns - 1))
-            seq += 1
-    return Trace(tuple(reqs), block_tokens, TraceFormat.MOONCAKE)
+from kvtier.replay.trace import Trace
+from tests.support.workloads import agent_trace, multi_turn_trace, rag_trace, scan_trace
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +34,40 @@ def test_cost_not_worse_than_lru_on_multi_turn_sessions(trace: Trace, fraction: 
     belady = run(trace, "belady", fraction)
     assert belady >= cost
     assert cost >= lru
+
+
+@pytest.fixture(scope="module")
+def rag() -> Trace:
+    return rag_trace()
+
+
+@pytest.fixture(scope="module")
+def agent() -> Trace:
+    return agent_trace()
+
+
+@pytest.fixture(scope="module")
+def scan() -> Trace:
+    return scan_trace()
+
+
+@pytest.mark.parametrize("fraction", [0.02, 0.05, 0.1, 0.2])
+def test_cost_wins_on_popular_documents(rag: Trace, fraction: float) -> None:
+    lru, cost, belady = (run(rag, p, fraction) for p in ("lru", "cost", "belady"))
+    assert lru <= cost <= belady
+    if fraction <= 0.05:  # measured 1.42x / 1.22x: frequency and value pay off when small
+        assert cost >= 1.1 * lru
+
+
+@pytest.mark.parametrize("fraction", [0.02, 0.05, 0.1])
+def test_cost_resists_scans(scan: Trace, fraction: float) -> None:
+    lru, cost, belady = (run(scan, p, fraction) for p in ("lru", "cost", "belady"))
+    assert cost <= belady
+    assert cost >= 1.1 * lru  # measured 1.13-1.17x; Belady 1.17-1.39x
+
+
+@pytest.mark.parametrize("fraction", [0.02, 0.05, 0.1, 0.2])
+def test_cost_follows_lru_on_agent_loops(agent: Trace, fraction: float) -> None:
+    lru, cost, belady = (run(agent, p, fraction) for p in ("lru", "cost", "belady"))
+    assert cost <= belady
+    assert cost >= 0.99 * lru
