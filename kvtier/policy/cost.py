@@ -59,7 +59,9 @@ from kvtier.policy.stats import WorkloadStats
 class _Entry:
     """One resident block (a plain slotted class: mutable, no dataclass overhead)."""
 
-    __slots__ = ("at", "children", "depth", "key", "nbytes", "parent", "pinned", "prio", "seq")
+    __slots__ = (
+        "at", "children", "depth", "key", "nbytes", "order", "parent", "pinned", "prio", "seq",
+    )
 
     def __init__(self, key: Key, nbytes: int, parent: Key | None, depth: int) -> None:
         self.key = key
@@ -70,6 +72,7 @@ class _Entry:
         self.pinned = False
         self.prio = 0.0
         self.seq = -1  # sequence number of its one live heap item (older ones are stale)
+        self.order = 0  # when it was last inserted or used: ties go to the oldest use
         self.at = 0  # the stats' reference count when it was last inserted or used
 
 
@@ -87,7 +90,7 @@ class CostPolicy:
 
     __slots__ = (
         "_costs", "_entries", "_heap", "_level", "_life", "_reload_bw", "_saved", "_seq",
-        "_stats", "_unit", "_victim",
+        "_stats", "_unit", "_uses", "_victim",
     )
 
     def __init__(
@@ -101,8 +104,9 @@ class CostPolicy:
         self._costs = costs or BlockCosts()
         self._reload_bw = reload_bandwidth
         self._entries: dict[Key, _Entry] = {}
-        self._heap: list[tuple[float, int, _Entry]] = []
-        self._seq = 0
+        self._heap: list[tuple[float, int, int, _Entry]] = []
+        self._seq = 0  # heap items pushed (an entry's live item has its latest number)
+        self._uses = 0  # inserts and touches: the tie-break order among equal priorities
         self._level = 0.0  # inflation value L: the priority of the last block evicted
         self._unit = 0.0   # value of a sure-to-be-reused depth-0 block: prio's scale
         self._victim: _Entry | None = None  # what victim() named last
@@ -148,6 +152,8 @@ class CostPolicy:
         if unit == 0.0:
             unit = self._unit = self._saved_per_byte(0, entry.nbytes) or 1.0
         entry.prio = self._level + self._value(entry) / unit
+        self._uses += 1
+        entry.order = self._uses
         if self._stats is not None:
             entry.at = self._stats.tick
         if entry.children == 0 and not entry.pinned:
@@ -156,13 +162,13 @@ class CostPolicy:
     def _push(self, entry: _Entry) -> None:
         self._seq += 1
         entry.seq = self._seq
-        heapq.heappush(self._heap, (entry.prio, self._seq, entry))
+        heapq.heappush(self._heap, (entry.prio, entry.order, self._seq, entry))
         if len(self._heap) > 2 * len(self._entries) + 1024:
             self._compact()
 
     def _compact(self) -> None:
         heap = [
-            (e.prio, e.seq, e)
+            (e.prio, e.order, e.seq, e)
             for e in self._entries.values()
             if e.children == 0 and not e.pinned and e.seq >= 0
         ]
@@ -218,7 +224,7 @@ class CostPolicy:
         heap = self._heap
         entries = self._entries
         while heap:
-            prio, seq, entry = heap[0]
+            prio, _, seq, entry = heap[0]
             if (
                 entry.seq == seq
                 and entry.prio == prio

@@ -79,6 +79,21 @@ def test_lfu_ties_go_to_the_deeper_block_and_pins_are_skipped() -> None:
 
 
 # ------------------------------------------------------------------ cost
+def test_cost_ties_go_to_the_oldest_use_so_chains_leave_one_at_a_time() -> None:
+    # equal values (no stats, flat prefill cost): cost must order like LRU among leaves. A
+    # parent that becomes a leaf keeps the age of its last use, so the older chain leaves
+    # whole before the newer one loses anything (not one tail block from each in turn)
+    flat = BlockCosts(block_tokens=256, block_bytes=MB, prefill=PrefillModel(layers=0))
+    pol = make_eviction_policy("cost", costs=flat)
+    chain(pol, ["a0", "a1", "a2"])
+    chain(pol, ["b0", "b1", "b2"])
+    order = []
+    while (v := pol.victim()) is not None:
+        order.append(v)
+        pol.remove(v)
+    assert order == ["a2", "a1", "a0", "b2", "b1", "b0"]
+
+
 def test_cost_evicts_leaves_before_parents() -> None:
     pol = make_eviction_policy("cost")
     chain(pol, ["a0", "a1", "a2"])
