@@ -81,6 +81,12 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f}"
 
 
+def _capacity_label(r: ReplayResult) -> str:
+    if r.capacity_fraction is not None:
+        return f"{r.capacity_fraction:.0%}"
+    return "+".join(str(t.capacity_blocks) for t in r.tiers)
+
+
 def _bucket_names() -> list[str]:
     names = [f"<={e:g}" for e in REUSE_EDGES]
     return [*names, f">{REUSE_EDGES[-1]:g}"]
@@ -96,10 +102,7 @@ def format_reuse_breakdown(results: Sequence[ReplayResult]) -> str:
     rows: list[list[str]] = []
     last_cap: str | None = None
     for r in runs:
-        cap = (
-            f"{r.capacity_fraction:.0%}" if r.capacity_fraction is not None
-            else "+".join(str(t.capacity_blocks) for t in r.tiers)
-        )
+        cap = _capacity_label(r)
         if cap != last_cap:
             rows.append([cap, "reuses", *(f"{n:,}" for n in r.reuses_by_distance)])
             last_cap = cap
@@ -125,10 +128,7 @@ def format_table(results: Sequence[ReplayResult]) -> str:
     rows: list[list[str]] = []
     for r in results:
         rec = to_record(r, results)
-        cap = (
-            f"{r.capacity_fraction:.0%}" if r.capacity_fraction is not None
-            else "+".join(str(t.capacity_blocks) for t in r.tiers)
-        )
+        cap = _capacity_label(r)
         row = [cap, r.policy, f"{r.token_hit_rate:.4f}", f"{r.block_hit_rate:.4f}"]
         if len(tiers) > 1:
             row += [f"{v:.4f}" for v in rec["token_hit_rate_by_tier"].values()]
