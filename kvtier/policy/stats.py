@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import cache
 
 from kvtier.policy.base import Key
 
@@ -66,6 +67,16 @@ N_CLASSES = _USE_B * _OUT_B * _TAIL_B * _HIT_B * _LEN_B
 _OUT_DIV = _TAIL_B * _HIT_B * _LEN_B
 # divisor that maps a full class to its ancestor at each level (root first)
 _LEVEL_DIV = (N_CLASSES, _OUT_B * _OUT_DIV, _OUT_DIV, _HIT_B * _LEN_B, _LEN_B, 1)
+# the counts of every level live in one flat list: level l's cells start at _OFFSET[l]
+_OFFSET = tuple(sum(N_CLASSES // d for d in _LEVEL_DIV[:i]) for i in range(len(_LEVEL_DIV)))
+_N_CELLS = sum(N_CLASSES // d for d in _LEVEL_DIV)
+
+
+@cache
+def _cells(cls: int) -> tuple[int, ...]:
+    """The flat-list cells of one full class and of its ancestors, root first (memoised:
+    a reference then costs one tuple lookup, not a division per level)."""
+    return tuple(off + cls // div for off, div in zip(_OFFSET, _LEVEL_DIV, strict=True))
 _TAIL_OF = (0, 1, 2, 3, 3, 3)
 
 
@@ -135,9 +146,9 @@ class WorkloadStats:
         # decayed counts per level, stored scaled by _scale (grows per reference: no O(n)
         # decay); a reference is counted in its class's accesses when it happens and in its
         # reuses when the next reference of the key comes within the horizon
-        self._access = [[0.0] * (N_CLASSES // d) for d in _LEVEL_DIV]
-        self._reuse = [[0.0] * (N_CLASSES // d) for d in _LEVEL_DIV]
-        self._gap = [[0.0] * (N_CLASSES // d) for d in _LEVEL_DIV]  # reuse-weighted gaps
+        self._access = [0.0] * _N_CELLS
+        self._reuse = [0.0] * _N_CELLS
+        self._gap = [0.0] * _N_CELLS  # reuse-weighted gaps
         self._decay = 0.5 ** (1.0 / half_life)
         self._scale = 1.0
         self._strength = strength
@@ -175,6 +186,7 @@ class WorkloadStats:
         n = len(keys)
         length = _log_bucket(n, _LEN_B - 1)
         hist = self._hist
+        access = self._access
         for depth, key in enumerate(keys):
             rec = hist.get(key)
             if rec is not None and not rec.stored:
@@ -184,10 +196,10 @@ class WorkloadStats:
                 if new != old:
                     rec.cls = new
                     w = rec.w
-                    for level, div in enumerate(_LEVEL_DIV):
-                        counts = self._access[level]
-                        counts[old // div] -= w
-                        counts[new // div] += w
+                    for i in _cells(old):
+                        access[i] -= w
+                    for i in _cells(new):
+                        access[i] += w
             else:
                 self._reference(key, HIT_UNKNOWN, n - 1 - depth, length, out, True)
 
@@ -210,11 +222,11 @@ class WorkloadStats:
                 rec.gaps += gap
                 w = rec.w
                 wg = w * gap
-                cls = rec.cls
-                for level, div in enumerate(_LEVEL_DIV):
-                    idx = cls // div
-                    self._reuse[level][idx] += w
-                    self._gap[level][idx] += wg
+                reuse = self._reuse
+                gaps = self._gap
+                for i in _cells(rec.cls):
+                    reuse[i] += w
+                    gaps[i] += wg
             hist.move_to_end(key)
             uses = rec.uses + 1
         cls = (
@@ -223,8 +235,9 @@ class WorkloadStats:
         ) * _LEN_B + length
         self._scale /= self._decay
         w = self._scale
-        for level, div in enumerate(_LEVEL_DIV):
-            self._access[level][cls // div] += w
+        access = self._access
+        for i in _cells(cls):
+            access[i] += w
         if rec is None:
             hist[key] = _Rec(uses, cls, tick, w, stored)
             if len(hist) > self._history:
@@ -286,16 +299,15 @@ class WorkloadStats:
         access = self._access
         reuse = self._reuse
         gaps = self._gap
-        for level, div in enumerate(_LEVEL_DIV):
-            idx = cls // div
-            r = reuse[level][idx]
+        for level, i in enumerate(_cells(cls)):
+            r = reuse[i]
             pr = pseudo * p
             if level == 0:  # the root's gap is what it has seen (the prior only if nothing)
                 if r > 0:
-                    g = gaps[0][0] / r
+                    g = gaps[i] / r
             elif r + pr > 0:
-                g = (gaps[level][idx] + pr * g) / (r + pr)
-            p = (r + pr) / (access[level][idx] + pseudo)
+                g = (gaps[i] + pr * g) / (r + pr)
+            p = (r + pr) / (access[i] + pseudo)
         est = (p, g)
         self._cache[cls] = est
         return est
@@ -307,9 +319,9 @@ class WorkloadStats:
 
     def _renormalise(self) -> None:
         s = self._scale
-        self._access = [[a / s for a in level] for level in self._access]
-        self._reuse = [[r / s for r in level] for level in self._reuse]
-        self._gap = [[g / s for g in level] for level in self._gap]
+        self._access = [a / s for a in self._access]
+        self._reuse = [r / s for r in self._reuse]
+        self._gap = [g / s for g in self._gap]
         for rec in self._hist.values():
             rec.w /= s
         self._scale = 1.0
