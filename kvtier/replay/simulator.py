@@ -13,8 +13,9 @@ Semantics (the same as the reference figures in shared/traces/README.md):
 
 With ``reuse_breakdown`` the result also counts, per reuse distance (block references since
 the block's previous use, in multiples of the total capacity), how many references were
-reuses and how many of them hit: where a policy loses to another one. Belady's optimum
-hits nearly every reuse closer than a couple of capacities; LRU hits none beyond one.
+reuses and how many of them hit: where a policy loses to another one. LRU hits every reuse
+within one capacity (and some beyond, when blocks repeat in between); Belady's optimum hits
+nearly every reuse within two.
 """
 
 from __future__ import annotations
