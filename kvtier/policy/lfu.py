@@ -116,19 +116,22 @@ class LFUPolicy:
         del self._depth[key]
         self._pinned.discard(key)
         limit = self._max_history
-        if limit is None:
-            limit = int(HISTORY_TIERS * max(len(self._score), 1))
+        if limit is None:  # before the first eviction: size it on the population so far
+            limit = self._default_history()
         if limit > 0:
             self._history[key] = score
             while len(self._history) > limit:
                 self._history.popitem(last=False)
+
+    def _default_history(self) -> int:
+        return int(HISTORY_TIERS * max(len(self._score), 1))
 
     def victim(self) -> Key | None:
         """The unpinned block with the lowest decayed count."""
         if not self._half_life:
             self._half_life = HALF_LIFE_TIERS * max(len(self._score), 1)
             if self._max_history is None:
-                self._max_history = int(HISTORY_TIERS * max(len(self._score), 1))
+                self._max_history = self._default_history()
         heap = self._heap
         while heap:
             score, _, _, key = heap[0]
