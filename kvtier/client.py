@@ -20,20 +20,21 @@ UNTESTED ON HARDWARE: the device path runs on the CPU tests only through a fake 
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import itertools
 import logging
 import os
 import socket
-from collections.abc import Generator, Sequence
+from collections.abc import Collection, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvtier.config import default_socket_path
+from kvtier.config import default_socket_path, trusted_daemon_uids
 from kvtier.errors import (
     BufferSizeError,
     DaemonUnavailable,
@@ -47,6 +48,7 @@ from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
 from kvtier.tiers.arena import ArenaMapping
+from kvtier.trust import PeerCred, check_daemon_peer
 
 __all__ = [
     "AsyncKVTierClient", "GetLease", "KVTierClient", "LookupResult", "PutLease", "connect",
@@ -226,16 +228,123 @@ class _Ops:
 
     @staticmethod
     def hello() -> dict[str, Any]:
-        return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}"}
+        """The first request; ``arena_fd``: pass the arena's descriptor with the reply."""
+        return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}",
+                "arena_fd": True}
 
-    def on_hello(self, reply: dict[str, Any]) -> None:
-        if reply.get("version") != PROTOCOL_VERSION:
-            raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
-                                 f"{PROTOCOL_VERSION}")
-        arena = reply["arena"]
-        self.arena = ArenaMapping(arena["path"], int(arena["size"]))
+    def on_hello(self, reply: dict[str, Any], arena_fd: int | None = None,
+                 daemon_uid: int | None = None) -> None:
+        """Map the arena the hello announced (``arena_fd`` when the daemon passed one, taken
+        over here) as a file of ``daemon_uid`` (default: ours); keep the HBM pool info."""
+        try:
+            if reply.get("version") != PROTOCOL_VERSION:
+                raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
+                                     f"{PROTOCOL_VERSION}")
+            arena = reply.get("arena")
+            if not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
+                    and isinstance(arena.get("size"), int)):
+                raise ProtocolError(f"hello reply has no valid arena: {arena!r}")
+        except BaseException:
+            if arena_fd is not None:
+                os.close(arena_fd)
+            raise
+        self.arena = ArenaMapping(arena["path"], int(arena["size"]), fd=arena_fd,
+                                  owner_uid=daemon_uid)
         hbm = reply.get("hbm")
         self.hbm_info = hbm if isinstance(hbm, dict) and hbm.get("handle") else None
+
+
+@dataclass(slots=True)
+class _Hello:
+    """What the handshake established: the daemon's credentials, its reply, the arena fd."""
+
+    peer: PeerCred
+    reply: dict[str, Any]
+    arena_fd: int | None
+
+
+def _recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None]:
+    """Read exactly the hello reply frame, with the descriptor passed alongside it, if any.
+
+    recvmsg all along (the descriptor rides on the frame's first byte); MSG_CMSG_CLOEXEC so
+    it never leaks into a child process. Extra descriptors are closed at once.
+    """
+    fds: list[int] = []
+    data = bytearray()
+    need = LENGTH.size
+    try:
+        while len(data) < need:
+            chunk, ancdata, _flags, _ = sock.recvmsg(
+                need - len(data), socket.CMSG_SPACE(array.array("i").itemsize),
+                socket.MSG_CMSG_CLOEXEC)
+            for level, kind, cdata in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
+                    fds.extend(got)
+            if not chunk:
+                raise ConnectionError("daemon closed the connection during the hello")
+            data += chunk
+            if len(data) == LENGTH.size and need == LENGTH.size:
+                (n,) = LENGTH.unpack(data)
+                if n > _MAX_REPLY:
+                    raise ProtocolError(f"hello reply of {n} bytes is too large")
+                need += n
+        reply = _Ops.check_reply(unpack_body(bytes(data[LENGTH.size:]), _MAX_REPLY))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    for fd in fds[1:]:
+        os.close(fd)
+    return reply, (fds[0] if fds else None)
+
+
+def _handshake(sock: socket.socket, path: str, trusted_uids: Collection[int],
+               timeout: float) -> _Hello:
+    """Check who listens (SO_PEERCRED, before sending a byte), then say hello.
+
+    UntrustedDaemon when the daemon's uid is neither ours nor trusted; RequestTimeout or
+    DaemonUnavailable when it does not answer.
+    """
+    peer = check_daemon_peer(sock, path, trusted_uids)
+    try:
+        sock.sendall(pack({**_Ops.hello(), "id": 1}))
+        reply, fd = _recv_hello(sock)
+    except TimeoutError:
+        raise RequestTimeout(f"no reply to hello from the daemon at {path} within "
+                             f"{timeout}s") from None
+    except OSError as exc:
+        raise DaemonUnavailable(f"daemon at {path} dropped the connection during the hello: "
+                                f"{exc}") from None
+    return _Hello(peer, reply, fd)
+
+
+def _open(path: str, timeout: float, trusted_uids: Collection[int]) -> tuple[socket.socket,
+                                                                            _Hello]:
+    """A connected, verified blocking socket and the hello it got (both clients use it)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
+                                "start one with `kvtier serve`") from None
+    try:
+        return sock, _handshake(sock, path, trusted_uids, timeout)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _map_arena(ops: _Ops, hello: _Hello, path: str) -> None:
+    """``ops.on_hello`` with the arena owned by the verified daemon uid; OSError (the file
+    is gone) becomes DaemonUnavailable."""
+    try:
+        ops.on_hello(hello.reply, hello.arena_fd, hello.peer.uid)
+    except OSError as exc:
+        raise DaemonUnavailable(f"cannot map the arena of the daemon at {path}: {exc}") from None
 
 
 def _check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> None:
@@ -314,13 +423,19 @@ class GetLease:
 class KVTierClient:
     """Blocking client. One per thread; cheap to create. ``device``: see ``connect``."""
 
-    def __init__(self, sock: socket.socket, timeout: float, *, device: bool = False) -> None:
+    def __init__(self, sock: socket.socket, timeout: float, *, device: bool = False,
+                 hello: _Hello | None = None) -> None:
+        """``hello``: the handshake ``connect`` already did on ``sock``; without it the
+        daemon is verified and greeted here (trusted uids from the environment)."""
         self._sock = sock
         self._timeout = timeout
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(2)
         self._ops = _Ops(device)
         self._broken: KVTierError | None = None
-        self._ops.on_hello(self._call(_Ops.hello()))
+        path = str(sock.getpeername())
+        if hello is None:
+            hello = _handshake(sock, path, trusted_daemon_uids(), timeout)
+        _map_arena(self._ops, hello, path)
 
     # transport
     def _recv_exact(self, n: int) -> bytes:
@@ -455,25 +570,23 @@ class KVTierClient:
 
 
 def connect(socket_path: str | Path | None = None, timeout: float = 5.0, *,
-            device: bool = False) -> KVTierClient:
+            device: bool = False, trusted_uids: Collection[int] | None = None) -> KVTierClient:
     """Connect to the node's daemon; DaemonUnavailable when none answers.
+
+    The daemon must run as this process's uid or one of ``trusted_uids`` (default: the
+    uids in ``KVTIER_TRUSTED_UIDS``), checked with SO_PEERCRED before anything is sent
+    (UntrustedDaemon otherwise); its arena is mapped only if it is a private file of that
+    uid (UntrustedArena otherwise). See docs/client-api.md, "Trust".
 
     ``device=True`` (GPU engines): gets prefer device placement, so on a daemon with an HBM
     pool they may hand out device views (the pool is mapped at the first such get).
     """
     path = str(socket_path or default_socket_path())
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
+    trusted = trusted_daemon_uids() if trusted_uids is None else frozenset(trusted_uids)
+    sock, hello = _open(path, timeout, trusted)
     try:
-        sock.connect(path)
-        return KVTierClient(sock, timeout, device=device)
-    except (TimeoutError, FileNotFoundError, ConnectionRefusedError, OSError) as exc:
-        sock.close()
-        if isinstance(exc, KVTierError):
-            raise
-        raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
-                                "start one with `kvtier serve`") from None
-    except KVTierError:
+        return KVTierClient(sock, timeout, device=device, hello=hello)
+    except BaseException:
         sock.close()
         raise
 
@@ -514,9 +627,10 @@ class AsyncKVTierClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._broken: KVTierError | None = None
 
-    async def _start(self) -> None:
+    async def _start(self, hello: _Hello, path: str) -> None:
+        """Map the arena of the handshake ``connect_async`` did, then start reading."""
+        _map_arena(self._ops, hello, path)
         self._reader_task = asyncio.ensure_future(self._read_loop())
-        self._ops.on_hello(await self._call(_Ops.hello()))
 
     async def _read_loop(self) -> None:
         try:
@@ -643,20 +757,46 @@ class AsyncKVTierClient:
 
 
 async def connect_async(socket_path: str | Path | None = None, timeout: float = 5.0, *,
-                        device: bool = False) -> AsyncKVTierClient:
-    """Connect an asyncio client; DaemonUnavailable when no daemon answers (``device``: see
-    ``connect``)."""
+                        device: bool = False,
+                        trusted_uids: Collection[int] | None = None) -> AsyncKVTierClient:
+    """Connect an asyncio client; DaemonUnavailable when no daemon answers (``device``,
+    ``trusted_uids`` and the trust checks: see ``connect``).
+
+    The connect, the SO_PEERCRED check and the hello (which receives the arena's descriptor
+    with recvmsg, something asyncio streams cannot do) run in a worker thread on a blocking
+    socket bounded by ``timeout``, the very code ``connect`` runs; the verified socket is
+    then handed to asyncio streams.
+    """
     path = str(socket_path or default_socket_path())
+    trusted = trusted_daemon_uids() if trusted_uids is None else frozenset(trusted_uids)
+    loop = asyncio.get_running_loop()
+    opening = loop.run_in_executor(None, _open, path, timeout, trusted)
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(path, limit=_MAX_REPLY + 1024), timeout)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
-                                "start one with `kvtier serve`") from None
+        sock, hello = await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_opened)
+        raise
+    try:
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=_MAX_REPLY + 1024)
+    except BaseException:
+        sock.close()
+        if hello.arena_fd is not None:
+            os.close(hello.arena_fd)
+        raise
     client = AsyncKVTierClient(reader, writer, timeout, device=device)
     try:
-        await client._start()
+        await client._start(hello, path)
     except BaseException:
         await client.close()
         raise
     return client
+
+
+def _close_opened(fut: asyncio.Future[tuple[socket.socket, _Hello]]) -> None:
+    """Close what a cancelled ``connect_async`` opened after all."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    sock, hello = fut.result()
+    sock.close()
+    if hello.arena_fd is not None:
+        os.close(hello.arena_fd)

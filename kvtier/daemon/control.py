@@ -10,6 +10,7 @@ released at once.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import itertools
@@ -91,7 +92,8 @@ class ControlServer:
         self.stats_provider: Callable[[], dict[str, Any]] = store.stats
 
     async def start(self) -> None:
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Listen on the socket. Its directory was prepared and verified before (the
+        daemon's preflight, kvtier.trust.prepare_socket_dir): nothing is created here."""
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
             self._server = await asyncio.start_unix_server(
@@ -203,8 +205,36 @@ class ControlServer:
                  "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
         if self.hbm is not None:
             reply["hbm"] = self.hbm
-        writer.write(pack(reply))
+        data = pack(reply)
+        if msg.get("arena_fd") is True:
+            data = data[self._send_with_arena_fd(writer, data):]
+        if data:
+            writer.write(data)
         await writer.drain()
+
+    def _send_with_arena_fd(self, writer: asyncio.StreamWriter, data: bytes) -> int:
+        """Send the start of the hello reply with the arena's descriptor (SCM_RIGHTS), so
+        the client maps the daemon's own file and never a path someone could swap.
+
+        The hello reply is the first thing written on the connection, so the transport's
+        buffer is empty and a direct sendmsg keeps the byte order; the rest, if the kernel
+        took only part, goes through the transport. Returns the bytes sent (0: nothing was
+        sent, the client maps the path with its O_NOFOLLOW and fstat checks instead).
+        """
+        try:
+            arena_fd = os.open(self.arena["path"], os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("cannot open the arena %s to pass it: %s", self.arena["path"], exc)
+            return 0
+        try:
+            raw = writer.get_extra_info("socket")
+            with socket.socket(fileno=os.dup(raw.fileno())) as dup:
+                return dup.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                             array.array("i", [arena_fd]))])
+        except BlockingIOError:
+            return 0
+        finally:
+            os.close(arena_fd)
 
     async def _dispatch(self, conn: Connection, msg: dict[str, Any],
                         writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:

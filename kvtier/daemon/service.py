@@ -1,7 +1,9 @@
 """Daemon lifecycle: set up tiers and servers, serve, drain on SIGTERM, clean up.
 
-Phases (each bounded): setup (arena, nvme index rebuild, redis connect in the
-background), start (control socket, HTTP), serve, drain (stop accepting, let in-flight
+Phases (each bounded): preflight (socket directory, data directory, HTTP port, shared
+memory: each failure one line naming the path and the fix, kvtier.daemon.preflight),
+setup (arena, nvme index rebuild, redis connect in the background), start (control socket,
+HTTP), serve, drain (stop accepting, let in-flight
 requests finish, persist cpu-only blocks to nvme, flush redis), cleanup in reverse order.
 """
 
@@ -17,27 +19,17 @@ import time
 from typing import Any
 
 from kvtier import __version__
-from kvtier.config import Config
+from kvtier.config import Config, default_runtime_dir
 from kvtier.daemon.control import ControlServer
-from kvtier.daemon.http import HttpServer
+from kvtier.daemon.http import HttpServer, bind_http
 from kvtier.daemon.metrics import Metrics
+from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_error
 from kvtier.errors import ConfigError
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, remove_stale_arenas
+from kvtier.trust import claim_socket_path, prepare_socket_dir
 
 log = logging.getLogger("kvtier.daemon")
-
-
-def _socket_alive(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(0.5)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 class Daemon:
@@ -56,19 +48,37 @@ class Daemon:
         self.metrics: Metrics | None = None
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        self._http_sockets: list[socket.socket] = []   # bound at preflight, served by http
 
     # -- setup ---------------------------------------------------------------------------
     async def start(self) -> None:
+        """Set everything up; StartupError (one line naming the path and the fix) for any
+        failure of the environment, the checks first so they fail before any slow setup."""
+        try:
+            await self._setup()
+        except OSError as exc:
+            raise setup_error(exc) from exc
+
+    def _preflight(self) -> None:
+        """The cheap checks (kvtier.daemon.preflight, kvtier.trust) before building tiers."""
         cfg = self.cfg
-        sock = cfg.daemon.socket
-        if sock.exists():
-            if _socket_alive(str(sock)):
-                raise ConfigError(f"another kvtier daemon is already serving {sock}; stop it "
-                                  "or pass --socket")
-            sock.unlink()
-        cfg.daemon.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        prepare_socket_dir(cfg.daemon.socket, default_dir=default_runtime_dir())
+        claim_socket_path(cfg.daemon.socket)
+        check_writable_dir(cfg.daemon.data_dir, "data directory", "--data-dir")
+        if cfg.nvme.enabled and cfg.nvme.bytes > 0:
+            check_writable_dir(cfg.nvme_path, "nvme directory", "--nvme-path")
+        self._http_sockets = bind_http(cfg.http.host, cfg.http.port)
         for stale in remove_stale_arenas(cfg.cpu.shm_dir):
             log.info("removed stale arena %s", stale)
+        if not cfg.cpu.shm_dir.is_dir():
+            raise ConfigError(f"shared-memory directory {cfg.cpu.shm_dir} does not exist: set "
+                              "cpu.shm_dir to a tmpfs directory such as /dev/shm")
+        check_shm_space(cfg.cpu.shm_dir, cfg.cpu.bytes)
+
+    async def _setup(self) -> None:
+        cfg = self.cfg
+        sock = cfg.daemon.socket
+        self._preflight()
         self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
                            slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault)
         if cfg.hbm.enabled:
@@ -94,7 +104,7 @@ class Daemon:
         self.control.stats_provider = self.stats
         await self.control.start()
         self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
-                               cfg.to_dict, cfg.http.admin_token)
+                               cfg.to_dict, cfg.http.admin_token, sockets=self._http_sockets)
         await self.http.start()
         self._sweeper = asyncio.ensure_future(self._sweep())
         self.rebuilt_blocks = rebuilt
@@ -205,6 +215,9 @@ class Daemon:
                 log.warning("drain timed out; some cpu-only blocks were not persisted")
         if self.http is not None:
             await self.http.stop()
+        else:   # the start failed after binding the HTTP port: release it
+            for http_socket in self._http_sockets:
+                http_socket.close()
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.redis.close(), 2.0)
