@@ -235,13 +235,19 @@ def prepare_socket_dir(socket_path: Path, *, default_dir: Path | None) -> None:
     except OSError as exc:
         raise StartupError(f"socket directory {directory} is unusable ({exc.strerror}: "
                            f"{exc.filename}); create it or pass another --socket") from None
+    if found is None and not os.access(directory, os.W_OK | os.X_OK):
+        found = (directory, f"is not writable by uid {uid}, so the socket cannot be created "
+                            "there")
     if found is not None:
         where, problem = found
-        fix = (f"run `chmod go-w {where}`" if "writable" in problem
+        fix = (f"run `chmod go-w {where}`" if "writable by" in problem
+               else "use a directory of yours" if "not writable" in problem
                else "use a directory owned by you or root")
-        raise StartupError(f"socket directory {directory} is not safe: {where} {problem}, so "
-                           f"another user could replace the socket; {fix}, or pass "
-                           "--socket PATH in a directory of yours")
+        unsafe = "not writable" not in problem
+        risk = ", so another user could replace the socket" if unsafe else ""
+        raise StartupError(f"socket directory {directory} is not "
+                           f"{'safe' if unsafe else 'usable'}: {where} {problem}{risk}; "
+                           f"{fix}, or pass --socket PATH in a directory of yours")
 
 
 def _socket_alive(path: Path) -> bool:

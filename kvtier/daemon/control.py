@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.errors import HandshakeError, KVTierError, ProtocolError
+from kvtier.errors import HandshakeError, KVTierError, ProtocolError, StartupError
 from kvtier.layout import KVLayout
 from kvtier.protocol import (
     LENGTH,
@@ -98,6 +98,10 @@ class ControlServer:
         try:
             self._server = await asyncio.start_unix_server(
                 self._serve, path=str(self.socket_path), limit=self.max_frame + 1024)
+        except OSError as exc:   # asyncio's errors do not name the path
+            raise StartupError(f"cannot listen on the socket {self.socket_path}: "
+                               f"{exc.strerror or exc}; pass --socket PATH in a directory "
+                               "of yours") from exc
         finally:
             os.umask(old)
         os.chmod(self.socket_path, 0o600)

@@ -145,6 +145,24 @@ def test_socket_dir_of_another_user(tmp_path: Path) -> None:
     assert f"{run} is owned by uid {user.uid}" in line
 
 
+def test_socket_dir_the_daemon_cannot_write() -> None:
+    """A root-owned 0755 directory is safe but unusable for a daemon of another uid."""
+    user = other_user(OTHER)
+    python = python_for(user.name)
+    root = private_dir_of(user, Path("/tmp"), "kvtier-startup-")
+    run = Path("/tmp") / f"{root.name}-run"
+    try:
+        run.mkdir(mode=0o755)
+        args = ["--data-dir", str(root / "data"), "--socket", str(run / "kvtier.sock"),
+                "--http-port", "0", "--cpu-bytes", "16MiB", "--nvme-bytes", "0"]
+        line = one_line_error(run_serve(args, env=user_env(), user=user.name, python=python))
+        assert (f"socket directory {run} is not usable: {run} is not writable by uid "
+                f"{user.uid}") in line and "--socket" in line
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
+
+
 def test_sticky_shared_socket_dir_is_accepted(tmp_path: Path) -> None:
     """Like /tmp: world-writable with the sticky bit, nobody can replace our socket."""
     run = tmp_path / "run"
