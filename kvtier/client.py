@@ -20,7 +20,6 @@ UNTESTED ON HARDWARE: the device path runs on the CPU tests only through a fake 
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import itertools
@@ -44,11 +43,11 @@ from kvtier.errors import (
     RequestTimeout,
     error_from_code,
 )
+from kvtier.handshake import Hello, handshake, hello_request, open_verified
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
 from kvtier.tiers.arena import ArenaMapping
-from kvtier.trust import PeerCred, check_daemon_peer
 
 __all__ = [
     "AsyncKVTierClient", "GetLease", "KVTierClient", "LookupResult", "PutLease", "connect",
@@ -229,8 +228,7 @@ class _Ops:
     @staticmethod
     def hello() -> dict[str, Any]:
         """The first request; ``arena_fd``: pass the arena's descriptor with the reply."""
-        return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}",
-                "arena_fd": True}
+        return hello_request()
 
     def on_hello(self, reply: dict[str, Any], arena_fd: int | None = None,
                  daemon_uid: int | None = None) -> None:
@@ -254,91 +252,7 @@ class _Ops:
         self.hbm_info = hbm if isinstance(hbm, dict) and hbm.get("handle") else None
 
 
-@dataclass(slots=True)
-class _Hello:
-    """What the handshake established: the daemon's credentials, its reply, the arena fd."""
-
-    peer: PeerCred
-    reply: dict[str, Any]
-    arena_fd: int | None
-
-
-def _recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None]:
-    """Read exactly the hello reply frame, with the descriptor passed alongside it, if any.
-
-    recvmsg all along (the descriptor rides on the frame's first byte); MSG_CMSG_CLOEXEC so
-    it never leaks into a child process. Extra descriptors are closed at once.
-    """
-    fds: list[int] = []
-    data = bytearray()
-    need = LENGTH.size
-    try:
-        while len(data) < need:
-            chunk, ancdata, _flags, _ = sock.recvmsg(
-                need - len(data), socket.CMSG_SPACE(array.array("i").itemsize),
-                socket.MSG_CMSG_CLOEXEC)
-            for level, kind, cdata in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    got = array.array("i")
-                    got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
-                    fds.extend(got)
-            if not chunk:
-                raise ConnectionError("daemon closed the connection during the hello")
-            data += chunk
-            if len(data) == LENGTH.size and need == LENGTH.size:
-                (n,) = LENGTH.unpack(data)
-                if n > _MAX_REPLY:
-                    raise ProtocolError(f"hello reply of {n} bytes is too large")
-                need += n
-        reply = _Ops.check_reply(unpack_body(bytes(data[LENGTH.size:]), _MAX_REPLY))
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    for fd in fds[1:]:
-        os.close(fd)
-    return reply, (fds[0] if fds else None)
-
-
-def _handshake(sock: socket.socket, path: str, trusted_uids: Collection[int],
-               timeout: float) -> _Hello:
-    """Check who listens (SO_PEERCRED, before sending a byte), then say hello.
-
-    UntrustedDaemon when the daemon's uid is neither ours nor trusted; RequestTimeout or
-    DaemonUnavailable when it does not answer.
-    """
-    peer = check_daemon_peer(sock, path, trusted_uids)
-    try:
-        sock.sendall(pack({**_Ops.hello(), "id": 1}))
-        reply, fd = _recv_hello(sock)
-    except TimeoutError:
-        raise RequestTimeout(f"no reply to hello from the daemon at {path} within "
-                             f"{timeout}s") from None
-    except OSError as exc:
-        raise DaemonUnavailable(f"daemon at {path} dropped the connection during the hello: "
-                                f"{exc}") from None
-    return _Hello(peer, reply, fd)
-
-
-def _open(path: str, timeout: float, trusted_uids: Collection[int]) -> tuple[socket.socket,
-                                                                            _Hello]:
-    """A connected, verified blocking socket and the hello it got (both clients use it)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(path)
-    except OSError as exc:
-        sock.close()
-        raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
-                                "start one with `kvtier serve`") from None
-    try:
-        return sock, _handshake(sock, path, trusted_uids, timeout)
-    except BaseException:
-        sock.close()
-        raise
-
-
-def _map_arena(ops: _Ops, hello: _Hello, path: str) -> None:
+def _map_arena(ops: _Ops, hello: Hello, path: str) -> None:
     """``ops.on_hello`` with the arena owned by the verified daemon uid; OSError (the file
     is gone) becomes DaemonUnavailable."""
     try:
@@ -424,7 +338,7 @@ class KVTierClient:
     """Blocking client. One per thread; cheap to create. ``device``: see ``connect``."""
 
     def __init__(self, sock: socket.socket, timeout: float, *, device: bool = False,
-                 hello: _Hello | None = None) -> None:
+                 hello: Hello | None = None) -> None:
         """``hello``: the handshake ``connect`` already did on ``sock``; without it the
         daemon is verified and greeted here (trusted uids from the environment)."""
         self._sock = sock
@@ -434,7 +348,7 @@ class KVTierClient:
         self._broken: KVTierError | None = None
         path = str(sock.getpeername())
         if hello is None:
-            hello = _handshake(sock, path, trusted_daemon_uids(), timeout)
+            hello = handshake(sock, path, trusted_daemon_uids(), timeout)
         _map_arena(self._ops, hello, path)
 
     # transport
@@ -583,7 +497,7 @@ def connect(socket_path: str | Path | None = None, timeout: float = 5.0, *,
     """
     path = str(socket_path or default_socket_path())
     trusted = trusted_daemon_uids() if trusted_uids is None else frozenset(trusted_uids)
-    sock, hello = _open(path, timeout, trusted)
+    sock, hello = open_verified(path, timeout, trusted)
     try:
         return KVTierClient(sock, timeout, device=device, hello=hello)
     except BaseException:
@@ -627,7 +541,7 @@ class AsyncKVTierClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._broken: KVTierError | None = None
 
-    async def _start(self, hello: _Hello, path: str) -> None:
+    async def _start(self, hello: Hello, path: str) -> None:
         """Map the arena of the handshake ``connect_async`` did, then start reading."""
         _map_arena(self._ops, hello, path)
         self._reader_task = asyncio.ensure_future(self._read_loop())
@@ -770,7 +684,7 @@ async def connect_async(socket_path: str | Path | None = None, timeout: float = 
     path = str(socket_path or default_socket_path())
     trusted = trusted_daemon_uids() if trusted_uids is None else frozenset(trusted_uids)
     loop = asyncio.get_running_loop()
-    opening = loop.run_in_executor(None, _open, path, timeout, trusted)
+    opening = loop.run_in_executor(None, open_verified, path, timeout, trusted)
     try:
         sock, hello = await asyncio.shield(opening)
     except asyncio.CancelledError:
@@ -792,7 +706,7 @@ async def connect_async(socket_path: str | Path | None = None, timeout: float = 
     return client
 
 
-def _close_opened(fut: asyncio.Future[tuple[socket.socket, _Hello]]) -> None:
+def _close_opened(fut: asyncio.Future[tuple[socket.socket, Hello]]) -> None:
     """Close what a cancelled ``connect_async`` opened after all."""
     if fut.cancelled() or fut.exception() is not None:
         return
