@@ -174,14 +174,14 @@ def ensure_private_dir(directory: Path, socket_path: Path) -> None:
     except OSError as exc:
         raise StartupError(
             f"cannot create the socket directory {directory}: {exc.strerror}; create it "
-            f"with mode 0700 owned by uid {uid}, {_fix_for(socket_path)}") from None
+            f"with mode 0700 owned by uid {uid}, {_fix_for(socket_path)}") from exc
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         st = os.lstat(directory) if exc.errno in (errno.ELOOP, errno.ENOTDIR) else None
         why = private_dir_problem(st, uid) if st is not None else exc.strerror
         raise StartupError(f"socket directory {directory} {why}: remove it (`rm -r "
-                           f"{directory}`) {_fix_for(socket_path)}") from None
+                           f"{directory}`) {_fix_for(socket_path)}") from exc
     try:
         if created:   # the umask may have narrowed mkdir's mode; set exactly what we verify
             os.fchmod(fd, PRIVATE_DIR_MODE)
@@ -229,12 +229,12 @@ def prepare_socket_dir(socket_path: Path, *, default_dir: Path | None) -> None:
             os.makedirs(directory, mode=PRIVATE_DIR_MODE)
         except OSError as exc:
             raise StartupError(f"cannot create the socket directory {directory}: "
-                               f"{exc.strerror}; create it or pass another --socket") from None
+                               f"{exc.strerror}; create it or pass another --socket") from exc
     try:
         found = socket_dir_problem(directory, uid)
     except OSError as exc:
         raise StartupError(f"socket directory {directory} is unusable ({exc.strerror}: "
-                           f"{exc.filename}); create it or pass another --socket") from None
+                           f"{exc.filename}); create it or pass another --socket") from exc
     if found is None and not os.access(directory, os.W_OK | os.X_OK):
         found = (directory, f"is not writable by uid {uid}, so the socket cannot be created "
                             "there")
@@ -284,4 +284,4 @@ def claim_socket_path(socket_path: Path) -> None:
         socket_path.unlink()
     except OSError as exc:
         raise StartupError(f"cannot remove the stale socket {socket_path}: {exc.strerror}; "
-                           "remove it or pass another --socket") from None
+                           "remove it or pass another --socket") from exc

@@ -47,7 +47,7 @@ def bind_http(host: str, port: int) -> list[socket.socket]:
             fix = "ports below 1024 need privileges: pass --http-port 1024 or higher"
         else:
             fix = "pass another --http-host or --http-port"
-        raise StartupError(f"cannot listen for HTTP on {where}: {reason}; {fix}") from None
+        raise StartupError(f"cannot listen for HTTP on {where}: {reason}; {fix}") from exc
     return socks
 
 

@@ -39,7 +39,7 @@ def check_writable_dir(path: Path, what: str, flag: str) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise StartupError(f"{what} {path} is unusable: {_why(exc, path, flag)}") from None
+        raise StartupError(f"{what} {path} is unusable: {_why(exc, path, flag)}") from exc
 
 
 def _why(exc: OSError, path: Path, flag: str) -> str:
@@ -73,7 +73,7 @@ def check_shm_space(shm_dir: Path, nbytes: int) -> None:
     except OSError as exc:
         raise StartupError(f"shared-memory directory {shm_dir} is unusable "
                            f"({exc.strerror}); set cpu.shm_dir to a tmpfs directory such as "
-                           "/dev/shm") from None
+                           "/dev/shm") from exc
     if nbytes > free:
         raise StartupError(
             f"the cpu tier needs {_gib(nbytes)} of shared memory but {shm_dir} has only "
