@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.client import connect, connect_async
+from kvtier.client import KVTierClient, connect, connect_async
 from kvtier.errors import DaemonUnavailable, RequestTimeout, UntrustedArena, UntrustedDaemon
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
@@ -361,6 +361,16 @@ def test_a_client_connects_only_after_the_checks(daemon: DaemonProcess) -> None:
     with connect(daemon.socket) as client:
         client.ping()
         assert client.stats()["daemon"]["rejected_peers"] == 0
+
+
+def test_a_client_built_on_a_raw_socket_verifies_too(daemon: DaemonProcess) -> None:
+    """``KVTierClient(sock, timeout)`` without ``connect``: same checks, same descriptor."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(str(daemon.socket))
+    with KVTierClient(sock, 5.0) as client:
+        client.ping()
+        assert client._ops.arena.source == "fd"
 
 
 def test_an_unreachable_daemon_is_still_daemon_unavailable(tmp_path: Path) -> None:
