@@ -177,10 +177,12 @@ def ensure_private_dir(directory: Path, socket_path: Path) -> None:
             f"with mode 0700 owned by uid {uid}, {_fix_for(socket_path)}") from exc
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        st = os.lstat(directory) if exc.errno in (errno.ELOOP, errno.ENOTDIR) else None
-        why = private_dir_problem(st, uid) if st is not None else exc.strerror
-        raise StartupError(f"socket directory {directory} {why}: remove it (`rm -r "
+    except OSError as exc:   # a symlink, a file, or another user's directory (EACCES)
+        try:
+            why = private_dir_problem(os.lstat(directory), uid) or exc.strerror
+        except OSError:
+            why = exc.strerror
+        raise StartupError(f"socket directory {directory} {why}; remove it (`rm -r "
                            f"{directory}`) {_fix_for(socket_path)}") from exc
     try:
         if created:   # the umask may have narrowed mkdir's mode; set exactly what we verify

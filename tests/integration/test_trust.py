@@ -109,8 +109,9 @@ def test_daemon_creates_the_default_socket_dir_private_and_clients_find_it(
             assert client._ops.arena.source == "fd"
 
 
+@pytest.mark.parametrize("mode", [0o777, 0o700], ids=["0777", "0700"])
 def test_victim_daemon_refuses_the_tmp_dir_another_user_created(
-        attacker: OtherUser, victim: OtherUser) -> None:
+        attacker: OtherUser, victim: OtherUser, mode: int) -> None:
     """The issue's reproduction: without XDG_RUNTIME_DIR a non-root daemon's default is
     /tmp/kvtier-UID; another user who creates it first must not get the socket."""
     python = python_for(victim.name)
@@ -120,7 +121,7 @@ def test_victim_daemon_refuses_the_tmp_dir_another_user_created(
     try:
         run_dir.mkdir()
         os.chown(run_dir, attacker.uid, attacker.gid)
-        os.chmod(run_dir, 0o777)
+        os.chmod(run_dir, mode)
         p = run_serve(small_args(data), env=user_env(), user=victim.name, python=python)
         line = one_line_error(p)
         assert f"socket directory {run_dir} is owned by uid {attacker.uid}" in line
