@@ -226,7 +226,7 @@ class ControlServer:
         sent, the client maps the path with its O_NOFOLLOW and fstat checks instead).
         """
         try:
-            arena_fd = os.open(self.arena["path"], os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            arena_fd = os.open(str(self.arena["path"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             log.warning("cannot open the arena %s to pass it: %s", self.arena["path"], exc)
             return 0

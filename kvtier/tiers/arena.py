@@ -1,8 +1,9 @@
 """The shared-memory arena: one /dev/shm file, pre-faulted, carved into slabs.
 
-The daemon creates and owns the file; clients map the same file (path handed over in the
-handshake) and read/write KV straight into slots the daemon leases to them, so KV bytes
-never cross the control socket. The arena's size is the cpu tier's hard capacity.
+The daemon creates and owns the file; clients map the same file (its descriptor passed
+over the socket at the handshake, or its path; either way checked by ``ArenaMapping``) and
+read/write KV straight into slots the daemon leases to them, so KV bytes never cross the
+control socket. The arena's size is the cpu tier's hard capacity.
 
 Allocation is ``kvtier.tiers.slab.SlabAllocator`` (shared with the hbm pool): equal slabs,
 size classes of 4 KiB-multiple slots cut from units of contiguous slabs, emptied units
