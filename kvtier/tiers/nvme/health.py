@@ -84,6 +84,7 @@ class WriteHealth:
         self.reason = ""
         self.counters = HealthCounters()
         self.pool: ThreadPoolExecutor | None = None
+        self.policy = policy
         self._backoff = Backoff(policy)
         self._probe_bytes = PAGE
         self._since = 0.0

@@ -143,6 +143,12 @@ class NvmeTier:
     def direct(self) -> bool:
         return self._slots.direct
 
+    @property
+    def health(self) -> WriteHealth:
+        """The write health (state, reason, counters, probe backoff); read it, do not drive
+        it."""
+        return self._health
+
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> Recovered:
         """Rebuild the slot map from the files' header pages; return the stored frames, oldest
