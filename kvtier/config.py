@@ -107,6 +107,8 @@ class NvmeConfig:
     io_threads: int = 4
     backend: str = "auto"                 # auto | posix | kvikio
     write_budget_bytes_per_s: int = 0     # 0: unlimited (admission protects endurance)
+    backoff_min_s: float = 0.5            # full or failing disk: first wait before a space
+    backoff_max_s: float = 30.0           # probe, doubling (with jitter) up to this
 
 
 @dataclass(slots=True)
@@ -290,6 +292,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("nvme.direct must be auto, on or off")
     if cfg.nvme.backend not in ("auto", "posix", "kvikio"):
         raise ConfigError("nvme.backend must be auto, posix or kvikio")
+    if not 0 < cfg.nvme.backoff_min_s <= cfg.nvme.backoff_max_s:
+        raise ConfigError("nvme.backoff_min_s must be > 0 and <= nvme.backoff_max_s")
     if cfg.redis.codec not in ("none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"):
         raise ConfigError("redis.codec must be none, lz4, shuffle-lz4, shuffle-zstd or auto")
     if cfg.policy.eviction not in ("lru", "lfu", "cost"):

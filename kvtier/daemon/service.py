@@ -100,6 +100,7 @@ class Daemon:
         self.rebuilt_blocks = rebuilt
 
     def _make_nvme(self) -> Any:
+        from kvtier.backoff import BackoffPolicy
         from kvtier.tiers.nvme import NvmeTier
         from kvtier.tiers.nvme_backend import make_frame_io, select_nvme_backend
 
@@ -108,7 +109,8 @@ class Daemon:
         log.info("nvme I/O backend: %s (%s)", choice.name, choice.reason)
         return NvmeTier(self.cfg.nvme_path, nvme.bytes, direct=nvme.direct,
                         io_threads=nvme.io_threads,
-                        io=make_frame_io(choice, threads=nvme.io_threads))
+                        io=make_frame_io(choice, threads=nvme.io_threads),
+                        backoff=BackoffPolicy(nvme.backoff_min_s, nvme.backoff_max_s))
 
     def _make_hbm(self) -> Any:
         """The HBM pool (hbm.enabled): a clear ConfigError when this host cannot have one.

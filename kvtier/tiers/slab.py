@@ -14,12 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.errors import CapacityError, ConfigError
-
-PAGE = 4096
-
-
-def round_up(n: int, to: int = PAGE) -> int:
-    return (n + to - 1) // to * to
+from kvtier.tiers.aligned import PAGE, round_up
 
 
 def _slot_bytes(nbytes: int) -> int:
