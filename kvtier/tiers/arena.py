@@ -109,6 +109,13 @@ class Arena:
             os.close(fd)
             raise ConfigError(f"arena {self.path} is in use by another kvtier daemon on the "
                               "same data directory; stop it or use another --data-dir") from None
+        try:
+            same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:   # removed as stale between our open and our lock: start afresh
+            os.close(fd)
+            return self._create()
         if adopt and os.fstat(fd).st_size == self.size:
             self.adopted = True
             return fd
@@ -120,22 +127,20 @@ class Arena:
         return self._create()
 
     def _create(self) -> int:
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            if _STABLE_RE.match(self.path.name.split("-", 2)[-1]):
-                log.warning("arena name %s is taken: using a unique name", self.path)
-                return -1
-            raise
+        """A new locked file of ``self.size`` bytes at ``self.path``: made under a temporary
+        name and renamed into place, so no other daemon ever sees it unlocked (and stale)."""
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, self.size)
+            os.rename(tmp, self.path)
         except OSError as exc:
             os.close(fd)
-            self.path.unlink(missing_ok=True)
-            raise ConfigError(f"cannot create a {self.size}-byte arena in {self.path.parent}: "
-                              f"{exc}; lower cpu.bytes or enlarge /dev/shm") from None
+            tmp.unlink(missing_ok=True)
+            raise ConfigError(f"cannot create a {self.size}-byte arena {self.path}: {exc}; "
+                              "lower cpu.bytes or enlarge /dev/shm") from None
         return fd
 
     def _discard(self) -> None:
@@ -259,7 +264,21 @@ def remove_stale_arenas(shm_dir: Path, keep: Path | None = None) -> list[Path]:
             removed.append(p)
         except PermissionError:
             pass
+    for p in shm_dir.glob(prefix + "*.tmp"):   # half-made files (NAME.PID.HEX.tmp)
+        parts = p.name.split(".")
+        if len(parts) >= 4 and parts[-3].isdigit() and not _pid_alive(int(parts[-3])):
+            p.unlink(missing_ok=True)
     return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _unlocked(path: Path) -> bool:

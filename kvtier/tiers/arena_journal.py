@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import secrets
 import stat
 import struct
 from collections.abc import Sequence
@@ -294,8 +295,7 @@ class ArenaJournal:
         """Write one record per live slot to a new file and rename it over the journal."""
         need = 1 + len(self._live)
         capacity = max(MIN_RECORDS, 2 * (4 * need + COMPACT_MIN))
-        tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
-        tmp.unlink(missing_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         try:
