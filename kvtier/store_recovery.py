@@ -119,10 +119,14 @@ class CommitLog:
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
-                views = [self.arena.view(off, info.nbytes) for off, _, info in batch]
-                sums = await loop.run_in_executor(None, _checksums, views)
                 journal = self.arena.journal
                 if journal is None:
+                    return
+                # slots freed since they became ready need no checksum
+                batch = [b for b in batch if journal.generation(b[0]) == b[1]]
+                views = [self.arena.view(off, info.nbytes) for off, _, info in batch]
+                sums = await loop.run_in_executor(None, _checksums, views)
+                if self.arena.journal is not journal:
                     return
                 for (off, gen, info), csum in zip(batch, sums, strict=True):
                     journal.commit(off, gen, info, csum)   # False: freed meanwhile
@@ -166,11 +170,11 @@ async def recover(store: TieredStore, state: JournalState | None, *,
     writing: list[tuple[int, int]] = []
     if state is None:
         c.cold_reason = "no arena journal from a previous run"
-    elif not arena.adopted:
-        c.cold_reason = "the previous arena file is gone or not usable"
     elif (state.arena_size, state.slab_bytes) != (arena.size, arena.slab_bytes):
         c.cold_reason = (f"arena geometry changed (size {state.arena_size} -> {arena.size}, "
                          f"slab {state.slab_bytes} -> {arena.slab_bytes})")
+    elif not arena.adopted:
+        c.cold_reason = "the previous arena file is gone or not usable"
     else:
         c.mode = "warm"
         ok = await loop.run_in_executor(None, _verify, arena, state.committed)

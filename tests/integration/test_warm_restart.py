@@ -65,12 +65,20 @@ def chain_keys(ns, client: int, i: int) -> list[bytes]:  # type: ignore[no-untyp
     return [bytes(k) for k in block_keys(ns, tokens)]
 
 
-def read_back(c, ns, keys: list[bytes]) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    """(blocks served with exact bytes, blocks served wrong) for one chain."""
-    outs = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
-    n = c.get(ns, keys, outs)
-    good = sum(np.array_equal(o, content(k)) for k, o in zip(keys[:n], outs[:n], strict=True))
-    return good, n - good
+def read_back(c, ns, keys: list[bytes], tries: int = 1) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """(blocks served with exact bytes, blocks served wrong) for one chain. With ``tries``,
+    a short answer is asked again: the default prefetch policy answers with what is in the
+    arena when its deadline passes, and a loaded machine can miss it while nvme reads run."""
+    best = (0, 0)
+    for _ in range(tries):
+        outs = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
+        n = c.get(ns, keys, outs)
+        good = sum(np.array_equal(o, content(k))
+                   for k, o in zip(keys[:n], outs[:n], strict=True))
+        best = (max(best[0], good), max(best[1], n - good))
+        if n == len(keys) or n - good:
+            break
+    return best
 
 
 def wait_journal_commits(d: DaemonProcess, n: int, timeout: float = 10.0) -> None:
@@ -117,23 +125,19 @@ def test_kill9_under_mixed_load_restarts_warm_with_exact_bytes(daemon_factory,
     c = connect(d.socket)
     ns = c.register_layout(LAYOUT, "shared-model")
     first = chain_keys(ns, *min(acked))
-    good, wrong = read_back(c, ns, first)
+    good, wrong = read_back(c, ns, first, tries=5)
     to_first_get = time.monotonic() - t0
     stats = d.stats()
     rec = stats["recovery"]
-    served = wrong_total = 0
+    wrong_total = 0
     want: set[bytes] = set(head)
     got: set[bytes] = set()
     for client, i in sorted(acked):
         keys = chain_keys(ns, client, i)
         want.update(keys)
-        outs = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
-        n = c.get(ns, keys, outs)
-        for k, o in zip(keys[:n], outs[:n], strict=True):
-            if np.array_equal(o, content(k)):
-                got.add(k)
-            else:
-                wrong_total += 1
+        n, bad_n = read_back(c, ns, keys, tries=5)
+        got.update(keys[:n] if not bad_n else ())
+        wrong_total += bad_n
     served = len(got)
     print(f"\nwarm restart: {len(want)} acknowledged blocks ({before['cpu']['blocks']} in cpu, "
           f"{before['nvme']['blocks']} on nvme before the kill), served {served} "
@@ -232,4 +236,23 @@ def test_nvme_frames_behind_a_lost_head_are_collected(daemon_factory) -> None:
     c = connect(d.socket)
     ns = c.register_layout(LAYOUT, "m")
     assert c.lookup(ns, keys).hits == 0
+    c.close()
+
+
+def test_a_resized_arena_starts_cold_and_keeps_nvme(daemon_factory) -> None:
+    d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="64MiB").start()
+    c = connect(d.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = [bytes(k) for k in block_keys(ns, np.arange(64 * 4))]
+    assert c.put(ns, keys, [content(k) for k in keys], durable=True) == 4
+    wait_journal_commits(d, 4)
+    d.crash()
+    d.cpu_bytes = "16MiB"
+    d.start()
+    rec = d.stats()["recovery"]
+    assert rec["mode"] == "cold" and "geometry changed" in rec["cold_reason"]
+    assert "geometry changed" in d.log()
+    c = connect(d.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    assert read_back(c, ns, keys, tries=5) == (4, 0)   # from nvme
     c.close()
