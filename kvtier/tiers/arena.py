@@ -174,6 +174,16 @@ class Arena:
         if self.journal is not None:
             self.journal.free(offset)
 
+    def open_for_client(self) -> int:
+        """A new descriptor of the arena file for handing to a client (SCM_RIGHTS). Never
+        pass the arena's own descriptor: it shares the daemon's flock, and a client holding
+        it after a crash would make the restarted daemon think the arena is still in use."""
+        fd = open_private(self.path, os.O_RDWR)
+        if os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
+            os.close(fd)
+            raise ConfigError(f"arena {self.path} was replaced under the daemon")
+        return fd
+
     def reserve_many(self, slots: list[tuple[int, int]]) -> list[bool]:
         """Re-reserve adopted slots ``(offset, nbytes)`` (not journaled: the caller writes the
         adopted state to a fresh journal); see ``SlabAllocator.reserve_many``."""
