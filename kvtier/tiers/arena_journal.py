@@ -103,6 +103,7 @@ class _Live:
     generation: int
     nbytes: int
     commit: CommittedSlot | None = None
+    record: bytes = b""        # the slot's latest record (compaction copies it as is)
 
 
 def _pack(rtype: RecordType, *, offset: int = 0, nbytes: int = 0, key: bytes = _ZERO16,
@@ -235,16 +236,18 @@ class ArenaJournal:
         self._capacity = 0
         for offset, nbytes, commit in live:
             self._gen += 1
-            self._live[offset] = _Live(self._gen, nbytes, commit)
+            rec = (_commit_record(commit, self._gen) if commit is not None else
+                   _pack(RecordType.ALLOC, offset=offset, nbytes=nbytes, generation=self._gen))
+            self._live[offset] = _Live(self._gen, nbytes, commit, rec)
         self._rewrite()
 
     # -- recording -------------------------------------------------------------------------
     def alloc(self, offset: int, nbytes: int) -> None:
         """Slot ``offset`` was handed out for writing ``nbytes``."""
         self._gen += 1
-        self._live[offset] = _Live(self._gen, nbytes)
-        self._append(_pack(RecordType.ALLOC, offset=offset, nbytes=nbytes,
-                           generation=self._gen))
+        rec = _pack(RecordType.ALLOC, offset=offset, nbytes=nbytes, generation=self._gen)
+        self._live[offset] = _Live(self._gen, nbytes, None, rec)
+        self._append(rec)
 
     def free(self, offset: int) -> None:
         """Slot ``offset`` went back to the allocator."""
@@ -263,7 +266,8 @@ class ArenaJournal:
         if lv is None or lv.generation != generation or lv.commit is not None:
             return False
         lv.commit = CommittedSlot(offset, info, checksum)
-        self._append(_commit_record(lv.commit, generation))
+        lv.record = _commit_record(lv.commit, generation)
+        self._append(lv.record)
         return True
 
     @property
@@ -303,12 +307,7 @@ class ArenaJournal:
             mm = mmap.mmap(fd, capacity * RECORD, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
             parts = [_header(self.arena_size, self.slab_bytes)]
-            for offset, lv in self._live.items():
-                if lv.commit is not None:
-                    parts.append(_commit_record(lv.commit, lv.generation))
-                else:
-                    parts.append(_pack(RecordType.ALLOC, offset=offset, nbytes=lv.nbytes,
-                                       generation=lv.generation))
+            parts += [lv.record for lv in self._live.values()]   # O(live) copies, no packing
             blob = b"".join(parts)
             mm[: len(blob)] = blob
             os.rename(tmp, self.path)

@@ -211,3 +211,16 @@ async def test_commit_log_hashes_off_loop_and_skips_freed_slots(shm_dir: Path) -
         for i, m in enumerate(metas[:2])]
     arena.close()
     assert not (shm_dir / "x.journal").exists()
+
+
+# -- config ----------------------------------------------------------------------------------
+def test_warm_restart_and_lookup_budget_settings() -> None:
+    from kvtier.config import load_config
+
+    cfg = load_config(env={})
+    assert cfg.cpu.warm_restart is True and 0 < cfg.redis.lookup_budget_s < cfg.redis.op_timeout_s
+    cfg = load_config(env={"KVTIER_CPU_WARM_RESTART": "false",
+                           "KVTIER_REDIS_LOOKUP_BUDGET_S": "0.05"})
+    assert cfg.cpu.warm_restart is False and cfg.redis.lookup_budget_s == 0.05
+    with pytest.raises(ConfigError, match="lookup_budget_s"):
+        load_config(env={"KVTIER_REDIS_LOOKUP_BUDGET_S": "0"})
