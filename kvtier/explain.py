@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -44,26 +44,32 @@ class MissReason(str, Enum):
     NAMESPACE = "namespace_mismatch"     # unknown namespace or layout fingerprint
 
 
+# The hot path keeps plain strings (the enum's values): hashing and comparing them is
+# cheaper than an Enum member's Python-level __hash__.
+_NONE, _NEVER_STORED = MissReason.NONE.value, MissReason.NEVER_STORED.value
+_IN_FLIGHT, _TIER_DOWN = MissReason.IN_FLIGHT.value, MissReason.TIER_DOWN.value
+_EVICTED, _ADMISSION = MissReason.EVICTED.value, MissReason.ADMISSION.value
 _FROM_EVICTION = {
-    "capacity": MissReason.EVICTED, "expired": MissReason.EVICTED,
-    "deleted": MissReason.DELETED, "corrupt": MissReason.CHECKSUM,
-    "orphan": MissReason.ORPHAN, "lease": MissReason.LEASE,
+    "capacity": _EVICTED, "expired": _EVICTED, "deleted": MissReason.DELETED.value,
+    "corrupt": MissReason.CHECKSUM.value, "orphan": MissReason.ORPHAN.value,
+    "lease": MissReason.LEASE.value,
 }
+_BY_POLICY = (_EVICTED, _ADMISSION)   # reasons an eviction policy chose
 
 
 @dataclass(slots=True, frozen=True)
 class Removal:
     """The last time a key left a tier."""
 
-    reason: MissReason
+    reason: str          # a MissReason value
     tier: str
     policy: str
     at: float            # wall clock (time.time())
 
 
-# (wall time, namespace digest, blocks asked, cpu hits, nvme hits, redis hits, reason,
+# (wall time, namespace digest, blocks asked, cpu hits, cpu+nvme hits, all hits, reason,
 #  removal or None, error code) -- a tuple, not an object: the hot path appends one.
-_Row = tuple[float, bytes, int, int, int, int, MissReason, Removal | None, str]
+_Row = tuple[float, bytes, int, int, int, int, str, Removal | None, str]
 
 
 class MissLog:
@@ -75,21 +81,23 @@ class MissLog:
         if ring < 1 or removals < 1:
             raise ValueError("the lookup ring and the removal record need a size >= 1")
         self._ring: deque[_Row] = deque(maxlen=ring)
+        self._append = self._ring.append
         self._removals: OrderedDict[BlockKey, Removal] = OrderedDict()
         self._max_removals = removals
         self._refused: OrderedDict[BlockKey, str] = OrderedDict()
         self.policies = dict(policies or {})
         self.clock = clock
-        self.first_miss: dict[str, int] = {r.value: 0 for r in MissReason}
+        self._first_miss: dict[str, int] = {r.value: 0 for r in MissReason}
 
     # -- hooks (hot path) ----------------------------------------------------------------
     def removed(self, key: BlockKey, reason: str, tier: str) -> None:
         """A block left ``tier`` for ``reason`` (an EvictionReason value or "lease")."""
-        why = _FROM_EVICTION.get(reason, MissReason.EVICTED)
-        if why is MissReason.EVICTED and self._refused.pop(key, None) is not None:
-            why = MissReason.ADMISSION
+        why = _FROM_EVICTION.get(reason, _EVICTED)
+        if why == _EVICTED and self._refused.pop(key, None) is not None:
+            why = _ADMISSION
         rec = self._removals
-        rec[key] = Removal(why, tier, self.policies.get(tier, ""), self.clock())
+        policy = self.policies.get(tier, "") if why in _BY_POLICY else ""
+        rec[key] = Removal(why, tier, policy, self.clock())
         rec.move_to_end(key)
         if len(rec) > self._max_removals:
             rec.popitem(last=False)
@@ -100,34 +108,33 @@ class MissLog:
         if len(self._refused) > 1024:
             self._refused.popitem(last=False)
 
-    def lookup(self, digest: bytes, keys: list[BlockKey], tiers: list[str],
-               *, in_index: Callable[[BlockKey], bool], lower_tier_down: bool) -> None:
-        """Record one lookup: ``tiers`` are the tiers of its leading hits."""
-        n, hits = len(keys), len(tiers)
-        removal: Removal | None = None
+    def lookup(self, digest: bytes, keys: list[BlockKey], hits: int, n_cpu: int,
+               n_local: int, index: Container[BlockKey], lower_tier_down: bool) -> None:
+        """Record one lookup: ``hits`` leading blocks found, ``n_cpu`` of them in cpu and
+        ``n_local`` in cpu or nvme (the rest in redis). Kept to a few operations: it runs
+        on every lookup."""
+        n = len(keys)
         if hits >= n:
-            reason = MissReason.NONE
-        elif in_index(keys[hits]):
-            reason = MissReason.IN_FLIGHT
+            self._append((self.clock(), digest, n, n_cpu, n_local, hits, _NONE, None, ""))
+            self._first_miss[_NONE] += 1
+            return
+        removal: Removal | None = None
+        if keys[hits] in index:
+            reason = _IN_FLIGHT
         else:
             removal = self._removals.get(keys[hits])
             if removal is not None:
                 reason = removal.reason
-            elif lower_tier_down:
-                reason = MissReason.TIER_DOWN
             else:
-                reason = MissReason.NEVER_STORED
-        cpu = tiers.count("cpu")
-        redis = tiers.count("redis") if hits > cpu else 0
-        self._ring.append((self.clock(), digest, n, cpu, hits - cpu - redis, redis, reason,
-                           removal, ""))
-        self.first_miss[reason.value] += 1
+                reason = _TIER_DOWN if lower_tier_down else _NEVER_STORED
+        self._append((self.clock(), digest, n, n_cpu, n_local, hits, reason, removal, ""))
+        self._first_miss[reason] += 1
 
     def rejected(self, digest: bytes, n_keys: int, code: str) -> None:
         """A lookup failed before any tier was asked (unknown namespace, layout)."""
-        self._ring.append((self.clock(), digest, n_keys, 0, 0, 0, MissReason.NAMESPACE, None,
-                           code))
-        self.first_miss[MissReason.NAMESPACE.value] += 1
+        self._append((self.clock(), digest, n_keys, 0, 0, 0, MissReason.NAMESPACE.value, None,
+                      code))
+        self._first_miss[MissReason.NAMESPACE.value] += 1
 
     # -- readers (off the hot path) ------------------------------------------------------
     def __len__(self) -> int:
@@ -148,7 +155,9 @@ class MissLog:
         for row in reversed(self._ring):
             if len(out) >= limit:
                 break
-            at, digest, n, cpu, nvme, redis, reason, removal, code = row
+            at, digest, n, cpu, n_local, hits, value, removal, code = row
+            nvme, redis = n_local - cpu, hits - n_local
+            reason = MissReason(value)
             if misses_only and reason is MissReason.NONE:
                 continue
             ns = names.get(digest, {})
@@ -174,7 +183,7 @@ class MissLog:
 
     def stats(self) -> dict[str, Any]:
         """The /v1/stats section: first-miss reason counts and the records' fill."""
-        return {"first_miss": dict(self.first_miss), "ring": len(self._ring),
+        return {"first_miss": dict(self._first_miss), "ring": len(self._ring),
                 "ring_size": self._ring.maxlen, "removals": len(self._removals)}
 
 

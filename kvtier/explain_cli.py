@@ -15,6 +15,7 @@ import urllib.request
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -61,15 +62,16 @@ def render(rows: list[dict[str, Any]], console: Console, now: float | None = Non
         detail = ""
         if "removed" in r:
             rm = r["removed"]
-            detail = (f"left {rm['tier']} ({rm['policy'] or 'n/a'}) {rm['age_s']:.1f}s "
-                      "before")
+            by = f" ({rm['policy']})" if rm["policy"] else ""
+            detail = f"left {rm['tier']}{by} {rm['age_s']:.1f}s before"
         if r.get("hint"):
             detail = f"{detail}; {r['hint']}" if detail else r["hint"]
         style = "green" if reason == "none" else "yellow"
         first = "-" if reason == "none" else f"block {r['first_miss']}: {reason}"
         h = r["hits"]
-        table.add_row(_ago(now, r["at"]), ns, str(r["blocks"]), str(h["cpu"]), str(h["nvme"]),
-                      str(h["redis"]), f"[{style}]{first}[/{style}]", detail)
+        table.add_row(_ago(now, r["at"]), escape(ns), str(r["blocks"]), str(h["cpu"]),
+                      str(h["nvme"]), str(h["redis"]), f"[{style}]{first}[/{style}]",
+                      escape(detail))
     console.print(table)
 
 

@@ -278,8 +278,8 @@ class TieredStore:
         if self.observer is not None:
             self.observer.on_lookup(keys, hits, now=now)
         if self.explain is not None:
-            self.explain.lookup(digest, keys, tiers, in_index=self.index.__contains__,
-                                lower_tier_down=self.redis is not None and not self.redis.up)
+            self.explain.lookup(digest, keys, hits, n_cpu, n_local, self.index,
+                                self.redis is not None and not self.redis.up)
         if prefetch and (to_promote or redis_keys):
             # Pin the chain while its tail is promoted: promotion must never evict the
             # head of the same chain (a chain longer than the arena keeps what fits).

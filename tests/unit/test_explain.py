@@ -192,12 +192,12 @@ def test_records_are_bounded_and_misses_filter() -> None:
         log.removed(k, "capacity", "cpu")
     assert log.removal(keys[0]) is None and log.removal(keys[4]) is not None
     for i in range(5):
-        log.lookup(b"n" * 16, keys, ["cpu"] * (5 if i % 2 else 0), in_index=lambda k: False,
-                   lower_tier_down=False)
+        hits = 5 if i % 2 else 0
+        log.lookup(b"n" * 16, keys, hits, hits, hits, set(), False)
     assert len(log) == 3
     # keys[0] aged out of the removal record (2 kept): its miss reads as never stored
     assert [r["reason"] for r in log.recent(10, misses_only=True)] == ["never_stored"] * 2
-    log.lookup(b"n" * 16, keys, ["cpu"] * 4, in_index=lambda k: False, lower_tier_down=False)
+    log.lookup(b"n" * 16, keys, 4, 4, 4, set(), False)
     assert log.recent(1)[0]["reason"] == "evicted"
     assert log.stats()["first_miss"][MissReason.NONE.value] == 2
     with pytest.raises(ValueError):
