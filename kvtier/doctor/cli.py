@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable
 
 from kvtier.doctor.collect import DEFAULT_STATS_URL, Request, collect
 from kvtier.doctor.errors import DoctorError
@@ -58,6 +60,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _sleeper(show: bool) -> Callable[[float], None]:
+    """time.sleep between live samples, with a progress bar on a terminal's stderr."""
+    if not show:
+        return time.sleep
+
+    def sleep(seconds: float) -> None:
+        from kvtier import ui
+
+        ticks = max(int(seconds * 10), 1)
+        with ui.progress(ticks, "next sample", enabled=True) as advance:
+            for _ in range(ticks):
+                time.sleep(seconds / ticks)
+                advance(1)
+
+    return sleep
+
+
 def run_env(args: argparse.Namespace) -> int:
     """``kvtier doctor --env``: verdicts and fixes for this node."""
     from kvtier.config import load_config
@@ -97,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if req.interval_s is not None and req.interval_s <= 0:
             raise DoctorError(f"--interval must be positive, got {req.interval_s}")
-        got = collect(req)
+        got = collect(req, sleep=_sleeper(show=not args.json and sys.stderr.isatty()))
         if not got.engine and not got.stats:
             raise DoctorError("no metrics to read: give --stats and/or --engine-metrics")
     except DoctorError as exc:
