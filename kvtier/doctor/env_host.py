@@ -16,7 +16,7 @@ NV_PROC = "/proc/driver/nvidia/version"
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_memlock(cfg: Config, host: Host) -> Check:
