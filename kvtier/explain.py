@@ -147,8 +147,10 @@ class MissLog:
                namespaces: dict[bytes, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The newest ``limit`` lookups, newest first, as JSON-ready dicts.
 
-        ``namespaces`` maps a digest to what is known about it (model_id, cache_salt,
-        tp_rank): it names the namespace and backs the never-stored hint.
+        ``namespaces`` maps a digest to what is known about it (model_id, salt_id,
+        tp_rank): it names the namespace and backs the never-stored hint. A tenant's
+        cache_salt itself is never shown (the endpoint has no auth): only ``salt_id``, a
+        short hash that tells tenants apart.
         """
         names = namespaces or {}
         out: list[dict[str, Any]] = []
@@ -163,7 +165,7 @@ class MissLog:
             ns = names.get(digest, {})
             item: dict[str, Any] = {
                 "at": round(at, 3), "namespace": digest.hex(), "model_id": ns.get("model_id"),
-                "cache_salt": ns.get("cache_salt"), "blocks": n,
+                "salt_id": ns.get("salt_id"), "tp_rank": ns.get("tp_rank"), "blocks": n,
                 "hits": {"cpu": cpu, "nvme": nvme, "redis": redis},
                 "hit_blocks": cpu + nvme + redis,
                 "first_miss": None if reason is MissReason.NONE else cpu + nvme + redis,
@@ -185,6 +187,15 @@ class MissLog:
         """The /v1/stats section: first-miss reason counts and the records' fill."""
         return {"first_miss": dict(self._first_miss), "ring": len(self._ring),
                 "ring_size": self._ring.maxlen, "removals": len(self._removals)}
+
+
+def salt_id(cache_salt: str | None) -> str | None:
+    """A short, stable id of a tenant's cache_salt (the salt itself stays private)."""
+    if cache_salt is None:
+        return None
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(cache_salt.encode())[:8]
 
 
 def _hint(reason: MissReason, digest: bytes, ns: dict[str, Any],

@@ -56,8 +56,8 @@ def render(rows: list[dict[str, Any]], console: Console, now: float | None = Non
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for r in rows:
         ns = f"{r.get('model_id') or '?'} {r['namespace'][:8]}"
-        if r.get("cache_salt"):
-            ns += f" salt={r['cache_salt']}"
+        if r.get("salt_id"):
+            ns += f" salt#{r['salt_id']}"
         reason = r["reason"]
         detail = ""
         if "removed" in r:

@@ -36,9 +36,8 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             (f"sum by (instance) (rate(vllm:prefix_cache_hits_total{{{V}}}[{R}])) / "
              f"sum by (instance) (rate(vllm:prefix_cache_queries_total{{{V}}}[{R}]))",
              "vLLM {{instance}}")]),
-        ("Evictions /s by reason", "ops", [
-            (f"sum by (tier, reason) (rate(kvtier_evictions_total{{{K}}}[{R}]))",
-             "{{tier}} {{reason}}")]),
+        ("Evictions /s", "ops", [
+            (f"sum by (tier) (rate(kvtier_evictions_total{{{K}}}[{R}]))", "{{tier}}")]),
         ("Preemptions", "short", [
             (f"sum by (instance) (rate(vllm:num_preemptions_total{{{V}}}[{R}]))",
              "vLLM {{instance}} /s"),
@@ -71,6 +70,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              f"[{R}])))", "{{op}} P50"),
             (f"histogram_quantile(0.99, sum by (op, le) (rate(kvtier_op_seconds_bucket{{{K}}}"
              f"[{R}])))", "{{op}} P99")]),
+        ("Evictions /s by reason", "ops", [
+            (f"sum by (tier, reason) (rate(kvtier_evictions_total{{{K}}}[{R}]))",
+             "{{tier}} {{reason}}")]),
         ("Prefetch outcomes /s", "ops", [
             (f"sum by (outcome) (rate(kvtier_prefetch_total{{{K}}}[{R}]))", "{{outcome}}")]),
         ("Checksum failures", "short", [

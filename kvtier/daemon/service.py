@@ -22,7 +22,7 @@ from kvtier.daemon.control import ControlServer
 from kvtier.daemon.http import HttpServer
 from kvtier.daemon.metrics import Metrics, admission_stats
 from kvtier.errors import ConfigError
-from kvtier.explain import MissLog
+from kvtier.explain import MissLog, salt_id
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, remove_stale_arenas
 
@@ -252,8 +252,8 @@ class Daemon:
         """Recent lookups with their first-miss reason, newest first (/v1/lookups/recent)."""
         if self.explain is None or self.store is None:
             return []
-        names = {d: {"model_id": e.namespace.model_id, "cache_salt": e.namespace.cache_salt,
-                     "tp_rank": e.namespace.tp_rank}
+        names = {d: {"model_id": e.namespace.model_id,
+                     "salt_id": salt_id(e.namespace.cache_salt), "tp_rank": e.namespace.tp_rank}
                  for d, e in self.store.namespaces.items()}
         return self.explain.recent(limit, misses_only=misses_only, namespaces=names)
 

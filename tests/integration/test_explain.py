@@ -16,6 +16,7 @@ import pytest
 
 from kvtier.client import connect
 from kvtier.errors import KVTierError
+from kvtier.explain import salt_id
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
@@ -55,7 +56,8 @@ def test_explain_says_why_each_lookup_missed(tmp_path: Path) -> None:
         assert [r["reason"] for r in rows] == ["namespace_mismatch", "never_stored",
                                                "lease_lost", "evicted", "none"]
         evicted = rows[3]
-        assert evicted["model_id"] == "ops/model" and evicted["cache_salt"] == "tenant-a"
+        assert evicted["model_id"] == "ops/model" and evicted["salt_id"] == salt_id("tenant-a")
+        assert "tenant-a" not in json.dumps(rows)   # the salt itself is never served
         assert evicted["removed"]["tier"] == "cpu" and evicted["removed"]["policy"] == "lru"
         assert (evicted["blocks"], evicted["first_miss"]) == (4, 0)
         assert rows[4]["hits"] == {"cpu": 4, "nvme": 0, "redis": 0}
