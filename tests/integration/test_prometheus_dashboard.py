@@ -124,7 +124,7 @@ def test_every_panel_query_returns_data(tmp_path: Path) -> None:
             assert len(loaded) == len(rules)
             assert all(r["health"] != "err" for r in loaded), \
                 [(r["name"], r.get("lastError")) for r in loaded if r["health"] == "err"]
-            print_one_per_row(queries, results)
+            print_live_results(queries, results)
     finally:
         stop.set()
         worker.join(10)
@@ -133,13 +133,18 @@ def test_every_panel_query_returns_data(tmp_path: Path) -> None:
         daemon.terminate()
 
 
-def print_one_per_row(queries: list[tuple[str, str, str]],
-                      results: dict[str, list[dict[str, Any]]]) -> None:
-    """For the record (pytest -s): a live result per dashboard row."""
-    seen: set[str] = set()
+def print_live_results(queries: list[tuple[str, str, str]],
+                       results: dict[str, list[dict[str, Any]]]) -> None:
+    """For the record (pytest -s): per row, each panel's first live series and value."""
+    row_seen, panel_seen = "", set()
     for row, panel, q in queries:
-        if row in seen:
+        if row != row_seen:
+            print(f"\n[{row}]")
+            row_seen = row
+        if panel in panel_seen:
             continue
-        seen.add(row)
+        panel_seen.add(panel)
         sample = results[q][0]
-        print(f"\n[{row}] {panel}\n  {q}\n  -> {sample['metric']} = {sample['value'][1]}")
+        labels = {k: v for k, v in sample["metric"].items() if k not in ("instance", "job")}
+        print(f"  {panel}: {q[:70]}{'...' if len(q) > 70 else ''} -> {labels} "
+              f"{float(sample['value'][1]):.4g} ({len(results[q])} series)")
