@@ -76,8 +76,10 @@ class MissLog:
     """Recent lookups with the reason of their first miss; bounded in both records."""
 
     def __init__(self, *, ring: int = 512, removals: int = 16384,
-                 policies: dict[str, str] | None = None,
+                 policies: dict[str, str] | None = None, redis_tier: bool = False,
                  clock: Callable[[], float] = time.time) -> None:
+        """``policies``: the eviction policy's name per tier; ``redis_tier``: blocks leaving
+        nvme are handed to redis (a later miss there means redis dropped them)."""
         if ring < 1 or removals < 1:
             raise ValueError("the lookup ring and the removal record need a size >= 1")
         self._ring: deque[_Row] = deque(maxlen=ring)
@@ -86,6 +88,7 @@ class MissLog:
         self._max_removals = removals
         self._refused: OrderedDict[BlockKey, str] = OrderedDict()
         self.policies = dict(policies or {})
+        self.redis_tier = redis_tier
         self.clock = clock
         self._first_miss: dict[str, int] = {r.value: 0 for r in MissReason}
 
@@ -178,6 +181,10 @@ class MissLog:
             if code:
                 item["error"] = code
             hint = _hint(reason, digest, ns, names)
+            if self.redis_tier and removal is not None and removal.tier == "nvme" \
+                    and reason is MissReason.EVICTED:
+                hint = ("evicted from nvme and handed to redis (when it was up), which no "
+                        "longer has it: its TTL or maxmemory dropped it")
             if hint:
                 item["hint"] = hint
             out.append(item)

@@ -85,7 +85,7 @@ class Daemon:
         self.store = self._make_store()
         self.explain = MissLog(policies={
             "cpu": getattr(self.store.cpu_policy, "name", ""),
-            "nvme": getattr(self.store.nvme_policy, "name", "")})
+            "nvme": getattr(self.store.nvme_policy, "name", "")}, redis_tier=self.redis is not None)
         self.store.explain = self.explain
         rebuilt = await asyncio.get_running_loop().run_in_executor(
             None, self.store.rebuild_from_nvme)

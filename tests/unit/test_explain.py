@@ -185,6 +185,19 @@ async def test_tier_down(arena: Arena) -> None:
         await redis.close()
 
 
+def test_a_block_evicted_from_nvme_into_redis_says_redis_dropped_it() -> None:
+    log = MissLog(policies={"nvme": "lru"}, redis_tier=True)
+    key = b"k" * 16
+    log.removed(key, "capacity", "nvme")
+    log.lookup(b"n" * 16, [key], 0, 0, 0, set(), False)
+    row = log.recent(1)[0]
+    assert row["reason"] == "evicted" and "redis" in row["hint"]
+    plain = MissLog(policies={"nvme": "lru"})
+    plain.removed(key, "capacity", "nvme")
+    plain.lookup(b"n" * 16, [key], 0, 0, 0, set(), False)
+    assert "redis" not in plain.recent(1)[0]["hint"]
+
+
 def test_records_are_bounded_and_misses_filter() -> None:
     log = MissLog(ring=3, removals=2)
     keys = [bytes([i]) * 16 for i in range(5)]
