@@ -1,8 +1,9 @@
 """Daemon lifecycle: set up tiers and servers, serve, drain on SIGTERM, clean up.
 
-Phases (each bounded): setup (arena, nvme index rebuild, redis connect in the
-background), start (control socket, HTTP), serve, drain (stop accepting, let in-flight
-requests finish, persist cpu-only blocks to nvme, flush redis), cleanup in reverse order.
+Phases (each bounded): setup (arena, adopted after a crash when its journal says what it
+holds; index rebuild from nvme and the adopted arena; redis connect in the background),
+start (control socket, HTTP), serve, drain (stop accepting, let in-flight requests finish,
+persist cpu-only blocks to nvme, flush redis), cleanup in reverse order.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kvtier.daemon.metrics import Metrics, admission_stats
 from kvtier.errors import ConfigError
 from kvtier.explain import MissLog, salt_id
 from kvtier.store import TieredStore
-from kvtier.tiers.arena import Arena, remove_stale_arenas
+from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
+from kvtier.tiers.arena_journal import read_journal
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -69,10 +71,14 @@ class Daemon:
                                   "or pass --socket")
             sock.unlink()
         cfg.daemon.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for stale in remove_stale_arenas(cfg.cpu.shm_dir):
+        name = stable_arena_name(cfg.daemon.data_dir) if cfg.cpu.warm_restart else None
+        own = cfg.cpu.shm_dir / name if name else None
+        for stale in remove_stale_arenas(cfg.cpu.shm_dir, keep=own):
             log.info("removed stale arena %s", stale)
+        state = read_journal(journal_path(own)) if own is not None else None
         self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
-                           slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault)
+                           slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault,
+                           name=name, adopt=state is not None)
         if cfg.hbm.enabled:
             self.hbm = self._make_hbm()
         if cfg.nvme.enabled and cfg.nvme.bytes > 0:
@@ -87,8 +93,10 @@ class Daemon:
             "cpu": getattr(self.store.cpu_policy, "name", ""),
             "nvme": getattr(self.store.nvme_policy, "name", "")}, redis_tier=self.redis is not None)
         self.store.explain = self.explain
-        rebuilt = await asyncio.get_running_loop().run_in_executor(
-            None, self.store.rebuild_from_nvme)
+        journal = journal_path(self.arena.path) if self.arena.path == own else None
+        recovered = await self.store.recover(state, journal=journal)
+        rebuilt = recovered.nvme_blocks
+        self.adopted_blocks = recovered.adopted_blocks
         if rebuilt:
             log.info("rebuilt index from nvme: %d blocks", rebuilt)
         self.metrics = Metrics(self.stats)
@@ -107,6 +115,7 @@ class Daemon:
         self.rebuilt_blocks = rebuilt
 
     def _make_nvme(self) -> Any:
+        from kvtier.backoff import BackoffPolicy
         from kvtier.tiers.nvme import NvmeTier
         from kvtier.tiers.nvme_backend import make_frame_io, select_nvme_backend
 
@@ -115,7 +124,8 @@ class Daemon:
         log.info("nvme I/O backend: %s (%s)", choice.name, choice.reason)
         return NvmeTier(self.cfg.nvme_path, nvme.bytes, direct=nvme.direct,
                         io_threads=nvme.io_threads,
-                        io=make_frame_io(choice, threads=nvme.io_threads))
+                        io=make_frame_io(choice, threads=nvme.io_threads),
+                        backoff=BackoffPolicy(nvme.backoff_min_s, nvme.backoff_max_s))
 
     def _make_hbm(self) -> Any:
         """The HBM pool (hbm.enabled): a clear ConfigError when this host cannot have one.
@@ -155,7 +165,8 @@ class Daemon:
             lease_ttl_s=cfg.daemon.lease_ttl_s,
             prefetch_wait=cfg.policy.prefetch_wait,
             prefetch_ms_per_block=cfg.policy.prefetch_timeout_ms_per_block,
-            redis_write_through=cfg.redis.write_through, **kwargs)
+            redis_write_through=cfg.redis.write_through,
+            redis_lookup_budget_s=cfg.redis.lookup_budget_s, **kwargs)
 
     async def _sweep(self) -> None:
         while True:
@@ -183,7 +194,7 @@ class Daemon:
                 f"(/metrics /v1/stats /healthz)\n"
                 f"  tiers:  {tiers}\n"
                 f"  policy: {self.cfg.policy.eviction}; rebuilt {self.rebuilt_blocks} blocks "
-                "from nvme")
+                f"from nvme, adopted {self.adopted_blocks} from the arena")
 
     def request_stop(self) -> None:
         self._stop.set()
