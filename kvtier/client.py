@@ -43,7 +43,7 @@ from kvtier.errors import (
     RequestTimeout,
     error_from_code,
 )
-from kvtier.keys import BlockKey, Namespace
+from kvtier.keys import KEY_SCHEME, BlockKey, Namespace
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
 from kvtier.tiers.arena import ArenaMapping
@@ -226,7 +226,8 @@ class _Ops:
 
     @staticmethod
     def hello() -> dict[str, Any]:
-        return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}"}
+        return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}",
+                "key_scheme": KEY_SCHEME}
 
     def on_hello(self, reply: dict[str, Any]) -> None:
         if reply.get("version") != PROTOCOL_VERSION:

@@ -166,6 +166,7 @@ class TieredStore:
         self.requests = RequestCounters()
         self.prefetch = PrefetchCounters()
         self.bytes_moved: dict[tuple[str, str], int] = {}
+        self.explain: Any = None  # kvtier.explain.MissLog: why lookups miss (set by the daemon)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
         self.recovery: RecoveryCounters | None = None
@@ -235,7 +236,12 @@ class TieredStore:
     async def lookup(self, digest: bytes, layout_fp: int, keys: list[bytes],
                      *, prefetch: bool = True) -> LookupResult:
         """Leading keys present anywhere (cpu -> nvme -> redis); starts promotion."""
-        ns = self._ns(digest, layout_fp)
+        try:
+            ns = self._ns(digest, layout_fp)
+        except KVTierError as exc:
+            if self.explain is not None:
+                self.explain.rejected(digest, len(keys), exc.code)
+            raise
         now = self.clock()
         tiers: list[str] = []
         to_promote: list[BlockMeta] = []
@@ -281,6 +287,9 @@ class TieredStore:
         r.hit_tokens += hits * tpb
         if self.observer is not None:
             self.observer.on_lookup(keys, hits, now=now)
+        if self.explain is not None:
+            self.explain.lookup(digest, keys, hits, n_cpu, n_local, self.index,
+                                self.redis is not None and not self.redis.up)
         if prefetch and (to_promote or redis_keys):
             # Pin the chain while its tail is promoted: promotion must never evict the
             # head of the same chain (a chain longer than the arena keeps what fits).
@@ -464,8 +473,11 @@ class TieredStore:
     def _admit(self, meta: BlockMeta, tier: str) -> bool:
         if self.admission is None:
             return True
-        return bool(self.admission.admit(meta.key, tier=tier, nbytes=meta.nbytes,
-                                         now=self.clock()))
+        ok = bool(self.admission.admit(meta.key, tier=tier, nbytes=meta.nbytes,
+                                       now=self.clock()))
+        if not ok and self.explain is not None:
+            self.explain.refused(meta.key, tier)
+        return ok
 
     def _drop_cpu(self, meta: BlockMeta,
                   reason: EvictionReason = EvictionReason.CAPACITY) -> None:
@@ -482,6 +494,8 @@ class TieredStore:
         if was_ready:
             self.cpu.resident -= 1
         self.cpu_policy.remove(meta.key)
+        if self.explain is not None:
+            self.explain.removed(meta.key, reason.value, "cpu")
 
     def _forget_if_gone(self, meta: BlockMeta) -> None:
         """Drop ``meta`` from the index once no tier holds it, and with it its orphans:
@@ -561,6 +575,8 @@ class TieredStore:
         meta.nvme_ready = False
         self.nvme_policy.remove(meta.key)
         self.nvme.counters.evicted(reason)
+        if self.explain is not None:
+            self.explain.removed(meta.key, reason.value, "nvme")
 
     async def _write_nvme(self, meta: BlockMeta, *, sync: bool = False) -> bool:
         """Write the arena copy of ``meta`` to nvme as a frame; True when it is durable."""
@@ -672,6 +688,8 @@ class TieredStore:
         for meta in lease.metas:
             if meta.cpu_state is SlotState.WRITING and self.index.get(meta.key) is meta:
                 self._drop_cpu(meta)
+                if self.explain is not None:
+                    self.explain.removed(meta.key, "lease", "cpu")
                 self._forget_if_gone(meta)
 
     # -- get -----------------------------------------------------------------------------

@@ -21,8 +21,9 @@ from kvtier import __version__
 from kvtier.config import Config
 from kvtier.daemon.control import ControlServer
 from kvtier.daemon.http import HttpServer
-from kvtier.daemon.metrics import Metrics
+from kvtier.daemon.metrics import Metrics, admission_stats
 from kvtier.errors import ConfigError
+from kvtier.explain import MissLog, salt_id
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.arena_journal import read_journal
@@ -56,6 +57,7 @@ class Daemon:
         self.control: ControlServer | None = None
         self.http: HttpServer | None = None
         self.metrics: Metrics | None = None
+        self.explain: MissLog | None = None
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -87,6 +89,10 @@ class Daemon:
             self.redis = RedisTier(cfg.redis)
             await self.redis.start()
         self.store = self._make_store()
+        self.explain = MissLog(policies={
+            "cpu": getattr(self.store.cpu_policy, "name", ""),
+            "nvme": getattr(self.store.nvme_policy, "name", "")}, redis_tier=self.redis is not None)
+        self.store.explain = self.explain
         journal = journal_path(self.arena.path) if self.arena.path == own else None
         recovered = await self.store.recover(state, journal=journal)
         rebuilt = recovered.nvme_blocks
@@ -102,7 +108,8 @@ class Daemon:
         self.control.stats_provider = self.stats
         await self.control.start()
         self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
-                               cfg.to_dict, cfg.http.admin_token)
+                               cfg.to_dict, cfg.http.admin_token,
+                               recent=self.recent_lookups)
         await self.http.start()
         self._sweeper = asyncio.ensure_future(self._sweep())
         self.rebuilt_blocks = rebuilt
@@ -240,7 +247,26 @@ class Daemon:
         }
         out.update(self.store.stats())   # tiers.hbm first when the daemon has a pool
         out["connector"] = self.control.engine_summary() if self.control else {}
+        if self.control is not None:
+            schemes: dict[str, int] = {}
+            for conn in self.control.connections.values():
+                scheme = getattr(conn, "key_scheme", "") or "unknown"
+                schemes[scheme] = schemes.get(scheme, 0) + 1
+            out["daemon"]["key_schemes"] = schemes
+        out["admission"] = admission_stats(self.store.admission,
+                                           self.cfg.nvme.write_budget_bytes_per_s)
+        if self.explain is not None:
+            out["explain"] = self.explain.stats()
         return out
+
+    def recent_lookups(self, limit: int, misses_only: bool) -> list[dict[str, Any]]:
+        """Recent lookups with their first-miss reason, newest first (/v1/lookups/recent)."""
+        if self.explain is None or self.store is None:
+            return []
+        names = {d: {"model_id": e.namespace.model_id,
+                     "salt_id": salt_id(e.namespace.cache_salt), "tp_rank": e.namespace.tp_rank}
+                 for d, e in self.store.namespaces.items()}
+        return self.explain.recent(limit, misses_only=misses_only, namespaces=names)
 
 
 async def run_daemon(cfg: Config, *, ready: Any = None) -> None:
