@@ -17,7 +17,7 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install -q -e '.[cli]'
+	$(PIP) install -q -e .
 	touch $@
 
 $(TSTAMP): pyproject.toml | $(PY)
