@@ -7,7 +7,7 @@ io_threads). The tier side goes through ``NvmeTier.write``/``read_into`` from an
 (thread pool hop, payload checksum verification on read); the plain side calls the OS from
 threads directly: one os.pwrite/os.preadv of the whole frame per request, at the same queue
 depth. The tier may split a frame internally (a lone read is issued as several concurrent
-page-aligned pieces, see kvtier.tiers.nvme); the baseline never does, so the ratio compares
+page-aligned pieces, see kvtier.tiers.nvme.split); the baseline never does, so the ratio compares
 the tier's whole path with the simplest honest use of the same syscalls. Rounds alternate
 which side runs first; the median round is reported.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvtier.frame import HEADER_SIZE, make_header
-from kvtier.tiers._aligned import PAGE, aligned_buffer
+from kvtier.tiers.aligned import PAGE, aligned_buffer
 from kvtier.tiers.nvme import NvmeSlot, NvmeTier
 
 NS = b"bench-namespace!"

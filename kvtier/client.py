@@ -227,7 +227,7 @@ class _Ops:
 
     @staticmethod
     def hello() -> dict[str, Any]:
-        """The first request; ``arena_fd``: pass the arena's descriptor with the reply."""
+        """The first request (kvtier.handshake.hello_request)."""
         return hello_request()
 
     def on_hello(self, reply: dict[str, Any], arena_fd: int | None = None,

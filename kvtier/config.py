@@ -145,6 +145,8 @@ class CpuConfig:
     shm_dir: Path = Path("/dev/shm")
     slab_bytes: int = 64 * 2**20
     prefault: bool = True
+    warm_restart: bool = True             # keep the arena + a journal under a stable name
+    #                                       per data dir: a restart after a crash adopts them
 
 
 @dataclass(slots=True)
@@ -156,6 +158,8 @@ class NvmeConfig:
     io_threads: int = 4
     backend: str = "auto"                 # auto | posix | kvikio
     write_budget_bytes_per_s: int = 0     # 0: unlimited (admission protects endurance)
+    backoff_min_s: float = 0.5            # full or failing disk: first wait before a space
+    backoff_max_s: float = 30.0           # probe, doubling (with jitter) up to this
 
 
 @dataclass(slots=True)
@@ -179,6 +183,8 @@ class RedisConfig:
     max_inflight: int = 8                 # bounded concurrent pipelines
     connect_timeout_s: float = 1.0
     op_timeout_s: float = 2.0
+    lookup_budget_s: float = 0.1          # Redis part of a lookup/get on the request path:
+    #                                       past it, a (counted) miss, never an op timeout
     bytes: int = 0                        # 0: bounded by Redis maxmemory / TTL
 
 
@@ -339,8 +345,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError("nvme.direct must be auto, on or off")
     if cfg.nvme.backend not in ("auto", "posix", "kvikio"):
         raise ConfigError("nvme.backend must be auto, posix or kvikio")
+    if not 0 < cfg.nvme.backoff_min_s <= cfg.nvme.backoff_max_s:
+        raise ConfigError("nvme.backoff_min_s must be > 0 and <= nvme.backoff_max_s")
     if cfg.redis.codec not in ("none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"):
         raise ConfigError("redis.codec must be none, lz4, shuffle-lz4, shuffle-zstd or auto")
+    if cfg.redis.lookup_budget_s <= 0:
+        raise ConfigError("redis.lookup_budget_s must be > 0 (e.g. 0.1: well under the "
+                          "connector's step timeout)")
     if cfg.policy.eviction not in ("lru", "lfu", "cost"):
         raise ConfigError("policy.eviction must be lru, lfu or cost")
     if cfg.policy.prefetch_wait not in ("best_effort", "wait", "timeout"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import DaemonUnavailable, ProtocolError, RequestTimeout, error_from_code
+from kvtier.keys import KEY_SCHEME
 from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
 from kvtier.trust import PeerCred, check_daemon_peer
 
@@ -24,9 +25,10 @@ _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)   # room for exactly on
 
 
 def hello_request() -> dict[str, Any]:
-    """The first request; ``arena_fd``: pass the arena's descriptor with the reply."""
+    """The first request; ``arena_fd``: pass the arena's descriptor with the reply;
+    ``key_scheme``: the client's key function version (kvtier.keys.KEY_SCHEME)."""
     return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}",
-            "arena_fd": True}
+            "key_scheme": KEY_SCHEME, "arena_fd": True}
 
 
 @dataclass(slots=True)

@@ -37,15 +37,17 @@ from kvtier.errors import (
     ProtocolError,
     UnknownNamespace,
 )
-from kvtier.frame import make_header
+from kvtier.frame import Codec, make_header
 from kvtier.index import BlockIndex, BlockMeta, SlotState
 from kvtier.keys import KEY_BYTES, Namespace
 from kvtier.layout import KVLayout
 from kvtier.leases import Lease, LeaseKind, LeaseTable
 from kvtier.policy.base import EvictionPolicy, make_eviction_policy
 from kvtier.store_hbm import HbmEntry, HbmPlacement
+from kvtier.store_recovery import CommitLog, RecoveryCounters, rebuild_nvme_only, recover
 from kvtier.tiers._aligned import aligned_buffer
 from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_journal import JournalState
 from kvtier.tiers.base import EvictionReason, Tier, TierCounters, TierName
 from kvtier.tiers.slab import round_up
 
@@ -75,6 +77,7 @@ class RequestCounters:
     get_blocks: int = 0
     deletes: int = 0
     lease_expired: int = 0
+    redis_budget_misses: int = 0   # Redis lookups cut at redis_lookup_budget_s: counted a miss
 
 
 @dataclass(slots=True)
@@ -133,6 +136,7 @@ class TieredStore:
                  policy_factory: Callable[[str, TierName], EvictionPolicy] | None = None,
                  admission: Any = None, observer: Any = None,
                  redis_write_through: bool = False, forest: Any = None,
+                 redis_lookup_budget_s: float = 0.1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.index = BlockIndex()
         self.arena = arena
@@ -140,6 +144,7 @@ class TieredStore:
         self.nvme = nvme
         self.redis = redis
         self.redis_write_through = redis_write_through
+        self.redis_lookup_budget_s = redis_lookup_budget_s
         self.clock = clock
         self.lease_ttl_s = lease_ttl_s
         self.prefetch_wait = prefetch_wait
@@ -161,7 +166,10 @@ class TieredStore:
         self.requests = RequestCounters()
         self.prefetch = PrefetchCounters()
         self.bytes_moved: dict[tuple[str, str], int] = {}
+        self.explain: Any = None  # kvtier.explain.MissLog: why lookups miss (set by the daemon)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
+        self.recovery: RecoveryCounters | None = None
 
     # -- tiers ---------------------------------------------------------------------------
     @property
@@ -178,24 +186,27 @@ class TieredStore:
         self.bytes_moved[k] = self.bytes_moved.get(k, 0) + nbytes
 
     def rebuild_from_nvme(self) -> int:
-        """Index every valid frame found on nvme (oldest first, so LRU order survives)."""
-        if self.nvme is None:
+        """Index every valid frame found on nvme (oldest first, so LRU order survives) and
+        drop the frames no chain head leads to. Sync (runs ``nvme.open()``); the daemon uses
+        ``recover``, which also adopts the arena."""
+        return rebuild_nvme_only(self)
+
+    async def recover(self, state: JournalState | None, *,
+                      journal: Any = None) -> RecoveryCounters:
+        """Warm restart: index nvme frames and the adopted arena's verified blocks, drop
+        orphans, quarantine slots in flight at the crash for one lease TTL, then journal to
+        ``journal`` (see ``kvtier.store_recovery``)."""
+        return await recover(self, state, journal=journal, quarantine_s=self.lease_ttl_s)
+
+    async def _redis_prefix(self, keys: list[bytes]) -> int:
+        """``redis.exists_prefix`` bounded by ``redis_lookup_budget_s`` (not by the Redis op
+        timeout, which can be the connector's whole step budget): past it, a counted miss."""
+        try:
+            return int(await asyncio.wait_for(self.redis.exists_prefix(keys),
+                                              self.redis_lookup_budget_s))
+        except asyncio.TimeoutError:
+            self.requests.redis_budget_misses += 1
             return 0
-        entries = self.nvme.open()
-        now = self.clock()
-        for slot, header in entries:
-            if header.key in self.index:   # duplicate after a torn overwrite: keep newest
-                old = self.index.pop(header.key)
-                self.nvme_policy.remove(old.key)
-                self.nvme.free(old.nvme)
-            meta = BlockMeta(header.key, header.namespace, header.layout_fp, header.raw_len,
-                             None, 0, nvme=slot, nvme_ready=True, seq=header.seq)
-            self.index[header.key] = meta
-            self.nvme_policy.insert(header.key, nbytes=header.raw_len, parent=None, depth=0,
-                                    now=now)
-            if self.forest is not None:
-                self.forest.add(header.key, None)
-        return len(entries)
 
     # -- namespaces ----------------------------------------------------------------------
     def register_namespace(self, layout: KVLayout, model_id: str, tp_rank: int, tp_size: int,
@@ -225,7 +236,12 @@ class TieredStore:
     async def lookup(self, digest: bytes, layout_fp: int, keys: list[bytes],
                      *, prefetch: bool = True) -> LookupResult:
         """Leading keys present anywhere (cpu -> nvme -> redis); starts promotion."""
-        ns = self._ns(digest, layout_fp)
+        try:
+            ns = self._ns(digest, layout_fp)
+        except KVTierError as exc:
+            if self.explain is not None:
+                self.explain.rejected(digest, len(keys), exc.code)
+            raise
         now = self.clock()
         tiers: list[str] = []
         to_promote: list[BlockMeta] = []
@@ -259,7 +275,7 @@ class TieredStore:
             nc.miss_tokens += stopped * tpb
         redis_keys: list[bytes] = []
         if n_local < len(keys) and self.redis is not None and self.redis.up:
-            n_r = await self.redis.exists_prefix(keys[n_local:])
+            n_r = await self._redis_prefix(keys[n_local:])
             redis_keys = keys[n_local: n_local + n_r]
             tiers.extend(["redis"] * n_r)
         hits = len(tiers)
@@ -271,6 +287,9 @@ class TieredStore:
         r.hit_tokens += hits * tpb
         if self.observer is not None:
             self.observer.on_lookup(keys, hits, now=now)
+        if self.explain is not None:
+            self.explain.lookup(digest, keys, hits, n_cpu, n_local, self.index,
+                                self.redis is not None and not self.redis.up)
         if prefetch and (to_promote or redis_keys):
             # Pin the chain while its tail is promoted: promotion must never evict the
             # head of the same chain (a chain longer than the arena keeps what fits).
@@ -330,10 +349,13 @@ class TieredStore:
     async def _load_nvme(self, meta: BlockMeta, off: int, fut: asyncio.Future[bool]) -> None:
         view = memoryview(self.arena.view(off, round_up(meta.nbytes)))
         ok = corrupt = False
+        checksum = None
         try:
-            await self.nvme.read_into(meta.nvme, view, namespace=meta.namespace, key=meta.key,
-                                      layout_fp=meta.layout_fp)
+            header = await self.nvme.read_into(meta.nvme, view, namespace=meta.namespace,
+                                               key=meta.key, layout_fp=meta.layout_fp)
             ok = True
+            if header.codec is Codec.NONE and header.payload_len == meta.nbytes:
+                checksum = header.checksum   # the arena now holds exactly the payload
         except FrameError as exc:  # the frame is bad for good: drop it
             corrupt = True
             log.warning("dropping nvme block %s: %s", meta.key.hex(), exc)
@@ -346,7 +368,7 @@ class TieredStore:
             meta.nvme_busy = False
         meta.loading = None
         if ok and meta.cpu == off:
-            self._cpu_ready(meta, self.clock())
+            self._cpu_ready(meta, self.clock(), checksum)
             self._moved("nvme", "cpu", meta.nbytes)
         elif meta.cpu == off:
             self._drop_cpu(meta)
@@ -405,9 +427,11 @@ class TieredStore:
             if fut is not None and not fut.done():
                 fut.set_result(ok)
 
-    def _cpu_ready(self, meta: BlockMeta, now: float) -> None:
-        """A slot's bytes are complete: make it readable and evictable (unless in use)."""
+    def _cpu_ready(self, meta: BlockMeta, now: float, checksum: int | None = None) -> None:
+        """A slot's bytes are complete: make it readable and evictable (unless in use), and
+        journal it (``checksum``: its payload's xxh3-64 when known, else hashed off-loop)."""
         meta.set_cpu_state(SlotState.READY)
+        self.commit_log.ready(meta, checksum)
         self.cpu.resident += 1
         self.cpu_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
                                depth=meta.depth, now=now)
@@ -449,8 +473,11 @@ class TieredStore:
     def _admit(self, meta: BlockMeta, tier: str) -> bool:
         if self.admission is None:
             return True
-        return bool(self.admission.admit(meta.key, tier=tier, nbytes=meta.nbytes,
-                                         now=self.clock()))
+        ok = bool(self.admission.admit(meta.key, tier=tier, nbytes=meta.nbytes,
+                                       now=self.clock()))
+        if not ok and self.explain is not None:
+            self.explain.refused(meta.key, tier)
+        return ok
 
     def _drop_cpu(self, meta: BlockMeta,
                   reason: EvictionReason = EvictionReason.CAPACITY) -> None:
@@ -467,6 +494,8 @@ class TieredStore:
         if was_ready:
             self.cpu.resident -= 1
         self.cpu_policy.remove(meta.key)
+        if self.explain is not None:
+            self.explain.removed(meta.key, reason.value, "cpu")
 
     def _forget_if_gone(self, meta: BlockMeta) -> None:
         """Drop ``meta`` from the index once no tier holds it, and with it its orphans:
@@ -546,6 +575,8 @@ class TieredStore:
         meta.nvme_ready = False
         self.nvme_policy.remove(meta.key)
         self.nvme.counters.evicted(reason)
+        if self.explain is not None:
+            self.explain.removed(meta.key, reason.value, "nvme")
 
     async def _write_nvme(self, meta: BlockMeta, *, sync: bool = False) -> bool:
         """Write the arena copy of ``meta`` to nvme as a frame; True when it is durable."""
@@ -564,7 +595,7 @@ class TieredStore:
             meta.seq = self.nvme.next_seq()
             payload = memoryview(self.arena.view(meta.cpu, round_up(meta.nbytes)))
             header = make_header(meta.namespace, meta.key, meta.layout_fp,
-                                 payload[: meta.nbytes], seq=meta.seq)
+                                 payload[: meta.nbytes], seq=meta.seq, chain=(meta.parent,))
             try:
                 await self.nvme.write(slot, header, payload, sync=sync)
             except Exception as exc:
@@ -657,6 +688,8 @@ class TieredStore:
         for meta in lease.metas:
             if meta.cpu_state is SlotState.WRITING and self.index.get(meta.key) is meta:
                 self._drop_cpu(meta)
+                if self.explain is not None:
+                    self.explain.removed(meta.key, "lease", "cpu")
                 self._forget_if_gone(meta)
 
     # -- get -----------------------------------------------------------------------------
@@ -720,7 +753,7 @@ class TieredStore:
         if len(chain) < len(keys) and self.redis is not None and self.redis.up:
             before = len(chain)
             rkeys = keys[before:]
-            n_r = await self.redis.exists_prefix(rkeys)
+            n_r = await self._redis_prefix(rkeys)
             if n_r:
                 await self._promote_from_redis(ns, rkeys[:n_r], keys, before)
                 for k in rkeys[:n_r]:
@@ -865,6 +898,7 @@ class TieredStore:
             "policy": {"eviction": getattr(self.cpu_policy, "name", "?")},
             "namespaces": len(self.namespaces),
             "index_blocks": len(self.index),
+            "recovery": _asdict(self.recovery) if self.recovery is not None else {},
         }
 
 

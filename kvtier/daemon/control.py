@@ -50,6 +50,7 @@ class Connection:
     pid: int
     uid: int
     client: str = ""
+    key_scheme: str = ""   # the client's key function version (kvtier.keys.KEY_SCHEME)
     engine: dict[str, float] = field(default_factory=dict)
 
 
@@ -59,15 +60,19 @@ class ControlServer:
     def __init__(self, store: TieredStore, socket_path: Path, *, max_frame: int,
                  max_inflight: int, arena_path: str, arena_size: int,
                  observe: Callable[[str, float], None] | None = None,
-                 hbm: dict[str, Any] | None = None) -> None:
+                 hbm: dict[str, Any] | None = None,
+                 open_arena: Callable[[], int] | None = None) -> None:
         """``hbm``: the HBM pool's ``HbmTier.handshake_info()`` (handle, size, device,
         pci_bus_id) when the daemon has one; every hello reply then carries it, and clients
-        that want device placement map the pool with it."""
+        that want device placement map the pool with it. ``open_arena``: a new descriptor of
+        the arena for a client that asks for it (``Arena.open_for_client``; default: open
+        ``arena_path``)."""
         self.store = store
         self.socket_path = socket_path
         self.max_frame = max_frame
         self.max_inflight = max_inflight
         self.arena = {"path": arena_path, "size": arena_size}
+        self.open_arena = open_arena or self._open_arena_by_path   # a new fd per client
         self.hbm = hbm
         self.observe = observe
         self.connections: dict[int, Connection] = {}
@@ -205,6 +210,7 @@ class ControlServer:
             raise HandshakeError(f"protocol version {version!r} not supported; this daemon "
                                  f"speaks {sorted(SUPPORTED_VERSIONS)}: upgrade the client")
         conn.client = str(msg.get("client", ""))[:64]
+        conn.key_scheme = str(msg.get("key_scheme", ""))[:64]
         reply = {"id": msg.get("id", 0), "ok": True, "version": PROTOCOL_VERSION,
                  "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
         if self.hbm is not None:
@@ -226,8 +232,8 @@ class ControlServer:
         sent, the client maps the path with its O_NOFOLLOW and fstat checks instead).
         """
         try:
-            arena_fd = os.open(str(self.arena["path"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
+            arena_fd = self.open_arena()
+        except (OSError, KVTierError) as exc:
             log.warning("cannot open the arena %s to pass it: %s", self.arena["path"], exc)
             return 0
         try:
@@ -239,6 +245,10 @@ class ControlServer:
             return 0
         finally:
             os.close(arena_fd)
+
+    def _open_arena_by_path(self) -> int:
+        """A new descriptor of the arena file (when the daemon gave no ``open_arena``)."""
+        return os.open(str(self.arena["path"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     async def _dispatch(self, conn: Connection, msg: dict[str, Any],
                         writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:

@@ -9,9 +9,11 @@ traceback).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pwd
+import stat
 import tempfile
 from pathlib import Path
 
@@ -62,11 +64,13 @@ def shm_free_bytes(shm_dir: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_shm_space(shm_dir: Path, nbytes: int) -> None:
+def check_shm_space(shm_dir: Path, nbytes: int, *, reusable: Path | None = None) -> None:
     """The cpu tier's arena must fit in the free space of its shared-memory file system.
 
     tmpfs accepts a sparse file of any size and fails only when a page is touched (SIGBUS,
-    which kills the daemon): so the check comes before the arena is created.
+    which kills the daemon): so the check comes before the arena is created. ``reusable``:
+    this daemon's stable arena (warm restart), whose pages count as available because it
+    is adopted or replaced.
     """
     try:
         free = shm_free_bytes(shm_dir)
@@ -74,6 +78,11 @@ def check_shm_space(shm_dir: Path, nbytes: int) -> None:
         raise StartupError(f"shared-memory directory {shm_dir} is unusable "
                            f"({exc.strerror}); set cpu.shm_dir to a tmpfs directory such as "
                            "/dev/shm") from exc
+    if reusable is not None:
+        with contextlib.suppress(OSError):
+            st = os.lstat(reusable)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                free += st.st_blocks * 512     # the pages it really holds
     if nbytes > free:
         raise StartupError(
             f"the cpu tier needs {_gib(nbytes)} of shared memory but {shm_dir} has only "

@@ -1,43 +1,5 @@
-"""Page-aligned buffers and byte views for O_DIRECT I/O.
+"""Old home of ``kvtier.tiers.aligned`` (kept so existing imports work; import from there)."""
 
-O_DIRECT needs the memory address, the file offset and the length of every transfer to be
-multiples of the logical block size. 4096 covers every disk and file system we target, so
-the nvme tier aligns everything to ``PAGE``. Buffers come from numpy (a core dependency)
-over-allocated by one page and sliced to the first aligned address, so they are released
-like any Python object (no mmap lifetime rules) and large ones are lazily zeroed by calloc.
-"""
+from kvtier.tiers.aligned import PAGE, address_of, aligned_buffer, byte_view, is_aligned, round_up
 
-from __future__ import annotations
-
-import numpy as np
-
-PAGE = 4096
-
-
-def aligned_buffer(nbytes: int, alignment: int = PAGE) -> memoryview:
-    """A zeroed, writable, ``alignment``-aligned byte buffer of exactly ``nbytes`` bytes."""
-    if nbytes < 0:
-        raise ValueError(f"buffer size must be >= 0, got {nbytes}")
-    raw = np.zeros(nbytes + alignment, dtype=np.uint8)
-    start = (-address_of(memoryview(raw))) % alignment
-    return memoryview(raw[start: start + nbytes])  # the slice keeps ``raw`` alive
-
-
-def byte_view(buf: object) -> memoryview:
-    """A flat unsigned-byte view of any C-contiguous buffer (numpy arrays, mmap, bytes)."""
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)  # type: ignore[arg-type]
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    return view
-
-
-def address_of(view: memoryview) -> int:
-    """The address of the first byte of ``view`` (works for read-only views too)."""
-    if view.nbytes == 0:
-        return 0
-    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
-
-
-def is_aligned(view: memoryview, alignment: int = PAGE) -> bool:
-    """True when ``view`` starts on an ``alignment`` boundary (its length is not checked)."""
-    return address_of(view) % alignment == 0
+__all__ = ["PAGE", "address_of", "aligned_buffer", "byte_view", "is_aligned", "round_up"]

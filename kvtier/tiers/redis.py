@@ -32,13 +32,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 from collections.abc import Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvtier import codec as codecs
+from kvtier.backoff import Backoff, BackoffPolicy
 from kvtier.config import RedisConfig
 from kvtier.errors import FrameError
 from kvtier.frame import Codec, decode_frame
@@ -62,8 +62,7 @@ SET_BATCH_BYTES = 4 << 20
 INLINE_DECODE_BYTES = 1 << 20     # check/decode/frame smaller batches on the loop, larger
                                   # in a thread (xxh3, memcpy and codecs release the GIL)
 DOWN_AFTER_FAILURES = 3           # soft failures (timeouts, error replies) in a row
-BACKOFF_START_S = 0.05
-BACKOFF_CAP_S = 5.0
+RECONNECT_BACKOFF = BackoffPolicy(base_s=0.05, cap_s=5.0)   # kvtier.backoff: x2, jitter 0.5
 HEALTH_INTERVAL_S = 1.0           # PING while idle, so `up` falls even without traffic
 STATS_EVERY = 5                   # health rounds between INFO/DBSIZE refreshes
 CLOSE_FLUSH_S = 5.0               # bounded drain at close
@@ -438,10 +437,9 @@ class RedisTier:
                                                 name="kvtier-redis-reconnect")
 
     async def _reconnect_loop(self) -> None:
-        delay = BACKOFF_START_S
+        backoff = Backoff(RECONNECT_BACKOFF)
         while not self._closed:
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, BACKOFF_CAP_S)
+            await asyncio.sleep(backoff.next_delay())
             try:
                 client = await connect(self.cfg, self._target)
             except Exception as exc:

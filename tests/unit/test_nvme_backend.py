@@ -22,18 +22,17 @@ import pytest
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, FrameError
 from kvtier.frame import make_header
-from kvtier.tiers import nvme_backend as nb
-from kvtier.tiers._aligned import aligned_buffer
+from kvtier.tiers.aligned import aligned_buffer
 from kvtier.tiers.base import tier_stats
 from kvtier.tiers.nvme import PAGE, NvmeIOError, NvmeTier, PosixFrameIO
-from kvtier.tiers.nvme_backend import (
+from kvtier.tiers.nvme import backends as nb
+from kvtier.tiers.nvme.backends import (
     BackendChoice,
-    KvikioFileIO,
     cuda_driver_status,
-    kvikio_mode,
     make_frame_io,
     select_nvme_backend,
 )
+from kvtier.tiers.nvme.kvikio_io import KvikioFileIO, kvikio_mode
 
 NS = bytes(range(16))
 LAYOUT = 0xABCD

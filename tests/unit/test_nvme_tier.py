@@ -11,19 +11,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.backoff import BackoffPolicy
 from kvtier.errors import BufferSizeError, ChecksumError, ConfigError, FrameError, KVTierError
 from kvtier.frame import HEADER_SIZE, FrameHeader, make_header
-from kvtier.tiers import nvme as nvme_mod
-from kvtier.tiers._aligned import aligned_buffer, is_aligned
+from kvtier.tiers.aligned import aligned_buffer, is_aligned
 from kvtier.tiers.base import Tier, TierName, tier_stats
-from kvtier.tiers.nvme import PAGE, NvmeIOError, NvmeSlot, NvmeTier
+from kvtier.tiers.nvme import PAGE, NvmeIOError, NvmeSlot, NvmeTier, PosixFrameIO
+from kvtier.tiers.nvme import probe as nvme_probe
+from kvtier.tiers.nvme import split as nvme_split
 
 NS = bytes(range(16))
 LAYOUT = 0x1234_5678
 MiB = 1 << 20
+FAST_PROBES = BackoffPolicy(base_s=0.01, cap_s=0.05)   # a degraded tier re-probes quickly
 
 
 def key_of(i: int) -> bytes:
@@ -38,7 +42,8 @@ def direct(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def tier(tmp_path: Path, direct: str) -> Iterator[NvmeTier]:
-    t = NvmeTier(tmp_path / "nvme", 64 * MiB, direct=direct, io_threads=4)
+    t = NvmeTier(tmp_path / "nvme", 64 * MiB, direct=direct, io_threads=4,
+                 backoff=FAST_PROBES)
     assert t.open() == []
     yield t
     t.close()
@@ -73,6 +78,14 @@ async def get(t: NvmeTier, slot: NvmeSlot, i: int, payload_len: int) -> bytes:
     header = await t.read_into(slot, out, namespace=NS, key=key_of(i), layout_fp=LAYOUT)
     assert header.payload_len == payload_len
     return bytes(out[:payload_len])
+
+
+async def wait_until_up(t: NvmeTier, timeout: float = 10.0) -> None:
+    """Wait (bounded) for a degraded tier's space probe to restore it."""
+    deadline = time.monotonic() + timeout
+    while not t.up:
+        assert time.monotonic() < deadline, "the nvme tier stayed degraded"
+        await asyncio.sleep(0.005)
 
 
 def files_bytes(root: Path) -> int:
@@ -407,7 +420,7 @@ async def test_os_errors_are_counted_and_typed(tier: NvmeTier,
     def failing_pwritev(*_args: object) -> int:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(nvme_mod.os, "pwritev", failing_pwritev)
+    monkeypatch.setattr(os, "pwritev", failing_pwritev)
     slot = tier.alloc(PAGE)
     assert slot is not None
     buf = aligned_buffer(PAGE)
@@ -415,13 +428,14 @@ async def test_os_errors_are_counted_and_typed(tier: NvmeTier,
         await tier.write(slot, make_header(NS, key_of(0), LAYOUT, buf), buf)
     assert tier.counters.errors == 1 and tier.blocks == 0
     monkeypatch.undo()
+    await wait_until_up(tier)   # EIO degraded the tier until its space probe succeeded
     await tier.write(slot, make_header(NS, key_of(0), LAYOUT, buf), buf)   # a retry is legal
     assert tier.blocks == 1
 
 
 def test_direct_on_without_o_direct_is_a_config_error(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nvme_mod, "probe_direct", lambda root: "EINVAL (tmpfs)")
+    monkeypatch.setattr(nvme_probe, "probe_direct", lambda root: "EINVAL (tmpfs)")
     with pytest.raises(ConfigError, match=r"nvme\.direct=on"):
         NvmeTier(tmp_path, MiB, direct="on").open()
     auto = NvmeTier(tmp_path, MiB, direct="auto")
@@ -502,14 +516,14 @@ def split_tier(tmp_path: Path, direct: str) -> Iterator[NvmeTier]:
 
 
 def test_split_geometry() -> None:
-    assert nvme_mod._split(MiB, 0, 8) == (1, MiB)                  # splitting off
-    assert nvme_mod._split(MiB, 512 * 1024, 1) == (1, MiB)         # one piece allowed
-    assert nvme_mod._split(MiB - 1, 512 * 1024, 8) == (1, MiB - 1)  # too small to split
-    assert nvme_mod._split(MiB, 512 * 1024, 8) == (2, 512 * 1024)
-    assert nvme_mod._split(4 * MiB, 512 * 1024, 8) == (8, 512 * 1024)
-    assert nvme_mod._split(4 * MiB, 256 * 1024, 8) == (8, 512 * 1024)   # capped at 8
+    assert nvme_split.plan_pieces(MiB, 0, 8) == (1, MiB)                  # splitting off
+    assert nvme_split.plan_pieces(MiB, 512 * 1024, 1) == (1, MiB)         # one piece allowed
+    assert nvme_split.plan_pieces(MiB - 1, 512 * 1024, 8) == (1, MiB - 1)  # too small to split
+    assert nvme_split.plan_pieces(MiB, 512 * 1024, 8) == (2, 512 * 1024)
+    assert nvme_split.plan_pieces(4 * MiB, 512 * 1024, 8) == (8, 512 * 1024)
+    assert nvme_split.plan_pieces(4 * MiB, 256 * 1024, 8) == (8, 512 * 1024)   # capped at 8
     for length in (MiB + PAGE, 5 * PAGE, 17 * PAGE + 5):
-        pieces, size = nvme_mod._split(length, PIECE, 4)
+        pieces, size = nvme_split.plan_pieces(length, PIECE, 4)
         assert size % PAGE == 0 and (pieces - 1) * size < length <= pieces * size
 
 
@@ -519,7 +533,7 @@ def test_streaming_checksum_matches_the_frame_checksum() -> None:
     data = rng.randbytes(3 * MiB + 11)
     for _ in range(20):
         cuts = sorted(rng.sample(range(len(data)), rng.randint(1, 9)))
-        hasher = nvme_mod.xxhash.xxh3_64()
+        hasher = xxhash.xxh3_64()
         for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
             hasher.update(memoryview(data)[a:b])
         assert hasher.intdigest() == make_header(NS, key_of(0), LAYOUT, data).checksum
@@ -537,7 +551,7 @@ async def test_split_reads_round_trip_at_piece_boundaries(split_tier: NvmeTier, 
     rng = random.Random(n)
     buf = block(rng, n)
     slot, _ = await put(split_tier, 1, buf, n)
-    assert nvme_mod._split(slot.slot_bytes, PIECE, nvme_mod.MAX_PIECES)[0] > 1
+    assert nvme_split.plan_pieces(slot.slot_bytes, PIECE, nvme_split.MAX_PIECES)[0] > 1
     assert await get(split_tier, slot, 1, n) == bytes(buf[:n])
     unaligned = memoryview(bytearray(slot.slot_bytes + 1))[1:]   # bounce buffer path
     await split_tier.read_into(slot, unaligned, namespace=NS, key=key_of(1), layout_fp=LAYOUT)
@@ -556,7 +570,7 @@ async def test_split_read_never_returns_a_frame_torn_in_any_piece(split_tier: Nv
     fails, is counted, and the other frames still read back exactly."""
     rng = random.Random(21)
     n = 4 * PIECE + 100            # the last piece ends in padding
-    pieces, size = nvme_mod._split(NvmeTier.slot_bytes_for(n), PIECE, nvme_mod.MAX_PIECES)
+    pieces, size = nvme_split.plan_pieces(NvmeTier.slot_bytes_for(n), PIECE, nvme_split.MAX_PIECES)
     assert pieces >= 3 and (pieces - 1) * size < n
     cases = [(j, off) for j in range(pieces)
              for off in sorted({j * size, j * size + size // 2, min((j + 1) * size, n) - 1})]
@@ -608,7 +622,7 @@ async def test_split_read_os_error_in_one_piece_is_typed_and_waits_for_the_other
         finally:
             active[0] -= 1
 
-    monkeypatch.setattr(nvme_mod.os, "preadv", flaky)
+    monkeypatch.setattr(os, "preadv", flaky)
     with pytest.raises(NvmeIOError):
         await split_tier.read_into(slot, aligned_buffer(slot.slot_bytes), namespace=NS,
                                    key=key_of(1), layout_fp=LAYOUT)
@@ -638,7 +652,7 @@ async def test_cancelled_split_read_waits_for_every_piece(split_tier: NvmeTier,
         finally:
             active[0] -= 1
 
-    monkeypatch.setattr(nvme_mod.os, "preadv", slow)
+    monkeypatch.setattr(os, "preadv", slow)
     out = aligned_buffer(slot.slot_bytes)
     reader = asyncio.create_task(
         split_tier.read_into(slot, out, namespace=NS, key=key_of(1), layout_fp=LAYOUT))
@@ -680,7 +694,7 @@ def test_posix_frame_io_reads_and_writes_inline(tmp_path: Path) -> None:
     rng = random.Random(25)
     n = 3 * PAGE + 9
     buf = block(rng, n)
-    io = nvme_mod.PosixFrameIO()
+    io = PosixFrameIO()
     fd = os.open(tmp_path / "f.dat", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         header = make_header(NS, key_of(1), LAYOUT, buf[:n], seq=1)

@@ -1,0 +1,207 @@
+"""Slot allocation of the nvme tier: one file per size class, fixed slots, hard capacity.
+
+On-disk layout. One file per size class, ``<root>/slots-<slot_bytes>.dat``. Slot ``i`` of a
+class lives at ``i * (PAGE + slot_bytes)``: a 4 KiB header page followed by the payload
+padded to ``slot_bytes``. Files grow as slots are handed out (a per-class high-water mark)
+and shrink when their top slots are free and room is needed.
+
+``SlotTable`` is bookkeeping plus the file descriptors: it never reads or writes a frame
+(that is the tier's, through its FrameIO backend). Capacity counts each slot's full
+footprint (header page + padded payload); the total size of the slot files never exceeds
+it either. Touched only from the event loop thread, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from kvtier.errors import KVTierError
+from kvtier.tiers.aligned import PAGE, round_up
+from kvtier.tiers.base import TierCounters
+from kvtier.tiers.nvme.frameio import FrameIO
+
+__all__ = ["FILE_RE", "NvmeSlot", "SizeClass", "SlotState", "SlotTable", "slot_bytes_for"]
+
+log = logging.getLogger(__name__)
+
+FILE_RE = re.compile(r"^slots-(\d+)\.dat$")
+
+
+class SlotState(Enum):
+    """FREE -> RESERVED (alloc) -> STORED (write returned) -> FREE (free).
+
+    RESERVED -> FREE is also legal (a write failed or was abandoned). Anything else raises.
+    """
+
+    FREE = "free"
+    RESERVED = "reserved"
+    STORED = "stored"
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeSlot:
+    """Where a frame lives: size class (padded payload capacity) and slot number in its file."""
+
+    slot_bytes: int   # payload capacity of this size class (multiple of PAGE)
+    index: int        # slot number within that class's file
+
+    @property
+    def offset(self) -> int:
+        return self.index * (PAGE + self.slot_bytes)
+
+
+def slot_bytes_for(payload_len: int) -> int:
+    """The size class of a payload: its length rounded up to PAGE (at least one page)."""
+    if payload_len < 0:
+        raise ValueError(f"payload length must be >= 0, got {payload_len}")
+    return max(PAGE, round_up(payload_len))
+
+
+@dataclass(slots=True)
+class SizeClass:
+    """One slot file. Invariant: each index < high_water is in exactly one of ``free`` and
+    ``busy``; indices >= high_water are not in the file. ``free`` is a min-heap so the lowest
+    slots are reused first, which keeps the file's tail free and trimmable."""
+
+    slot_bytes: int
+    path: Path
+    fd: int
+    high_water: int = 0
+    free: list[int] = field(default_factory=list)
+    busy: dict[int, SlotState] = field(default_factory=dict)
+
+    @property
+    def stride(self) -> int:
+        return PAGE + self.slot_bytes
+
+
+class SlotTable:
+    """The slot files under ``root`` and which slots are free, reserved or stored.
+
+    ``used`` is the footprint of RESERVED + STORED slots, ``disk`` that of every slot below
+    the high-water marks (what the files span), ``stored`` the number of STORED slots.
+    """
+
+    def __init__(self, root: Path, capacity: int, io: FrameIO, counters: TierCounters) -> None:
+        self.root = root
+        self.capacity = capacity
+        self.direct = False   # open files with O_DIRECT (set by the tier before any open)
+        self.classes: dict[int, SizeClass] = {}
+        self.used = 0
+        self.disk = 0
+        self.stored = 0
+        self._io = io
+        self._counters = counters
+
+    # ------------------------------------------------------------------ files
+    def open_class(self, slot_bytes: int) -> SizeClass:
+        """Open (creating if needed) the file of a size class and attach it to the backend."""
+        path = self.root / f"slots-{slot_bytes}.dat"
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
+        cls = SizeClass(slot_bytes, path, os.open(path, flags, 0o600))
+        try:
+            self._io.attach(path, cls.fd)
+        except BaseException:
+            os.close(cls.fd)
+            raise
+        self.classes[slot_bytes] = cls
+        return cls
+
+    def close(self) -> None:
+        """Detach and close every slot file."""
+        for cls in self.classes.values():
+            self._io.detach(cls.fd)
+            os.close(cls.fd)
+        self.classes.clear()
+
+    def adopt(self, cls: SizeClass, size: int, stored: list[int]) -> None:
+        """Take a scanned file as it is: ``size`` bytes on disk, ``stored`` the indices whose
+        frames are valid; every other slot below the high-water mark is free."""
+        cls.high_water = -(-size // cls.stride)
+        self.disk += cls.high_water * cls.stride
+        keep = set(stored)
+        for index in stored:
+            cls.busy[index] = SlotState.STORED
+        cls.free = [i for i in range(cls.high_water) if i not in keep]
+        heapq.heapify(cls.free)
+        self.stored += len(keep)
+        self.used += len(keep) * cls.stride
+
+    # ------------------------------------------------------------------ slots
+    def alloc(self, slot_bytes: int, settled: Callable[[NvmeSlot], bool]) -> NvmeSlot | None:
+        """A reserved slot of ``slot_bytes``, or None (counted as an allocation failure) when
+        its footprint would take ``used`` or the files past capacity. ``settled(slot)`` says
+        whether a slot has no disk operation queued (only those may be trimmed away)."""
+        footprint = PAGE + slot_bytes
+        if self.used + footprint > self.capacity:
+            self._counters.allocation_failures += 1
+            return None
+        cls = self.classes.get(slot_bytes) or self.open_class(slot_bytes)
+        if cls.free:
+            index = heapq.heappop(cls.free)
+        else:
+            if self.disk + footprint > self.capacity:
+                for other in self.classes.values():
+                    self.trim(other, settled)
+            if self.disk + footprint > self.capacity:
+                self._counters.allocation_failures += 1   # room is in other classes' middles
+                return None
+            index = cls.high_water
+            cls.high_water += 1
+            self.disk += footprint
+        cls.busy[index] = SlotState.RESERVED
+        self.used += footprint
+        return NvmeSlot(slot_bytes, index)
+
+    def check(self, slot: NvmeSlot, *allowed: SlotState) -> SizeClass:
+        """The class of ``slot`` when the slot is in one of the ``allowed`` states, else
+        KVTierError (a slot that was never handed out, already freed, ...)."""
+        cls = self.classes.get(slot.slot_bytes)
+        state = SlotState.FREE
+        if cls is not None and 0 <= slot.index < cls.high_water:
+            state = cls.busy.get(slot.index, SlotState.FREE)
+        if state not in allowed or cls is None:
+            raise KVTierError(f"nvme slot {slot} is {state.value}; expected "
+                              f"{' or '.join(s.value for s in allowed)}")
+        return cls
+
+    def mark_stored(self, slot: NvmeSlot) -> None:
+        """RESERVED -> STORED once its write returned (no-op if it was freed meanwhile)."""
+        cls = self.classes[slot.slot_bytes]
+        if cls.busy.get(slot.index) is SlotState.RESERVED:
+            cls.busy[slot.index] = SlotState.STORED
+            self.stored += 1
+
+    def release(self, slot: NvmeSlot) -> None:
+        """Busy -> free list (no I/O)."""
+        cls = self.classes[slot.slot_bytes]
+        if cls.busy.pop(slot.index) is SlotState.STORED:
+            self.stored -= 1
+        heapq.heappush(cls.free, slot.index)
+        self.used -= cls.stride
+
+    def trim(self, cls: SizeClass, settled: Callable[[NvmeSlot], bool]) -> None:
+        """Cut free slots off the file's tail (none with a disk operation still queued)."""
+        free = set(cls.free)
+        top = cls.high_water
+        while top > 0 and top - 1 in free and settled(NvmeSlot(cls.slot_bytes, top - 1)):
+            top -= 1
+        if top == cls.high_water:
+            return
+        try:
+            os.ftruncate(cls.fd, top * cls.stride)
+        except OSError as exc:
+            self._counters.errors += 1
+            log.warning("nvme tier: cannot shrink %s: %s", cls.path, exc.strerror)
+            return
+        cls.free = [i for i in cls.free if i < top]
+        heapq.heapify(cls.free)
+        self.disk -= (cls.high_water - top) * cls.stride
+        cls.high_water = top

@@ -1,0 +1,320 @@
+"""NvmeTier: the store's face of the nvme tier (lifecycle, alloc/free, frame writes and reads).
+
+The parts live in their own modules: slot files and allocation (``slots``), the start-up
+scan (``recovery``), the frame I/O backends behind ``FrameIO`` (``frameio``, ``split``,
+``kvikio_io``), the O_DIRECT probe (``probe``) and the write health (``health``). This class
+wires them, orders each slot's disk operations and maps OS errors to typed, counted ones.
+
+Threading. Every disk access runs in a thread pool (never on the event loop). Counters and the
+slot bookkeeping are touched only from the caller's thread (the daemon's event loop), so they
+need no locks. A slot's disk operations are ordered: an erase or write waits for the previous
+operation queued on the same slot, and a cancelled read or write still holds its buffers until
+its thread is done with them (cancellation is re-raised afterwards, never swallowed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from kvtier.backoff import BackoffPolicy
+from kvtier.errors import BufferSizeError, ConfigError, FrameError, KVTierError
+from kvtier.frame import FrameHeader
+from kvtier.tiers.aligned import PAGE, byte_view
+from kvtier.tiers.base import TierCounters, TierName
+from kvtier.tiers.nvme.buffers import ZERO_PAGE
+from kvtier.tiers.nvme.frameio import FrameIO, PosixFrameIO
+from kvtier.tiers.nvme.health import DEFAULT_BACKOFF, WriteHealth
+from kvtier.tiers.nvme.probe import DIRECT_MODES, choose_direct
+from kvtier.tiers.nvme.recovery import Recovered, recover
+from kvtier.tiers.nvme.slots import NvmeSlot, SizeClass, SlotState, SlotTable, slot_bytes_for
+from kvtier.tiers.nvme.split import MAX_PIECES, SPLIT_BYTES
+
+__all__ = ["NvmeDegradedError", "NvmeIOError", "NvmeTier", "TierState"]
+
+log = logging.getLogger(__name__)
+
+
+class NvmeIOError(KVTierError):
+    """A read or write on the nvme tier's files failed at the OS level (EIO, ENOSPC, ...)."""
+
+    code = "nvme_io"
+
+
+class NvmeDegradedError(NvmeIOError):
+    """A write refused without touching the disk: the tier is degraded (full or failing
+    disk) until a space probe succeeds. Free space under nvme.path; it recovers by itself."""
+
+    code = "nvme_degraded"
+
+
+class TierState(Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class NvmeTier:
+    """Slot files under ``root`` with a hard byte capacity; I/O in ``io_threads`` threads.
+
+    Lifecycle: construct, ``open()`` (sync, rebuilds the slot map and returns the stored
+    frames), then ``alloc``/``write``/``read_into``/``free`` from one event loop, ``close()``.
+    ``split_bytes`` is the smallest piece of a split read (0: one request per frame), a hint
+    the backend may ignore. ``backoff`` paces the space probes while degraded.
+    """
+
+    name = TierName.NVME
+
+    def __init__(self, root: Path, capacity_bytes: int, *, direct: str = "auto",
+                 io_threads: int = 4, io: FrameIO | None = None,
+                 split_bytes: int = SPLIT_BYTES,
+                 backoff: BackoffPolicy = DEFAULT_BACKOFF) -> None:
+        if direct not in DIRECT_MODES:
+            raise ConfigError(f"nvme.direct must be auto, on or off, got {direct!r}")
+        if capacity_bytes < 0 or io_threads < 1:
+            raise ConfigError("nvme.bytes must be >= 0 and nvme.io_threads >= 1")
+        if split_bytes < 0 or split_bytes % PAGE:
+            raise ConfigError(f"nvme split_bytes must be a multiple of {PAGE} (0: never split), "
+                              f"got {split_bytes}")
+        self.root = Path(root)
+        self.counters = TierCounters()
+        self._direct_mode = direct
+        self._io_threads = io_threads
+        self._io: FrameIO = io if io is not None else PosixFrameIO()
+        self._split_bytes = split_bytes
+        self._slots = SlotTable(self.root, capacity_bytes, self._io, self.counters)
+        self._health = WriteHealth(self.root, backoff)
+        self._inflight = 0    # frame reads and writes submitted and not yet ended
+        self._state = TierState.NEW
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[NvmeSlot, Future[Any]] = {}  # last disk op queued per slot
+        self._seq = 0
+
+    # ------------------------------------------------------------------ Tier protocol
+    @property
+    def backend(self) -> str:
+        return self._io.label(self._slots.direct)
+
+    @property
+    def io(self) -> FrameIO:
+        """The frame I/O backend (POSIX unless the daemon selected kvikio)."""
+        return self._io
+
+    def stats_extra(self) -> dict[str, Any]:
+        """Backend and health details merged into this tier's section of /v1/stats."""
+        return {"io_backend": self._io.name, "io_backend_reason": self._io.reason,
+                "direct": self._slots.direct, **self._io.stats_extra(),
+                **self._health.stats()}
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._slots.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._slots.used
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the slot files span (>= used_bytes: includes free slots below the tails)."""
+        return self._slots.disk
+
+    @property
+    def blocks(self) -> int:
+        return self._slots.stored
+
+    @property
+    def up(self) -> bool:
+        """Open and taking writes (false while degraded; reads still work then)."""
+        return self._state is TierState.OPEN and self._health.accepting
+
+    @property
+    def degraded(self) -> bool:
+        """Open but refusing writes after a full or failing disk (see ``health``)."""
+        return self._state is TierState.OPEN and not self._health.accepting
+
+    @property
+    def direct(self) -> bool:
+        return self._slots.direct
+
+    @property
+    def health(self) -> WriteHealth:
+        """The write health (state, reason, counters, probe backoff); read it, do not drive
+        it."""
+        return self._health
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self) -> Recovered:
+        """Rebuild the slot map from the files' header pages; return the stored frames, oldest
+        first (by ``header.seq``), so the store can rebuild its index and LRU order
+        (``kvtier.tiers.nvme.recovery`` says what is kept and what is dropped)."""
+        if self._state is not TierState.NEW:
+            raise KVTierError(f"nvme tier is {self._state.value}; open() is called once")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._slots.direct = choose_direct(self.root, self._direct_mode)
+        self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvtier-nvme")
+        self._health.pool = self._pool
+        kept, max_seq = recover(self._slots, self._pool, self.counters)
+        self._seq = max(self._seq, max_seq)
+        self._state = TierState.OPEN
+        log.info("nvme tier %s: %d frames, %d of %d bytes, backend %s", self.root, len(kept),
+                 self.used_bytes, self.capacity_bytes, self.backend)
+        return kept
+
+    def close(self) -> None:
+        """Stop probing, finish queued I/O (erases included), shut the pool, close files."""
+        self._health.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._slots.close()
+        self._io.close()
+        self._pending.clear()
+        self._state = TierState.CLOSED
+
+    def next_seq(self) -> int:
+        """A new frame sequence number: above every seq seen and never below the wall clock in
+        microseconds, so it keeps increasing across restarts even if the newest were erased."""
+        self._seq = max(self._seq + 1, time.time_ns() // 1000)
+        return self._seq
+
+    # ------------------------------------------------------------------ allocation
+    @staticmethod
+    def slot_bytes_for(payload_len: int) -> int:
+        """The size class of a payload: its length rounded up to PAGE (at least one page)."""
+        return slot_bytes_for(payload_len)
+
+    def alloc(self, payload_len: int) -> NvmeSlot | None:
+        """A reserved slot for ``payload_len`` bytes, or None (counted as an allocation
+        failure) when its footprint would take ``used_bytes`` or the files past capacity; the
+        store then evicts and retries. Bookkeeping only: no frame I/O."""
+        self._require_open()
+        return self._slots.alloc(slot_bytes_for(payload_len), self._settled)
+
+    def free(self, slot: NvmeSlot, *, erase: bool = False) -> None:
+        """Return a slot to its free list. ``erase=True`` (an explicit delete) also zeroes its
+        header page, queued to the pool and ordered before any later write to the slot, so the
+        block does not come back after a restart."""
+        self._require_open()
+        cls = self._slots.check(slot, SlotState.RESERVED, SlotState.STORED)
+        self._slots.release(slot)
+        if erase:
+            assert self._pool is not None
+            prev = self._pending.get(slot)
+            self._pending[slot] = self._pool.submit(_erase_sync, cls.fd, slot.offset, prev)
+
+    # ------------------------------------------------------------------ I/O
+    async def write(self, slot: NvmeSlot, header: FrameHeader, payload: memoryview, *,
+                    sync: bool = False) -> None:
+        """Write one frame into a reserved slot (one pwritev of header page + payload).
+
+        ``payload`` holds at least ``header.payload_len`` bytes; it may be the whole padded
+        arena slot. O_DIRECT goes straight from it when it is PAGE-aligned and covers
+        ``slot.slot_bytes``, otherwise through an aligned bounce buffer. ``sync=True`` adds an
+        fdatasync. Raises NvmeIOError (counted in ``errors``) when the OS call fails, and
+        NvmeDegradedError at once, without touching the disk, while the tier is degraded
+        (counted in ``dropped_writes``); the slot then stays reserved (free it, or write it
+        again).
+        """
+        self._require_open()
+        cls = self._slots.check(slot, SlotState.RESERVED)
+        view = byte_view(payload)
+        if header.payload_len > slot.slot_bytes or len(view) < header.payload_len:
+            raise BufferSizeError(
+                f"frame of {header.payload_len} bytes from a {len(view)}-byte buffer does not "
+                f"fit a {slot.slot_bytes}-byte slot; alloc() with the payload length")
+        if not self._health.accepting:
+            self.counters.dropped_writes += 1
+            raise NvmeDegradedError(f"nvme tier {self.root} is degraded "
+                                    f"({self._health.refuse()}); write refused until space "
+                                    "is back")
+        assert self._pool is not None
+        prev = self._pending.get(slot)
+        if prev is not None and not prev.done():   # order after the slot's previous disk op
+            await asyncio.wait([asyncio.wrap_future(prev)])
+        op = self._io.submit_write(self._pool, cls.fd, slot.offset, header.pack(), view,
+                                   header.payload_len, slot.slot_bytes, self._slots.direct,
+                                   sync)
+        self._pending[slot] = op
+        nbytes = await self._await(slot, op, cls, writing=True)
+        self._health.write_ok()
+        self._slots.mark_stored(slot)
+        self._seq = max(self._seq, header.seq)
+        self.counters.bytes_written += nbytes
+
+    async def read_into(self, slot: NvmeSlot, out: memoryview, *, namespace: bytes | None,
+                        key: bytes | None, layout_fp: int | None) -> FrameHeader:
+        """Read a stored frame's payload into ``out`` and return its checked header.
+
+        Bytes are read straight into ``out`` (O_DIRECT when it is aligned and at least
+        ``slot.slot_bytes`` long; the padding after ``payload_len`` is overwritten too). The
+        header must match ``namespace``/``key``/``layout_fp`` (None skips that check) and the
+        payload its checksum; any failure is counted in ``checksum_failures`` and raises
+        FrameError/ChecksumError, and the store should drop the slot. Reads go on while the
+        tier is degraded.
+        """
+        self._require_open()
+        cls = self._slots.check(slot, SlotState.STORED)
+        assert self._pool is not None
+        # a lone read may be split into pieces; with other frames in flight the pool's
+        # threads already overlap whole frames
+        op = self._io.submit_read(self._pool, cls.fd, slot.offset, byte_view(out),
+                                  slot.slot_bytes, self._slots.direct, namespace, key,
+                                  layout_fp, min_piece=self._split_bytes,
+                                  max_pieces=MAX_PIECES if self._inflight == 0 else 1)
+        header, nbytes = await self._await(slot, op, cls, writing=False)
+        self.counters.bytes_read += nbytes
+        return header
+
+    async def _await(self, slot: NvmeSlot, op: Future[Any], cls: SizeClass, *,
+                     writing: bool) -> Any:
+        """Wait for a started disk op and map its errors to counted, typed ones. A failed
+        write with a full-disk errno degrades the tier (``health``)."""
+        self._inflight += 1
+        try:
+            return await asyncio.wrap_future(op)
+        except asyncio.CancelledError:
+            if not op.done():   # the thread still uses the caller's buffer: let it finish
+                await asyncio.wait([asyncio.wrap_future(op)])
+            raise
+        except FrameError:
+            self.counters.checksum_failures += 1
+            raise
+        except OSError as exc:
+            self.counters.errors += 1
+            if writing:
+                self._health.write_failed(exc, PAGE + slot.slot_bytes)
+            what = "write to" if writing else "read from"
+            raise NvmeIOError(f"nvme {what} {cls.path} slot {slot.index} failed: "
+                              f"{exc.strerror or exc}") from exc
+        finally:
+            self._inflight -= 1
+            if self._pending.get(slot) is op and op.done():
+                del self._pending[slot]
+
+    # ------------------------------------------------------------------ internals
+    def _require_open(self) -> None:
+        if self._state is not TierState.OPEN:
+            raise KVTierError(f"nvme tier is {self._state.value}, not open")
+
+    def _settled(self, slot: NvmeSlot) -> bool:
+        """No disk operation is still queued on ``slot`` (so its file range may be cut)."""
+        pending = self._pending.get(slot)
+        return pending is None or pending.done()
+
+
+def _erase_sync(fd: int, offset: int, prev: Future[Any] | None) -> int:
+    if prev is not None:
+        wait([prev])   # order after the slot's previous op; its caller saw any error
+    try:
+        return os.pwritev(fd, [ZERO_PAGE], offset)
+    except OSError as exc:
+        log.warning("nvme tier: erasing the frame at offset %d failed (%s); it may come back "
+                    "after a restart until the slot is reused", offset, exc.strerror)
+        raise
