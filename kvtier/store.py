@@ -584,6 +584,9 @@ class TieredStore:
             return True
         if meta.nvme_busy or not meta.in_cpu:
             return False
+        if self.nvme.degraded:  # full disk: refused before allocating, which would evict
+            self.nvme.refuse_write()
+            return False
         meta.nvme_busy = True
         self.cpu_policy.set_pinned(meta.key, True)
         try:
