@@ -75,6 +75,7 @@ CLOSE_FLUSH_S = 5.0               # bounded drain at close
 
 DecodeResult = tuple[int, int | None, str]  # (blocks filled, index of a bad frame, why)
 NS_OFFSET, NS_END = 8, 23  # the frame header's namespace field (GETRANGE bounds, inclusive)
+OTHER_NAMESPACE = "frame holds another namespace"  # a miss, not an error: the frame stays
 
 
 class RedisTier:
@@ -265,6 +266,8 @@ class RedisTier:
                     got, bad, why = _decode_run(*args)
                 if got < len(values) and isinstance(values[got], Exception):
                     self._failed(values[got])
+                elif why == OTHER_NAMESPACE:
+                    self.namespace_mismatches += 1
                 elif bad is None and why:
                     self._note_error(ValueError(why))
                 if bad is not None:
@@ -568,7 +571,7 @@ def _decode_run(values: Sequence[Any], keys: Sequence[bytes], outs: Sequence[mem
         if len(value) >= HEADER_SIZE:
             try:  # a sound frame of another namespace is someone else's block: keep it
                 if FrameHeader.unpack(value[:HEADER_SIZE]).namespace != namespace:
-                    return i, None, "frame holds another namespace"
+                    return i, None, OTHER_NAMESPACE
             except FrameError:
                 pass  # corrupt: decode_frame below reports it
         try:
