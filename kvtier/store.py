@@ -34,6 +34,7 @@ from kvtier.errors import (
     FrameError,
     KVTierError,
     LayoutMismatch,
+    LeaseExpired,
     ProtocolError,
     UnknownNamespace,
 )
@@ -665,7 +666,12 @@ class TieredStore:
         return len(committed)
 
     def abort_put(self, owner: int, lease_id: int) -> None:
-        lease = self._take_lease(owner, lease_id, LeaseKind.PUT)
+        """Drop a put; past its deadline this is a quiet no-op (nothing was stored, which is
+        what an abort asks; the slots stay quarantined until the connection closes)."""
+        try:
+            lease = self._take_lease(owner, lease_id, LeaseKind.PUT)
+        except LeaseExpired:
+            return
         self._abort_put(lease)
 
     def _abort_put(self, lease: Lease) -> None:

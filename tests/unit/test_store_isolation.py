@@ -96,6 +96,17 @@ async def test_a_release_past_the_deadline_says_the_bytes_may_be_wrong(
     assert store.requests.lease_expired == 2
 
 
+async def test_an_abort_past_the_deadline_is_a_quiet_no_op(
+        store: TieredStore, clock: FakeClock) -> None:
+    late, _ = await store.prepare_put(CLIENT, DIGEST, FP, chain(1))
+    swept, _ = await store.prepare_put(CLIENT, DIGEST, FP, chain(1, start=1))
+    clock.advance(TTL)
+    store.abort_put(CLIENT, late)
+    store.expire_leases()
+    store.abort_put(CLIENT, swept)
+    assert len(store.index) == 0 and store.quarantine.slots == 2
+
+
 async def test_expired_ids_are_forgotten_when_the_connection_closes(
         store: TieredStore, clock: FakeClock) -> None:
     lease, _ = await store.prepare_put(CLIENT, DIGEST, FP, chain(1))
