@@ -245,11 +245,13 @@ class TieredStore:
         now = self.clock()
         tiers: list[str] = []
         to_promote: list[BlockMeta] = []
+        local: list[BlockMeta] = []
         cpu_c, tpb = self.cpu.counters, ns.layout.tokens_per_block
         for k in keys:
             meta = self.index.get(k)
             if meta is None or not meta.present or self._foreign(meta, ns):
                 break
+            local.append(meta)
             if meta.cpu_state in (SlotState.READY, SlotState.LOADING):
                 tiers.append("cpu")
                 if meta.in_cpu:
@@ -290,7 +292,8 @@ class TieredStore:
         if prefetch and (to_promote or redis_keys):
             # Pin the chain while its tail is promoted: promotion must never evict the
             # head of the same chain (a chain longer than the arena keeps what fits).
-            chain = [self.index[k] for k in keys[:n_local]]
+            # (The Redis probe awaited: blocks of the local prefix may be gone meanwhile.)
+            chain = [m for m in local if self.index.get(m.key) is m]
             self._pin(chain)
             try:
                 for meta in to_promote:

@@ -72,6 +72,7 @@ class Worker:
         self.stolen = [self._doc(other, d) for d in range(DOCS)]
         self.ops: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.samples: dict[str, str] = {}   # one message per error type
         self.wrong_blocks = 0
         self.wrong_bytes = 0
         self.verified_blocks = 0
@@ -164,9 +165,11 @@ class Worker:
             except LeaseExpired:
                 self.errors["LeaseExpired (unstalled op past the TTL)"] += 1
             except KVTierError as exc:
-                self.errors[type(exc).__name__] += 1
+                name = f"{type(exc).__name__}({exc.code})"
+                self.errors[name] += 1
+                self.samples.setdefault(name, str(exc)[:200])
         self.client.close()
-        return {"ops": dict(self.ops), "errors": dict(self.errors),
+        return {"ops": dict(self.ops), "errors": dict(self.errors), "samples": self.samples,
                 "wrong_blocks": self.wrong_blocks, "wrong_bytes": self.wrong_bytes,
                 "verified_blocks": self.verified_blocks, "stale_views": self.stale_views,
                 "stolen_hits": self.stolen_hits}
@@ -268,12 +271,14 @@ def main() -> int:
     errors: Counter[str] = Counter()
     totals: Counter[str] = Counter()
     crashes = []
+    samples: dict[str, str] = {}
     for r in results:
         if "crash" in r:
             crashes.append(r["crash"])
             continue
         ops.update(r["ops"])
         errors.update(r["errors"])
+        samples.update(r["samples"])
         for k in ("wrong_blocks", "wrong_bytes", "verified_blocks", "stale_views",
                   "stolen_hits"):
             totals[k] += r[k]
@@ -282,7 +287,8 @@ def main() -> int:
         "duration_s": round(elapsed, 1), "clients": args.clients,
         "ops_total": sum(ops.values()), "ops_per_s": round(sum(ops.values()) / elapsed, 1),
         "ops": dict(sorted(ops.items())),
-        "errors_by_type": dict(sorted(errors.items())), "client_crashes": crashes,
+        "errors_by_type": dict(sorted(errors.items())), "error_samples": samples,
+        "client_crashes": crashes,
         "wrong_blocks": totals["wrong_blocks"], "wrong_bytes": totals["wrong_bytes"],
         "verified_blocks": totals["verified_blocks"],
         "stalled_views_really_reused": totals["stale_views"],
