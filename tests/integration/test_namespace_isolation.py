@@ -39,6 +39,11 @@ SMALL = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, dtype="float16",
                  tokens_per_block=64)   # 16 KiB blocks
 
 
+# gets wait for promotions from nvme/Redis (the default waits ~50 ms, too short on a loaded
+# machine for "every block comes back")
+ENV = {"KVTIER_POLICY_EVICTION": "lru", "KVTIER_POLICY_PREFETCH_WAIT": "wait"}
+
+
 def content(key: bytes, nbytes: int) -> np.ndarray:
     seed = int.from_bytes(key[:8], "little")
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
@@ -76,7 +81,7 @@ def assert_stolen_keys_miss(thief: KVTierClient, ns: Namespace, keys: list[bytes
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     d = DaemonProcess(tmp_path / "kvd", cpu_bytes=str(32 * LAYOUT.block_bytes),
-                      nvme_bytes="64MiB", env={"KVTIER_POLICY_EVICTION": "lru"}).start()
+                      nvme_bytes="64MiB", env=dict(ENV)).start()
     try:
         yield d
     finally:
@@ -129,7 +134,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 def test_stolen_keys_are_misses_in_redis_and_its_frames_stay(
         redis_server: RedisServer, tmp_path: Path) -> None:
-    env = {"KVTIER_REDIS_WRITE_THROUGH": "true"}
+    env = {"KVTIER_REDIS_WRITE_THROUGH": "true", **ENV}
     nodes = [DaemonProcess(tmp_path / name, extra_args=["--redis-url", redis_server.url],
                            env=dict(env)) for name in ("a", "b")]
     try:
