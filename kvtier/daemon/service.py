@@ -169,8 +169,10 @@ class Daemon:
             redis_lookup_budget_s=cfg.redis.lookup_budget_s, **kwargs)
 
     async def _sweep(self) -> None:
+        """Take back expired leases every ``daemon.lease_sweep_s`` (a late commit or release
+        is refused at its deadline whatever the period; the sweep frees the memory)."""
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self.cfg.daemon.lease_sweep_s)
             if self.store is not None:
                 n = self.store.expire_leases()
                 if n:
