@@ -73,7 +73,8 @@ class Daemon:
         cfg.daemon.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         name = stable_arena_name(cfg.daemon.data_dir) if cfg.cpu.warm_restart else None
         own = cfg.cpu.shm_dir / name if name else None
-        for stale in remove_stale_arenas(cfg.cpu.shm_dir, keep=own):
+        for stale in remove_stale_arenas(cfg.cpu.shm_dir, keep=own,
+                                         need_bytes=cfg.cpu.bytes):
             log.info("removed stale arena %s", stale)
         state = read_journal(journal_path(own)) if own is not None else None
         self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
