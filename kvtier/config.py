@@ -127,7 +127,8 @@ class DaemonConfig:
     socket: Path = field(default_factory=default_socket_path)
     max_frame_bytes: int = 16 * 2**20     # control frames only: KV bytes never cross here
     max_inflight_per_conn: int = 64       # bounded per-connection request queue
-    lease_ttl_s: float = 30.0
+    lease_ttl_s: float = 30.0             # a lease not released/committed by then expires
+    lease_sweep_s: float = 1.0            # how often expired leases are taken back
     drain_timeout_s: float = 10.0
     log_level: str = "info"
 
@@ -339,6 +340,8 @@ def validate(cfg: Config) -> None:
     """Cross-field checks with messages that say what to change."""
     if cfg.cpu.bytes < cfg.cpu.slab_bytes and cfg.cpu.bytes > 0:
         cfg.cpu.slab_bytes = max(cfg.cpu.bytes, 4096)
+    if cfg.daemon.lease_sweep_s <= 0:
+        raise ConfigError("daemon.lease_sweep_s must be > 0 (seconds between lease sweeps)")
     if cfg.cpu.bytes <= 0:
         raise ConfigError("cpu.bytes must be > 0: the cpu tier is the staging tier")
     if cfg.nvme.direct not in ("auto", "on", "off"):

@@ -78,7 +78,8 @@ class KVTierCollector:
         yield moved
         req = s.get("requests", {})
         for key in ("lookups", "lookup_blocks", "hit_blocks", "lookup_tokens", "hit_tokens",
-                    "puts", "put_blocks", "gets", "get_blocks", "deletes", "lease_expired"):
+                    "puts", "put_blocks", "gets", "get_blocks", "deletes", "lease_expired",
+                    "namespace_mismatch", "layout_mismatch"):
             yield CounterMetricFamily(f"kvtier_requests_{key}", f"Connector requests: {key}",
                                       value=float(req.get(key, 0)))
         yield GaugeMetricFamily("kvtier_prefix_hit_rate", "Leading-block hit rate of lookups",
@@ -103,6 +104,10 @@ class KVTierCollector:
         for scheme, n in daemon.get("key_schemes", {}).items():
             schemes.add_metric([scheme], float(n))
         yield schemes
+        yield GaugeMetricFamily("kvtier_leases_quarantined_bytes",
+                                "Arena bytes of expired put leases held until their "
+                                "connection closes",
+                                value=float(s.get("leases", {}).get("quarantined_bytes", 0)))
         conn = s.get("connector", {})
         for key in ("running", "waiting", "preemptions", "context_tokens_p50",
                     "context_tokens_p99"):

@@ -79,7 +79,8 @@ class Daemon:
                               "cpu.shm_dir to a tmpfs directory such as /dev/shm")
         name = stable_arena_name(cfg.daemon.data_dir) if cfg.cpu.warm_restart else None
         own = cfg.cpu.shm_dir / name if name else None
-        for stale in remove_stale_arenas(cfg.cpu.shm_dir, keep=own):
+        for stale in remove_stale_arenas(cfg.cpu.shm_dir, keep=own,
+                                         need_bytes=cfg.cpu.bytes):
             log.info("removed stale arena %s", stale)
         check_shm_space(cfg.cpu.shm_dir, cfg.cpu.bytes, reusable=own)
         return name, own
@@ -183,8 +184,10 @@ class Daemon:
             redis_lookup_budget_s=cfg.redis.lookup_budget_s, **kwargs)
 
     async def _sweep(self) -> None:
+        """Take back expired leases every ``daemon.lease_sweep_s`` (a late commit or release
+        is refused at its deadline whatever the period; the sweep frees the memory)."""
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self.cfg.daemon.lease_sweep_s)
             if self.store is not None:
                 n = self.store.expire_leases()
                 if n:

@@ -274,23 +274,25 @@ class ArenaMapping:
             self._mm.close()
 
 
-def remove_stale_arenas(shm_dir: Path, keep: Path | None = None) -> list[Path]:
+def remove_stale_arenas(shm_dir: Path, keep: Path | None = None,
+                        need_bytes: int | None = None) -> list[Path]:
     """Unlink arenas of this user whose daemon process is gone (after a SIGKILL).
 
     Unique names (``kvtier-UID-PID-*.arena``) are stale when PID is gone; stable names
     (``kvtier-UID-dHASH.arena``, see ``stable_arena_name``) when no process holds their
     flock; their journals go with them. ``keep`` (the caller's own stable arena, which it
-    is about to adopt) is left alone.
+    is about to adopt) is left alone. A stale stable arena is another data dir's warm
+    restart in waiting (its daemon may be restarting right now), so with ``need_bytes``
+    they are removed only while ``shm_dir`` has less than that free, oldest first.
     """
     removed = []
     prefix = f"kvtier-{os.getuid()}-"
+    stable: list[Path] = []
     for p in shm_dir.glob(prefix + "*.arena"):
         rest = p.name[len(prefix):]
         if _STABLE_RE.match(rest):
             if p != keep and _unlocked(p):
-                p.unlink(missing_ok=True)
-                journal_path(p).unlink(missing_ok=True)
-                removed.append(p)
+                stable.append(p)
             continue
         try:
             pid = int(rest.split("-", 1)[0])
@@ -307,7 +309,25 @@ def remove_stale_arenas(shm_dir: Path, keep: Path | None = None) -> list[Path]:
         parts = p.name.split(".")
         if len(parts) >= 4 and parts[-3].isdigit() and not _pid_alive(int(parts[-3])):
             p.unlink(missing_ok=True)
+    for p in sorted(stable, key=_mtime):
+        if need_bytes is not None and _free_bytes(shm_dir) >= need_bytes:
+            break
+        p.unlink(missing_ok=True)
+        journal_path(p).unlink(missing_ok=True)
+        removed.append(p)
     return removed
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _free_bytes(d: Path) -> int:
+    st = os.statvfs(d)
+    return st.f_bavail * st.f_frsize
 
 
 def _pid_alive(pid: int) -> bool:

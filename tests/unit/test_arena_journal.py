@@ -224,3 +224,15 @@ def test_warm_restart_and_lookup_budget_settings() -> None:
     assert cfg.cpu.warm_restart is False and cfg.redis.lookup_budget_s == 0.05
     with pytest.raises(ConfigError, match="lookup_budget_s"):
         load_config(env={"KVTIER_REDIS_LOOKUP_BUDGET_S": "0"})
+
+
+def test_stale_stable_arenas_are_kept_while_shm_has_room(shm_dir: Path, tmp_path: Path) -> None:
+    """Another data dir's dead arena is its warm restart in waiting: a starting daemon
+    removes it only when it needs the room."""
+    dead = shm_dir / stable_arena_name(tmp_path / "dead")
+    dead.write_bytes(b"")
+    dead.chmod(0o600)
+    assert remove_stale_arenas(shm_dir, need_bytes=0) == []
+    assert dead.exists()
+    assert remove_stale_arenas(shm_dir, need_bytes=2**62) == [dead]   # short of room
+    assert not dead.exists()
