@@ -10,6 +10,7 @@ released at once.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import itertools
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.errors import HandshakeError, KVTierError, ProtocolError
+from kvtier.errors import HandshakeError, KVTierError, ProtocolError, StartupError
 from kvtier.layout import KVLayout
 from kvtier.protocol import (
     LENGTH,
@@ -59,15 +60,19 @@ class ControlServer:
     def __init__(self, store: TieredStore, socket_path: Path, *, max_frame: int,
                  max_inflight: int, arena_path: str, arena_size: int,
                  observe: Callable[[str, float], None] | None = None,
-                 hbm: dict[str, Any] | None = None) -> None:
+                 hbm: dict[str, Any] | None = None,
+                 open_arena: Callable[[], int] | None = None) -> None:
         """``hbm``: the HBM pool's ``HbmTier.handshake_info()`` (handle, size, device,
         pci_bus_id) when the daemon has one; every hello reply then carries it, and clients
-        that want device placement map the pool with it."""
+        that want device placement map the pool with it. ``open_arena``: a new descriptor of
+        the arena for a client that asks for it (``Arena.open_for_client``; default: open
+        ``arena_path``)."""
         self.store = store
         self.socket_path = socket_path
         self.max_frame = max_frame
         self.max_inflight = max_inflight
         self.arena = {"path": arena_path, "size": arena_size}
+        self.open_arena = open_arena or self._open_arena_by_path   # a new fd per client
         self.hbm = hbm
         self.observe = observe
         self.connections: dict[int, Connection] = {}
@@ -92,11 +97,16 @@ class ControlServer:
         self.stats_provider: Callable[[], dict[str, Any]] = store.stats
 
     async def start(self) -> None:
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Listen on the socket. Its directory was prepared and verified before (the
+        daemon's preflight, kvtier.trust.prepare_socket_dir): nothing is created here."""
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
             self._server = await asyncio.start_unix_server(
                 self._serve, path=str(self.socket_path), limit=self.max_frame + 1024)
+        except OSError as exc:   # asyncio's errors do not name the path
+            raise StartupError(f"cannot listen on the socket {self.socket_path}: "
+                               f"{exc.strerror or exc}; pass --socket PATH in a directory "
+                               "of yours") from exc
         finally:
             os.umask(old)
         os.chmod(self.socket_path, 0o600)
@@ -205,8 +215,40 @@ class ControlServer:
                  "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
         if self.hbm is not None:
             reply["hbm"] = self.hbm
-        writer.write(pack(reply))
+        data = pack(reply)
+        if msg.get("arena_fd") is True:
+            data = data[self._send_with_arena_fd(writer, data):]
+        if data:
+            writer.write(data)
         await writer.drain()
+
+    def _send_with_arena_fd(self, writer: asyncio.StreamWriter, data: bytes) -> int:
+        """Send the start of the hello reply with the arena's descriptor (SCM_RIGHTS), so
+        the client maps the daemon's own file and never a path someone could swap.
+
+        The hello reply is the first thing written on the connection, so the transport's
+        buffer is empty and a direct sendmsg keeps the byte order; the rest, if the kernel
+        took only part, goes through the transport. Returns the bytes sent (0: nothing was
+        sent, the client maps the path with its O_NOFOLLOW and fstat checks instead).
+        """
+        try:
+            arena_fd = self.open_arena()
+        except (OSError, KVTierError) as exc:
+            log.warning("cannot open the arena %s to pass it: %s", self.arena["path"], exc)
+            return 0
+        try:
+            raw = writer.get_extra_info("socket")
+            with socket.socket(fileno=os.dup(raw.fileno())) as dup:
+                return dup.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                             array.array("i", [arena_fd]))])
+        except BlockingIOError:
+            return 0
+        finally:
+            os.close(arena_fd)
+
+    def _open_arena_by_path(self) -> int:
+        """A new descriptor of the arena file (when the daemon gave no ``open_arena``)."""
+        return os.open(str(self.arena["path"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     async def _dispatch(self, conn: Connection, msg: dict[str, Any],
                         writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:

@@ -20,7 +20,11 @@ from kvtier.errors import (
     Overloaded,
     ProtocolError,
     RequestTimeout,
+    StartupError,
+    TrustError,
     UnknownNamespace,
+    UntrustedArena,
+    UntrustedDaemon,
     error_from_code,
 )
 
@@ -41,6 +45,10 @@ STABLE_CODES: dict[type[KVTierError], str] = {
     DaemonUnavailable: "unavailable",
     RequestTimeout: "timeout",
     Overloaded: "overloaded",
+    TrustError: "untrusted",
+    UntrustedDaemon: "untrusted_daemon",
+    UntrustedArena: "untrusted_arena",
+    StartupError: "startup",
 }
 
 
