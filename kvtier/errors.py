@@ -114,6 +114,13 @@ class Overloaded(KVTierError):
     code = "overloaded"
 
 
+class LimitExceeded(KVTierError):
+    """A request exceeds a configured bound (keys per request, ...): split it or raise the
+    daemon's limit (docs/operations.md, "Limits")."""
+
+    code = "limit"
+
+
 _BY_CODE.setdefault(KVTierError.code, KVTierError)
 
 
