@@ -84,7 +84,7 @@ class DaemonConfig:
     log_level: str = "info"
     # Bounded work (docs/operations.md, "Limits"): keys per request <= ceil(max_context_tokens
     # / tokens_per_block) of the request's namespace; pending bytes 0 = derived from the frame.
-    max_context_tokens: int = 2**20
+    max_context_tokens: int = 2**17      # 128k tokens; raise it for longer contexts
     max_conn_pending_bytes: int = 0       # request bytes in flight per connection (0: 1 frame)
     max_total_pending_bytes: int = 0      # ... across connections (0: 4 frames)
     idle_timeout_s: float = 600.0         # no request for this long: connection dropped (0: never)

@@ -7,7 +7,7 @@ yet answered) are bounded per connection and across connections; a request names
 key blob, before it is split into Python objects); a frame must arrive whole within
 ``read_timeout_s`` and a connection that sends nothing for ``idle_timeout_s`` is dropped;
 beyond ``max_connections`` a connection gets a typed refusal frame and is closed.
-The defaults come from the longest context a request may carry (2**20 tokens) and the
+The defaults come from the longest context a request may carry (2**17 = 128k tokens) and the
 frame size; docs/operations.md lists them.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from kvtier.config import DaemonConfig
 from kvtier.protocol import DEFAULT_MAX_FRAME
 
-DEFAULT_MAX_CONTEXT_TOKENS = 2**20
+DEFAULT_MAX_CONTEXT_TOKENS = 2**17
 STREAM_LIMIT = 64 * 2**10
 """asyncio reads ahead at most 2x this much beyond what a frame read asked for, so request
 bytes the daemon holds are bounded by the byte budgets below, not by the socket buffers."""
