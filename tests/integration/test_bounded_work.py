@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -147,15 +148,38 @@ def test_million_key_lookup_and_put_are_refused_while_others_are_served(
 
 
 def test_allowed_requests_at_the_limit_are_served(daemon_factory) -> None:
-    d = daemon_factory(env={"KVTIER_DAEMON_MAX_CONTEXT_TOKENS": str(64 * 512)}).start()
-    with connect(d.socket) as c:
-        ns = c.register_layout(LAYOUT, "m")
-        keys = block_keys(ns, np.arange(64 * 512))
-        assert len(keys) == 512
-        assert c.lookup(ns, keys).hits == 0
-        with pytest.raises(LimitExceeded, match="513 keys"):
-            c.lookup(ns, [*keys, os.urandom(16)])
-        c.ping()
+    """The largest request the default limit allows (128k tokens in 16-token blocks: 8192
+    keys) is served whole, and other clients wait for it well under a second."""
+    d = daemon_factory(cpu_bytes="96MiB").start()
+    small = KVLayout(1, 1, 8, "float16", 16)
+    pinger = _Pinger(d)
+    pinger.start()
+    spans: dict[str, float] = {}
+    try:
+        with connect(d.socket) as c:
+            ns = c.register_layout(small, "m")
+            keys = block_keys(ns, np.arange(2**17))
+            assert len(keys) == 8192
+
+            def timed(name: str, fn: Any) -> Any:
+                start = time.perf_counter()
+                out = fn()
+                time.sleep(0.05)
+                spans[name] = max(pinger.during(start, time.perf_counter()), default=0.0)
+                return out
+
+            lease = timed("put_prepare", lambda: c.prepare_put(ns, keys))
+            assert timed("put_commit", lease.commit) == 8192
+            assert timed("lookup", lambda: c.lookup(ns, keys)).hits == 8192
+            timed("get", lambda: c.prepare_get(ns, keys)).release()
+            with pytest.raises(LimitExceeded, match="8193 keys"):
+                c.lookup(ns, [*keys, os.urandom(16)])
+    finally:
+        pinger.stop.set()
+        pinger.join(10)
+    print("\nslowest ping while an 8192-key request ran: "
+          + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in spans.items()))
+    assert max(spans.values()) < 0.5
 
 
 def test_put_that_cannot_fit_fails_fast_without_evicting(daemon_factory) -> None:
@@ -200,6 +224,52 @@ def test_slow_loris_and_half_sent_frames_are_dropped(daemon_factory) -> None:
     st = d.stats()["daemon"]
     assert st["dropped_slow"] == 3 and st["dropped_idle"] == 1
     assert st["clients"] == 0 and st["pending_request_bytes"] == 0
+
+
+def test_partial_big_frames_hold_bounded_memory(daemon_factory) -> None:
+    """20 connections each announce a 15 MiB frame and send all of it but its last byte:
+    the daemon holds at most its total pending budget (64 MiB), not 300 MB, drops them all
+    after the read timeout, and serves everyone else meanwhile."""
+    d = daemon_factory(env={"KVTIER_DAEMON_READ_TIMEOUT_S": "2"}).start()
+    pid = d.proc.pid
+    rss0 = _rss(pid)
+    body = b"\xc4" * (15 * MIB - 1)
+    outcomes: list[str] = []
+
+    def slow_sender() -> None:
+        s = _raw(d, timeout=8)
+        try:
+            s.sendall(LENGTH.pack(15 * MIB) + body)
+            r = _reply(s)
+            outcomes.append(r.get("code", "ok"))
+        except OSError as exc:
+            outcomes.append(type(exc).__name__)
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=slow_sender, daemon=True) for _ in range(20)]
+    for t in threads:
+        t.start()
+    peak = rss0
+    with connect(d.socket) as c:
+        end = time.monotonic() + 1.8
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            c.ping()
+            assert time.perf_counter() - t0 < 1.0
+            peak = max(peak, _rss(pid))
+            time.sleep(0.05)
+    for t in threads:
+        t.join(15)
+    print(f"\n20 partial 15 MiB frames: RSS {rss0 / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB; "
+          f"outcomes {sorted(set(outcomes))}")
+    assert peak - rss0 < 100 * MIB
+    assert len(outcomes) == 20
+    assert set(outcomes) <= {ProtocolError.code, Overloaded.code, "BrokenPipeError",
+                             "ConnectionResetError", "TimeoutError"}
+    st = d.stats()["daemon"]
+    assert st["clients"] == 0 and st["pending_request_bytes"] == 0
+    assert st["dropped_slow"] + st["errors"].get(Overloaded.code, 0) == 20
 
 
 def test_an_idle_client_is_dropped_and_told_on_its_next_call(daemon_factory) -> None:
