@@ -17,6 +17,7 @@ from kvtier.errors import (
     LayoutMismatch,
     LeaseError,
     LeaseExpired,
+    LimitExceeded,
     Overloaded,
     ProtocolError,
     RequestTimeout,
@@ -41,6 +42,7 @@ STABLE_CODES: dict[type[KVTierError], str] = {
     DaemonUnavailable: "unavailable",
     RequestTimeout: "timeout",
     Overloaded: "overloaded",
+    LimitExceeded: "limit",
 }
 
 
