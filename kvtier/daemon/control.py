@@ -328,7 +328,7 @@ class ControlServer:
         if msg.get("op") != "hello":
             raise HandshakeError("the first request must be 'hello'")
         version = msg.get("version")
-        if not isinstance(version, int) or version not in SUPPORTED_VERSIONS:
+        if type(version) is not int or version not in SUPPORTED_VERSIONS:
             raise HandshakeError(f"protocol version {version!r} not supported; this daemon "
                                  f"speaks {sorted(SUPPORTED_VERSIONS)}: upgrade the client")
         conn.client = str(msg.get("client", ""))[:64]

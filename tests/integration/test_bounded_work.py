@@ -343,6 +343,24 @@ def test_two_thousand_concurrent_connects_succeed_or_are_refused(daemon_factory)
         c.ping()
 
 
+def test_a_client_beyond_max_connections_gets_a_typed_refusal(daemon_factory) -> None:
+    d = daemon_factory(env={"KVTIER_DAEMON_MAX_CONNECTIONS": "2"}).start()
+    first, second = connect(d.socket), connect(d.socket)
+    with pytest.raises(Overloaded, match="max_connections"):
+        connect(d.socket)
+    first.close()
+    deadline = time.monotonic() + 5
+    while True:   # the daemon notices the close asynchronously
+        try:
+            third = connect(d.socket)
+            break
+        except Overloaded:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    third.ping()
+    second.ping()
+
+
 def test_namespaces_are_bounded_and_clients_re_register(daemon_factory) -> None:
     d = daemon_factory(env={"KVTIER_DAEMON_MAX_NAMESPACES": "8"}).start()
     ns, keys, bufs = _stored(d)
@@ -394,6 +412,9 @@ def test_every_handler_error_is_a_typed_counted_reply(daemon: DaemonProcess) -> 
     s = _raw(daemon, hello=False)
     s.sendall(pack({"id": 1, "op": "hello", "version": [1]}))      # unhashable version
     assert _reply(s)["code"] == HandshakeError.code
+    s = _raw(daemon, hello=False)
+    s.sendall(pack({"id": 1, "op": "hello", "version": True}))      # 1, but not an int
+    assert _reply(s)["code"] == HandshakeError.code
     s = _raw(daemon)
     bad = [
         ({"tp_rank": "0"}, ProtocolError.code),
@@ -416,6 +437,6 @@ def test_every_handler_error_is_a_typed_counted_reply(daemon: DaemonProcess) -> 
     s.sendall(pack({"id": 21, "op": "ping"}))
     assert _reply(s)["ok"]
     errors = daemon.stats()["daemon"]["errors"]
-    assert errors.get(HandshakeError.code) == 1
-    assert sum(errors.values()) == 1 + len(bad) + 2 + 1
+    assert errors.get(HandshakeError.code) == 2
+    assert sum(errors.values()) == 2 + len(bad) + 2 + 1
     assert "internal" not in errors
