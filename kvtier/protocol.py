@@ -39,7 +39,7 @@ def pack(msg: dict[str, Any]) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-def unpack_body(body: bytes, max_frame: int = DEFAULT_MAX_FRAME,
+def unpack_body(body: bytes | bytearray, max_frame: int = DEFAULT_MAX_FRAME,
                 max_items: int | None = None) -> dict[str, Any]:
     """Decode one frame body from an untrusted peer; malformed input -> ProtocolError.
 

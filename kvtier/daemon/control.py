@@ -304,7 +304,7 @@ class ControlServer:
                     if budget is not None:
                         await budget.acquire(n)
                         taken.append(budget)
-                body = await reader.readexactly(n)
+                body = await _read_exactly(reader, n)
             return unpack_body(body, self.max_frame, REQUEST_MAX_ITEMS), n
         except BaseException as exc:
             for budget in taken:
@@ -507,6 +507,23 @@ class ControlServer:
                 else:
                     out[k] = out.get(k, 0.0) + v
         return out
+
+
+async def _read_exactly(reader: asyncio.StreamReader, n: int) -> bytes:
+    """``n`` bytes, read in pieces as they arrive: the stream's own buffer stays small
+    (its readexactly regrows and copies one bytearray many times for a 16 MiB frame, and
+    that memory stays with the daemon)."""
+    if n <= STREAM_LIMIT:
+        return await reader.readexactly(n)
+    parts: list[bytes] = []
+    left = n
+    while left:
+        part = await reader.read(min(left, 2**20))
+        if not part:
+            raise asyncio.IncompleteReadError(b"".join(parts), n)
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
 
 
 def _short(value: object) -> str:
