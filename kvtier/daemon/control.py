@@ -28,7 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.daemon.limits import STREAM_LIMIT, ByteBudget, Limits
+from kvtier.daemon.limits import (
+    STREAM_LIMIT,
+    ByteBudget,
+    LimitCounters,
+    Limits,
+    read_request,
+)
 from kvtier.errors import (
     HandshakeError,
     KVTierError,
@@ -42,15 +48,11 @@ from kvtier.frame import MAX_PAYLOAD
 from kvtier.keys import KEY_BYTES
 from kvtier.layout import KVLayout
 from kvtier.protocol import (
-    LENGTH,
     PROTOCOL_VERSION,
-    REQUEST_MAX_ITEMS,
     SUPPORTED_VERSIONS,
-    check_length,
     optional_int,
     pack,
     request_id,
-    unpack_body,
 )
 from kvtier.protocol import (
     field as req_field,
@@ -100,10 +102,7 @@ class ControlServer:
         self._handlers: set[asyncio.Task[Any]] = set()
         self.rejected_peers = 0
         self.protocol_errors = 0
-        self.errors: dict[str, int] = {}  # error replies by code (every op, every cause)
-        self.refused_connections = 0      # beyond max_connections
-        self.dropped_idle = 0             # no request within idle_timeout_s
-        self.dropped_slow = 0             # a frame (or the hello) not whole in read_timeout_s
+        self.counters = LimitCounters()
         self._ops: dict[str, Callable[[Connection, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
             "ping": self._ping,
             "register_layout": self._register_layout,
@@ -197,7 +196,8 @@ class ControlServer:
         try:
             await self._handshake(conn, reader, writer)
             while True:
-                frame = await self._read_frame(reader, held, busy=lambda: bool(tasks))
+                frame = await read_request(reader, self.limits, self.pending, self.counters,
+                                           held, busy=lambda: bool(tasks))
                 if frame is None:
                     break
                 msg, n = frame
@@ -225,11 +225,11 @@ class ControlServer:
 
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Beyond max_connections: a typed refusal, read what the client sent, then close."""
-        self.refused_connections += 1
+        refused = self.counters.refused_connections = self.counters.refused_connections + 1
         self._count(Overloaded.code)
-        if self.refused_connections in (1, 10, 100) or self.refused_connections % 1000 == 0:
+        if refused in (1, 10, 100) or refused % 1000 == 0:
             log.warning("refused %d connections so far: %d open is the limit "
-                        "(daemon.max_connections)", self.refused_connections,
+                        "(daemon.max_connections)", refused,
                         self.limits.max_connections)
         with contextlib.suppress(Exception):
             writer.write(pack({"id": 0, "ok": False, "code": Overloaded.code,
@@ -250,75 +250,16 @@ class ControlServer:
                     await writer.drain()
 
     def _count(self, code: str) -> None:
-        self.errors[code] = self.errors.get(code, 0) + 1
+        self.counters.errors[code] = self.counters.errors.get(code, 0) + 1
 
     async def _read(self, reader: asyncio.StreamReader) -> dict[str, Any] | None:
         """One frame before the hello is answered; its bytes are let go at once."""
-        frame = await self._read_frame(reader, None)
+        frame = await read_request(reader, self.limits, self.pending, self.counters)
         if frame is None:
             return None
         msg, n = frame
         self.pending.release(n)
         return msg
-
-    async def _read_frame(self, reader: asyncio.StreamReader, held: ByteBudget | None,
-                          busy: Callable[[], bool] = lambda: False,
-                          ) -> tuple[dict[str, Any], int] | None:
-        """The next request and its size, whose bytes stay counted in ``held`` (this
-        connection) and ``self.pending`` (all connections) until the caller releases them.
-
-        ``held`` None: the hello, which must arrive whole within read_timeout_s of the
-        connect. Otherwise the wait for a frame's first byte is bounded by idle_timeout_s
-        (while none of the connection's requests is in flight) and the rest of the frame
-        by read_timeout_s. None: the client closed (or idled out) between frames.
-        """
-        lim = self.limits
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        wait = lim.read_timeout_s if held is None else (lim.idle_timeout_s or None)
-        while True:
-            try:
-                async with asyncio.timeout(wait):
-                    first = await reader.readexactly(1)
-                break
-            except asyncio.IncompleteReadError:
-                return None
-            except TimeoutError:
-                if held is None:
-                    self.dropped_slow += 1
-                    raise ProtocolError(f"no hello within {lim.read_timeout_s}s of the "
-                                        "connect: closing the connection") from None
-                if busy():  # the client waits for our replies: not idle
-                    continue
-                self.dropped_idle += 1
-                log.info("dropping a connection idle for %.0f s", wait)
-                return None
-        deadline = (start if held is None else loop.time()) + lim.read_timeout_s
-        n = 0
-        taken: list[ByteBudget] = []
-        try:
-            async with asyncio.timeout_at(deadline):
-                (n,) = LENGTH.unpack(first + await reader.readexactly(LENGTH.size - 1))
-                check_length(n, self.max_frame)
-                for budget in (held, self.pending):
-                    if budget is not None:
-                        await budget.acquire(n)
-                        taken.append(budget)
-                body = await _read_exactly(reader, n)
-            return unpack_body(body, self.max_frame, REQUEST_MAX_ITEMS), n
-        except BaseException as exc:
-            for budget in taken:
-                budget.release(n)
-            if isinstance(exc, asyncio.IncompleteReadError):
-                raise ProtocolError("connection closed inside a frame") from None
-            if not isinstance(exc, TimeoutError):
-                raise
-            if n and len(taken) < 2 - (held is None):
-                raise Overloaded(f"the daemon holds its limit of request bytes in flight "
-                                 f"({lim.total_pending_bytes}): retry later") from None
-            self.dropped_slow += 1
-            raise ProtocolError(f"frame not complete within {lim.read_timeout_s}s: "
-                                "closing the connection") from None
 
     async def _handshake(self, conn: Connection, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
@@ -380,7 +321,7 @@ class ControlServer:
                 async with asyncio.timeout(self.limits.read_timeout_s):
                     await writer.drain()
         except TimeoutError:  # replies pile up unread: the client is stuck or hostile
-            self.dropped_slow += 1
+            self.counters.dropped_slow += 1
             log.warning("client %s does not read its replies: dropping it", conn.id)
             writer.transport.abort()
         except (ConnectionError, RuntimeError):
@@ -489,8 +430,9 @@ class ControlServer:
 
     def limit_stats(self) -> dict[str, Any]:
         """What the limits did: error replies by code, refused and dropped connections."""
-        return {"errors": dict(self.errors), "refused_connections": self.refused_connections,
-                "dropped_idle": self.dropped_idle, "dropped_slow": self.dropped_slow,
+        c = self.counters
+        return {"errors": dict(c.errors), "refused_connections": c.refused_connections,
+                "dropped_idle": c.dropped_idle, "dropped_slow": c.dropped_slow,
                 "pending_request_bytes": self.pending.used,
                 "namespaces_evicted": self.store.namespaces_evicted}
 
@@ -507,23 +449,6 @@ class ControlServer:
                 else:
                     out[k] = out.get(k, 0.0) + v
         return out
-
-
-async def _read_exactly(reader: asyncio.StreamReader, n: int) -> bytes:
-    """``n`` bytes, read in pieces as they arrive: the stream's own buffer stays small
-    (its readexactly regrows and copies one bytearray many times for a 16 MiB frame, and
-    that memory stays with the daemon)."""
-    if n <= STREAM_LIMIT:
-        return await reader.readexactly(n)
-    parts: list[bytes] = []
-    left = n
-    while left:
-        part = await reader.read(min(left, 2**20))
-        if not part:
-            raise asyncio.IncompleteReadError(b"".join(parts), n)
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
 
 
 def _short(value: object) -> str:

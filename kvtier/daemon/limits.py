@@ -15,10 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.config import DaemonConfig
-from kvtier.protocol import DEFAULT_MAX_FRAME
+from kvtier.errors import Overloaded, ProtocolError
+from kvtier.protocol import (
+    DEFAULT_MAX_FRAME,
+    LENGTH,
+    REQUEST_MAX_ITEMS,
+    check_length,
+    unpack_body,
+)
+
+log = logging.getLogger("kvtier.control")
 
 DEFAULT_MAX_CONTEXT_TOKENS = 2**17
 STREAM_LIMIT = 64 * 2**10
@@ -87,3 +99,92 @@ class ByteBudget:
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
+
+
+@dataclass(slots=True)
+class LimitCounters:
+    """What the limits did (exported under ``daemon`` in /v1/stats)."""
+
+    errors: dict[str, int] = field(default_factory=dict)  # error replies by code
+    refused_connections: int = 0   # beyond max_connections
+    dropped_idle: int = 0          # no request within idle_timeout_s
+    dropped_slow: int = 0          # a frame (or the hello) not whole within read_timeout_s,
+    #                                or replies left unread as long
+
+
+async def read_request(reader: asyncio.StreamReader, lim: Limits, pending: ByteBudget,
+                       counters: LimitCounters, held: ByteBudget | None = None,
+                       busy: Callable[[], bool] = lambda: False,
+                       ) -> tuple[dict[str, Any], int] | None:
+    """The next request on a connection and its size in bytes, which stay counted in
+    ``held`` (this connection's budget) and ``pending`` (all connections') until the
+    caller releases them.
+
+    ``held`` None: the hello, which must arrive whole within read_timeout_s of the call.
+    Otherwise the wait for a frame's first byte is bounded by idle_timeout_s (while
+    ``busy()`` is false: none of the connection's requests is in flight) and the rest of
+    the frame by read_timeout_s. None: the client closed (or idled out) between frames.
+    """
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    wait = lim.read_timeout_s if held is None else (lim.idle_timeout_s or None)
+    while True:
+        try:
+            async with asyncio.timeout(wait):
+                first = await reader.readexactly(1)
+            break
+        except asyncio.IncompleteReadError:
+            return None
+        except TimeoutError:
+            if held is None:
+                counters.dropped_slow += 1
+                raise ProtocolError(f"no hello within {lim.read_timeout_s}s of the "
+                                    "connect: closing the connection") from None
+            if busy():  # the client waits for our replies: not idle
+                continue
+            counters.dropped_idle += 1
+            log.info("dropping a connection idle for %.0f s", wait)
+            return None
+    deadline = (start if held is None else loop.time()) + lim.read_timeout_s
+    n = 0
+    taken: list[ByteBudget] = []
+    try:
+        async with asyncio.timeout_at(deadline):
+            (n,) = LENGTH.unpack(first + await reader.readexactly(LENGTH.size - 1))
+            check_length(n, lim.max_frame)
+            for budget in (held, pending):
+                if budget is not None:
+                    await budget.acquire(n)
+                    taken.append(budget)
+            body = await read_exactly(reader, n)
+        return unpack_body(body, lim.max_frame, REQUEST_MAX_ITEMS), n
+    except BaseException as exc:
+        for budget in taken:
+            budget.release(n)
+        if isinstance(exc, asyncio.IncompleteReadError):
+            raise ProtocolError("connection closed inside a frame") from None
+        if not isinstance(exc, TimeoutError):
+            raise
+        if n and len(taken) < 2 - (held is None):
+            raise Overloaded(f"the daemon holds its limit of request bytes in flight "
+                             f"({lim.total_pending_bytes}): retry later") from None
+        counters.dropped_slow += 1
+        raise ProtocolError(f"frame not complete within {lim.read_timeout_s}s: "
+                            "closing the connection") from None
+
+
+async def read_exactly(reader: asyncio.StreamReader, n: int) -> bytes:
+    """``n`` bytes, read in pieces as they arrive: the stream's own buffer stays small
+    (its readexactly regrows and copies one bytearray many times for a 16 MiB frame, and
+    that memory stays with the daemon)."""
+    if n <= STREAM_LIMIT:
+        return await reader.readexactly(n)
+    parts: list[bytes] = []
+    left = n
+    while left:
+        part = await reader.read(min(left, 2**20))
+        if not part:
+            raise asyncio.IncompleteReadError(b"".join(parts), n)
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
