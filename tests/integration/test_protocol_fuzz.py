@@ -34,7 +34,7 @@ FIELDS = ["id", "op", "ns", "layout_fp", "keys", "layout", "model_id", "tp_rank"
           "cache_salt", "parent", "depth", "lease", "durable", "output_tokens", "prefetch",
           "device", "version", "client", "running", "context_tokens_p99"]
 CODES = {"protocol", "handshake", "layout_mismatch", "unknown_namespace", "buffer_size",
-         "lease", "capacity", "limit", "overloaded"}
+         "lease", "lease_expired", "capacity", "limit", "overloaded"}
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
