@@ -43,6 +43,7 @@ from kvtier.errors import (
     KVTierError,
     ProtocolError,
     RequestTimeout,
+    UnknownNamespace,
     error_from_code,
 )
 from kvtier.handshake import Hello, handshake, hello_request, open_verified
@@ -128,6 +129,18 @@ class _Ops:
         if ns.digest not in self._registered:
             yield from self._register(ns)
 
+    def _ask(self, ns: Namespace, req: dict[str, Any]) -> Op:
+        """Send a request about ``ns``; a daemon that does not know the namespace (it
+        restarted, or forgot it as the least recently used) gets it registered again and
+        the request once more, so callers never see that."""
+        yield from self._ensure(ns)
+        try:
+            return (yield req)
+        except UnknownNamespace:
+            self._registered.discard(ns.digest)
+            yield from self._register(ns)
+            return (yield req)
+
     def _register(self, ns: Namespace) -> Op:
         reply = yield {"op": "register_layout", "layout": ns.layout.to_dict(),
                        "model_id": ns.model_id, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
@@ -151,19 +164,17 @@ class _Ops:
     def op_lookup(self, ns: Namespace, keys: Sequence[BlockKey], prefetch: bool) -> Op:
         if not keys:
             return LookupResult(0, [])
-        yield from self._ensure(ns)
         req = self._target("lookup", ns, keys)
         req["prefetch"] = prefetch
-        reply = yield req
+        reply = yield from self._ask(ns, req)
         return LookupResult(int(reply["hits"]), list(reply["tiers"]))
 
     def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey],
                        parent: BlockKey | None, start_depth: int) -> Op:
-        yield from self._ensure(ns)
         req = self._target("put_prepare", ns, keys)
         if parent is not None or start_depth:
             req["parent"], req["depth"] = parent, start_depth
-        reply = yield req
+        reply = yield from self._ask(ns, req)
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
         views = [None if off is None else self.arena.view(off, nbytes, writable=True)
@@ -180,12 +191,11 @@ class _Ops:
 
     def op_prepare_get(self, ns: Namespace, keys: Sequence[BlockKey],
                        prefer_device: bool | None = None) -> Op:
-        yield from self._ensure(ns)
         mapping = self._device_mapping(prefer_device)
         req = self._target("get_prepare", ns, keys)
         if mapping is not None:
             req["device"] = True
-        reply = yield req
+        reply = yield from self._ask(ns, req)
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
         offsets = reply["offsets"]
@@ -209,8 +219,7 @@ class _Ops:
         yield {"op": "get_release", "lease": lease}
 
     def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
-        yield from self._ensure(ns)
-        reply = yield self._target("delete", ns, keys)
+        reply = yield from self._ask(ns, self._target("delete", ns, keys))
         return int(reply["deleted"])
 
     def op_stats(self) -> Op:
@@ -409,7 +418,12 @@ class KVTierClient:
         try:
             req = next(op)
             while True:
-                req = op.send(self._call(req))
+                try:
+                    reply = self._call(req)
+                except UnknownNamespace as exc:  # the op re-registers (see _Ops._ask)
+                    req = op.throw(exc)
+                    continue
+                req = op.send(reply)
         except StopIteration as stop:
             return stop.value
 
@@ -645,7 +659,12 @@ class AsyncKVTierClient:
         try:
             req = next(op)
             while True:
-                req = op.send(await self._call(req))
+                try:
+                    reply = await self._call(req)
+                except UnknownNamespace as exc:  # the op re-registers (see _Ops._ask)
+                    req = op.throw(exc)
+                    continue
+                req = op.send(reply)
         except StopIteration as stop:
             return stop.value
 

@@ -131,6 +131,16 @@ class DaemonConfig:
     lease_sweep_s: float = 1.0            # how often expired leases are taken back
     drain_timeout_s: float = 10.0
     log_level: str = "info"
+    # Bounded work (docs/operations.md, "Limits"): keys per request <= ceil(max_context_tokens
+    # / tokens_per_block) of the request's namespace; pending bytes 0 = derived from the frame.
+    max_context_tokens: int = 2**17      # 128k tokens; raise it for longer contexts
+    max_conn_pending_bytes: int = 0       # request bytes in flight per connection (0: 1 frame)
+    max_total_pending_bytes: int = 0      # ... across connections (0: 4 frames)
+    idle_timeout_s: float = 600.0         # no request for this long: connection dropped (0: never)
+    read_timeout_s: float = 10.0          # a started frame (or the hello) must arrive within
+    max_connections: int = 1024           # beyond: a typed refusal ("overloaded"), then close
+    max_namespaces: int = 4096            # registrations beyond evict the least recently used
+    listen_backlog: int = 4096            # connect bursts queue here (capped by somaxconn)
 
 
 @dataclass(slots=True)
@@ -359,5 +369,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError("policy.eviction must be lru, lfu or cost")
     if cfg.policy.prefetch_wait not in ("best_effort", "wait", "timeout"):
         raise ConfigError("policy.prefetch_wait must be best_effort, wait or timeout")
+    d = cfg.daemon
+    for name in ("max_context_tokens", "max_connections", "max_namespaces", "listen_backlog",
+                 "max_frame_bytes", "max_inflight_per_conn"):
+        if getattr(d, name) < 1:
+            raise ConfigError(f"daemon.{name} must be >= 1")
+    if d.read_timeout_s <= 0:
+        raise ConfigError("daemon.read_timeout_s must be > 0 (a half-sent frame must not hold "
+                          "a connection for ever)")
     if not 0 <= cfg.http.port <= 65535:
         raise ConfigError(f"http.port {cfg.http.port} out of range")

@@ -136,6 +136,11 @@ class StartupError(KVTierError):
     """The daemon cannot start here (a path, port or resource); the message names the fix."""
 
     code = "startup"
+class LimitExceeded(KVTierError):
+    """A request exceeds a configured bound (keys per request, ...): split it or raise the
+    daemon's limit (docs/operations.md, "Limits")."""
+
+    code = "limit"
 
 
 _BY_CODE.setdefault(KVTierError.code, KVTierError)

@@ -24,6 +24,7 @@ from kvtier import __version__
 from kvtier.config import Config, default_runtime_dir
 from kvtier.daemon.control import ControlServer
 from kvtier.daemon.http import HttpServer, bind_http
+from kvtier.daemon.limits import Limits
 from kvtier.daemon.metrics import Metrics, admission_stats
 from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_error
 from kvtier.errors import ConfigError
@@ -119,7 +120,7 @@ class Daemon:
             max_inflight=cfg.daemon.max_inflight_per_conn, arena_path=str(self.arena.path),
             arena_size=self.arena.size, observe=self.metrics.observe,
             hbm=self.hbm.handshake_info() if self.hbm is not None else None,
-            open_arena=self.arena.open_for_client)
+            open_arena=self.arena.open_for_client, limits=Limits.from_config(cfg.daemon))
         self.control.stats_provider = self.stats
         await self.control.start()
         self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
@@ -181,7 +182,8 @@ class Daemon:
             prefetch_wait=cfg.policy.prefetch_wait,
             prefetch_ms_per_block=cfg.policy.prefetch_timeout_ms_per_block,
             redis_write_through=cfg.redis.write_through,
-            redis_lookup_budget_s=cfg.redis.lookup_budget_s, **kwargs)
+            redis_lookup_budget_s=cfg.redis.lookup_budget_s,
+            max_namespaces=cfg.daemon.max_namespaces, **kwargs)
 
     async def _sweep(self) -> None:
         """Take back expired leases every ``daemon.lease_sweep_s`` (a late commit or release
@@ -265,6 +267,8 @@ class Daemon:
             "rejected_peers": self.control.rejected_peers if self.control else 0,
             "protocol_errors": self.control.protocol_errors if self.control else 0,
         }
+        if self.control is not None:
+            out["daemon"].update(self.control.limit_stats())
         out.update(self.store.stats())   # tiers.hbm first when the daemon has a pool
         out["connector"] = self.control.engine_summary() if self.control else {}
         if self.control is not None:

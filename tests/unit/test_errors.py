@@ -17,6 +17,7 @@ from kvtier.errors import (
     LayoutMismatch,
     LeaseError,
     LeaseExpired,
+    LimitExceeded,
     Overloaded,
     ProtocolError,
     RequestTimeout,
@@ -49,6 +50,7 @@ STABLE_CODES: dict[type[KVTierError], str] = {
     UntrustedDaemon: "untrusted_daemon",
     UntrustedArena: "untrusted_arena",
     StartupError: "startup",
+    LimitExceeded: "limit",
 }
 
 
