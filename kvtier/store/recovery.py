@@ -39,7 +39,7 @@ from kvtier.tiers.arena_journal import ArenaJournal, CommitInfo, CommittedSlot, 
 from kvtier.tiers.base import EvictionReason
 
 if TYPE_CHECKING:
-    from kvtier.store import TieredStore
+    from kvtier.store.coordinator import TieredStore
 
 log = logging.getLogger("kvtier.store")
 
@@ -277,7 +277,7 @@ def _merge(store: TieredStore, entries: list[tuple[Any, FrameHeader]],
                           key=lambda m: m[1].cpu_order):
         meta.cpu = f.cpu
         meta.set_cpu_state(SlotState.LOADING)
-        store._cpu_ready(meta, now)
+        store.cpu.ready(meta, now)
         adopted.append(by_offset[f.cpu])  # type: ignore[index]
         c.adopted_blocks += 1
         c.adopted_bytes += meta.nbytes

@@ -1,0 +1,383 @@
+"""TieredStore: the store's public API, wiring the residencies, promoter and demoter.
+
+The store is the control plane of the daemon: it decides and keeps the index; tiers move
+bytes. It is the sole writer of the index and runs on the event loop thread; blocking I/O
+happens inside the tiers' thread pools or Redis' asyncio client. How a request passes
+through the parts is drawn in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.errors import CapacityError, KVTierError, LeaseExpired
+from kvtier.index import BlockIndex, BlockMeta, SlotState
+from kvtier.keys import Namespace
+from kvtier.layout import KVLayout
+from kvtier.leases import LeaseKind, LeaseTable, Quarantine
+from kvtier.policy.base import AdmissionPolicy, EvictionPolicy, LookupObserver
+from kvtier.policy.base import make_eviction_policy as _make_policy
+from kvtier.policy.prefetch import PrefetchWait
+from kvtier.store.blocks import Blocks
+from kvtier.store.cpu import CpuResidency
+from kvtier.store.demotion import Demoter
+from kvtier.store.hbm import HbmEntry, HbmPlacement
+from kvtier.store.leasing import LeaseKeeper
+from kvtier.store.namespaces import NamespaceEntry, NamespaceRegistry, split_keys
+from kvtier.store.nvme import NvmeResidency
+from kvtier.store.ports import ForestPort, HbmPort, MissLogPort, NvmePort, RedisPort
+from kvtier.store.promoter import Promoter
+from kvtier.store.reads import Reader
+from kvtier.store.recovery import CommitLog, RecoveryCounters, rebuild_nvme_only, recover
+from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, slots_dict
+from kvtier.store.transfers import Transfer, Transfers
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_journal import ArenaJournal, JournalState
+from kvtier.tiers.base import EvictionReason, Tier, TierName, tier_stats
+from kvtier.tiers.slab import round_up
+
+for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
+    with contextlib.suppress(ImportError):
+        importlib.import_module(f"kvtier.policy.{_mod}")
+
+__all__ = ["TieredStore"]
+
+
+class TieredStore:
+    """The daemon's block store. All methods run on the event loop thread."""
+
+    def __init__(self, arena: Arena, *, nvme: NvmePort | None = None,
+                 redis: RedisPort | None = None, hbm: HbmPort | None = None,
+                 eviction: str = "lru", lease_ttl_s: float = 30.0,
+                 prefetch_wait: str = "timeout", prefetch_ms_per_block: float = 2.0,
+                 prefetch_base_s: float = 0.05,
+                 policy_factory: Callable[[str, TierName], EvictionPolicy] | None = None,
+                 admission: AdmissionPolicy | None = None,
+                 observer: LookupObserver | None = None,
+                 redis_write_through: bool = False, forest: ForestPort | None = None,
+                 redis_lookup_budget_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic, max_namespaces: int = 4096,
+                 ) -> None:
+        make = policy_factory or (lambda name, tier: _make_policy(name))
+        self.arena, self.nvme, self.redis, self.hbm = arena, nvme, redis, hbm
+        self.clock, self.lease_ttl_s = clock, lease_ttl_s
+        self.redis_write_through = redis_write_through
+        self.admission, self.observer, self.forest = admission, observer, forest
+        self.index = BlockIndex()
+        self.requests = RequestCounters()
+        self.prefetch = PrefetchCounters()
+        self.ns = NamespaceRegistry(self.requests, max_namespaces)
+        self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
+        self.recovery: RecoveryCounters | None = None
+        self.transfers = Transfers(arena, nvme, redis)
+        self.cpu = CpuResidency(arena, self.index, make(eviction, TierName.CPU),
+                                on_ready=self.commit_log.ready)
+        self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
+        self.nvme_res = None if nvme is None else NvmeResidency(nvme, self.nvme_policy)
+        self.hbm_place: HbmPlacement | None = None
+        if hbm is not None:
+            self.hbm_place = HbmPlacement(hbm, make(eviction, TierName.HBM), arena,
+                                          clock=clock, moved=self.transfers.moved,
+                                          pin_cpu=self.cpu.pin, unpin_cpu=self.cpu.unpin)
+            self.cpu.on_drop = self._drop_hbm_copy
+        self.blocks = Blocks(self.index, self.cpu, self.nvme_res, forest)
+        self.demoter = Demoter(self.blocks, self.cpu, self.nvme_res, redis, self.transfers,
+                               self.prefetch, clock, admission, redis_write_through)
+        self.cpu.on_victim = self.demoter.evict_cpu
+        if self.nvme_res is not None:
+            self.nvme_res.on_victim = self.demoter.evict_nvme
+        self.promoter = Promoter(self.blocks, self.cpu, self.nvme_res, self.transfers,
+                                 self.prefetch, clock, PrefetchWait(prefetch_wait),
+                                 prefetch_ms_per_block / 1000.0, prefetch_base_s, forest)
+        self.reader = Reader(self.index, self.ns, self.cpu, self.nvme_policy, nvme, redis,
+                             self.promoter, self.requests, self.prefetch, clock,
+                             redis_lookup_budget_s, observer)
+        self.leases = LeaseTable(lease_ttl_s, clock)
+        self.quarantine = Quarantine()  # slots of expired put leases, see kvtier.leases
+        self.lease_keeper = LeaseKeeper(self.leases, self.quarantine, self.blocks, self.cpu,
+                                        self.requests, clock, self.hbm_place)
+        self._explain: MissLogPort | None = None
+
+    # -- wiring --------------------------------------------------------------------------
+    @property
+    def explain(self) -> MissLogPort | None:
+        """kvtier.explain.MissLog: why lookups miss (set by the daemon)."""
+        return self._explain
+
+    @explain.setter
+    def explain(self, log: MissLogPort | None) -> None:
+        self._explain = log
+        for part in (self.cpu, self.nvme_res, self.demoter, self.reader, self.lease_keeper):
+            if part is not None:
+                part.explain = log
+
+    @property
+    def cpu_policy(self) -> EvictionPolicy:
+        return self.cpu.policy
+
+    @property
+    def bytes_moved(self) -> dict[tuple[str, str], int]:
+        return self.transfers.moved.by_pair
+
+    @property
+    def tiers(self) -> list[Tier]:
+        out: list[Tier] = [self.hbm, self.cpu] if self.hbm is not None else [self.cpu]
+        if self.nvme is not None:
+            out.append(self.nvme)
+        if self.redis is not None:
+            out.append(self.redis)
+        return out
+
+    def _drop_hbm_copy(self, meta: BlockMeta, reason: EvictionReason) -> None:
+        if self.hbm_place is not None:
+            self.hbm_place.drop(meta.key, reason)
+
+    # -- warm restart --------------------------------------------------------------------
+    def rebuild_from_nvme(self) -> int:
+        """Index every valid frame found on nvme (oldest first, so LRU order survives) and
+        drop the frames no chain head leads to. Sync (runs ``nvme.open()``); the daemon uses
+        ``recover``, which also adopts the arena."""
+        return rebuild_nvme_only(self)
+
+    async def recover(self, state: JournalState | None, *,
+                      journal: ArenaJournal | None = None) -> RecoveryCounters:
+        """Warm restart: index nvme frames and the adopted arena's verified blocks, drop
+        orphans, quarantine slots in flight at the crash for one lease TTL, then journal to
+        ``journal`` (see ``kvtier.store.recovery``)."""
+        return await recover(self, state, journal=journal, quarantine_s=self.lease_ttl_s)
+
+    # -- namespaces ----------------------------------------------------------------------
+    @property
+    def namespaces(self) -> OrderedDict[bytes, NamespaceEntry]:
+        return self.ns.entries
+
+    @property
+    def namespaces_evicted(self) -> int:
+        return self.ns.evicted
+
+    def register_namespace(self, layout: KVLayout, model_id: str, tp_rank: int, tp_size: int,
+                           cache_salt: str | None) -> Namespace:
+        return self.ns.register(layout, model_id, tp_rank, tp_size, cache_salt)
+
+    def touch_namespace(self, digest: bytes) -> KVLayout | None:
+        """The layout a registered namespace uses (marking it recently used), or None."""
+        return self.ns.touch(digest)
+
+    split_keys = staticmethod(split_keys)
+
+    # -- lookup / get --------------------------------------------------------------------
+    async def lookup(self, digest: bytes, layout_fp: int, keys: list[bytes],
+                     *, prefetch: bool = True) -> LookupResult:
+        """Leading keys present anywhere (cpu -> nvme -> redis); starts promotion."""
+        try:
+            ns = self.ns.resolve(digest, layout_fp)
+        except KVTierError as exc:
+            if self._explain is not None:
+                self._explain.rejected(digest, len(keys), exc.code)
+            raise
+        return await self.reader.lookup(ns, keys, prefetch=prefetch)
+
+    async def prepare_get(self, owner: int, digest: bytes, layout_fp: int,
+                          keys: list[bytes]) -> tuple[int, list[int]]:
+        """Read-locked arena slots for the leading keys that are (or become) readable."""
+        metas = await self.reader.readable_prefix(self.ns.resolve(digest, layout_fp), keys)
+        self.cpu.counters.bytes_read += sum(m.nbytes for m in metas)
+        lease = self.lease_keeper.open(LeaseKind.GET, owner, metas)
+        return lease.id, [m.cpu for m in metas]  # type: ignore[misc]
+
+    async def prepare_get_device(self, owner: int, digest: bytes, layout_fp: int,
+                                 keys: list[bytes]) -> tuple[int, list[int], list[str]]:
+        """``prepare_get`` for a client that maps the HBM pool: (lease, offsets, devices).
+
+        ``devices[i]`` is "hbm" when ``offsets[i]`` is a read-locked slot of the HBM pool and
+        "cpu" when it is an arena slot (no hbm tier, no room in it, or a failed copy). The
+        leading blocks are promoted cpu -> hbm first; the lease read-locks both copies.
+        """
+        ns = self.ns.resolve(digest, layout_fp)
+        metas = await self.reader.readable_prefix(ns, keys)
+        entries: list[HbmEntry | None] = [None] * len(metas)
+        in_hbm: set[bytes] = set()
+        if self.hbm_place is not None and metas:
+            in_hbm = {m.key for m in metas if m.key in self.hbm_place.entries}
+            try:
+                entries = await self.hbm_place.acquire(metas, ns.layout.tokens_per_block)
+            except BaseException:   # cancelled: no lease will hold the cpu read-locks
+                self.cpu.unpin(metas)
+                raise
+        # read from cpu: blocks served from the arena and blocks copied from it into hbm
+        self.cpu.counters.bytes_read += sum(m.nbytes for m, e in zip(metas, entries, strict=True)
+                                            if e is None or m.key not in in_hbm)
+        lease = self.lease_keeper.open(LeaseKind.GET, owner, metas)
+        lease.hbm = [e for e in entries if e is not None]
+        offsets = [m.cpu if e is None else e.offset for m, e in zip(metas, entries, strict=True)]
+        devices = [TierName.CPU.value if e is None else TierName.HBM.value for e in entries]
+        return lease.id, offsets, devices  # type: ignore[return-value]
+
+    def release_get(self, owner: int, lease_id: int) -> None:
+        self.lease_keeper.release_get(self.lease_keeper.take(owner, lease_id, LeaseKind.GET))
+
+    # -- put -----------------------------------------------------------------------------
+    async def prepare_put(self, owner: int, digest: bytes, layout_fp: int,
+                          keys: list[bytes], *, parent: bytes | None = None,
+                          depth: int = 0) -> tuple[int, list[int | None]]:
+        """Write-locked arena slots for the keys not stored yet (None: skip this key).
+
+        ``keys`` is a piece of a prefix chain: ``parent`` is the key before ``keys[0]``
+        and ``depth`` its 0-based position in the chain (0 and None for a whole prompt).
+        """
+        nbytes = self.ns.resolve(digest, layout_fp).layout.block_bytes
+        self._check_fits(nbytes, keys)
+        metas: list[BlockMeta] = []
+        offsets: list[int | None] = []
+        full = False  # after one failed allocation the rest would fail too: stop evicting
+        for i, k in enumerate(keys):
+            if full or k in self.index:
+                offsets.append(None)
+                continue
+            off = await self.cpu.alloc(nbytes)
+            if off is None or k in self.index:
+                if off is not None:
+                    self.arena.free(off)
+                full = off is None
+                offsets.append(None)
+                continue
+            meta = BlockMeta(k, digest, layout_fp, nbytes, keys[i - 1] if i else parent,
+                             depth + i, cpu=off)
+            meta.set_cpu_state(SlotState.WRITING)
+            self.index[k] = meta
+            metas.append(meta)
+            offsets.append(off)
+        lease = self.lease_keeper.open(LeaseKind.PUT, owner, metas)
+        lease.chain = keys
+        return lease.id, offsets
+
+    def _check_fits(self, nbytes: int, keys: list[bytes]) -> None:
+        """Fail fast, before evicting anything, when the new blocks could never fit."""
+        slot, size = round_up(nbytes), self.arena.size
+        if slot > size:
+            raise CapacityError(f"a block of {nbytes} bytes is larger than the cpu tier "
+                                f"({size} bytes): raise cpu.bytes or use smaller "
+                                "blocks (tokens_per_block)")
+        if len(keys) * slot > size:
+            new = len({k for k in keys if k not in self.index})
+            if new * slot > size:
+                raise CapacityError(f"a put of {new} new blocks ({new * slot} bytes) exceeds "
+                                    f"the cpu tier ({size} bytes): put fewer "
+                                    "blocks per request")
+
+    async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False,
+                         output_tokens: int | None = None) -> int:
+        """Make the written blocks visible; ``durable`` also writes them to nvme first.
+
+        ``output_tokens`` (what the engine generated after this prompt, when known) feeds
+        the workload observer: reuse is learned per class of request.
+        """
+        lease = self.lease_keeper.take(owner, lease_id, LeaseKind.PUT)
+        now = self.clock()
+        on_stored = getattr(self.observer, "on_stored", None)
+        if on_stored is not None and lease.chain:
+            on_stored(lease.chain, output_tokens=output_tokens, now=now)
+        committed = []
+        for meta in lease.metas:
+            if meta.cpu_state is not SlotState.WRITING or self.index.get(meta.key) is not meta:
+                continue
+            self.cpu.ready(meta, now)
+            if self.forest is not None:
+                self.forest.add(meta.key, meta.parent)
+            committed.append(meta)
+        self.requests.puts += 1
+        self.requests.put_blocks += len(committed)
+        self.cpu.counters.bytes_written += sum(m.nbytes for m in committed)
+        if self.redis is not None and self.redis_write_through and committed:
+            await self.transfers.move(TierName.CPU, TierName.REDIS, Transfer(committed))
+        if durable and self.nvme is not None:
+            results = await asyncio.gather(*(self.demoter.persist(m, sync=True)
+                                             for m in committed))
+            return sum(results)
+        return len(committed)
+
+    def abort_put(self, owner: int, lease_id: int) -> None:
+        """Drop a put; past its deadline this is a quiet no-op (nothing was stored, which is
+        what an abort asks; the slots stay quarantined until the connection closes)."""
+        try:
+            lease = self.lease_keeper.take(owner, lease_id, LeaseKind.PUT)
+        except LeaseExpired:
+            return
+        self.lease_keeper.abort_put(lease)
+
+    # -- delete --------------------------------------------------------------------------
+    async def delete(self, digest: bytes, layout_fp: int, keys: list[bytes]) -> int:
+        """Remove the caller's blocks from every tier (blocks under a read lease, and blocks
+        of another namespace, are skipped)."""
+        ns = self.ns.resolve(digest, layout_fp)
+        mine = [k for k in keys
+                if (m := self.index.get(k)) is not None and not self.ns.foreign(m, ns)]
+        before = len(mine)
+        for k in mine:
+            meta = self.index.get(k)
+            if meta is None or self.blocks.in_use(meta):
+                continue
+            self.blocks.remove(meta, EvictionReason.DELETED, erase=True)
+            self.blocks.forget_if_gone(meta)  # also drops descendants orphaned by this delete
+        n = before - sum(1 for k in mine if k in self.index)
+        if self.redis is not None and self.redis.up:
+            n = max(n, await self.redis.delete(keys, namespace=digest))
+        self.requests.deletes += 1
+        return n
+
+    # -- leases --------------------------------------------------------------------------
+    def expire_leases(self) -> int:
+        """Take back leases past their deadline (a client that hung, stalled or forgot):
+        get leases are released, put leases' slots are quarantined."""
+        return self.lease_keeper.expire()
+
+    def release_owner(self, owner: int) -> int:
+        """A client connection closed: abort its puts, release its reads, free its
+        quarantined slots (it can no longer write into them)."""
+        return self.lease_keeper.release_owner(owner)
+
+    # -- shutdown ------------------------------------------------------------------------
+    async def drain(self, deadline: float) -> int:
+        """Finish in-flight I/O and persist cpu-only blocks to nvme until ``deadline``."""
+        await self.promoter.settle(deadline - self.clock())
+        saved = 0
+        if self.nvme is not None:
+            for meta in list(self.index.values()):
+                if self.clock() >= deadline:
+                    break
+                if meta.in_cpu and not meta.in_nvme and await self.demoter.persist(meta):
+                    saved += 1
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.flush(timeout=max(0.0, deadline - self.clock()))
+        return saved
+
+    # -- stats ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        r = self.requests
+        out_tiers = {}
+        for t in self.tiers:
+            out_tiers[t.name.value] = tier_stats(t)
+            extra = getattr(t, "stats_extra", None)
+            if callable(extra):
+                out_tiers[t.name.value].update(extra())
+        q = self.quarantine
+        return {
+            "tiers": out_tiers,
+            "requests": {**slots_dict(r), "prefix_hit_rate": round(r.prefix_hit_rate, 6)},
+            "prefetch": slots_dict(self.prefetch),
+            "bytes_moved": self.transfers.moved.rows(),
+            "leases": {"active": len(self.leases), "ttl_s": self.leases.ttl_s,
+                       "quarantined_slots": q.slots, "quarantined_bytes": q.bytes,
+                       "quarantined_total": q.total_slots},
+            "policy": {"eviction": getattr(self.cpu.policy, "name", "?")},
+            "namespaces": len(self.ns),
+            "index_blocks": len(self.index),
+            "recovery": slots_dict(self.recovery) if self.recovery is not None else {},
+        }
