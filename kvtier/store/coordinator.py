@@ -8,7 +8,6 @@ through the parts is drawn in docs/architecture.md.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import time
@@ -16,8 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.errors import CapacityError, KVTierError, LeaseExpired
-from kvtier.index import BlockIndex, BlockMeta, SlotState
+from kvtier.errors import KVTierError, LeaseExpired
+from kvtier.index import BlockIndex, BlockMeta
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.leases import LeaseKind, LeaseTable, Quarantine
@@ -27,7 +26,7 @@ from kvtier.policy.prefetch import PrefetchWait
 from kvtier.store.blocks import Blocks
 from kvtier.store.cpu import CpuResidency
 from kvtier.store.demotion import Demoter
-from kvtier.store.hbm import HbmEntry, HbmPlacement
+from kvtier.store.hbm import HbmPlacement
 from kvtier.store.leasing import LeaseKeeper
 from kvtier.store.namespaces import NamespaceEntry, NamespaceRegistry, split_keys
 from kvtier.store.nvme import NvmeResidency
@@ -35,12 +34,12 @@ from kvtier.store.ports import ForestPort, HbmPort, MissLogPort, NvmePort, Redis
 from kvtier.store.promoter import Promoter
 from kvtier.store.reads import Reader
 from kvtier.store.recovery import CommitLog, RecoveryCounters, rebuild_nvme_only, recover
-from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, slots_dict
-from kvtier.store.transfers import Transfer, Transfers
+from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, store_stats
+from kvtier.store.transfers import Transfers
+from kvtier.store.writes import Writer
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_journal import ArenaJournal, JournalState
-from kvtier.tiers.base import EvictionReason, Tier, TierName, tier_stats
-from kvtier.tiers.slab import round_up
+from kvtier.tiers.base import EvictionReason, Tier, TierName
 
 for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
     with contextlib.suppress(ImportError):
@@ -67,7 +66,6 @@ class TieredStore:
         make = policy_factory or (lambda name, tier: _make_policy(name))
         self.arena, self.nvme, self.redis, self.hbm = arena, nvme, redis, hbm
         self.clock, self.lease_ttl_s = clock, lease_ttl_s
-        self.redis_write_through = redis_write_through
         self.admission, self.observer, self.forest = admission, observer, forest
         self.index = BlockIndex()
         self.requests = RequestCounters()
@@ -102,6 +100,9 @@ class TieredStore:
         self.quarantine = Quarantine()  # slots of expired put leases, see kvtier.leases
         self.lease_keeper = LeaseKeeper(self.leases, self.quarantine, self.blocks, self.cpu,
                                         self.requests, clock, self.hbm_place)
+        self.writer = Writer(self.index, self.cpu, self.lease_keeper, self.demoter,
+                             self.transfers, self.requests, clock, observer, forest,
+                             redis is not None and redis_write_through, nvme is not None)
         self._explain: MissLogPort | None = None
 
     # -- wiring --------------------------------------------------------------------------
@@ -201,18 +202,7 @@ class TieredStore:
         """
         ns = self.ns.resolve(digest, layout_fp)
         metas = await self.reader.readable_prefix(ns, keys)
-        entries: list[HbmEntry | None] = [None] * len(metas)
-        in_hbm: set[bytes] = set()
-        if self.hbm_place is not None and metas:
-            in_hbm = {m.key for m in metas if m.key in self.hbm_place.entries}
-            try:
-                entries = await self.hbm_place.acquire(metas, ns.layout.tokens_per_block)
-            except BaseException:   # cancelled: no lease will hold the cpu read-locks
-                self.cpu.unpin(metas)
-                raise
-        # read from cpu: blocks served from the arena and blocks copied from it into hbm
-        self.cpu.counters.bytes_read += sum(m.nbytes for m, e in zip(metas, entries, strict=True)
-                                            if e is None or m.key not in in_hbm)
+        entries = await self.reader.place_in_hbm(self.hbm_place, metas, ns)
         lease = self.lease_keeper.open(LeaseKind.GET, owner, metas)
         lease.hbm = [e for e in entries if e is not None]
         offsets = [m.cpu if e is None else e.offset for m, e in zip(metas, entries, strict=True)]
@@ -231,45 +221,8 @@ class TieredStore:
         ``keys`` is a piece of a prefix chain: ``parent`` is the key before ``keys[0]``
         and ``depth`` its 0-based position in the chain (0 and None for a whole prompt).
         """
-        nbytes = self.ns.resolve(digest, layout_fp).layout.block_bytes
-        self._check_fits(nbytes, keys)
-        metas: list[BlockMeta] = []
-        offsets: list[int | None] = []
-        full = False  # after one failed allocation the rest would fail too: stop evicting
-        for i, k in enumerate(keys):
-            if full or k in self.index:
-                offsets.append(None)
-                continue
-            off = await self.cpu.alloc(nbytes)
-            if off is None or k in self.index:
-                if off is not None:
-                    self.arena.free(off)
-                full = off is None
-                offsets.append(None)
-                continue
-            meta = BlockMeta(k, digest, layout_fp, nbytes, keys[i - 1] if i else parent,
-                             depth + i, cpu=off)
-            meta.set_cpu_state(SlotState.WRITING)
-            self.index[k] = meta
-            metas.append(meta)
-            offsets.append(off)
-        lease = self.lease_keeper.open(LeaseKind.PUT, owner, metas)
-        lease.chain = keys
-        return lease.id, offsets
-
-    def _check_fits(self, nbytes: int, keys: list[bytes]) -> None:
-        """Fail fast, before evicting anything, when the new blocks could never fit."""
-        slot, size = round_up(nbytes), self.arena.size
-        if slot > size:
-            raise CapacityError(f"a block of {nbytes} bytes is larger than the cpu tier "
-                                f"({size} bytes): raise cpu.bytes or use smaller "
-                                "blocks (tokens_per_block)")
-        if len(keys) * slot > size:
-            new = len({k for k in keys if k not in self.index})
-            if new * slot > size:
-                raise CapacityError(f"a put of {new} new blocks ({new * slot} bytes) exceeds "
-                                    f"the cpu tier ({size} bytes): put fewer "
-                                    "blocks per request")
+        return await self.writer.prepare(owner, self.ns.resolve(digest, layout_fp), keys,
+                                         parent, depth)
 
     async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False,
                          output_tokens: int | None = None) -> int:
@@ -278,29 +231,8 @@ class TieredStore:
         ``output_tokens`` (what the engine generated after this prompt, when known) feeds
         the workload observer: reuse is learned per class of request.
         """
-        lease = self.lease_keeper.take(owner, lease_id, LeaseKind.PUT)
-        now = self.clock()
-        on_stored = getattr(self.observer, "on_stored", None)
-        if on_stored is not None and lease.chain:
-            on_stored(lease.chain, output_tokens=output_tokens, now=now)
-        committed = []
-        for meta in lease.metas:
-            if meta.cpu_state is not SlotState.WRITING or self.index.get(meta.key) is not meta:
-                continue
-            self.cpu.ready(meta, now)
-            if self.forest is not None:
-                self.forest.add(meta.key, meta.parent)
-            committed.append(meta)
-        self.requests.puts += 1
-        self.requests.put_blocks += len(committed)
-        self.cpu.counters.bytes_written += sum(m.nbytes for m in committed)
-        if self.redis is not None and self.redis_write_through and committed:
-            await self.transfers.move(TierName.CPU, TierName.REDIS, Transfer(committed))
-        if durable and self.nvme is not None:
-            results = await asyncio.gather(*(self.demoter.persist(m, sync=True)
-                                             for m in committed))
-            return sum(results)
-        return len(committed)
+        return await self.writer.commit(owner, lease_id, durable=durable,
+                                        output_tokens=output_tokens)
 
     def abort_put(self, owner: int, lease_id: int) -> None:
         """Drop a put; past its deadline this is a quiet no-op (nothing was stored, which is
@@ -360,24 +292,12 @@ class TieredStore:
 
     # -- stats ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        r = self.requests
-        out_tiers = {}
-        for t in self.tiers:
-            out_tiers[t.name.value] = tier_stats(t)
-            extra = getattr(t, "stats_extra", None)
-            if callable(extra):
-                out_tiers[t.name.value].update(extra())
-        q = self.quarantine
-        return {
-            "tiers": out_tiers,
-            "requests": {**slots_dict(r), "prefix_hit_rate": round(r.prefix_hit_rate, 6)},
-            "prefetch": slots_dict(self.prefetch),
-            "bytes_moved": self.transfers.moved.rows(),
-            "leases": {"active": len(self.leases), "ttl_s": self.leases.ttl_s,
-                       "quarantined_slots": q.slots, "quarantined_bytes": q.bytes,
-                       "quarantined_total": q.total_slots},
-            "policy": {"eviction": getattr(self.cpu.policy, "name", "?")},
-            "namespaces": len(self.ns),
-            "index_blocks": len(self.index),
-            "recovery": slots_dict(self.recovery) if self.recovery is not None else {},
-        }
+        """The store's part of /v1/stats (tiers, requests, prefetch, leases, ...)."""
+        return store_stats(self.tiers, self.requests, self.prefetch, self.transfers.moved,
+                           {"active": len(self.leases), "ttl_s": self.leases.ttl_s,
+                            "quarantined_slots": self.quarantine.slots,
+                            "quarantined_bytes": self.quarantine.bytes,
+                            "quarantined_total": self.quarantine.total_slots},
+                           eviction=getattr(self.cpu.policy, "name", "?"),
+                           namespaces=len(self.ns), index_blocks=len(self.index),
+                           recovery=self.recovery)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvtier.index import BlockIndex, BlockMeta, SlotState
 from kvtier.policy.base import EvictionPolicy, LookupObserver
 from kvtier.store.cpu import CpuResidency
+from kvtier.store.hbm import HbmEntry, HbmPlacement
 from kvtier.store.namespaces import NamespaceEntry, NamespaceRegistry
 from kvtier.store.ports import MissLogPort, NvmePort, RedisPort
 from kvtier.store.promoter import Promoter
@@ -150,3 +151,21 @@ class Reader:
         self.requests.gets += 1
         self.requests.get_blocks += len(metas)
         return metas
+
+    async def place_in_hbm(self, hbm: HbmPlacement | None, metas: list[BlockMeta],
+                           ns: NamespaceEntry) -> list[HbmEntry | None]:
+        """Read-lock ``metas`` (ready and read-locked in cpu) in hbm too, copying them there
+        when needed; None where a block is served from cpu. Counts the cpu reads."""
+        entries: list[HbmEntry | None] = [None] * len(metas)
+        in_hbm: set[bytes] = set()
+        if hbm is not None and metas:
+            in_hbm = {m.key for m in metas if m.key in hbm.entries}
+            try:
+                entries = await hbm.acquire(metas, ns.layout.tokens_per_block)
+            except BaseException:   # cancelled: no lease will hold the cpu read-locks
+                self.cpu.unpin(metas)
+                raise
+        # read from cpu: blocks served from the arena and blocks copied from it into hbm
+        self.cpu.counters.bytes_read += sum(m.nbytes for m, e in zip(metas, entries, strict=True)
+                                            if e is None or m.key not in in_hbm)
+        return entries

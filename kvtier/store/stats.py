@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.tiers.base import TierCounters, TierName
+from kvtier.tiers.base import Tier, TierCounters, TierName, tier_stats
 
 __all__ = ["BytesMoved", "LookupResult", "PrefetchCounters", "RequestCounters",
-           "count_lookup", "slots_dict"]
+           "count_lookup", "slots_dict", "store_stats"]
 
 
 @dataclass(slots=True)
@@ -94,3 +94,27 @@ def count_lookup(cpu: TierCounters, nvme: TierCounters | None, n_keys: int, n_lo
 def slots_dict(obj: object) -> dict[str, Any]:
     """A slotted dataclass as a dict (its fields only)."""
     return {name: getattr(obj, name) for name in obj.__slots__}  # type: ignore[attr-defined]
+
+
+def store_stats(tiers: list[Tier], requests: RequestCounters, prefetch: PrefetchCounters,
+                moved: BytesMoved, leases: dict[str, Any], *, eviction: str, namespaces: int,
+                index_blocks: int, recovery: object | None) -> dict[str, Any]:
+    """The store's section of /v1/stats."""
+    out_tiers = {}
+    for t in tiers:
+        out_tiers[t.name.value] = tier_stats(t)
+        extra = getattr(t, "stats_extra", None)
+        if callable(extra):
+            out_tiers[t.name.value].update(extra())
+    return {
+        "tiers": out_tiers,
+        "requests": {**slots_dict(requests),
+                     "prefix_hit_rate": round(requests.prefix_hit_rate, 6)},
+        "prefetch": slots_dict(prefetch),
+        "bytes_moved": moved.rows(),
+        "leases": leases,
+        "policy": {"eviction": eviction},
+        "namespaces": namespaces,
+        "index_blocks": index_blocks,
+        "recovery": slots_dict(recovery) if recovery is not None else {},
+    }
