@@ -13,6 +13,7 @@ import importlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError, LeaseExpired
@@ -38,7 +39,7 @@ from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, 
 from kvtier.store.transfers import Transfers
 from kvtier.store.writes import Writer
 from kvtier.tiers.arena import Arena
-from kvtier.tiers.arena_journal import ArenaJournal, JournalState
+from kvtier.tiers.arena_journal import JournalState
 from kvtier.tiers.base import EvictionReason, Tier, TierName
 
 for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
@@ -147,7 +148,7 @@ class TieredStore:
         return rebuild_nvme_only(self)
 
     async def recover(self, state: JournalState | None, *,
-                      journal: ArenaJournal | None = None) -> RecoveryCounters:
+                      journal: Path | None = None) -> RecoveryCounters:
         """Warm restart: index nvme frames and the adopted arena's verified blocks, drop
         orphans, quarantine slots in flight at the crash for one lease TTL, then journal to
         ``journal`` (see ``kvtier.store.recovery``)."""

@@ -148,7 +148,7 @@ class HbmPlacement:
 
         If the waiting get is cancelled the copy still finishes in its thread (its slots
         cannot be reused before that), and the entries are settled and unlocked then."""
-        items = [(e.offset, self.arena.view(m.cpu, m.nbytes)) for _, m, e in copies]
+        items = [(e.offset, self._source(m)) for _, m, e in copies]
         job = asyncio.get_running_loop().run_in_executor(None, self.tier.copy_in, items)
         try:
             await asyncio.shield(job)
@@ -194,6 +194,10 @@ class HbmPlacement:
                 self.tier.free(entry.offset)
             if fut is not None and not fut.done():
                 fut.set_result(ok)
+
+    def _source(self, meta: BlockMeta) -> object:
+        assert meta.cpu is not None  # the caller read-locked it in cpu
+        return self.arena.view(meta.cpu, meta.nbytes)
 
     def _lock(self, entry: HbmEntry) -> None:
         entry.readers += 1

@@ -15,6 +15,7 @@ from kvtier.frame import FrameHeader
 from kvtier.policy.base import AdmissionPolicy, LookupObserver
 from kvtier.tiers.base import TierCounters, TierName
 from kvtier.tiers.nvme import NvmeSlot
+from kvtier.tiers.nvme.recovery import Recovered
 from kvtier.tiers.slab import SlabAllocator
 
 __all__ = ["AdmissionPolicy", "ForestPort", "HbmPort", "LookupObserver", "MissLogPort",
@@ -48,6 +49,8 @@ class NvmePort(_TierFace, Protocol):
     def degraded(self) -> bool: ...
 
     def refuse_write(self) -> None: ...
+
+    def open(self) -> Recovered: ...
 
     def alloc(self, payload_len: int) -> NvmeSlot | None: ...
 
@@ -89,7 +92,7 @@ class HbmPort(_TierFace, Protocol):
 
     def free(self, offset: int) -> None: ...
 
-    def copy_in(self, items: Sequence[tuple[int, memoryview]]) -> None: ...
+    def copy_in(self, items: Sequence[tuple[int, object]]) -> None: ...
 
 
 class ForestPort(Protocol):

@@ -17,7 +17,7 @@ from kvtier.frame import Codec, make_header
 from kvtier.index import BlockMeta
 from kvtier.store.ports import NvmePort, RedisPort
 from kvtier.store.stats import BytesMoved
-from kvtier.tiers.aligned import aligned_buffer, round_up
+from kvtier.tiers.aligned import aligned_buffer, byte_view, round_up
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.base import TierName
 from kvtier.tiers.nvme import NvmeSlot
@@ -74,7 +74,7 @@ class Transfers:
 
     def _arena_view(self, meta: BlockMeta, nbytes: int) -> memoryview:
         assert meta.cpu is not None
-        return memoryview(self.arena.view(meta.cpu, nbytes))
+        return byte_view(self.arena.view(meta.cpu, nbytes))
 
     async def _cpu_to_nvme(self, job: Transfer) -> TransferResult:
         meta, nvme = job.metas[0], self.nvme
