@@ -144,7 +144,7 @@ class HbmConfig:
 
 @dataclass(slots=True)
 class PolicyConfig:
-    eviction: str = "cost"                # lru | lfu | cost
+    eviction: str = "adaptive"            # adaptive | lru | lfu | cost
     prefetch_wait: str = "timeout"        # best_effort | wait | timeout
     prefetch_timeout_ms_per_block: float = 2.0
     model_params: float = 7e9             # for the recompute-cost model
@@ -296,8 +296,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("nvme.backoff_min_s must be > 0 and <= nvme.backoff_max_s")
     if cfg.redis.codec not in ("none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"):
         raise ConfigError("redis.codec must be none, lz4, shuffle-lz4, shuffle-zstd or auto")
-    if cfg.policy.eviction not in ("lru", "lfu", "cost"):
-        raise ConfigError("policy.eviction must be lru, lfu or cost")
+    if cfg.policy.eviction not in ("adaptive", "lru", "lfu", "cost"):
+        raise ConfigError("policy.eviction must be adaptive, lru, lfu or cost")
     if cfg.policy.prefetch_wait not in ("best_effort", "wait", "timeout"):
         raise ConfigError("policy.prefetch_wait must be best_effort, wait or timeout")
     if not 0 <= cfg.http.port <= 65535:

@@ -230,6 +230,9 @@ class Daemon:
             "protocol_errors": self.control.protocol_errors if self.control else 0,
         }
         out.update(self.store.stats())   # tiers.hbm first when the daemon has a pool
+        shadows = getattr(self.store.observer, "snapshot", None)
+        if callable(shadows):  # adaptive policy: mode and miss-ratio curve per tier
+            out.setdefault("policy", {})["tiers"] = shadows()
         out["connector"] = self.control.engine_summary() if self.control else {}
         return out
 

@@ -21,7 +21,7 @@ from kvtier.replay.report import format_reuse_breakdown, format_table, to_record
 from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, TraceFormat, load_trace
 
-POLICIES = ("lru", "lfu", "cost", "belady")
+POLICIES = ("lru", "lfu", "cost", "adaptive", "belady")
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.40)
 DEFAULT_BW = {"hbm": 1.0e12, "cpu": 25.0e9, "nvme": 3.0e9, "redis": 1.0e9}
 

@@ -1,0 +1,153 @@
+"""``adaptive``: the live tier follows whichever mode its shadow caches say hits the most.
+
+Nothing here is fitted to a trace. The shadows (:mod:`kvtier.policy.shadow`) replay the
+tier's own recent references through miniature ``lru``, ``lfu`` and ``cost`` caches; the
+live policy runs one of them (the *mode*) and, when the shadows' choice changes, rebuilds
+the new mode's ordering over the resident blocks, most recently used last, so a block just
+used is the last to go under any mode. Switches are rare (hysteresis and a minimum of
+evidence in :class:`~kvtier.policy.shadow.TierShadows`); a rebuild is O(resident blocks).
+
+The wrapper mirrors residency in one insertion-ordered dict (the recency order the rebuild
+needs) and forwards every call to the live mode: an O(1) overhead per call.
+
+Wiring: :class:`ShadowObserver` feeds every request's chain to the shadows of each tier
+(the store's observer seam); the simulator calls :meth:`TierShadows.on_request` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.policy.base import EvictionPolicy, Key, register_eviction_policy
+from kvtier.policy.shadow import TierShadows
+
+
+class AdaptivePolicy:
+    """An eviction policy that delegates to the mode its :class:`TierShadows` chose.
+
+    ``make(mode)`` builds a policy of a mode (the same factory the shadows use).
+    ``shadows`` may be shared with an observer that feeds it; when its capacity is not
+    known yet, the population at the first eviction sizes it (the tier is full then).
+    """
+
+    name = "adaptive"
+
+    __slots__ = ("_live", "_make", "_meta", "_pinned", "mode", "shadows")
+
+    def __init__(self, make: Callable[[str], EvictionPolicy],
+                 shadows: TierShadows | None = None) -> None:
+        self._make = make
+        self.shadows = shadows if shadows is not None else TierShadows(make)
+        self.mode = self.shadows.mode
+        self._live = make(self.mode)
+        self._meta: dict[Key, tuple[int, Key | None, int]] = {}  # recency order
+        self._pinned: set[Key] = set()
+
+    def _follow(self) -> None:
+        mode = self.shadows.mode
+        if mode == self.mode:
+            return
+        live = self._make(mode)
+        meta = self._meta
+        done: set[Key] = set()
+
+        def put(key: Key) -> None:
+            nbytes, parent, depth = meta[key]
+            if parent is not None and parent in meta and parent not in done:
+                put(parent)  # parents first: prefix-aware modes count resident children
+            done.add(key)
+            live.insert(key, nbytes=nbytes, parent=parent, depth=depth, now=0.0)
+
+        for key in meta:
+            if key not in done:
+                put(key)
+        for key in self._pinned:
+            live.set_pinned(key, True)
+        self._live = live
+        self.mode = mode
+
+    def insert(self, key: Key, *, nbytes: int, parent: Key | None = None, depth: int = 0,
+               now: float = 0.0) -> None:
+        meta = self._meta
+        if key in meta:
+            del meta[key]
+        meta[key] = (nbytes, parent, depth)
+        self._live.insert(key, nbytes=nbytes, parent=parent, depth=depth, now=now)
+
+    def touch(self, key: Key, *, now: float = 0.0) -> None:
+        meta = self._meta
+        m = meta.pop(key, None)
+        if m is not None:
+            meta[key] = m
+            self._live.touch(key, now=now)
+
+    def remove(self, key: Key) -> None:
+        if self._meta.pop(key, None) is not None:
+            self._pinned.discard(key)
+            self._live.remove(key)
+
+    def victim(self) -> Key | None:
+        shadows = self.shadows
+        if not shadows.active and self._meta:
+            above = shadows.above.capacity_blocks if shadows.above is not None else 0
+            shadows.set_capacity(len(self._meta), above or shadows.above_blocks)
+        self._follow()
+        return self._live.victim()
+
+    def set_pinned(self, key: Key, pinned: bool) -> None:
+        if key not in self._meta:
+            return
+        if pinned:
+            self._pinned.add(key)
+        else:
+            self._pinned.discard(key)
+        self._live.set_pinned(key, pinned)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._meta
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+
+@register_eviction_policy("adaptive")
+def _make_adaptive(*, make: Callable[[str], EvictionPolicy] | None = None,
+                   shadows: TierShadows | None = None) -> AdaptivePolicy:
+    if make is None:
+        from kvtier.policy.base import make_eviction_policy
+
+        def make(mode: str) -> EvictionPolicy:
+            return make_eviction_policy(mode)
+
+    return AdaptivePolicy(make, shadows)
+
+
+class ShadowObserver:
+    """The store's observer seam: feeds each lookup's chain to every tier's shadows, then
+    forwards to ``inner`` (the ``cost`` mode's :class:`~kvtier.policy.stats.WorkloadStats`).
+
+    ``block_tokens`` weighs each block (the daemon looks up full blocks only)."""
+
+    def __init__(self, shadows: dict[str, TierShadows], inner: Any = None,
+                 block_tokens: int = 1) -> None:
+        self.shadows = shadows
+        self.inner = inner
+        self.block_tokens = block_tokens
+
+    def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float) -> None:
+        if self.inner is not None:
+            self.inner.on_lookup(keys, hit_blocks, now=now)
+        bt = self.block_tokens
+        for shadows in self.shadows.values():
+            shadows.on_request(keys, lambda _d: bt, now)
+
+    def on_stored(self, keys: Sequence[Key], *, output_tokens: int | None,
+                  now: float) -> None:
+        on_stored = getattr(self.inner, "on_stored", None)
+        if on_stored is not None:
+            on_stored(keys, output_tokens=output_tokens, now=now)
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """Per tier: mode, switches, sample rate and the miss-ratio curve."""
+        return {tier: s.snapshot() for tier, s in self.shadows.items() if s.active}
