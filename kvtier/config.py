@@ -148,6 +148,7 @@ class PolicyConfig:
     prefetch_wait: str = "timeout"        # best_effort | wait | timeout
     prefetch_timeout_ms_per_block: float = 2.0
     model_params: float = 7e9             # for the recompute-cost model
+    shadow_sample_rate: float = 0.0       # adaptive: shadows' key sampling rate (0: auto)
 
 
 @dataclass(slots=True)
@@ -298,6 +299,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("redis.codec must be none, lz4, shuffle-lz4, shuffle-zstd or auto")
     if cfg.policy.eviction not in ("adaptive", "lru", "lfu", "cost"):
         raise ConfigError("policy.eviction must be adaptive, lru, lfu or cost")
+    if not 0.0 <= cfg.policy.shadow_sample_rate <= 1.0:
+        raise ConfigError("policy.shadow_sample_rate must be in [0, 1] (0: automatic)")
     if cfg.policy.prefetch_wait not in ("best_effort", "wait", "timeout"):
         raise ConfigError("policy.prefetch_wait must be best_effort, wait or timeout")
     if not 0 <= cfg.http.port <= 65535:

@@ -28,16 +28,19 @@ class AdaptivePolicy:
 
     ``make(mode)`` builds a policy of a mode (the same factory the shadows use).
     ``shadows`` may be shared with an observer that feeds it; when its capacity is not
-    known yet, the population at the first eviction sizes it (the tier is full then).
+    known yet, ``capacity_bytes`` over the first block's size sizes it (a daemon knows its
+    tier in bytes, not blocks), else the population at the first eviction (the tier is
+    full then).
     """
 
     name = "adaptive"
 
-    __slots__ = ("_live", "_make", "_meta", "_pinned", "mode", "shadows")
+    __slots__ = ("_cap_bytes", "_live", "_make", "_meta", "_pinned", "mode", "shadows")
 
     def __init__(self, make: Callable[[str], EvictionPolicy],
-                 shadows: TierShadows | None = None) -> None:
+                 shadows: TierShadows | None = None, *, capacity_bytes: int = 0) -> None:
         self._make = make
+        self._cap_bytes = capacity_bytes
         self.shadows = shadows if shadows is not None else TierShadows(make)
         self.mode = self.shadows.mode
         self._live = make(self.mode)
@@ -72,6 +75,8 @@ class AdaptivePolicy:
         meta = self._meta
         if key in meta:
             del meta[key]
+        elif self._cap_bytes and nbytes > 0 and not self.shadows.active:
+            self._size_shadows(self._cap_bytes // nbytes)
         meta[key] = (nbytes, parent, depth)
         self._live.insert(key, nbytes=nbytes, parent=parent, depth=depth, now=now)
 
@@ -87,11 +92,15 @@ class AdaptivePolicy:
             self._pinned.discard(key)
             self._live.remove(key)
 
-    def victim(self) -> Key | None:
+    def _size_shadows(self, blocks: int) -> None:
         shadows = self.shadows
-        if not shadows.active and self._meta:
-            above = shadows.above.capacity_blocks if shadows.above is not None else 0
-            shadows.set_capacity(len(self._meta), above or shadows.above_blocks)
+        above = shadows.above.capacity_blocks if shadows.above is not None else 0
+        if blocks > 0:
+            shadows.set_capacity(blocks, above or shadows.above_blocks)
+
+    def victim(self) -> Key | None:
+        if not self.shadows.active and self._meta:
+            self._size_shadows(len(self._meta))
         self._follow()
         return self._live.victim()
 
@@ -113,14 +122,15 @@ class AdaptivePolicy:
 
 @register_eviction_policy("adaptive")
 def _make_adaptive(*, make: Callable[[str], EvictionPolicy] | None = None,
-                   shadows: TierShadows | None = None) -> AdaptivePolicy:
+                   shadows: TierShadows | None = None,
+                   capacity_bytes: int = 0) -> AdaptivePolicy:
     if make is None:
         from kvtier.policy.base import make_eviction_policy
 
         def make(mode: str) -> EvictionPolicy:
             return make_eviction_policy(mode)
 
-    return AdaptivePolicy(make, shadows)
+    return AdaptivePolicy(make, shadows, capacity_bytes=capacity_bytes)
 
 
 class ShadowObserver:

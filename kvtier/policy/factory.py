@@ -57,8 +57,11 @@ def build_policies(cfg: Any) -> dict[str, Any]:
             # the nvme tier is modelled below the cpu tier (one cache of both sizes); the
             # hbm pool is inclusive in cpu, so cpu and hbm are each modelled alone
             above = shadows.get(TierName.CPU.value) if tier is TierName.NVME else None
-            sh = shadows[tier.value] = TierShadows(make, above=above)
-            return AdaptivePolicy(make, sh)
+            rate = cfg.policy.shadow_sample_rate or None
+            sh = shadows[tier.value] = TierShadows(make, above=above, rate=rate)
+            cap = {TierName.HBM: cfg.hbm.bytes, TierName.CPU: cfg.cpu.bytes}.get(
+                tier, cfg.nvme.bytes if cfg.nvme.enabled else 0)
+            return AdaptivePolicy(make, sh, capacity_bytes=cap)
         if policy != "cost":
             return make_eviction_policy(policy)
         bw = {TierName.HBM: H2D_BPS, TierName.CPU: below_cpu}.get(tier, below_nvme)
