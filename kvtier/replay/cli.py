@@ -17,7 +17,7 @@ from kvtier.errors import KVTierError
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondHitAdmission, WriteBudget
 from kvtier.policy.costmodel import BlockCosts, PrefillModel
 from kvtier.policy.prefetch import PrefetchWait
-from kvtier.replay.report import format_reuse_breakdown, format_table, to_record
+from kvtier.replay.report import format_mrc, format_reuse_breakdown, format_table, to_record
 from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, TraceFormat, load_trace
 
@@ -188,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.trace}: {len(trace.requests)} requests, {trace.n_references} block "
               f"references, {trace.n_unique_blocks} unique blocks of {trace.block_tokens} tokens")
         print(format_table(results))
+        mrc = format_mrc(results)
+        if mrc:
+            print()
+            print(mrc)
         if args.reuse_breakdown:
             print()
             print(format_reuse_breakdown(results))
