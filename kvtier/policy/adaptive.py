@@ -137,17 +137,38 @@ class ShadowObserver:
     """The store's observer seam: feeds each lookup's chain to every tier's shadows, then
     forwards to ``inner`` (the ``cost`` mode's :class:`~kvtier.policy.stats.WorkloadStats`).
 
-    ``block_tokens`` weighs each block (the daemon looks up full blocks only)."""
+    ``block_tokens`` weighs each block (the daemon looks up full blocks only). ``defer``
+    (the daemon passes the event loop's ``call_soon``) takes the shadows off the request
+    path: a lookup only queues its chain, and the queue is replayed into the shadows after
+    the reply has gone out. Without it the shadows run inline (tests, tools).
+    """
 
     def __init__(self, shadows: dict[str, TierShadows], inner: Any = None,
-                 block_tokens: int = 1) -> None:
+                 block_tokens: int = 1,
+                 defer: Callable[[Callable[[], None]], Any] | None = None) -> None:
         self.shadows = shadows
         self.inner = inner
         self.block_tokens = block_tokens
+        self.defer = defer
+        self._queue: list[tuple[Sequence[Key], float]] = []
 
     def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float) -> None:
         if self.inner is not None:
             self.inner.on_lookup(keys, hit_blocks, now=now)
+        if self.defer is None:
+            self._feed(keys, now)
+            return
+        if not self._queue:
+            self.defer(self.drain)
+        self._queue.append((keys, now))
+
+    def drain(self) -> None:
+        """Replay the queued lookups into the shadows (in arrival order)."""
+        queue, self._queue = self._queue, []
+        for keys, now in queue:
+            self._feed(keys, now)
+
+    def _feed(self, keys: Sequence[Key], now: float) -> None:
         bt = self.block_tokens
         for shadows in self.shadows.values():
             shadows.on_request(keys, lambda _d: bt, now)
@@ -160,4 +181,5 @@ class ShadowObserver:
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """Per tier: mode, switches, sample rate and the miss-ratio curve."""
+        self.drain()
         return {tier: s.snapshot() for tier, s in self.shadows.items() if s.active}

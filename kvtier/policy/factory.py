@@ -7,6 +7,8 @@ parameters for a live node (capacities, next-tier bandwidths, the model's prefil
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.policy.adaptive import AdaptivePolicy, ShadowObserver
@@ -25,6 +27,15 @@ of an 8B model in bf16 is 32 MiB; small test models are far smaller)."""
 H2D_BPS = 2.0e10          # reload bandwidth of the tier below hbm (cpu arena -> device)
 NVME_READ_BPS = 2.0e9     # reload bandwidth of the tier below cpu (re-measured by bench)
 REDIS_READ_BPS = 0.8e9    # reload bandwidth of the tier below nvme
+
+
+def _call_soon(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on the event loop after the current callback (after the reply is sent);
+    inline when no loop runs (a store used from synchronous code)."""
+    try:
+        asyncio.get_running_loop().call_soon(fn)
+    except RuntimeError:
+        fn()
 
 
 def build_policies(cfg: Any) -> dict[str, Any]:
@@ -73,6 +84,7 @@ def build_policies(cfg: Any) -> dict[str, Any]:
         admission = TierAdmission({"nvme": WriteBudget(rate, burst_bytes=max(rate, 2**26))})
     # the shadows are fed by the observer; the store builds the tiers' policies (and so
     # fills ``shadows``) when it is constructed, before its first lookup
-    observer = ShadowObserver(shadows, inner=stats) if name == "adaptive" else stats
+    observer = (ShadowObserver(shadows, inner=stats, defer=_call_soon)
+                if name == "adaptive" else stats)
     return {"eviction": name, "policy_factory": factory, "admission": admission,
             "observer": observer, "forest": PrefixForest()}
