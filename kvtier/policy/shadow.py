@@ -44,8 +44,9 @@ the full one (SHARDS reports errors of ~0.01 from a few thousand sampled keys)."
 MIN_RATE = 1.0 / 128
 MAX_RATE = 1.0 / 16
 """Bounds of the sampling rate: at most ``15 / 16`` extra policy operations per reference."""
-HYSTERESIS = 0.02
-"""A challenger must hit this much more (relative) than the live mode to take over..."""
+HYSTERESIS = 0.01
+"""A challenger must hit this much more (relative) than the live mode to take over (the
+same 1% a default is allowed to lose to the best simple policy)..."""
 Z_SWITCH = 3.0
 """...and its lead must be this many standard errors of the per-epoch differences."""
 WINDOW_EPOCHS = 16.0
