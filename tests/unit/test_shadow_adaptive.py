@@ -203,3 +203,36 @@ def test_metrics_export_the_curve_and_the_mode() -> None:
     assert mrc == {"0.25": 0.1, "0.5": 0.2, "1": 0.3, "2": 0.4, "4": 0.45}
     modes = {s.labels["mode"]: s.value for s in fams["kvtier_policy_mode"].samples}
     assert modes == {"cost": 1.0, "lru": 0.0, "lfu": 0.0}
+
+
+def _cli(module: str, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    import argparse
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="kvtier")
+    importlib.import_module(module).add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(list(argv))
+    code = args.func(args)
+    return code, capsys.readouterr().out
+
+
+def test_plan_and_doctor_read_a_saved_live_curve(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({**STATS, "daemon": {}, "requests": {}, "connector": {}}))
+    code, out = _cli("kvtier.plan.cli", capsys, "plan", "--model", "llama-2-13b",
+                     "--live-stats", str(path))
+    assert code == 0
+    assert "a cpu tier of 16.0 GiB (2x) would raise its token hit rate from 30.0% to 40.0%" \
+        in " ".join(out.split())
+    _, out = _cli("kvtier.doctor.cli", capsys, "doctor", "--stats", str(path))
+    assert "cpu tier too small for this workload" in " ".join(out.split())
+
+
+def test_stats_table_shows_the_mode_and_curve() -> None:
+    from kvtier.cli import render_stats
+
+    text = render_stats(STATS)
+    assert "policy adaptive" in text and "cost" in text and "45.0%" in text
