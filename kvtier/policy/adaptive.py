@@ -54,17 +54,21 @@ class AdaptivePolicy:
         live = self._make(mode)
         meta = self._meta
         done: set[Key] = set()
-
-        def put(key: Key) -> None:
-            nbytes, parent, depth = meta[key]
-            if parent is not None and parent in meta and parent not in done:
-                put(parent)  # parents first: prefix-aware modes count resident children
-            done.add(key)
-            live.insert(key, nbytes=nbytes, parent=parent, depth=depth, now=0.0)
-
         for key in meta:
-            if key not in done:
-                put(key)
+            if key in done:
+                continue
+            # parents first (prefix-aware modes count resident children): walk up to the
+            # first ancestor already placed, then insert top-down (no recursion: chains of
+            # thousands of blocks exist)
+            path = [key]
+            parent = meta[key][1]
+            while parent is not None and parent in meta and parent not in done:
+                path.append(parent)
+                parent = meta[parent][1]
+            for k in reversed(path):
+                nbytes, par, depth = meta[k]
+                done.add(k)
+                live.insert(k, nbytes=nbytes, parent=par, depth=depth, now=0.0)
         for key in self._pinned:
             live.set_pinned(key, True)
         self._live = live
@@ -160,7 +164,7 @@ class ShadowObserver:
             return
         if not self._queue:
             self.defer(self.drain)
-        self._queue.append((keys, now))
+        self._queue.append((tuple(keys), now))
 
     def drain(self) -> None:
         """Replay the queued lookups into the shadows (in arrival order)."""

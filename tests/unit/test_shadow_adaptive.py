@@ -236,3 +236,18 @@ def test_stats_table_shows_the_mode_and_curve() -> None:
 
     text = render_stats(STATS)
     assert "policy adaptive" in text and "cost" in text and "45.0%" in text
+
+
+def test_a_switch_rebuilds_deep_chains_parents_first() -> None:
+    def make(mode: str) -> EvictionPolicy:
+        return make_eviction_policy(mode)
+
+    pol = AdaptivePolicy(make, TierShadows(make, modes=("lru", "cost")))
+    n = 5000  # deeper than Python's recursion limit
+    for d in range(n):
+        pol.insert(d, nbytes=1, parent=d - 1 if d else None, depth=d)
+    for d in reversed(range(n)):  # children now more recent than their parents
+        pol.touch(d)
+    pol.shadows.mode = "cost"
+    assert pol.victim() == n - 1  # cost evicts leaves only: the chain's tail
+    assert pol.mode == "cost" and len(pol) == n
