@@ -1,4 +1,4 @@
-"""`kvtier serve | stats | plan | doctor | replay`.
+"""`kvtier serve | stats | plan | doctor | replay | explain`.
 
 Subcommands owned by other modules register themselves through an ``add_parser``
 function; a subcommand whose optional dependencies are missing is still listed and says
@@ -26,6 +26,7 @@ _PLUGGABLE = (
     ("kvtier.plan.cli", "plan"),
     ("kvtier.doctor.cli", "doctor"),
     ("kvtier.replay.cli", "replay"),
+    ("kvtier.explain_cli", "explain"),
 )
 
 

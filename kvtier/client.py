@@ -8,7 +8,9 @@ and the async client with asyncio streams, so the two can never drift apart.
 Two-phase under the hood: ``prepare_put`` hands out write-locked arena slots (a lease
 with a TTL) that the caller fills and then commits; ``prepare_get`` hands out read-locked
 slots that the caller releases. A crashed client's leases expire; a closed connection's
-leases are released at once. See docs/client-api.md.
+leases are released at once. A lease that expired before its release or commit raises
+``LeaseExpired`` there: ``get`` never returns bytes read under an expired lease, a put
+stores nothing. See docs/client-api.md ("Leases and their TTL").
 
 Device placement (GPU engines, daemons with an HBM pool): a client made with
 ``connect(..., device=True)``, or a ``prepare_get(..., prefer_device=True)`` call, maps the
@@ -43,7 +45,7 @@ from kvtier.errors import (
     RequestTimeout,
     error_from_code,
 )
-from kvtier.keys import BlockKey, Namespace
+from kvtier.keys import KEY_SCHEME, BlockKey, Namespace
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
 from kvtier.tiers.arena import ArenaMapping
@@ -226,7 +228,8 @@ class _Ops:
 
     @staticmethod
     def hello() -> dict[str, Any]:
-        return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}"}
+        return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}",
+                "key_scheme": KEY_SCHEME}
 
     def on_hello(self, reply: dict[str, Any]) -> None:
         if reply.get("version") != PROTOCOL_VERSION:
@@ -250,7 +253,13 @@ def _check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[An
 
 
 class PutLease:
-    """Write-locked arena slots; ``views[i]`` is None where key i needs no write."""
+    """Write-locked arena slots; ``views[i]`` is None where key i needs no write.
+
+    ``commit`` raises ``LeaseExpired`` (nothing stored) when the lease outlived the daemon's
+    TTL; writes made after the expiry land in quarantined slots and harm no one. As a
+    context manager: commit on normal exit (its errors propagate), abort on an exception
+    (abort errors suppressed, the body's exception propagates).
+    """
 
     def __init__(self, client: KVTierClient, lease: int, views: list[np.ndarray | None]):
         self._client, self.lease, self.views = client, lease, views
@@ -290,6 +299,13 @@ class GetLease:
     ``views[i]`` is a read-only numpy array over the arena when ``devices[i] == "cpu"`` (always,
     unless the get asked for device placement), and a uint8 cupy array over the daemon's
     HBM pool when ``devices[i] == "hbm"`` (read it, never write it).
+
+    What was read through the views is valid only if ``release`` succeeds: it raises
+    ``LeaseExpired`` when the lease outlived the daemon's TTL (the slots may have been
+    reused by another client meanwhile, so discard everything read), and any other error
+    when the daemon could not confirm the lease. As a context manager: on normal exit it
+    releases and lets those errors propagate (a reader must learn that its bytes are not
+    valid); on an exception it releases quietly and the body's exception propagates.
     """
 
     def __init__(self, client: KVTierClient, lease: int, views: list[Any],
@@ -299,6 +315,7 @@ class GetLease:
         self._open = True
 
     def release(self) -> None:
+        """Give the slots back; ``LeaseExpired`` when what was read may be wrong."""
         if self._open:
             self._open = False
             self._client._run(self._client._ops.op_release(self.lease))
@@ -306,7 +323,10 @@ class GetLease:
     def __enter__(self) -> GetLease:
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.release()
+            return
         with contextlib.suppress(KVTierError):
             self.release()
 
@@ -422,7 +442,11 @@ class KVTierClient:
 
     def get(self, ns: Namespace, keys: Sequence[BlockKey], out_buffers: Sequence[Any]) -> int:
         """Copy the leading available blocks into host ``out_buffers``; returns how many.
-        Always reads through cpu views (``prefer_device=False``)."""
+        Always reads through cpu views (``prefer_device=False``).
+
+        Raises ``LeaseExpired`` when the copy outlived the lease TTL (a stalled client): the
+        bytes may belong to another block, so nothing is returned as valid and the contents
+        of ``out_buffers`` are unspecified. Retry, or treat it as a miss."""
         _check_buffers(ns, keys, out_buffers)
         with self.prepare_get(ns, keys, prefer_device=False) as lease:
             for view, out in zip(lease.views, out_buffers, strict=False):
@@ -479,27 +503,61 @@ def connect(socket_path: str | Path | None = None, timeout: float = 5.0, *,
 
 
 class AsyncPutLease:
+    """``PutLease`` for the asyncio client (same ``views``, same expiry rules; ``async with``
+    commits on normal exit and aborts on an exception)."""
+
     def __init__(self, client: AsyncKVTierClient, lease: int, views: list[np.ndarray | None]):
         self._client, self.lease, self.views = client, lease, views
+        self._open = True
 
     async def commit(self, *, durable: bool = False, output_tokens: int | None = None) -> int:
+        """Publish the written blocks; ``LeaseExpired`` (nothing stored) past the TTL."""
+        self._open = False
         return await self._client._run(self._client._ops.op_commit(self.lease, durable,
                                                                    output_tokens))
 
     async def abort(self) -> None:
-        await self._client._run(self._client._ops.op_abort(self.lease))
+        if self._open:
+            self._open = False
+            await self._client._run(self._client._ops.op_abort(self.lease))
+
+    async def __aenter__(self) -> AsyncPutLease:
+        return self
+
+    async def __aexit__(self, exc_type: Any, *_: Any) -> None:
+        if not self._open:
+            return
+        if exc_type is None:
+            await self.commit()
+        else:
+            with contextlib.suppress(KVTierError):
+                await self.abort()
 
 
 class AsyncGetLease:
-    """``GetLease`` for the asyncio client (same ``views`` and ``devices``)."""
+    """``GetLease`` for the asyncio client (same ``views``, ``devices`` and expiry rules:
+    ``release`` raises ``LeaseExpired`` when what was read may be wrong)."""
 
     def __init__(self, client: AsyncKVTierClient, lease: int, views: list[Any],
                  devices: list[str] | None = None):
         self._client, self.lease, self.views = client, lease, views
         self.devices: list[str] = devices if devices is not None else ["cpu"] * len(views)
+        self._open = True
 
     async def release(self) -> None:
-        await self._client._run(self._client._ops.op_release(self.lease))
+        if self._open:
+            self._open = False
+            await self._client._run(self._client._ops.op_release(self.lease))
+
+    async def __aenter__(self) -> AsyncGetLease:
+        return self
+
+    async def __aexit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            await self.release()
+            return
+        with contextlib.suppress(KVTierError):
+            await self.release()
 
 
 class AsyncKVTierClient:
@@ -614,15 +672,12 @@ class AsyncKVTierClient:
 
     async def get(self, ns: Namespace, keys: Sequence[BlockKey],
                   out_buffers: Sequence[Any]) -> int:
+        """``KVTierClient.get`` as a coroutine (``LeaseExpired`` rule included)."""
         _check_buffers(ns, keys, out_buffers)
-        lease = await self.prepare_get(ns, keys, prefer_device=False)
-        try:
+        async with await self.prepare_get(ns, keys, prefer_device=False) as lease:
             for view, out in zip(lease.views, out_buffers, strict=False):
                 np.copyto(_as_bytes(out), view)
             return len(lease.views)
-        finally:
-            with contextlib.suppress(KVTierError):
-                await lease.release()
 
     async def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
         return await self._run(self._ops.op_delete(ns, keys))

@@ -78,7 +78,8 @@ class DaemonConfig:
     socket: Path = field(default_factory=default_socket_path)
     max_frame_bytes: int = 16 * 2**20     # control frames only: KV bytes never cross here
     max_inflight_per_conn: int = 64       # bounded per-connection request queue
-    lease_ttl_s: float = 30.0
+    lease_ttl_s: float = 30.0             # a lease not released/committed by then expires
+    lease_sweep_s: float = 1.0            # how often expired leases are taken back
     drain_timeout_s: float = 10.0
     log_level: str = "info"
 
@@ -96,6 +97,8 @@ class CpuConfig:
     shm_dir: Path = Path("/dev/shm")
     slab_bytes: int = 64 * 2**20
     prefault: bool = True
+    warm_restart: bool = True             # keep the arena + a journal under a stable name
+    #                                       per data dir: a restart after a crash adopts them
 
 
 @dataclass(slots=True)
@@ -132,6 +135,8 @@ class RedisConfig:
     max_inflight: int = 8                 # bounded concurrent pipelines
     connect_timeout_s: float = 1.0
     op_timeout_s: float = 2.0
+    lookup_budget_s: float = 0.1          # Redis part of a lookup/get on the request path:
+    #                                       past it, a (counted) miss, never an op timeout
     bytes: int = 0                        # 0: bounded by Redis maxmemory / TTL
 
 
@@ -287,6 +292,8 @@ def validate(cfg: Config) -> None:
     """Cross-field checks with messages that say what to change."""
     if cfg.cpu.bytes < cfg.cpu.slab_bytes and cfg.cpu.bytes > 0:
         cfg.cpu.slab_bytes = max(cfg.cpu.bytes, 4096)
+    if cfg.daemon.lease_sweep_s <= 0:
+        raise ConfigError("daemon.lease_sweep_s must be > 0 (seconds between lease sweeps)")
     if cfg.cpu.bytes <= 0:
         raise ConfigError("cpu.bytes must be > 0: the cpu tier is the staging tier")
     if cfg.nvme.direct not in ("auto", "on", "off"):
@@ -297,6 +304,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("nvme.backoff_min_s must be > 0 and <= nvme.backoff_max_s")
     if cfg.redis.codec not in ("none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"):
         raise ConfigError("redis.codec must be none, lz4, shuffle-lz4, shuffle-zstd or auto")
+    if cfg.redis.lookup_budget_s <= 0:
+        raise ConfigError("redis.lookup_budget_s must be > 0 (e.g. 0.1: well under the "
+                          "connector's step timeout)")
     if cfg.policy.eviction not in ("adaptive", "lru", "lfu", "cost"):
         raise ConfigError("policy.eviction must be adaptive, lru, lfu or cost")
     if not 0.0 <= cfg.policy.shadow_sample_rate <= 1.0:

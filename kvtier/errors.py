@@ -67,6 +67,17 @@ class LeaseError(KVTierError):
     code = "lease"
 
 
+class LeaseExpired(LeaseError):
+    """A lease outlived its TTL before it was released or committed.
+
+    For a get, the bytes read under it may have been overwritten by another client and must
+    be discarded; for a put, nothing was stored. Finish leases sooner, or raise
+    ``daemon.lease_ttl_s``.
+    """
+
+    code = "lease_expired"
+
+
 class CapacityError(KVTierError):
     """No tier could take the block (hard capacity reached, nothing evictable)."""
 

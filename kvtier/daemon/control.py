@@ -49,6 +49,7 @@ class Connection:
     pid: int
     uid: int
     client: str = ""
+    key_scheme: str = ""   # the client's key function version (kvtier.keys.KEY_SCHEME)
     engine: dict[str, float] = field(default_factory=dict)
 
 
@@ -199,6 +200,7 @@ class ControlServer:
             raise HandshakeError(f"protocol version {version!r} not supported; this daemon "
                                  f"speaks {sorted(SUPPORTED_VERSIONS)}: upgrade the client")
         conn.client = str(msg.get("client", ""))[:64]
+        conn.key_scheme = str(msg.get("key_scheme", ""))[:64]
         reply = {"id": msg.get("id", 0), "ok": True, "version": PROTOCOL_VERSION,
                  "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
         if self.hbm is not None:

@@ -1,4 +1,5 @@
-"""HTTP endpoints (aiohttp): /metrics, /v1/stats, /healthz, and token-guarded admin."""
+"""HTTP endpoints (aiohttp): /metrics, /v1/stats, /v1/lookups/recent, /healthz, and
+token-guarded admin."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ class HttpServer:
 
     def __init__(self, host: str, port: int, metrics: Metrics,
                  stats: Callable[[], dict[str, Any]], config: Callable[[], dict[str, Any]],
-                 admin_token: str = "") -> None:
+                 admin_token: str = "",
+                 recent: Callable[[int, bool], list[dict[str, Any]]] | None = None) -> None:
         self.host, self._port = host, port
         self.metrics, self.stats, self.config = metrics, stats, config
         self.admin_token = admin_token
+        self.recent = recent
         self._runner: web.AppRunner | None = None
         self.port = port
 
@@ -30,6 +33,7 @@ class HttpServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/healthz", self._health)
+        app.router.add_get("/v1/lookups/recent", self._recent)
         app.router.add_get("/v1/admin/config", self._config)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -49,6 +53,19 @@ class HttpServer:
 
     async def _stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats(), dumps=lambda o: json.dumps(o, default=str))
+
+    async def _recent(self, request: web.Request) -> web.Response:
+        """Recent lookups and why their first block missed: ?limit=N&misses=1."""
+        try:
+            limit = int(request.query.get("limit", "50"))
+        except ValueError:
+            limit = -1
+        if not 1 <= limit <= 100_000:
+            return web.json_response({"error": "limit must be an integer from 1 to 100000"},
+                                     status=400)
+        misses = request.query.get("misses", "0").lower() in ("1", "true", "yes")
+        rows = self.recent(limit, misses) if self.recent is not None else []
+        return web.json_response({"lookups": rows})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -11,7 +11,11 @@ slow or gone. Everything here is built so that Redis trouble costs hits, never r
 - Reads walk a prefix: pipelined EXISTS / GET in batches, stopping at the first miss.
   Every value is a frame (kvtier.frame) checked against the expected namespace, key and
   layout fingerprint plus its payload checksum; a frame failing a check is a miss,
-  counted in ``counters.checksum_failures`` and deleted from Redis.
+  counted in ``counters.checksum_failures`` and deleted from Redis. A sound frame of another
+  namespace (a caller with a stolen key) is a miss, counted in ``namespace_mismatches``, and
+  is left alone: it is another tenant's block, not a corrupt one.
+- ``exists_prefix`` and ``delete`` given the caller's namespace read the namespace field of
+  each frame (GETRANGE, as cheap as EXISTS) and treat another namespace's frame as absent.
 - Writes are write-behind: ``submit`` copies the payload and returns; writer tasks
   encode (in a thread for real codecs), frame and pipeline SETs, at most
   ``max_inflight`` pipelines at once. The queue is bounded (``write_queue_blocks``);
@@ -41,7 +45,7 @@ from kvtier import codec as codecs
 from kvtier.backoff import Backoff, BackoffPolicy
 from kvtier.config import RedisConfig
 from kvtier.errors import FrameError
-from kvtier.frame import Codec, decode_frame
+from kvtier.frame import HEADER_SIZE, Codec, FrameHeader, decode_frame
 from kvtier.tiers.base import EvictionReason, TierCounters, TierName
 from kvtier.tiers.redis_client import (
     RedisClient,
@@ -69,6 +73,8 @@ CLOSE_FLUSH_S = 5.0               # bounded drain at close
 
 
 DecodeResult = tuple[int, int | None, str]  # (blocks filled, index of a bad frame, why)
+NS_OFFSET, NS_END = 8, 23  # the frame header's namespace field (GETRANGE bounds, inclusive)
+OTHER_NAMESPACE = "frame holds another namespace"  # a miss, not an error: the frame stays
 
 
 class RedisTier:
@@ -106,6 +112,7 @@ class RedisTier:
         self._server_used = 0
         self._server_max = 0
         self._server_keys = 0
+        self.namespace_mismatches = 0          # frames found under another namespace
 
     # --- Tier protocol --------------------------------------------------------------------
 
@@ -189,9 +196,12 @@ class RedisTier:
 
     # --- reads ----------------------------------------------------------------------------
 
-    async def exists_prefix(self, keys: Sequence[bytes]) -> int:
+    async def exists_prefix(self, keys: Sequence[bytes], *, namespace: bytes | None = None) -> int:
         """How many leading ``keys`` are in Redis (pipelined EXISTS, stops at the first miss).
 
+        With ``namespace``, a key counts only when its frame's namespace field is
+        ``namespace`` (pipelined GETRANGE of that field instead of EXISTS): a frame of
+        another namespace is a miss, counted in ``namespace_mismatches``.
         0 while down; on an error, the prefix confirmed before it (the error is counted).
         """
         found = 0
@@ -200,7 +210,7 @@ class RedisTier:
         for start in range(0, len(keys), EXISTS_BATCH):
             rkeys = [self._rkey(k) for k in keys[start:start + EXISTS_BATCH]]
             try:
-                replies = await self._pipeline([("EXISTS", k) for k in rkeys])
+                replies = await self._pipeline(self._probe(rkeys, namespace))
             except Exception as exc:
                 self._failed(exc)
                 return found
@@ -208,7 +218,7 @@ class RedisTier:
                 if isinstance(reply, Exception):
                     self._failed(reply)
                     return found
-                if not reply:
+                if not self._present(reply, namespace):
                     self._succeeded()
                     return found
                 found += 1
@@ -255,6 +265,8 @@ class RedisTier:
                     got, bad, why = _decode_run(*args)
                 if got < len(values) and isinstance(values[got], Exception):
                     self._failed(values[got])
+                elif why == OTHER_NAMESPACE:
+                    self.namespace_mismatches += 1
                 elif bad is None and why:
                     self._note_error(ValueError(why))
                 if bad is not None:
@@ -289,11 +301,26 @@ class RedisTier:
             self.counters.dropped_writes += 1
         self._wake.set()
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        """Delete blocks from Redis; returns how many existed. 0 while down or on error."""
+    async def delete(self, keys: Sequence[bytes], *, namespace: bytes | None = None) -> int:
+        """Delete blocks from Redis; returns how many existed. 0 while down or on error.
+
+        With ``namespace``, only frames of that namespace are deleted (checked first with
+        GETRANGE; another namespace's frame is counted in ``namespace_mismatches`` and kept).
+        """
         if not keys or not self._up:
             return 0
         rkeys = [self._rkey(k) for k in keys]
+        if namespace is not None:
+            try:
+                probed = await self._pipeline(self._probe(rkeys, namespace))
+            except Exception as exc:
+                self._failed(exc)
+                return 0
+            rkeys = [k for k, r in zip(rkeys, probed, strict=True)
+                     if not isinstance(r, Exception) and self._present(r, namespace)]
+            if not rkeys:
+                self._succeeded()
+                return 0
         try:
             replies = await self._pipeline([("DEL", k) for k in rkeys])
         except Exception as exc:
@@ -319,12 +346,30 @@ class RedisTier:
             "codec_current": (auto.current if auto else self._codec).name.lower(),
             "codec_ratio": self._frames_raw / self._frames_wire if self._frames_wire else 1.0,
             "last_error": self.last_error,
+            "namespace_mismatches": self.namespace_mismatches,
         }
 
     # --- internals ------------------------------------------------------------------------
 
     def _rkey(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
+
+    @staticmethod
+    def _probe(rkeys: Sequence[bytes], namespace: bytes | None) -> list[tuple[Any, ...]]:
+        if namespace is None:
+            return [("EXISTS", k) for k in rkeys]
+        return [("GETRANGE", k, NS_OFFSET, NS_END) for k in rkeys]
+
+    def _present(self, reply: Any, namespace: bytes | None) -> bool:
+        """Whether a ``_probe`` reply says the block is there (for ``namespace``)."""
+        if namespace is None:
+            return bool(reply)
+        if not reply:  # GETRANGE of a missing key: b""
+            return False
+        if bytes(reply) != namespace:
+            self.namespace_mismatches += 1
+            return False
+        return True
 
     async def _pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` on one non-transactional pipeline (one round trip per node).
@@ -521,13 +566,19 @@ def _decode_run(values: Sequence[Any], keys: Sequence[bytes], outs: Sequence[mem
     for i, value in enumerate(values):
         if not isinstance(value, bytes):  # None: missing; Exception: an error reply
             return i, None, ""
+        if len(value) >= HEADER_SIZE:
+            try:  # a sound frame of another namespace is someone else's block: keep it
+                if FrameHeader.unpack(value[:HEADER_SIZE]).namespace != namespace:
+                    return i, None, OTHER_NAMESPACE
+            except FrameError:
+                pass  # corrupt: decode_frame below reports it
         try:
             header, payload = decode_frame(value, namespace, keys[i], layout_fp)
         except FrameError as exc:
             return i, i, str(exc)
         out = outs[i]
-        if header.raw_len > out.nbytes:  # the caller's buffer, not the frame, is wrong
-            return i, None, (f"block of {header.raw_len} bytes does not fit the "
+        if header.raw_len != out.nbytes:  # the caller's buffer, not the frame, is wrong
+            return i, None, (f"block of {header.raw_len} bytes does not match the "
                              f"{out.nbytes}-byte buffer")
         try:
             codecs.decode(header.codec, payload, header.raw_len, out)

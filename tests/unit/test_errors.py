@@ -16,6 +16,7 @@ from kvtier.errors import (
     KVTierError,
     LayoutMismatch,
     LeaseError,
+    LeaseExpired,
     Overloaded,
     ProtocolError,
     RequestTimeout,
@@ -33,6 +34,7 @@ STABLE_CODES: dict[type[KVTierError], str] = {
     UnknownNamespace: "unknown_namespace",
     BufferSizeError: "buffer_size",
     LeaseError: "lease",
+    LeaseExpired: "lease_expired",
     CapacityError: "capacity",
     FrameError: "frame",
     ChecksumError: "checksum",
@@ -66,6 +68,7 @@ def test_every_error_class_in_the_module_has_a_unique_code() -> None:
 def test_subclasses_keep_their_parents_catchable() -> None:
     assert isinstance(error_from_code("checksum", "x"), FrameError)
     assert isinstance(error_from_code("handshake", "x"), ProtocolError)
+    assert isinstance(error_from_code("lease_expired", "x"), LeaseError)
 
 
 @pytest.mark.parametrize("code", ["", "no_such_code", "INTERNAL", "lease "])
