@@ -3,10 +3,10 @@
 Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations"
 (ATC'17): a cache of ``R x C`` slots fed only the keys whose hash falls under ``R`` behaves
 like the full cache of ``C`` slots, at ``R`` of the cost. One :class:`TierShadows` per tier
-runs, for every candidate mode (``lru``, ``lfu``, ``cost``), a miniature cache at each of
-:data:`MRC_SCALES` times the tier's size. The 1x shadows say which mode would have hit the
-most tokens lately (the live tier follows it, :mod:`kvtier.policy.adaptive`); the shadows of
-the live mode form the tier's miss-ratio curve.
+runs, for every candidate mode (``lru``, ``lfu``, ``cost``), a miniature cache of the tier's
+size, and for the live mode also one at each other :data:`MRC_SCALES` size. The 1x shadows
+say which mode would have hit the most tokens lately (the live tier follows it,
+:mod:`kvtier.policy.adaptive`); the live mode's shadows form the tier's miss-ratio curve.
 
 **Prefix semantics.** Keys are sampled one by one (a chain is not sampled whole: most
 workloads share a handful of roots, so sampling by root would sample almost nothing or
@@ -20,10 +20,10 @@ token-weighted (hit tokens / tokens of the sampled blocks), the ratio estimator 
 **Tiers.** A lower tier is modelled as the part of one cache of the hierarchy's cumulative
 size: tier ``j`` at scale ``s`` is a cache of ``(tiers above j) + s x (tier j)`` blocks.
 
-**Cost.** ``modes x len(MRC_SCALES)`` shadows each see a fraction ``rate`` of the block
-references, so the extra work is ``15 x rate`` policy operations per reference; ``rate``
-is chosen so that the 1x shadow holds about :data:`SHADOW_SLOTS` blocks, clamped to
-``[MIN_RATE, MAX_RATE]``. Memory: ``7.75 x SHADOW_SLOTS`` resident keys per mode.
+**Cost.** ``modes + 4`` (7) shadows each see a fraction ``rate`` of the block references,
+so the extra work is ``7 x rate`` policy operations per reference; ``rate`` is chosen so
+that the 1x shadow holds about :data:`SHADOW_SLOTS` blocks, clamped to ``[MIN_RATE,
+MAX_RATE]``. Memory: ``(3 + 6.75) x rate x C`` resident keys (``C``: the modelled size).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ SHADOW_SLOTS = 512
 the full one (SHARDS reports errors of ~0.01 from a few thousand sampled keys)."""
 MIN_RATE = 1.0 / 128
 MAX_RATE = 1.0 / 16
-"""Bounds of the sampling rate: at most ``15 / 16`` extra policy operations per reference."""
+"""Bounds of the sampling rate: at most ``7 / 16`` extra policy operations per reference."""
 HYSTERESIS = 0.01
 """A challenger must hit this much more (relative) than the live mode to take over (the
 same 1% a default is allowed to lose to the best simple policy)..."""
@@ -81,20 +81,29 @@ def sampling_rate(capacity_blocks: int) -> float:
 class ShadowCache:
     """One miniature cache: a policy instance, its capacity and its (decayed) hit tokens."""
 
-    __slots__ = ("capacity", "d1", "d2", "forest", "hits", "policy", "recent")
+    __slots__ = ("capacity", "d1", "d2", "forest", "hits", "policy", "recent", "tokens")
 
     def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
         self.policy = policy
         self.capacity = max(1, capacity)
         self.forest = PrefixForest()
         self.hits = 0.0    # hit tokens since the start
+        self.tokens = 0.0  # tokens of the sampled blocks seen since the start
         self.recent = 0.0  # hit tokens in the current epoch
         self.d1 = 0.0  # decayed sum of per-epoch (hit rate - live mode's hit rate)
         self.d2 = 0.0  # decayed sum of its squares
 
-    def access(self, chain: Sequence[tuple[Key, int, int]], now: float) -> None:
-        """One request's sampled sub-chain ``(key, depth, tokens)``: count the hit prefix,
-        then touch or insert every block in order and evict down to capacity."""
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over the tokens seen, since the start."""
+        return self.hits / self.tokens if self.tokens else 0.0
+
+    def access(self, chain: Sequence[tuple[Key, int, int]], now: float,
+               n_tokens: float) -> None:
+        """One request's sampled sub-chain ``(key, depth, tokens)`` (``n_tokens`` in all):
+        count the hit prefix, then touch or insert every block in order and evict down to
+        capacity."""
+        self.tokens += n_tokens
         pol = self.policy
         hit = 0
         for key, _, tokens in chain:
@@ -131,7 +140,7 @@ class ModeSwitch:
 
 
 class TierShadows:
-    """The shadows of one tier: every mode at every :data:`MRC_SCALES` size.
+    """The shadows of one tier: every mode at 1x, the live mode at every curve size.
 
     ``make(mode)`` builds a fresh eviction policy of that mode. ``capacity_blocks`` is the
     tier's size and ``above_blocks`` the size of the tiers above it (0 for the top tier);
@@ -155,7 +164,8 @@ class TierShadows:
         self.rate = 0.0
         self.capacity_blocks = 0
         self.above_blocks = above_blocks
-        self.shadows: dict[str, list[ShadowCache]] = {}
+        self.ones: dict[str, ShadowCache] = {}  # every mode at the tier's size
+        self.sizes: dict[float, ShadowCache] = {}  # the live mode at the other curve sizes
         self._threshold = 0
         self._epoch = 0       # sampled references per comparison
         self._since = 0       # sampled references since the last comparison
@@ -179,17 +189,21 @@ class TierShadows:
         rate = self._fixed_rate or sampling_rate(above_blocks + capacity_blocks)
         self.rate = rate
         self._threshold = int(rate * _SPACE)
-        self.shadows = {
-            m: [ShadowCache(self.make(m), round(rate * (above_blocks + s * capacity_blocks)))
-                for s in MRC_SCALES]
-            for m in self.modes
-        }
-        one = self.shadows[self.modes[0]][MRC_SCALES.index(1.0)].capacity
-        self._epoch = max(256, one)
+        self.ones = {m: self._cache(m, 1.0) for m in self.modes}
+        self._curve_for(self.mode)
+        self._epoch = max(256, self.ones[self.mode].capacity)
         self.sampled = 0
         self.tokens = 0.0
         self._since = 0
         self._epochs = 0
+
+    def _cache(self, mode: str, scale: float) -> ShadowCache:
+        blocks = self.above_blocks + scale * self.capacity_blocks
+        return ShadowCache(self.make(mode), round(self.rate * blocks))
+
+    def _curve_for(self, mode: str) -> None:
+        # a new live mode's curve starts empty: its other sizes fill over the next turnovers
+        self.sizes = {s: self._cache(mode, s) for s in MRC_SCALES if s != 1.0}
 
     def sample(self, keys: Sequence[Key], tokens: Callable[[int], int],
                ) -> list[tuple[Key, int, int]]:
@@ -201,7 +215,7 @@ class TierShadows:
         """Feed one request (its whole chain; ``tokens(depth)`` is the block's token count)
         to every shadow, after the request ran (where the live tier stores it)."""
         self.references += len(keys)
-        if not self.shadows:
+        if not self.ones:
             return
         chain = self.sample(keys, tokens)
         if not chain:
@@ -210,9 +224,10 @@ class TierShadows:
         n_tokens = sum(t for _, _, t in chain)
         self.tokens += n_tokens
         self._epoch_tokens += n_tokens
-        for caches in self.shadows.values():
-            for cache in caches:
-                cache.access(chain, now)
+        for cache in self.ones.values():
+            cache.access(chain, now, n_tokens)
+        for cache in self.sizes.values():
+            cache.access(chain, now, n_tokens)
         self._since += len(chain)
         if self._since >= self._epoch:
             self._compare()
@@ -223,18 +238,16 @@ class TierShadows:
         lead is both large (:data:`HYSTERESIS`) and significant (:data:`Z_SWITCH`)."""
         self._since = 0
         self._epochs += 1
-        one = MRC_SCALES.index(1.0)
         tokens = self._epoch_tokens or 1.0
         self._epoch_tokens = 0.0
-        live = self.shadows[self.mode][one]
+        live = self.ones[self.mode]
         base = live.recent / tokens
         keep = 1.0 - 1.0 / WINDOW_EPOCHS
         self._weight = self._weight * keep + 1.0
         self._base = self._base * keep + base
         best, best_z = self.mode, 0.0
         n = self._weight
-        for m, caches in self.shadows.items():
-            c = caches[one]
+        for m, c in self.ones.items():
             d = c.recent / tokens - base
             c.d1 = c.d1 * keep + d
             c.d2 = c.d2 * keep + d * d
@@ -245,32 +258,32 @@ class TierShadows:
             z = mean / (var / n) ** 0.5
             if mean > HYSTERESIS * (self._base / n) and z > Z_SWITCH and z > best_z:
                 best, best_z = m, z
-        for caches in self.shadows.values():
-            for cache in caches:
-                cache.recent = 0.0
+        for c in self.ones.values():
+            c.recent = 0.0
         if best != self.mode and self._epochs >= WINDOW_EPOCHS / 2:
             self.switches.append(ModeSwitch(self.references, self.mode, best))
             self.mode = best
             self._epochs = 0
             self._weight = 0.0
             self._base = 0.0
-            for caches in self.shadows.values():
-                caches[one].d1 = caches[one].d2 = 0.0
+            for c in self.ones.values():
+                c.d1 = c.d2 = 0.0
+            self._curve_for(best)
 
-    def curve(self, mode: str | None = None) -> list[tuple[float, float]]:
-        """The miss-ratio curve as ``(scale, token hit rate)`` pairs under ``mode`` (the live
-        mode by default): hit rates since the start of the shadows."""
-        caches = self.shadows.get(mode or self.mode)
-        if not caches or self.tokens <= 0:
+    def curve(self) -> list[tuple[float, float]]:
+        """The miss-ratio curve under the live mode as ``(scale, token hit rate)`` pairs:
+        each size's hit rate since its shadow started (at 1x: since the shadows started;
+        elsewhere: since the mode became live)."""
+        if not self.ones or self.tokens <= 0:
             return []
-        return [(s, c.hits / self.tokens) for s, c in zip(MRC_SCALES, caches, strict=True)]
+        caches = {**self.sizes, 1.0: self.ones[self.mode]}
+        return [(s, caches[s].hit_rate) for s in MRC_SCALES if caches[s].tokens > 0]
 
     def hit_rates(self) -> dict[str, float]:
         """Each mode's token hit rate at the tier's own size (since the start)."""
-        one = MRC_SCALES.index(1.0)
         if self.tokens <= 0:
             return {}
-        return {m: c[one].hits / self.tokens for m, c in self.shadows.items()}
+        return {m: c.hit_rate for m, c in self.ones.items()}
 
     def snapshot(self) -> dict[str, object]:
         """Stats for /v1/stats, ``kvtier stats`` and replay output."""

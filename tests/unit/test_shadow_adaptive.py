@@ -82,14 +82,14 @@ def test_sampling_rate_follows_capacity_within_bounds() -> None:
 
 def test_shadow_cache_hits_the_longest_resident_prefix_and_drops_orphans() -> None:
     cache = ShadowCache(LRUPolicy(), 3)
-    cache.access([(1, 0, 10), (2, 1, 10), (3, 2, 10)], 0.0)
+    cache.access([(1, 0, 10), (2, 1, 10), (3, 2, 10)], 0.0, 30)
     assert cache.hits == 0
-    cache.access([(1, 0, 10), (9, 1, 10)], 0.0)  # 1 hits; 9 pushes out 2 (the LRU block)
+    cache.access([(1, 0, 10), (9, 1, 10)], 0.0, 20)  # 1 hits; 9 pushes out 2 (the LRU block)
     assert cache.hits == 10
     # 2 was evicted, so 3 is an orphan and gone: a lookup of 1,2,3 hits only 1
     assert 3 not in cache.policy and 2 not in cache.policy
-    cache.access([(1, 0, 10), (2, 1, 10), (3, 2, 10)], 0.0)
-    assert cache.hits == 20
+    cache.access([(1, 0, 10), (2, 1, 10), (3, 2, 10)], 0.0, 30)
+    assert cache.hits == 20 and cache.hit_rate == pytest.approx(20 / 80)
 
 
 def test_shadows_switch_to_the_mode_that_hits_more() -> None:
@@ -100,6 +100,8 @@ def test_shadows_switch_to_the_mode_that_hits_more() -> None:
     assert sh.mode == "lru" and len(sh.switches) == 1
     assert sh.hit_rates()["lru"] > 0.8 > 0.5 > sh.hit_rates()["mru"]
     assert [s for s, _ in sh.curve()] == list(MRC_SCALES)
+    # the curve is the live mode's: its other sizes were rebuilt under lru at the switch
+    assert all(isinstance(c.policy, LRUPolicy) for c in sh.sizes.values())
 
 
 def test_shadows_do_not_flap_between_equal_modes() -> None:
