@@ -12,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pwd
 import re
+import stat
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -52,18 +55,64 @@ def parse_size(value: object) -> int:
     return int(number)
 
 
-def default_runtime_dir() -> Path:
-    """Per-user runtime directory for the socket ($XDG_RUNTIME_DIR or /tmp/kvtier-UID)."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+def _is_private_dir_of(path: str, uid: int) -> bool:
+    """Whether ``path`` is a directory owned by ``uid`` that nobody else can write or list."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and st.st_mode & 0o077 == 0
+
+
+def default_runtime_dir(env: Mapping[str, str] | None = None, uid: int | None = None) -> Path:
+    """The socket's directory when none is configured: one that no other user can create.
+
+    ``$XDG_RUNTIME_DIR/kvtier`` when XDG_RUNTIME_DIR is a directory of ours with mode 0700
+    (what login managers create), else ``/run/kvtier`` for root, else ``/tmp/kvtier-UID``.
+    The daemon creates the last one with mode 0700 and refuses to start when it already
+    exists with another owner or mode (kvtier.trust). The daemon and its clients call this
+    same function, so they agree without any file being read.
+    """
+    environ = os.environ if env is None else env
+    uid = os.getuid() if uid is None else uid
+    xdg = environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg) and _is_private_dir_of(xdg, uid):
         return Path(xdg) / "kvtier"
-    return Path(f"/tmp/kvtier-{os.getuid()}")
+    if uid == 0:
+        return Path("/run/kvtier")
+    return Path(f"/tmp/kvtier-{uid}")
 
 
-def default_socket_path() -> Path:
+def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
     """Where clients look for the daemon when nothing else is configured."""
-    env = os.environ.get("KVTIER_SOCKET") or os.environ.get("KVTIER_DAEMON_SOCKET")
-    return Path(env) if env else default_runtime_dir() / "kvtier.sock"
+    environ = os.environ if env is None else env
+    explicit = environ.get("KVTIER_SOCKET") or environ.get("KVTIER_DAEMON_SOCKET")
+    return Path(explicit) if explicit else default_runtime_dir(environ) / "kvtier.sock"
+
+
+TRUSTED_UIDS_ENV = "KVTIER_TRUSTED_UIDS"
+
+
+def trusted_daemon_uids(env: Mapping[str, str] | None = None) -> frozenset[int]:
+    """Uids besides the client's own whose daemon a client may talk to.
+
+    From ``KVTIER_TRUSTED_UIDS``: uids or user names separated by commas or spaces (for
+    example a ``kvtier`` system user that runs the node daemon). Empty: only our own uid.
+    """
+    environ = os.environ if env is None else env
+    out: set[int] = set()
+    for item in re.split(r"[\s,]+", environ.get(TRUSTED_UIDS_ENV, "").strip()):
+        if not item:
+            continue
+        if item.isdigit():
+            out.add(int(item))
+            continue
+        try:
+            out.add(pwd.getpwnam(item).pw_uid)
+        except KeyError:
+            raise ConfigError(f"{TRUSTED_UIDS_ENV}: no user named {item!r}; list uids or "
+                              "existing user names, separated by commas") from None
+    return frozenset(out)
 
 
 def default_data_dir() -> Path:
@@ -82,6 +131,16 @@ class DaemonConfig:
     lease_sweep_s: float = 1.0            # how often expired leases are taken back
     drain_timeout_s: float = 10.0
     log_level: str = "info"
+    # Bounded work (docs/operations.md, "Limits"): keys per request <= ceil(max_context_tokens
+    # / tokens_per_block) of the request's namespace; pending bytes 0 = derived from the frame.
+    max_context_tokens: int = 2**17      # 128k tokens; raise it for longer contexts
+    max_conn_pending_bytes: int = 0       # request bytes in flight per connection (0: 1 frame)
+    max_total_pending_bytes: int = 0      # ... across connections (0: 4 frames)
+    idle_timeout_s: float = 600.0         # no request for this long: connection dropped (0: never)
+    read_timeout_s: float = 10.0          # a started frame (or the hello) must arrive within
+    max_connections: int = 1024           # beyond: a typed refusal ("overloaded"), then close
+    max_namespaces: int = 4096            # registrations beyond evict the least recently used
+    listen_backlog: int = 4096            # connect bursts queue here (capped by somaxconn)
 
 
 @dataclass(slots=True)
@@ -313,5 +372,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError("policy.shadow_sample_rate must be in [0, 1] (0: automatic)")
     if cfg.policy.prefetch_wait not in ("best_effort", "wait", "timeout"):
         raise ConfigError("policy.prefetch_wait must be best_effort, wait or timeout")
+    d = cfg.daemon
+    for name in ("max_context_tokens", "max_connections", "max_namespaces", "listen_backlog",
+                 "max_frame_bytes", "max_inflight_per_conn"):
+        if getattr(d, name) < 1:
+            raise ConfigError(f"daemon.{name} must be >= 1")
+    if d.read_timeout_s <= 0:
+        raise ConfigError("daemon.read_timeout_s must be > 0 (a half-sent frame must not hold "
+                          "a connection for ever)")
     if not 0 <= cfg.http.port <= 65535:
         raise ConfigError(f"http.port {cfg.http.port} out of range")

@@ -114,6 +114,35 @@ class Overloaded(KVTierError):
     code = "overloaded"
 
 
+class TrustError(KVTierError):
+    """A peer or a file failed a trust check (owner, mode, uid): nothing was sent to it."""
+
+    code = "untrusted"
+
+
+class UntrustedDaemon(TrustError):
+    """The process listening on the socket runs as a uid this client does not trust."""
+
+    code = "untrusted_daemon"
+
+
+class UntrustedArena(TrustError):
+    """The arena the daemon named is not a private regular file of the daemon's user."""
+
+    code = "untrusted_arena"
+
+
+class StartupError(KVTierError):
+    """The daemon cannot start here (a path, port or resource); the message names the fix."""
+
+    code = "startup"
+class LimitExceeded(KVTierError):
+    """A request exceeds a configured bound (keys per request, ...): split it or raise the
+    daemon's limit (docs/operations.md, "Limits")."""
+
+    code = "limit"
+
+
 _BY_CODE.setdefault(KVTierError.code, KVTierError)
 
 

@@ -26,11 +26,13 @@ import contextlib
 import importlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import (
+    CapacityError,
     FrameError,
     KVTierError,
     LayoutMismatch,
@@ -140,7 +142,8 @@ class TieredStore:
                  admission: Any = None, observer: Any = None,
                  redis_write_through: bool = False, forest: Any = None,
                  redis_lookup_budget_s: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_namespaces: int = 4096,
+                 ) -> None:
         self.index = BlockIndex()
         self.arena = arena
         self.cpu = CpuTier(arena, self.index)
@@ -164,7 +167,11 @@ class TieredStore:
         self.admission = admission
         self.observer = observer
         self.forest = forest  # PrefixForest: orphans of a block gone from every tier
-        self.namespaces: dict[bytes, _Namespace] = {}
+        # least recently used first; beyond max_namespaces the head is forgotten (its blocks
+        # stay; a client that uses it again gets UnknownNamespace and re-registers)
+        self.namespaces: OrderedDict[bytes, _Namespace] = OrderedDict()
+        self.max_namespaces = max(1, max_namespaces)
+        self.namespaces_evicted = 0
         self.leases = LeaseTable(lease_ttl_s, clock)
         self.quarantine = Quarantine()  # slots of expired put leases, see kvtier.leases
         self.requests = RequestCounters()
@@ -218,7 +225,19 @@ class TieredStore:
                            cache_salt: str | None) -> Namespace:
         ns = Namespace(model_id, layout, tp_rank, tp_size, cache_salt)
         self.namespaces[ns.digest] = _Namespace(ns, layout, round_up(layout.block_bytes))
+        self.namespaces.move_to_end(ns.digest)
+        while len(self.namespaces) > self.max_namespaces:
+            self.namespaces.popitem(last=False)
+            self.namespaces_evicted += 1
         return ns
+
+    def touch_namespace(self, digest: bytes) -> KVLayout | None:
+        """The layout a registered namespace uses (marking it recently used), or None."""
+        entry = self.namespaces.get(digest)
+        if entry is None:
+            return None
+        self.namespaces.move_to_end(digest)
+        return entry.layout
 
     def _ns(self, digest: bytes, layout_fp: int) -> _Namespace:
         entry = self.namespaces.get(digest)
@@ -647,16 +666,19 @@ class TieredStore:
         """
         ns = self._ns(digest, layout_fp)
         nbytes = ns.layout.block_bytes
+        self._check_fits(nbytes, keys)
         metas: list[BlockMeta] = []
         offsets: list[int | None] = []
+        full = False  # after one failed allocation the rest would fail too: stop evicting
         for i, k in enumerate(keys):
-            if k in self.index:
+            if full or k in self.index:
                 offsets.append(None)
                 continue
             off = await self._alloc_cpu(nbytes)
             if off is None or k in self.index:
                 if off is not None:
                     self.arena.free(off)
+                full = off is None
                 offsets.append(None)
                 continue
             meta = BlockMeta(k, digest, layout_fp, nbytes, keys[i - 1] if i else parent,
@@ -668,6 +690,20 @@ class TieredStore:
         lease = self._new_lease(LeaseKind.PUT, owner, metas)
         lease.chain = keys
         return lease.id, offsets
+
+    def _check_fits(self, nbytes: int, keys: list[bytes]) -> None:
+        """Fail fast, before evicting anything, when the new blocks could never fit."""
+        slot = round_up(nbytes)
+        if slot > self.arena.size:
+            raise CapacityError(f"a block of {nbytes} bytes is larger than the cpu tier "
+                                f"({self.arena.size} bytes): raise cpu.bytes or use smaller "
+                                "blocks (tokens_per_block)")
+        if len(keys) * slot > self.arena.size:
+            new = len({k for k in keys if k not in self.index})
+            if new * slot > self.arena.size:
+                raise CapacityError(f"a put of {new} new blocks ({new * slot} bytes) exceeds "
+                                    f"the cpu tier ({self.arena.size} bytes): put fewer "
+                                    "blocks per request")
 
     async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False,
                          output_tokens: int | None = None) -> int:

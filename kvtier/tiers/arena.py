@@ -1,8 +1,9 @@
 """The shared-memory arena: one /dev/shm file, pre-faulted, carved into slabs.
 
-The daemon creates and owns the file; clients map the same file (path handed over in the
-handshake) and read/write KV straight into slots the daemon leases to them, so KV bytes
-never cross the control socket. The arena's size is the cpu tier's hard capacity.
+The daemon creates and owns the file; clients map the same file (its descriptor passed
+over the socket at the handshake, or its path; either way checked by ``ArenaMapping``) and
+read/write KV straight into slots the daemon leases to them, so KV bytes never cross the
+control socket. The arena's size is the cpu tier's hard capacity.
 
 Warm restart. The daemon names its arena after its data directory
 (``stable_arena_name``), holds an exclusive ``flock`` on it while it lives, and keeps a
@@ -20,6 +21,7 @@ returned to the pool, O(1) from a class's free list.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
@@ -31,9 +33,10 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, UntrustedArena
 from kvtier.tiers.arena_journal import ArenaJournal, open_private
 from kvtier.tiers.slab import PAGE, SlabAllocator
+from kvtier.trust import arena_problem
 
 log = logging.getLogger(__name__)
 _STABLE_RE = re.compile(r"^d[0-9a-f]{16}\.arena$")
@@ -51,6 +54,9 @@ def journal_path(arena_path: Path) -> Path:
     return arena_path.with_suffix(".journal")
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_ARENA_FIX = ("the daemon creates its arena as a 0600 file of its own user, so the process on "
+              "the socket is not a kvtier daemon you can trust: stop it and restart `kvtier "
+              "serve`")
 
 
 class Arena:
@@ -220,11 +226,34 @@ class Arena:
 
 
 class ArenaMapping:
-    """Client side: maps the daemon's arena file and hands out views of leased slots."""
+    """Client side: maps the daemon's arena and hands out views of leased slots.
 
-    def __init__(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_RDWR)
+    Maps only a private regular file of the daemon's user (``kvtier.trust.arena_problem``:
+    owned by ``owner_uid``, default our own uid; no group/other bits; at least ``size``
+    bytes), else UntrustedArena. ``fd``: the descriptor the daemon passed over the socket
+    (taken over: closed here); without one, ``path`` is opened with O_NOFOLLOW. Either way
+    the check runs with fstat on the very descriptor that is mapped, so nothing can swap
+    the file in between. ``source`` says which way the arena came ("fd" or "path").
+    """
+
+    def __init__(self, path: str, size: int, *, fd: int | None = None,
+                 owner_uid: int | None = None) -> None:
+        self.source = "path" if fd is None else "fd"
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                raise UntrustedArena(f"refusing to map the arena {path}: it is a symbolic "
+                                     f"link; {_ARENA_FIX}") from None
         try:
+            owner = os.getuid() if owner_uid is None else owner_uid
+            problem = ("is announced with a size of 0 bytes" if size <= 0
+                       else arena_problem(os.fstat(fd), size, owner))
+            if problem is not None:
+                raise UntrustedArena(f"refusing to map the arena {path} ({self.source}): it "
+                                     f"{problem}; {_ARENA_FIX}")
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

@@ -17,10 +17,15 @@ from kvtier.errors import (
     LayoutMismatch,
     LeaseError,
     LeaseExpired,
+    LimitExceeded,
     Overloaded,
     ProtocolError,
     RequestTimeout,
+    StartupError,
+    TrustError,
     UnknownNamespace,
+    UntrustedArena,
+    UntrustedDaemon,
     error_from_code,
 )
 
@@ -41,6 +46,11 @@ STABLE_CODES: dict[type[KVTierError], str] = {
     DaemonUnavailable: "unavailable",
     RequestTimeout: "timeout",
     Overloaded: "overloaded",
+    TrustError: "untrusted",
+    UntrustedDaemon: "untrusted_daemon",
+    UntrustedArena: "untrusted_arena",
+    StartupError: "startup",
+    LimitExceeded: "limit",
 }
 
 
