@@ -17,9 +17,12 @@ import asyncio
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtier.errors import KVTierError
+
+if TYPE_CHECKING:
+    from kvtier.tiers.nvme import NvmeSlot
 
 
 class SlotState(str, Enum):
@@ -52,7 +55,7 @@ class BlockMeta:
     depth: int
     cpu: int | None = None              # arena offset
     cpu_state: SlotState = SlotState.NONE
-    nvme: Any = None                    # NvmeSlot when on nvme
+    nvme: NvmeSlot | None = None        # its frame's slot when on nvme
     nvme_ready: bool = False            # frame completely written
     nvme_busy: bool = False             # a write or read of the nvme slot is in flight
     readers: int = 0                    # read leases holding the cpu slot
