@@ -41,7 +41,8 @@ class Blocks:
             del self.index[meta.key]
             if self.forest is not None:
                 for key in self.forest.discard(meta.key):
-                    self._drop_orphan(key)
+                    if isinstance(key, bytes):   # the store's keys are bytes
+                        self._drop_orphan(key)
 
     def _drop_orphan(self, key: bytes) -> None:
         meta = self.index.get(key)

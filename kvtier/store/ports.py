@@ -9,11 +9,11 @@ methods. Admission and the workload observer use the policy package's own Protoc
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.frame import FrameHeader
-from kvtier.policy.base import AdmissionPolicy, LookupObserver
-from kvtier.tiers.base import TierCounters, TierName
+from kvtier.policy.base import AdmissionPolicy, Key, LookupObserver
+from kvtier.tiers.base import Tier
 from kvtier.tiers.nvme import NvmeSlot
 from kvtier.tiers.nvme.recovery import Recovered
 from kvtier.tiers.slab import SlabAllocator
@@ -22,27 +22,7 @@ __all__ = ["AdmissionPolicy", "ForestPort", "HbmPort", "LookupObserver", "MissLo
            "NvmePort", "RedisPort"]
 
 
-class _TierFace(Protocol):
-    name: TierName
-    counters: TierCounters
-
-    @property
-    def backend(self) -> str: ...
-
-    @property
-    def capacity_bytes(self) -> int: ...
-
-    @property
-    def used_bytes(self) -> int: ...
-
-    @property
-    def blocks(self) -> int: ...
-
-    @property
-    def up(self) -> bool: ...
-
-
-class NvmePort(_TierFace, Protocol):
+class NvmePort(Tier, Protocol):
     """Frames in slot files: allocate, write, read back, free (``NvmeTier``)."""
 
     @property
@@ -65,7 +45,7 @@ class NvmePort(_TierFace, Protocol):
                         key: bytes | None, layout_fp: int | None) -> FrameHeader: ...
 
 
-class RedisPort(_TierFace, Protocol):
+class RedisPort(Tier, Protocol):
     """The shared lowest tier (``RedisTier``): writes are queued, reads are batched."""
 
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
@@ -82,7 +62,7 @@ class RedisPort(_TierFace, Protocol):
     async def flush(self, timeout: float | None = None) -> bool: ...
 
 
-class HbmPort(_TierFace, Protocol):
+class HbmPort(Tier, Protocol):
     """Device slots of the HBM pool (``HbmTier``; a host-memory fake in tests)."""
 
     allocator: SlabAllocator
@@ -98,9 +78,9 @@ class HbmPort(_TierFace, Protocol):
 class ForestPort(Protocol):
     """Parent links of stored chains (``PrefixForest``): who is orphaned when a block goes."""
 
-    def add(self, key: bytes, parent: bytes | None) -> None: ...
+    def add(self, key: Key, parent: Key | None) -> None: ...
 
-    def discard(self, key: bytes) -> list[bytes]: ...
+    def discard(self, key: Key) -> list[Key]: ...
 
 
 class MissLogPort(Protocol):
@@ -114,3 +94,16 @@ class MissLogPort(Protocol):
     def removed(self, key: bytes, reason: str, tier: str) -> None: ...
 
     def refused(self, key: bytes, tier: str) -> None: ...
+
+
+if TYPE_CHECKING:  # the real classes satisfy the ports: the type checker verifies this
+    from kvtier.explain import MissLog
+    from kvtier.policy.prefix import PrefixForest
+    from kvtier.tiers.hbm import HbmTier
+    from kvtier.tiers.nvme import NvmeTier
+    from kvtier.tiers.redis import RedisTier
+
+    def _conforms(n: NvmeTier, r: RedisTier, h: HbmTier, m: MissLog,
+                  f: PrefixForest) -> tuple[NvmePort, RedisPort, HbmPort, MissLogPort,
+                                            ForestPort]:
+        return n, r, h, m, f
