@@ -78,20 +78,20 @@ class TieredStore:
         self.cpu = CpuResidency(arena, self.index, make(eviction, TierName.CPU),
                                 on_ready=self.commit_log.ready)
         self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
-        self.nvme_res = None if nvme is None else NvmeResidency(nvme, self.nvme_policy)
+        self.nvme_residency = None if nvme is None else NvmeResidency(nvme, self.nvme_policy)
         self.hbm_place: HbmPlacement | None = None
         if hbm is not None:
             self.hbm_place = HbmPlacement(hbm, make(eviction, TierName.HBM), arena,
                                           clock=clock, moved=self.transfers.moved,
                                           pin_cpu=self.cpu.pin, unpin_cpu=self.cpu.unpin)
             self.cpu.on_drop = self._drop_hbm_copy
-        self.blocks = Blocks(self.index, self.cpu, self.nvme_res, forest)
-        self.demoter = Demoter(self.blocks, self.cpu, self.nvme_res, redis, self.transfers,
+        self.blocks = Blocks(self.index, self.cpu, self.nvme_residency, forest)
+        self.demoter = Demoter(self.blocks, self.cpu, self.nvme_residency, redis, self.transfers,
                                self.prefetch, clock, admission, redis_write_through)
         self.cpu.on_victim = self.demoter.evict_cpu
-        if self.nvme_res is not None:
-            self.nvme_res.on_victim = self.demoter.evict_nvme
-        self.promoter = Promoter(self.blocks, self.cpu, self.nvme_res, self.transfers,
+        if self.nvme_residency is not None:
+            self.nvme_residency.on_victim = self.demoter.evict_nvme
+        self.promoter = Promoter(self.blocks, self.cpu, self.nvme_residency, self.transfers,
                                  self.prefetch, clock, PrefetchWait(prefetch_wait),
                                  prefetch_ms_per_block / 1000.0, prefetch_base_s, forest)
         self.reader = Reader(self.index, self.ns, self.cpu, self.nvme_policy, nvme, redis,
@@ -115,7 +115,7 @@ class TieredStore:
     @explain.setter
     def explain(self, log: MissLogPort | None) -> None:
         self._explain = log
-        for part in (self.cpu, self.nvme_res, self.demoter, self.reader, self.lease_keeper):
+        for part in (self.cpu, self.nvme_residency, self.demoter, self.reader, self.lease_keeper):
             if part is not None:
                 part.explain = log
 
