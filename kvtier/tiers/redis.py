@@ -319,7 +319,10 @@ class RedisTier:
         the event loop, when the write is over (sent, dropped or failed). Without it the
         payload is copied before returning. Never blocks and never raises for Redis
         trouble: a full queue drops its oldest write (``counters.dropped_writes``); writes
-        queued while down wait for the tier to come back (within the same bound).
+        queued while down wait for the tier to come back (within the same bound), as
+        copies: going down drops the queued borrowed writes (their buffers are released),
+        and a borrowed write submitted while down is copied, so a dead Redis never pins
+        the caller's memory.
         """
         if self._closed:
             self.counters.dropped_writes += 1
@@ -327,6 +330,9 @@ class RedisTier:
                 release()
             return
         rkey = self._rkey(key)
+        if release is not None and not self._up:  # may wait long: do not hold the caller's
+            release()                               # buffer (e.g. a pinned arena slot)
+            release = None
         item = (PendingWrite.copy_of(rkey, namespace, key, layout_fp, seq, payload)
                 if release is None else
                 PendingWrite.borrow(rkey, namespace, key, layout_fp, seq, payload, release))
@@ -552,6 +558,7 @@ class RedisTier:
     def _mark_down(self) -> None:
         self._up = False
         self._progress.set()
+        self.counters.dropped_writes += self._queue.drop_borrowed()
         self._router.drop_pools()
         log.warning("redis tier down (%s): %s", self._target.display, self.last_error)
         self._start_reconnect()

@@ -131,6 +131,17 @@ class WriteQueue:
             batch.append(item)
         return batch
 
+    def drop_borrowed(self) -> int:
+        """Drop the queued writes that borrow a caller's buffer (released); how many."""
+        keep = deque(it for it in self._items if it.release is None)
+        dropped = [it for it in self._items if it.release is not None]
+        for item in dropped:
+            item.done()
+            self.queued_bytes -= item.raw_len
+        self._items = keep
+        self.dropped += len(dropped)
+        return len(dropped)
+
     def clear(self) -> int:
         """Drop everything still queued (borrowed buffers released); returns how many."""
         n = len(self._items)
