@@ -157,3 +157,73 @@ async def test_hung_master_its_keys_miss_fast_the_rest_is_served(tmp_path: Path)
                 assert time.monotonic() < deadline, "the server answers again but is not used"
                 await asyncio.sleep(0.05)
             assert all(await read_each(tier, keys, data))
+
+
+def test_two_daemons_master_killed_mid_run_no_request_fails(tmp_path: Path) -> None:
+    """Two daemons (two "nodes") on one 3+3 cluster: node A writes prompts through, a master
+    is killed, node B keeps answering every request (hits or misses, exact bytes), its
+    Redis tier never goes down, and after the replica takes over B reads whole prompts
+    from Redis again."""
+    from kvtier.client import connect
+    from kvtier.keys import block_keys
+    from kvtier.layout import KVLayout
+    from tests.support.daemon import DaemonProcess
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
+                      tokens_per_block=64)  # 32 KiB blocks
+    prompts, per = 8, 8
+    with running_cluster(tmp_path / "cluster", 3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS,
+                         extra_args=CLUSTER_ARGS) as cluster:
+        env = {"KVTIER_REDIS_WRITE_THROUGH": "true", "KVTIER_REDIS_OP_TIMEOUT_S": "1.0",
+               "KVTIER_REDIS_CONNECT_TIMEOUT_S": "0.5", "KVTIER_POLICY_PREFETCH_WAIT": "wait"}
+        nodes = [DaemonProcess(tmp_path / name, extra_args=["--redis-url", cluster.url],
+                               env=env).start() for name in ("a", "b")]
+        ca, cb = connect(nodes[0].socket), connect(nodes[1].socket)
+        try:
+            ns_a = ca.register_layout(layout, "model")
+            ns_b = cb.register_layout(layout, "model")
+            chains = [block_keys(ns_a, np.arange(per * 64) + 100_000 * p)
+                      for p in range(prompts)]
+            rng = np.random.default_rng(1)
+            data = {bytes(k): rng.integers(0, 255, layout.block_bytes, np.uint8)
+                    for chain in chains for k in chain}
+            for chain in chains:
+                assert ca.put(ns_a, chain, [data[bytes(k)] for k in chain]) == per
+            deadline = time.monotonic() + 20
+            admin = [m.client() for m in cluster.nodes]
+            while sum(c.dbsize() for c in admin) < prompts * per:
+                assert time.monotonic() < deadline, "write-through did not reach Redis"
+                time.sleep(0.05)
+            for c in admin:
+                assert c.execute_command("WAIT", 1, 5000) == 1
+                c.close()
+
+            def read(p: int) -> int:
+                outs = [np.zeros(layout.block_bytes, np.uint8) for _ in chains[p]]
+                cb.lookup(ns_b, chains[p])
+                got = cb.get(ns_b, chains[p], outs)
+                for k, out in zip(chains[p][:got], outs, strict=False):
+                    assert np.array_equal(out, data[bytes(k)]), "a wrong block was served"
+                return got
+
+            assert read(0) == per
+            victim = cluster.master_of_slot(slot_of(bytes(chains[1][0])))
+            victim.kill()
+            killed_at = time.monotonic()
+            for p in (1, 2, 3):  # right away: answers (hits or misses), never an error
+                read(p)
+            assert nodes[1].stats()["tiers"]["redis"]["up"]
+            while nodes[1].stats()["tiers"]["redis"]["unserved_slots"] or \
+                    nodes[1].stats()["tiers"]["redis"]["failed_servers"]:
+                assert nodes[1].stats()["tiers"]["redis"]["up"], "tier went down as a whole"
+                assert time.monotonic() - killed_at < HEAL_BOUND_S, "slot map never healed"
+                time.sleep(0.05)
+            healed = time.monotonic() - killed_at
+            assert all(read(p) == per for p in range(4, prompts))
+            print(f"\ndaemon failover: master :{victim.port} killed; node B serving every "
+                  f"slot again after {healed:.2f} s; requests failed: 0")
+        finally:
+            ca.close()
+            cb.close()
+            for node in nodes:
+                node.kill()
