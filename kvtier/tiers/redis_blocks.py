@@ -20,6 +20,7 @@ from typing import Any
 from kvtier import codec as codecs
 from kvtier.errors import FrameError
 from kvtier.frame import HEADER_SIZE, Codec, FrameHeader
+from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_queue import PendingWrite, frame_pending
 from kvtier.tiers.redis_wire import Conn, ErrorReply
 
@@ -111,7 +112,7 @@ def _finish(place: _Placer, i: int, wire: int) -> BlockRead:
     scratch = place.scratch[i]
     payload = out[:header.raw_len] if scratch is None else scratch
     try:
-        header.verify(payload)
+        verify(header, payload)
         if scratch is not None:
             codecs.decode(header.codec, scratch, header.raw_len, out)
     except FrameError as exc:

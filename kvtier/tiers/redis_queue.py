@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier import codec as codecs
-from kvtier.frame import Codec, make_header
+from kvtier.frame import Codec
+from kvtier.tiers.redis_checksum import header_for
 
 Release = Callable[[], None]
 
@@ -83,11 +84,11 @@ def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec,
     else:
         chosen, body = codec, codecs.encode(codec, raw, elem_bytes)
     if chosen is Codec.NONE:
-        header = make_header(item.namespace, item.key, item.layout_fp, raw, seq=item.seq)
+        header = header_for(item.namespace, item.key, item.layout_fp, raw, seq=item.seq)
         item.parts = (header.pack(), raw)
     else:
-        header = make_header(item.namespace, item.key, item.layout_fp, body,
-                             raw_len=len(raw), codec=chosen, seq=item.seq)
+        header = header_for(item.namespace, item.key, item.layout_fp, body,
+                            raw_len=len(raw), codec=chosen, seq=item.seq)
         item.parts = (header.pack(), body)
     item.codec = chosen
 
