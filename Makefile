@@ -1,6 +1,7 @@
 # kvtier: two commands do all the set-up on a fresh machine.
 #   make run    create .venv, install kvtier, start the daemon in the foreground
-#   make test   create .venv, install test extras (incl. vLLM CPU), run every test
+#   make test   create .venv, install test extras (incl. vLLM CPU) and Debian's prometheus
+#               (promtool + prometheus, for the alert and dashboard tests), run every test
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +10,7 @@ STAMP  := $(VENV)/.kvtier-installed
 TSTAMP := $(VENV)/.kvtier-test-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lint kernels-check bench clean
+.PHONY: run test test-fast lint kernels-check bench clean prometheus-tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,12 +31,26 @@ $(TSTAMP): pyproject.toml | $(PY)
 run: $(STAMP)
 	$(VENV)/bin/kvtier serve $(ARGS)
 
-test: $(TSTAMP)
+# promtool and prometheus from Debian's package (skipped when promtool is on PATH). The
+# package's own service is stopped and disabled again: the tests start their own server.
+prometheus-tools:
+	@if command -v promtool >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "installing Debian's prometheus package (promtool) for the alert/dashboard tests"; \
+	  $$SUDO apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	    prometheus && \
+	  { $$SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; }; \
+	else echo "make test needs promtool and prometheus (e.g. apt-get install prometheus)"; \
+	  exit 1; fi
+
+test: $(TSTAMP) prometheus-tools
 	$(VENV)/bin/ruff check .
 	$(MAKE) --no-print-directory kernels-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: $(TSTAMP)
+test-fast: $(TSTAMP) prometheus-tools
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 lint: $(TSTAMP)

@@ -1,4 +1,4 @@
-"""`kvtier serve | stats | plan | doctor | replay`.
+"""`kvtier serve | stats | plan | doctor | replay | explain`.
 
 Subcommands owned by other modules register themselves through an ``add_parser``
 function; a subcommand whose optional dependencies are missing is still listed and says
@@ -15,6 +15,7 @@ import json
 import logging
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.request
 from typing import Any
@@ -26,6 +27,7 @@ _PLUGGABLE = (
     ("kvtier.plan.cli", "plan"),
     ("kvtier.doctor.cli", "doctor"),
     ("kvtier.replay.cli", "replay"),
+    ("kvtier.explain_cli", "explain"),
 )
 
 
@@ -53,6 +55,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--redis-write-through", action="store_true", default=None,
                    help="write every put to redis too (not only blocks demoted from nvme)")
     p.add_argument("--log-level", help="debug, info, warning")
+    p.add_argument("--debug", action="store_true",
+                   help="print the traceback of a startup failure (default: one line)")
     p.set_defaults(func=_run_serve)
 
 
@@ -75,6 +79,17 @@ def _serve_overrides(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_serve(a: argparse.Namespace) -> int:
+    """Run the daemon; a failure to start is one line naming the path and the fix, exit 2
+    (StartupError, ConfigError; any other OSError too), the traceback only with --debug."""
+    from kvtier.daemon.preflight import setup_error
+
+    try:
+        return _serve(a)
+    except OSError as exc:   # reading the config file, or anything preflight did not foresee
+        raise setup_error(exc) from exc
+
+
+def _serve(a: argparse.Namespace) -> int:
     from kvtier.config import load_config
     from kvtier.daemon.service import run_daemon
 
@@ -203,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KVTierError as exc:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -8,7 +8,9 @@ and the async client with asyncio streams, so the two can never drift apart.
 Two-phase under the hood: ``prepare_put`` hands out write-locked arena slots (a lease
 with a TTL) that the caller fills and then commits; ``prepare_get`` hands out read-locked
 slots that the caller releases. A crashed client's leases expire; a closed connection's
-leases are released at once. See docs/client-api.md.
+leases are released at once. A lease that expired before its release or commit raises
+``LeaseExpired`` there: ``get`` never returns bytes read under an expired lease, a put
+stores nothing. See docs/client-api.md ("Leases and their TTL").
 
 Device placement (GPU engines, daemons with an HBM pool): a client made with
 ``connect(..., device=True)``, or a ``prepare_get(..., prefer_device=True)`` call, maps the
@@ -26,14 +28,14 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import Generator, Sequence
+from collections.abc import Collection, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvtier.config import default_socket_path
+from kvtier.config import default_socket_path, trusted_daemon_uids
 from kvtier.errors import (
     BufferSizeError,
     DaemonUnavailable,
@@ -41,8 +43,10 @@ from kvtier.errors import (
     KVTierError,
     ProtocolError,
     RequestTimeout,
+    UnknownNamespace,
     error_from_code,
 )
+from kvtier.handshake import Hello, handshake, hello_request, open_verified
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
@@ -125,6 +129,18 @@ class _Ops:
         if ns.digest not in self._registered:
             yield from self._register(ns)
 
+    def _ask(self, ns: Namespace, req: dict[str, Any]) -> Op:
+        """Send a request about ``ns``; a daemon that does not know the namespace (it
+        restarted, or forgot it as the least recently used) gets it registered again and
+        the request once more, so callers never see that."""
+        yield from self._ensure(ns)
+        try:
+            return (yield req)
+        except UnknownNamespace:
+            self._registered.discard(ns.digest)
+            yield from self._register(ns)
+            return (yield req)
+
     def _register(self, ns: Namespace) -> Op:
         reply = yield {"op": "register_layout", "layout": ns.layout.to_dict(),
                        "model_id": ns.model_id, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
@@ -148,19 +164,17 @@ class _Ops:
     def op_lookup(self, ns: Namespace, keys: Sequence[BlockKey], prefetch: bool) -> Op:
         if not keys:
             return LookupResult(0, [])
-        yield from self._ensure(ns)
         req = self._target("lookup", ns, keys)
         req["prefetch"] = prefetch
-        reply = yield req
+        reply = yield from self._ask(ns, req)
         return LookupResult(int(reply["hits"]), list(reply["tiers"]))
 
     def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey],
                        parent: BlockKey | None, start_depth: int) -> Op:
-        yield from self._ensure(ns)
         req = self._target("put_prepare", ns, keys)
         if parent is not None or start_depth:
             req["parent"], req["depth"] = parent, start_depth
-        reply = yield req
+        reply = yield from self._ask(ns, req)
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
         views = [None if off is None else self.arena.view(off, nbytes, writable=True)
@@ -177,12 +191,11 @@ class _Ops:
 
     def op_prepare_get(self, ns: Namespace, keys: Sequence[BlockKey],
                        prefer_device: bool | None = None) -> Op:
-        yield from self._ensure(ns)
         mapping = self._device_mapping(prefer_device)
         req = self._target("get_prepare", ns, keys)
         if mapping is not None:
             req["device"] = True
-        reply = yield req
+        reply = yield from self._ask(ns, req)
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
         offsets = reply["offsets"]
@@ -206,8 +219,7 @@ class _Ops:
         yield {"op": "get_release", "lease": lease}
 
     def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
-        yield from self._ensure(ns)
-        reply = yield self._target("delete", ns, keys)
+        reply = yield from self._ask(ns, self._target("delete", ns, keys))
         return int(reply["deleted"])
 
     def op_stats(self) -> Op:
@@ -226,16 +238,38 @@ class _Ops:
 
     @staticmethod
     def hello() -> dict[str, Any]:
-        return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}"}
+        """The first request (kvtier.handshake.hello_request)."""
+        return hello_request()
 
-    def on_hello(self, reply: dict[str, Any]) -> None:
-        if reply.get("version") != PROTOCOL_VERSION:
-            raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
-                                 f"{PROTOCOL_VERSION}")
-        arena = reply["arena"]
-        self.arena = ArenaMapping(arena["path"], int(arena["size"]))
+    def on_hello(self, reply: dict[str, Any], arena_fd: int | None = None,
+                 daemon_uid: int | None = None) -> None:
+        """Map the arena the hello announced (``arena_fd`` when the daemon passed one, taken
+        over here) as a file of ``daemon_uid`` (default: ours); keep the HBM pool info."""
+        try:
+            if reply.get("version") != PROTOCOL_VERSION:
+                raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
+                                     f"{PROTOCOL_VERSION}")
+            arena = reply.get("arena")
+            if not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
+                    and isinstance(arena.get("size"), int)):
+                raise ProtocolError(f"hello reply has no valid arena: {arena!r}")
+        except BaseException:
+            if arena_fd is not None:
+                os.close(arena_fd)
+            raise
+        self.arena = ArenaMapping(arena["path"], int(arena["size"]), fd=arena_fd,
+                                  owner_uid=daemon_uid)
         hbm = reply.get("hbm")
         self.hbm_info = hbm if isinstance(hbm, dict) and hbm.get("handle") else None
+
+
+def _map_arena(ops: _Ops, hello: Hello, path: str) -> None:
+    """``ops.on_hello`` with the arena owned by the verified daemon uid; OSError (the file
+    is gone) becomes DaemonUnavailable."""
+    try:
+        ops.on_hello(hello.reply, hello.arena_fd, hello.peer.uid)
+    except OSError as exc:
+        raise DaemonUnavailable(f"cannot map the arena of the daemon at {path}: {exc}") from None
 
 
 def _check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> None:
@@ -250,7 +284,13 @@ def _check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[An
 
 
 class PutLease:
-    """Write-locked arena slots; ``views[i]`` is None where key i needs no write."""
+    """Write-locked arena slots; ``views[i]`` is None where key i needs no write.
+
+    ``commit`` raises ``LeaseExpired`` (nothing stored) when the lease outlived the daemon's
+    TTL; writes made after the expiry land in quarantined slots and harm no one. As a
+    context manager: commit on normal exit (its errors propagate), abort on an exception
+    (abort errors suppressed, the body's exception propagates).
+    """
 
     def __init__(self, client: KVTierClient, lease: int, views: list[np.ndarray | None]):
         self._client, self.lease, self.views = client, lease, views
@@ -290,6 +330,13 @@ class GetLease:
     ``views[i]`` is a read-only numpy array over the arena when ``devices[i] == "cpu"`` (always,
     unless the get asked for device placement), and a uint8 cupy array over the daemon's
     HBM pool when ``devices[i] == "hbm"`` (read it, never write it).
+
+    What was read through the views is valid only if ``release`` succeeds: it raises
+    ``LeaseExpired`` when the lease outlived the daemon's TTL (the slots may have been
+    reused by another client meanwhile, so discard everything read), and any other error
+    when the daemon could not confirm the lease. As a context manager: on normal exit it
+    releases and lets those errors propagate (a reader must learn that its bytes are not
+    valid); on an exception it releases quietly and the body's exception propagates.
     """
 
     def __init__(self, client: KVTierClient, lease: int, views: list[Any],
@@ -299,6 +346,7 @@ class GetLease:
         self._open = True
 
     def release(self) -> None:
+        """Give the slots back; ``LeaseExpired`` when what was read may be wrong."""
         if self._open:
             self._open = False
             self._client._run(self._client._ops.op_release(self.lease))
@@ -306,7 +354,10 @@ class GetLease:
     def __enter__(self) -> GetLease:
         return self
 
-    def __exit__(self, *_: Any) -> None:
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.release()
+            return
         with contextlib.suppress(KVTierError):
             self.release()
 
@@ -314,13 +365,19 @@ class GetLease:
 class KVTierClient:
     """Blocking client. One per thread; cheap to create. ``device``: see ``connect``."""
 
-    def __init__(self, sock: socket.socket, timeout: float, *, device: bool = False) -> None:
+    def __init__(self, sock: socket.socket, timeout: float, *, device: bool = False,
+                 hello: Hello | None = None) -> None:
+        """``hello``: the handshake ``connect`` already did on ``sock``; without it the
+        daemon is verified and greeted here (trusted uids from the environment)."""
         self._sock = sock
         self._timeout = timeout
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(2)
         self._ops = _Ops(device)
         self._broken: KVTierError | None = None
-        self._ops.on_hello(self._call(_Ops.hello()))
+        path = str(sock.getpeername())
+        if hello is None:
+            hello = handshake(sock, path, trusted_daemon_uids(), timeout)
+        _map_arena(self._ops, hello, path)
 
     # transport
     def _recv_exact(self, n: int) -> bytes:
@@ -361,7 +418,12 @@ class KVTierClient:
         try:
             req = next(op)
             while True:
-                req = op.send(self._call(req))
+                try:
+                    reply = self._call(req)
+                except UnknownNamespace as exc:  # the op re-registers (see _Ops._ask)
+                    req = op.throw(exc)
+                    continue
+                req = op.send(reply)
         except StopIteration as stop:
             return stop.value
 
@@ -422,7 +484,11 @@ class KVTierClient:
 
     def get(self, ns: Namespace, keys: Sequence[BlockKey], out_buffers: Sequence[Any]) -> int:
         """Copy the leading available blocks into host ``out_buffers``; returns how many.
-        Always reads through cpu views (``prefer_device=False``)."""
+        Always reads through cpu views (``prefer_device=False``).
+
+        Raises ``LeaseExpired`` when the copy outlived the lease TTL (a stalled client): the
+        bytes may belong to another block, so nothing is returned as valid and the contents
+        of ``out_buffers`` are unspecified. Retry, or treat it as a miss."""
         _check_buffers(ns, keys, out_buffers)
         with self.prepare_get(ns, keys, prefer_device=False) as lease:
             for view, out in zip(lease.views, out_buffers, strict=False):
@@ -455,51 +521,83 @@ class KVTierClient:
 
 
 def connect(socket_path: str | Path | None = None, timeout: float = 5.0, *,
-            device: bool = False) -> KVTierClient:
+            device: bool = False, trusted_uids: Collection[int] | None = None) -> KVTierClient:
     """Connect to the node's daemon; DaemonUnavailable when none answers.
+
+    The daemon must run as this process's uid or one of ``trusted_uids`` (default: the
+    uids in ``KVTIER_TRUSTED_UIDS``), checked with SO_PEERCRED before anything is sent
+    (UntrustedDaemon otherwise); its arena is mapped only if it is a private file of that
+    uid (UntrustedArena otherwise). See docs/client-api.md, "Trust".
 
     ``device=True`` (GPU engines): gets prefer device placement, so on a daemon with an HBM
     pool they may hand out device views (the pool is mapped at the first such get).
     """
     path = str(socket_path or default_socket_path())
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
+    trusted = trusted_daemon_uids() if trusted_uids is None else frozenset(trusted_uids)
+    sock, hello = open_verified(path, timeout, trusted)
     try:
-        sock.connect(path)
-        return KVTierClient(sock, timeout, device=device)
-    except (TimeoutError, FileNotFoundError, ConnectionRefusedError, OSError) as exc:
-        sock.close()
-        if isinstance(exc, KVTierError):
-            raise
-        raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
-                                "start one with `kvtier serve`") from None
-    except KVTierError:
+        return KVTierClient(sock, timeout, device=device, hello=hello)
+    except BaseException:
         sock.close()
         raise
 
 
 class AsyncPutLease:
+    """``PutLease`` for the asyncio client (same ``views``, same expiry rules; ``async with``
+    commits on normal exit and aborts on an exception)."""
+
     def __init__(self, client: AsyncKVTierClient, lease: int, views: list[np.ndarray | None]):
         self._client, self.lease, self.views = client, lease, views
+        self._open = True
 
     async def commit(self, *, durable: bool = False, output_tokens: int | None = None) -> int:
+        """Publish the written blocks; ``LeaseExpired`` (nothing stored) past the TTL."""
+        self._open = False
         return await self._client._run(self._client._ops.op_commit(self.lease, durable,
                                                                    output_tokens))
 
     async def abort(self) -> None:
-        await self._client._run(self._client._ops.op_abort(self.lease))
+        if self._open:
+            self._open = False
+            await self._client._run(self._client._ops.op_abort(self.lease))
+
+    async def __aenter__(self) -> AsyncPutLease:
+        return self
+
+    async def __aexit__(self, exc_type: Any, *_: Any) -> None:
+        if not self._open:
+            return
+        if exc_type is None:
+            await self.commit()
+        else:
+            with contextlib.suppress(KVTierError):
+                await self.abort()
 
 
 class AsyncGetLease:
-    """``GetLease`` for the asyncio client (same ``views`` and ``devices``)."""
+    """``GetLease`` for the asyncio client (same ``views``, ``devices`` and expiry rules:
+    ``release`` raises ``LeaseExpired`` when what was read may be wrong)."""
 
     def __init__(self, client: AsyncKVTierClient, lease: int, views: list[Any],
                  devices: list[str] | None = None):
         self._client, self.lease, self.views = client, lease, views
         self.devices: list[str] = devices if devices is not None else ["cpu"] * len(views)
+        self._open = True
 
     async def release(self) -> None:
-        await self._client._run(self._client._ops.op_release(self.lease))
+        if self._open:
+            self._open = False
+            await self._client._run(self._client._ops.op_release(self.lease))
+
+    async def __aenter__(self) -> AsyncGetLease:
+        return self
+
+    async def __aexit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            await self.release()
+            return
+        with contextlib.suppress(KVTierError):
+            await self.release()
 
 
 class AsyncKVTierClient:
@@ -514,9 +612,10 @@ class AsyncKVTierClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._broken: KVTierError | None = None
 
-    async def _start(self) -> None:
+    async def _start(self, hello: Hello, path: str) -> None:
+        """Map the arena of the handshake ``connect_async`` did, then start reading."""
+        _map_arena(self._ops, hello, path)
         self._reader_task = asyncio.ensure_future(self._read_loop())
-        self._ops.on_hello(await self._call(_Ops.hello()))
 
     async def _read_loop(self) -> None:
         try:
@@ -560,7 +659,12 @@ class AsyncKVTierClient:
         try:
             req = next(op)
             while True:
-                req = op.send(await self._call(req))
+                try:
+                    reply = await self._call(req)
+                except UnknownNamespace as exc:  # the op re-registers (see _Ops._ask)
+                    req = op.throw(exc)
+                    continue
+                req = op.send(reply)
         except StopIteration as stop:
             return stop.value
 
@@ -614,15 +718,12 @@ class AsyncKVTierClient:
 
     async def get(self, ns: Namespace, keys: Sequence[BlockKey],
                   out_buffers: Sequence[Any]) -> int:
+        """``KVTierClient.get`` as a coroutine (``LeaseExpired`` rule included)."""
         _check_buffers(ns, keys, out_buffers)
-        lease = await self.prepare_get(ns, keys, prefer_device=False)
-        try:
+        async with await self.prepare_get(ns, keys, prefer_device=False) as lease:
             for view, out in zip(lease.views, out_buffers, strict=False):
                 np.copyto(_as_bytes(out), view)
             return len(lease.views)
-        finally:
-            with contextlib.suppress(KVTierError):
-                await lease.release()
 
     async def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
         return await self._run(self._ops.op_delete(ns, keys))
@@ -643,20 +744,46 @@ class AsyncKVTierClient:
 
 
 async def connect_async(socket_path: str | Path | None = None, timeout: float = 5.0, *,
-                        device: bool = False) -> AsyncKVTierClient:
-    """Connect an asyncio client; DaemonUnavailable when no daemon answers (``device``: see
-    ``connect``)."""
+                        device: bool = False,
+                        trusted_uids: Collection[int] | None = None) -> AsyncKVTierClient:
+    """Connect an asyncio client; DaemonUnavailable when no daemon answers (``device``,
+    ``trusted_uids`` and the trust checks: see ``connect``).
+
+    The connect, the SO_PEERCRED check and the hello (which receives the arena's descriptor
+    with recvmsg, something asyncio streams cannot do) run in a worker thread on a blocking
+    socket bounded by ``timeout``, the very code ``connect`` runs; the verified socket is
+    then handed to asyncio streams.
+    """
     path = str(socket_path or default_socket_path())
+    trusted = trusted_daemon_uids() if trusted_uids is None else frozenset(trusted_uids)
+    loop = asyncio.get_running_loop()
+    opening = loop.run_in_executor(None, open_verified, path, timeout, trusted)
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(path, limit=_MAX_REPLY + 1024), timeout)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
-                                "start one with `kvtier serve`") from None
+        sock, hello = await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_opened)
+        raise
+    try:
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=_MAX_REPLY + 1024)
+    except BaseException:
+        sock.close()
+        if hello.arena_fd is not None:
+            os.close(hello.arena_fd)
+        raise
     client = AsyncKVTierClient(reader, writer, timeout, device=device)
     try:
-        await client._start()
+        await client._start(hello, path)
     except BaseException:
         await client.close()
         raise
     return client
+
+
+def _close_opened(fut: asyncio.Future[tuple[socket.socket, Hello]]) -> None:
+    """Close what a cancelled ``connect_async`` opened after all."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    sock, hello = fut.result()
+    sock.close()
+    if hello.arena_fd is not None:
+        os.close(hello.arena_fd)

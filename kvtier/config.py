@@ -12,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pwd
 import re
+import stat
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -52,18 +55,64 @@ def parse_size(value: object) -> int:
     return int(number)
 
 
-def default_runtime_dir() -> Path:
-    """Per-user runtime directory for the socket ($XDG_RUNTIME_DIR or /tmp/kvtier-UID)."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+def _is_private_dir_of(path: str, uid: int) -> bool:
+    """Whether ``path`` is a directory owned by ``uid`` that nobody else can write or list."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and st.st_mode & 0o077 == 0
+
+
+def default_runtime_dir(env: Mapping[str, str] | None = None, uid: int | None = None) -> Path:
+    """The socket's directory when none is configured: one that no other user can create.
+
+    ``$XDG_RUNTIME_DIR/kvtier`` when XDG_RUNTIME_DIR is a directory of ours with mode 0700
+    (what login managers create), else ``/run/kvtier`` for root, else ``/tmp/kvtier-UID``.
+    The daemon creates the last one with mode 0700 and refuses to start when it already
+    exists with another owner or mode (kvtier.trust). The daemon and its clients call this
+    same function, so they agree without any file being read.
+    """
+    environ = os.environ if env is None else env
+    uid = os.getuid() if uid is None else uid
+    xdg = environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg) and _is_private_dir_of(xdg, uid):
         return Path(xdg) / "kvtier"
-    return Path(f"/tmp/kvtier-{os.getuid()}")
+    if uid == 0:
+        return Path("/run/kvtier")
+    return Path(f"/tmp/kvtier-{uid}")
 
 
-def default_socket_path() -> Path:
+def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
     """Where clients look for the daemon when nothing else is configured."""
-    env = os.environ.get("KVTIER_SOCKET") or os.environ.get("KVTIER_DAEMON_SOCKET")
-    return Path(env) if env else default_runtime_dir() / "kvtier.sock"
+    environ = os.environ if env is None else env
+    explicit = environ.get("KVTIER_SOCKET") or environ.get("KVTIER_DAEMON_SOCKET")
+    return Path(explicit) if explicit else default_runtime_dir(environ) / "kvtier.sock"
+
+
+TRUSTED_UIDS_ENV = "KVTIER_TRUSTED_UIDS"
+
+
+def trusted_daemon_uids(env: Mapping[str, str] | None = None) -> frozenset[int]:
+    """Uids besides the client's own whose daemon a client may talk to.
+
+    From ``KVTIER_TRUSTED_UIDS``: uids or user names separated by commas or spaces (for
+    example a ``kvtier`` system user that runs the node daemon). Empty: only our own uid.
+    """
+    environ = os.environ if env is None else env
+    out: set[int] = set()
+    for item in re.split(r"[\s,]+", environ.get(TRUSTED_UIDS_ENV, "").strip()):
+        if not item:
+            continue
+        if item.isdigit():
+            out.add(int(item))
+            continue
+        try:
+            out.add(pwd.getpwnam(item).pw_uid)
+        except KeyError:
+            raise ConfigError(f"{TRUSTED_UIDS_ENV}: no user named {item!r}; list uids or "
+                              "existing user names, separated by commas") from None
+    return frozenset(out)
 
 
 def default_data_dir() -> Path:
@@ -78,9 +127,20 @@ class DaemonConfig:
     socket: Path = field(default_factory=default_socket_path)
     max_frame_bytes: int = 16 * 2**20     # control frames only: KV bytes never cross here
     max_inflight_per_conn: int = 64       # bounded per-connection request queue
-    lease_ttl_s: float = 30.0
+    lease_ttl_s: float = 30.0             # a lease not released/committed by then expires
+    lease_sweep_s: float = 1.0            # how often expired leases are taken back
     drain_timeout_s: float = 10.0
     log_level: str = "info"
+    # Bounded work (docs/operations.md, "Limits"): keys per request <= ceil(max_context_tokens
+    # / tokens_per_block) of the request's namespace; pending bytes 0 = derived from the frame.
+    max_context_tokens: int = 2**17      # 128k tokens; raise it for longer contexts
+    max_conn_pending_bytes: int = 0       # request bytes in flight per connection (0: 1 frame)
+    max_total_pending_bytes: int = 0      # ... across connections (0: 4 frames)
+    idle_timeout_s: float = 600.0         # no request for this long: connection dropped (0: never)
+    read_timeout_s: float = 10.0          # a started frame (or the hello) must arrive within
+    max_connections: int = 1024           # beyond: a typed refusal ("overloaded"), then close
+    max_namespaces: int = 4096            # registrations beyond evict the least recently used
+    listen_backlog: int = 4096            # connect bursts queue here (capped by somaxconn)
 
 
 @dataclass(slots=True)
@@ -96,6 +156,8 @@ class CpuConfig:
     shm_dir: Path = Path("/dev/shm")
     slab_bytes: int = 64 * 2**20
     prefault: bool = True
+    warm_restart: bool = True             # keep the arena + a journal under a stable name
+    #                                       per data dir: a restart after a crash adopts them
 
 
 @dataclass(slots=True)
@@ -132,6 +194,8 @@ class RedisConfig:
     max_inflight: int = 8                 # bounded concurrent pipelines
     connect_timeout_s: float = 1.0
     op_timeout_s: float = 2.0
+    lookup_budget_s: float = 0.1          # Redis part of a lookup/get on the request path:
+    #                                       past it, a (counted) miss, never an op timeout
     bytes: int = 0                        # 0: bounded by Redis maxmemory / TTL
 
 
@@ -286,6 +350,8 @@ def validate(cfg: Config) -> None:
     """Cross-field checks with messages that say what to change."""
     if cfg.cpu.bytes < cfg.cpu.slab_bytes and cfg.cpu.bytes > 0:
         cfg.cpu.slab_bytes = max(cfg.cpu.bytes, 4096)
+    if cfg.daemon.lease_sweep_s <= 0:
+        raise ConfigError("daemon.lease_sweep_s must be > 0 (seconds between lease sweeps)")
     if cfg.cpu.bytes <= 0:
         raise ConfigError("cpu.bytes must be > 0: the cpu tier is the staging tier")
     if cfg.nvme.direct not in ("auto", "on", "off"):
@@ -296,9 +362,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError("nvme.backoff_min_s must be > 0 and <= nvme.backoff_max_s")
     if cfg.redis.codec not in ("none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"):
         raise ConfigError("redis.codec must be none, lz4, shuffle-lz4, shuffle-zstd or auto")
+    if cfg.redis.lookup_budget_s <= 0:
+        raise ConfigError("redis.lookup_budget_s must be > 0 (e.g. 0.1: well under the "
+                          "connector's step timeout)")
     if cfg.policy.eviction not in ("lru", "lfu", "cost"):
         raise ConfigError("policy.eviction must be lru, lfu or cost")
     if cfg.policy.prefetch_wait not in ("best_effort", "wait", "timeout"):
         raise ConfigError("policy.prefetch_wait must be best_effort, wait or timeout")
+    d = cfg.daemon
+    for name in ("max_context_tokens", "max_connections", "max_namespaces", "listen_backlog",
+                 "max_frame_bytes", "max_inflight_per_conn"):
+        if getattr(d, name) < 1:
+            raise ConfigError(f"daemon.{name} must be >= 1")
+    if d.read_timeout_s <= 0:
+        raise ConfigError("daemon.read_timeout_s must be > 0 (a half-sent frame must not hold "
+                          "a connection for ever)")
     if not 0 <= cfg.http.port <= 65535:
         raise ConfigError(f"http.port {cfg.http.port} out of range")

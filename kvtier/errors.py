@@ -67,6 +67,17 @@ class LeaseError(KVTierError):
     code = "lease"
 
 
+class LeaseExpired(LeaseError):
+    """A lease outlived its TTL before it was released or committed.
+
+    For a get, the bytes read under it may have been overwritten by another client and must
+    be discarded; for a put, nothing was stored. Finish leases sooner, or raise
+    ``daemon.lease_ttl_s``.
+    """
+
+    code = "lease_expired"
+
+
 class CapacityError(KVTierError):
     """No tier could take the block (hard capacity reached, nothing evictable)."""
 
@@ -101,6 +112,35 @@ class Overloaded(KVTierError):
     """The daemon's bounded queue for this connection is full: retry later."""
 
     code = "overloaded"
+
+
+class TrustError(KVTierError):
+    """A peer or a file failed a trust check (owner, mode, uid): nothing was sent to it."""
+
+    code = "untrusted"
+
+
+class UntrustedDaemon(TrustError):
+    """The process listening on the socket runs as a uid this client does not trust."""
+
+    code = "untrusted_daemon"
+
+
+class UntrustedArena(TrustError):
+    """The arena the daemon named is not a private regular file of the daemon's user."""
+
+    code = "untrusted_arena"
+
+
+class StartupError(KVTierError):
+    """The daemon cannot start here (a path, port or resource); the message names the fix."""
+
+    code = "startup"
+class LimitExceeded(KVTierError):
+    """A request exceeds a configured bound (keys per request, ...): split it or raise the
+    daemon's limit (docs/operations.md, "Limits")."""
+
+    code = "limit"
 
 
 _BY_CODE.setdefault(KVTierError.code, KVTierError)

@@ -4,7 +4,13 @@ A frame is a fixed 96-byte header followed by the (possibly encoded) payload::
 
     magic "KVTF" | version u16 | codec u8 | flags u8 | namespace 16B | key 16B
     | layout fingerprint u64 | payload_len u64 | raw_len u64 | payload xxh3-64 u64
-    | seq u64 | reserved u64 | header xxh3-64 u64
+    | seq u64 | parent tag u64 | header xxh3-64 u64
+
+Chain position (flags, same format version): with ``FLAG_CHAIN`` set the writer recorded
+where the block sits in its prefix chain: ``FLAG_PARENT`` says it has a parent and the parent
+tag is the first 8 bytes of the parent's key (``parent_tag``). A restarted daemon uses it to
+drop frames no chain head leads to. Frames written before (flags 0, the field was reserved
+and zero) read as "position unknown", and readers that ignore the flags read new frames.
 
 The header checks itself, so a torn or overwritten header is detected before any
 payload is trusted; the payload checksum covers the stored (encoded) bytes, so
@@ -27,6 +33,13 @@ _STRUCT = struct.Struct("<4sHBB16s16sQQQQQQ")
 _HEADER_CHECK = struct.Struct("<Q")
 HEADER_SIZE = _STRUCT.size + _HEADER_CHECK.size  # 96 bytes
 MAX_PAYLOAD = 1 << 36  # 64 GiB: anything larger is a corrupt length, not a block
+FLAG_CHAIN = 1         # parent_tag/FLAG_PARENT are meaningful
+FLAG_PARENT = 2        # the block has a parent in its chain
+
+
+def parent_tag(key: bytes) -> int:
+    """The 8-byte tag a frame keeps of its parent's key (keys are uniform hash outputs)."""
+    return int.from_bytes(key[:8], "little")
 
 
 class Codec(IntEnum):
@@ -55,11 +68,19 @@ class FrameHeader:
     checksum: int
     codec: Codec = Codec.NONE
     seq: int = 0
+    flags: int = 0         # FLAG_CHAIN | FLAG_PARENT
+    parent: int = 0        # parent_tag(parent key) when flags has FLAG_PARENT
+
+    @property
+    def chain_parent(self) -> int | None:
+        """The parent's tag; None for a chain head or a frame that did not record it
+        (``flags & FLAG_CHAIN`` tells the two apart)."""
+        return self.parent if self.flags & FLAG_PARENT else None
 
     def pack(self) -> bytes:
-        body = _STRUCT.pack(MAGIC, FORMAT_VERSION, int(self.codec), 0, self.namespace, self.key,
-                            self.layout_fp, self.payload_len, self.raw_len, self.checksum,
-                            self.seq, 0)
+        body = _STRUCT.pack(MAGIC, FORMAT_VERSION, int(self.codec), self.flags, self.namespace,
+                            self.key, self.layout_fp, self.payload_len, self.raw_len,
+                            self.checksum, self.seq, self.parent)
         return body + _HEADER_CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
     @classmethod
@@ -69,7 +90,7 @@ class FrameHeader:
             raise FrameError(f"frame header truncated ({len(buf)} < {HEADER_SIZE} bytes)")
         body = bytes(buf[: _STRUCT.size])
         (check,) = _HEADER_CHECK.unpack_from(buf, _STRUCT.size)
-        magic, version, codec, _flags, ns, key, layout_fp, plen, rlen, csum, seq, _ = (
+        magic, version, codec, flags, ns, key, layout_fp, plen, rlen, csum, seq, parent = (
             _STRUCT.unpack(body))
         if magic != MAGIC:
             raise FrameError("not a kvtier frame (bad magic)")
@@ -83,7 +104,7 @@ class FrameHeader:
             raise FrameError(f"unknown codec id {codec}") from None
         if plen > MAX_PAYLOAD or rlen > MAX_PAYLOAD:
             raise FrameError("frame length out of range")
-        return cls(ns, key, layout_fp, plen, rlen, csum, codec_e, seq)
+        return cls(ns, key, layout_fp, plen, rlen, csum, codec_e, seq, flags, parent)
 
     def check(self, namespace: bytes | None, key: bytes | None, layout_fp: int | None) -> None:
         """Raise FrameError unless the header belongs to the expected block."""
@@ -105,11 +126,18 @@ class FrameHeader:
 
 def make_header(namespace: bytes, key: bytes, layout_fp: int, payload: bytes | memoryview,
                 raw_len: int | None = None, codec: Codec = Codec.NONE,
-                seq: int = 0) -> FrameHeader:
-    """Header for ``payload`` (already encoded with ``codec``)."""
+                seq: int = 0, chain: tuple[bytes | None] | None = None) -> FrameHeader:
+    """Header for ``payload`` (already encoded with ``codec``); ``chain`` = ``(parent key or
+    None,)`` records the block's chain position (see FLAG_CHAIN)."""
+    flags = parent = 0
+    if chain is not None:
+        flags = FLAG_CHAIN
+        if chain[0] is not None:
+            flags |= FLAG_PARENT
+            parent = parent_tag(chain[0])
     return FrameHeader(namespace, key, layout_fp, len(payload),
                        len(payload) if raw_len is None else raw_len,
-                       payload_checksum(payload), codec, seq)
+                       payload_checksum(payload), codec, seq, flags, parent)
 
 
 def encode_frame(header: FrameHeader, payload: bytes | memoryview) -> bytes:

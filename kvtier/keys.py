@@ -23,6 +23,8 @@ BlockKey = bytes
 """A 16-byte block key."""
 
 KEY_BYTES = 16
+KEY_SCHEME = "xxh3_128-chain/1"
+"""The key function's version: clients report it at hello; a mismatch never shares blocks."""
 ROOT_KEY: BlockKey = b"\x00" * KEY_BYTES
 
 

@@ -1,9 +1,18 @@
 """Leases: arena (and hbm) slots lent to one client connection, each with a deadline.
 
 A put lease holds write-locked slots until the client commits or aborts; a get lease holds
-read-locked slots until it releases them. A lease that outlives its TTL (a hung or crashed
-client) is taken back by the store's sweeper, and every lease of a closed connection is
-taken back at once, so no client can pin memory forever.
+read-locked slots until it releases them. A lease that outlives its TTL (a hung, stalled or
+crashed client) is taken back by the store's sweeper, and every lease of a closed
+connection is taken back at once, so no client can pin memory forever.
+
+Expiry must never produce wrong bytes, because the client still maps the slots:
+- a get lease's slots go back to the cache; the client learns at release (``LeaseExpired``)
+  that what it read may have been overwritten, and the client API discards it;
+- a put lease's slots are *quarantined*: out of the index, but not returned to the
+  allocator until the owning connection closes, so a slow writer that keeps writing into
+  them never touches another client's blocks. Its commit fails with ``LeaseExpired``.
+The table remembers which ids expired per connection (bounded), so that a late commit or
+release gets ``LeaseExpired`` rather than "unknown lease".
 """
 
 from __future__ import annotations
@@ -14,8 +23,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvtier.errors import LeaseError
+from kvtier.errors import LeaseError, LeaseExpired
 from kvtier.index import BlockMeta
+
+EXPIRED_IDS_PER_OWNER = 4096
+"""Expired lease ids remembered per connection (oldest forgotten first); a late commit or
+release of a forgotten one gets a plain LeaseError, which the client treats the same way."""
 
 
 class LeaseKind(str, Enum):
@@ -44,6 +57,7 @@ class LeaseTable(dict[int, Lease]):
         self.ttl_s = ttl_s
         self.clock = clock
         self._ids = itertools.count(1)
+        self._expired: dict[int, dict[int, LeaseKind]] = {}  # owner -> expired ids (ordered)
 
     def open(self, kind: LeaseKind, owner: int, metas: list[BlockMeta]) -> Lease:
         lease = Lease(next(self._ids), kind, owner, metas, self.clock() + self.ttl_s)
@@ -51,19 +65,37 @@ class LeaseTable(dict[int, Lease]):
         return lease
 
     def take(self, owner: int, lease_id: int, kind: LeaseKind) -> Lease:
-        """Remove and return a lease this owner holds; LeaseError for anything else."""
+        """Remove and return a lease this owner holds.
+
+        ``LeaseExpired`` when the sweeper took it back, ``LeaseError`` for anything else. A
+        lease past its deadline that the sweeper has not reached yet is returned: the caller
+        decides (the store treats it as expired).
+        """
         lease = self.get(lease_id)
         if lease is None or lease.owner != owner or lease.kind is not kind:
+            mine = self._expired.get(owner)
+            if mine is not None and mine.get(lease_id) is kind:
+                del mine[lease_id]
+                raise expired_error(kind, lease_id, self.ttl_s)
             raise LeaseError(f"{kind.value} lease {lease_id} was never handed to this "
                              "connection, or was already used or expired")
         del self[lease_id]
         return lease
 
     def take_expired(self) -> list[Lease]:
+        """Leases past their deadline, removed and remembered as expired for their owner."""
         now = self.clock()
-        return self._take_where(lambda lease: lease.deadline <= now)
+        out = self._take_where(lambda lease: lease.deadline <= now)
+        for lease in out:
+            mine = self._expired.setdefault(lease.owner, {})
+            mine[lease.id] = lease.kind
+            if len(mine) > EXPIRED_IDS_PER_OWNER:
+                del mine[next(iter(mine))]
+        return out
 
     def take_owner(self, owner: int) -> list[Lease]:
+        """Every lease of a closed connection (and forget its expired ids)."""
+        self._expired.pop(owner, None)
         return self._take_where(lambda lease: lease.owner == owner)
 
     def _take_where(self, pred: Callable[[Lease], bool]) -> list[Lease]:
@@ -71,3 +103,43 @@ class LeaseTable(dict[int, Lease]):
         for lease in out:
             del self[lease.id]
         return out
+
+
+def expired_error(kind: LeaseKind, lease_id: int, ttl_s: float) -> LeaseExpired:
+    """The error a late commit or release gets, saying what it means for the caller."""
+    if kind is LeaseKind.GET:
+        return LeaseExpired(f"get lease {lease_id} expired (TTL {ttl_s:g} s) before it was "
+                            "released: the bytes read under it may belong to another block "
+                            "and must be discarded; release leases sooner or raise "
+                            "daemon.lease_ttl_s")
+    return LeaseExpired(f"put lease {lease_id} expired (TTL {ttl_s:g} s) before commit: "
+                        "nothing was stored and its slots stay quarantined until this "
+                        "connection closes; commit sooner or raise daemon.lease_ttl_s")
+
+
+@dataclass(slots=True)
+class Quarantine:
+    """Arena slots of expired put leases, held until their owner's connection closes.
+
+    The owner may still be writing into them (it maps the arena), so they must not go
+    back to the allocator while it can: the connection closing is the only proof it
+    stopped. ``bytes``/``slots`` are what the stats report.
+    """
+
+    by_owner: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    bytes: int = 0
+    slots: int = 0
+    total_slots: int = 0   # quarantined since start (a counter)
+
+    def add(self, owner: int, offset: int, nbytes: int) -> None:
+        self.by_owner.setdefault(owner, []).append((offset, nbytes))
+        self.bytes += nbytes
+        self.slots += 1
+        self.total_slots += 1
+
+    def take_owner(self, owner: int) -> list[int]:
+        """The offsets held for ``owner`` (now safe to free: its connection closed)."""
+        held = self.by_owner.pop(owner, [])
+        self.bytes -= sum(n for _, n in held)
+        self.slots -= len(held)
+        return [off for off, _ in held]

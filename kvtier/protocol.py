@@ -24,6 +24,9 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 LENGTH = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 16 * 2**20
+REQUEST_MAX_ITEMS = 4096
+"""Most entries of one array or map in a request: a 16 MiB frame of one-byte items would
+otherwise decode into millions of Python objects (the daemon's bound, not the client's)."""
 
 OPS = frozenset({
     "hello", "register_layout", "lookup", "put_prepare", "put_commit", "put_abort",
@@ -36,13 +39,21 @@ def pack(msg: dict[str, Any]) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-def unpack_body(body: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
-    """Decode one frame body from an untrusted peer; malformed input -> ProtocolError."""
+def unpack_body(body: bytes | bytearray, max_frame: int = DEFAULT_MAX_FRAME,
+                max_items: int | None = None) -> dict[str, Any]:
+    """Decode one frame body from an untrusted peer; malformed input -> ProtocolError.
+
+    ``max_items`` bounds every array and map (the daemon passes ``REQUEST_MAX_ITEMS``).
+    """
+    bounds: dict[str, int] = {}
+    if max_items is not None:
+        bounds = {"max_array_len": max_items, "max_map_len": max_items}
     try:
         if len(body) > max_frame:
             raise ProtocolError(f"frame of {len(body)} bytes exceeds the limit of {max_frame}")
         msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_no_ext,
-                              object_hook=_no_timestamp_values, list_hook=_no_timestamp_items)
+                              object_hook=_no_timestamp_values, list_hook=_no_timestamp_items,
+                              **bounds)
     except ProtocolError:
         raise
     except Exception as exc:
@@ -75,6 +86,23 @@ def check_length(n: int, max_frame: int) -> None:
         raise ProtocolError(f"frame of {n} bytes exceeds the limit of {max_frame}")
     if n == 0:
         raise ProtocolError("empty frame")
+
+
+def request_id(msg: dict[str, Any]) -> int:
+    """The request's ``id`` to echo back (0 when it is absent or not an int)."""
+    rid = msg.get("id", 0)
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+
+
+def optional_int(msg: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    """An optional int field within [lo, hi] (ProtocolError names what was wrong)."""
+    value = msg.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ProtocolError(f"field {name!r} must be an int in [{lo}, {hi}], got "
+                            f"{type(value).__name__} {str(value)[:32]}")
+    return value
 
 
 def field(msg: dict[str, Any], name: str, typ: type | tuple[type, ...]) -> Any:

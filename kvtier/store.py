@@ -26,26 +26,31 @@ import contextlib
 import importlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import (
+    CapacityError,
     FrameError,
     KVTierError,
     LayoutMismatch,
+    LeaseExpired,
     ProtocolError,
     UnknownNamespace,
 )
-from kvtier.frame import make_header
+from kvtier.frame import Codec, make_header
 from kvtier.index import BlockIndex, BlockMeta, SlotState
 from kvtier.keys import KEY_BYTES, Namespace
 from kvtier.layout import KVLayout
-from kvtier.leases import Lease, LeaseKind, LeaseTable
+from kvtier.leases import Lease, LeaseKind, LeaseTable, Quarantine, expired_error
 from kvtier.policy.base import EvictionPolicy, make_eviction_policy
 from kvtier.store_hbm import HbmEntry, HbmPlacement
+from kvtier.store_recovery import CommitLog, RecoveryCounters, rebuild_nvme_only, recover
 from kvtier.tiers._aligned import aligned_buffer
 from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_journal import JournalState
 from kvtier.tiers.base import EvictionReason, Tier, TierCounters, TierName
 from kvtier.tiers.slab import round_up
 
@@ -79,6 +84,9 @@ class RequestCounters:
     get_blocks: int = 0
     deletes: int = 0
     lease_expired: int = 0
+    redis_budget_misses: int = 0   # Redis lookups cut at redis_lookup_budget_s: counted a miss
+    namespace_mismatch: int = 0  # a key found, but stored under another namespace: a miss
+    layout_mismatch: int = 0     # same namespace, another layout or block size: a miss
 
 
 @dataclass(slots=True)
@@ -137,13 +145,16 @@ class TieredStore:
                  policy_factory: Callable[[str, TierName], EvictionPolicy] | None = None,
                  admission: Any = None, observer: Any = None,
                  redis_write_through: bool = False, forest: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 redis_lookup_budget_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic, max_namespaces: int = 4096,
+                 ) -> None:
         self.index = BlockIndex()
         self.arena = arena
         self.cpu = CpuTier(arena, self.index)
         self.nvme = nvme
         self.redis = redis
         self.redis_write_through = redis_write_through
+        self.redis_lookup_budget_s = redis_lookup_budget_s
         self.clock = clock
         self.lease_ttl_s = lease_ttl_s
         self.prefetch_wait = prefetch_wait
@@ -160,12 +171,20 @@ class TieredStore:
         self.admission = admission
         self.observer = observer
         self.forest = forest  # PrefixForest: orphans of a block gone from every tier
-        self.namespaces: dict[bytes, _Namespace] = {}
+        # least recently used first; beyond max_namespaces the head is forgotten (its blocks
+        # stay; a client that uses it again gets UnknownNamespace and re-registers)
+        self.namespaces: OrderedDict[bytes, _Namespace] = OrderedDict()
+        self.max_namespaces = max(1, max_namespaces)
+        self.namespaces_evicted = 0
         self.leases = LeaseTable(lease_ttl_s, clock)
+        self.quarantine = Quarantine()  # slots of expired put leases, see kvtier.leases
         self.requests = RequestCounters()
         self.prefetch = PrefetchCounters()
         self.bytes_moved: dict[tuple[str, str], int] = {}
+        self.explain: Any = None  # kvtier.explain.MissLog: why lookups miss (set by the daemon)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
+        self.recovery: RecoveryCounters | None = None
 
     # -- tiers ---------------------------------------------------------------------------
     @property
@@ -182,31 +201,47 @@ class TieredStore:
         self.bytes_moved[k] = self.bytes_moved.get(k, 0) + nbytes
 
     def rebuild_from_nvme(self) -> int:
-        """Index every valid frame found on nvme (oldest first, so LRU order survives)."""
-        if self.nvme is None:
+        """Index every valid frame found on nvme (oldest first, so LRU order survives) and
+        drop the frames no chain head leads to. Sync (runs ``nvme.open()``); the daemon uses
+        ``recover``, which also adopts the arena."""
+        return rebuild_nvme_only(self)
+
+    async def recover(self, state: JournalState | None, *,
+                      journal: Any = None) -> RecoveryCounters:
+        """Warm restart: index nvme frames and the adopted arena's verified blocks, drop
+        orphans, quarantine slots in flight at the crash for one lease TTL, then journal to
+        ``journal`` (see ``kvtier.store_recovery``)."""
+        return await recover(self, state, journal=journal, quarantine_s=self.lease_ttl_s)
+
+    async def _redis_prefix(self, keys: list[bytes], digest: bytes) -> int:
+        """``redis.exists_prefix`` (frames of namespace ``digest`` only) bounded by
+        ``redis_lookup_budget_s`` (not by the Redis op timeout, which can be the connector's
+        whole step budget): past it, a counted miss."""
+        try:
+            return int(await asyncio.wait_for(self.redis.exists_prefix(keys, namespace=digest),
+                                              self.redis_lookup_budget_s))
+        except asyncio.TimeoutError:
+            self.requests.redis_budget_misses += 1
             return 0
-        entries = self.nvme.open()
-        now = self.clock()
-        for slot, header in entries:
-            if header.key in self.index:   # duplicate after a torn overwrite: keep newest
-                old = self.index.pop(header.key)
-                self.nvme_policy.remove(old.key)
-                self.nvme.free(old.nvme)
-            meta = BlockMeta(header.key, header.namespace, header.layout_fp, header.raw_len,
-                             None, 0, nvme=slot, nvme_ready=True, seq=header.seq)
-            self.index[header.key] = meta
-            self.nvme_policy.insert(header.key, nbytes=header.raw_len, parent=None, depth=0,
-                                    now=now)
-            if self.forest is not None:
-                self.forest.add(header.key, None)
-        return len(entries)
 
     # -- namespaces ----------------------------------------------------------------------
     def register_namespace(self, layout: KVLayout, model_id: str, tp_rank: int, tp_size: int,
                            cache_salt: str | None) -> Namespace:
         ns = Namespace(model_id, layout, tp_rank, tp_size, cache_salt)
         self.namespaces[ns.digest] = _Namespace(ns, layout, round_up(layout.block_bytes))
+        self.namespaces.move_to_end(ns.digest)
+        while len(self.namespaces) > self.max_namespaces:
+            self.namespaces.popitem(last=False)
+            self.namespaces_evicted += 1
         return ns
+
+    def touch_namespace(self, digest: bytes) -> KVLayout | None:
+        """The layout a registered namespace uses (marking it recently used), or None."""
+        entry = self.namespaces.get(digest)
+        if entry is None:
+            return None
+        self.namespaces.move_to_end(digest)
+        return entry.layout
 
     def _ns(self, digest: bytes, layout_fp: int) -> _Namespace:
         entry = self.namespaces.get(digest)
@@ -225,19 +260,38 @@ class TieredStore:
                                 f"got {type(blob).__name__} of length {len(blob)}")
         return [blob[i: i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
 
+    def _foreign(self, meta: BlockMeta, ns: _Namespace) -> bool:
+        """True (and counted) when ``meta`` is not the caller's to see: stored under another
+        namespace (knowing a key is not a permission), or under another layout or block size
+        (its slot would be read with the wrong length). To the caller it is a miss."""
+        if meta.namespace != ns.namespace.digest:
+            self.requests.namespace_mismatch += 1
+            return True
+        if meta.layout_fp != ns.layout.fingerprint or meta.nbytes != ns.layout.block_bytes:
+            self.requests.layout_mismatch += 1
+            return True
+        return False
+
     # -- lookup + prefetch ---------------------------------------------------------------
     async def lookup(self, digest: bytes, layout_fp: int, keys: list[bytes],
                      *, prefetch: bool = True) -> LookupResult:
         """Leading keys present anywhere (cpu -> nvme -> redis); starts promotion."""
-        ns = self._ns(digest, layout_fp)
+        try:
+            ns = self._ns(digest, layout_fp)
+        except KVTierError as exc:
+            if self.explain is not None:
+                self.explain.rejected(digest, len(keys), exc.code)
+            raise
         now = self.clock()
         tiers: list[str] = []
         to_promote: list[BlockMeta] = []
+        local: list[BlockMeta] = []
         cpu_c, tpb = self.cpu.counters, ns.layout.tokens_per_block
         for k in keys:
             meta = self.index.get(k)
-            if meta is None or not meta.present:
+            if meta is None or not meta.present or self._foreign(meta, ns):
                 break
+            local.append(meta)
             if meta.cpu_state in (SlotState.READY, SlotState.LOADING):
                 tiers.append("cpu")
                 if meta.in_cpu:
@@ -263,7 +317,7 @@ class TieredStore:
             nc.miss_tokens += stopped * tpb
         redis_keys: list[bytes] = []
         if n_local < len(keys) and self.redis is not None and self.redis.up:
-            n_r = await self.redis.exists_prefix(keys[n_local:])
+            n_r = await self._redis_prefix(keys[n_local:], digest)
             redis_keys = keys[n_local: n_local + n_r]
             tiers.extend(["redis"] * n_r)
         hits = len(tiers)
@@ -275,10 +329,14 @@ class TieredStore:
         r.hit_tokens += hits * tpb
         if self.observer is not None:
             self.observer.on_lookup(keys, hits, now=now)
+        if self.explain is not None:
+            self.explain.lookup(digest, keys, hits, n_cpu, n_local, self.index,
+                                self.redis is not None and not self.redis.up)
         if prefetch and (to_promote or redis_keys):
             # Pin the chain while its tail is promoted: promotion must never evict the
             # head of the same chain (a chain longer than the arena keeps what fits).
-            chain = [self.index[k] for k in keys[:n_local]]
+            # (The Redis probe awaited: blocks of the local prefix may be gone meanwhile.)
+            chain = [m for m in local if self.index.get(m.key) is m]
             self._pin(chain)
             try:
                 for meta in to_promote:
@@ -334,10 +392,13 @@ class TieredStore:
     async def _load_nvme(self, meta: BlockMeta, off: int, fut: asyncio.Future[bool]) -> None:
         view = memoryview(self.arena.view(off, round_up(meta.nbytes)))
         ok = corrupt = False
+        checksum = None
         try:
-            await self.nvme.read_into(meta.nvme, view, namespace=meta.namespace, key=meta.key,
-                                      layout_fp=meta.layout_fp)
+            header = await self.nvme.read_into(meta.nvme, view, namespace=meta.namespace,
+                                               key=meta.key, layout_fp=meta.layout_fp)
             ok = True
+            if header.codec is Codec.NONE and header.payload_len == meta.nbytes:
+                checksum = header.checksum   # the arena now holds exactly the payload
         except FrameError as exc:  # the frame is bad for good: drop it
             corrupt = True
             log.warning("dropping nvme block %s: %s", meta.key.hex(), exc)
@@ -350,7 +411,7 @@ class TieredStore:
             meta.nvme_busy = False
         meta.loading = None
         if ok and meta.cpu == off:
-            self._cpu_ready(meta, self.clock())
+            self._cpu_ready(meta, self.clock(), checksum)
             self._moved("nvme", "cpu", meta.nbytes)
         elif meta.cpu == off:
             self._drop_cpu(meta)
@@ -409,9 +470,11 @@ class TieredStore:
             if fut is not None and not fut.done():
                 fut.set_result(ok)
 
-    def _cpu_ready(self, meta: BlockMeta, now: float) -> None:
-        """A slot's bytes are complete: make it readable and evictable (unless in use)."""
+    def _cpu_ready(self, meta: BlockMeta, now: float, checksum: int | None = None) -> None:
+        """A slot's bytes are complete: make it readable and evictable (unless in use), and
+        journal it (``checksum``: its payload's xxh3-64 when known, else hashed off-loop)."""
         meta.set_cpu_state(SlotState.READY)
+        self.commit_log.ready(meta, checksum)
         self.cpu.resident += 1
         self.cpu_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
                                depth=meta.depth, now=now)
@@ -453,8 +516,11 @@ class TieredStore:
     def _admit(self, meta: BlockMeta, tier: str) -> bool:
         if self.admission is None:
             return True
-        return bool(self.admission.admit(meta.key, tier=tier, nbytes=meta.nbytes,
-                                         now=self.clock()))
+        ok = bool(self.admission.admit(meta.key, tier=tier, nbytes=meta.nbytes,
+                                       now=self.clock()))
+        if not ok and self.explain is not None:
+            self.explain.refused(meta.key, tier)
+        return ok
 
     def _drop_cpu(self, meta: BlockMeta,
                   reason: EvictionReason = EvictionReason.CAPACITY) -> None:
@@ -471,6 +537,8 @@ class TieredStore:
         if was_ready:
             self.cpu.resident -= 1
         self.cpu_policy.remove(meta.key)
+        if self.explain is not None:
+            self.explain.removed(meta.key, reason.value, "cpu")
 
     def _forget_if_gone(self, meta: BlockMeta) -> None:
         """Drop ``meta`` from the index once no tier holds it, and with it its orphans:
@@ -557,12 +625,17 @@ class TieredStore:
         meta.nvme_ready = False
         self.nvme_policy.remove(meta.key)
         self.nvme.counters.evicted(reason)
+        if self.explain is not None:
+            self.explain.removed(meta.key, reason.value, "nvme")
 
     async def _write_nvme(self, meta: BlockMeta, *, sync: bool = False) -> bool:
         """Write the arena copy of ``meta`` to nvme as a frame; True when it is durable."""
         if meta.in_nvme:
             return True
         if meta.nvme_busy or not meta.in_cpu:
+            return False
+        if self.nvme.degraded:  # full disk: refused before allocating, which would evict
+            self.nvme.refuse_write()
             return False
         meta.nvme_busy = True
         self.cpu_policy.set_pinned(meta.key, True)
@@ -575,7 +648,7 @@ class TieredStore:
             meta.seq = self.nvme.next_seq()
             payload = memoryview(self.arena.view(meta.cpu, round_up(meta.nbytes)))
             header = make_header(meta.namespace, meta.key, meta.layout_fp,
-                                 payload[: meta.nbytes], seq=meta.seq)
+                                 payload[: meta.nbytes], seq=meta.seq, chain=(meta.parent,))
             try:
                 await self.nvme.write(slot, header, payload, sync=sync)
             except Exception as exc:
@@ -604,16 +677,19 @@ class TieredStore:
         """
         ns = self._ns(digest, layout_fp)
         nbytes = ns.layout.block_bytes
+        self._check_fits(nbytes, keys)
         metas: list[BlockMeta] = []
         offsets: list[int | None] = []
+        full = False  # after one failed allocation the rest would fail too: stop evicting
         for i, k in enumerate(keys):
-            if k in self.index:
+            if full or k in self.index:
                 offsets.append(None)
                 continue
             off = await self._alloc_cpu(nbytes)
             if off is None or k in self.index:
                 if off is not None:
                     self.arena.free(off)
+                full = off is None
                 offsets.append(None)
                 continue
             meta = BlockMeta(k, digest, layout_fp, nbytes, keys[i - 1] if i else parent,
@@ -625,6 +701,20 @@ class TieredStore:
         lease = self._new_lease(LeaseKind.PUT, owner, metas)
         lease.chain = keys
         return lease.id, offsets
+
+    def _check_fits(self, nbytes: int, keys: list[bytes]) -> None:
+        """Fail fast, before evicting anything, when the new blocks could never fit."""
+        slot = round_up(nbytes)
+        if slot > self.arena.size:
+            raise CapacityError(f"a block of {nbytes} bytes is larger than the cpu tier "
+                                f"({self.arena.size} bytes): raise cpu.bytes or use smaller "
+                                "blocks (tokens_per_block)")
+        if len(keys) * slot > self.arena.size:
+            new = len({k for k in keys if k not in self.index})
+            if new * slot > self.arena.size:
+                raise CapacityError(f"a put of {new} new blocks ({new * slot} bytes) exceeds "
+                                    f"the cpu tier ({self.arena.size} bytes): put fewer "
+                                    "blocks per request")
 
     async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False,
                          output_tokens: int | None = None) -> int:
@@ -659,13 +749,20 @@ class TieredStore:
         return len(committed)
 
     def abort_put(self, owner: int, lease_id: int) -> None:
-        lease = self._take_lease(owner, lease_id, LeaseKind.PUT)
+        """Drop a put; past its deadline this is a quiet no-op (nothing was stored, which is
+        what an abort asks; the slots stay quarantined until the connection closes)."""
+        try:
+            lease = self._take_lease(owner, lease_id, LeaseKind.PUT)
+        except LeaseExpired:
+            return
         self._abort_put(lease)
 
     def _abort_put(self, lease: Lease) -> None:
         for meta in lease.metas:
             if meta.cpu_state is SlotState.WRITING and self.index.get(meta.key) is meta:
                 self._drop_cpu(meta)
+                if self.explain is not None:
+                    self.explain.removed(meta.key, "lease", "cpu")
                 self._forget_if_gone(meta)
 
     # -- get -----------------------------------------------------------------------------
@@ -714,7 +811,7 @@ class TieredStore:
         chain: list[BlockMeta] = []
         for k in keys:
             meta = self.index.get(k)
-            if meta is None or not meta.present:
+            if meta is None or not meta.present or self._foreign(meta, ns):
                 break
             self._pin([meta])  # pinned as it joins: the tail never evicts the head
             chain.append(meta)
@@ -729,7 +826,7 @@ class TieredStore:
         if len(chain) < len(keys) and self.redis is not None and self.redis.up:
             before = len(chain)
             rkeys = keys[before:]
-            n_r = await self.redis.exists_prefix(rkeys)
+            n_r = await self._redis_prefix(rkeys, digest)
             if n_r:
                 await self._promote_from_redis(ns, rkeys[:n_r], keys, before)
                 for k in rkeys[:n_r]:
@@ -787,10 +884,13 @@ class TieredStore:
 
     # -- delete --------------------------------------------------------------------------
     async def delete(self, digest: bytes, layout_fp: int, keys: list[bytes]) -> int:
-        """Remove blocks from every tier (blocks under a read lease are skipped)."""
-        self._ns(digest, layout_fp)
-        before = sum(1 for k in keys if k in self.index)
-        for k in keys:
+        """Remove the caller's blocks from every tier (blocks under a read lease, and blocks
+        of another namespace, are skipped)."""
+        ns = self._ns(digest, layout_fp)
+        mine = [k for k in keys
+                if (m := self.index.get(k)) is not None and not self._foreign(m, ns)]
+        before = len(mine)
+        for k in mine:
             meta = self.index.get(k)
             if meta is None or meta.readers or meta.nvme_busy or meta.cpu_state in (
                     SlotState.WRITING, SlotState.LOADING):
@@ -801,9 +901,9 @@ class TieredStore:
             if meta.nvme is not None:
                 self._drop_nvme(meta, EvictionReason.DELETED, erase=True)
             self._forget_if_gone(meta)  # also drops descendants orphaned by this delete
-        n = before - sum(1 for k in keys if k in self.index)
+        n = before - sum(1 for k in mine if k in self.index)
         if self.redis is not None and self.redis.up:
-            n = max(n, await self.redis.delete(keys))
+            n = max(n, await self.redis.delete(keys, namespace=digest))
         self.requests.deletes += 1
         return n
 
@@ -812,21 +912,49 @@ class TieredStore:
         return self.leases.open(kind, owner, metas)
 
     def _take_lease(self, owner: int, lease_id: int, kind: LeaseKind) -> Lease:
-        return self.leases.take(owner, lease_id, kind)
+        """The lease a commit/abort/release names; ``LeaseExpired`` once past its deadline,
+        whether or not the sweeper has reached it yet (the outcome never depends on it)."""
+        lease = self.leases.take(owner, lease_id, kind)
+        if lease.deadline <= self.clock():
+            self._expire(lease)
+            self.requests.lease_expired += 1
+            raise expired_error(kind, lease_id, self.leases.ttl_s)
+        return lease
 
     def expire_leases(self) -> int:
-        """Release leases past their deadline (a client that hung or forgot)."""
+        """Take back leases past their deadline (a client that hung, stalled or forgot):
+        get leases are released, put leases' slots are quarantined."""
         expired = self.leases.take_expired()
         for lease in expired:
-            self._drop_lease(lease)
+            self._expire(lease)
         self.requests.lease_expired += len(expired)
         return len(expired)
 
+    def _expire(self, lease: Lease) -> None:
+        if lease.kind is LeaseKind.PUT:
+            self._quarantine_put(lease)
+        else:
+            self._release_get(lease)
+
+    def _quarantine_put(self, lease: Lease) -> None:
+        """Forget an expired put's blocks but keep their slots allocated (quarantined) until
+        the owner's connection closes: it may still be writing into them."""
+        for meta in lease.metas:
+            if meta.cpu_state is not SlotState.WRITING or meta.cpu is None:
+                continue
+            self.quarantine.add(lease.owner, meta.cpu, self.arena.slots.slot_size(meta.cpu))
+            meta.cpu = None
+            meta.set_cpu_state(SlotState.NONE)
+            self._forget_if_gone(meta)
+
     def release_owner(self, owner: int) -> int:
-        """A client connection closed: abort its puts, release its reads."""
+        """A client connection closed: abort its puts, release its reads, free its
+        quarantined slots (it can no longer write into them)."""
         mine = self.leases.take_owner(owner)
         for lease in mine:
             self._drop_lease(lease)
+        for off in self.quarantine.take_owner(owner):
+            self.arena.free(off)
         return len(mine)
 
     def _drop_lease(self, lease: Lease) -> None:
@@ -870,10 +998,14 @@ class TieredStore:
             "prefetch": _asdict(self.prefetch),
             "bytes_moved": [{"src": s, "dst": d, "bytes": b}
                             for (s, d), b in sorted(self.bytes_moved.items())],
-            "leases": {"active": len(self.leases)},
+            "leases": {"active": len(self.leases), "ttl_s": self.leases.ttl_s,
+                       "quarantined_slots": self.quarantine.slots,
+                       "quarantined_bytes": self.quarantine.bytes,
+                       "quarantined_total": self.quarantine.total_slots},
             "policy": {"eviction": getattr(self.cpu_policy, "name", "?")},
             "namespaces": len(self.namespaces),
             "index_blocks": len(self.index),
+            "recovery": _asdict(self.recovery) if self.recovery is not None else {},
         }
 
 

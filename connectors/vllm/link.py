@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from kvtier.errors import (
     DaemonUnavailable,
     KVTierError,
+    LeaseExpired,
     ProtocolError,
     RequestTimeout,
 )
@@ -87,8 +88,9 @@ class DaemonLink:
         """A put/get lease as a context manager, or ``None`` when the daemon is unusable.
 
         Errors raised by the daemon while opening or closing the lease drop the
-        connection (or are logged); errors from the body propagate after the lease is
-        aborted/released by the client's own context manager.
+        connection (or are logged), except ``LeaseExpired``, which propagates: what a get
+        read may be wrong and must be recomputed; errors from the body propagate after the
+        lease is aborted/released by the client's own context manager.
         """
 
         def open_lease(client: Any) -> tuple[Any, Any]:
@@ -110,6 +112,9 @@ class DaemonLink:
             cm.__exit__(None, None, None)
         except _CONNECTION_ERRORS as exc:
             self._drop(exc)
+        except LeaseExpired:  # a get's bytes may be another block's: the caller recomputes
+            self.errors += 1
+            raise
         except KVTierError as exc:
             self.errors += 1
             logger.warning("kvtier %s: lease not completed (%s: %s)", self.name, exc.code, exc)

@@ -5,13 +5,18 @@ the daemon stops reading from that connection (backpressure through the socket b
 instead of queueing without limit. A malformed or oversized frame gets a typed error
 reply and the connection is closed (a stream cannot be resynchronised after a bad
 length); every other client keeps being served, and a closed connection's leases are
-released at once.
+released at once. Work per request, per connection and in total is bounded
+(``kvtier.daemon.limits``): every request gets an answer, a typed error when it broke a
+limit or failed in any way (even when its reply cannot be encoded), and each error is
+counted by code.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -24,15 +29,32 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.errors import HandshakeError, KVTierError, ProtocolError
+from kvtier.daemon.limits import (
+    STREAM_LIMIT,
+    ByteBudget,
+    LimitCounters,
+    Limits,
+    read_request,
+)
+from kvtier.errors import (
+    HandshakeError,
+    KVTierError,
+    LayoutMismatch,
+    LimitExceeded,
+    Overloaded,
+    ProtocolError,
+    StartupError,
+    UnknownNamespace,
+)
+from kvtier.frame import MAX_PAYLOAD
+from kvtier.keys import KEY_BYTES
 from kvtier.layout import KVLayout
 from kvtier.protocol import (
-    LENGTH,
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
-    check_length,
+    optional_int,
     pack,
-    unpack_body,
+    request_id,
 )
 from kvtier.protocol import (
     field as req_field,
@@ -41,6 +63,8 @@ from kvtier.store import TieredStore
 
 log = logging.getLogger("kvtier.control")
 _PEERCRED = struct.Struct("3i")
+_MAX_NAME = 1024  # model_id and cache_salt characters: namespaces retain them
+_MAX_TP = 1 << 16
 
 
 @dataclass(slots=True)
@@ -49,6 +73,7 @@ class Connection:
     pid: int
     uid: int
     client: str = ""
+    key_scheme: str = ""   # the client's key function version (kvtier.keys.KEY_SCHEME)
     engine: dict[str, float] = field(default_factory=dict)
 
 
@@ -58,15 +83,24 @@ class ControlServer:
     def __init__(self, store: TieredStore, socket_path: Path, *, max_frame: int,
                  max_inflight: int, arena_path: str, arena_size: int,
                  observe: Callable[[str, float], None] | None = None,
-                 hbm: dict[str, Any] | None = None) -> None:
+                 hbm: dict[str, Any] | None = None,
+                 open_arena: Callable[[], int] | None = None,
+                 limits: Limits | None = None) -> None:
         """``hbm``: the HBM pool's ``HbmTier.handshake_info()`` (handle, size, device,
         pci_bus_id) when the daemon has one; every hello reply then carries it, and clients
-        that want device placement map the pool with it."""
+        that want device placement map the pool with it. ``open_arena``: a new descriptor of
+        the arena for a client that asks for it (``Arena.open_for_client``; default: open
+        ``arena_path``). ``limits``: see ``kvtier.daemon.limits`` (defaults with
+        ``max_frame`` when not given)."""
         self.store = store
         self.socket_path = socket_path
-        self.max_frame = max_frame
+        self.limits = limits if limits is not None else Limits(
+            max_frame=max_frame, conn_pending_bytes=max_frame, total_pending_bytes=4 * max_frame)
+        self.max_frame = self.limits.max_frame
+        self.pending = ByteBudget(self.limits.total_pending_bytes)
         self.max_inflight = max_inflight
         self.arena = {"path": arena_path, "size": arena_size}
+        self.open_arena = open_arena or self._open_arena_by_path   # a new fd per client
         self.hbm = hbm
         self.observe = observe
         self.connections: dict[int, Connection] = {}
@@ -75,6 +109,7 @@ class ControlServer:
         self._handlers: set[asyncio.Task[Any]] = set()
         self.rejected_peers = 0
         self.protocol_errors = 0
+        self.counters = LimitCounters()
         self._ops: dict[str, Callable[[Connection, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
             "ping": self._ping,
             "register_layout": self._register_layout,
@@ -91,11 +126,17 @@ class ControlServer:
         self.stats_provider: Callable[[], dict[str, Any]] = store.stats
 
     async def start(self) -> None:
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Listen on the socket. Its directory was prepared and verified before (the
+        daemon's preflight, kvtier.trust.prepare_socket_dir): nothing is created here."""
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
             self._server = await asyncio.start_unix_server(
-                self._serve, path=str(self.socket_path), limit=self.max_frame + 1024)
+                self._serve, path=str(self.socket_path), limit=STREAM_LIMIT,
+                backlog=self.limits.listen_backlog)
+        except OSError as exc:   # asyncio's errors do not name the path
+            raise StartupError(f"cannot listen on the socket {self.socket_path}: "
+                               f"{exc.strerror or exc}; pass --socket PATH in a directory "
+                               "of yours") from exc
         finally:
             os.umask(old)
         os.chmod(self.socket_path, 0o600)
@@ -126,66 +167,111 @@ class ControlServer:
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
             pid, uid = -1, -1
-        if uid != os.getuid():
-            self.rejected_peers += 1
-            log.warning("rejected connection from uid %s (pid %s): not the daemon's user",
-                        uid, pid)
-            writer.close()
-            if task is not None:
-                self._handlers.discard(task)
-            return
-        conn = Connection(next(self._ids), pid, uid)
-        self.connections[conn.id] = conn
-        write_lock = asyncio.Lock()
-        inflight = asyncio.Semaphore(self.max_inflight)
-        tasks: set[asyncio.Task[None]] = set()
         try:
-            await self._handshake(conn, reader, writer)
-            while True:
-                msg = await self._read(reader)
-                if msg is None:
-                    break
-                await inflight.acquire()
-                t = asyncio.ensure_future(self._dispatch(conn, msg, writer, write_lock))
-                tasks.add(t)
-                t.add_done_callback(lambda t: (tasks.discard(t), inflight.release()))
-        except ProtocolError as exc:
-            self.protocol_errors += 1
-            log.warning("client %s (pid %s): %s; closing its connection", conn.id, conn.pid,
-                        exc)
-            with contextlib.suppress(Exception):
-                async with write_lock:
-                    writer.write(pack({"id": 0, "ok": False, "code": exc.code,
-                                       "error": str(exc)}))
-                    await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
+            if uid != os.getuid():
+                self.rejected_peers += 1
+                log.warning("rejected connection from uid %s (pid %s): not the daemon's user",
+                            uid, pid)
+                return
+            if len(self.connections) >= self.limits.max_connections:
+                await self._refuse(reader, writer)
+                return
+            conn = Connection(next(self._ids), pid, uid)
+            self.connections[conn.id] = conn
+            try:
+                await self._converse(conn, reader, writer)
+            finally:
+                released = self.store.release_owner(conn.id)
+                if released:
+                    log.info("client %s (pid %s) left with %d open leases: released", conn.id,
+                             conn.pid, released)
+                self.connections.pop(conn.id, None)
         finally:
-            if tasks:
-                await asyncio.wait(list(tasks), timeout=5.0)
-            released = self.store.release_owner(conn.id)
-            if released:
-                log.info("client %s (pid %s) left with %d open leases: released", conn.id,
-                         conn.pid, released)
-            self.connections.pop(conn.id, None)
             writer.close()
             if task is not None:
                 self._handlers.discard(task)
 
+    async def _converse(self, conn: Connection, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> None:
+        """Hello, then requests until the client leaves, breaks the protocol or idles out."""
+        write_lock = asyncio.Lock()
+        inflight = asyncio.Semaphore(self.max_inflight)
+        held = ByteBudget(self.limits.conn_pending_bytes)
+        tasks: set[asyncio.Task[None]] = set()
+
+        def done(t: asyncio.Task[None], n: int) -> None:
+            tasks.discard(t)
+            inflight.release()
+            held.release(n)
+            self.pending.release(n)
+
+        try:
+            await self._handshake(conn, reader, writer)
+            while True:
+                frame = await read_request(reader, self.limits, self.pending, self.counters,
+                                           held, busy=lambda: bool(tasks))
+                if frame is None:
+                    break
+                msg, n = frame
+                await inflight.acquire()
+                t = asyncio.ensure_future(self._dispatch(conn, msg, writer, write_lock))
+                tasks.add(t)
+                t.add_done_callback(functools.partial(done, n=n))
+        except KVTierError as exc:  # a bad frame, a broken limit: answer, then close
+            if isinstance(exc, ProtocolError):
+                self.protocol_errors += 1
+            self._count(exc.code)
+            log.warning("client %s (pid %s): %s; closing its connection", conn.id, conn.pid,
+                        exc)
+            await self._send_error(writer, write_lock, exc.code, str(exc))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception as exc:  # a bug here must not leave the client waiting for nothing
+            log.exception("connection of client %s failed", conn.id)
+            self._count("internal")
+            await self._send_error(writer, write_lock, "internal",
+                                   f"internal error: {exc.__class__.__name__}")
+        finally:
+            if tasks:
+                await asyncio.wait(list(tasks), timeout=5.0)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Beyond max_connections: a typed refusal, read what the client sent, then close."""
+        refused = self.counters.refused_connections = self.counters.refused_connections + 1
+        self._count(Overloaded.code)
+        if refused in (1, 10, 100) or refused % 1000 == 0:
+            log.warning("refused %d connections so far: %d open is the limit "
+                        "(daemon.max_connections)", refused,
+                        self.limits.max_connections)
+        with contextlib.suppress(Exception):
+            writer.write(pack({"id": 0, "ok": False, "code": Overloaded.code,
+                               "error": f"the daemon already serves its limit of "
+                                        f"{self.limits.max_connections} connections "
+                                        "(daemon.max_connections): retry later"}))
+            writer.write_eof()
+            async with asyncio.timeout(min(1.0, self.limits.read_timeout_s)):
+                await writer.drain()
+                await reader.read(STREAM_LIMIT)  # the hello lands before we close: no EPIPE
+
+    async def _send_error(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, code: str,
+                          error: str) -> None:
+        with contextlib.suppress(Exception):
+            async with lock:
+                writer.write(pack({"id": 0, "ok": False, "code": code, "error": error}))
+                async with asyncio.timeout(self.limits.read_timeout_s):
+                    await writer.drain()
+
+    def _count(self, code: str) -> None:
+        self.counters.errors[code] = self.counters.errors.get(code, 0) + 1
+
     async def _read(self, reader: asyncio.StreamReader) -> dict[str, Any] | None:
-        try:
-            head = await reader.readexactly(LENGTH.size)
-        except asyncio.IncompleteReadError as exc:
-            if exc.partial:
-                raise ProtocolError("connection closed inside a frame header") from None
+        """One frame before the hello is answered; its bytes are let go at once."""
+        frame = await read_request(reader, self.limits, self.pending, self.counters)
+        if frame is None:
             return None
-        (n,) = LENGTH.unpack(head)
-        check_length(n, self.max_frame)
-        try:
-            body = await reader.readexactly(n)
-        except asyncio.IncompleteReadError:
-            raise ProtocolError("connection closed inside a frame") from None
-        return unpack_body(body, self.max_frame)
+        msg, n = frame
+        self.pending.release(n)
+        return msg
 
     async def _handshake(self, conn: Connection, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
@@ -195,41 +281,93 @@ class ControlServer:
         if msg.get("op") != "hello":
             raise HandshakeError("the first request must be 'hello'")
         version = msg.get("version")
-        if version not in SUPPORTED_VERSIONS:
+        if type(version) is not int or version not in SUPPORTED_VERSIONS:
             raise HandshakeError(f"protocol version {version!r} not supported; this daemon "
                                  f"speaks {sorted(SUPPORTED_VERSIONS)}: upgrade the client")
         conn.client = str(msg.get("client", ""))[:64]
+        conn.key_scheme = str(msg.get("key_scheme", ""))[:64]
         reply = {"id": msg.get("id", 0), "ok": True, "version": PROTOCOL_VERSION,
                  "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
         if self.hbm is not None:
             reply["hbm"] = self.hbm
-        writer.write(pack(reply))
+        data = pack(reply)
+        if msg.get("arena_fd") is True:
+            data = data[self._send_with_arena_fd(writer, data):]
+        if data:
+            writer.write(data)
         await writer.drain()
+
+    def _send_with_arena_fd(self, writer: asyncio.StreamWriter, data: bytes) -> int:
+        """Send the start of the hello reply with the arena's descriptor (SCM_RIGHTS), so
+        the client maps the daemon's own file and never a path someone could swap.
+
+        The hello reply is the first thing written on the connection, so the transport's
+        buffer is empty and a direct sendmsg keeps the byte order; the rest, if the kernel
+        took only part, goes through the transport. Returns the bytes sent (0: nothing was
+        sent, the client maps the path with its O_NOFOLLOW and fstat checks instead).
+        """
+        try:
+            arena_fd = self.open_arena()
+        except (OSError, KVTierError) as exc:
+            log.warning("cannot open the arena %s to pass it: %s", self.arena["path"], exc)
+            return 0
+        try:
+            raw = writer.get_extra_info("socket")
+            with socket.socket(fileno=os.dup(raw.fileno())) as dup:
+                return dup.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                             array.array("i", [arena_fd]))])
+        except BlockingIOError:
+            return 0
+        finally:
+            os.close(arena_fd)
+
+    def _open_arena_by_path(self) -> int:
+        """A new descriptor of the arena file (when the daemon gave no ``open_arena``)."""
+        return os.open(str(self.arena["path"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     async def _dispatch(self, conn: Connection, msg: dict[str, Any],
                         writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:
-        rid = msg.get("id", 0)
+        rid = request_id(msg)
         op = msg.get("op")
         t0 = time.perf_counter()
         try:
+            if rid == 0 and msg.get("id", 0) != 0:
+                raise ProtocolError("the request id must be an int")
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
-                raise ProtocolError(f"unknown op {op!r}")
+                raise ProtocolError(f"unknown op {_short(op)}")
             reply = await handler(conn, msg)
             reply["id"] = rid
             reply["ok"] = True
         except KVTierError as exc:
+            self._count(exc.code)
             reply = {"id": rid, "ok": False, "code": exc.code, "error": str(exc)}
         except Exception as exc:  # a bug must not take the daemon down for everyone
-            log.exception("op %s from client %s failed", op, conn.id)
+            log.exception("op %s from client %s failed", _short(op), conn.id)
+            self._count("internal")
             reply = {"id": rid, "ok": False, "code": "internal",
                      "error": f"internal error: {exc.__class__.__name__}"}
         if self.observe is not None and isinstance(op, str) and op in self._ops:
             self.observe(op, time.perf_counter() - t0)
         try:
+            data = pack(reply)
+        except Exception as exc:  # e.g. an int beyond 64 bits derived from the request
+            log.warning("the reply to %s from client %s cannot be encoded: %s", _short(op),
+                        conn.id, exc)
+            self._count("internal")
+            data = pack({"id": rid, "ok": False, "code": "internal",
+                         "error": f"the reply to {_short(op)} cannot be encoded "
+                                  f"({exc.__class__.__name__}): a request value is out of "
+                                  "range"})
+        try:
             async with lock:
-                writer.write(pack(reply))
-                await writer.drain()
+                writer.write(data)
+                async with asyncio.timeout(self.limits.read_timeout_s):
+                    await writer.drain()
+        except TimeoutError:  # replies pile up unread: the client is stuck or hostile
+            self.counters.dropped_slow += 1
+            log.warning("client %s does not read its replies: dropping it", conn.id)
+            writer.transport.abort()
         except (ConnectionError, RuntimeError):
             pass
 
@@ -238,19 +376,39 @@ class ControlServer:
         return {}
 
     def _target(self, msg: dict[str, Any]) -> tuple[bytes, int, list[bytes]]:
+        """Namespace, layout fingerprint and keys of a request; the key count is checked
+        against the namespace's limit on the raw blob, before any key object exists."""
         ns = req_field(msg, "ns", bytes)
         fp = req_field(msg, "layout_fp", int)
-        keys = self.store.split_keys(req_field(msg, "keys", bytes))
-        return ns, fp, keys
+        blob = req_field(msg, "keys", bytes)
+        layout = self.store.touch_namespace(ns)
+        if layout is None:
+            raise UnknownNamespace("namespace not registered with this daemon: call "
+                                   "register_layout first (the daemon may have restarted or "
+                                   "forgotten a namespace unused for long)")
+        limit = self.limits.max_keys(layout.tokens_per_block)
+        if len(blob) > limit * KEY_BYTES:
+            raise LimitExceeded(
+                f"{len(blob) // KEY_BYTES} keys in one request; this namespace allows "
+                f"{limit} ({self.limits.max_context_tokens} tokens, daemon.max_context_tokens, "
+                f"in blocks of {layout.tokens_per_block}): split the request")
+        return ns, fp, self.store.split_keys(blob)
 
     async def _register_layout(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         layout = KVLayout.from_dict(req_field(msg, "layout", dict))
+        if layout.block_bytes > MAX_PAYLOAD:
+            raise LayoutMismatch(f"a block of {layout.block_bytes} bytes is beyond any tier "
+                                 f"(at most {MAX_PAYLOAD}): check the layout's sizes")
         salt = msg.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ProtocolError("cache_salt must be a string or nil")
-        ns = self.store.register_namespace(
-            layout, req_field(msg, "model_id", str), int(msg.get("tp_rank", 0)),
-            int(msg.get("tp_size", 1)), salt)
+        model_id = req_field(msg, "model_id", str)
+        if len(model_id) > _MAX_NAME or (salt is not None and len(salt) > _MAX_NAME):
+            raise ProtocolError(f"model_id and cache_salt are limited to {_MAX_NAME} "
+                                "characters")
+        tp_size = optional_int(msg, "tp_size", 1, 1, _MAX_TP)
+        tp_rank = optional_int(msg, "tp_rank", 0, 0, tp_size - 1)
+        ns = self.store.register_namespace(layout, model_id, tp_rank, tp_size, salt)
         return {"ns": ns.digest, "layout_fp": layout.fingerprint,
                 "block_bytes": layout.block_bytes}
 
@@ -314,6 +472,14 @@ class ControlServer:
                 conn.engine[name] = float(value)
         return {}
 
+    def limit_stats(self) -> dict[str, Any]:
+        """What the limits did: error replies by code, refused and dropped connections."""
+        c = self.counters
+        return {"errors": dict(c.errors), "refused_connections": c.refused_connections,
+                "dropped_idle": c.dropped_idle, "dropped_slow": c.dropped_slow,
+                "pending_request_bytes": self.pending.used,
+                "namespaces_evicted": self.store.namespaces_evicted}
+
     def engine_summary(self) -> dict[str, float]:
         """Connector-side gauges summed over connected engines."""
         out: dict[str, float] = {"engines": 0}
@@ -327,3 +493,9 @@ class ControlServer:
                 else:
                     out[k] = out.get(k, 0.0) + v
         return out
+
+
+def _short(value: object) -> str:
+    """A client-sent value for an error message or log line, never longer than 64 chars."""
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."

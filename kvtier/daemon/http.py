@@ -1,9 +1,13 @@
-"""HTTP endpoints (aiohttp): /metrics, /v1/stats, /healthz, and token-guarded admin."""
+"""HTTP endpoints (aiohttp): /metrics, /v1/stats, /v1/lookups/recent, /healthz, and
+token-guarded admin."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hmac
 import json
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -11,17 +15,73 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.daemon.metrics import Metrics
+from kvtier.errors import StartupError
+
+_BACKLOG = 128
+
+
+def bind_http(host: str, port: int) -> list[socket.socket]:
+    """Bind (and listen on) every address of ``host`` now, before the daemon builds its
+    tiers, so a busy port fails the start at once with one line (StartupError)."""
+    where = f"{host}:{port}"
+    socks: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        for family, kind, proto, _name, addr in dict.fromkeys(infos):
+            s = socket.socket(family, kind, proto)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+            s.listen(_BACKLOG)
+            s.setblocking(False)
+    except (OSError, UnicodeError) as exc:
+        for s in socks:
+            s.close()
+        reason = getattr(exc, "strerror", None) or str(exc)
+        if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+            fix = (f"stop the process that listens there (`ss -ltnp 'sport = :{port}'`) or "
+                   "pass --http-port PORT (0 picks a free one)")
+        elif isinstance(exc, OSError) and exc.errno == errno.EACCES:
+            fix = "ports below 1024 need privileges: pass --http-port 1024 or higher"
+        else:
+            fix = "pass another --http-host or --http-port"
+        raise StartupError(f"cannot listen for HTTP on {where}: {reason}; {fix}") from exc
+    return socks
+
+
+def bearer_token_matches(header: str, expected: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <expected>``, in constant time.
+
+    Compared as UTF-8 bytes (surrogates passed through), so any header, ASCII or not, is
+    just a wrong token: ``hmac.compare_digest`` on str raises TypeError for non-ASCII text.
+    """
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not expected:
+        return False
+    given = token.strip().encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(given, expected.encode("utf-8", "surrogatepass"))
 
 
 class HttpServer:
-    """Binds to 127.0.0.1 by default; port 0 picks a free port (see ``port``)."""
+    """Binds to 127.0.0.1 by default; port 0 picks a free port (see ``port``).
+
+    ``sockets``: listening sockets from ``bind_http`` (the daemon binds before its setup);
+    without them ``start`` binds ``host:port`` itself.
+    """
 
     def __init__(self, host: str, port: int, metrics: Metrics,
                  stats: Callable[[], dict[str, Any]], config: Callable[[], dict[str, Any]],
-                 admin_token: str = "") -> None:
+                 admin_token: str = "",
+                 recent: Callable[[int, bool], list[dict[str, Any]]] | None = None, *,
+                 sockets: list[socket.socket] | None = None) -> None:
         self.host, self._port = host, port
         self.metrics, self.stats, self.config = metrics, stats, config
         self.admin_token = admin_token
+        self.recent = recent
+        self._sockets = sockets or []
         self._runner: web.AppRunner | None = None
         self.port = port
 
@@ -30,18 +90,22 @@ class HttpServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/healthz", self._health)
+        app.router.add_get("/v1/lookups/recent", self._recent)
         app.router.add_get("/v1/admin/config", self._config)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self._port)
-        await site.start()
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
+        if not self._sockets:
+            self._sockets = bind_http(self.host, self._port)
+        for sock in self._sockets:
+            await web.SockSite(self._runner, sock).start()
+        self.port = self._sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.close()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
@@ -50,12 +114,32 @@ class HttpServer:
     async def _stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats(), dumps=lambda o: json.dumps(o, default=str))
 
+    async def _recent(self, request: web.Request) -> web.Response:
+        """Recent lookups and why their first block missed: ?limit=N&misses=1."""
+        try:
+            limit = int(request.query.get("limit", "50"))
+        except ValueError:
+            limit = -1
+        if not 1 <= limit <= 100_000:
+            return web.json_response({"error": "limit must be an integer from 1 to 100000"},
+                                     status=400)
+        misses = request.query.get("misses", "0").lower() in ("1", "true", "yes")
+        rows = self.recent(limit, misses) if self.recent is not None else []
+        return web.json_response({"lookups": rows})
+
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def _config(self, request: web.Request) -> web.Response:
-        token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not self.admin_token or not hmac.compare_digest(token, self.admin_token):
-            return web.json_response({"error": "admin endpoints need http.admin_token and "
-                                      "'Authorization: Bearer <token>'"}, status=403)
+        """403 while no admin token is configured (admin is off); 401 for a missing or
+        wrong token, whatever bytes it holds."""
+        if not self.admin_token:
+            return web.json_response({"error": "admin endpoints are off: set "
+                                      "http.admin_token (KVTIER_HTTP_ADMIN_TOKEN)"},
+                                     status=403)
+        if not bearer_token_matches(request.headers.get("Authorization", ""),
+                                    self.admin_token):
+            return web.json_response({"error": "admin endpoints need 'Authorization: Bearer "
+                                      "<http.admin_token>'"}, status=401,
+                                     headers={"WWW-Authenticate": "Bearer"})
         return web.json_response(self.config(), dumps=lambda o: json.dumps(o, default=str))

@@ -3,6 +3,9 @@
 Counters live as plain ints in the store and tiers (cheap on the hot path); this
 collector turns them into ``kvtier_*`` families when Prometheus scrapes. Operation
 latencies are real histograms, observed by the control server.
+
+The names are a stable interface (alerts, dashboards): docs/operations.md lists them all.
+Renaming one is a breaking change.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class KVTierCollector:
         yield moved
         req = s.get("requests", {})
         for key in ("lookups", "lookup_blocks", "hit_blocks", "lookup_tokens", "hit_tokens",
-                    "puts", "put_blocks", "gets", "get_blocks", "deletes", "lease_expired"):
+                    "puts", "put_blocks", "gets", "get_blocks", "deletes", "lease_expired",
+                    "namespace_mismatch", "layout_mismatch"):
             yield CounterMetricFamily(f"kvtier_requests_{key}", f"Connector requests: {key}",
                                       value=float(req.get(key, 0)))
         yield GaugeMetricFamily("kvtier_prefix_hit_rate", "Leading-block hit rate of lookups",
@@ -90,6 +94,20 @@ class KVTierCollector:
                                 value=float(daemon.get("clients", 0)))
         yield GaugeMetricFamily("kvtier_leases_active", "Open leases",
                                 value=float(s.get("leases", {}).get("active", 0)))
+        yield CounterMetricFamily("kvtier_lease_expired", "Leases released by their deadline "
+                                  "(a client hung or crashed)",
+                                  value=float(req.get("lease_expired", 0)))
+        yield from _admission_families(s.get("admission", {}))
+        yield from _explain_families(s.get("explain", {}))
+        schemes = GaugeMetricFamily("kvtier_clients_by_key_scheme", "Connected clients per "
+                                    "key function version", labels=["scheme"])
+        for scheme, n in daemon.get("key_schemes", {}).items():
+            schemes.add_metric([scheme], float(n))
+        yield schemes
+        yield GaugeMetricFamily("kvtier_leases_quarantined_bytes",
+                                "Arena bytes of expired put leases held until their "
+                                "connection closes",
+                                value=float(s.get("leases", {}).get("quarantined_bytes", 0)))
         conn = s.get("connector", {})
         for key in ("running", "waiting", "preemptions", "context_tokens_p50",
                     "context_tokens_p99"):
@@ -97,6 +115,44 @@ class KVTierCollector:
                 yield GaugeMetricFamily(f"kvtier_engine_{key}",
                                         f"Engine {key} as reported by connectors",
                                         value=float(conn[key]))
+
+
+def admission_stats(admission: Any, nvme_budget_bytes_per_s: int) -> dict[str, Any]:
+    """The /v1/stats ``admission`` section: writes refused per tier, nvme budget left."""
+    by_tier: dict[str, Any] = getattr(admission, "_by_tier", {}) or {}
+    out: dict[str, Any] = {"rejected": {t: int(getattr(p, "rejected", 0))
+                                        for t, p in by_tier.items()}}
+    budget = by_tier.get("nvme")
+    if budget is not None and hasattr(budget, "available_bytes"):
+        out["nvme_write_budget"] = {"bytes_per_s": nvme_budget_bytes_per_s,
+                                    "available_bytes": float(budget.available_bytes)}
+    return out
+
+
+def _admission_families(adm: dict[str, Any]) -> Iterator[Metric]:
+    rejected = CounterMetricFamily("kvtier_admission_rejected", "Writes refused by a tier's "
+                                   "admission policy (e.g. the nvme write budget)",
+                                   labels=["tier"])
+    for tier, n in adm.get("rejected", {}).items():
+        rejected.add_metric([tier], float(n))
+    yield rejected
+    budget = adm.get("nvme_write_budget")
+    if budget:
+        yield GaugeMetricFamily("kvtier_nvme_write_budget_bytes_per_second",
+                                "Configured nvme write budget (0: unlimited)",
+                                value=float(budget["bytes_per_s"]))
+        yield GaugeMetricFamily("kvtier_nvme_write_budget_available_bytes",
+                                "Bytes the nvme write budget can admit now",
+                                value=float(budget["available_bytes"]))
+
+
+def _explain_families(ex: dict[str, Any]) -> Iterator[Metric]:
+    first = CounterMetricFamily("kvtier_first_miss", "Lookups by the reason their first "
+                                "missing block was not found (none: full hit)",
+                                labels=["reason"])
+    for reason, n in ex.get("first_miss", {}).items():
+        first.add_metric([reason], float(n))
+    yield first
 
 
 class Metrics:

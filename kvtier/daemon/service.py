@@ -1,8 +1,11 @@
 """Daemon lifecycle: set up tiers and servers, serve, drain on SIGTERM, clean up.
 
-Phases (each bounded): setup (arena, nvme index rebuild, redis connect in the
-background), start (control socket, HTTP), serve, drain (stop accepting, let in-flight
-requests finish, persist cpu-only blocks to nvme, flush redis), cleanup in reverse order.
+Phases (each bounded): preflight (socket directory, data directory, HTTP port, shared
+memory: each failure one line naming the path and the fix, kvtier.daemon.preflight),
+setup (arena, adopted after a crash when its journal says what it holds; index rebuild
+from nvme and the adopted arena; redis connect in the background), start (control socket,
+HTTP), serve, drain (stop accepting, let in-flight requests finish, persist cpu-only
+blocks to nvme, flush redis), cleanup in reverse order.
 """
 
 from __future__ import annotations
@@ -14,30 +17,24 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.config import Config
+from kvtier.config import Config, default_runtime_dir
 from kvtier.daemon.control import ControlServer
-from kvtier.daemon.http import HttpServer
-from kvtier.daemon.metrics import Metrics
+from kvtier.daemon.http import HttpServer, bind_http
+from kvtier.daemon.limits import Limits
+from kvtier.daemon.metrics import Metrics, admission_stats
+from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_error
 from kvtier.errors import ConfigError
+from kvtier.explain import MissLog, salt_id
 from kvtier.store import TieredStore
-from kvtier.tiers.arena import Arena, remove_stale_arenas
+from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
+from kvtier.tiers.arena_journal import read_journal
+from kvtier.trust import claim_socket_path, prepare_socket_dir
 
 log = logging.getLogger("kvtier.daemon")
-
-
-def _socket_alive(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(0.5)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 class Daemon:
@@ -54,23 +51,49 @@ class Daemon:
         self.control: ControlServer | None = None
         self.http: HttpServer | None = None
         self.metrics: Metrics | None = None
+        self.explain: MissLog | None = None
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        self._http_sockets: list[socket.socket] = []   # bound at preflight, served by http
 
     # -- setup ---------------------------------------------------------------------------
     async def start(self) -> None:
+        """Set everything up; StartupError (one line naming the path and the fix) for any
+        failure of the environment, the checks first so they fail before any slow setup."""
+        try:
+            await self._setup()
+        except OSError as exc:
+            raise setup_error(exc) from exc
+
+    def _preflight(self) -> tuple[str | None, Path | None]:
+        """The cheap checks (kvtier.daemon.preflight, kvtier.trust) before building tiers;
+        returns the stable arena name and path when warm restart is on (else None)."""
+        cfg = self.cfg
+        prepare_socket_dir(cfg.daemon.socket, default_dir=default_runtime_dir())
+        claim_socket_path(cfg.daemon.socket)
+        check_writable_dir(cfg.daemon.data_dir, "data directory", "--data-dir")
+        if cfg.nvme.enabled and cfg.nvme.bytes > 0:
+            check_writable_dir(cfg.nvme_path, "nvme directory", "--nvme-path")
+        self._http_sockets = bind_http(cfg.http.host, cfg.http.port)
+        if not cfg.cpu.shm_dir.is_dir():
+            raise ConfigError(f"shared-memory directory {cfg.cpu.shm_dir} does not exist: set "
+                              "cpu.shm_dir to a tmpfs directory such as /dev/shm")
+        name = stable_arena_name(cfg.daemon.data_dir) if cfg.cpu.warm_restart else None
+        own = cfg.cpu.shm_dir / name if name else None
+        for stale in remove_stale_arenas(cfg.cpu.shm_dir, keep=own,
+                                         need_bytes=cfg.cpu.bytes):
+            log.info("removed stale arena %s", stale)
+        check_shm_space(cfg.cpu.shm_dir, cfg.cpu.bytes, reusable=own)
+        return name, own
+
+    async def _setup(self) -> None:
         cfg = self.cfg
         sock = cfg.daemon.socket
-        if sock.exists():
-            if _socket_alive(str(sock)):
-                raise ConfigError(f"another kvtier daemon is already serving {sock}; stop it "
-                                  "or pass --socket")
-            sock.unlink()
-        cfg.daemon.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for stale in remove_stale_arenas(cfg.cpu.shm_dir):
-            log.info("removed stale arena %s", stale)
+        name, own = self._preflight()
+        state = read_journal(journal_path(own)) if own is not None else None
         self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
-                           slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault)
+                           slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault,
+                           name=name, adopt=state is not None)
         if cfg.hbm.enabled:
             self.hbm = self._make_hbm()
         if cfg.nvme.enabled and cfg.nvme.bytes > 0:
@@ -81,8 +104,14 @@ class Daemon:
             self.redis = RedisTier(cfg.redis)
             await self.redis.start()
         self.store = self._make_store()
-        rebuilt = await asyncio.get_running_loop().run_in_executor(
-            None, self.store.rebuild_from_nvme)
+        self.explain = MissLog(policies={
+            "cpu": getattr(self.store.cpu_policy, "name", ""),
+            "nvme": getattr(self.store.nvme_policy, "name", "")}, redis_tier=self.redis is not None)
+        self.store.explain = self.explain
+        journal = journal_path(self.arena.path) if self.arena.path == own else None
+        recovered = await self.store.recover(state, journal=journal)
+        rebuilt = recovered.nvme_blocks
+        self.adopted_blocks = recovered.adopted_blocks
         if rebuilt:
             log.info("rebuilt index from nvme: %d blocks", rebuilt)
         self.metrics = Metrics(self.stats)
@@ -90,11 +119,13 @@ class Daemon:
             self.store, sock, max_frame=cfg.daemon.max_frame_bytes,
             max_inflight=cfg.daemon.max_inflight_per_conn, arena_path=str(self.arena.path),
             arena_size=self.arena.size, observe=self.metrics.observe,
-            hbm=self.hbm.handshake_info() if self.hbm is not None else None)
+            hbm=self.hbm.handshake_info() if self.hbm is not None else None,
+            open_arena=self.arena.open_for_client, limits=Limits.from_config(cfg.daemon))
         self.control.stats_provider = self.stats
         await self.control.start()
         self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
-                               cfg.to_dict, cfg.http.admin_token)
+                               cfg.to_dict, cfg.http.admin_token,
+                               recent=self.recent_lookups, sockets=self._http_sockets)
         await self.http.start()
         self._sweeper = asyncio.ensure_future(self._sweep())
         self.rebuilt_blocks = rebuilt
@@ -150,11 +181,15 @@ class Daemon:
             lease_ttl_s=cfg.daemon.lease_ttl_s,
             prefetch_wait=cfg.policy.prefetch_wait,
             prefetch_ms_per_block=cfg.policy.prefetch_timeout_ms_per_block,
-            redis_write_through=cfg.redis.write_through, **kwargs)
+            redis_write_through=cfg.redis.write_through,
+            redis_lookup_budget_s=cfg.redis.lookup_budget_s,
+            max_namespaces=cfg.daemon.max_namespaces, **kwargs)
 
     async def _sweep(self) -> None:
+        """Take back expired leases every ``daemon.lease_sweep_s`` (a late commit or release
+        is refused at its deadline whatever the period; the sweep frees the memory)."""
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self.cfg.daemon.lease_sweep_s)
             if self.store is not None:
                 n = self.store.expire_leases()
                 if n:
@@ -178,7 +213,7 @@ class Daemon:
                 f"(/metrics /v1/stats /healthz)\n"
                 f"  tiers:  {tiers}\n"
                 f"  policy: {self.cfg.policy.eviction}; rebuilt {self.rebuilt_blocks} blocks "
-                "from nvme")
+                f"from nvme, adopted {self.adopted_blocks} from the arena")
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -207,6 +242,9 @@ class Daemon:
                 log.warning("drain timed out; some cpu-only blocks were not persisted")
         if self.http is not None:
             await self.http.stop()
+        else:   # the start failed after binding the HTTP port: release it
+            for http_socket in self._http_sockets:
+                http_socket.close()
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.redis.close(), 2.0)
@@ -229,9 +267,30 @@ class Daemon:
             "rejected_peers": self.control.rejected_peers if self.control else 0,
             "protocol_errors": self.control.protocol_errors if self.control else 0,
         }
+        if self.control is not None:
+            out["daemon"].update(self.control.limit_stats())
         out.update(self.store.stats())   # tiers.hbm first when the daemon has a pool
         out["connector"] = self.control.engine_summary() if self.control else {}
+        if self.control is not None:
+            schemes: dict[str, int] = {}
+            for conn in self.control.connections.values():
+                scheme = getattr(conn, "key_scheme", "") or "unknown"
+                schemes[scheme] = schemes.get(scheme, 0) + 1
+            out["daemon"]["key_schemes"] = schemes
+        out["admission"] = admission_stats(self.store.admission,
+                                           self.cfg.nvme.write_budget_bytes_per_s)
+        if self.explain is not None:
+            out["explain"] = self.explain.stats()
         return out
+
+    def recent_lookups(self, limit: int, misses_only: bool) -> list[dict[str, Any]]:
+        """Recent lookups with their first-miss reason, newest first (/v1/lookups/recent)."""
+        if self.explain is None or self.store is None:
+            return []
+        names = {d: {"model_id": e.namespace.model_id,
+                     "salt_id": salt_id(e.namespace.cache_salt), "tp_rank": e.namespace.tp_rank}
+                 for d, e in self.store.namespaces.items()}
+        return self.explain.recent(limit, misses_only=misses_only, namespaces=names)
 
 
 async def run_daemon(cfg: Config, *, ready: Any = None) -> None:

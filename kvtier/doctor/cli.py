@@ -1,6 +1,8 @@
 """``kvtier doctor``: argument parsing and the command's entry point.
 
-Exit status: 0 healthy, 1 one or more findings, 2 the metrics could not be read.
+Exit status: 0 healthy, 1 one or more findings, 2 the metrics could not be read. With
+``--env`` it checks the node instead (kvtier.doctor.env): 0 nothing failed, 1 a check
+failed, 2 the configuration could not be read.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable
 
 from kvtier.doctor.collect import DEFAULT_STATS_URL, Request, collect
 from kvtier.doctor.errors import DoctorError
@@ -42,11 +46,66 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds between scrapes, or between the saved files "
                         "(default 5, or the daemon's uptime difference for saved stats)")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    env = p.add_argument_group("node checks (--env)")
+    env.add_argument("--env", action="store_true",
+                     help="check this node instead: /dev/shm, data dir, memlock, huge pages, "
+                          "NUMA, GPU/GDS, socket dir, clients' key scheme")
+    env.add_argument("--config", metavar="FILE", help="the daemon's TOML config (--env)")
+    env.add_argument("--url", default=None,
+                     help="daemon HTTP base URL (--env; default from the config)")
+    env.add_argument("--no-daemon", action="store_true",
+                     help="do not ask the daemon (--env; e.g. before it starts)")
+    env.add_argument("--strict", action="store_true",
+                     help="warnings count as failures in the exit status (--env)")
     p.set_defaults(func=run)
+
+
+def _sleeper(show: bool) -> Callable[[float], None]:
+    """time.sleep between live samples, with a progress bar on a terminal's stderr."""
+    if not show:
+        return time.sleep
+
+    def sleep(seconds: float) -> None:
+        from kvtier import ui
+
+        ticks = max(int(seconds * 10), 1)
+        with ui.progress(ticks, "next sample", enabled=True) as advance:
+            for _ in range(ticks):
+                time.sleep(seconds / ticks)
+                advance(1)
+
+    return sleep
+
+
+def run_env(args: argparse.Namespace) -> int:
+    """``kvtier doctor --env``: verdicts and fixes for this node."""
+    from kvtier.config import load_config
+    from kvtier.doctor.env import exit_status, render, run_checks
+    from kvtier.doctor.env import to_json as env_json
+    from kvtier.errors import KVTierError
+
+    try:
+        cfg = load_config(args.config)
+    except (KVTierError, OSError) as exc:
+        if args.json:
+            print(json.dumps({"status": "unreadable", "error": str(exc)}, indent=2))
+        else:
+            print(f"kvtier doctor: could not read the configuration: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    url = None if args.no_daemon else (args.url or f"http://{cfg.http.host}:{cfg.http.port}")
+    checks = run_checks(cfg, daemon_url=url)
+    status = exit_status(checks, strict=args.strict)
+    if args.json:
+        print(json.dumps(env_json(checks, status), indent=2))
+    else:
+        render(checks)
+    return status
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvtier doctor``; returns the exit status."""
+    if getattr(args, "env", False):
+        return run_env(args)
     req = Request(
         stats=tuple(args.stats) if args.stats else (DEFAULT_STATS_URL,),
         stats_explicit=bool(args.stats),
@@ -57,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if req.interval_s is not None and req.interval_s <= 0:
             raise DoctorError(f"--interval must be positive, got {req.interval_s}")
-        got = collect(req)
+        got = collect(req, sleep=_sleeper(show=not args.json and sys.stderr.isatty()))
         if not got.engine and not got.stats:
             raise DoctorError("no metrics to read: give --stats and/or --engine-metrics")
     except DoctorError as exc:

@@ -7,13 +7,14 @@ import dataclasses
 import json
 import sys
 
+from kvtier import ui
 from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GPUS, find_gpu
 from kvtier.plan.kvmath import KV_DTYPES, normalize_dtype
 from kvtier.plan.model import load_model
-from kvtier.plan.planner import PlanInput, make_plan
+from kvtier.plan.planner import Plan, PlanInput, make_plan
 from kvtier.plan.presets import preset_names
-from kvtier.plan.report import render_table, to_json
+from kvtier.plan.report import _model_line, gb, to_json
 from kvtier.plan.workload import parse_context, read_trace
 
 EXIT_OK = 0
@@ -132,8 +133,61 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(to_json(plan), indent=2))
     else:
-        print(render_table(plan))
+        print_plan(plan)
     return EXIT_OK
+
+
+def print_plan(plan: Plan) -> None:
+    """The human output: the inputs, then rich tables of memory, sequences and tiers."""
+    out = ui.console()
+    p = plan.inputs
+    text = [
+        _model_line(plan),
+        f"hardware  {p.gpus} x {p.gpu.name} ({gb(p.gpu.memory_bytes)}), TP {p.tp}, "
+        f"{plan.replicas} engine instance(s), memory utilization {p.mem_util:.2f}",
+        f"workload  {p.concurrency} running sequences"
+        + (f", trace {p.trace.path} ({p.trace.requests:,} requests)" if p.trace else "")
+        + (f", max output {p.max_output:,} tokens" if p.max_output else ""),
+    ]
+    for line in text:
+        out.print(line, markup=False)
+    out.print()
+    out.print(ui.table(["memory", "size"], [
+        [f"weights ({plan.weights_dtype})",
+         f"{gb(plan.weights_bytes)} total, {gb(plan.weights_bytes_per_gpu)} per GPU"],
+        [f"KV per token ({p.kv_dtype})", f"{plan.kv_bytes_per_token:,} B"
+         + (f" ({plan.kv_bytes_per_token_per_gpu:,} B per GPU)" if p.tp > 1 else "")],
+        ["HBM left for KV per GPU", f"{gb(plan.kv_budget_bytes_per_gpu)} ({p.mem_util:.2f} x "
+         f"{gb(p.gpu.memory_bytes)} - weights"
+         + (f" - reserve {gb(p.reserve_bytes)}" if p.reserve_bytes else "") + ")"],
+    ]))
+    out.print()
+    out.print(ui.table(
+        ["percentile", "tokens/seq", "KV/seq", "sequences that fit in HBM"],
+        [[name.upper(), f"{plan.sequence_tokens[name]:,}", gb(plan.kv_bytes_per_sequence[name]),
+          f"{plan.max_sequences_in_hbm[name]:,}"] for name in ("p50", "p95", "p99")],
+        right=(1, 2, 3)))
+    out.print()
+    out.print(f"KV needed at P99 x {p.concurrency}: {gb(plan.kv_demand_bytes_p99)} vs "
+              f"{gb(plan.kv_pool_bytes)} of HBM KV pool; "
+              + (f"{gb(plan.spill_bytes_p99)} (whole sequences) must spill"
+                 if plan.spill_bytes_p99 else "fits in HBM"), markup=False)
+    out.print()
+    out.print(ui.table(["tier", "size", "why"],
+                       [[t.tier, gb(t.bytes) if t.bytes else "off", t.why] for t in plan.tiers],
+                       title="recommended kvtier tiers (this node)", right=(1,)))
+    s = plan.prefill_saving
+    out.print()
+    out.print(f"prefix reuse {s['prefix_share']:.1%} of prompt tokens: prefill at P50 "
+              f"({int(s['prompt_tokens_p50']):,} tokens) {s['prefill_flops_p50'] / 1e12:,.1f} "
+              f"TFLOP, saves {s['saved_flops_p50'] / 1e12:,.1f} TFLOP "
+              f"(~{s['saved_seconds_p50'] * 1e3:,.0f} ms of "
+              f"{s['prefill_seconds_p50'] * 1e3:,.0f} ms at 50% MFU)", markup=False)
+    out.print(f"decode step with {plan.decode_sequences_p99:,} P99 sequences per instance in "
+              f"HBM: >= {plan.decode_step_s_p99 * 1e3:,.1f} ms (weights + KV read from HBM "
+              "each step)", markup=False)
+    for n in plan.notes:
+        out.print(f"note: {n}", markup=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,15 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any
 
+from kvtier import ui
 from kvtier.errors import KVTierError
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondHitAdmission, WriteBudget
 from kvtier.policy.costmodel import BlockCosts, PrefillModel
 from kvtier.policy.prefetch import PrefetchWait
-from kvtier.replay.report import format_reuse_breakdown, format_table, to_record
+from kvtier.replay.report import format_reuse_breakdown, table_rows, to_record
 from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, TraceFormat, load_trace
 
@@ -85,33 +85,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-class _Progress:
-    """A one-line progress bar on stderr, redrawn at most 10 times a second."""
-
-    def __init__(self, total: int, label: str, stream: TextIO) -> None:
-        self.total = max(total, 1)
-        self.done = 0
-        self.label = label
-        self.stream = stream
-        self.t0 = time.monotonic()
-        self.last = 0.0
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self.last >= 0.1 or self.done >= self.total:
-            self.last = now
-            frac = self.done / self.total
-            bar = "#" * int(frac * 30)
-            rate = self.done / max(now - self.t0, 1e-9)
-            self.stream.write(f"\r{self.label:<18} [{bar:<30}] {frac:6.1%} {rate:>9,.0f} refs/s")
-            self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
-
-
 def _admission(args: argparse.Namespace) -> Callable[[str], AdmissionPolicy]:
     def build(tier: str) -> AdmissionPolicy:
         if tier != "nvme":
@@ -173,21 +146,20 @@ def run(args: argparse.Namespace) -> int:
     results: list[ReplayResult] = []
     for fraction, config in configs:
         for policy in args.policy:
-            bar = None
-            if show:
-                label = f"{policy} " + (f"{fraction:.0%}" if fraction is not None else "tiers")
-                bar = _Progress(trace.n_references, label, sys.stderr)
-            results.append(simulate(trace, policy, config, capacity_fraction=fraction,
-                                    progress=bar, reuse_breakdown=args.reuse_breakdown))
-            if bar is not None:
-                bar.close()
+            label = f"{policy} " + (f"{fraction:.0%}" if fraction is not None else "tiers")
+            with ui.progress(trace.n_references, label, enabled=show) as advance:
+                results.append(simulate(trace, policy, config, capacity_fraction=fraction,
+                                        progress=advance, reuse_breakdown=args.reuse_breakdown))
     if args.json:
         for r in results:
             print(json.dumps(to_record(r, results)))
     else:
-        print(f"{args.trace}: {len(trace.requests)} requests, {trace.n_references} block "
-              f"references, {trace.n_unique_blocks} unique blocks of {trace.block_tokens} tokens")
-        print(format_table(results))
+        out = ui.console()
+        out.print(f"{args.trace}: {len(trace.requests)} requests, {trace.n_references} block "
+                  f"references, {trace.n_unique_blocks} unique blocks of {trace.block_tokens} "
+                  "tokens", markup=False)
+        head, rows = table_rows(results)
+        out.print(ui.table(head, rows, right=range(2, len(head))))
         if args.reuse_breakdown:
             print()
             print(format_reuse_breakdown(results))

@@ -120,6 +120,15 @@ def format_reuse_breakdown(results: Sequence[ReplayResult]) -> str:
 
 def format_table(results: Sequence[ReplayResult]) -> str:
     """A fixed-width table, one row per (capacity, policy), grouped by capacity."""
+    head, rows = table_rows(results)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines)
+
+
+def table_rows(results: Sequence[ReplayResult]) -> tuple[list[str], list[list[str]]]:
+    """The header and the cells of the results table (``kvtier replay`` renders them)."""
     tiers = [t.name for t in results[0].tiers] if results else []
     head = ["capacity", "policy", "tok hit", "blk hit"]
     head += [f"{n} hit" for n in tiers] if len(tiers) > 1 else []
@@ -138,7 +147,4 @@ def format_table(results: Sequence[ReplayResult]) -> str:
         row += ["-" if rec["vs_belady"] is None else f"{rec['vs_belady']:.2f}"]
         row += ["-" if rec["vs_lru"] is None else f"{rec['vs_lru']:.2f}"]
         rows.append(row)
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(lines)
+    return head, rows

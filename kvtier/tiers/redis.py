@@ -20,8 +20,12 @@ slow or gone. Everything here is built so that Redis trouble costs hits, never r
   in flight), stopping at the first miss. Every value is a frame (kvtier.frame) checked
   against the expected namespace, key and layout fingerprint plus its payload checksum; a
   frame failing a check is a miss, counted in ``counters.checksum_failures``, deleted from
-  Redis and never left in the caller's buffer. Buffers past the returned count may have
-  been written (with verified blocks): their contents are unspecified.
+  Redis and never left in the caller's buffer. A sound frame of another namespace (a
+  caller with a stolen key) is a miss, counted in ``namespace_mismatches``, and is left
+  alone: it is another tenant's block, not a corrupt one. Buffers past the returned count
+  may have been written (with verified blocks): their contents are unspecified.
+- ``exists_prefix`` and ``delete`` given the caller's namespace read the namespace field of
+  each frame (GETRANGE, as cheap as EXISTS) and treat another namespace's frame as absent.
 - Writes are write-behind: ``submit`` queues the block and returns, either borrowing the
   caller's buffer until a ``release`` callback (zero-copy: one checksum per block) or
   copying it. Writer tasks frame and pipeline SETs, at most ``max_inflight`` pipelines at
@@ -76,6 +80,7 @@ CLUSTER_REDIRECTS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")  # replies that 
 
 T = TypeVar("T")
 UNSERVED = object()               # per-key result: no live server for the key's slot
+NS_OFFSET, NS_END = 8, 23         # the frame header's namespace field (GETRANGE, inclusive)
 
 
 class RedisTier:
@@ -119,6 +124,7 @@ class RedisTier:
         self._server_used = 0
         self._server_max = 0
         self._server_keys = 0
+        self.namespace_mismatches = 0          # frames found under another namespace
 
     # --- Tier protocol --------------------------------------------------------------------
 
@@ -209,9 +215,13 @@ class RedisTier:
 
     # --- reads ----------------------------------------------------------------------------
 
-    async def exists_prefix(self, keys: Sequence[bytes]) -> int:
+    async def exists_prefix(self, keys: Sequence[bytes], *,
+                            namespace: bytes | None = None) -> int:
         """How many leading ``keys`` are in Redis (pipelined EXISTS, stops at the first miss).
 
+        With ``namespace``, a key counts only when its frame's namespace field is
+        ``namespace`` (pipelined GETRANGE of that field instead of EXISTS): a frame of
+        another namespace is a miss, counted in ``namespace_mismatches``.
         0 while down; on an error, the prefix confirmed before it (the error is counted).
         """
         found = 0
@@ -219,19 +229,37 @@ class RedisTier:
             return 0
         for start in range(0, len(keys), EXISTS_BATCH):
             rkeys = [self._rkey(k) for k in keys[start:start + EXISTS_BATCH]]
-
-            def exists(conn: Conn, idx: list[int], rkeys: list[bytes] = rkeys) -> list[Any]:
-                return conn.simple_many([command(b"EXISTS", rkeys[i]) for i in idx])
-
-            for reply in await self._per_server(rkeys, exists):
+            for reply in await self._probe(rkeys, namespace):
                 if isinstance(reply, ErrorReply):
                     self._error_reply(reply)
                     return found
-                if reply is UNSERVED or isinstance(reply, BaseException) or not reply:
+                if reply is UNSERVED or isinstance(reply, BaseException) or \
+                        not self._present(reply, namespace):
                     return found
                 found += 1
             self._succeeded()
         return found
+
+    async def _probe(self, rkeys: list[bytes], namespace: bytes | None) -> list[Any]:
+        """EXISTS per key, or GETRANGE of the frame's namespace field when ``namespace``."""
+        def probe(conn: Conn, idx: list[int]) -> list[Any]:
+            if namespace is None:
+                return conn.simple_many([command(b"EXISTS", rkeys[i]) for i in idx])
+            lo, hi = str(NS_OFFSET).encode(), str(NS_END).encode()
+            return conn.simple_many([command(b"GETRANGE", rkeys[i], lo, hi) for i in idx])
+
+        return await self._per_server(rkeys, probe)
+
+    def _present(self, reply: Any, namespace: bytes | None) -> bool:
+        """Whether a ``_probe`` reply says the block is there (for ``namespace``)."""
+        if namespace is None:
+            return bool(reply)
+        if not reply:  # GETRANGE of a missing key: b""
+            return False
+        if bytes(reply) != namespace:
+            self.namespace_mismatches += 1
+            return False
+        return True
 
     async def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], *,
                        namespace: bytes, layout_fp: int) -> int:
@@ -301,7 +329,9 @@ class RedisTier:
 
     async def _settle_read(self, read: BlockRead, rkey: bytes) -> None:
         """Account for the block that ended a read run."""
-        if read.status is ReadStatus.CORRUPT:
+        if read.status is ReadStatus.FOREIGN:
+            self.namespace_mismatches += 1
+        elif read.status is ReadStatus.CORRUPT:
             await self._drop_corrupt(rkey, read.why)
         elif read.status is ReadStatus.NOFIT:
             self._note_error(ValueError(read.why))
@@ -342,11 +372,23 @@ class RedisTier:
             self.counters.dropped_writes += 1
         self._wake.set()
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        """Delete blocks from Redis; returns how many existed. 0 while down or on error."""
+    async def delete(self, keys: Sequence[bytes], *, namespace: bytes | None = None) -> int:
+        """Delete blocks from Redis; returns how many existed. 0 while down or on error.
+
+        With ``namespace``, only frames of that namespace are deleted (checked first with
+        GETRANGE; another namespace's frame is counted in ``namespace_mismatches`` and kept).
+        """
         if not keys or not self._up:
             return 0
         rkeys = [self._rkey(k) for k in keys]
+        if namespace is not None:
+            probed = await self._probe(rkeys, namespace)
+            if any(isinstance(r, ErrorReply) for r in probed):
+                self._error_reply(next(r for r in probed if isinstance(r, ErrorReply)))
+            rkeys = [k for k, r in zip(rkeys, probed, strict=True)
+                     if isinstance(r, bytes) and self._present(r, namespace)]
+            if not rkeys:
+                return 0
 
         def delete(conn: Conn, idx: list[int]) -> list[Any]:
             return conn.simple_many([command(b"DEL", rkeys[i]) for i in idx])
@@ -378,6 +420,7 @@ class RedisTier:
             "codec_current": (auto.current if auto else self._codec).name.lower(),
             "codec_ratio": self._frames_raw / self._frames_wire if self._frames_wire else 1.0,
             "last_error": self.last_error,
+            "namespace_mismatches": self.namespace_mismatches,
         }
 
     # --- internals ------------------------------------------------------------------------

@@ -31,7 +31,8 @@ class ReadStatus(str, Enum):
     OK = "ok"               # the caller's buffer holds the verified block
     MISSING = "missing"     # no such key (or no live server for its slot)
     CORRUPT = "corrupt"     # a frame failed a check: delete it
-    NOFIT = "nofit"         # a sound frame too large for the caller's buffer (caller's error)
+    FOREIGN = "foreign"     # a sound frame of another namespace: a miss, left alone
+    NOFIT = "nofit"         # a sound frame of another size than the caller's buffer
     ERROR = "error"         # an error reply or a failed connection
 
 
@@ -64,6 +65,13 @@ class _Placer:
     def __call__(self, i: int, head: bytes, n: int) -> memoryview | None:
         try:
             header = FrameHeader.unpack(head)
+        except FrameError as exc:
+            self.reads[i] = BlockRead(ReadStatus.CORRUPT, n, str(exc))
+            return None
+        if header.namespace != self.namespace:  # someone else's block: keep it
+            self.reads[i] = BlockRead(ReadStatus.FOREIGN, n, "frame holds another namespace")
+            return None
+        try:
             header.check(self.namespace, self.keys[i], self.layout_fp)
             if header.payload_len != n - HEADER_SIZE:
                 raise FrameError(f"frame says {header.payload_len} payload bytes, value "
@@ -72,9 +80,9 @@ class _Placer:
             self.reads[i] = BlockRead(ReadStatus.CORRUPT, n, str(exc))
             return None
         out = self.outs[i]
-        if header.raw_len > out.nbytes:
+        if header.raw_len != out.nbytes:  # the caller's buffer, not the frame, is wrong
             self.reads[i] = BlockRead(ReadStatus.NOFIT, n, (
-                f"block of {header.raw_len} bytes does not fit the {out.nbytes}-byte buffer"))
+                f"block of {header.raw_len} bytes does not match the {out.nbytes}-byte buffer"))
             return None
         self.headers[i] = header
         if header.codec is Codec.NONE and header.payload_len == header.raw_len:

@@ -85,6 +85,57 @@ class SlabAllocator:
                 self._slab_owner[j] = None
             self._classes[unit.slot_bytes].remove(unit)
 
+    def reserve(self, offset: int, nbytes: int) -> bool:
+        """Mark the slot at ``offset`` (size class of ``nbytes``) allocated, as ``alloc`` had
+        handed it out; False when it cannot be that slot now (misaligned, beyond the pool,
+        taken, or its slabs serve another size class). How an adopted arena's slots come back.
+        """
+        return self.reserve_many([(offset, nbytes)])[0]
+
+    def reserve_many(self, slots: list[tuple[int, int]]) -> list[bool]:
+        """``reserve`` for many ``(offset, nbytes)`` at once: one pass over each touched unit's
+        free list instead of one removal per slot."""
+        ok: list[bool] = []
+        taken: dict[int, set[int]] = {}   # id(unit) -> offsets to take out of its free list
+        units: dict[int, _Unit] = {}
+        for offset, nbytes in slots:
+            unit = self._unit_for(offset, _slot_bytes(nbytes))
+            mine = None if unit is None else taken.setdefault(id(unit), set())
+            if unit is None or mine is None or offset in mine or offset in self._allocated:
+                ok.append(False)
+                continue
+            units[id(unit)] = unit
+            mine.add(offset)
+            self._allocated[offset] = unit.slot_bytes
+            self.used_bytes += unit.slot_bytes
+            self.allocated_slots += 1
+            ok.append(True)
+        for uid, unit in units.items():
+            gone = taken[uid]
+            unit.free = [o for o in unit.free if o not in gone]
+        return ok
+
+    def _unit_for(self, offset: int, slot_bytes: int) -> _Unit | None:
+        """The unit that holds (or, on free slabs, would hold) a ``slot_bytes`` slot at
+        ``offset``, created when its slabs are free; None when no such slot can exist."""
+        slab = self.slab_bytes
+        k = -(-slot_bytes // slab)
+        first = offset // slab if offset >= 0 else -1
+        if offset < 0 or first + k > len(self._slab_owner):
+            return None
+        owner = self._slab_owner[first]
+        if owner is None:
+            if k > 1 and any(o is not None for o in self._slab_owner[first:first + k]):
+                return None
+            base = first * slab
+            if (offset - base) % slot_bytes or offset + slot_bytes > base + k * slab:
+                return None
+            return self._place_unit(first, k, slot_bytes)
+        if owner.slot_bytes != slot_bytes or (offset - owner.offset) % slot_bytes \
+                or offset + slot_bytes > owner.offset + owner.n_slots * slot_bytes:
+            return None
+        return owner
+
     def could_fit(self, nbytes: int) -> bool:
         """Whether ``alloc(nbytes)`` would succeed now."""
         slot_bytes = _slot_bytes(nbytes)
@@ -116,6 +167,9 @@ class SlabAllocator:
         first = self._free_run(k)
         if first is None:
             return None
+        return self._place_unit(first, k, slot_bytes)
+
+    def _place_unit(self, first: int, k: int, slot_bytes: int) -> _Unit:
         offset = first * self.slab_bytes
         n_slots = (k * self.slab_bytes) // slot_bytes
         unit = _Unit(first, k, offset, slot_bytes, n_slots,

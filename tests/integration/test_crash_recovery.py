@@ -96,7 +96,10 @@ def test_sigkill_mid_write_loses_no_acknowledged_block(daemon_factory, tmp_path:
 
 
 def test_torn_frames_are_dropped_not_returned(daemon_factory) -> None:
-    d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="64MiB").start()
+    # this test is about torn frames, not prefetch deadlines: a get waits for its nvme reads
+    # (on a loaded machine the default deadline can pass before the first read lands)
+    d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="64MiB",
+                                      env={"KVTIER_POLICY_PREFETCH_WAIT": "wait"}).start()
     c = connect(d.socket)
     ns = c.register_layout(LAYOUT, "m")
     keys = block_keys(ns, np.arange(64 * 20))

@@ -2,6 +2,8 @@
 
 Starts ``python -m kvtier.cli serve`` on a temp socket, data directory and a free HTTP
 port, waits until it answers, and can SIGKILL, SIGTERM and restart it on the same data.
+``crash()`` is a bare SIGKILL that leaves the arena and its journal in /dev/shm (what a
+warm restart adopts); ``kill()`` also removes them (a crash followed by a cold start).
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvtier.tiers.arena import journal_path, stable_arena_name
+
+SHM = Path("/dev/shm")
 
 
 @dataclass
@@ -74,14 +80,26 @@ class DaemonProcess:
         with urllib.request.urlopen(self.http_url + "/v1/stats", timeout=5) as r:
             return json.loads(r.read())
 
-    def kill(self) -> None:
-        """SIGKILL (as a crash would), then remove the arena the dead daemon left in shm."""
+    @property
+    def arena_path(self) -> Path:
+        """The stable arena file of this data directory (see ``stable_arena_name``)."""
+        return SHM / stable_arena_name(self.data_dir)
+
+    def crash(self) -> None:
+        """SIGKILL and nothing else: the arena and its journal stay for the next start."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+
+    def kill(self) -> None:
+        """SIGKILL (as a crash would), then remove the arena (and journal) the dead daemon
+        left in shm, so the next start is cold."""
+        self.crash()
         if self.proc is not None:
-            for arena in Path("/dev/shm").glob(f"kvtier-{os.getuid()}-{self.proc.pid}-*.arena"):
+            for arena in SHM.glob(f"kvtier-{os.getuid()}-{self.proc.pid}-*.arena"):
                 arena.unlink(missing_ok=True)
+            self.arena_path.unlink(missing_ok=True)
+            journal_path(self.arena_path).unlink(missing_ok=True)
 
     def terminate(self, timeout: float = 30.0) -> int:
         assert self.proc is not None

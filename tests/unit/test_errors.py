@@ -16,10 +16,16 @@ from kvtier.errors import (
     KVTierError,
     LayoutMismatch,
     LeaseError,
+    LeaseExpired,
+    LimitExceeded,
     Overloaded,
     ProtocolError,
     RequestTimeout,
+    StartupError,
+    TrustError,
     UnknownNamespace,
+    UntrustedArena,
+    UntrustedDaemon,
     error_from_code,
 )
 
@@ -33,12 +39,18 @@ STABLE_CODES: dict[type[KVTierError], str] = {
     UnknownNamespace: "unknown_namespace",
     BufferSizeError: "buffer_size",
     LeaseError: "lease",
+    LeaseExpired: "lease_expired",
     CapacityError: "capacity",
     FrameError: "frame",
     ChecksumError: "checksum",
     DaemonUnavailable: "unavailable",
     RequestTimeout: "timeout",
     Overloaded: "overloaded",
+    TrustError: "untrusted",
+    UntrustedDaemon: "untrusted_daemon",
+    UntrustedArena: "untrusted_arena",
+    StartupError: "startup",
+    LimitExceeded: "limit",
 }
 
 
@@ -66,6 +78,7 @@ def test_every_error_class_in_the_module_has_a_unique_code() -> None:
 def test_subclasses_keep_their_parents_catchable() -> None:
     assert isinstance(error_from_code("checksum", "x"), FrameError)
     assert isinstance(error_from_code("handshake", "x"), ProtocolError)
+    assert isinstance(error_from_code("lease_expired", "x"), LeaseError)
 
 
 @pytest.mark.parametrize("code", ["", "no_such_code", "INTERNAL", "lease "])

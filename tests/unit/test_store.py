@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import LayoutMismatch, LeaseError, ProtocolError, UnknownNamespace
+from kvtier.errors import (
+    LayoutMismatch,
+    LeaseError,
+    LeaseExpired,
+    ProtocolError,
+    UnknownNamespace,
+)
 from kvtier.index import SlotState
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
@@ -194,10 +200,14 @@ async def test_put_lease_expires_with_the_clock(store: TieredStore, clock: FakeC
     assert store.expire_leases() == 0
     clock.advance(0.001)
     assert store.expire_leases() == 1
-    assert (store.arena.used_bytes, len(store.index)) == (0, 0)
+    # the blocks are gone, the slots quarantined (the client may still write into them) ...
+    assert len(store.index) == 0 and store.arena.used_bytes == store.quarantine.bytes > 0
     assert store.requests.lease_expired == 1
-    with pytest.raises(LeaseError):
+    with pytest.raises(LeaseExpired):
         await store.commit_put(CLIENT, lease)
+    # ... until its connection closes
+    store.release_owner(CLIENT)
+    assert (store.arena.used_bytes, store.quarantine.bytes, store.quarantine.slots) == (0, 0, 0)
 
 
 async def test_expired_get_lease_unpins_its_blocks(store: TieredStore, client: ArenaMapping,

@@ -139,6 +139,12 @@ class NvmeTier:
         """Open but refusing writes after a full or failing disk (see ``health``)."""
         return self._state is TierState.OPEN and not self._health.accepting
 
+    def refuse_write(self) -> None:
+        """Count a write its caller skipped because the tier is degraded (the same counters
+        as a write refused here), so a caller can skip before allocating a slot."""
+        self.counters.dropped_writes += 1
+        self._health.refuse()
+
     @property
     def direct(self) -> bool:
         return self._slots.direct

@@ -1,0 +1,108 @@
+"""Startup checks that fail fast, each with one line naming the path and the fix.
+
+They run before anything is built (arena, nvme index rebuild, Redis), so an operator learns
+about an unwritable data directory, an unsafe socket directory, a busy HTTP port or a too
+small /dev/shm within a second and never from a traceback. Every failure is a StartupError;
+``kvtier serve`` prints it as ``kvtier: <message>`` and exits 2 (``--debug`` adds the
+traceback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pwd
+import stat
+import tempfile
+from pathlib import Path
+
+from kvtier.errors import StartupError
+
+
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def check_writable_dir(path: Path, what: str, flag: str) -> None:
+    """Create ``path`` (mode 0700) if missing and prove we can create files in it.
+
+    A probe file is created and removed: permission bits alone do not tell (a read-only
+    mount, root on NFS, ACLs), and the nvme tier would otherwise fail later, mid-setup.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
+        fd, probe = tempfile.mkstemp(prefix=".kvtier-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise StartupError(f"{what} {path} is unusable: {_why(exc, path, flag)}") from exc
+
+
+def _why(exc: OSError, path: Path, flag: str) -> str:
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EROFS:
+        return (f"it is on a read-only file system; remount it read-write or pass {flag} "
+                "PATH on a writable one")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"{reason} for user {_user()} (uid {os.getuid()}); make it writable "
+                f"(`chown -R {_user()} {path}`) or pass {flag} PATH")
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on its file system; free some or pass {flag} PATH"
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+    return f"{reason}{where}; fix it or pass {flag} PATH"
+
+
+def shm_free_bytes(shm_dir: Path) -> int:
+    """Bytes an unprivileged process can still allocate in ``shm_dir`` (statvfs)."""
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm_space(shm_dir: Path, nbytes: int, *, reusable: Path | None = None) -> None:
+    """The cpu tier's arena must fit in the free space of its shared-memory file system.
+
+    tmpfs accepts a sparse file of any size and fails only when a page is touched (SIGBUS,
+    which kills the daemon): so the check comes before the arena is created. ``reusable``:
+    this daemon's stable arena (warm restart), whose pages count as available because it
+    is adopted or replaced.
+    """
+    try:
+        free = shm_free_bytes(shm_dir)
+    except OSError as exc:
+        raise StartupError(f"shared-memory directory {shm_dir} is unusable "
+                           f"({exc.strerror}); set cpu.shm_dir to a tmpfs directory such as "
+                           "/dev/shm") from exc
+    if reusable is not None:
+        with contextlib.suppress(OSError):
+            st = os.lstat(reusable)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                free += st.st_blocks * 512     # the pages it really holds
+    if nbytes > free:
+        raise StartupError(
+            f"the cpu tier needs {_gib(nbytes)} of shared memory but {shm_dir} has only "
+            f"{_gib(free)} free: lower --cpu-bytes (cpu.bytes) or enlarge {shm_dir} (e.g. "
+            f"`mount -o remount,size=<bytes> {shm_dir}`, or docker --shm-size)")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"
+
+
+def setup_error(exc: OSError) -> StartupError:
+    """Any other OSError during setup, as one line that names the path it concerns."""
+    reason = exc.strerror or exc.__class__.__name__
+    if exc.filename is not None:
+        target = f" {exc.filename}"
+        if exc.filename2 is not None:
+            target += f" -> {exc.filename2}"
+        fix = "check that path (owner, permissions, free space, file system)"
+    else:
+        target, fix = "", "check the paths and settings of this daemon"
+    return StartupError(f"cannot start:{target}: {reason}; {fix} (run with --debug for a "
+                        "traceback)")

@@ -1,0 +1,205 @@
+"""File-system checks of ``doctor --env``: /dev/shm, the data dir, the socket directory."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import stat as stat_mod
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.config import Config
+from kvtier.doctor.env import Check, Host, Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class Mount:
+    point: str
+    fstype: str
+    source: str
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """/proc/self/mountinfo lines -> mounts (mount point, fs type, source)."""
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 2:
+            continue
+        point = fields[4].replace("\\040", " ")
+        out.append(Mount(point, tail[0], tail[1]))
+    return out
+
+
+def mount_of(path: str, text: str) -> Mount | None:
+    """The mount holding ``path`` (the longest mount point that is a prefix of it)."""
+    best: Mount | None = None
+    p = os.path.normpath(path)
+    for m in parse_mountinfo(text):
+        inside = p == m.point or p.startswith(m.point.rstrip("/") + "/") or m.point == "/"
+        if inside and (best is None or len(m.point) >= len(best.point)):
+            best = m
+    return best
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _existing(path: Path, host: Host) -> Path:
+    """``path`` or its nearest existing ancestor (the data dir may not exist yet)."""
+    p = path
+    while not host.exists(str(p)) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _arena_bytes(shm: str, host: Host) -> int:
+    """Bytes of this user's kvtier arenas already in ``shm`` (a running daemon's)."""
+    total = 0
+    for name in host.listdir(shm):
+        if name.startswith(f"kvtier-{host.uid()}-") and name.endswith(".arena"):
+            with contextlib.suppress(OSError):
+                total += host.stat(os.path.join(shm, name)).st_size
+    return total
+
+
+def check_shm(cfg: Config, host: Host) -> Check:
+    """The cpu tier is a file in cpu.shm_dir: it must fit, and be memory (tmpfs)."""
+    shm = str(cfg.cpu.shm_dir)
+    need = cfg.cpu.bytes
+    if not host.exists(shm):
+        return Check("shm size", Verdict.FAIL, f"{shm} does not exist (cpu.shm_dir)",
+                     "mount a tmpfs there or set cpu.shm_dir to one (e.g. /dev/shm)")
+    total, avail = host.statvfs(shm)
+    mine = _arena_bytes(shm, host)
+    m = mount_of(shm, host.mountinfo())
+    fstype = m.fstype if m else "?"
+    room = avail + mine
+    detail = (f"{shm} ({fstype}): {_gib(total)} total, {_gib(avail)} free"
+              + (f" + {_gib(mine)} in kvtier arenas" if mine else "")
+              + f"; cpu tier needs {_gib(need)}")
+    grow = (f"grow it: mount -o remount,size={_gib(need * 1.1 + total - avail)} {shm} "
+            "(docker: --shm-size; Kubernetes: mount the host's /dev/shm or an emptyDir with "
+            "medium: Memory and a sizeLimit), or lower cpu.bytes (kvtier plan)")
+    if total < need:
+        return Check("shm size", Verdict.FAIL, detail + " -> smaller than the cpu tier", grow)
+    if room < need:
+        return Check("shm size", Verdict.FAIL, detail + " -> not enough free", grow)
+    if fstype not in ("tmpfs", "?"):
+        return Check("shm size", Verdict.WARN, detail + f" -> {fstype} is not memory: the "
+                     "arena would page to disk", "set cpu.shm_dir to a tmpfs (/dev/shm)")
+    return Check("shm size", Verdict.OK, detail)
+
+
+def _probe_o_direct(directory: str) -> str | None:
+    """Write one aligned page with O_DIRECT in ``directory``; None when it works."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return "this OS has no O_DIRECT"
+    fd, name = tempfile.mkstemp(prefix=".kvtier-odirect-", dir=directory)
+    os.close(fd)
+    buf = mmap.mmap(-1, 4096)   # page-aligned
+    try:
+        fd = os.open(name, os.O_WRONLY | flag)
+        try:
+            os.pwrite(fd, buf, 0)
+        finally:
+            os.close(fd)
+        return None
+    except OSError as exc:
+        return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
+    finally:
+        buf.close()
+        os.unlink(name)
+
+
+def check_data_dir(cfg: Config, host: Host) -> list[Check]:
+    """The nvme tier's directory: free space, file system type, O_DIRECT."""
+    if not cfg.nvme.enabled or cfg.nvme.bytes <= 0:
+        return [Check("data dir", Verdict.SKIP, "nvme tier disabled")]
+    path = cfg.nvme_path
+    where = _existing(path, host)
+    note = "" if where == path else f" (not created yet; checked {where})"
+    total, avail = host.statvfs(str(where))
+    used = 0
+    for name in host.listdir(str(path)):
+        with contextlib.suppress(OSError):
+            used += host.stat(str(path / name)).st_size
+    need = cfg.nvme.bytes
+    detail = (f"{path}{note}: {_gib(avail)} free of {_gib(total)}"
+              + (f", {_gib(used)} already in the tier" if used else "")
+              + f"; nvme tier needs {_gib(need)}")
+    out = []
+    if avail + used < need:
+        out.append(Check("data dir space", Verdict.FAIL, detail,
+                         f"free {_gib(need - avail - used)} there, point nvme.path at a larger "
+                         "drive, or lower nvme.bytes"))
+    else:
+        out.append(Check("data dir space", Verdict.OK, detail))
+    m = mount_of(str(where), host.mountinfo())
+    fstype = m.fstype if m else "?"
+    if fstype == "overlay":
+        out.append(Check("data dir filesystem", Verdict.WARN,
+                         f"{where} is on overlayfs (the container's own layer): no O_DIRECT, "
+                         "copy-up costs, and the tier is lost with the container",
+                         "mount a host directory on the NVMe drive at nvme.path (Kubernetes "
+                         "hostPath / local PV, docker -v)"))
+    elif fstype in ("tmpfs", "ramfs"):
+        out.append(Check("data dir filesystem", Verdict.WARN,
+                         f"{where} is on {fstype}: the 'nvme' tier is RAM (counted twice "
+                         "against memory) and does not survive a reboot",
+                         "point nvme.path at a file system on the NVMe drive"))
+    else:
+        out.append(Check("data dir filesystem", Verdict.OK,
+                         f"{where} is on {fstype}" + (f" ({m.source})" if m else "")))
+    probe = host.o_direct or _probe_o_direct
+    err = probe(str(where))
+    mode = cfg.nvme.direct
+    if err is None:
+        out.append(Check("data dir O_DIRECT", Verdict.OK, f"O_DIRECT works in {where}"))
+    elif mode == "off":
+        out.append(Check("data dir O_DIRECT", Verdict.OK,
+                         f"O_DIRECT fails here ({err}); nvme.direct = off does not use it"))
+    else:
+        verdict = Verdict.FAIL if mode == "on" else Verdict.WARN
+        why = ("nvme.direct = on: the tier cannot open" if mode == "on" else
+               "nvme.direct = auto falls back to buffered I/O: the page cache holds a second "
+               "copy of every block")
+        out.append(Check("data dir O_DIRECT", verdict, f"O_DIRECT fails in {where} ({err}); "
+                         + why, "put nvme.path on ext4/xfs on the NVMe drive (not tmpfs, "
+                         "overlayfs or a network file system)"))
+    return out
+
+
+def check_socket_dir(cfg: Config, host: Host) -> Check:
+    """The socket's directory must be the daemon user's and closed to others: whoever can
+    write there can replace the socket and receive the engines' KV."""
+    sock = str(cfg.daemon.socket)
+    d = os.path.dirname(sock)
+    if not host.exists(d):
+        return Check("socket dir", Verdict.OK, f"{d} does not exist yet: the daemon creates "
+                     "it 0700")
+    st = host.stat(d)
+    uid = host.uid()
+    mode = stat_mod.S_IMODE(st.st_mode)
+    detail = f"{d}: owner uid {st.st_uid}, mode {mode:04o}; the daemon runs as uid {uid}"
+    chmod = f"chmod 0700 {d} (systemd: RuntimeDirectoryMode=0700)"
+    if st.st_uid != uid:
+        return Check("socket dir", Verdict.FAIL, detail + " -> owned by another user",
+                     f"chown {uid} {d} && {chmod}, or run doctor as the daemon's user")
+    if mode & 0o022 and not mode & stat_mod.S_ISVTX:
+        return Check("socket dir", Verdict.FAIL, detail + " -> others can write it and "
+                     "replace the socket", chmod)
+    if host.exists(sock):
+        smode = stat_mod.S_IMODE(host.stat(sock).st_mode)
+        if smode & 0o077:
+            return Check("socket dir", Verdict.FAIL, detail + f"; socket mode {smode:04o}",
+                         f"chmod 0600 {sock} (the daemon creates it 0600: restart it)")
+    if mode & 0o077:
+        return Check("socket dir", Verdict.WARN, detail + " -> readable by others", chmod)
+    return Check("socket dir", Verdict.OK, detail)

@@ -1,0 +1,120 @@
+"""The client's side of a connection's start: connect, verify who listens, say hello.
+
+Written once for both clients: ``connect`` calls ``open_verified`` directly and
+``connect_async`` in a worker thread, because the hello reply may carry the arena's file
+descriptor (SCM_RIGHTS), which only ``recvmsg`` on a plain socket can receive. The daemon's
+uid is checked with SO_PEERCRED before a single byte is sent (kvtier.trust).
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import DaemonUnavailable, ProtocolError, RequestTimeout, error_from_code
+from kvtier.keys import KEY_SCHEME
+from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
+from kvtier.trust import PeerCred, check_daemon_peer
+
+MAX_HELLO_REPLY = 64 * 2**20
+_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)   # room for exactly one descriptor
+
+
+def hello_request() -> dict[str, Any]:
+    """The first request; ``arena_fd``: pass the arena's descriptor with the reply;
+    ``key_scheme``: the client's key function version (kvtier.keys.KEY_SCHEME)."""
+    return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}",
+            "key_scheme": KEY_SCHEME, "arena_fd": True}
+
+
+@dataclass(slots=True)
+class Hello:
+    """What the handshake established: the daemon's credentials, its reply, the arena fd
+    (None when the daemon passed none; whoever takes the Hello owns and closes it)."""
+
+    peer: PeerCred
+    reply: dict[str, Any]
+    arena_fd: int | None
+
+
+def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None]:
+    """Read exactly the hello reply frame, and the descriptor passed alongside it, if any.
+
+    recvmsg all along (the descriptor rides on the frame's first byte), with
+    MSG_CMSG_CLOEXEC so it never leaks into a child process; room for one descriptor only
+    (the kernel closes any more). An error reply raises its typed error.
+    """
+    fds: list[int] = []
+    data = bytearray()
+    need = LENGTH.size
+    try:
+        while len(data) < need:
+            chunk, ancdata, _flags, _ = sock.recvmsg(need - len(data), _FD_SPACE,
+                                                     socket.MSG_CMSG_CLOEXEC)
+            for level, kind, cdata in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(cdata[: len(cdata) - len(cdata) % got.itemsize])
+                    fds.extend(got)
+            if not chunk:
+                raise ConnectionError("daemon closed the connection during the hello")
+            data += chunk
+            if need == LENGTH.size and len(data) == LENGTH.size:
+                (n,) = LENGTH.unpack(data)
+                if n > MAX_HELLO_REPLY:
+                    raise ProtocolError(f"hello reply of {n} bytes is too large")
+                need += n
+        reply = unpack_body(bytes(data[LENGTH.size:]), MAX_HELLO_REPLY)
+        if not reply.get("ok"):
+            raise error_from_code(str(reply.get("code", "internal")),
+                                  str(reply.get("error", "daemon refused the hello")))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    for fd in fds[1:]:
+        os.close(fd)
+    return reply, (fds[0] if fds else None)
+
+
+def handshake(sock: socket.socket, path: str, trusted_uids: Collection[int],
+              timeout: float) -> Hello:
+    """Check who listens (SO_PEERCRED, before sending a byte), then say hello.
+
+    UntrustedDaemon when the daemon's uid is neither ours nor trusted; RequestTimeout or
+    DaemonUnavailable when it does not answer.
+    """
+    peer = check_daemon_peer(sock, path, trusted_uids)
+    try:
+        sock.sendall(pack({**hello_request(), "id": 1}))
+        reply, fd = recv_hello(sock)
+    except TimeoutError:
+        raise RequestTimeout(f"no reply to hello from the daemon at {path} within "
+                             f"{timeout}s") from None
+    except OSError as exc:
+        raise DaemonUnavailable(f"daemon at {path} dropped the connection during the hello: "
+                                f"{exc}") from None
+    return Hello(peer, reply, fd)
+
+
+def open_verified(path: str, timeout: float,
+                  trusted_uids: Collection[int]) -> tuple[socket.socket, Hello]:
+    """A connected blocking socket (timeout ``timeout``) to a verified daemon, and its
+    hello; DaemonUnavailable when nothing listens at ``path``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
+                                "start one with `kvtier serve`") from None
+    try:
+        return sock, handshake(sock, path, trusted_uids, timeout)
+    except BaseException:
+        sock.close()
+        raise

@@ -1,0 +1,327 @@
+"""Warm restart: rebuild the store's index from nvme frames and the adopted cpu arena.
+
+After a crash the daemon finds two kinds of survivors: frames in the nvme slot files and,
+when it could adopt its predecessor's arena, the blocks the arena journal says were committed
+there (``kvtier.tiers.arena_journal``). ``recover`` merges them:
+
+1. nvme frames, oldest first (the tier's own scan: torn headers are already gone);
+2. journal commits whose payload still has the recorded xxh3-64 in the arena (verified in a
+   thread pool), re-reserved in the slab allocator; a block on nvme and in the arena is in both;
+3. chain reachability: a block whose parent (full key from the journal, or the frame's parent
+   tag) is in no tier is unreachable by any lookup, and so is everything below it: dropped as
+   an orphan (frames of the old format, without a recorded parent, count as chain heads);
+4. slots that were being written at the crash are quarantined for one lease TTL (a stalled
+   client of the dead daemon may still write into them), then freed;
+5. a fresh journal describing the adopted state is written, and the arena journals from then on.
+
+Anything in flight or failing its checksum is dropped and counted (``RecoveryCounters``).
+``CommitLog`` is the store's side of the journal while it serves: it writes the COMMIT record
+of each block that becomes ready in the arena, with the checksum computed off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from kvtier.frame import FLAG_CHAIN, FrameHeader, parent_tag
+from kvtier.index import BlockMeta, SlotState
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_journal import ArenaJournal, CommitInfo, CommittedSlot, JournalState
+from kvtier.tiers.base import EvictionReason
+
+if TYPE_CHECKING:
+    from kvtier.store import TieredStore
+
+log = logging.getLogger("kvtier.store")
+
+
+@dataclass(slots=True)
+class RecoveryCounters:
+    """What the last start recovered and dropped (``recovery`` in /v1/stats)."""
+
+    mode: str = "cold"             # warm: the arena was adopted; cold: it was not
+    cold_reason: str = ""
+    nvme_blocks: int = 0           # frames indexed from nvme (before orphan collection)
+    adopted_blocks: int = 0        # arena blocks verified and indexed in the cpu tier
+    adopted_bytes: int = 0
+    dropped_checksum: int = 0      # journal commits whose arena bytes no longer match
+    dropped_inflight: int = 0      # slots being written (or checksummed) at the crash
+    dropped_conflict: int = 0      # commits that could not be re-reserved or disagree
+    orphans_dropped: int = 0       # blocks no chain head leads to (cpu and nvme)
+    quarantined_slots: int = 0     # slots held back for one lease TTL
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Found:
+    """One surviving block before it enters the index."""
+
+    key: bytes
+    namespace: bytes
+    layout_fp: int
+    nbytes: int
+    seq: int
+    nvme: Any = None
+    cpu: int | None = None
+    cpu_order: int = 0
+    checksum: int = 0
+    parent: bytes | None = None    # full key (journal)
+    tag: int | None = None         # parent tag (frame) when the full key is not known
+    depth: int = 0
+
+
+class CommitLog:
+    """Writes the journal's COMMIT record of each block that becomes ready in the arena.
+
+    A checksum the caller knows (a promotion from nvme: the frame's) is recorded at once;
+    others (a put's payload, written by the client) are hashed in the default executor in
+    batches, and recorded only if the slot was not freed meanwhile (the journal's slot
+    generation): a crash before the record leaves the block uncommitted, dropped at adoption.
+    """
+
+    def __init__(self, arena: Arena) -> None:
+        self.arena = arena
+        self._queue: list[tuple[int, int, CommitInfo]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def ready(self, meta: BlockMeta, checksum: int | None = None) -> None:
+        journal = self.arena.journal
+        if journal is None or meta.cpu is None:
+            return
+        gen = journal.generation(meta.cpu)
+        if gen is None:
+            return
+        info = CommitInfo(meta.key, meta.namespace, meta.layout_fp, meta.nbytes, meta.parent,
+                          meta.depth, meta.seq)
+        if checksum is not None:
+            journal.commit(meta.cpu, gen, info, checksum)
+            return
+        self._queue.append((meta.cpu, gen, info))
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._drain())
+
+    async def flush(self) -> None:
+        """Wait until every queued checksum is recorded (or found stale)."""
+        while self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                journal = self.arena.journal
+                if journal is None:
+                    return
+                # slots freed since they became ready need no checksum
+                batch = [b for b in batch if journal.generation(b[0]) == b[1]]
+                views = [self.arena.view(off, info.nbytes) for off, _, info in batch]
+                sums = await loop.run_in_executor(None, _checksums, views)
+                if self.arena.journal is not journal:
+                    return
+                for (off, gen, info), csum in zip(batch, sums, strict=True):
+                    journal.commit(off, gen, info, csum)   # False: freed meanwhile
+        finally:
+            self._task = None
+
+
+def _checksums(views: list[Any]) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(v) for v in views]
+
+
+def _verify(arena: Arena, slots: list[CommittedSlot]) -> list[bool]:
+    """Whether each committed slot's arena bytes still have its checksum (thread pool)."""
+    def check(chunk: list[CommittedSlot]) -> list[bool]:
+        out = []
+        for c in chunk:
+            end = c.offset + c.info.nbytes
+            out.append(c.offset >= 0 and end <= arena.size and xxhash.xxh3_64_intdigest(
+                arena.view(c.offset, c.info.nbytes)) == c.checksum)
+        return out
+
+    workers = max(1, min(4, os.cpu_count() or 1))
+    step = max(1, -(-len(slots) // workers))
+    chunks = [slots[i: i + step] for i in range(0, len(slots), step)]
+    with ThreadPoolExecutor(workers, thread_name_prefix="kvtier-adopt") as pool:
+        return [ok for part in pool.map(check, chunks) for ok in part]
+
+
+async def recover(store: TieredStore, state: JournalState | None, *,
+                  journal: Path | None, quarantine_s: float) -> RecoveryCounters:
+    """Index what survived (nvme frames, adopted arena blocks), drop orphans, quarantine
+    the slots in flight at the crash, then start journaling to ``journal`` (None: never)."""
+    t0 = time.monotonic()
+    loop = asyncio.get_running_loop()
+    c = RecoveryCounters()
+    arena = store.arena
+    entries: list[tuple[Any, FrameHeader]] = []
+    if store.nvme is not None:
+        entries = await loop.run_in_executor(None, store.nvme.open)
+    committed: list[CommittedSlot] = []
+    writing: list[tuple[int, int]] = []
+    if state is None:
+        c.cold_reason = "no arena journal from a previous run"
+    elif (state.arena_size, state.slab_bytes) != (arena.size, arena.slab_bytes):
+        c.cold_reason = (f"arena geometry changed (size {state.arena_size} -> {arena.size}, "
+                         f"slab {state.slab_bytes} -> {arena.slab_bytes})")
+    elif not arena.adopted:
+        c.cold_reason = "the previous arena file is gone or not usable"
+    else:
+        c.mode = "warm"
+        ok = await loop.run_in_executor(None, _verify, arena, state.committed)
+        committed = [s for s, good in zip(state.committed, ok, strict=True) if good]
+        c.dropped_checksum = len(state.committed) - len(committed)
+        writing = state.writing
+        c.dropped_inflight = len(writing)
+    if c.mode == "cold":
+        log.info("cpu tier starts cold: %s", c.cold_reason)
+    adopted, quarantine = _merge(store, entries, committed, writing, c)
+    if journal is not None:
+        live: list[tuple[int, int, CommittedSlot | None]] = [
+            (s.offset, s.info.nbytes, s) for s in adopted]
+        live += [(off, nbytes, None) for off, nbytes in quarantine]
+        try:
+            arena.journal = ArenaJournal(journal, arena.size, arena.slab_bytes, live=live)
+        except OSError as exc:
+            log.warning("cannot write the arena journal %s (%s): warm restart is off",
+                        journal, exc)
+    if quarantine:
+        c.quarantined_slots = len(quarantine)
+        loop.call_later(quarantine_s, _release, store, [off for off, _ in quarantine])
+    c.seconds = round(time.monotonic() - t0, 6)
+    store.recovery = c
+    if c.mode == "warm" or c.orphans_dropped:
+        log.info("recovered %d cpu blocks (%d bytes) and %d nvme frames in %.3f s; dropped "
+                 "%d failing checksum, %d in flight, %d conflicting, %d orphans",
+                 c.adopted_blocks, c.adopted_bytes, c.nvme_blocks, c.seconds,
+                 c.dropped_checksum, c.dropped_inflight, c.dropped_conflict, c.orphans_dropped)
+    return c
+
+
+def rebuild_nvme_only(store: TieredStore) -> int:
+    """Index nvme frames without an arena to adopt (sync: runs ``nvme.open()`` here)."""
+    if store.nvme is None:
+        return 0
+    entries = store.nvme.open()
+    c = RecoveryCounters()
+    _merge(store, entries, [], [], c)
+    store.recovery = c
+    return c.nvme_blocks
+
+
+def _merge(store: TieredStore, entries: list[tuple[Any, FrameHeader]],
+           committed: list[CommittedSlot], writing: list[tuple[int, int]],
+           c: RecoveryCounters) -> tuple[list[CommittedSlot], list[tuple[int, int]]]:
+    """Build the index from the survivors; return the adopted cpu slots and the quarantined
+    ones. Runs before the daemon serves (nothing else touches the store)."""
+    found: dict[bytes, _Found] = {}
+    nvme = store.nvme
+    for slot, h in entries:   # oldest first
+        old = found.pop(h.key, None)
+        if old is not None:   # the same key under two namespaces: keep the newest
+            nvme.free(old.nvme)
+        f = _Found(h.key, h.namespace, h.layout_fp, h.raw_len, h.seq, nvme=slot)
+        if h.flags & FLAG_CHAIN:
+            f.tag = h.chain_parent
+        found[h.key] = f
+    c.nvme_blocks = len(found)
+    reserved = store.arena.reserve_many([(s.offset, s.info.nbytes) for s in committed]
+                                        + writing)
+    by_offset: dict[int, CommittedSlot] = {}
+    for s, ok in zip(committed, reserved, strict=False):
+        info = s.info
+        f = found.get(info.key)
+        if not ok or (f is not None and (f.cpu is not None or (
+                f.namespace, f.layout_fp, f.nbytes) != (info.namespace, info.layout_fp,
+                                                        info.nbytes))):
+            if ok:
+                store.arena.free(s.offset)
+            c.dropped_conflict += 1
+            continue
+        if f is None:
+            f = found[info.key] = _Found(info.key, info.namespace, info.layout_fp,
+                                         info.nbytes, info.seq)
+        f.cpu, f.cpu_order, f.checksum = s.offset, s.order, s.checksum
+        f.parent, f.tag, f.depth = info.parent, None, info.depth
+        by_offset[s.offset] = s
+    quarantine = [w for w, ok in zip(writing, reserved[len(committed):], strict=True) if ok]
+    order = _reachable(found)
+    for f in found.values():
+        if f.key not in order:
+            _drop_orphan(store, f)
+            c.orphans_dropped += 1
+    now = store.clock()
+    metas = []
+    for f in order.values():   # parents before children
+        meta = BlockMeta(f.key, f.namespace, f.layout_fp, f.nbytes, f.parent, f.depth,
+                         nvme=f.nvme, nvme_ready=f.nvme is not None, seq=f.seq)
+        store.index[f.key] = meta
+        if store.forest is not None:
+            store.forest.add(f.key, f.parent)
+        metas.append((meta, f))
+    for meta, _f in sorted((m for m in metas if m[1].nvme is not None),
+                           key=lambda m: m[1].seq):
+        store.nvme_policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                                 depth=meta.depth, now=now)
+    adopted = []
+    for meta, f in sorted((m for m in metas if m[1].cpu is not None),
+                          key=lambda m: m[1].cpu_order):
+        meta.cpu = f.cpu
+        meta.set_cpu_state(SlotState.LOADING)
+        store._cpu_ready(meta, now)
+        adopted.append(by_offset[f.cpu])  # type: ignore[index]
+        c.adopted_blocks += 1
+        c.adopted_bytes += meta.nbytes
+    return adopted, quarantine
+
+
+def _reachable(found: dict[bytes, _Found]) -> dict[bytes, _Found]:
+    """The blocks a prefix walk can reach, parents first, with parent keys and depths
+    resolved; a parent known only by its tag is looked up among the survivors."""
+    by_tag = {parent_tag(k): k for k in found}
+    children: dict[bytes, list[_Found]] = {}
+    roots = []
+    for f in found.values():
+        if f.parent is None and f.tag is not None:
+            f.parent = by_tag.get(f.tag, b"")   # b"": the parent is in no tier
+            if f.parent == b"":
+                continue
+        if f.parent is None:
+            roots.append(f)
+        elif f.parent in found:
+            children.setdefault(f.parent, []).append(f)
+    order: dict[bytes, _Found] = {}
+    stack = roots
+    while stack:
+        f = stack.pop()
+        if f.key in order:
+            continue
+        order[f.key] = f
+        for kid in children.get(f.key, ()):
+            if kid.parent is not None and kid.depth == 0:
+                kid.depth = f.depth + 1
+            stack.append(kid)
+    return order
+
+
+def _drop_orphan(store: TieredStore, f: _Found) -> None:
+    if f.nvme is not None:
+        store.nvme.free(f.nvme)
+        store.nvme.counters.evicted(EvictionReason.ORPHAN)
+    if f.cpu is not None:
+        store.arena.free(f.cpu)
+        store.cpu.counters.evicted(EvictionReason.ORPHAN)
+
+
+def _release(store: TieredStore, offsets: list[int]) -> None:
+    for off in offsets:
+        store.arena.free(off)

@@ -1,0 +1,289 @@
+"""Trust between a client, its daemon and the arena: who listens, who may replace what.
+
+Three checks close the socket hijack of issue 14 (another local user pre-creating the
+socket directory, putting a fake daemon on the socket, and handing out an arena file it
+can read and write):
+
+- the daemon's socket directory: the default one is private (created 0700 and verified:
+  owned by us, mode exactly 0700, not a symlink); a configured one must sit on a path that
+  only root or the daemon's user can change (``socket_dir_problem``);
+- the daemon's uid, read with SO_PEERCRED right after ``connect()`` and before the client
+  sends a byte (``check_daemon_peer``);
+- the arena: a regular file owned by that uid with no group/other permission bits, at least
+  as large as the daemon said (``arena_problem``), checked with fstat on the descriptor that
+  is then mapped (received over the socket, or opened with O_NOFOLLOW).
+
+The ``*_problem`` helpers are pure: they take a stat result and return what is wrong, or
+None, so the rules are unit-tested without other users.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+import struct
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.config import TRUSTED_UIDS_ENV
+from kvtier.errors import StartupError, UntrustedDaemon
+
+PRIVATE_DIR_MODE = 0o700
+_PEERCRED = struct.Struct("3i")
+_MAX_SYMLINKS = 40
+SUN_PATH_MAX = 107   # sockaddr_un.sun_path holds 108 bytes including the terminating NUL
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCred:
+    """The process at the other end of a Unix socket, as the kernel reports it."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> PeerCred:
+    """SO_PEERCRED of a connected Unix socket (the listener's credentials for a client)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return PeerCred(*_PEERCRED.unpack(raw))
+
+
+def check_daemon_peer(sock: socket.socket, path: str, trusted_uids: Collection[int]) -> PeerCred:
+    """The daemon's credentials; UntrustedDaemon unless it runs as us or a trusted uid.
+
+    Called before the client sends anything, so a fake daemon of another user learns
+    nothing (no hello, no model id, no cache_salt, no KV).
+    """
+    cred = peer_credentials(sock)
+    me = os.getuid()
+    if cred.uid != me and cred.uid not in trusted_uids:
+        raise UntrustedDaemon(
+            f"refusing the daemon at {path}: it runs as uid {cred.uid} (pid {cred.pid}), not "
+            f"as this client's uid {me}, so it could read and forge this client's KV; if uid "
+            f"{cred.uid} runs your node daemon add it to {TRUSTED_UIDS_ENV}, otherwise remove "
+            f"{path} and start your own daemon with `kvtier serve`")
+    return cred
+
+
+# -- pure rules ------------------------------------------------------------------------------
+def private_dir_problem(st: os.stat_result, uid: int) -> str | None:
+    """What makes an lstat result unfit as the default socket directory, or None."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by uid {uid} that runs this daemon"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode != PRIVATE_DIR_MODE:
+        return f"has mode {mode:04o}, not 0700"
+    return None
+
+
+def shared_dir_problem(st: os.stat_result, uid: int) -> str | None:
+    """What lets another user replace entries of a directory on the socket's path, or None.
+
+    The rule: owned by root or the daemon's user, and not writable by group or others
+    unless the sticky bit is set (as on /tmp: there nobody may rename or remove what they
+    do not own). Anyone else who could write the directory could swap the socket.
+    """
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid not in (0, uid):
+        return f"is owned by uid {st.st_uid} (only root or uid {uid} may own it)"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        who = {0o022: "group and others", 0o020: "its group", 0o002: "others"}[mode & 0o022]
+        return f"is writable by {who} (mode {mode:04o}) without the sticky bit"
+    return None
+
+
+def arena_problem(st: os.stat_result, size: int, owner_uid: int) -> str | None:
+    """What makes an opened arena file unfit to map, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != owner_uid:
+        return f"is owned by uid {st.st_uid}, not by the daemon's uid {owner_uid}"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        return f"has mode {mode:04o}: group or others may read or write it"
+    if st.st_size < size:
+        return f"has {st.st_size} bytes, fewer than the {size} the daemon announced"
+    return None
+
+
+def dirs_on_path(path: Path) -> list[Path]:
+    """Every directory the kernel walks through to resolve ``path``, symlinks followed.
+
+    Includes the directories that hold symlinks on the way (whoever can write one of them
+    can re-point the link), so checking each of them covers the whole resolution.
+    """
+    pending = list(Path(os.path.abspath(path)).parts[1:])
+    current = Path("/")
+    seen = [current]
+    hops = 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        candidate = current / part
+        st = os.lstat(candidate)
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > _MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+            target = Path(os.readlink(candidate))
+            if target.is_absolute():
+                current = Path("/")
+                pending[:0] = list(target.parts[1:])
+            else:
+                pending[:0] = list(target.parts)
+            continue
+        current = candidate
+        if current not in seen:
+            seen.append(current)
+    return seen
+
+
+# -- daemon side: the socket directory -------------------------------------------------------
+def _fix_for(path: Path) -> str:
+    return f"or pass --socket PATH in a directory of yours (the socket path was {path})"
+
+
+def ensure_private_dir(directory: Path, socket_path: Path) -> None:
+    """Create the default socket directory with mode 0700, or verify the one that exists.
+
+    Verified on the opened directory (O_NOFOLLOW | O_DIRECTORY, then fstat): owned by our
+    uid, mode exactly 0700. A directory that fails is never used: someone else may have
+    created it to take the socket over.
+    """
+    uid = os.getuid()
+    created = False
+    try:
+        os.mkdir(directory, PRIVATE_DIR_MODE)
+        created = True
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StartupError(
+            f"cannot create the socket directory {directory}: {exc.strerror}; create it "
+            f"with mode 0700 owned by uid {uid}, {_fix_for(socket_path)}") from exc
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:   # a symlink, a file, or another user's directory (EACCES)
+        try:
+            why = private_dir_problem(os.lstat(directory), uid) or exc.strerror
+        except OSError:
+            why = exc.strerror
+        raise StartupError(f"socket directory {directory} {why}; remove it (`rm -r "
+                           f"{directory}`) {_fix_for(socket_path)}") from exc
+    try:
+        if created:   # the umask may have narrowed mkdir's mode; set exactly what we verify
+            os.fchmod(fd, PRIVATE_DIR_MODE)
+        problem = private_dir_problem(os.fstat(fd), uid)
+    finally:
+        os.close(fd)
+    if problem is None:
+        return
+    if problem.startswith("has mode"):
+        fix = f"run `chmod 0700 {directory}` if you made it"
+    else:
+        fix = ("another user may have created it to take the socket over: remove it "
+               f"(`rm -r {directory}`)")
+    raise StartupError(f"socket directory {directory} {problem}; {fix}, "
+                       f"{_fix_for(socket_path)}")
+
+
+def socket_dir_problem(directory: Path, uid: int) -> tuple[Path, str] | None:
+    """The first directory on the way to ``directory`` that another user could change."""
+    for d in dirs_on_path(directory):
+        problem = shared_dir_problem(os.stat(d), uid)
+        if problem is not None:
+            return d, problem
+    return None
+
+
+def prepare_socket_dir(socket_path: Path, *, default_dir: Path | None) -> None:
+    """Make the socket's directory ready and safe, or raise StartupError (one line).
+
+    ``default_dir``: the default runtime directory (kvtier.config.default_runtime_dir);
+    when the socket lives there it must be private (``ensure_private_dir``). Any directory,
+    default or configured, must sit on a path only root or our uid can change
+    (``shared_dir_problem``); a missing configured directory is created with mode 0700.
+    """
+    uid = os.getuid()
+    if len(os.fsencode(socket_path)) > SUN_PATH_MAX:
+        raise StartupError(f"socket path {socket_path} is {len(os.fsencode(socket_path))} "
+                           f"bytes, longer than the {SUN_PATH_MAX} a Unix socket allows: pass "
+                           "a shorter --socket")
+    directory = socket_path.parent
+    if default_dir is not None and directory == default_dir:
+        ensure_private_dir(directory, socket_path)
+    elif not os.path.lexists(directory):
+        try:
+            os.makedirs(directory, mode=PRIVATE_DIR_MODE)
+        except OSError as exc:
+            raise StartupError(f"cannot create the socket directory {directory}: "
+                               f"{exc.strerror}; create it or pass another --socket") from exc
+    try:
+        found = socket_dir_problem(directory, uid)
+    except OSError as exc:
+        raise StartupError(f"socket directory {directory} is unusable ({exc.strerror}: "
+                           f"{exc.filename}); create it or pass another --socket") from exc
+    if found is None and not os.access(directory, os.W_OK | os.X_OK):
+        found = (directory, f"is not writable by uid {uid}, so the socket cannot be created "
+                            "there")
+    if found is not None:
+        where, problem = found
+        fix = (f"run `chmod go-w {where}`" if "writable by" in problem
+               else "use a directory of yours" if "not writable" in problem
+               else "use a directory owned by you or root")
+        unsafe = "not writable" not in problem
+        risk = ", so another user could replace the socket" if unsafe else ""
+        raise StartupError(f"socket directory {directory} is not "
+                           f"{'safe' if unsafe else 'usable'}: {where} {problem}{risk}; "
+                           f"{fix}, or pass --socket PATH in a directory of yours")
+
+
+def _socket_alive(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(0.5)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def claim_socket_path(socket_path: Path) -> None:
+    """Remove a stale socket of ours at ``socket_path``; StartupError for anything else.
+
+    Never removes a file that is not a socket, nor another user's socket, nor a live one.
+    """
+    try:
+        st = os.lstat(socket_path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"{socket_path} exists and is not a socket: remove it or pass "
+                           "another --socket")
+    if _socket_alive(socket_path):
+        raise StartupError(f"another kvtier daemon is already serving {socket_path}; stop it "
+                           "or pass --socket")
+    if st.st_uid != os.getuid():
+        raise StartupError(f"stale socket {socket_path} belongs to uid {st.st_uid}: remove it "
+                           "or pass another --socket")
+    try:
+        socket_path.unlink()
+    except OSError as exc:
+        raise StartupError(f"cannot remove the stale socket {socket_path}: {exc.strerror}; "
+                           "remove it or pass another --socket") from exc

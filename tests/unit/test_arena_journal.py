@@ -1,0 +1,238 @@
+"""The arena journal and what warm restart builds on: replay, torn records, compaction, slot
+generations, slab re-reservation, stable arena names (adopt, lock, stale removal), the
+frame's chain fields, and the store's commit log writing checksums off the event loop."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvtier.errors import ConfigError
+from kvtier.frame import FLAG_CHAIN, FrameHeader, make_header, parent_tag
+from kvtier.index import BlockMeta
+from kvtier.tiers import arena_journal as aj
+from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
+from kvtier.tiers.arena_journal import ArenaJournal, CommitInfo, read_journal
+from kvtier.tiers.slab import PAGE, SlabAllocator
+from tests.support.arena import shm_root
+
+SLAB = 16 * 1024
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
+        yield Path(d)
+
+
+def info(i: int, parent: bytes | None = None) -> CommitInfo:
+    return CommitInfo(bytes([i]) * 16, b"n" * 16, 7, PAGE, parent, 0 if parent is None else 1,
+                      i)
+
+
+# -- journal ---------------------------------------------------------------------------------
+def test_replay_keeps_commits_in_order_and_reports_slots_in_flight(shm_dir: Path) -> None:
+    path = shm_dir / "j.journal"
+    j = ArenaJournal(path, 8 * SLAB, SLAB)
+    for off in (0, PAGE, 2 * PAGE, 3 * PAGE):
+        j.alloc(off, PAGE)
+    g = j.generation
+    assert j.commit(PAGE, g(PAGE), info(2, parent=bytes([1]) * 16), 22)   # type: ignore[arg-type]
+    assert j.commit(0, g(0), info(1), 11)   # type: ignore[arg-type]
+    assert j.commit(3 * PAGE, g(3 * PAGE), info(4), 44)   # type: ignore[arg-type]
+    j.free(3 * PAGE)
+    state = read_journal(path)
+    assert state is not None
+    assert (state.arena_size, state.slab_bytes) == (8 * SLAB, SLAB)
+    assert [(c.offset, c.checksum) for c in state.committed] == [(PAGE, 22), (0, 11)]
+    assert state.committed[0].info == info(2, parent=bytes([1]) * 16)
+    assert state.writing == [(2 * PAGE, PAGE)]
+    assert (state.torn, state.inconsistent) == (0, 0)
+    j.close(unlink=True)
+    assert not path.exists() and read_journal(path) is None
+
+
+def test_a_stale_generation_is_not_committed(shm_dir: Path) -> None:
+    j = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB)
+    j.alloc(0, PAGE)
+    old = j.generation(0)
+    j.free(0)
+    assert j.generation(0) is None
+    j.alloc(0, PAGE)                      # the slot was handed out again meanwhile
+    assert old is not None and not j.commit(0, old, info(1), 11)
+    state = read_journal(j.path)
+    assert state is not None and state.committed == [] and state.writing == [(0, PAGE)]
+    j.close(unlink=True)
+
+
+def test_a_torn_last_record_is_dropped(shm_dir: Path) -> None:
+    j = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB)
+    j.alloc(0, PAGE)
+    gen = j.generation(0)
+    assert gen is not None and j.commit(0, gen, info(1), 11)
+    tail = j._tail   # the crash tears the COMMIT record (the one written last)
+    with open(j.path, "r+b") as f:
+        f.seek((tail - 1) * aj.RECORD + 40)
+        f.write(b"\xff")
+    state = read_journal(j.path)
+    assert state is not None and state.torn == 1
+    assert state.committed == [] and state.writing == [(0, PAGE)]
+    j.close(unlink=True)
+
+
+def test_compaction_keeps_the_live_state(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aj, "COMPACT_MIN", 16)
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    for round_ in range(50):                 # churn: far more records than live slots
+        for off in range(0, 8 * PAGE, PAGE):
+            j.alloc(off, PAGE)
+            gen = j.generation(off)
+            assert gen is not None
+            if off != 5 * PAGE:
+                j.commit(off, gen, info(off // PAGE), round_)
+            if round_ < 49:
+                j.free(off)
+    assert j.compactions >= 1
+    assert os.stat(j.path).st_mode & 0o777 == 0o600
+    state = read_journal(j.path)
+    assert state is not None
+    assert sorted(c.offset for c in state.committed) == [o * PAGE for o in (0, 1, 2, 3, 4, 6, 7)]
+    assert {c.checksum for c in state.committed} == {49}
+    assert state.writing == [(5 * PAGE, PAGE)]
+    j.close(unlink=True)
+
+
+# -- slab re-reservation ---------------------------------------------------------------------
+def test_reserve_takes_exactly_the_named_slots() -> None:
+    s = SlabAllocator(4 * SLAB, SLAB)
+    assert s.reserve_many([(PAGE, PAGE), (3 * PAGE, PAGE), (SLAB + 8192, 8192)]) == [
+        True, True, True]
+    assert not s.reserve(PAGE, PAGE)                  # taken
+    assert not s.reserve(SLAB + 4096, 8192)           # misaligned for its class
+    assert not s.reserve(SLAB, PAGE)                  # the slab serves another class
+    assert not s.reserve(4 * SLAB, PAGE)              # beyond the pool
+    assert s.reserve(2 * SLAB, 2 * SLAB)              # a two-slab unit, at its start
+    assert not s.reserve(3 * SLAB, PAGE)              # inside that unit
+    got = {s.alloc(PAGE) for _ in range(2)}
+    assert got.isdisjoint({PAGE, 3 * PAGE})
+    assert s.used_bytes == 4 * PAGE + 8192 + 2 * SLAB
+    for off in (PAGE, 3 * PAGE, SLAB + 8192, 2 * SLAB, *got):
+        s.free(off)   # type: ignore[arg-type]
+    assert s.used_bytes == 0 and s.could_fit(4 * SLAB)
+
+
+# -- stable arenas ---------------------------------------------------------------------------
+def die(arena: Arena) -> None:
+    """What kill -9 does to an arena: every descriptor (the mapping's too) closes, the file
+    and its contents stay."""
+    arena.buf = np.empty(0, np.uint8)
+    arena._mm.close()
+    os.close(arena._fd)
+    arena._fd = -1
+
+
+def test_stable_arena_is_adopted_with_its_bytes_and_locked(shm_dir: Path,
+                                                           tmp_path: Path) -> None:
+    name = stable_arena_name(tmp_path)
+    assert name == stable_arena_name(tmp_path / "." / "")
+    a = Arena(4 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False, name=name)
+    assert a.path == shm_dir / name and not a.adopted
+    a.view(PAGE, 4)[:] = [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="in use by another kvtier daemon"):
+        Arena(4 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False, name=name,
+              adopt=True)
+    assert remove_stale_arenas(shm_dir) == []         # locked: its daemon lives
+    die(a)                                            # the daemon dies (kill -9)
+    b = Arena(4 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=True, name=name,
+              adopt=True)
+    assert b.adopted and list(b.view(PAGE, 4)) == [1, 2, 3, 4]
+    die(b)
+    c = Arena(8 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False, name=name,
+              adopt=True)                              # resized: a new, empty file
+    assert not c.adopted and not c.view(PAGE, 4).any()
+    c.close()
+    assert not (shm_dir / name).exists()
+
+
+def test_stale_stable_arenas_of_dead_daemons_are_removed(shm_dir: Path,
+                                                         tmp_path: Path) -> None:
+    dead = shm_dir / stable_arena_name(tmp_path / "dead")
+    mine = shm_dir / stable_arena_name(tmp_path / "mine")
+    for p in (dead, mine, journal_path(dead)):
+        p.write_bytes(b"")
+        p.chmod(0o600)
+    live = Arena(SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False,
+                 name=stable_arena_name(tmp_path / "live"))
+    assert remove_stale_arenas(shm_dir, keep=mine) == [dead]
+    assert not dead.exists() and not journal_path(dead).exists()
+    assert mine.exists() and live.path.exists()
+    live.close()
+
+
+# -- frame chain fields ----------------------------------------------------------------------
+def test_frames_record_their_parent_and_old_frames_read_as_unknown() -> None:
+    parent = bytes(range(16))
+    h = make_header(b"n" * 16, b"k" * 16, 7, b"payload", seq=3, chain=(parent,))
+    back = FrameHeader.unpack(h.pack())
+    assert back == h and back.flags & FLAG_CHAIN and back.chain_parent == parent_tag(parent)
+    head = FrameHeader.unpack(make_header(b"n" * 16, b"k" * 16, 7, b"x", chain=(None,)).pack())
+    assert head.flags == FLAG_CHAIN and head.chain_parent is None
+    old = FrameHeader.unpack(make_header(b"n" * 16, b"k" * 16, 7, b"x").pack())
+    assert old.flags == 0 and old.chain_parent is None     # version 1 frames as before
+
+
+# -- the store's commit log ------------------------------------------------------------------
+async def test_commit_log_hashes_off_loop_and_skips_freed_slots(shm_dir: Path) -> None:
+    from kvtier.store_recovery import CommitLog
+
+    arena = Arena(4 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False, name="x.arena")
+    arena.journal = ArenaJournal(shm_dir / "x.journal", arena.size, arena.slab_bytes)
+    log = CommitLog(arena)
+    metas = []
+    for i in range(3):
+        off = arena.alloc(PAGE)
+        assert off is not None
+        arena.view(off, PAGE)[:] = np.full(PAGE, i, np.uint8)
+        meta = BlockMeta(bytes([i]) * 16, b"n" * 16, 7, PAGE, None, 0, cpu=off)
+        metas.append(meta)
+        log.ready(meta)
+    arena.free(metas[2].cpu)   # type: ignore[arg-type]  # evicted before its checksum landed
+    await log.flush()
+    state = read_journal(arena.journal.path)
+    assert state is not None
+    assert [(c.offset, c.checksum) for c in state.committed] == [
+        (m.cpu, xxhash.xxh3_64_intdigest(np.full(PAGE, i, np.uint8)))
+        for i, m in enumerate(metas[:2])]
+    arena.close()
+    assert not (shm_dir / "x.journal").exists()
+
+
+# -- config ----------------------------------------------------------------------------------
+def test_warm_restart_and_lookup_budget_settings() -> None:
+    from kvtier.config import load_config
+
+    cfg = load_config(env={})
+    assert cfg.cpu.warm_restart is True and 0 < cfg.redis.lookup_budget_s < cfg.redis.op_timeout_s
+    cfg = load_config(env={"KVTIER_CPU_WARM_RESTART": "false",
+                           "KVTIER_REDIS_LOOKUP_BUDGET_S": "0.05"})
+    assert cfg.cpu.warm_restart is False and cfg.redis.lookup_budget_s == 0.05
+    with pytest.raises(ConfigError, match="lookup_budget_s"):
+        load_config(env={"KVTIER_REDIS_LOOKUP_BUDGET_S": "0"})
+
+
+def test_stale_stable_arenas_are_kept_while_shm_has_room(shm_dir: Path, tmp_path: Path) -> None:
+    """Another data dir's dead arena is its warm restart in waiting: a starting daemon
+    removes it only when it needs the room."""
+    dead = shm_dir / stable_arena_name(tmp_path / "dead")
+    dead.write_bytes(b"")
+    dead.chmod(0o600)
+    assert remove_stale_arenas(shm_dir, need_bytes=0) == []
+    assert dead.exists()
+    assert remove_stale_arenas(shm_dir, need_bytes=2**62) == [dead]   # short of room
+    assert not dead.exists()

@@ -1,0 +1,127 @@
+"""Bounded work in-process: the limits' arithmetic, the byte budget, request decoding bounds,
+and the store's fail-fast put and namespace bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from kvtier.config import DaemonConfig, load_config
+from kvtier.daemon.limits import ByteBudget, Limits
+from kvtier.errors import CapacityError, ConfigError, ProtocolError
+from kvtier.keys import block_keys
+from kvtier.layout import KVLayout
+from kvtier.protocol import REQUEST_MAX_ITEMS, optional_int, request_id, unpack_body
+from kvtier.store import TieredStore
+from tests.support.arena import temp_arena
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16",
+                  tokens_per_block=128)   # 8 KiB blocks
+
+
+def test_keys_per_request_follow_the_longest_context_and_the_block_size() -> None:
+    lim = Limits(max_context_tokens=131072)
+    assert lim.max_keys(16) == 8192
+    assert lim.max_keys(256) == 512
+    assert lim.max_keys(100) == 1311      # a partial last block still counts
+    assert lim.max_keys(1) == 131072
+
+
+def test_limits_from_config_derive_the_pending_budgets_from_the_frame() -> None:
+    lim = Limits.from_config(DaemonConfig(max_frame_bytes=2**20))
+    assert lim.conn_pending_bytes == 2**20 and lim.total_pending_bytes == 4 * 2**20
+    lim = Limits.from_config(DaemonConfig(max_frame_bytes=2**20, max_conn_pending_bytes=10,
+                                          max_total_pending_bytes=2**30))
+    assert lim.conn_pending_bytes == 2**20          # never below one frame
+    assert lim.total_pending_bytes == 2**30
+
+
+def test_config_limits_from_env_and_validation() -> None:
+    cfg = load_config(env={"KVTIER_DAEMON_MAX_CONTEXT_TOKENS": "1048576",
+                           "KVTIER_DAEMON_MAX_TOTAL_PENDING_BYTES": "256MiB",
+                           "KVTIER_DAEMON_IDLE_TIMEOUT_S": "0"})
+    assert cfg.daemon.max_context_tokens == 2**20
+    assert cfg.daemon.max_total_pending_bytes == 256 * 2**20
+    assert cfg.daemon.idle_timeout_s == 0
+    for env in ({"KVTIER_DAEMON_MAX_CONNECTIONS": "0"},
+                {"KVTIER_DAEMON_READ_TIMEOUT_S": "0"},
+                {"KVTIER_DAEMON_MAX_NAMESPACES": "-1"}):
+        with pytest.raises(ConfigError, match=r"daemon\."):
+            load_config(env=env)
+
+
+async def test_byte_budget_waits_for_room_and_can_be_given_up() -> None:
+    budget = ByteBudget(100)
+    await budget.acquire(60)
+    waiter = asyncio.ensure_future(budget.acquire(60))
+    await asyncio.sleep(0)
+    assert not waiter.done() and budget.used == 60
+    budget.release(60)
+    await asyncio.wait_for(waiter, 1)
+    assert budget.used == 60
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):
+            await budget.acquire(60)
+    assert budget.used == 60 and not budget._waiters   # a cancelled wait takes nothing
+    budget.release(60)
+    await budget.acquire(500)   # larger than the limit but alone: admitted (progress)
+    assert budget.used == 500
+
+
+def test_request_decoding_bounds_containers() -> None:
+    ok = msgpack.packb({"xs": list(range(REQUEST_MAX_ITEMS))})
+    assert len(unpack_body(ok, max_items=REQUEST_MAX_ITEMS)["xs"]) == REQUEST_MAX_ITEMS
+    big = msgpack.packb({"xs": [None] * (REQUEST_MAX_ITEMS + 1)})
+    with pytest.raises(ProtocolError, match="malformed"):
+        unpack_body(big, max_items=REQUEST_MAX_ITEMS)
+    assert len(unpack_body(big)["xs"]) == REQUEST_MAX_ITEMS + 1   # replies: unbounded
+
+
+def test_request_id_and_optional_int() -> None:
+    assert request_id({"id": 7}) == 7
+    assert request_id({"id": "7"}) == request_id({"id": True}) == request_id({}) == 0
+    assert optional_int({}, "tp_size", 1, 1, 8) == 1
+    assert optional_int({"tp_size": 4}, "tp_size", 1, 1, 8) == 4
+    for bad in ("4", 4.0, True, 0, 9, [4]):
+        with pytest.raises(ProtocolError, match="tp_size"):
+            optional_int({"tp_size": bad}, "tp_size", 1, 1, 8)
+
+
+async def test_a_put_that_cannot_fit_fails_before_evicting() -> None:
+    with temp_arena(16 * LAYOUT.block_bytes, 16 * LAYOUT.block_bytes) as arena:
+        store = TieredStore(arena)
+        ns = store.register_namespace(LAYOUT, "m", 0, 1, None)
+        keys = block_keys(ns, range(128 * 40))
+        lease, offsets = await store.prepare_put(1, ns.digest, LAYOUT.fingerprint, keys[:8])
+        assert None not in offsets
+        await store.commit_put(1, lease)
+        with pytest.raises(CapacityError, match="exceeds the cpu tier"):
+            await store.prepare_put(1, ns.digest, LAYOUT.fingerprint, keys[8:40])
+        huge = KVLayout(64, 8, 128, "float32", 256)
+        hns = store.register_namespace(huge, "m", 0, 1, None)
+        with pytest.raises(CapacityError, match="larger than the cpu tier"):
+            await store.prepare_put(1, hns.digest, huge.fingerprint, keys[:1])
+        assert store.cpu.blocks == 8 and store.cpu.counters.allocation_failures == 0
+        # the 8 stored keys are no new bytes: a put of them plus 8 new ones fits
+        lease, offsets = await store.prepare_put(1, ns.digest, LAYOUT.fingerprint, keys[:16])
+        assert offsets[:8] == [None] * 8 and None not in offsets[8:]
+        # a put that fits in principle but finds no room stops at the first failed slot
+        # (8 slots are written by the open lease, the 8 stored blocks can be evicted)
+        _lease, offsets2 = await store.prepare_put(2, ns.digest, LAYOUT.fingerprint,
+                                                   keys[16:32])
+        assert None not in offsets2[:8] and offsets2[8:] == [None] * 8
+        assert store.cpu.counters.allocation_failures == 1
+
+
+def test_namespaces_beyond_the_bound_forget_the_least_recently_used() -> None:
+    with temp_arena(16 * LAYOUT.block_bytes, 16 * LAYOUT.block_bytes) as arena:
+        store = TieredStore(arena, max_namespaces=3)
+        a, b, c = (store.register_namespace(LAYOUT, m, 0, 1, None) for m in "abc")
+        assert store.touch_namespace(a.digest) == LAYOUT   # a is now the most recent
+        store.register_namespace(LAYOUT, "d", 0, 1, None)
+        assert store.touch_namespace(b.digest) is None
+        assert store.touch_namespace(a.digest) is not None
+        assert store.touch_namespace(c.digest) is not None
+        assert len(store.namespaces) == 3 and store.namespaces_evicted == 1

@@ -1,0 +1,230 @@
+"""``kvtier doctor --env``: every check's failing branch in a crafted environment.
+
+Real files where the machine has them (a socket directory with the wrong mode, the real
+O_DIRECT probe on tmpfs, the real mountinfo); crafted readers where a unit test cannot
+change the machine (a tiny /dev/shm, overlayfs mount info, two NUMA nodes, a GPU).
+tests/integration/test_doctor_env_cli.py runs the command on a real 1 MiB tmpfs and against
+a real daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import Config, load_config
+from kvtier.doctor import env_daemon, env_fs, env_host
+from kvtier.doctor.env import Check, Host, Verdict, exit_status, run_checks, to_json
+from kvtier.keys import KEY_SCHEME
+
+GiB = 2**30
+OVERLAY = (
+    "22 1 0:21 / / rw,relatime shared:1 - overlay overlay rw,lowerdir=/l,upperdir=/u\n"
+    "30 22 0:26 / /dev/shm rw,nosuid,nodev shared:5 - tmpfs shm rw,size=65536k\n"
+    "31 22 0:27 / /tmp\\040dir rw shared:6 - tmpfs tmpfs rw\n"
+)
+
+
+def config(tmp_path: Path, **over: Any) -> Config:
+    o = {"cpu": "1GiB", "shm": "/dev/shm", "nvme": "1GiB", "direct": "auto",
+         "nvme_path": tmp_path / "nvme", **over}
+    text = (f'[daemon]\ndata_dir = "{tmp_path / "data"}"\n'
+            f'socket = "{tmp_path / "run" / "s.sock"}"\n'
+            f'[cpu]\nbytes = "{o["cpu"]}"\nshm_dir = "{o["shm"]}"\n'
+            f'[nvme]\nbytes = "{o["nvme"]}"\ndirect = "{o["direct"]}"\n'
+            f'path = "{o["nvme_path"]}"\n')
+    (tmp_path / "k.toml").write_text(text)
+    return load_config(tmp_path / "k.toml", env={})
+
+
+def host(**readers: Any) -> Host:
+    """The real host with some readers replaced; no GPU unless a test gives one."""
+    base: dict[str, Any] = {"gpu": lambda: (False, "no driver"), "kvikio_mode": lambda: None,
+                            "o_direct": lambda d: None}
+    return dataclasses.replace(Host(), **{**base, **readers})
+
+
+def by_name(checks: list[Check], name: str) -> Check:
+    return next(c for c in checks if c.name == name)
+
+
+# -- /dev/shm --------------------------------------------------------------------------------
+def test_shm_smaller_than_the_cpu_tier_fails(tmp_path: Path) -> None:
+    h = host(statvfs=lambda p: (64 * 2**20, 60 * 2**20), mountinfo=lambda: OVERLAY)
+    c = env_fs.check_shm(config(tmp_path, cpu="1GiB"), h)
+    assert c.verdict is Verdict.FAIL and "smaller than the cpu tier" in c.detail
+    assert "--shm-size" in c.fix and "remount,size=" in c.fix
+
+
+def test_shm_without_enough_free_fails_but_counts_our_arenas(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    arena = shm / f"kvtier-{os.getuid()}-123-abc.arena"
+    arena.write_bytes(b"")
+    os.truncate(arena, 600 * 2**20)   # a running daemon's arena (sparse)
+    cfg = config(tmp_path, cpu="1GiB", shm=shm)
+    tmpfs = f"1 0 0:9 / {shm} rw - tmpfs tmpfs rw\n"
+    tight = host(statvfs=lambda p: (2 * GiB, 500 * 2**20), mountinfo=lambda: tmpfs)
+    assert env_fs.check_shm(cfg, tight).verdict is Verdict.OK        # 500 MiB + 600 MiB
+    arena.unlink()
+    c = env_fs.check_shm(cfg, tight)
+    assert c.verdict is Verdict.FAIL and "not enough free" in c.detail
+
+
+def test_shm_dir_that_is_not_memory_warns(tmp_path: Path) -> None:
+    cfg = config(tmp_path, cpu="1MiB", shm=tmp_path)
+    h = host(statvfs=lambda p: (10 * GiB, 10 * GiB),
+             mountinfo=lambda: "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n")
+    assert env_fs.check_shm(cfg, h).verdict is Verdict.WARN
+
+
+def test_missing_shm_dir_fails(tmp_path: Path) -> None:
+    c = env_fs.check_shm(config(tmp_path, shm=tmp_path / "nope"), host())
+    assert c.verdict is Verdict.FAIL
+
+
+# -- data dir --------------------------------------------------------------------------------
+def test_data_dir_on_overlayfs_warns_and_short_space_fails(tmp_path: Path) -> None:
+    h = host(statvfs=lambda p: (100 * GiB, 10 * GiB), mountinfo=lambda: OVERLAY)
+    checks = env_fs.check_data_dir(config(tmp_path, nvme="64GiB",
+                                          nvme_path="/var/lib/kvtier/nvme"), h)
+    assert by_name(checks, "data dir space").verdict is Verdict.FAIL
+    fs = by_name(checks, "data dir filesystem")
+    assert fs.verdict is Verdict.WARN and "overlayfs" in fs.detail and "hostPath" in fs.fix
+
+
+def test_data_dir_on_tmpfs_warns(tmp_path: Path) -> None:
+    h = host(statvfs=lambda p: (100 * GiB, 90 * GiB), mountinfo=lambda: OVERLAY)
+    checks = env_fs.check_data_dir(config(tmp_path, nvme_path="/dev/shm/kv"), h)
+    assert by_name(checks, "data dir filesystem").verdict is Verdict.WARN
+
+
+def test_o_direct_refused_warns_in_auto_fails_in_on(tmp_path: Path) -> None:
+    """Older kernels' tmpfs, overlayfs and some network file systems refuse O_DIRECT."""
+    h = host(o_direct=lambda d: "EINVAL: Invalid argument")
+    verdicts = {}
+    for mode in ("auto", "on", "off"):
+        checks = env_fs.check_data_dir(config(tmp_path, nvme="1MiB", direct=mode), h)
+        verdicts[mode] = by_name(checks, "data dir O_DIRECT").verdict
+    assert verdicts == {"auto": Verdict.WARN, "on": Verdict.FAIL, "off": Verdict.OK}
+
+
+def test_the_real_o_direct_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    err = env_fs._probe_o_direct(str(tmp_path))
+    assert err is None or "EINVAL" in err   # this machine's file system decides
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mountinfo_parsing() -> None:
+    assert env_fs.mount_of("/dev/shm/x", OVERLAY).fstype == "tmpfs"
+    assert env_fs.mount_of("/tmp dir/a", OVERLAY).point == "/tmp dir"
+    assert env_fs.mount_of("/var/lib", OVERLAY).fstype == "overlay"
+    assert env_fs.parse_mountinfo("garbage\n") == []
+
+
+# -- socket dir ------------------------------------------------------------------------------
+def test_socket_dir_with_the_wrong_mode_fails(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    run = cfg.daemon.socket.parent
+    run.mkdir()
+    run.chmod(0o777)
+    c = env_fs.check_socket_dir(cfg, host())
+    assert c.verdict is Verdict.FAIL and "replace the socket" in c.detail and "0700" in c.fix
+    run.chmod(0o755)
+    assert env_fs.check_socket_dir(cfg, host()).verdict is Verdict.WARN
+    run.chmod(0o700)
+    assert env_fs.check_socket_dir(cfg, host()).verdict is Verdict.OK
+    cfg.daemon.socket.write_bytes(b"")
+    cfg.daemon.socket.chmod(0o666)
+    assert env_fs.check_socket_dir(cfg, host()).verdict is Verdict.FAIL
+
+
+def test_socket_dir_owned_by_another_user_fails(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    cfg.daemon.socket.parent.mkdir(mode=0o700)
+    c = env_fs.check_socket_dir(cfg, host(uid=lambda: os.getuid() + 4242))
+    assert c.verdict is Verdict.FAIL and "another user" in c.detail and "chown" in c.fix
+
+
+# -- memlock, huge pages, numa, gpu ----------------------------------------------------------
+def test_memlock_below_the_arena_fails_only_with_a_gpu(tmp_path: Path) -> None:
+    cfg = config(tmp_path, cpu="1GiB")
+    low = (64 * 2**20, 64 * 2**20)
+    c = env_host.check_memlock(cfg, host(memlock=lambda: low, gpu=lambda: (True, "1 GPU")))
+    assert c.verdict is Verdict.FAIL and "LimitMEMLOCK=infinity" in c.fix
+    assert env_host.check_memlock(cfg, host(memlock=lambda: low)).verdict is Verdict.OK
+    inf = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    assert env_host.check_memlock(cfg, host(memlock=lambda: inf, gpu=lambda: (True, "x"))
+                                  ).verdict is Verdict.OK
+
+
+def test_huge_pages_off_warns() -> None:
+    files = {f"{env_host.THP}/enabled": "always madvise [never]\n",
+             f"{env_host.THP}/shmem_enabled": "always within_size advise [never] deny force\n"}
+    c = env_host.check_thp(host(read_text=files.get))
+    assert c.verdict is Verdict.WARN and "madvise" in c.fix
+    files[f"{env_host.THP}/enabled"] = "always [madvise] never\n"
+    assert env_host.check_thp(host(read_text=files.get)).verdict is Verdict.OK
+
+
+def test_arena_spread_over_numa_nodes_warns() -> None:
+    maps = ("7f00 bind:0 file=/dev/shm/kvtier-0-9-x.arena dirty=10 N0=300 N1=212\n"
+            "7f10 default file=/usr/lib/libc.so N0=5\n")
+    h = host(listdir=lambda p: ["node0", "node1", "possible"],
+             read_text=lambda p: maps if p == "/proc/99/numa_maps" else None)
+    c = env_host.check_numa(h, {"daemon": {"pid": 99}})
+    assert c.verdict is Verdict.WARN and "N0=300, N1=212" in c.detail and "numactl" in c.fix
+    one = maps.replace(" N1=212", "")
+    h1 = dataclasses.replace(h, read_text=lambda p: one if p.endswith("numa_maps") else None)
+    assert env_host.check_numa(h1, {"daemon": {"pid": 99}}).verdict is Verdict.OK
+    assert env_host.check_numa(h, None).verdict is Verdict.WARN   # placement unknown
+
+
+def test_gds_in_compat_mode_warns_and_dead_driver_fails(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    nv = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15\n"
+    h = host(read_text=lambda p: nv if p == env_host.NV_PROC else None,
+             gpu=lambda: (True, "8 CUDA device(s) visible"), kvikio_mode=lambda: "compat",
+             exists=lambda p: False if p == env_host.GDS_PROC else os.path.exists(p))
+    gpu, gds = env_host.check_gpu(cfg, h)
+    assert gpu.verdict is Verdict.OK and "550.54.15" in gpu.detail
+    assert gds.verdict is Verdict.WARN and "compat" in gds.detail and "nvidia-fs" in gds.fix
+    dead = dataclasses.replace(h, gpu=lambda: (False, "cuInit failed: CUDA_ERROR_NO_DEVICE"))
+    assert env_host.check_gpu(cfg, dead)[0].verdict is Verdict.FAIL
+    ok = dataclasses.replace(h, kvikio_mode=lambda: "gds", exists=lambda p: True)
+    assert env_host.check_gpu(cfg, ok)[1].verdict is Verdict.OK
+    assert [c.verdict for c in env_host.check_gpu(cfg, host())] == [Verdict.SKIP]
+
+
+# -- key scheme ------------------------------------------------------------------------------
+def test_key_scheme_mismatch_fails() -> None:
+    c = env_daemon.check_key_scheme(
+        {"daemon": {"key_schemes": {KEY_SCHEME: 2, "sha256-chain/0": 1}}}, "")
+    assert c.verdict is Verdict.FAIL and "sha256-chain/0" in c.detail
+    old = env_daemon.check_key_scheme({"daemon": {"key_schemes": {"unknown": 1}}}, "")
+    assert old.verdict is Verdict.WARN
+    same = env_daemon.check_key_scheme({"daemon": {"key_schemes": {KEY_SCHEME: 3}}}, "")
+    assert same.verdict is Verdict.OK
+    assert env_daemon.check_key_scheme(None, "no daemon").verdict is Verdict.SKIP
+
+
+# -- the whole run ---------------------------------------------------------------------------
+def test_run_checks_exit_status_and_json(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    cfg = config(tmp_path, cpu="1MiB", nvme="1MiB", shm=tmp_path / "shm")
+    h = host(statvfs=lambda p: (64 * 2**20, 1 * 2**20 // 2), mountinfo=lambda: OVERLAY,
+             fetch_stats=lambda url: {"daemon": {"key_schemes": {KEY_SCHEME: 1}}})
+    checks = run_checks(cfg, h, daemon_url="http://127.0.0.1:1")
+    names = [c.name for c in checks]
+    assert names == ["shm size", "data dir space", "data dir filesystem", "data dir O_DIRECT",
+                     "socket dir", "memlock", "huge pages", "numa", "gpu", "key scheme"]
+    assert by_name(checks, "shm size").verdict is Verdict.FAIL
+    assert exit_status(checks) == 1
+    doc = to_json(checks, 1)
+    assert doc["status"] == "findings" and doc["checks"][0]["verdict"] == "fail"
+    assert all(c.fix for c in checks if c.verdict in (Verdict.FAIL, Verdict.WARN))
+    calm = [Check("a", Verdict.OK, ""), Check("b", Verdict.WARN, "", "x")]
+    assert (exit_status(calm), exit_status(calm, strict=True)) == (0, 1)
