@@ -316,7 +316,7 @@ class RedisTier:
                                [outs[i] for i in idx], namespace, layout_fp)
 
         reads: list[BlockRead] = []
-        for result in await self._per_server(rkeys, get):
+        for result in await self._per_server(rkeys, get, holds_buffers=True):
             if isinstance(result, BlockRead):
                 reads.append(result)
             elif isinstance(result, BaseException):
@@ -428,11 +428,14 @@ class RedisTier:
     def _rkey(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
-    async def _in_thread(self, fn: Callable[[], T]) -> T:
-        """Run blocking ``fn`` in the tier's worker threads. If the caller is cancelled,
-        wait for ``fn`` to end first (bounded by op_timeout_s): it may be using the
-        caller's buffers."""
+    async def _in_thread(self, fn: Callable[[], T], *, holds_buffers: bool = False) -> T:
+        """Run blocking ``fn`` in the tier's worker threads. When ``fn`` uses the caller's
+        buffers (``holds_buffers``) and the caller is cancelled, wait for ``fn`` to end
+        first (bounded by op_timeout_s); otherwise a cancelled caller returns at once (a
+        lookup budget cuts a probe) and the thread ends on its own."""
         fut = asyncio.get_running_loop().run_in_executor(self._exec, fn)
+        if not holds_buffers:
+            return await fut
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -441,7 +444,8 @@ class RedisTier:
             raise
 
     async def _per_server(self, rkeys: Sequence[bytes],
-                          fn: Callable[[Conn, list[int]], Sequence[Any]]) -> list[Any]:
+                          fn: Callable[[Conn, list[int]], Sequence[Any]], *,
+                          holds_buffers: bool = False) -> list[Any]:
         """Run ``fn(conn, indexes)`` once per server holding some of ``rkeys`` (in parallel,
         in worker threads); returns one result per key: ``fn``'s, the exception that failed
         its server (already counted), or UNSERVED."""
@@ -452,7 +456,8 @@ class RedisTier:
                 return
             pool = self._router.pool(node)
             try:
-                replies = await self._in_thread(lambda: pool.run(lambda c: fn(c, idx)))
+                replies = await self._in_thread(lambda: pool.run(lambda c: fn(c, idx)),
+                                                holds_buffers=holds_buffers)
             except Exception as exc:
                 self._failed(exc, node)
                 for i in idx:
@@ -493,7 +498,8 @@ class RedisTier:
                                     self._elem_bytes, self._ttl)
 
             ok = True
-            for item, reply in zip(batch, await self._per_server(rkeys, put), strict=True):
+            replies = await self._per_server(rkeys, put, holds_buffers=True)
+            for item, reply in zip(batch, replies, strict=True):
                 if reply != "OK":
                     ok = False
                     self.counters.dropped_writes += 1
