@@ -74,9 +74,9 @@ class TieredStore:
         self.ns = NamespaceRegistry(self.requests, max_namespaces)
         self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
         self.recovery: RecoveryCounters | None = None
-        self.transfers = Transfers(arena, nvme, redis)
         self.cpu = CpuResidency(arena, self.index, make(eviction, TierName.CPU),
                                 on_ready=self.commit_log.ready)
+        self.transfers = Transfers(arena, nvme, redis, pin=self.cpu.pin, unpin=self.cpu.unpin)
         self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
         self.nvme_residency = None if nvme is None else NvmeResidency(nvme, self.nvme_policy)
         self.hbm_place: HbmPlacement | None = None

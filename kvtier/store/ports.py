@@ -8,7 +8,7 @@ methods. Admission and the workload observer use the policy package's own Protoc
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvtier.frame import FrameHeader
@@ -49,7 +49,7 @@ class RedisPort(Tier, Protocol):
     """The shared lowest tier (``RedisTier``): writes are queued, reads are batched."""
 
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
-               seq: int = 0) -> None: ...
+               seq: int = 0, release: Callable[[], None] | None = None) -> None: ...
 
     async def exists_prefix(self, keys: Sequence[bytes], *,
                             namespace: bytes | None = None) -> int: ...

@@ -47,11 +47,24 @@ class TransferResult:
 Handler = Callable[[Transfer], Awaitable[TransferResult]]
 
 
+def _nothing() -> None:
+    """Release callback for a buffer that nobody else holds."""
+
+
+def _no_lock(metas: list[BlockMeta]) -> None:
+    return None
+
+
 @dataclass(slots=True, eq=False)
 class Transfers:
+    """``pin``/``unpin`` read-lock arena slots that another tier reads in place (a
+    zero-copy Redis write keeps its slot pinned until the SET is over)."""
+
     arena: Arena
     nvme: NvmePort | None = None
     redis: RedisPort | None = None
+    pin: Callable[[list[BlockMeta]], None] = _no_lock
+    unpin: Callable[[list[BlockMeta]], None] = _no_lock
     moved: BytesMoved = field(default_factory=BytesMoved)
     _routes: dict[tuple[TierName, TierName], Handler] = field(default_factory=dict)
 
@@ -128,13 +141,18 @@ class Transfers:
         self._count(TierName.REDIS, TierName.CPU, metas[:n])
         return TransferResult(moved=n)
 
-    def _submit(self, meta: BlockMeta, payload: memoryview) -> None:
+    def _submit_from_slot(self, meta: BlockMeta) -> None:
+        """Zero-copy hand-off to Redis: the arena slot is pinned (a reader) until the tier
+        releases it, once the SET is done, dropped or failed."""
         assert self.redis is not None
-        self.redis.submit(meta.namespace, meta.key, meta.layout_fp, payload, seq=meta.seq)
+        self.pin([meta])
+        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
+                          self._arena_view(meta, meta.nbytes), seq=meta.seq,
+                          release=lambda: self.unpin([meta]))
 
     async def _cpu_to_redis(self, job: Transfer) -> TransferResult:
         for meta in job.metas:
-            self._submit(meta, self._arena_view(meta, meta.nbytes))
+            self._submit_from_slot(meta)
         self._count(TierName.CPU, TierName.REDIS, job.metas)
         return TransferResult(moved=len(job.metas))
 
@@ -142,7 +160,7 @@ class Transfers:
         """A block leaving nvme: from its arena copy when it has one, else read back."""
         meta, nvme = job.metas[0], self.nvme
         if meta.in_cpu:
-            self._submit(meta, self._arena_view(meta, meta.nbytes))
+            self._submit_from_slot(meta)
         else:
             assert nvme is not None and meta.nvme is not None
             buf = aligned_buffer(round_up(meta.nbytes))
@@ -154,6 +172,8 @@ class Transfers:
                 return TransferResult()
             finally:
                 meta.nvme_busy = False
-            self._submit(meta, buf[: meta.nbytes])
+            assert self.redis is not None  # buf is ours: no copy
+            self.redis.submit(meta.namespace, meta.key, meta.layout_fp, buf[: meta.nbytes],
+                              seq=meta.seq, release=_nothing)
         self._count(TierName.NVME, TierName.REDIS, job.metas)
         return TransferResult(moved=1)
