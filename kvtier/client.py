@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +63,16 @@ log = logging.getLogger("kvtier.client")
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """``hits`` leading blocks are present; ``tiers[i]`` says where block i was found."""
+    """``hits`` leading blocks are present; ``tiers[i]`` says where block i was found.
+
+    ``bandwidth``: bytes/s at which a block of each tier reached clients recently, as
+    measured by the daemon (empty from daemons that do not report it, and for tiers not
+    yet measured).
+    """
 
     hits: int
     tiers: list[str]
+    bandwidth: dict[str, float] = field(default_factory=dict)
 
 
 def _as_bytes(buf: Any) -> np.ndarray:
@@ -152,7 +158,11 @@ class _Ops:
         req = self._target("lookup", ns, keys)
         req["prefetch"] = prefetch
         reply = yield req
-        return LookupResult(int(reply["hits"]), list(reply["tiers"]))
+        bandwidth = reply.get("bandwidth")
+        rates = ({str(k): float(v) for k, v in bandwidth.items()
+                  if isinstance(v, (int, float)) and v > 0}
+                 if isinstance(bandwidth, dict) else {})
+        return LookupResult(int(reply["hits"]), list(reply["tiers"]), rates)
 
     def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey],
                        parent: BlockKey | None, start_depth: int) -> Op:
