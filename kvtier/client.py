@@ -88,6 +88,7 @@ class _Ops:
     def __init__(self, device: bool = False) -> None:
         self._registered: set[bytes] = set()
         self.arena: ArenaMapping | None = None
+        self.arena_path: str | None = None        # from the hello (engines share one map)
         self.device = device                      # default of prepare_get's prefer_device
         self.hbm_info: dict[str, Any] | None = None   # the daemon's pool, from the hello
         self.hbm: Any = None                      # HbmMapping, opened at first device get
@@ -244,6 +245,7 @@ class _Ops:
                                  f"{PROTOCOL_VERSION}")
         arena = reply["arena"]
         self.arena = ArenaMapping(arena["path"], int(arena["size"]))
+        self.arena_path = str(arena["path"])
         hbm = reply.get("hbm")
         self.hbm_info = hbm if isinstance(hbm, dict) and hbm.get("handle") else None
 
