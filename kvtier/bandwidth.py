@@ -80,11 +80,15 @@ class BandwidthTracker:
             self._open.pop(next(iter(self._open)))
         self._open[lease_id] = _OpenGet(self.clock(), nbytes, tier)
 
-    def get_finished(self, lease_id: int) -> None:
-        """The client released the lease: its copy is done."""
+    def get_finished(self, lease_id: int, copy_s: float | None = None) -> None:
+        """The client released the lease: its copy is done. ``copy_s``: the copy's own
+        duration when the client measured it (the hold time also counts round trips and
+        whatever else the client did meanwhile); never more than the hold time."""
         opened = self._open.pop(lease_id, None)
         if opened is not None:
-            self.observe(opened.tier, CLIENT, opened.nbytes, self.clock() - opened.started)
+            held = self.clock() - opened.started
+            seconds = min(held, copy_s) if copy_s is not None and copy_s > 0 else held
+            self.observe(opened.tier, CLIENT, opened.nbytes, seconds)
 
     def get_abandoned(self, lease_id: int) -> None:
         """The lease expired or its connection closed: no measurement."""

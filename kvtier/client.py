@@ -213,8 +213,11 @@ class _Ops:
             raise
         return reply["lease"], views, devices
 
-    def op_release(self, lease: int) -> Op:
-        yield {"op": "get_release", "lease": lease}
+    def op_release(self, lease: int, copy_s: float | None = None) -> Op:
+        req: dict[str, Any] = {"op": "get_release", "lease": lease}
+        if copy_s is not None:
+            req["copy_s"] = float(copy_s)
+        yield req
 
     def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
         yield from self._ensure(ns)
@@ -310,10 +313,12 @@ class GetLease:
         self.devices: list[str] = devices if devices is not None else ["cpu"] * len(views)
         self._open = True
 
-    def release(self) -> None:
+    def release(self, *, copy_s: float | None = None) -> None:
+        """Unlock the slots. ``copy_s``: how long reading them took, when measured (it
+        feeds the daemon's reload-bandwidth estimate, see ``LookupResult.bandwidth``)."""
         if self._open:
             self._open = False
-            self._client._run(self._client._ops.op_release(self.lease))
+            self._client._run(self._client._ops.op_release(self.lease, copy_s))
 
     def __enter__(self) -> GetLease:
         return self

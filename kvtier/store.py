@@ -773,9 +773,11 @@ class TieredStore:
             log.info("prefetch deadline passed with %d of %d blocks pending",
                      len(still), len(pending))
 
-    def release_get(self, owner: int, lease_id: int) -> None:
+    def release_get(self, owner: int, lease_id: int, *, copy_s: float | None = None) -> None:
+        """``copy_s``: how long the client's copy took, when it says (else the hold time
+        measures the serve bandwidth)."""
         lease = self._take_lease(owner, lease_id, LeaseKind.GET)
-        self.bandwidth.get_finished(lease_id)
+        self.bandwidth.get_finished(lease_id, copy_s)
         self._release_get(lease)
 
     def _release_get(self, lease: Lease) -> None:

@@ -27,11 +27,16 @@ class RecomputeModel:
     prefill_tokens_per_s: float
     tier_bandwidth: dict[str, float] = field(default_factory=dict)
     measured_steps: int = 0
+    warmup_steps: int = 1
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A forward step computed ``tokens`` tokens in ``seconds`` (prefill-sized steps
-        only: a decode step measures per-step overhead, not prefill speed)."""
+        only: a decode step measures per-step overhead, not prefill speed; the first
+        ``warmup_steps`` of those are ignored, they include one-off start-up work)."""
         if tokens < self.tokens_per_block or seconds <= 0.0:
+            return
+        if self.warmup_steps > 0:
+            self.warmup_steps -= 1
             return
         rate = tokens / seconds
         self.prefill_tokens_per_s = rate if self.measured_steps == 0 else (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class LoadBatch:
         self._link: DaemonLink | None = None
         self._plain_pages: torch.Tensor | None = None
         self._plain: list[tuple[int, int]] = []      # (open index, block index)
+        self.copy_s = 0.0                            # time spent copying (all layers)
         self.loaded_blocks = 0
 
     def open(self) -> None:
@@ -103,6 +105,13 @@ class LoadBatch:
             self._plain_pages = torch.tensor(rows, dtype=torch.int64)
 
     def load_layer(self, layer: int, stream: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._load_layer(layer, stream)
+        finally:
+            self.copy_s += time.perf_counter() - t0
+
+    def _load_layer(self, layer: int, stream: Any) -> None:
         c = self.caches
         lo, hi = layer * c.layer_bytes, (layer + 1) * c.layer_bytes
         cache = [c.caches[layer]]
@@ -127,11 +136,14 @@ class LoadBatch:
     def close(self) -> set[int]:
         failed: set[int] = set()
         r = self.caches.pages_per_block
+        total = sum(len(item.blocks) for item in self._open) or 1
         for item in self._open:
             loaded = len(item.blocks) if item.ok else 0
             if item.lease is not None:
                 assert self._link is not None
-                released, _ = self._link.run(lambda _c, lease=item.lease: lease.release())
+                share = self.copy_s * len(item.blocks) / total   # this lease's copy time
+                released, _ = self._link.run(
+                    lambda _c, lease=item.lease, s=share: _release(lease, s))
                 if not released:   # expired or lost during the copy: not good KV
                     logger.warning("kvtier: the get lease of request %s was not released "
                                    "cleanly; its pages are recomputed", item.spec.req_id)
@@ -198,6 +210,11 @@ class SaveRequest:
         lease, self._lease = self._lease, None
         if lease is not None and self._link is not None:
             self._link.run(lambda _c: lease.abort())
+
+
+def _release(lease: Any, copy_s: float) -> None:
+    """Release a get lease, telling the daemon how long the copy took."""
+    lease.release(copy_s=copy_s)
 
 
 def as_tensor(view: Any, readonly: bool = False) -> torch.Tensor:
