@@ -74,6 +74,7 @@ def _prompts() -> dict[str, list[int]]:
         "absent": prompt(6, 200),
         "reconnect": prompt(7, 200),
         "two_engines": prompt(8, 330),
+        "delay": prompt(10, 200),
         **{f"kill{i}": prompt(100 + i, 400) for i in range(12)},
     }
 
