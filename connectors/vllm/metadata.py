@@ -10,10 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # the worker side driven without vLLM (GPU device checks, benchmarks)
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in for vLLM's base class."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """Stand-in for vLLM's base class."""
 
 
 @dataclass(slots=True)
