@@ -73,11 +73,24 @@ class ArenaRegistry:
         with self._lock:
             shared = self.arenas.get(path)
             if shared is None or shared.size != own.size:
+                self._retire_others(path)
                 shared = self.arenas[path] = SharedArena(path, own.size)
             if self.register is not None and path not in self.registrations:
                 self.registrations[path] = self._register(path, shared)
         ops.arena = shared
         own.close()
+
+    def _retire_others(self, path: str) -> None:
+        """A new arena (the daemon restarted): unmap the old ones, whose files are gone and
+        would otherwise keep their shared memory. A registered one stays mapped (a copy of
+        the dead daemon's blocks may still be in flight on a stream); logged."""
+        for old in [p for p in self.arenas if p != path]:
+            reg = self.registrations.get(old)
+            if reg is not None and reg.ok:
+                logger.info("kvtier: keeping the registered mapping of the old arena %s "
+                            "(%.2f GiB) until exit", old, reg.nbytes / GIB)
+                continue
+            ArenaMapping.close(self.arenas.pop(old))   # unmaps once no view is alive
 
     def _register(self, path: str, arena: SharedArena) -> Registration:
         assert self.register is not None

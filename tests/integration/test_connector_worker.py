@@ -267,3 +267,26 @@ def test_the_arena_is_mapped_and_registered_once_per_process(daemon: DaemonProce
     assert reg.ok and reg.nbytes == calls[0][1] and reg.address == calls[0][0]
     assert len(w.arenas.arenas) == 1
     w.shutdown()
+
+
+def test_a_restarted_daemon_s_arena_replaces_the_old_mapping(tmp_path: Path) -> None:
+    d = make_daemon(tmp_path / "restart")
+    try:
+        kv = caches(7)
+        w = worker(d, "restart", kv, reconnect_min_s=0.01, reconnect_max_s=0.05)
+        save(w, "a", tokens(8, 1), rows(1, 1), save_id=1)
+        finished(w, "a")
+        (first,) = w.arenas.arenas
+        d.kill()
+        d.start()
+        deadline = time.monotonic() + WAIT_S
+        i = 2
+        while first in w.arenas.arenas:     # saves fail, then reconnect to the new daemon
+            assert time.monotonic() < deadline, "never reconnected"
+            save(w, f"r{i}", tokens(8 + i, 1), rows(1, 1), save_id=i)
+            finished(w, f"r{i}")
+            i += 1
+        assert len(w.arenas.arenas) == 1     # the dead daemon's arena is unmapped
+        w.shutdown()
+    finally:
+        d.kill()
