@@ -68,9 +68,11 @@ def engine_run(model: str, socket: str | None, spec: dict[str, Any], out: str) -
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config={"socket_path": socket, "tokens_per_block": 256})
+    # vLLM turns the hybrid KV cache manager off for a connector without HMA support;
+    # turn it off for the baseline too, so both engines run the same cache manager.
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=32,
               enforce_eager=True, enable_prefix_caching=False, max_model_len=8192, seed=0,
-              **kwargs)
+              disable_hybrid_kv_cache_manager=True, **kwargs)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     answer = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0.0, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], first, use_tqdm=False)  # warm-up

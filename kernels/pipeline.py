@@ -230,6 +230,12 @@ class LayerPipeline:
                 done(committed)
         return committed
 
+    def warm(self, on_loader: Callable[[], object], on_saver: Callable[[], object]) -> None:
+        """Run set-up work (a daemon connection, an arena mapping) on the loader and saver
+        threads now, in the background, so the first step does not pay for it."""
+        self._loader.submit(on_loader)
+        self._saver.submit(on_saver)
+
     def close(self) -> None:
         """Join the loader and let queued saves finish."""
         self.finish_loads()

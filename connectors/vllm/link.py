@@ -151,6 +151,21 @@ class DaemonLink:
         for callers that must tell a failure from a default value (a lease release)."""
         return self._run(op)
 
+    def preconnect(self) -> bool:
+        """Try to connect now, quietly: a failure is neither logged nor backed off (the
+        first real call reports it). Engines call it at start so that the first request
+        does not pay for the connection and the arena mapping."""
+        if self._client is not None:
+            return True
+        try:
+            self._client = _connect(str(self.config.socket_path), self.config.timeout_s,
+                                    self.device)
+        except (*_CONNECTION_ERRORS, KVTierError):
+            return False
+        if self.on_connect is not None:
+            self.on_connect(self._client)
+        return True
+
     def lookup_result(self, namespace: Namespace, keys: Sequence[BlockKey]) -> Any:
         """The daemon's ``LookupResult`` for ``keys`` (hits, tiers, bandwidth), or None
         when it is unreachable."""

@@ -114,6 +114,7 @@ class SchedulerSide:
         self._step_started: tuple[float, int] | None = None
         self.counters: dict[str, int] = {"skipped_slower_than_recompute": 0,
                                          "skipped_tokens_slower_than_recompute": 0}
+        self.link.preconnect()   # at engine start, not in the first request's lookup
 
     # -- lookup ----------------------------------------------------------------------
 

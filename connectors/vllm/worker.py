@@ -138,6 +138,9 @@ class WorkerSide:
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.pipeline = LayerPipeline(len(caches), caches[0].device if on_gpu else None,
                                       max_inflight_bytes=self.config.max_inflight_save_bytes)
+        # Connect (map and register the arena) off the first step's critical path.
+        self.pipeline.warm(lambda: self._thread_link("-load").preconnect(),
+                           lambda: self._thread_link("-save").preconnect())
         logger.info("kvtier: %d layers, %s pages, %d tokens (%d pages, %d bytes) per block, "
                     "%s, saves in flight <= %d bytes", len(caches), paged.name,
                     self.config.tokens_per_block, self.pages.pages_per_block, nbytes,
