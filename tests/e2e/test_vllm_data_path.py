@@ -75,7 +75,8 @@ def test_slow_tier_loads_fewer_tokens(run_engine: EngineRun, daemon: DaemonProce
     """With the cpu tier configured at 1 KB/s a block would take a minute to reload, far
     more than recomputing it: the scheduler loads nothing, counts the skipped blocks, and
     the tokens are exact. The same blocks load in full with the measured bandwidth."""
-    slow = transfer(daemon, "slow", tier_bandwidth={"cpu": 1000.0})
+    slow = transfer(daemon, "slow", tier_bandwidth={"cpu": 1000.0},
+                    skip_slower_than_recompute=True)
     (first,), (second,) = run_engine([{"prompts": [P_SLOW]}, {"prompts": [P_SLOW]}], slow)
     assert first == (expected["slow"], 0)
     assert second == (expected["slow"], 0)
