@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.bandwidth import BandwidthTracker
 from kvtier.errors import (
     CapacityError,
     FrameError,
@@ -182,6 +183,7 @@ class TieredStore:
         self.prefetch = PrefetchCounters()
         self.bytes_moved: dict[tuple[str, str], int] = {}
         self.explain: Any = None  # kvtier.explain.MissLog: why lookups miss (set by the daemon)
+        self.bandwidth = BandwidthTracker()  # reload rates returned with lookups
         self._tasks: set[asyncio.Task[Any]] = set()
         self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
         self.recovery: RecoveryCounters | None = None
@@ -393,12 +395,14 @@ class TieredStore:
         view = memoryview(self.arena.view(off, round_up(meta.nbytes)))
         ok = corrupt = False
         checksum = None
+        t0 = time.perf_counter()
         try:
             header = await self.nvme.read_into(meta.nvme, view, namespace=meta.namespace,
                                                key=meta.key, layout_fp=meta.layout_fp)
             ok = True
             if header.codec is Codec.NONE and header.payload_len == meta.nbytes:
                 checksum = header.checksum   # the arena now holds exactly the payload
+            self.bandwidth.observe("nvme", "cpu", meta.nbytes, time.perf_counter() - t0)
         except FrameError as exc:  # the frame is bad for good: drop it
             corrupt = True
             log.warning("dropping nvme block %s: %s", meta.key.hex(), exc)
@@ -447,10 +451,13 @@ class TieredStore:
 
     async def _load_redis(self, metas: list[BlockMeta]) -> None:
         views = [memoryview(self.arena.view(m.cpu, m.nbytes)) for m in metas]  # type: ignore[arg-type]
+        t0 = time.perf_counter()
         try:
             n = await self.redis.get_into([m.key for m in metas], views,
                                           namespace=metas[0].namespace,
                                           layout_fp=metas[0].layout_fp)
+            self.bandwidth.observe("redis", "cpu", sum(m.nbytes for m in metas[:n]),
+                                   time.perf_counter() - t0)
         except Exception:  # the tier promises not to raise; be defensive anyway
             log.exception("redis promotion failed")
             n = 0
@@ -772,6 +779,7 @@ class TieredStore:
         metas = await self._readable_prefix(digest, layout_fp, keys)
         self.cpu.counters.bytes_read += sum(m.nbytes for m in metas)
         lease = self._new_lease(LeaseKind.GET, owner, metas)
+        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas))
         return lease.id, [m.cpu for m in metas]  # type: ignore[misc]
 
     async def prepare_get_device(self, owner: int, digest: bytes, layout_fp: int,
@@ -800,6 +808,8 @@ class TieredStore:
         lease.hbm = [e for e in entries if e is not None]
         offsets = [m.cpu if e is None else e.offset for m, e in zip(metas, entries, strict=True)]
         devices = ["cpu" if e is None else "hbm" for e in entries]
+        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas),
+                                   "hbm" if devices and "cpu" not in devices else "cpu")
         return lease.id, offsets, devices  # type: ignore[return-value]
 
     async def _readable_prefix(self, digest: bytes, layout_fp: int,
@@ -869,8 +879,11 @@ class TieredStore:
             log.info("prefetch deadline passed with %d of %d blocks pending",
                      len(still), len(pending))
 
-    def release_get(self, owner: int, lease_id: int) -> None:
+    def release_get(self, owner: int, lease_id: int, *, copy_s: float | None = None) -> None:
+        """``copy_s``: how long the client's copy took, when it says (else the hold time
+        measures the serve bandwidth)."""
         lease = self._take_lease(owner, lease_id, LeaseKind.GET)
+        self.bandwidth.get_finished(lease_id, copy_s)
         self._release_get(lease)
 
     def _release_get(self, lease: Lease) -> None:
@@ -958,6 +971,7 @@ class TieredStore:
         return len(mine)
 
     def _drop_lease(self, lease: Lease) -> None:
+        self.bandwidth.get_abandoned(lease.id)
         if lease.kind is LeaseKind.PUT:
             self._abort_put(lease)
         else:
@@ -998,6 +1012,7 @@ class TieredStore:
             "prefetch": _asdict(self.prefetch),
             "bytes_moved": [{"src": s, "dst": d, "bytes": b}
                             for (s, d), b in sorted(self.bytes_moved.items())],
+            "bandwidth": self.bandwidth.stats(),
             "leases": {"active": len(self.leases), "ttl_s": self.leases.ttl_s,
                        "quarantined_slots": self.quarantine.slots,
                        "quarantined_bytes": self.quarantine.bytes,
