@@ -77,6 +77,7 @@ class TieredStore:
         self.cpu = CpuResidency(arena, self.index, make(eviction, TierName.CPU),
                                 on_ready=self.commit_log.ready)
         self.transfers = Transfers(arena, nvme, redis, pin=self.cpu.pin, unpin=self.cpu.unpin)
+        self.bandwidth = self.transfers.bandwidth  # reload rates returned with lookups
         self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
         self.nvme_residency = None if nvme is None else NvmeResidency(nvme, self.nvme_policy)
         self.hbm_place: HbmPlacement | None = None
@@ -100,7 +101,7 @@ class TieredStore:
         self.leases = LeaseTable(lease_ttl_s, clock)
         self.quarantine = Quarantine()  # slots of expired put leases, see kvtier.leases
         self.lease_keeper = LeaseKeeper(self.leases, self.quarantine, self.blocks, self.cpu,
-                                        self.requests, clock, self.hbm_place)
+                                        self.requests, clock, self.bandwidth, self.hbm_place)
         self.writer = Writer(self.index, self.cpu, self.lease_keeper, self.demoter,
                              self.transfers, self.requests, clock, observer, forest,
                              redis is not None and redis_write_through, nvme is not None)
@@ -191,6 +192,7 @@ class TieredStore:
         metas = await self.reader.readable_prefix(self.ns.resolve(digest, layout_fp), keys)
         self.cpu.counters.bytes_read += sum(m.nbytes for m in metas)
         lease = self.lease_keeper.open(LeaseKind.GET, owner, metas)
+        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas))
         return lease.id, [m.cpu for m in metas]  # type: ignore[misc]
 
     async def prepare_get_device(self, owner: int, digest: bytes, layout_fp: int,
@@ -208,10 +210,16 @@ class TieredStore:
         lease.hbm = [e for e in entries if e is not None]
         offsets = [m.cpu if e is None else e.offset for m, e in zip(metas, entries, strict=True)]
         devices = [TierName.CPU.value if e is None else TierName.HBM.value for e in entries]
+        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas),
+                                   "hbm" if devices and "cpu" not in devices else "cpu")
         return lease.id, offsets, devices  # type: ignore[return-value]
 
-    def release_get(self, owner: int, lease_id: int) -> None:
-        self.lease_keeper.release_get(self.lease_keeper.take(owner, lease_id, LeaseKind.GET))
+    def release_get(self, owner: int, lease_id: int, *, copy_s: float | None = None) -> None:
+        """``copy_s``: how long the client's copy took, when it says (else the hold time
+        measures the serve bandwidth)."""
+        lease = self.lease_keeper.take(owner, lease_id, LeaseKind.GET)
+        self.bandwidth.get_finished(lease_id, copy_s)
+        self.lease_keeper.release_get(lease)
 
     # -- put -----------------------------------------------------------------------------
     async def prepare_put(self, owner: int, digest: bytes, layout_fp: int,
@@ -295,6 +303,7 @@ class TieredStore:
     def stats(self) -> dict[str, Any]:
         """The store's part of /v1/stats (tiers, requests, prefetch, leases, ...)."""
         return store_stats(self.tiers, self.requests, self.prefetch, self.transfers.moved,
+                           self.bandwidth.stats(),
                            {"active": len(self.leases), "ttl_s": self.leases.ttl_s,
                             "quarantined_slots": self.quarantine.slots,
                             "quarantined_bytes": self.quarantine.bytes,

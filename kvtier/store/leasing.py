@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.bandwidth import BandwidthTracker
 from kvtier.index import BlockMeta, SlotState
 from kvtier.leases import Lease, LeaseKind, LeaseTable, Quarantine, expired_error
 from kvtier.store.blocks import Blocks
@@ -29,6 +30,7 @@ class LeaseKeeper:
     cpu: CpuResidency
     requests: RequestCounters
     clock: Callable[[], float]
+    bandwidth: BandwidthTracker
     hbm: HbmPlacement | None = None
     explain: MissLogPort | None = None
 
@@ -59,6 +61,7 @@ class LeaseKeeper:
         quarantined slots (it can no longer write into them)."""
         mine = self.leases.take_owner(owner)
         for lease in mine:
+            self.bandwidth.get_abandoned(lease.id)
             if lease.kind is LeaseKind.PUT:
                 self.abort_put(lease)
             else:

@@ -97,8 +97,9 @@ def slots_dict(obj: object) -> dict[str, Any]:
 
 
 def store_stats(tiers: list[Tier], requests: RequestCounters, prefetch: PrefetchCounters,
-                moved: BytesMoved, leases: dict[str, Any], *, eviction: str, namespaces: int,
-                index_blocks: int, recovery: object | None) -> dict[str, Any]:
+                moved: BytesMoved, bandwidth: dict[str, float], leases: dict[str, Any], *,
+                eviction: str, namespaces: int, index_blocks: int,
+                recovery: object | None) -> dict[str, Any]:
     """The store's section of /v1/stats."""
     out_tiers = {}
     for t in tiers:
@@ -112,6 +113,7 @@ def store_stats(tiers: list[Tier], requests: RequestCounters, prefetch: Prefetch
                      "prefix_hit_rate": round(requests.prefix_hit_rate, 6)},
         "prefetch": slots_dict(prefetch),
         "bytes_moved": moved.rows(),
+        "bandwidth": bandwidth,
         "leases": leases,
         "policy": {"eviction": eviction},
         "namespaces": namespaces,

@@ -9,9 +9,11 @@ in a worker thread) and are counted in the same ``BytesMoved``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from kvtier.bandwidth import BandwidthTracker
 from kvtier.errors import FrameError, KVTierError
 from kvtier.frame import Codec, make_header
 from kvtier.index import BlockMeta
@@ -58,7 +60,8 @@ def _no_lock(metas: list[BlockMeta]) -> None:
 @dataclass(slots=True, eq=False)
 class Transfers:
     """``pin``/``unpin`` read-lock arena slots that another tier reads in place (a
-    zero-copy Redis write keeps its slot pinned until the SET is over)."""
+    zero-copy Redis write keeps its slot pinned until the SET is over); ``bandwidth``
+    learns the reload rates (lower tier -> cpu) that lookups report to connectors."""
 
     arena: Arena
     nvme: NvmePort | None = None
@@ -66,6 +69,7 @@ class Transfers:
     pin: Callable[[list[BlockMeta]], None] = _no_lock
     unpin: Callable[[list[BlockMeta]], None] = _no_lock
     moved: BytesMoved = field(default_factory=BytesMoved)
+    bandwidth: BandwidthTracker = field(default_factory=BandwidthTracker)
     _routes: dict[tuple[TierName, TierName], Handler] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,9 +112,12 @@ class Transfers:
         meta, nvme = job.metas[0], self.nvme
         assert nvme is not None and meta.nvme is not None
         view = self._arena_view(meta, round_up(meta.nbytes))
+        t0 = time.perf_counter()
         try:
             header = await nvme.read_into(meta.nvme, view, namespace=meta.namespace,
                                           key=meta.key, layout_fp=meta.layout_fp)
+            self.bandwidth.observe(TierName.NVME.value, TierName.CPU.value, meta.nbytes,
+                                   time.perf_counter() - t0)
         except FrameError as exc:  # the frame is bad for good: drop it
             log.warning("dropping nvme block %s: %s", meta.key.hex(), exc)
             return TransferResult(corrupt=True)
@@ -131,10 +138,13 @@ class Transfers:
         metas, redis = job.metas, self.redis
         assert redis is not None
         views = [self._arena_view(m, m.nbytes) for m in metas]
+        t0 = time.perf_counter()
         try:
             n = await redis.get_into([m.key for m in metas], views,
                                      namespace=metas[0].namespace,
                                      layout_fp=metas[0].layout_fp)
+            self.bandwidth.observe(TierName.REDIS.value, TierName.CPU.value,
+                                   sum(m.nbytes for m in metas[:n]), time.perf_counter() - t0)
         except Exception:  # the tier promises not to raise; be defensive anyway
             log.exception("redis promotion failed")
             n = 0
