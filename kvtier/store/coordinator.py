@@ -95,13 +95,14 @@ class TieredStore:
         self.promoter = Promoter(self.blocks, self.cpu, self.nvme_residency, self.transfers,
                                  self.prefetch, clock, PrefetchWait(prefetch_wait),
                                  prefetch_ms_per_block / 1000.0, prefetch_base_s, forest)
-        self.reader = Reader(self.index, self.ns, self.cpu, self.nvme_policy, nvme, redis,
-                             self.promoter, self.requests, self.prefetch, clock,
-                             redis_lookup_budget_s, observer)
         self.leases = LeaseTable(lease_ttl_s, clock)
         self.quarantine = Quarantine()  # slots of expired put leases, see kvtier.leases
         self.lease_keeper = LeaseKeeper(self.leases, self.quarantine, self.blocks, self.cpu,
                                         self.requests, clock, self.bandwidth, self.hbm_place)
+        self.reader = Reader(self.index, self.ns, self.cpu, self.nvme_policy, nvme, redis,
+                             self.promoter, self.lease_keeper, self.bandwidth, self.requests,
+                             self.prefetch, clock, self.hbm_place, redis_lookup_budget_s,
+                             observer)
         self.writer = Writer(self.index, self.cpu, self.lease_keeper, self.demoter,
                              self.transfers, self.requests, clock, observer, forest,
                              redis is not None and redis_write_through, nvme is not None)
@@ -189,11 +190,7 @@ class TieredStore:
     async def prepare_get(self, owner: int, digest: bytes, layout_fp: int,
                           keys: list[bytes]) -> tuple[int, list[int]]:
         """Read-locked arena slots for the leading keys that are (or become) readable."""
-        metas = await self.reader.readable_prefix(self.ns.resolve(digest, layout_fp), keys)
-        self.cpu.counters.bytes_read += sum(m.nbytes for m in metas)
-        lease = self.lease_keeper.open(LeaseKind.GET, owner, metas)
-        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas))
-        return lease.id, [m.cpu for m in metas]  # type: ignore[misc]
+        return await self.reader.lease(owner, self.ns.resolve(digest, layout_fp), keys)
 
     async def prepare_get_device(self, owner: int, digest: bytes, layout_fp: int,
                                  keys: list[bytes]) -> tuple[int, list[int], list[str]]:
@@ -203,16 +200,7 @@ class TieredStore:
         "cpu" when it is an arena slot (no hbm tier, no room in it, or a failed copy). The
         leading blocks are promoted cpu -> hbm first; the lease read-locks both copies.
         """
-        ns = self.ns.resolve(digest, layout_fp)
-        metas = await self.reader.readable_prefix(ns, keys)
-        entries = await self.reader.place_in_hbm(self.hbm_place, metas, ns)
-        lease = self.lease_keeper.open(LeaseKind.GET, owner, metas)
-        lease.hbm = [e for e in entries if e is not None]
-        offsets = [m.cpu if e is None else e.offset for m, e in zip(metas, entries, strict=True)]
-        devices = [TierName.CPU.value if e is None else TierName.HBM.value for e in entries]
-        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas),
-                                   "hbm" if devices and "cpu" not in devices else "cpu")
-        return lease.id, offsets, devices  # type: ignore[return-value]
+        return await self.reader.lease_device(owner, self.ns.resolve(digest, layout_fp), keys)
 
     def release_get(self, owner: int, lease_id: int, *, copy_s: float | None = None) -> None:
         """``copy_s``: how long the client's copy took, when it says (else the hold time

@@ -1,5 +1,5 @@
-"""The read side: lookup (how long a prefix is stored, starting promotion) and the readable
-prefix a get hands out. Both walk the chain with ``BlockIndex.leading``: cpu -> nvme in the
+"""The read side: lookup (how long a prefix is stored, starting promotion) and the read
+leases a get hands out. Both walk the chain with ``BlockIndex.leading``: cpu -> nvme in the
 index, then Redis (bounded by ``redis_lookup_budget_s``) for the rest."""
 
 from __future__ import annotations
@@ -8,14 +8,18 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.bandwidth import BandwidthTracker
 from kvtier.index import BlockIndex, BlockMeta, SlotState
+from kvtier.leases import LeaseKind
 from kvtier.policy.base import EvictionPolicy, LookupObserver
 from kvtier.store.cpu import CpuResidency
 from kvtier.store.hbm import HbmEntry, HbmPlacement
+from kvtier.store.leasing import LeaseKeeper
 from kvtier.store.namespaces import NamespaceEntry, NamespaceRegistry
 from kvtier.store.ports import MissLogPort, NvmePort, RedisPort
 from kvtier.store.promoter import Promoter
 from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, count_lookup
+from kvtier.tiers.base import TierName
 
 __all__ = ["Reader"]
 
@@ -29,9 +33,12 @@ class Reader:
     nvme: NvmePort | None
     redis: RedisPort | None
     promoter: Promoter
+    leases: LeaseKeeper
+    bandwidth: BandwidthTracker
     requests: RequestCounters
     prefetch: PrefetchCounters
     clock: Callable[[], float]
+    hbm: HbmPlacement | None = None
     redis_lookup_budget_s: float = 0.1
     observer: LookupObserver | None = None
     explain: MissLogPort | None = None
@@ -152,8 +159,30 @@ class Reader:
         self.requests.get_blocks += len(metas)
         return metas
 
-    async def place_in_hbm(self, hbm: HbmPlacement | None, metas: list[BlockMeta],
-                           ns: NamespaceEntry) -> list[HbmEntry | None]:
+    async def lease(self, owner: int, ns: NamespaceEntry,
+                    keys: list[bytes]) -> tuple[int, list[int]]:
+        """A read lease on the readable prefix of ``keys``: (lease id, arena offsets)."""
+        metas = await self.readable_prefix(ns, keys)
+        self.cpu.counters.bytes_read += sum(m.nbytes for m in metas)
+        lease = self.leases.open(LeaseKind.GET, owner, metas)
+        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas))
+        return lease.id, [m.cpu for m in metas]  # type: ignore[misc]
+
+    async def lease_device(self, owner: int, ns: NamespaceEntry,
+                           keys: list[bytes]) -> tuple[int, list[int], list[str]]:
+        """``lease`` placing the blocks in hbm when there is room: (lease, offsets, devices)."""
+        metas = await self.readable_prefix(ns, keys)
+        entries = await self._place_in_hbm(self.hbm, metas, ns)
+        lease = self.leases.open(LeaseKind.GET, owner, metas)
+        lease.hbm = [e for e in entries if e is not None]
+        offsets = [m.cpu if e is None else e.offset for m, e in zip(metas, entries, strict=True)]
+        devices = [TierName.CPU.value if e is None else TierName.HBM.value for e in entries]
+        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas),
+                                   "hbm" if devices and "cpu" not in devices else "cpu")
+        return lease.id, offsets, devices  # type: ignore[return-value]
+
+    async def _place_in_hbm(self, hbm: HbmPlacement | None, metas: list[BlockMeta],
+                            ns: NamespaceEntry) -> list[HbmEntry | None]:
         """Read-lock ``metas`` (ready and read-locked in cpu) in hbm too, copying them there
         when needed; None where a block is served from cpu. Counts the cpu reads."""
         entries: list[HbmEntry | None] = [None] * len(metas)
