@@ -164,6 +164,11 @@ def render_stats(s: dict[str, Any]) -> str:
     p = s.get("prefetch", {})
     if p:
         lines.append("prefetch: " + "  ".join(f"{k} {v}" for k, v in p.items()))
+    from kvtier.policy.mrc import render_table  # adaptive policy: mode and live MRC per tier
+
+    mrc = render_table(s)
+    if mrc:
+        lines.append(mrc)
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ AtLeastOne = Annotated[int, Meta(ge=1)]
 Port = Annotated[int, Meta(ge=0, le=65535)]   # 0 picks a free port
 Seconds = Annotated[float, Meta(ge=0)]        # finite too (nan would make deadlines never fire)
 Number = Annotated[float, Meta(ge=0)]
+Fraction = Annotated[float, Meta(ge=0, le=1)]
 
 
 class Choice(str, Enum):
@@ -76,6 +77,7 @@ class RedisCodec(Choice):
 
 
 class Eviction(Choice):
+    ADAPTIVE = "adaptive"
     LRU = "lru"
     LFU = "lfu"
     COST = "cost"
@@ -242,10 +244,11 @@ class HbmConfig:
 
 @dataclass(slots=True)
 class PolicyConfig:
-    eviction: Eviction = Eviction.COST
+    eviction: Eviction = Eviction.ADAPTIVE
     prefetch_wait: PrefetchWait = PrefetchWait.TIMEOUT
     prefetch_timeout_ms_per_block: Number = 2.0
     model_params: Number = 7e9            # for the recompute-cost model
+    shadow_sample_rate: Fraction = 0.0    # adaptive: shadows' key sampling rate (0: auto)
 
 
 @dataclass(slots=True)
