@@ -36,6 +36,7 @@ from kvtier.daemon.parts import DaemonParts
 from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_error
 from kvtier.errors import ConfigError
 from kvtier.explain import MissLog, salt_id
+from kvtier.policy.factory import build_policies
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.arena_journal import read_journal
@@ -166,15 +167,9 @@ class Daemon:
         return self.parts.nvme(self.cfg)
 
     def _make_store(self) -> TieredStore:
+        """The store over the tiers made so far, with the configured policies."""
         cfg = self.cfg
         assert self.arena is not None
-        kwargs: dict[str, Any] = {}
-        try:
-            from kvtier.policy.factory import build_policies  # cost policy wiring
-
-            kwargs.update(build_policies(cfg))
-        except ImportError:
-            kwargs["eviction"] = cfg.policy.eviction if cfg.policy.eviction != "cost" else "lru"
         return TieredStore(
             self.arena, nvme=self.nvme, redis=self.redis, hbm=self.hbm,
             lease_ttl_s=cfg.daemon.lease_ttl_s,
@@ -182,7 +177,7 @@ class Daemon:
             prefetch_ms_per_block=cfg.policy.prefetch_timeout_ms_per_block,
             redis_write_through=cfg.redis.write_through,
             redis_lookup_budget_s=cfg.redis.lookup_budget_s,
-            max_namespaces=cfg.daemon.max_namespaces, **kwargs)
+            max_namespaces=cfg.daemon.max_namespaces, **build_policies(cfg))
 
     async def _sweep(self, store: TieredStore) -> None:
         """Take back expired leases every ``daemon.lease_sweep_s`` (a late commit or release
