@@ -191,7 +191,8 @@ def build(tree: type[T], path: str | Path | None, environ: Mapping[str, str],
           overrides: Mapping[str, Any], aliases: Mapping[str, tuple[str, str]],
           validate: Callable[[T], None]) -> T:
     """Defaults < TOML file < env < overrides (``section.field`` -> value, None = unset)."""
-    chosen: dict[str, dict[str, Any]] = {section: {} for section in settings(tree)}
+    known: type = tree
+    chosen: dict[str, dict[str, Any]] = {section: {} for section in settings(known)}
 
     def take(layer: Iterator[tuple[Setting, Any, str]]) -> None:
         for s, value, source in layer:
