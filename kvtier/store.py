@@ -61,6 +61,10 @@ for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
         importlib.import_module(f"kvtier.policy.{_mod}")
 
 
+def _nothing() -> None:
+    """Release callback for a buffer that nobody else holds."""
+
+
 @dataclass(slots=True)
 class LookupResult:
     hits: int
@@ -589,8 +593,7 @@ class TieredStore:
     async def _demote_to_redis(self, meta: BlockMeta) -> None:
         """Hand a block leaving nvme to Redis (from the arena copy, or read back first)."""
         if meta.in_cpu:
-            self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                              memoryview(self.arena.view(meta.cpu, meta.nbytes)), seq=meta.seq)
+            self._submit_redis_from_slot(meta)
             self._moved("nvme", "redis", meta.nbytes)
             return
         buf = aligned_buffer(round_up(meta.nbytes))
@@ -602,9 +605,17 @@ class TieredStore:
             return
         finally:
             meta.nvme_busy = False
-        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                          buf[: meta.nbytes], seq=meta.seq)
+        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,  # buf is ours: no copy
+                          buf[: meta.nbytes], seq=meta.seq, release=_nothing)
         self._moved("nvme", "redis", meta.nbytes)
+
+    def _submit_redis_from_slot(self, meta: BlockMeta) -> None:
+        """Zero-copy hand-off to Redis: the arena slot is pinned (a reader) until the tier
+        releases it, once the SET is done, dropped or failed."""
+        self._pin([meta])
+        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
+                          memoryview(self.arena.view(meta.cpu, meta.nbytes)), seq=meta.seq,
+                          release=lambda: self._unpin([meta]))
 
     def _drop_nvme(self, meta: BlockMeta, reason: EvictionReason, *, erase: bool = False) -> None:
         if meta.nvme is None:
@@ -730,9 +741,7 @@ class TieredStore:
         self.cpu.counters.bytes_written += sum(m.nbytes for m in committed)
         if self.redis is not None and self.redis_write_through:
             for meta in committed:
-                self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                                  memoryview(self.arena.view(meta.cpu, meta.nbytes)),
-                                  seq=meta.seq)
+                self._submit_redis_from_slot(meta)
                 self._moved("cpu", "redis", meta.nbytes)
         if durable and self.nvme is not None:
             results = await asyncio.gather(*(self._write_nvme(m, sync=True) for m in committed))
