@@ -1,6 +1,9 @@
 """Replay speed and policy gain: block references per second per policy (issue 4 asks
->= 100,000 on 2 cores) and, with ``--spread``, each policy's token hits over LRU's measured
-at five capacities around each fraction (x0.92 .. x1.08).
+>= 100,000 on 2 cores; issue 13: with the adaptive policy's shadow caches on) and the
+cost of the shadows side by side (adaptive's refs/s over cost's, the policy it runs when
+its shadows pick cost), the adaptive runs' final mode and live MRC; with ``--spread``,
+each policy's token hits over LRU's measured at five capacities around each fraction
+(x0.92 .. x1.08).
 
 A single capacity is a noisy measure of a policy: eviction is chaotic, and moving the
 capacity by a few per cent moves cost/LRU on the shared Mooncake trace by up to +-0.05. A change
@@ -18,7 +21,10 @@ from statistics import mean
 from kvtier.replay.simulator import SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, load_trace
 
-DEFAULT = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "traces" / (
+    "mooncake_synthetic_trace.jsonl")
+if not DEFAULT.exists():  # a worktree one level deeper than the main checkout
+    DEFAULT = Path(__file__).resolve().parents[3] / "shared" / "traces" / DEFAULT.name
 SPREAD = (0.92, 0.96, 1.0, 1.04, 1.08)
 
 
@@ -46,23 +52,32 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", nargs="?", default=str(DEFAULT))
     ap.add_argument("--fraction", nargs="+", type=float, default=[0.05, 0.40])
-    ap.add_argument("--policy", nargs="+", default=["lru", "lfu", "cost", "belady"])
+    ap.add_argument("--policy", nargs="+", default=["lru", "lfu", "cost", "adaptive", "belady"])
     ap.add_argument("--spread", action="store_true",
                     help="also print each policy vs LRU over five capacities around each "
                     "fraction (x0.92 .. x1.08)")
     args = ap.parse_args()
     trace = load_trace(args.trace)
     print(f"{args.trace}: {trace.n_references} block references")
-    print(f"{'policy':>8} {'capacity':>8} {'refs/s':>10} {'tok hit':>8}  >=100k/s")
+    print(f"{'policy':>8} {'capacity':>8} {'refs/s':>10} {'tok hit':>8}  >=100k/s  notes")
     worst = float("inf")
     for f in args.fraction:
         cfg = _config(trace, f)
+        rates: dict[str, float] = {}
         for p in args.policy:
             r = simulate(trace, p, cfg, capacity_fraction=f)
-            rate = r.references / r.elapsed_s
+            rate = rates[p] = r.references / r.elapsed_s
             worst = min(worst, rate)
             ok = "yes" if rate >= 100_000 else "NO"
-            print(f"{p:>8} {f:>8.0%} {rate:>10,.0f} {r.token_hit_rate:>8.4f}  {ok}")
+            note = ""
+            if r.shadows:
+                sh = r.shadows[0]
+                mrc = " ".join(f"{p['scale']:g}x={p['hit_rate']:.3f}"  # type: ignore[index]
+                               for p in sh["mrc"])  # type: ignore[attr-defined]
+                note = f"mode {sh['mode']} ({sh['switches']} switches)  MRC {mrc}"
+                if "cost" in rates:
+                    note += f"  speed vs cost {rate / rates['cost']:.2f}x"
+            print(f"{p:>8} {f:>8.0%} {rate:>10,.0f} {r.token_hit_rate:>8.4f}  {ok:>8}  {note}")
     print(f"slowest: {worst:,.0f} refs/s")
     if args.spread:
         print("\ntoken hits over LRU's at five capacities around each fraction")

@@ -44,7 +44,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--nvme-bytes", help="nvme tier size, e.g. 64GiB (0 disables it)")
     p.add_argument("--nvme-path", help="nvme tier directory (default DATA_DIR/nvme)")
     p.add_argument("--nvme-direct", choices=("auto", "on", "off"), help="O_DIRECT use")
-    p.add_argument("--eviction", choices=("lru", "lfu", "cost"), help="eviction policy")
+    p.add_argument("--eviction", choices=("adaptive", "lru", "lfu", "cost"), help="eviction policy")
     p.add_argument("--redis-url", help="enable the redis tier at this URL")
     p.add_argument("--redis-cluster", action="store_true", default=None,
                    help="the redis URL points at a Redis Cluster")
@@ -158,6 +158,11 @@ def render_stats(s: dict[str, Any]) -> str:
     p = s.get("prefetch", {})
     if p:
         lines.append("prefetch: " + "  ".join(f"{k} {v}" for k, v in p.items()))
+    from kvtier.policy.mrc import render_table  # adaptive policy: mode and live MRC per tier
+
+    mrc = render_table(s)
+    if mrc:
+        lines.append(mrc)
     return "\n".join(lines)
 
 

@@ -208,10 +208,11 @@ class HbmConfig:
 
 @dataclass(slots=True)
 class PolicyConfig:
-    eviction: str = "cost"                # lru | lfu | cost
+    eviction: str = "adaptive"            # adaptive | lru | lfu | cost
     prefetch_wait: str = "timeout"        # best_effort | wait | timeout
     prefetch_timeout_ms_per_block: float = 2.0
     model_params: float = 7e9             # for the recompute-cost model
+    shadow_sample_rate: float = 0.0       # adaptive: shadows' key sampling rate (0: auto)
 
 
 @dataclass(slots=True)
@@ -365,8 +366,10 @@ def validate(cfg: Config) -> None:
     if cfg.redis.lookup_budget_s <= 0:
         raise ConfigError("redis.lookup_budget_s must be > 0 (e.g. 0.1: well under the "
                           "connector's step timeout)")
-    if cfg.policy.eviction not in ("lru", "lfu", "cost"):
-        raise ConfigError("policy.eviction must be lru, lfu or cost")
+    if cfg.policy.eviction not in ("adaptive", "lru", "lfu", "cost"):
+        raise ConfigError("policy.eviction must be adaptive, lru, lfu or cost")
+    if not 0.0 <= cfg.policy.shadow_sample_rate <= 1.0:
+        raise ConfigError("policy.shadow_sample_rate must be in [0, 1] (0: automatic)")
     if cfg.policy.prefetch_wait not in ("best_effort", "wait", "timeout"):
         raise ConfigError("policy.prefetch_wait must be best_effort, wait or timeout")
     d = cfg.daemon

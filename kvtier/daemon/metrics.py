@@ -108,6 +108,7 @@ class KVTierCollector:
                                 "Arena bytes of expired put leases held until their "
                                 "connection closes",
                                 value=float(s.get("leases", {}).get("quarantined_bytes", 0)))
+        yield from _policy_metrics(s)
         conn = s.get("connector", {})
         for key in ("running", "waiting", "preemptions", "context_tokens_p50",
                     "context_tokens_p99"):
@@ -153,6 +154,29 @@ def _explain_families(ex: dict[str, Any]) -> Iterator[Metric]:
     for reason, n in ex.get("first_miss", {}).items():
         first.add_metric([reason], float(n))
     yield first
+
+
+def _policy_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+    """Adaptive policy (issue 13): live mode, switches and miss-ratio curve per tier."""
+    tiers: dict[str, dict[str, Any]] = s.get("policy", {}).get("tiers", {})
+    if not tiers:
+        return
+    mrc = GaugeMetricFamily("kvtier_policy_mrc_hit_rate", "Token hit rate the tier would have "
+                            "at scale x its size (live miss-ratio curve)",
+                            labels=["tier", "scale"])
+    mode = GaugeMetricFamily("kvtier_policy_mode", "1 for the eviction mode the tier runs now",
+                             labels=["tier", "mode"])
+    switches = CounterMetricFamily("kvtier_policy_mode_switches", "Changes of the live mode",
+                                   labels=["tier"])
+    for name, t in tiers.items():
+        for p in t.get("mrc", []):
+            mrc.add_metric([name, f"{p['scale']:g}"], float(p["hit_rate"]))
+        for m in t.get("modes", {}):
+            mode.add_metric([name, m], 1.0 if m == t.get("mode") else 0.0)
+        switches.add_metric([name], float(t.get("switches", 0)))
+    yield mrc
+    yield mode
+    yield switches
 
 
 class Metrics:

@@ -270,6 +270,9 @@ class Daemon:
         if self.control is not None:
             out["daemon"].update(self.control.limit_stats())
         out.update(self.store.stats())   # tiers.hbm first when the daemon has a pool
+        shadows = getattr(self.store.observer, "snapshot", None)
+        if callable(shadows):  # adaptive policy: mode and miss-ratio curve per tier
+            out.setdefault("policy", {})["tiers"] = shadows()
         out["connector"] = self.control.engine_summary() if self.control else {}
         if self.control is not None:
             schemes: dict[str, int] = {}

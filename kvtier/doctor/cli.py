@@ -126,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvtier doctor: could not read metrics: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
     signals = derive(got.engine, got.stats, got.interval_s)
+    if got.stats:  # tier sizing from the adaptive policy's live miss-ratio curve
+        from kvtier.policy.mrc import sizing_notes
+
+        got.notes.extend(sizing_notes({"policy": got.stats[-1].policy,
+                                       "tiers": {n: {"capacity_bytes": t.capacity_bytes}
+                                                 for n, t in got.stats[-1].tiers.items()}}))
     findings = diagnose(signals)
     if args.json:
         print(json.dumps(to_json(findings, signals, got), indent=2))

@@ -64,6 +64,7 @@ class KVTierStats:
     context_p50: float | None = None
     context_p99: float | None = None
     missing: tuple[str, ...] = ()
+    policy: dict[str, Any] = field(default_factory=dict)  # /v1/stats "policy" (live MRC)
 
 
 def parse_stats(text: str, source: str) -> KVTierStats:
@@ -104,4 +105,5 @@ def parse_stats(text: str, source: str) -> KVTierStats:
         preemptions=_num(doc, "connector", "preemptions"),
         context_p50=_num(doc, "connector", "context_tokens_p50"),
         context_p99=_num(doc, "connector", "context_tokens_p99"),
-        missing=missing)
+        missing=missing,
+        policy=doc["policy"] if isinstance(doc.get("policy"), dict) else {})

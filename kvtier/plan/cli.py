@@ -75,6 +75,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens per hash_ids entry (default 512 Mooncake, 16 Bailian)")
     p.add_argument("--block-size", type=int, default=16,
                    help="engine KV page size in tokens (allocation granularity)")
+    p.add_argument("--live-stats", default=None, metavar="URL|FILE",
+                   help="a daemon's /v1/stats (URL or saved JSON): also print what other tier "
+                        "sizes would hit on its live workload (adaptive policy's curve)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw KV memory vs context length against the HBM budget")
@@ -134,6 +137,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(to_json(plan), indent=2))
     else:
         print_plan(plan)
+    if getattr(args, "live_stats", None):
+        from kvtier.errors import KVTierError
+        from kvtier.policy.mrc import live_plan
+
+        try:
+            print(live_plan(args.live_stats), file=sys.stderr if args.json else sys.stdout)
+        except KVTierError as exc:
+            print(f"kvtier plan: error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     return EXIT_OK
 
 

@@ -6,6 +6,7 @@ Importing the package registers the built-in eviction policies, so
 
 from __future__ import annotations
 
+from kvtier.policy import adaptive as _adaptive  # noqa: F401  (registers "adaptive")
 from kvtier.policy import cost as _cost  # noqa: F401  (registers "cost")
 from kvtier.policy import lfu as _lfu  # noqa: F401  (registers "lfu")
 from kvtier.policy import lru as _lru  # noqa: F401  (registers "lru")

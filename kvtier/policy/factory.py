@@ -7,12 +7,16 @@ parameters for a live node (capacities, next-tier bandwidths, the model's prefil
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
+from kvtier.policy.adaptive import AdaptivePolicy, ShadowObserver
 from kvtier.policy.admission import TierAdmission, WriteBudget
 from kvtier.policy.base import EvictionPolicy, make_eviction_policy
 from kvtier.policy.costmodel import BlockCosts, PrefillModel
 from kvtier.policy.prefix import PrefixForest
+from kvtier.policy.shadow import TierShadows
 from kvtier.policy.stats import WorkloadStats
 from kvtier.tiers.base import TierName
 
@@ -25,13 +29,22 @@ NVME_READ_BPS = 2.0e9     # reload bandwidth of the tier below cpu (re-measured 
 REDIS_READ_BPS = 0.8e9    # reload bandwidth of the tier below nvme
 
 
+def _call_soon(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on the event loop after the current callback (after the reply is sent);
+    inline when no loop runs (a store used from synchronous code)."""
+    try:
+        asyncio.get_running_loop().call_soon(fn)
+    except RuntimeError:
+        fn()
+
+
 def build_policies(cfg: Any) -> dict[str, Any]:
     """Keyword arguments for ``TieredStore``: eviction, policy_factory, admission,
     observer and forest."""
     name = cfg.policy.eviction
     stats: WorkloadStats | None = None
     costs: BlockCosts | None = None
-    if name == "cost":
+    if name in ("cost", "adaptive"):
         top_blocks = max(1024, cfg.cpu.bytes // TYPICAL_BLOCK_BYTES)
         all_blocks = top_blocks + (cfg.nvme.bytes // TYPICAL_BLOCK_BYTES
                                    if cfg.nvme.enabled else 0)
@@ -45,7 +58,21 @@ def build_policies(cfg: Any) -> dict[str, Any]:
         REDIS_READ_BPS if cfg.redis.enabled else None)
     below_nvme = REDIS_READ_BPS if cfg.redis.enabled else None
 
+    shadows: dict[str, TierShadows] = {}
+
     def factory(policy: str, tier: TierName) -> EvictionPolicy:
+        if policy == "adaptive":
+            def make(mode: str) -> EvictionPolicy:
+                return factory(mode, tier)
+
+            # the nvme tier is modelled below the cpu tier (one cache of both sizes); the
+            # hbm pool is inclusive in cpu, so cpu and hbm are each modelled alone
+            above = shadows.get(TierName.CPU.value) if tier is TierName.NVME else None
+            rate = cfg.policy.shadow_sample_rate or None
+            sh = shadows[tier.value] = TierShadows(make, above=above, rate=rate)
+            cap = {TierName.HBM: cfg.hbm.bytes, TierName.CPU: cfg.cpu.bytes}.get(
+                tier, cfg.nvme.bytes if cfg.nvme.enabled else 0)
+            return AdaptivePolicy(make, sh, capacity_bytes=cap)
         if policy != "cost":
             return make_eviction_policy(policy)
         bw = {TierName.HBM: H2D_BPS, TierName.CPU: below_cpu}.get(tier, below_nvme)
@@ -55,5 +82,9 @@ def build_policies(cfg: Any) -> dict[str, Any]:
     if cfg.nvme.write_budget_bytes_per_s > 0:
         rate = cfg.nvme.write_budget_bytes_per_s
         admission = TierAdmission({"nvme": WriteBudget(rate, burst_bytes=max(rate, 2**26))})
+    # the shadows are fed by the observer; the store builds the tiers' policies (and so
+    # fills ``shadows``) when it is constructed, before its first lookup
+    observer = (ShadowObserver(shadows, inner=stats, defer=_call_soon)
+                if name == "adaptive" else stats)
     return {"eviction": name, "policy_factory": factory, "admission": admission,
-            "observer": stats, "forest": PrefixForest()}
+            "observer": observer, "forest": PrefixForest()}

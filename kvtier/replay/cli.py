@@ -17,11 +17,11 @@ from kvtier.errors import KVTierError
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondHitAdmission, WriteBudget
 from kvtier.policy.costmodel import BlockCosts, PrefillModel
 from kvtier.policy.prefetch import PrefetchWait
-from kvtier.replay.report import format_reuse_breakdown, table_rows, to_record
+from kvtier.replay.report import format_mrc, format_reuse_breakdown, table_rows, to_record
 from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, TraceFormat, load_trace
 
-POLICIES = ("lru", "lfu", "cost", "belady")
+POLICIES = ("lru", "lfu", "cost", "adaptive", "belady")
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.40)
 DEFAULT_BW = {"hbm": 1.0e12, "cpu": 25.0e9, "nvme": 3.0e9, "redis": 1.0e9}
 
@@ -160,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
                   "tokens", markup=False)
         head, rows = table_rows(results)
         out.print(ui.table(head, rows, right=range(2, len(head))))
+        mrc = format_mrc(results)
+        if mrc:
+            out.print()
+            out.print(mrc, markup=False)
         if args.reuse_breakdown:
             print()
             print(format_reuse_breakdown(results))

@@ -67,6 +67,8 @@ def to_record(r: ReplayResult, results: Sequence[ReplayResult] = ()) -> dict[str
         "vs_lru": r.hit_tokens / lru.hit_tokens if lru is not None and lru.hit_tokens else None,
         "refs_per_s": r.references / r.elapsed_s if r.elapsed_s > 0 else None,
     }
+    if r.shadows:  # adaptive: the live mode, switches and miss-ratio curve of each tier
+        rec["shadows"] = {t.name: sh for t, sh in zip(r.tiers, r.shadows, strict=False)}
     if r.reuses_by_distance:
         rec["reuse_distance"] = [
             {"max_capacities": edge, "reuses": n, "hits": h}
@@ -118,6 +120,32 @@ def format_reuse_breakdown(results: Sequence[ReplayResult]) -> str:
     return "\n".join(lines)
 
 
+def _policy_label(r: ReplayResult) -> str:
+    """``adaptive`` with each tier's final mode and its number of switches."""
+    if not r.shadows:
+        return r.policy
+    modes = "/".join(f"{sh['mode']}" for sh in r.shadows)
+    switches = sum(int(str(sh["switches"])) for sh in r.shadows)
+    return f"{r.policy}({modes},{switches}sw)"
+
+
+def format_mrc(results: Sequence[ReplayResult]) -> str:
+    """The adaptive runs' live miss-ratio curves: per tier, the token hit rate the shadows
+    predict at 0.25x .. 4x the tier's size under the final mode."""
+    rows = []
+    for r in results:
+        for t, sh in zip(r.tiers, r.shadows, strict=False):
+            pts = {p["scale"]: p["hit_rate"] for p in sh["mrc"]}  # type: ignore[attr-defined]
+            rows.append(f"{_capacity_label(r):>8}  {t.name:<5} {sh['mode']!s:<5} "
+                        f"{float(str(sh['sample_rate'])):>6.4f}  "
+                        + "  ".join(f"{pts.get(s, 0.0):.4f}" for s in (0.25, 0.5, 1, 2, 4)))
+    if not rows:
+        return ""
+    head = ("live miss-ratio curve (adaptive shadows): token hit rate at x the tier's size\n"
+            "capacity  tier  mode    rate   0.25x    0.5x      1x      2x      4x")
+    return "\n".join([head, *rows])
+
+
 def format_table(results: Sequence[ReplayResult]) -> str:
     """A fixed-width table, one row per (capacity, policy), grouped by capacity."""
     head, rows = table_rows(results)
@@ -138,7 +166,7 @@ def table_rows(results: Sequence[ReplayResult]) -> tuple[list[str], list[list[st
     for r in results:
         rec = to_record(r, results)
         cap = _capacity_label(r)
-        row = [cap, r.policy, f"{r.token_hit_rate:.4f}", f"{r.block_hit_rate:.4f}"]
+        row = [cap, _policy_label(r), f"{r.token_hit_rate:.4f}", f"{r.block_hit_rate:.4f}"]
         if len(tiers) > 1:
             row += [f"{v:.4f}" for v in rec["token_hit_rate_by_tier"].values()]
         row += [f"{r.hit_tokens / 1e6:.1f}"]

@@ -24,11 +24,13 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from kvtier.policy.adaptive import AdaptivePolicy
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit
 from kvtier.policy.base import EvictionPolicy, Key, make_eviction_policy
 from kvtier.policy.costmodel import BlockCosts
 from kvtier.policy.prefetch import PrefetchWait, wait_for_prefix
 from kvtier.policy.prefix import PrefixForest
+from kvtier.policy.shadow import TierShadows
 from kvtier.policy.stats import WorkloadStats
 from kvtier.replay.belady import BeladyPolicy
 from kvtier.replay.trace import Trace
@@ -94,6 +96,13 @@ class ReplayResult:
     # per REUSE_EDGES bucket (+1 open bucket): reuses seen and reuses hit; empty unless asked
     reuses_by_distance: list[int] = field(default_factory=list)
     hits_by_distance: list[int] = field(default_factory=list)
+    # per tier (adaptive only): the shadows' snapshot at the end (mode, switches, MRC)
+    shadows: list[dict[str, object]] = field(default_factory=list)
+
+    @property
+    def modes(self) -> list[str]:
+        """The live mode of each tier at the end of the replay (adaptive only)."""
+        return [str(s["mode"]) for s in self.shadows]
 
     @property
     def token_hit_rate(self) -> float:
@@ -142,6 +151,14 @@ def make_policy(
     """Build the eviction policy of one simulated tier (``belady`` is replay-only)."""
     if name == "belady":
         return BeladyPolicy()
+    if name == "adaptive":
+        def make(mode: str) -> EvictionPolicy:
+            return make_policy(mode, tier_index, config, stats)
+
+        above = sum(t.capacity_blocks for t in config.tiers[:tier_index])
+        shadows = TierShadows(make, capacity_blocks=config.tiers[tier_index].capacity_blocks,
+                              above_blocks=above)
+        return AdaptivePolicy(make, shadows)
     if name == "cost":
         below = config.tiers[tier_index + 1].read_bw if tier_index + 1 < len(config.tiers) else None
         return make_eviction_policy("cost", stats=stats, costs=config.costs,
@@ -192,6 +209,7 @@ def simulate(
     slot = costs.block_bytes
     prefill = costs.prefill
     top = pols[0]
+    shadow_sets = [p.shadows for p in pols if isinstance(p, AdaptivePolicy)]
     ref = 0
     depth_of: dict[Key, int] = {}  # only kept with several tiers (demotion needs the depth)
     buckets = reuse_buckets(trace, total) if reuse_breakdown else []
@@ -302,6 +320,8 @@ def simulate(
         res.ttft_s.append(load_s + prefill.seconds(hit_tokens, inp))
         # ---- after the run: every block touched or inserted into the top tier, in order
         stats.on_stored(keys, output_tokens=r.output_tokens, now=now)
+        for sh in shadow_sets:
+            sh.on_request(keys, lambda d, inp=inp: max(0, min(bt, inp - d * bt)), now)
         parent: Key | None = None
         for d, k in enumerate(keys):
             mask = loc.get(k, 0)
@@ -334,6 +354,7 @@ def simulate(
         if progress is not None:
             progress(n)
     res.elapsed_s = time.perf_counter() - t0
+    res.shadows = [sh.snapshot() for sh in shadow_sets]
     if buckets:
         res.hits_by_distance = by_hits
         res.reuses_by_distance = [0] * (len(REUSE_EDGES) + 1)

@@ -48,7 +48,8 @@ def _run(daemon: DaemonProcess) -> tuple[list[str], list[list[str]], dict]:
 
 def test_cost_policy_is_default_and_keeps_reused_prefixes_in_cpu(daemon_factory) -> None:
     size = f"{CPU_BLOCKS * LAYOUT.block_bytes}"
-    cost = daemon_factory("cost", cpu_bytes=size, nvme_bytes="64MiB").start()
+    cost = daemon_factory("cost", cpu_bytes=size, nvme_bytes="64MiB",
+                          extra_args=["--eviction", "cost"]).start()
     lru = daemon_factory("lru", cpu_bytes=size, nvme_bytes="64MiB",
                          extra_args=["--eviction", "lru"]).start()
     cost_hot, cost_chains, cost_stats = _run(cost)

@@ -1,0 +1,189 @@
+"""``adaptive``: the live tier follows whichever mode its shadow caches say hits the most.
+
+Nothing here is fitted to a trace. The shadows (:mod:`kvtier.policy.shadow`) replay the
+tier's own recent references through miniature ``lru``, ``lfu`` and ``cost`` caches; the
+live policy runs one of them (the *mode*) and, when the shadows' choice changes, rebuilds
+the new mode's ordering over the resident blocks, most recently used last, so a block just
+used is the last to go under any mode. Switches are rare (hysteresis and a minimum of
+evidence in :class:`~kvtier.policy.shadow.TierShadows`); a rebuild is O(resident blocks).
+
+The wrapper mirrors residency in one insertion-ordered dict (the recency order the rebuild
+needs) and forwards every call to the live mode: an O(1) overhead per call.
+
+Wiring: :class:`ShadowObserver` feeds every request's chain to the shadows of each tier
+(the store's observer seam); the simulator calls :meth:`TierShadows.on_request` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.policy.base import EvictionPolicy, Key, register_eviction_policy
+from kvtier.policy.shadow import TierShadows
+
+
+class AdaptivePolicy:
+    """An eviction policy that delegates to the mode its :class:`TierShadows` chose.
+
+    ``make(mode)`` builds a policy of a mode (the same factory the shadows use).
+    ``shadows`` may be shared with an observer that feeds it; when its capacity is not
+    known yet, ``capacity_bytes`` over the first block's size sizes it (a daemon knows its
+    tier in bytes, not blocks), else the population at the first eviction (the tier is
+    full then).
+    """
+
+    name = "adaptive"
+
+    __slots__ = ("_cap_bytes", "_live", "_make", "_meta", "_pinned", "mode", "shadows")
+
+    def __init__(self, make: Callable[[str], EvictionPolicy],
+                 shadows: TierShadows | None = None, *, capacity_bytes: int = 0) -> None:
+        self._make = make
+        self._cap_bytes = capacity_bytes
+        self.shadows = shadows if shadows is not None else TierShadows(make)
+        self.mode = self.shadows.mode
+        self._live = make(self.mode)
+        self._meta: dict[Key, tuple[int, Key | None, int]] = {}  # recency order
+        self._pinned: set[Key] = set()
+
+    def _follow(self) -> None:
+        mode = self.shadows.mode
+        if mode == self.mode:
+            return
+        live = self._make(mode)
+        meta = self._meta
+        done: set[Key] = set()
+        for key in meta:
+            if key in done:
+                continue
+            # parents first (prefix-aware modes count resident children): walk up to the
+            # first ancestor already placed, then insert top-down (no recursion: chains of
+            # thousands of blocks exist)
+            path = [key]
+            parent = meta[key][1]
+            while parent is not None and parent in meta and parent not in done:
+                path.append(parent)
+                parent = meta[parent][1]
+            for k in reversed(path):
+                nbytes, par, depth = meta[k]
+                done.add(k)
+                live.insert(k, nbytes=nbytes, parent=par, depth=depth, now=0.0)
+        for key in self._pinned:
+            live.set_pinned(key, True)
+        self._live = live
+        self.mode = mode
+
+    def insert(self, key: Key, *, nbytes: int, parent: Key | None = None, depth: int = 0,
+               now: float = 0.0) -> None:
+        meta = self._meta
+        if key in meta:
+            del meta[key]
+        elif self._cap_bytes and nbytes > 0 and not self.shadows.active:
+            self._size_shadows(self._cap_bytes // nbytes)
+        meta[key] = (nbytes, parent, depth)
+        self._live.insert(key, nbytes=nbytes, parent=parent, depth=depth, now=now)
+
+    def touch(self, key: Key, *, now: float = 0.0) -> None:
+        meta = self._meta
+        m = meta.pop(key, None)
+        if m is not None:
+            meta[key] = m
+            self._live.touch(key, now=now)
+
+    def remove(self, key: Key) -> None:
+        if self._meta.pop(key, None) is not None:
+            self._pinned.discard(key)
+            self._live.remove(key)
+
+    def _size_shadows(self, blocks: int) -> None:
+        shadows = self.shadows
+        above = shadows.above.capacity_blocks if shadows.above is not None else 0
+        if blocks > 0:
+            shadows.set_capacity(blocks, above or shadows.above_blocks)
+
+    def victim(self) -> Key | None:
+        if not self.shadows.active and self._meta:
+            self._size_shadows(len(self._meta))
+        self._follow()
+        return self._live.victim()
+
+    def set_pinned(self, key: Key, pinned: bool) -> None:
+        if key not in self._meta:
+            return
+        if pinned:
+            self._pinned.add(key)
+        else:
+            self._pinned.discard(key)
+        self._live.set_pinned(key, pinned)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._meta
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+
+@register_eviction_policy("adaptive")
+def _make_adaptive(*, make: Callable[[str], EvictionPolicy] | None = None,
+                   shadows: TierShadows | None = None,
+                   capacity_bytes: int = 0) -> AdaptivePolicy:
+    if make is None:
+        from kvtier.policy.base import make_eviction_policy
+
+        def make(mode: str) -> EvictionPolicy:
+            return make_eviction_policy(mode)
+
+    return AdaptivePolicy(make, shadows, capacity_bytes=capacity_bytes)
+
+
+class ShadowObserver:
+    """The store's observer seam: feeds each lookup's chain to every tier's shadows, then
+    forwards to ``inner`` (the ``cost`` mode's :class:`~kvtier.policy.stats.WorkloadStats`).
+
+    ``block_tokens`` weighs each block (the daemon looks up full blocks only). ``defer``
+    (the daemon passes the event loop's ``call_soon``) takes the shadows off the request
+    path: a lookup only queues its chain, and the queue is replayed into the shadows after
+    the reply has gone out. Without it the shadows run inline (tests, tools).
+    """
+
+    def __init__(self, shadows: dict[str, TierShadows], inner: Any = None,
+                 block_tokens: int = 1,
+                 defer: Callable[[Callable[[], None]], Any] | None = None) -> None:
+        self.shadows = shadows
+        self.inner = inner
+        self.block_tokens = block_tokens
+        self.defer = defer
+        self._queue: list[tuple[Sequence[Key], float]] = []
+
+    def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float) -> None:
+        if self.inner is not None:
+            self.inner.on_lookup(keys, hit_blocks, now=now)
+        if self.defer is None:
+            self._feed(keys, now)
+            return
+        if not self._queue:
+            self.defer(self.drain)
+        self._queue.append((tuple(keys), now))
+
+    def drain(self) -> None:
+        """Replay the queued lookups into the shadows (in arrival order)."""
+        queue, self._queue = self._queue, []
+        for keys, now in queue:
+            self._feed(keys, now)
+
+    def _feed(self, keys: Sequence[Key], now: float) -> None:
+        bt = self.block_tokens
+        for shadows in self.shadows.values():
+            shadows.on_request(keys, lambda _d: bt, now)
+
+    def on_stored(self, keys: Sequence[Key], *, output_tokens: int | None,
+                  now: float) -> None:
+        on_stored = getattr(self.inner, "on_stored", None)
+        if on_stored is not None:
+            on_stored(keys, output_tokens=output_tokens, now=now)
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """Per tier: mode, switches, sample rate and the miss-ratio curve."""
+        self.drain()
+        return {tier: s.snapshot() for tier, s in self.shadows.items() if s.active}

@@ -1,0 +1,163 @@
+"""Reading the live miss-ratio curve: what a tier of another size would hit.
+
+The curve comes from the adaptive policy's shadow caches (:mod:`kvtier.policy.shadow`) and
+is exported in ``/v1/stats`` under ``policy.tiers.<tier>.mrc`` as ``(scale, hit_rate)``
+points at 0.25x .. 4x of the tier's size. These functions are what ``kvtier stats``,
+``kvtier plan --live-stats`` and ``kvtier doctor`` call; they take the stats document (a
+plain dict) and never contact a daemon themselves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import KVTierError
+
+
+class LiveStatsError(KVTierError):
+    """A daemon's /v1/stats could not be read for its miss-ratio curve."""
+
+    code = "live_stats"
+
+TOO_SMALL_GAIN = 0.05
+"""Doubling a tier that would raise its token hit rate by this much (absolute): too small."""
+TOO_LARGE_LOSS = 0.01
+"""Halving a tier that would lose less than this (absolute): larger than its hits need."""
+
+
+def curve_of(stats: Mapping[str, Any], tier: str) -> list[tuple[float, float]]:
+    """The ``(scale, hit rate)`` points of ``tier`` in a stats document (empty if none)."""
+    t = stats.get("policy", {}).get("tiers", {}).get(tier, {})
+    pts = [(float(p["scale"]), float(p["hit_rate"])) for p in t.get("mrc", [])]
+    return sorted(pts)
+
+
+def predict(curve: Sequence[tuple[float, float]], scale: float) -> float | None:
+    """The hit rate at ``scale`` x the tier's size, interpolated in log2(scale) between
+    measured points; ``None`` outside the measured range or without a curve."""
+    if not curve or scale <= 0:
+        return None
+    for (s0, h0), (s1, h1) in itertools.pairwise(curve):
+        if s0 <= scale <= s1:
+            if s1 == s0:
+                return h0
+            w = (math.log2(scale) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+            return h0 + w * (h1 - h0)
+    if len(curve) == 1 and curve[0][0] == scale:
+        return curve[0][1]
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SizeOption:
+    """One point of a tier's curve turned into a size an operator can buy."""
+
+    tier: str
+    scale: float
+    capacity_bytes: float
+    hit_rate: float
+    current_hit_rate: float
+
+
+def size_options(stats: Mapping[str, Any], tier: str) -> list[SizeOption]:
+    """Every measured size of ``tier`` with the hit rate it would have."""
+    curve = curve_of(stats, tier)
+    cap = float(stats.get("tiers", {}).get(tier, {}).get("capacity_bytes", 0) or 0)
+    now = predict(curve, 1.0)
+    if now is None:
+        return []
+    return [SizeOption(tier, s, s * cap, h, now) for s, h in curve]
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def plan_lines(stats: Mapping[str, Any]) -> list[str]:
+    """``kvtier plan --live-stats``: per tier and size, the token hit rate it would give."""
+    lines: list[str] = []
+    for tier in stats.get("policy", {}).get("tiers", {}):
+        for o in size_options(stats, tier):
+            if o.scale == 1.0:
+                continue
+            lines.append(f"a {tier} tier of {_gib(o.capacity_bytes)} ({o.scale:g}x) would "
+                         f"{'raise' if o.hit_rate >= o.current_hit_rate else 'lower'} its "
+                         f"token hit rate from {o.current_hit_rate:.1%} to {o.hit_rate:.1%} "
+                         "on this node's live workload")
+    return lines
+
+
+def sizing_notes(stats: Mapping[str, Any]) -> list[str]:
+    """``kvtier doctor``: a tier too small (doubling it gains much) or larger than its hit
+    rate needs (halving it loses almost nothing), from its live curve."""
+    notes: list[str] = []
+    for tier in stats.get("policy", {}).get("tiers", {}):
+        curve = curve_of(stats, tier)
+        now, twice, half = predict(curve, 1.0), predict(curve, 2.0), predict(curve, 0.5)
+        if now is None:
+            continue
+        cap = float(stats.get("tiers", {}).get(tier, {}).get("capacity_bytes", 0) or 0)
+        if twice is not None and twice - now >= TOO_SMALL_GAIN:
+            notes.append(f"{tier} tier too small for this workload: at {_gib(2 * cap)} its "
+                         f"token hit rate would be {twice:.1%} instead of {now:.1%} (live "
+                         "miss-ratio curve); give it more memory if the node has it")
+        elif half is not None and now - half < TOO_LARGE_LOSS and now > 0:
+            notes.append(f"{tier} tier larger than its hit rate needs: at {_gib(cap / 2)} "
+                         f"it would still hit {half:.1%} of tokens (now {now:.1%}); the "
+                         "memory could go elsewhere")
+    return notes
+
+
+def render_table(stats: Mapping[str, Any]) -> str:
+    """The small table of ``kvtier stats``: per tier, mode and hit rate at each size."""
+    tiers = stats.get("policy", {}).get("tiers", {})
+    rows = []
+    for tier, t in tiers.items():
+        pts = {float(p["scale"]): float(p["hit_rate"]) for p in t.get("mrc", [])}
+        if not pts:
+            continue
+        cells = [f"{pts[s]:6.1%}" if s in pts else "     -" for s in (0.25, 0.5, 1.0, 2.0, 4.0)]
+        rows.append(f"{tier:<6} {t.get('mode', '?'):<5} {t.get('switches', 0):>8}  "
+                    + "  ".join(cells))
+    if not rows:
+        return ""
+    head = ("policy adaptive: token hit rate at x tier size (live miss-ratio curve)\n"
+            "tier   mode  switches   0.25x    0.5x      1x      2x      4x")
+    return "\n".join([head, *rows])
+
+
+def load_stats(source: str, timeout: float = 3.0) -> dict[str, Any]:
+    """A /v1/stats document from a daemon URL (``http://host:port`` or the full path) or
+    a saved JSON file."""
+    try:
+        if source.startswith(("http://", "https://")):
+            url = source if source.rstrip("/").endswith("/v1/stats") else (
+                source.rstrip("/") + "/v1/stats")
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                doc = json.loads(resp.read())
+        else:
+            doc = json.loads(Path(source).read_text())
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        raise LiveStatsError(f"cannot read kvtier stats from {source} ({exc}); give a "
+                             "running daemon's http address or a saved /v1/stats file") from None
+    if not isinstance(doc, dict):
+        raise LiveStatsError(f"{source} is not a /v1/stats document (expected an object)")
+    return doc
+
+
+def live_plan(source: str) -> str:
+    """``kvtier plan --live-stats``: the sizing lines of a live daemon (or a note why none)."""
+    stats = load_stats(source)
+    lines = plan_lines(stats)
+    if not lines:
+        return (f"{source}: no live miss-ratio curve yet (the daemon needs the adaptive "
+                "policy and a full tier: its shadows start at the first eviction)")
+    return "\n".join([f"live workload of {source}:", *("  " + ln for ln in lines)])

@@ -1,0 +1,82 @@
+"""Acceptance of the adaptive default policy (issue 13) on the shared trace and on every
+workload generator: never below 0.99x the better of LRU and LFU at 1-40% of the unique
+blocks, and a live miss-ratio curve that predicts full-size replays.
+
+About 100 replays: minutes on a loaded 2-core machine (marked slow).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
+from kvtier.replay.trace import Trace, load_trace
+from tests.support import workloads
+
+TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+if not TRACE.exists():  # the repo-relative location used by CI checkouts
+    TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / TRACE.name
+
+FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.40)
+GENERATORS = ("multi_turn_trace", "rag_trace", "agent_trace", "scan_trace")
+NAMES = ("mooncake", *GENERATORS)
+
+pytestmark = pytest.mark.slow
+
+_traces: dict[str, Trace] = {}
+_runs: dict[tuple[str, str, int], ReplayResult] = {}
+
+
+def _trace(name: str) -> Trace:
+    if name not in _traces:
+        if name == "mooncake":
+            if not TRACE.exists():
+                pytest.skip("shared Mooncake trace not present")
+            _traces[name] = load_trace(TRACE)
+        else:
+            _traces[name] = getattr(workloads, name)()
+    return _traces[name]
+
+
+def _run(name: str, policy: str, blocks: int) -> ReplayResult:
+    key = (name, policy, blocks)
+    if key not in _runs:
+        cfg = SimConfig(tiers=(TierSpec("cpu", max(1, blocks), 25e9),))
+        _runs[key] = simulate(_trace(name), policy, cfg)
+    return _runs[key]
+
+
+def _blocks(name: str, fraction: float) -> int:
+    return int(_trace(name).n_unique_blocks * fraction)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("name", NAMES)
+def test_adaptive_never_below_the_better_of_lru_and_lfu(name: str, fraction: float) -> None:
+    cap = _blocks(name, fraction)
+    best = max(_run(name, "lru", cap).hit_tokens, _run(name, "lfu", cap).hit_tokens)
+    adaptive = _run(name, "adaptive", cap)
+    assert adaptive.hit_tokens >= 0.99 * best, (adaptive.hit_tokens / best, adaptive.modes)
+
+
+@pytest.mark.xfail(strict=True, reason="not reached without fitting constants: adaptive "
+                   "follows the best of lru/lfu/cost, and on this trace that is cost, 1.18x "
+                   "LRU at 5% (docs/replay-analysis.md, docs/adaptive-policy.md)")
+def test_adaptive_hits_1_2x_lru_at_5_percent_on_the_shared_trace() -> None:
+    cap = _blocks("mooncake", 0.05)
+    assert _run("mooncake", "adaptive", cap).hit_tokens >= 1.2 * _run(
+        "mooncake", "lru", cap).hit_tokens
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.10, 0.20])
+def test_live_curve_predicts_full_size_replays_of_the_shared_trace(fraction: float) -> None:
+    cap = _blocks("mooncake", fraction)
+    run = _run("mooncake", "adaptive", cap)
+    shadows = run.shadows[0]
+    curve = {p["scale"]: p["hit_rate"] for p in shadows["mrc"]}  # type: ignore[attr-defined]
+    assert float(shadows["sample_rate"]) < 0.1  # type: ignore[arg-type]  # a real miniature
+    for scale in (0.5, 2.0):
+        full = _run("mooncake", str(shadows["mode"]), int(cap * scale)).token_hit_rate
+        assert abs(curve[scale] - full) <= 0.02, (scale, curve[scale], full)
