@@ -20,6 +20,7 @@ nearly every reuse within two.
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -164,6 +165,11 @@ def make_policy(
         return make_eviction_policy("cost", stats=stats, costs=config.costs,
                                     reload_bandwidth=below)
     return make_eviction_policy(name)
+
+
+def _block_tokens(tokens_per_block: int, input_tokens: int, depth: int) -> int:
+    """Tokens of a request's block at ``depth`` (the last block may be partial)."""
+    return max(0, min(tokens_per_block, input_tokens - depth * tokens_per_block))
 
 
 def simulate(
@@ -321,7 +327,7 @@ def simulate(
         # ---- after the run: every block touched or inserted into the top tier, in order
         stats.on_stored(keys, output_tokens=r.output_tokens, now=now)
         for sh in shadow_sets:
-            sh.on_request(keys, lambda d, inp=inp: max(0, min(bt, inp - d * bt)), now)
+            sh.on_request(keys, functools.partial(_block_tokens, bt, inp), now)
         parent: Key | None = None
         for d, k in enumerate(keys):
             mask = loc.get(k, 0)

@@ -24,8 +24,8 @@ def aligned_buffer(nbytes: int, alignment: int = PAGE) -> memoryview:
     if nbytes < 0:
         raise ValueError(f"buffer size must be >= 0, got {nbytes}")
     raw = np.zeros(nbytes + alignment, dtype=np.uint8)
-    start = (-address_of(memoryview(raw))) % alignment
-    return memoryview(raw[start: start + nbytes])  # the slice keeps ``raw`` alive
+    start = (-address_of(raw.data)) % alignment
+    return raw[start: start + nbytes].data  # the slice keeps ``raw`` alive
 
 
 def byte_view(buf: object) -> memoryview:
