@@ -248,6 +248,7 @@ def simulate(
                 if admits[j + 1].admit(v, tier=config.tiers[j + 1].name, nbytes=slot, now=now):
                     if belady:
                         below = pols[j + 1]
+                        # belady: every tier's policy is a BeladyPolicy
                         below.next_use = pol.next_use_of(v)  # type: ignore[attr-defined]
                     nb = forest.parent(v) if forest is not None else None
                     pols[j + 1].insert(v, nbytes=slot, parent=nb, depth=depth_of.get(v, 0),
@@ -332,7 +333,7 @@ def simulate(
         for d, k in enumerate(keys):
             mask = loc.get(k, 0)
             if belady:
-                top.next_use = nxt[ref]  # type: ignore[attr-defined]
+                top.next_use = nxt[ref]  # type: ignore[attr-defined]  # a BeladyPolicy
             ref += 1
             if mask & 1:
                 top.touch(k, now=now)

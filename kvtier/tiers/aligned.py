@@ -30,7 +30,7 @@ def aligned_buffer(nbytes: int, alignment: int = PAGE) -> memoryview:
 
 def byte_view(buf: object) -> memoryview:
     """A flat unsigned-byte view of any C-contiguous buffer (numpy arrays, mmap, bytes)."""
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)  # type: ignore[arg-type]
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)  # type: ignore[arg-type]  # numpy's 3.11 stubs lack __buffer__
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     return view
