@@ -16,6 +16,7 @@ that expired during the copy) are reported by page id through
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterable
@@ -213,7 +214,7 @@ class WorkerSide:
             with self._lock:
                 self._saved_reqs.add(spec.req_id)
             fut = self.pipeline.submit_save(
-                job, job.nbytes, lambda ok, job=job: self._save_over(job, ok))
+                job, job.nbytes, functools.partial(self._save_over, job))
             if fut is None:
                 logger.debug("kvtier: save of %s dropped (%d bytes in flight)",
                              spec.req_id, self.pipeline.inflight_bytes)
