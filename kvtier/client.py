@@ -47,14 +47,15 @@ from kvtier.errors import (
     error_from_code,
 )
 from kvtier.handshake import Hello, handshake, hello_request, open_verified
-from kvtier.keys import BlockKey, Namespace
+from kvtier.keys import BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
+from kvtier.prefix import PrefixLocality
 from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
 from kvtier.tiers.arena import ArenaMapping
 
 __all__ = [
-    "AsyncKVTierClient", "GetLease", "KVTierClient", "LookupResult", "PutLease", "connect",
-    "connect_async",
+    "AsyncKVTierClient", "GetLease", "KVTierClient", "LookupResult", "PrefixLocality",
+    "PutLease", "connect", "connect_async",
 ]
 
 _MAX_REPLY = 64 * 2**20
@@ -221,6 +222,21 @@ class _Ops:
     def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
         reply = yield from self._ask(ns, self._target("delete", ns, keys))
         return int(reply["deleted"])
+
+    @staticmethod
+    def op_prefix(ns: Namespace, prompts: Sequence[Sequence[int] | np.ndarray], redis: bool,
+                  batch: bool) -> Op:
+        """Keys are hashed here, so the daemon only walks them; the namespace is spelled
+        out, so nothing is registered for a probe."""
+        chains = [block_keys(ns, p) for p in prompts]
+        req: dict[str, Any] = {
+            "op": "prefix_locality", "model_id": ns.model_id, "layout": ns.layout.to_dict(),
+            "tp_rank": ns.tp_rank, "tp_size": ns.tp_size, "cache_salt": ns.cache_salt,
+            "keys": b"".join(k for chain in chains for k in chain), "redis": redis}
+        if batch:
+            req["lengths"] = [len(chain) for chain in chains]
+        reply = yield req
+        return [PrefixLocality.from_dict(d) for d in reply["results"]]
 
     def op_stats(self) -> Op:
         reply = yield {"op": "stats"}
@@ -498,6 +514,19 @@ class KVTierClient:
     def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
         return self._run(self._ops.op_delete(ns, keys))
 
+    def prefix_locality(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, *,
+                        redis: bool = True) -> PrefixLocality:
+        """How many leading tokens of a prompt this daemon's node holds (by tier) and the
+        shared Redis holds: a read-only probe for routing (nothing is promoted or
+        registered). ``hit_blocks`` equals what ``lookup`` would find now."""
+        return self._run(self._ops.op_prefix(ns, [token_ids], redis, False))[0]
+
+    def prefix_locality_batch(self, ns: Namespace,
+                              prompts: Sequence[Sequence[int] | np.ndarray], *,
+                              redis: bool = True) -> list[PrefixLocality]:
+        """``prefix_locality`` for several prompts in one round trip."""
+        return self._run(self._ops.op_prefix(ns, prompts, redis, True))
+
     def stats(self) -> dict[str, Any]:
         return self._run(self._ops.op_stats())
 
@@ -727,6 +756,16 @@ class AsyncKVTierClient:
 
     async def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
         return await self._run(self._ops.op_delete(ns, keys))
+
+    async def prefix_locality(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, *,
+                              redis: bool = True) -> PrefixLocality:
+        """``KVTierClient.prefix_locality`` as a coroutine."""
+        return (await self._run(self._ops.op_prefix(ns, [token_ids], redis, False)))[0]
+
+    async def prefix_locality_batch(self, ns: Namespace,
+                                    prompts: Sequence[Sequence[int] | np.ndarray], *,
+                                    redis: bool = True) -> list[PrefixLocality]:
+        return await self._run(self._ops.op_prefix(ns, prompts, redis, True))
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._ops.op_stats())

@@ -36,6 +36,7 @@ from kvtier.daemon.limits import (
     Limits,
     read_request,
 )
+from kvtier.daemon.prefix import PrefixProbe
 from kvtier.errors import (
     HandshakeError,
     KVTierError,
@@ -122,7 +123,9 @@ class ControlServer:
             "delete": self._delete,
             "stats": self._stats,
             "report_engine": self._report_engine,
+            "prefix_locality": self._prefix_locality,
         }
+        self.prefix = PrefixProbe(store, self.limits)   # also serves POST /v1/prefix
         self.stats_provider: Callable[[], dict[str, Any]] = store.stats
 
     async def start(self) -> None:
@@ -471,6 +474,10 @@ class ControlServer:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 conn.engine[name] = float(value)
         return {}
+
+    async def _prefix_locality(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+        """Leading tokens cached here (by tier) and in Redis; read-only (kvtier.prefix)."""
+        return await self.prefix.from_control(msg)
 
     def limit_stats(self) -> dict[str, Any]:
         """What the limits did: error replies by code, refused and dropped connections."""

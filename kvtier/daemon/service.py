@@ -125,7 +125,8 @@ class Daemon:
         await self.control.start()
         self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
                                cfg.to_dict, cfg.http.admin_token,
-                               recent=self.recent_lookups, sockets=self._http_sockets)
+                               recent=self.recent_lookups, sockets=self._http_sockets,
+                               prefix=self.control.prefix)
         await self.http.start()
         self._sweeper = asyncio.ensure_future(self._sweep())
         self.rebuilt_blocks = rebuilt
