@@ -187,6 +187,16 @@ class _Ops:
                        "output_tokens": output_tokens}
         return int(reply["stored"])
 
+    @staticmethod
+    def op_commit_sync(lease: int, durable: bool, output_tokens: int | None,
+                       redis_sync_s: float) -> Op:
+        """A commit answered once the put's chain is in Redis (or ``redis_sync_s`` passed):
+        (stored, leading blocks confirmed in Redis, whether that is the whole chain)."""
+        reply = yield {"op": "put_commit", "lease": lease, "durable": durable,
+                       "output_tokens": output_tokens, "redis_sync_s": redis_sync_s}
+        return (int(reply["stored"]), int(reply.get("redis_visible", 0)),
+                bool(reply.get("redis_synced", False)))
+
     def op_abort(self, lease: int) -> Op:
         yield {"op": "put_abort", "lease": lease}
 
@@ -311,16 +321,27 @@ class PutLease:
     def __init__(self, client: KVTierClient, lease: int, views: list[np.ndarray | None]):
         self._client, self.lease, self.views = client, lease, views
         self._open = True
+        self.redis_visible: int | None = None   # after a commit with redis_sync_s
+        self.redis_synced: bool | None = None
 
-    def commit(self, *, durable: bool = False, output_tokens: int | None = None) -> int:
+    def commit(self, *, durable: bool = False, output_tokens: int | None = None,
+               redis_sync_s: float | None = None) -> int:
         """Publish the written blocks; ``durable`` waits until they are on nvme.
 
         ``output_tokens``: how many tokens the engine generated after this prompt, when
         known; the daemon's cost policy learns reuse per kind of request from it.
+        ``redis_sync_s``: answer only once every block of the put (new or stored before) is
+        visible in the shared Redis, or that many seconds passed (at most 90% of the
+        client's timeout); ``redis_visible`` and ``redis_synced`` then say how it went.
         """
         self._open = False
-        return self._client._run(self._client._ops.op_commit(self.lease, durable,
-                                                             output_tokens))
+        ops = self._client._ops
+        if redis_sync_s is None:
+            return self._client._run(ops.op_commit(self.lease, durable, output_tokens))
+        wait = min(redis_sync_s, 0.9 * self._client._timeout)
+        stored, self.redis_visible, self.redis_synced = self._client._run(
+            ops.op_commit_sync(self.lease, durable, output_tokens, wait))
+        return stored
 
     def abort(self) -> None:
         if self._open:
@@ -578,12 +599,21 @@ class AsyncPutLease:
     def __init__(self, client: AsyncKVTierClient, lease: int, views: list[np.ndarray | None]):
         self._client, self.lease, self.views = client, lease, views
         self._open = True
+        self.redis_visible: int | None = None
+        self.redis_synced: bool | None = None
 
-    async def commit(self, *, durable: bool = False, output_tokens: int | None = None) -> int:
-        """Publish the written blocks; ``LeaseExpired`` (nothing stored) past the TTL."""
+    async def commit(self, *, durable: bool = False, output_tokens: int | None = None,
+                     redis_sync_s: float | None = None) -> int:
+        """Publish the written blocks; ``LeaseExpired`` (nothing stored) past the TTL
+        (``redis_sync_s``: see ``PutLease.commit``)."""
         self._open = False
-        return await self._client._run(self._client._ops.op_commit(self.lease, durable,
-                                                                   output_tokens))
+        ops = self._client._ops
+        if redis_sync_s is None:
+            return await self._client._run(ops.op_commit(self.lease, durable, output_tokens))
+        wait = min(redis_sync_s, 0.9 * self._client._timeout)
+        stored, self.redis_visible, self.redis_synced = await self._client._run(
+            ops.op_commit_sync(self.lease, durable, output_tokens, wait))
+        return stored
 
     async def abort(self) -> None:
         if self._open:
