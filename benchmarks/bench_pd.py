@@ -123,7 +123,8 @@ def main() -> None:
             for name in ("a", "b"):
                 d = DaemonProcess(root / f"node-{name}", cpu_bytes="1GiB", nvme_bytes="0",
                                   extra_args=["--redis-url", url],
-                                  env={"KVTIER_REDIS_WRITE_THROUGH": "false"})
+                                  env={"KVTIER_REDIS_WRITE_THROUGH": "false",
+                                       "KVTIER_REDIS_LOOKUP_BUDGET_S": "2.0"})
                 stack.callback(d.kill)
                 nodes.append(d.start())
             node_a, node_b = nodes

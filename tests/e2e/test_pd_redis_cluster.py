@@ -107,7 +107,9 @@ def nodes(cluster: LocalCluster,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, ...]]:
     made = [DaemonProcess(tmp_path_factory.mktemp(f"node-{name}"), cpu_bytes="64MiB",
                           nvme_bytes="0", extra_args=["--redis-url", cluster.url],
-                          env={"KVTIER_REDIS_WRITE_THROUGH": "false"})
+                          env={"KVTIER_REDIS_WRITE_THROUGH": "false",
+                               # the consumer's lookups must not give up on a loaded machine
+                               "KVTIER_REDIS_LOOKUP_BUDGET_S": "2.0"})
             for name in ("a", "b")]
     try:
         yield tuple(d.start() for d in made)

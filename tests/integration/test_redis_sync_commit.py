@@ -115,3 +115,26 @@ def test_down_or_stalled_redis_bounds_the_commit_and_counts(
     assert stats["commits"] == 2 and stats["gave_up"] == 2
     assert sum(stats["gave_up_by_reason"].values()) == 2
     c.close()
+
+
+def test_synced_commit_over_a_cluster_with_replicas(
+        tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """The same through a Redis Cluster of 3 masters and 3 replicas (keys of one chain
+    spread over every master)."""
+    from tests.e2e.test_pd_redis_cluster import cluster_with_replicas, masters_dbsize
+
+    cluster = cluster_with_replicas(tmp_path / "cluster")
+    try:
+        env = {"KVTIER_REDIS_LOOKUP_BUDGET_S": "2.0"}   # a cold cluster client's first ask
+        a, b = (daemon_factory(n, extra_args=["--redis-url", cluster.url], env=env).start()
+                for n in ("a", "b"))
+        ca, cb = connect(a.socket), connect(b.socket)
+        ns = ca.register_layout(LAYOUT, "m")
+        keys = block_keys(ns, np.arange(24 * 64))
+        assert write(ca, ns, keys, 5.0)[:3] == (24, 24, True)
+        assert masters_dbsize(cluster) == 24
+        assert cb.prefix_locality(ns, np.arange(24 * 64)).redis_blocks == 24
+        ca.close()
+        cb.close()
+    finally:
+        cluster.stop()
