@@ -8,7 +8,12 @@ Rows (each a ratio against the baseline next to it):
   to device + cudaMemcpy D2H into pinned memory; H2D from registered memory vs from
   pinned memory;
 - kvikio (GDS or its compat mode) read of a file into device memory vs POSIX read
-  into host memory + H2D copy (page cache warm for both; say so when reading numbers).
+  into host memory + H2D copy (page cache warm for both; say so when reading numbers);
+- the vLLM connector's worker side (issue 11) against a real daemon: a save (gather on the
+  save stream into the registered arena, put lease committed) vs a plain cudaMemcpyAsync
+  D2H of the same bytes into pinned memory, and a layer-pipelined load (scatter on the
+  load stream from the arena) vs a cudaMemcpyAsync H2D of the same bytes. The arena's
+  cudaHostRegister time is printed too.
 
 Usage: ``python benchmarks/bench_gpu.py [--blocks 16] [--json out.json]``. Exits 2
 with a message when no GPU (torch CUDA + cupy) is available.
@@ -202,6 +207,87 @@ def _kvikio_compat(kvikio: object) -> bool:
     return True
 
 
+def connector_rows(n_blocks: int, repeat: int = 5) -> list[Row]:
+    """The connector's worker side, timed by wall clock (what a step would wait for)."""
+    import numpy as np
+    import torch
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, repo)
+    from kvtier.connectors.vllm.config import ConnectorConfig
+    from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, TransferSpec
+    from kvtier.connectors.vllm.worker import WorkerSide
+
+    from kvtier.layout import KVLayout
+    from tests.support.daemon import DaemonProcess
+
+    layers, heads, dim, page, tpb = 32, 8, 128, 16, 256   # Llama-3-8B-like, fp16
+    per_block = tpb // page
+    num_pages = 2 * n_blocks * per_block + 1
+    caches = {f"layers.{i}": torch.randn(2, num_pages, page, heads, dim, dtype=torch.float16,
+                                         device="cuda") for i in range(layers)}
+    layout = KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype="float16",
+                      tokens_per_block=tpb)
+    nbytes = n_blocks * layout.block_bytes
+    arena = max(4 * GIB, 2 * (repeat + 1) * nbytes)
+    work = tempfile.mkdtemp(prefix="kvtier-bench-connector-")
+    daemon = DaemonProcess(__import__("pathlib").Path(work), cpu_bytes=str(arena),
+                           nvme_bytes="0").start()
+    try:
+        cfg = ConnectorConfig.from_extra({"socket_path": str(daemon.socket),
+                                          "tokens_per_block": tpb, "model_id": "bench",
+                                          "max_inflight_save_bytes": 2 * nbytes},
+                                         block_size=page, default_model_id="bench")
+        w = WorkerSide(cfg, layout, page, 0, 1)
+        w.register_kv_caches(caches)
+        pages = [list(range(1 + j * per_block, 1 + (j + 1) * per_block))
+                 for j in range(n_blocks)]
+        dst = [[p + n_blocks * per_block for p in row] for row in pages]
+
+        def tokens(i: int) -> np.ndarray:
+            return np.random.default_rng(i).integers(1, 30000, n_blocks * tpb, dtype=np.uint32)
+
+        def save(i: int) -> float:
+            spec = TransferSpec(f"s{i}", None, tokens(i), 0, pages, save_id=i)
+            t0 = time.perf_counter()
+            w.save(KVTierConnectorMetadata(saves=[spec]))
+            sending, _ = w.get_finished({spec.req_id})
+            while spec.req_id not in sending:
+                sending, _ = w.get_finished(set())
+            return time.perf_counter() - t0
+
+        def load(i: int) -> float:
+            spec = TransferSpec(f"l{i}", None, tokens(i), 0, dst)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            w.start_load_kv(KVTierConnectorMetadata(loads=[spec]))
+            for name in caches:
+                w.wait_for_layer_load(name)
+            errors = w.take_load_errors()
+            torch.cuda.synchronize()
+            assert not errors, f"load failed for {len(errors)} pages"
+            return time.perf_counter() - t0
+
+        save(0)
+        load(0)   # warm-up: connections, registration, kernel compilation
+        save_s = min(save(i) for i in range(1, repeat + 1))
+        load_s = min(load(i) for i in range(1, repeat + 1))
+        for reg in w.arenas.registrations.values():
+            print(f"arena cudaHostRegister: {reg.nbytes / GIB:.2f} GiB in {reg.seconds:.3f} s "
+                  f"({reg.seconds_per_8gib:.2f} s per 8 GiB, ok={reg.ok})")
+        w.shutdown()
+    finally:
+        daemon.kill()
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    d2h = time_gpu(lambda: pinned.copy_(device, non_blocking=True), nbytes)
+    h2d = time_gpu(lambda: device.copy_(pinned, non_blocking=True), nbytes)
+    return [Row("connector save (gather -> arena, commit)", nbytes, nbytes / save_s / 1e9,
+                "cudaMemcpyAsync D2H", d2h),
+            Row("connector load (arena -> scatter, layers)", nbytes, nbytes / load_s / 1e9,
+                "cudaMemcpyAsync H2D", h2d)]
+
+
 def print_table(rows: list[Row]) -> None:
     """Side-by-side table: kvtier path, baseline, GB/s each, ratio."""
     print(f"{'kvtier path':42} {'GB/s':>8}  {'baseline':24} {'GB/s':>8}  {'ratio':>6}")
@@ -223,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     rows = kernel_rows(args.blocks)
     rows += file_rows(int(args.file_gib * GIB), args.dir)
+    rows += connector_rows(args.blocks)
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

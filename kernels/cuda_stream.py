@@ -106,6 +106,36 @@ class LayerStreams:
         with torch.cuda.stream(self._save_stream):
             fn(self._save_stream)
 
+    def compute_fence(self) -> Any:
+        """An event recorded on the calling thread's compute stream (None on the CPU):
+        hand it to :meth:`run_save` on another thread to order a save after this point."""
+        if self._device is None:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self._compute_stream())
+        return event
+
+    def run_save(self, fence: Any, fn: StreamFn) -> None:
+        """Run ``fn(stream)`` on the save stream after ``fence`` and block the calling
+        thread (a saver thread, never the forward) until it has finished."""
+        if self._device is None:
+            fn(None)
+            return
+        import torch
+
+        if fence is not None:
+            self._save_stream.wait_event(fence)
+        with torch.cuda.stream(self._save_stream):
+            fn(self._save_stream)
+        self._save_stream.synchronize()
+
+    def sync_loads(self) -> None:
+        """Block the calling thread until every enqueued load has finished."""
+        if self._device is not None:
+            self._load_stream.synchronize()
+
     def wait_for_saves(self) -> None:
         """Block the host until every enqueued save has finished."""
         if self._device is not None:

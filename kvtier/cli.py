@@ -158,6 +158,12 @@ def render_stats(s: dict[str, Any]) -> str:
     p = s.get("prefetch", {})
     if p:
         lines.append("prefetch: " + "  ".join(f"{k} {v}" for k, v in p.items()))
+    bw = s.get("bandwidth", {})
+    if bw:
+        lines.append("bandwidth: " + "  ".join(f"{k} {_fmt_bytes(v)}/s" for k, v in bw.items()))
+    conn = s.get("connector", {})
+    if conn.get("engines"):
+        lines.append("connector: " + "  ".join(f"{k} {v:g}" for k, v in sorted(conn.items())))
     from kvtier.policy.mrc import render_table  # adaptive policy: mode and live MRC per tier
 
     mrc = render_table(s)

@@ -29,7 +29,7 @@ import logging
 import os
 import socket
 from collections.abc import Collection, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +68,16 @@ log = logging.getLogger("kvtier.client")
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """``hits`` leading blocks are present; ``tiers[i]`` says where block i was found."""
+    """``hits`` leading blocks are present; ``tiers[i]`` says where block i was found.
+
+    ``bandwidth``: bytes/s at which a block of each tier reached clients recently, as
+    measured by the daemon (empty from daemons that do not report it, and for tiers not
+    yet measured).
+    """
 
     hits: int
     tiers: list[str]
+    bandwidth: dict[str, float] = field(default_factory=dict)
 
 
 def _as_bytes(buf: Any) -> np.ndarray:
@@ -87,6 +93,7 @@ class _Ops:
     def __init__(self, device: bool = False) -> None:
         self._registered: set[bytes] = set()
         self.arena: ArenaMapping | None = None
+        self.arena_path: str | None = None        # from the hello (engines share one map)
         self.device = device                      # default of prepare_get's prefer_device
         self.hbm_info: dict[str, Any] | None = None   # the daemon's pool, from the hello
         self.hbm: Any = None                      # HbmMapping, opened at first device get
@@ -168,7 +175,11 @@ class _Ops:
         req = self._target("lookup", ns, keys)
         req["prefetch"] = prefetch
         reply = yield from self._ask(ns, req)
-        return LookupResult(int(reply["hits"]), list(reply["tiers"]))
+        bandwidth = reply.get("bandwidth")
+        rates = ({str(k): float(v) for k, v in bandwidth.items()
+                  if isinstance(v, (int, float)) and v > 0}
+                 if isinstance(bandwidth, dict) else {})
+        return LookupResult(int(reply["hits"]), list(reply["tiers"]), rates)
 
     def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey],
                        parent: BlockKey | None, start_depth: int) -> Op:
@@ -226,8 +237,11 @@ class _Ops:
             raise
         return reply["lease"], views, devices
 
-    def op_release(self, lease: int) -> Op:
-        yield {"op": "get_release", "lease": lease}
+    def op_release(self, lease: int, copy_s: float | None = None) -> Op:
+        req: dict[str, Any] = {"op": "get_release", "lease": lease}
+        if copy_s is not None:
+            req["copy_s"] = float(copy_s)
+        yield req
 
     def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
         reply = yield from self._ask(ns, self._target("delete", ns, keys))
@@ -285,6 +299,7 @@ class _Ops:
             raise
         self.arena = ArenaMapping(arena["path"], int(arena["size"]), fd=arena_fd,
                                   owner_uid=daemon_uid)
+        self.arena_path = str(arena["path"])
         hbm = reply.get("hbm")
         self.hbm_info = hbm if isinstance(hbm, dict) and hbm.get("handle") else None
 
@@ -382,11 +397,13 @@ class GetLease:
         self.devices: list[str] = devices if devices is not None else ["cpu"] * len(views)
         self._open = True
 
-    def release(self) -> None:
-        """Give the slots back; ``LeaseExpired`` when what was read may be wrong."""
+    def release(self, *, copy_s: float | None = None) -> None:
+        """Give the slots back; ``LeaseExpired`` when what was read may be wrong.
+        ``copy_s``: how long reading them took, when measured (it feeds the daemon's
+        reload-bandwidth estimate, see ``LookupResult.bandwidth``)."""
         if self._open:
             self._open = False
-            self._client._run(self._client._ops.op_release(self.lease))
+            self._client._run(self._client._ops.op_release(self.lease, copy_s))
 
     def __enter__(self) -> GetLease:
         return self

@@ -243,12 +243,12 @@ AUTO_CANDIDATES: tuple[Codec, ...] = (Codec.SHUFFLE_ZSTD, Codec.SHUFFLE_LZ4, Cod
 class AutoCodec:
     """Picks a codec by sampling: keeps one only while it shrinks blocks by >= ``min_gain``.
 
-    Every ``sample_every``-th block (the first one included) is encoded with every
-    available candidate; the smallest result wins if it saves at least ``min_gain`` of the
-    raw size, otherwise the choice becomes NONE. Between samples the chosen codec is used
-    and its achieved ratio is tracked; once its running average gain falls below
-    ``min_gain`` the choice drops to NONE until the next sample. Thread-safe (encodes run in
-    worker threads).
+    Every ``sample_every``-th block (and every block until a first sample has finished) is
+    encoded with every available candidate; the smallest result wins if it saves at least
+    ``min_gain`` of the raw size, otherwise the choice becomes NONE. Between samples the
+    chosen codec is used and its achieved ratio is tracked; once its running average gain
+    falls below ``min_gain`` the choice drops to NONE until the next sample. Thread-safe
+    (encodes run in worker threads).
     """
 
     sample_every: int = 16
@@ -272,8 +272,9 @@ class AutoCodec:
 
     def encode(self, data: memoryview | bytes, elem_bytes: int = 2) -> tuple[Codec, bytes]:
         """Encode one block with the current choice (sampling first when it is due)."""
-        with self._lock:
-            sample = self.blocks % self.sample_every == 0
+        with self._lock:  # until a first sample finished, every block samples: threads
+            # encoding in parallel at start must not write raw while the first one decides
+            sample = self.blocks % self.sample_every == 0 or self.samples == 0
             self.blocks += 1
             codec = self.current
         n = len(data)

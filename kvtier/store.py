@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.bandwidth import BandwidthTracker
 from kvtier.errors import (
     CapacityError,
     FrameError,
@@ -59,6 +60,10 @@ log = logging.getLogger("kvtier.store")
 for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
     with contextlib.suppress(ImportError):
         importlib.import_module(f"kvtier.policy.{_mod}")
+
+
+def _nothing() -> None:
+    """Release callback for a buffer that nobody else holds."""
 
 
 @dataclass(slots=True)
@@ -178,6 +183,7 @@ class TieredStore:
         self.prefetch = PrefetchCounters()
         self.bytes_moved: dict[tuple[str, str], int] = {}
         self.explain: Any = None  # kvtier.explain.MissLog: why lookups miss (set by the daemon)
+        self.bandwidth = BandwidthTracker()  # reload rates returned with lookups
         self._tasks: set[asyncio.Task[Any]] = set()
         self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
         self.recovery: RecoveryCounters | None = None
@@ -389,12 +395,14 @@ class TieredStore:
         view = memoryview(self.arena.view(off, round_up(meta.nbytes)))
         ok = corrupt = False
         checksum = None
+        t0 = time.perf_counter()
         try:
             header = await self.nvme.read_into(meta.nvme, view, namespace=meta.namespace,
                                                key=meta.key, layout_fp=meta.layout_fp)
             ok = True
             if header.codec is Codec.NONE and header.payload_len == meta.nbytes:
                 checksum = header.checksum   # the arena now holds exactly the payload
+            self.bandwidth.observe("nvme", "cpu", meta.nbytes, time.perf_counter() - t0)
         except FrameError as exc:  # the frame is bad for good: drop it
             corrupt = True
             log.warning("dropping nvme block %s: %s", meta.key.hex(), exc)
@@ -443,10 +451,13 @@ class TieredStore:
 
     async def _load_redis(self, metas: list[BlockMeta]) -> None:
         views = [memoryview(self.arena.view(m.cpu, m.nbytes)) for m in metas]  # type: ignore[arg-type]
+        t0 = time.perf_counter()
         try:
             n = await self.redis.get_into([m.key for m in metas], views,
                                           namespace=metas[0].namespace,
                                           layout_fp=metas[0].layout_fp)
+            self.bandwidth.observe("redis", "cpu", sum(m.nbytes for m in metas[:n]),
+                                   time.perf_counter() - t0)
         except Exception:  # the tier promises not to raise; be defensive anyway
             log.exception("redis promotion failed")
             n = 0
@@ -589,8 +600,7 @@ class TieredStore:
     async def _demote_to_redis(self, meta: BlockMeta) -> None:
         """Hand a block leaving nvme to Redis (from the arena copy, or read back first)."""
         if meta.in_cpu:
-            self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                              memoryview(self.arena.view(meta.cpu, meta.nbytes)), seq=meta.seq)
+            self._submit_redis_from_slot(meta)
             self._moved("nvme", "redis", meta.nbytes)
             return
         buf = aligned_buffer(round_up(meta.nbytes))
@@ -602,9 +612,17 @@ class TieredStore:
             return
         finally:
             meta.nvme_busy = False
-        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                          buf[: meta.nbytes], seq=meta.seq)
+        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,  # buf is ours: no copy
+                          buf[: meta.nbytes], seq=meta.seq, release=_nothing)
         self._moved("nvme", "redis", meta.nbytes)
+
+    def _submit_redis_from_slot(self, meta: BlockMeta) -> None:
+        """Zero-copy hand-off to Redis: the arena slot is pinned (a reader) until the tier
+        releases it, once the SET is done, dropped or failed."""
+        self._pin([meta])
+        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
+                          memoryview(self.arena.view(meta.cpu, meta.nbytes)), seq=meta.seq,
+                          release=lambda: self._unpin([meta]))
 
     def _drop_nvme(self, meta: BlockMeta, reason: EvictionReason, *, erase: bool = False) -> None:
         if meta.nvme is None:
@@ -730,9 +748,7 @@ class TieredStore:
         self.cpu.counters.bytes_written += sum(m.nbytes for m in committed)
         if self.redis is not None and self.redis_write_through:
             for meta in committed:
-                self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                                  memoryview(self.arena.view(meta.cpu, meta.nbytes)),
-                                  seq=meta.seq)
+                self._submit_redis_from_slot(meta)
                 self._moved("cpu", "redis", meta.nbytes)
         if durable and self.nvme is not None:
             results = await asyncio.gather(*(self._write_nvme(m, sync=True) for m in committed))
@@ -763,6 +779,7 @@ class TieredStore:
         metas = await self._readable_prefix(digest, layout_fp, keys)
         self.cpu.counters.bytes_read += sum(m.nbytes for m in metas)
         lease = self._new_lease(LeaseKind.GET, owner, metas)
+        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas))
         return lease.id, [m.cpu for m in metas]  # type: ignore[misc]
 
     async def prepare_get_device(self, owner: int, digest: bytes, layout_fp: int,
@@ -791,6 +808,8 @@ class TieredStore:
         lease.hbm = [e for e in entries if e is not None]
         offsets = [m.cpu if e is None else e.offset for m, e in zip(metas, entries, strict=True)]
         devices = ["cpu" if e is None else "hbm" for e in entries]
+        self.bandwidth.get_started(lease.id, sum(m.nbytes for m in metas),
+                                   "hbm" if devices and "cpu" not in devices else "cpu")
         return lease.id, offsets, devices  # type: ignore[return-value]
 
     async def _readable_prefix(self, digest: bytes, layout_fp: int,
@@ -860,8 +879,11 @@ class TieredStore:
             log.info("prefetch deadline passed with %d of %d blocks pending",
                      len(still), len(pending))
 
-    def release_get(self, owner: int, lease_id: int) -> None:
+    def release_get(self, owner: int, lease_id: int, *, copy_s: float | None = None) -> None:
+        """``copy_s``: how long the client's copy took, when it says (else the hold time
+        measures the serve bandwidth)."""
         lease = self._take_lease(owner, lease_id, LeaseKind.GET)
+        self.bandwidth.get_finished(lease_id, copy_s)
         self._release_get(lease)
 
     def _release_get(self, lease: Lease) -> None:
@@ -949,6 +971,7 @@ class TieredStore:
         return len(mine)
 
     def _drop_lease(self, lease: Lease) -> None:
+        self.bandwidth.get_abandoned(lease.id)
         if lease.kind is LeaseKind.PUT:
             self._abort_put(lease)
         else:
@@ -989,6 +1012,7 @@ class TieredStore:
             "prefetch": _asdict(self.prefetch),
             "bytes_moved": [{"src": s, "dst": d, "bytes": b}
                             for (s, d), b in sorted(self.bytes_moved.items())],
+            "bandwidth": self.bandwidth.stats(),
             "leases": {"active": len(self.leases), "ttl_s": self.leases.ttl_s,
                        "quarantined_slots": self.quarantine.slots,
                        "quarantined_bytes": self.quarantine.bytes,

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One prepared device check for kvtier's GPU data path (issue 6).
+# One prepared device check for kvtier's GPU data path (issues 6 and 11).
 #
 # Run from the repository root on a machine with a GPU:  scripts/device_check.sh
 # Installs nothing (the device machine may have no network). It reports what is there
 # (GPU, nvcc, python, torch+CUDA, cupy, kvikio), compiles the kernels with nvcc, prints the
 # nvme backend / hbm availability the daemon would see, runs the GPU tests (tests/gpu:
-# kernels, streams, test_hbm.py, test_kvikio.py) and the bandwidth benchmark, and writes
+# kernels, streams, test_hbm.py, test_kvikio.py), the vLLM connector's worker side on real
+# CUDA tensors (test_gpu_connector.py: registered arena, load/save streams, HBM device
+# views; vLLM itself is not needed) and the bandwidth benchmark (incl. connector load/save
+# GB/s against cudaMemcpyAsync of the same bytes), and writes
 # everything under $OUT (default ./device-check-out). KVTIER_GPU_TEST_DIR (default
 # $BENCH_DIR) puts test_kvikio.py's slot files on a disk-backed directory. Use KVTIER_PY=/path/to/python to pick the interpreter
 # (e.g. a carried virtual environment); default: .venv-gpu/bin/python if present,
@@ -88,6 +91,7 @@ say "== GPU tests (kernels, streams, hbm tier + CUDA IPC, nvme through kvikio)"
 # kvikio's GDS path needs a disk-backed directory (tmpfs only runs its compat mode)
 export KVTIER_GPU_TEST_DIR=${KVTIER_GPU_TEST_DIR:-${BENCH_DIR:-}}
 "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider \
+  --ignore=tests/gpu/test_gpu_connector.py \
   --junitxml="$OUT/gpu-tests.xml" >"$OUT/gpu-tests.txt" 2>&1
 rc=$?
 tail -15 "$OUT/gpu-tests.txt" | tee -a "$LOG"
@@ -97,6 +101,14 @@ if grep -q "no GPU:" "$OUT/gpu-tests.txt" && ! grep -qE "[0-9]+ passed" "$OUT/gp
 elif [ $rc -ne 0 ]; then
   status=1
 fi
+
+say "== vLLM connector worker side on the GPU (issue 11)"
+"$PY" -m pytest -m gpu tests/gpu/test_gpu_connector.py -q -s -rs -p no:cacheprovider \
+  --junitxml="$OUT/connector-tests.xml" >"$OUT/connector-tests.txt" 2>&1
+rc=$?
+grep -E "arena registration|passed|failed|error|skipped|no GPU" "$OUT/connector-tests.txt" \
+  | tail -15 | tee -a "$LOG"
+if [ $rc -ne 0 ] && ! grep -q "no GPU:" "$OUT/connector-tests.txt"; then status=1; fi
 
 say "== bandwidth benchmark"
 "$PY" benchmarks/bench_gpu.py --json "$OUT/bench.json" --dir "${BENCH_DIR:-/tmp}" \

@@ -10,7 +10,7 @@ sides derive the identical :class:`~kvtier.layout.KVLayout` and hence the same n
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +22,17 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 DEFAULT_TOKENS_PER_BLOCK = 256
+DEFAULT_MAX_INFLIGHT_SAVE_BYTES = 256 * 2**20
+"""Saves copying at once at most (per worker); beyond it a save is dropped, not waited for."""
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+"""Recompute speed assumed until the engine's own prefill throughput has been measured."""
+TIERS = ("hbm", "cpu", "nvme", "redis")
 
 _KEYS = frozenset({
     "socket_path", "tokens_per_block", "model_id", "namespace", "save_decode_tokens",
     "async_load", "timeout_s", "reconnect_min_s", "reconnect_max_s",
+    "max_inflight_save_bytes", "prefill_tokens_per_s", "tier_bandwidth",
+    "skip_slower_than_recompute", "device_loads",
 })
 
 
@@ -60,6 +67,15 @@ class ConnectorConfig:
     (vLLM's ``WAITING_FOR_REMOTE_KVS`` path) instead of before the step's forward.
     ``timeout_s`` bounds every daemon call; reconnect attempts back off from
     ``reconnect_min_s`` to ``reconnect_max_s``.
+
+    Data path (issue 11): ``max_inflight_save_bytes`` bounds the bytes of saves copying
+    at once per worker (a save beyond it is dropped and counted, never waited for).
+    ``skip_slower_than_recompute`` makes the scheduler load only the leading blocks whose
+    reload time (block bytes over the daemon-measured bandwidth of the tier holding them,
+    or ``tier_bandwidth[tier]`` bytes/s when configured) does not exceed their recompute
+    time (tokens over the engine's measured prefill throughput, ``prefill_tokens_per_s``
+    until measured). ``device_loads``: read blocks from the daemon's HBM pool as device
+    views (default: when the engine's KV caches are on a GPU).
     """
 
     socket_path: Path
@@ -70,6 +86,11 @@ class ConnectorConfig:
     timeout_s: float = 2.0
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 10.0
+    max_inflight_save_bytes: int = DEFAULT_MAX_INFLIGHT_SAVE_BYTES
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    tier_bandwidth: dict[str, float] = field(default_factory=dict)
+    skip_slower_than_recompute: bool = True
+    device_loads: bool | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, *, block_size: int,
@@ -101,6 +122,13 @@ class ConnectorConfig:
             timeout_s=_positive_float(extra, "timeout_s", 2.0),
             reconnect_min_s=min_s,
             reconnect_max_s=max(min_s, _positive_float(extra, "reconnect_max_s", 10.0)),
+            max_inflight_save_bytes=_positive_int(extra, "max_inflight_save_bytes",
+                                                  DEFAULT_MAX_INFLIGHT_SAVE_BYTES),
+            prefill_tokens_per_s=_positive_float(extra, "prefill_tokens_per_s",
+                                                 DEFAULT_PREFILL_TOKENS_PER_S),
+            tier_bandwidth=_tier_bandwidth(extra.get("tier_bandwidth")),
+            skip_slower_than_recompute=_flag(extra, "skip_slower_than_recompute", True),
+            device_loads=_auto_flag(extra, "device_loads"),
         )
 
     @classmethod
@@ -163,6 +191,27 @@ def _positive_float(extra: dict[str, Any], key: str, default: float) -> float:
         raise ConfigError(f"kv_connector_extra_config.{key} must be a positive number, "
                           f"got {value!r}")
     return float(value)
+
+
+def _tier_bandwidth(value: Any) -> dict[str, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or any(k not in TIERS for k in value) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0
+            for v in value.values()):
+        raise ConfigError(f"kv_connector_extra_config.tier_bandwidth must map tiers "
+                          f"{list(TIERS)} to positive bytes/s, got {value!r}")
+    return {str(k): float(v) for k, v in value.items()}
+
+
+def _auto_flag(extra: dict[str, Any], key: str) -> bool | None:
+    value = extra.get(key, "auto")
+    if value == "auto" or value is None:
+        return None
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be true, false or "
+                          f'"auto", got {value!r}')
+    return value
 
 
 def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -105,24 +106,34 @@ class KVTierConnector(KVConnectorBase_V1):
             self._w().start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Synchronous loads finish in ``start_load_kv``; asynchronous ones belong to
-        requests vLLM does not run until they are reported finished."""
-        return
+        """Wait for this layer of the step's layer-pipelined loads only."""
+        self._w().wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        """Saving waits for ``wait_for_save``: a kvtier block holds all layers."""
+        """Saves are queued at the end of the step (``wait_for_save``): a kvtier block
+        holds every layer and its put lease commits once all are copied, so one gather per
+        block on the saver thread/stream beats one per layer."""
         return
 
     def wait_for_save(self) -> None:
+        """Join the step's loads and queue its saves; never waits for a save."""
         meta = self._connector_metadata
-        if isinstance(meta, KVTierConnectorMetadata) and meta.saves:
+        if isinstance(meta, KVTierConnectorMetadata):
             self._w().save(meta)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KVTierConnectorMetadata) and \
+                kv_connector_metadata.preempted:
+            self._w().handle_preemptions(kv_connector_metadata.preempted)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
-        done = self._w().get_finished()
-        return None, (done or None)
+        sending, recving = self._w().get_finished(finished_req_ids)
+        return (sending or None), (recving or None)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._w().worker_meta()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._w().take_load_errors()

@@ -43,11 +43,11 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 _RETRYABLE: tuple[type[BaseException], ...] = (DaemonUnavailable, OSError, EOFError)
 
 
-def _connect(socket_path: str, timeout: float) -> Any:
+def _connect(socket_path: str, timeout: float, device: bool = False) -> Any:
     """Open a client (indirection so the import happens only when a daemon is wanted)."""
     from kvtier.client import connect
 
-    return connect(socket_path=socket_path, timeout=timeout)
+    return connect(socket_path=socket_path, timeout=timeout, device=device)
 
 
 @dataclass(slots=True)
@@ -63,6 +63,8 @@ class DaemonLink:
     tp_size: int = 1
     name: str = "connector"
     clock: Callable[[], float] = time.monotonic
+    device: bool = False
+    on_connect: Callable[[Any], None] | None = None
     _client: Any = field(default=None, init=False)
     _retry_at: float = field(default=0.0, init=False)
     _backoff: float = field(default=0.0, init=False)
@@ -149,6 +151,33 @@ class DaemonLink:
             return False, None
         return False, None
 
+    def run(self, op: Callable[[Any], T]) -> tuple[bool, T | None]:
+        """``(True, op(client))``, or ``(False, None)`` after a failure (logged, counted):
+        for callers that must tell a failure from a default value (a lease release)."""
+        return self._run(op)
+
+    def preconnect(self) -> bool:
+        """Try to connect now, quietly: a failure is neither logged nor backed off (the
+        first real call reports it). Engines call it at start so that the first request
+        does not pay for the connection and the arena mapping."""
+        if self._client is not None:
+            return True
+        try:
+            self._client = _connect(str(self.config.socket_path), self.config.timeout_s,
+                                    self.device)
+        except (*_CONNECTION_ERRORS, KVTierError):
+            return False
+        if self.on_connect is not None:
+            self.on_connect(self._client)
+        return True
+
+    def lookup_result(self, namespace: Namespace, keys: Sequence[BlockKey]) -> Any:
+        """The daemon's ``LookupResult`` for ``keys`` (hits, tiers, bandwidth), or None
+        when it is unreachable."""
+        if not keys:
+            return None
+        return self.call(lambda c: c.lookup(namespace, list(keys)), None)
+
     def lookup(self, namespace: Namespace, keys: Sequence[BlockKey]) -> int:
         """Leading blocks of ``keys`` the daemon holds (0 when it is unreachable)."""
         if not keys:
@@ -170,7 +199,10 @@ class DaemonLink:
         if now < self._retry_at:
             return None
         try:
-            self._client = _connect(str(self.config.socket_path), self.config.timeout_s)
+            self._client = _connect(str(self.config.socket_path), self.config.timeout_s,
+                                    self.device)
+            if self.on_connect is not None:
+                self.on_connect(self._client)
         except (*_CONNECTION_ERRORS, KVTierError) as exc:
             self._note_down(exc, now)
             return None

@@ -10,7 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # the worker side driven without vLLM (GPU device checks, benchmarks)
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stand-in for vLLM's base class."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """Stand-in for vLLM's base class."""
 
 
 @dataclass(slots=True)
@@ -28,6 +39,7 @@ class TransferSpec:
     first_block: int
     pages: list[list[int]]
     skip_pages: int = 0
+    save_id: int = -1
 
     @property
     def end_block(self) -> int:
@@ -41,9 +53,31 @@ class TransferSpec:
 
 @dataclass(slots=True)
 class KVTierConnectorMetadata(KVConnectorMetadata):
-    """One step's work: loads to run before the forward (or in the background when
-    ``async_loads``), and saves to run after it."""
+    """One step's work: loads to run during the forward, layer by layer (or in the
+    background when ``async_loads``), saves to start after it, and the requests vLLM
+    preempted this step (their pages may be reused: their saves must finish first)."""
 
     loads: list[TransferSpec] = field(default_factory=list)
     async_loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """What workers tell the scheduler side after a step: saves that are over
+    (``save_id`` -> number of workers done with it, committed or dropped) and counter
+    increments (dropped saves and bytes, loaded and saved blocks), summed over workers."""
+
+    saves_done: dict[int, int] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        done = dict(self.saves_done)
+        for k, v in other.saves_done.items():
+            done[k] = done.get(k, 0) + v
+        counters = dict(self.counters)
+        for k, v in other.counters.items():
+            counters[k] = counters.get(k, 0) + v
+        return KVTierWorkerMetadata(done, counters)

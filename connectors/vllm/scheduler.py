@@ -6,8 +6,16 @@ their shard), plans which pages to fill from kvtier and which newly completed bl
 offload, and hands those plans to the workers in the step's metadata.
 
 Invariant per tracked request: blocks ``[0, known_blocks)`` are in kvtier or are being
-loaded/saved this step; ``known_blocks`` only drops when a worker reports a failed load,
-so those blocks are offloaded again once vLLM has recomputed them.
+loaded/saved; ``known_blocks`` only drops when a worker reports a failed load, so those
+blocks are offloaded again once vLLM has recomputed them.
+
+Saves run after their step, off the critical path: a request that had any save gets
+``delay_free=True`` from ``request_finished`` and the workers report it in
+``finished_sending`` once its saves are over. Saves not yet over are remembered (workers
+acknowledge them in their per-step metadata); a lookup whose next block is being saved
+answers "not yet" (``None``) rather than miss it, for ``PENDING_SAVE_WAIT_S`` at most.
+Of the matched blocks, only those faster to reload than to recompute are loaded
+(:mod:`.recompute`).
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from kvtier.layout import KVLayout
 from .config import ConnectorConfig
 from .link import DaemonLink
 from .mapping import LoadSpan, PageMap
-from .metadata import KVTierConnectorMetadata, TransferSpec
+from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
+from .recompute import RecomputeModel
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -36,6 +45,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier.connectors.vllm")
 
 REPORT_INTERVAL_S = 1.0
+PENDING_SAVE_WAIT_S = 2.0
+"""A lookup waits at most this long for a save of its next block to land."""
+
+
+@dataclass(slots=True)
+class PendingSave:
+    """A save handed to the workers and not yet acknowledged by all of them."""
+
+    salt: str | None
+    token_ids: np.ndarray
+    first_block: int
+    end_block: int
+    issued: float
+    acks: int = 0
 
 
 @dataclass(slots=True)
@@ -47,6 +70,7 @@ class RequestState:
     page_ids: list[int] = field(default_factory=list)
     known_blocks: int = 0
     load: TransferSpec | None = None
+    saved_any: bool = False
 
 
 def request_salt(request: Request) -> str | bool | None:
@@ -81,6 +105,16 @@ class SchedulerSide:
         self._last_report = 0.0
         self.lookups = 0
         self.hit_tokens = 0
+        self.recompute = RecomputeModel(config.tokens_per_block, layout.block_bytes,
+                                        config.prefill_tokens_per_s,
+                                        dict(config.tier_bandwidth))
+        self._skips: dict[str, int] = {}
+        self._pending_saves: dict[int, PendingSave] = {}
+        self._next_save_id = 0
+        self._step_started: tuple[float, int] | None = None
+        self.counters: dict[str, int] = {"skipped_slower_than_recompute": 0,
+                                         "skipped_tokens_slower_than_recompute": 0}
+        self.link.preconnect()   # at engine start, not in the first request's lookup
 
     # -- lookup ----------------------------------------------------------------------
 
@@ -97,19 +131,50 @@ class SchedulerSide:
         n_blocks = self.pages.full_blocks(len(tokens))
         if n_blocks * self.config.tokens_per_block <= num_computed_tokens:
             return 0, False
-        hits = n_blocks
+        hits = usable = n_blocks
+        start = num_computed_tokens // self.config.tokens_per_block
         for rank in range(self.tp_size):
             ns = self.link.namespace(salt, rank)  # type: ignore[arg-type]
             keys = block_keys(ns, tokens[: hits * self.config.tokens_per_block])
-            hits = min(hits, self.link.lookup(ns, keys))
+            res = self.link.lookup_result(ns, keys)
+            hits = min(hits, res.hits if res is not None else 0)
+            if res is not None and self.config.skip_slower_than_recompute:
+                usable = min(usable, self.recompute.worth_loading(
+                    res.tiers, res.bandwidth, start, res.hits))
             if hits == 0:
                 break
         self.lookups += 1
-        span = self.pages.load_span(num_computed_tokens, hits, len(tokens))
+        if hits < n_blocks and self._save_in_flight(salt, tokens, hits):  # type: ignore[arg-type]
+            return None, False   # the next block is being saved: ask again next step
+        skipped = max(0, hits - max(usable, start))
+        span = self.pages.load_span(num_computed_tokens, min(hits, usable), len(tokens))
+        if skipped:
+            self._skips[request.request_id] = skipped
         if span is None:
             return 0, False
         self._spans[request.request_id] = span
         return span.num_external_tokens, self.config.async_load
+
+    def _save_in_flight(self, salt: str | None, tokens: Any, block: int) -> bool:
+        """Whether a save not yet acknowledged holds block ``block`` of this token chain."""
+        if not self._pending_saves:
+            return False
+        tpb = self.config.tokens_per_block
+        end = (block + 1) * tpb
+        if len(tokens) < end:
+            return False
+        now = time.monotonic()
+        mine: np.ndarray | None = None
+        for p in self._pending_saves.values():
+            if p.salt != salt or not p.first_block <= block < p.end_block:
+                continue
+            if now - p.issued > PENDING_SAVE_WAIT_S:
+                continue
+            if mine is None:
+                mine = np.asarray(tokens[:end], dtype=np.uint32)
+            if np.array_equal(p.token_ids[:end], mine):
+                return True
+        return False
 
     # -- allocation and per-step plans ------------------------------------------------
 
@@ -128,6 +193,11 @@ class SchedulerSide:
         if block_ids and block_ids[0]:
             state.page_ids = list(block_ids[0])
         span = self._spans.pop(req_id, None)
+        skipped = self._skips.pop(req_id, 0)
+        if skipped:
+            self.counters["skipped_slower_than_recompute"] += skipped
+            self.counters["skipped_tokens_slower_than_recompute"] += \
+                skipped * self.config.tokens_per_block
         if num_external_tokens <= 0 or span is None:
             return
         rows = self.pages.block_pages(state.page_ids, span.first_block, span.end_block)
@@ -147,6 +217,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
         """This step's loads (planned at allocation) and saves (blocks completed by it)."""
         meta = KVTierConnectorMetadata()
+        meta.preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self._step_started = (time.monotonic(), scheduler_output.total_num_scheduled_tokens)
         for spec in self._pending_loads:
             (meta.async_loads if self.config.async_load else meta.loads).append(spec)
         self._pending_loads = []
@@ -189,13 +261,27 @@ class SchedulerSide:
         end = state.known_blocks + len(rows)
         tokens = np.asarray(_token_ids(state.request)[: end * self.config.tokens_per_block],
                             dtype=np.uint32)
-        meta.saves.append(TransferSpec(req_id, state.salt, tokens, state.known_blocks, rows))
+        save_id = self._next_save_id
+        self._next_save_id += 1
+        meta.saves.append(TransferSpec(req_id, state.salt, tokens, state.known_blocks, rows,
+                                       save_id=save_id))
+        self._pending_saves[save_id] = PendingSave(state.salt, tokens, state.known_blocks, end,
+                                                   time.monotonic())
+        state.saved_any = True
         state.known_blocks = end
 
     # -- feedback from workers ---------------------------------------------------------
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Forget blocks whose load failed so they are offloaded again after recompute."""
+        """Time the step, take the workers' save acknowledgements and counters, and forget
+        blocks whose load failed so they are offloaded again after recompute."""
+        if self._step_started is not None:
+            t0, tokens = self._step_started
+            self._step_started = None
+            self.recompute.observe_step(tokens, time.monotonic() - t0)
+        wmeta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(wmeta, KVTierWorkerMetadata):
+            self._take_worker_meta(wmeta)
         invalid = set(output.invalid_block_ids or ())
         if not invalid:
             return
@@ -208,21 +294,39 @@ class SchedulerSide:
                 state.known_blocks = min(state.known_blocks, spec.first_block + bad)
                 state.load = None
 
+    def _take_worker_meta(self, wmeta: KVTierWorkerMetadata) -> None:
+        for save_id, n in wmeta.saves_done.items():
+            pending = self._pending_saves.get(save_id)
+            if pending is None:
+                continue
+            pending.acks += n
+            if pending.acks >= self.tp_size:
+                del self._pending_saves[save_id]
+        for name, n in wmeta.counters.items():
+            self.counters[name] = self.counters.get(name, 0) + n
+
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are synchronous (done by the step that computed the block), so vLLM may
-        free the pages at once."""
-        self._states.pop(request.request_id, None)
+        """A request that had saves keeps its pages until the workers report it in
+        ``finished_sending`` (its saves may still be reading them)."""
+        state = self._states.pop(request.request_id, None)
         self._spans.pop(request.request_id, None)
-        return False, None
+        self._skips.pop(request.request_id, None)
+        return (state is not None and state.saved_any), None
 
     def _maybe_report(self) -> None:
         now = time.monotonic()
         if now - self._last_report < REPORT_INTERVAL_S or not self.link.connected:
             return
         self._last_report = now
-        running, waiting, preempted = len(self._states), len(self._spans), self._preemptions
-        self.link.call(lambda c: c.report_engine(running=running, waiting=waiting,
-                                                 preemptions=preempted), None)
+        stale = [k for k, p in self._pending_saves.items()
+                 if now - p.issued > 10 * PENDING_SAVE_WAIT_S]
+        for k in stale:   # never acknowledged (a worker restarted): stop remembering it
+            del self._pending_saves[k]
+        values: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
+        values.update(running=len(self._states), waiting=len(self._spans),
+                      preemptions=self._preemptions,
+                      prefill_tokens_per_s=round(self.recompute.prefill_tokens_per_s, 1))
+        self.link.call(lambda c: c.report_engine(**values), None)
 
     def shutdown(self) -> None:
         self.link.close()

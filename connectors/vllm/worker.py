@@ -1,37 +1,40 @@
 """Worker-side half of the connector: moves KV between vLLM's pages and the daemon's arena.
 
-Loads scatter kvtier blocks into the request's pages before the forward that needs them
-(or in a background thread for asynchronous loads); saves gather completed blocks after
-the step's forward, straight into arena slots handed out by ``prepare_put`` (one copy).
-The byte layout conversion is ``kvtier.kernels`` (torch reference on CPU, CUDA kernel on
-GPU); this module only decides which pages go where, batched per request.
+Loads are layer-pipelined: ``start_load_kv`` hands the step's loads to the loader thread
+of a :class:`~kvtier.kernels.pipeline.LayerPipeline` and returns; each attention layer's
+``wait_for_layer_load`` waits for that layer only. Saves are off the critical path:
+``wait_for_save`` queues each request's completed blocks on the saver thread (bounded
+bytes in flight; beyond the bound a save is dropped and counted) and returns. A request
+with saves may finish while they run: the scheduler side then asked vLLM to delay freeing
+its pages, and this side reports it in ``finished_sending`` once its saves are over.
+Preempted requests' saves are awaited before the step that may reuse their pages.
 
-Saves run in ``wait_for_save`` rather than per layer in ``save_kv_layer``: a kvtier block
-holds every layer, so its arena slot is filled once all layers of the step are computed.
-Failed loads (daemon gone, block evicted or rejected by checksum since the lookup) are
-reported by page id through ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+Failed loads (daemon gone, block evicted or rejected by checksum since the lookup, a lease
+that expired during the copy) are reported by page id through
+``get_block_ids_with_load_errors`` in the step that ran them, so vLLM recomputes them.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import warnings
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from kvtier.kernels.api import gather_blocks, scatter_blocks
 from kvtier.kernels.layouts import PagedLayout
+from kvtier.kernels.pipeline import LayerPipeline
 
 from kvtier.errors import LayoutMismatch
-from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 
 from .config import ConnectorConfig
+from .device import ArenaRegistry, Register, cuda_register
 from .link import DaemonLink
 from .mapping import PageMap
-from .metadata import KVTierConnectorMetadata, TransferSpec
+from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
+from .transfers import CacheSet, LoadBatch, SaveRequest
 
 logger = logging.getLogger("kvtier.connectors.vllm")
 
@@ -54,29 +57,65 @@ def paged_layout_of(kv_cache: torch.Tensor) -> PagedLayout:
 
 
 class WorkerSide:
-    """The worker half of ``KVTierConnector`` (one per vLLM worker / TP rank)."""
+    """The worker half of ``KVTierConnector`` (one per vLLM worker / TP rank).
+
+    ``register``: how to register the arena with the device (default: ``cudaHostRegister``
+    when the caches are on a GPU, nothing otherwise); tests inject a recorder.
+    """
 
     def __init__(self, config: ConnectorConfig, layout: KVLayout, block_size: int,
-                 tp_rank: int, tp_size: int) -> None:
+                 tp_rank: int, tp_size: int, *, register: Register | None = None) -> None:
         self.config = config
         self.layout = layout
         self.pages = PageMap(block_size, config.tokens_per_block)
         self.tp_rank = tp_rank
-        self.link = DaemonLink(config, layout, tp_size=tp_size, name=f"worker{tp_rank}")
-        self._caches: list[torch.Tensor] = []
-        self._paged: PagedLayout | None = None
+        self.tp_size = tp_size
+        self.arenas = ArenaRegistry(register)
+        self._register_override = register is not None
+        self.device_loads = bool(config.device_loads)
+        self.link = self._new_link("")
+        self._thread_links = threading.local()
+        self.caches: CacheSet | None = None
+        self.layer_index: dict[str, int] = {}
+        self.pipeline: LayerPipeline | None = None
+        self._batch: LoadBatch | None = None
         self._load_errors: set[int] = set()
         self._pool: ThreadPoolExecutor | None = None
-        self._thread_link = threading.local()
         self._async: dict[str, Future[set[int]]] = {}
+        # save bookkeeping, shared with the saver thread
+        self._lock = threading.Lock()
+        self._inflight: dict[str, list[Future[bool]]] = {}
+        self._saved_reqs: set[str] = set()
+        self._finishing: set[str] = set()
+        self._saves_done: dict[int, int] = {}
+        self._counters: dict[str, int] = {}
         self.loaded_blocks = 0
         self.saved_blocks = 0
 
     # -- setup -------------------------------------------------------------------------
 
+    def _new_link(self, suffix: str) -> DaemonLink:
+        return DaemonLink(self.config, self.layout, tp_size=self.tp_size,
+                          name=f"worker{self.tp_rank}{suffix}",
+                          device=self.device_loads,
+                          on_connect=self._on_connect)
+
+    def _on_connect(self, client: Any) -> None:
+        try:
+            self.arenas.adopt(client)
+        except Exception:
+            logger.exception("kvtier: could not share the arena mapping; continuing")
+
+    def _thread_link(self, suffix: str) -> DaemonLink:
+        """The calling thread's own link (a client is not thread-safe)."""
+        link = getattr(self._thread_links, "link", None)
+        if link is None:
+            link = self._thread_links.link = self._new_link(suffix)
+        return link
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Remember the per-layer caches (in model order) and check they match the layout
-        the scheduler side derived from ``KVCacheConfig``."""
+        """Remember the per-layer caches (in model order), check they match the layout the
+        scheduler side derived from ``KVCacheConfig``, and start the transfer pipeline."""
         caches = list(kv_caches.values())
         if len(caches) != self.layout.num_layers:
             raise LayoutMismatch(f"vLLM registered {len(caches)} layer caches, the KV cache "
@@ -88,144 +127,167 @@ class WorkerSide:
         if nbytes != self.layout.block_bytes:
             raise LayoutMismatch(f"vLLM caches give {nbytes} bytes per kvtier block, the "
                                  f"layout {self.layout} expects {self.layout.block_bytes}")
-        self._caches, self._paged = caches, paged
-        logger.info("kvtier: %d layers, %s pages, %d tokens (%d pages, %d bytes) per block",
-                    len(caches), paged.name, self.config.tokens_per_block,
-                    self.pages.pages_per_block, nbytes)
+        on_gpu = caches[0].device.type == "cuda"
+        if on_gpu and not self._register_override:
+            self.arenas.register = cuda_register
+        if self.config.device_loads is None:
+            self.device_loads = on_gpu
+            self.link.device = on_gpu
+        self.caches = CacheSet(caches, paged, self.config.tokens_per_block,
+                               self.pages.pages_per_block, nbytes, self.layout.kv_components)
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self.pipeline = LayerPipeline(len(caches), caches[0].device if on_gpu else None,
+                                      max_inflight_bytes=self.config.max_inflight_save_bytes)
+        # Connect (map and register the arena) off the first step's critical path.
+        self.pipeline.warm(lambda: self._thread_link("-load").preconnect(),
+                           lambda: self._thread_link("-save").preconnect())
+        logger.info("kvtier: %d layers, %s pages, %d tokens (%d pages, %d bytes) per block, "
+                    "%s, saves in flight <= %d bytes", len(caches), paged.name,
+                    self.config.tokens_per_block, self.pages.pages_per_block, nbytes,
+                    "GPU streams" if on_gpu else "loader/saver threads",
+                    self.config.max_inflight_save_bytes)
 
     # -- loads -------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
-        """Run this step's synchronous loads now; hand asynchronous ones to the thread."""
-        for spec in meta.loads:
-            self._load_errors |= self._load(self.link, spec)
+        """Start this step's loads layer by layer; hand asynchronous ones to the pool."""
+        if meta.loads and self.pipeline is not None and self.caches is not None:
+            batch = LoadBatch(meta.loads, self.caches, lambda: self._thread_link("-load"),
+                              self.tp_rank, self.device_loads)
+            self._batch = batch
+            self.pipeline.start_loads(batch)
         for spec in meta.async_loads:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-            self._async[spec.req_id] = self._pool.submit(self._load_in_thread, spec)
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
+            self._async[spec.req_id] = self._pool.submit(self._load_whole, spec)
 
-    def _load_in_thread(self, spec: TransferSpec) -> set[int]:
-        link = getattr(self._thread_link, "link", None)
-        if link is None:
-            link = DaemonLink(self.config, self.layout, tp_size=self.link.tp_size,
-                              name=f"worker{self.tp_rank}-async")
-            self._thread_link.link = link
-        return self._load(link, spec)
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Wait for this layer of the step's loads only."""
+        if self.pipeline is not None and self.pipeline.loading:
+            layer = self.layer_index.get(layer_name)
+            if layer is not None:
+                self.pipeline.wait_for_layer(layer)
 
-    def _load(self, link: DaemonLink, spec: TransferSpec) -> set[int]:
-        """Scatter the spec's blocks into vLLM's pages; the page ids that did not load."""
-        if not spec.pages:
-            return set()
-        wanted = spec.page_ids
+    def _finish_loads(self) -> None:
+        if self.pipeline is not None and self.pipeline.loading:
+            self._load_errors |= self.pipeline.finish_loads()
+            batch = self._batch
+            if batch is not None:
+                self.loaded_blocks += batch.loaded_blocks
+                self._count("loaded_blocks", batch.loaded_blocks)
+                self._batch = None
+
+    def _load_whole(self, spec: TransferSpec) -> set[int]:
+        """An asynchronous load (between steps): every layer at once, on the pool thread."""
+        assert self.caches is not None
+        batch = LoadBatch([spec], self.caches, lambda: self._thread_link("-async"),
+                          self.tp_rank, self.device_loads)
         try:
-            ns = self._namespace(link, spec)
-            keys = block_keys(ns, spec.token_ids)[spec.first_block:spec.end_block]
-            loaded = 0
-            with link.lease(lambda c: c.prepare_get(ns, keys)) as lease:
-                if lease is not None:
-                    views = list(lease.views)[: len(keys)]
-                    if views:
-                        self._scatter(spec, [_as_tensor(v, readonly=True) for v in views])
-                    loaded = len(views)
+            batch.open()
+            for layer in range(self.caches.num_layers):
+                batch.load_layer(layer, None)
+            failed = batch.close()
         except Exception:
             logger.exception("kvtier: load of request %s failed; vLLM recomputes it",
                              spec.req_id)
-            loaded = 0
-        self.loaded_blocks += loaded
-        # Pages kept from vLLM's own cache (skip_pages) are valid whatever happened.
-        return set(wanted[max(loaded * self.pages.pages_per_block, spec.skip_pages):])
-
-    def _scatter(self, spec: TransferSpec, blocks: list[torch.Tensor]) -> None:
-        assert self._paged is not None
-        n = len(blocks)
-        page_ids = torch.tensor(spec.pages[:n], dtype=torch.int64)
-        if spec.skip_pages:
-            # Keep the locally computed leading pages of the first block: overlay the
-            # loaded pages on a copy of what the engine already has, then write it back.
-            first = torch.empty(self.layout.block_bytes, dtype=torch.uint8)
-            gather_blocks(self._caches, self._paged, page_ids[:1], [first],
-                          tokens_per_block=self.config.tokens_per_block)
-            _overlay_pages(first, blocks[0], spec.skip_pages, self.layout,
-                           self.pages.pages_per_block)
-            blocks = [first, *blocks[1:]]
-        scatter_blocks(self._caches, self._paged, page_ids, blocks,
-                       tokens_per_block=self.config.tokens_per_block)
-
-    def get_finished(self) -> set[str]:
-        """Request ids whose asynchronous load completed (successfully or not); their
-        failed pages join the load errors reported in this same step."""
-        done: set[str] = set()
-        for req_id, fut in list(self._async.items()):
-            if not fut.done():
-                continue
-            del self._async[req_id]
-            try:
-                self._load_errors |= fut.result()
-            except Exception:  # _load never raises; defensive
-                logger.exception("kvtier: async load of %s crashed", req_id)
-            done.add(req_id)
-        return done
+            failed = batch.all_pages()
+        self._count("loaded_blocks", batch.loaded_blocks)
+        return failed
 
     def take_load_errors(self) -> set[int]:
+        """Pages that failed to load in this step (the step's load is joined first)."""
+        self._finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     # -- saves -------------------------------------------------------------------------
 
     def save(self, meta: KVTierConnectorMetadata) -> None:
-        """Offload the blocks this step completed, one put lease per request."""
+        """End of the step: join its loads, queue its saves (never wait for them)."""
+        self._finish_loads()
+        if self.pipeline is None or self.caches is None:
+            return
         for spec in meta.saves:
+            job = SaveRequest(spec, self.caches, lambda: self._thread_link("-save"),
+                              self.tp_rank)
+            with self._lock:
+                self._saved_reqs.add(spec.req_id)
+            fut = self.pipeline.submit_save(
+                job, job.nbytes, lambda ok, job=job: self._save_over(job, ok))
+            if fut is None:
+                logger.debug("kvtier: save of %s dropped (%d bytes in flight)",
+                             spec.req_id, self.pipeline.inflight_bytes)
+                self._count("dropped_saves", 1)
+                self._count("dropped_save_bytes", job.nbytes)
+                with self._lock:
+                    self._saves_done[spec.save_id] = 1
+                continue
+            with self._lock:
+                self._inflight.setdefault(spec.req_id, []).append(fut)
+
+    def _save_over(self, job: SaveRequest, committed: bool) -> None:
+        """Saver thread: a save was committed or abandoned."""
+        self.saved_blocks += job.saved_blocks
+        self._count("saved_blocks", job.saved_blocks)
+        with self._lock:
+            self._saves_done[job.spec.save_id] = 1
+            futs = self._inflight.get(job.spec.req_id)
+            if futs is not None:
+                futs[:] = [f for f in futs if not f.done()]
+
+    def handle_preemptions(self, req_ids: Iterable[str]) -> None:
+        """Wait for the saves of preempted requests: vLLM may hand their pages to another
+        request in this very step."""
+        for req_id in req_ids:
+            with self._lock:
+                futs = list(self._inflight.get(req_id, ()))
+            for fut in futs:
+                fut.result()
+
+    def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+        """(requests whose delayed free may happen now, requests whose asynchronous load
+        completed). A finished request that had saves is reported once they are over; the
+        scheduler side delayed freeing exactly those (it planned the saves)."""
+        with self._lock:
+            for req_id in finished_req_ids:
+                if req_id in self._saved_reqs:
+                    self._saved_reqs.discard(req_id)
+                    self._finishing.add(req_id)
+            sending = set()
+            for req_id in list(self._finishing):
+                if not any(not f.done() for f in self._inflight.get(req_id, ())):
+                    self._finishing.discard(req_id)
+                    self._inflight.pop(req_id, None)
+                    sending.add(req_id)
+        recving: set[str] = set()
+        for req_id, fut in list(self._async.items()):
+            if not fut.done():
+                continue
+            del self._async[req_id]
             try:
-                self._save(spec)
-            except Exception:
-                logger.exception("kvtier: save of request %s failed; it is only a future "
-                                 "cache miss", spec.req_id)
+                self._load_errors |= fut.result()
+            except Exception:  # _load_whole never raises; defensive
+                logger.exception("kvtier: async load of %s crashed", req_id)
+            recving.add(req_id)
+        return sending, recving
 
-    def _save(self, spec: TransferSpec) -> None:
-        assert self._paged is not None
-        ns = self._namespace(self.link, spec)
-        keys = block_keys(ns, spec.token_ids)[spec.first_block:spec.end_block]
-        with self.link.lease(lambda c: c.prepare_put(ns, keys)) as lease:
-            if lease is None:
-                return
-            todo = [(i, v) for i, v in enumerate(lease.views) if v is not None]
-            if not todo:
-                return
-            page_ids = torch.tensor([spec.pages[i] for i, _ in todo], dtype=torch.int64)
-            gather_blocks(self._caches, self._paged, page_ids,
-                          [_as_tensor(v) for _, v in todo],
-                          tokens_per_block=self.config.tokens_per_block)
-            self.saved_blocks += len(todo)
+    def worker_meta(self) -> KVTierWorkerMetadata | None:
+        """Saves over and counter increments since the last step, for the scheduler."""
+        with self._lock:
+            if not self._saves_done and not self._counters:
+                return None
+            meta = KVTierWorkerMetadata(self._saves_done, self._counters)
+            self._saves_done, self._counters = {}, {}
+        return meta
 
-    def _namespace(self, link: DaemonLink, spec: TransferSpec) -> Namespace:
-        return link.namespace(spec.cache_salt, self.tp_rank)
+    def _count(self, name: str, n: int) -> None:
+        if n:
+            with self._lock:
+                self._counters[name] = self._counters.get(name, 0) + n
 
     def shutdown(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self.link.close()
-
-
-def _as_tensor(view: Any, readonly: bool = False) -> torch.Tensor:
-    """A uint8 tensor aliasing an arena slot view (numpy array), without copying.
-
-    Get leases hand out read-only arrays; torch warns when aliasing those, and the
-    connector only reads them, so that one warning is silenced here.
-    """
-    if isinstance(view, torch.Tensor):
-        return view
-    if not readonly:
-        return torch.from_numpy(view)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        return torch.from_numpy(view)
-
-
-def _overlay_pages(dst: torch.Tensor, src: torch.Tensor, skip_pages: int, layout: KVLayout,
-                   pages_per_block: int) -> None:
-    """Copy pages ``[skip_pages, r)`` of block ``src`` over ``dst`` (both canonical
-    ``[layer][kv][token][head][dim]`` bytes, tokens grouped ``r`` pages at a time)."""
-    shape = (layout.num_layers, layout.kv_components, pages_per_block, -1)
-    d = dst.view(torch.uint8).view(shape)
-    s = src.view(torch.uint8).view(shape)
-    d[:, :, skip_pages:].copy_(s[:, :, skip_pages:])

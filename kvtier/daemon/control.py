@@ -64,6 +64,10 @@ from kvtier.protocol import (
 from kvtier.store import TieredStore
 
 log = logging.getLogger("kvtier.control")
+CONNECTOR_COUNTERS = ("skipped_slower_than_recompute", "skipped_tokens_slower_than_recompute",
+                      "dropped_saves", "dropped_save_bytes", "saves_in_flight_bytes",
+                      "loaded_blocks", "saved_blocks", "prefill_tokens_per_s")
+"""Counters the vLLM connector reports through ``report_engine`` (issue 11)."""
 _PEERCRED = struct.Struct("3i")
 _MAX_NAME = 1024  # model_id and cache_salt characters: namespaces retain them
 _MAX_TP = 1 << 16
@@ -420,7 +424,11 @@ class ControlServer:
     async def _lookup(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         ns, fp, keys = self._target(msg)
         res = await self.store.lookup(ns, fp, keys, prefetch=bool(msg.get("prefetch", True)))
-        return {"hits": res.hits, "tiers": res.tiers}
+        reply: dict[str, Any] = {"hits": res.hits, "tiers": res.tiers}
+        bandwidth = getattr(self.store, "bandwidth", None)
+        if bandwidth is not None:   # additive: reload bytes/s per tier, for "never slower
+            reply["bandwidth"] = bandwidth.reload_bandwidth()  # than recompute" (issue 11)
+        return reply
 
     async def _put_prepare(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         ns, fp, keys = self._target(msg)
@@ -479,7 +487,10 @@ class ControlServer:
         return {"lease": lease, "offsets": offsets}
 
     async def _get_release(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        self.store.release_get(conn.id, req_field(msg, "lease", int))
+        copy_s = msg.get("copy_s")   # optional: the client's own copy time (issue 11)
+        if not isinstance(copy_s, (int, float)) or isinstance(copy_s, bool) or copy_s < 0:
+            copy_s = None
+        self.store.release_get(conn.id, req_field(msg, "lease", int), copy_s=copy_s)
         return {}
 
     async def _delete(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
@@ -491,7 +502,8 @@ class ControlServer:
 
     async def _report_engine(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         allowed = ("running", "waiting", "preemptions", "context_tokens_p50",
-                   "context_tokens_p99", "requests_finished", "load_errors")
+                   "context_tokens_p99", "requests_finished", "load_errors",
+                   *CONNECTOR_COUNTERS)
         for name in allowed:
             value = msg.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -16,6 +16,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvtier.daemon.control import CONNECTOR_COUNTERS
+
 _LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
                     0.25, 0.5, 1.0, 2.5)
 
@@ -111,7 +113,7 @@ class KVTierCollector:
         yield from _policy_metrics(s)
         conn = s.get("connector", {})
         for key in ("running", "waiting", "preemptions", "context_tokens_p50",
-                    "context_tokens_p99"):
+                    "context_tokens_p99", *CONNECTOR_COUNTERS):
             if key in conn:
                 yield GaugeMetricFamily(f"kvtier_engine_{key}",
                                         f"Engine {key} as reported by connectors",

@@ -5,48 +5,78 @@ another tier later, so the queue never applies backpressure to the caller. When 
 full the OLDEST pending write is dropped (and counted): recent blocks are the ones most
 likely to be asked for again, and dropping the oldest keeps the queue's latency bounded.
 
-A queued block owns a private copy of its payload, made at submit time, because the
-caller's arena slot may be reused as soon as ``submit`` returns. The copy is laid out with
-room for the frame header in front, so a NONE-codec frame is finished in place (header
-written into the first 96 bytes) and handed to redis-py without another copy.
+A queued block either borrows the caller's buffer (``PendingWrite.borrow``: the caller keeps
+it unchanged, e.g. an arena slot pinned, until ``release`` is called once the SET is done,
+dropped or failed) or owns a private copy (``PendingWrite.copy_of``: one memcpy, for callers
+that reuse their buffer at once). Either way the frame goes out as two buffers, header and
+payload, so a NONE-codec write costs one checksum and no copy of its own.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier import codec as codecs
-from kvtier.frame import HEADER_SIZE, Codec, make_header
+from kvtier.frame import Codec
+from kvtier.tiers.redis_checksum import header_for
+
+Release = Callable[[], None]
 
 
 @dataclass(slots=True)
 class PendingWrite:
-    """One block waiting to be written: identity, private payload copy, and its frame."""
+    """One block waiting to be written: identity, payload (borrowed or copied), its frame."""
 
     redis_key: bytes
     namespace: bytes
     key: bytes
     layout_fp: int
     seq: int
-    buf: bytearray                      # HEADER_SIZE bytes of room + the raw payload
+    payload: memoryview                 # the raw block bytes (flat, unsigned bytes)
     raw_len: int
-    frame: bytes | bytearray | None = None
+    release: Release | None = None      # set when borrowed: call once the write is over
+    parts: tuple[bytes | memoryview, ...] = ()   # the frame as sent: header, payload
     codec: Codec = Codec.NONE
 
     @classmethod
     def copy_of(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
                 seq: int, payload: memoryview) -> PendingWrite:
-        """Snapshot ``payload`` (one memcpy) into a buffer with room for the header."""
-        buf = bytearray(HEADER_SIZE)  # grown by the copy: no zero-fill pass over the payload
-        buf += payload.cast("B") if payload.format != "B" or payload.ndim != 1 else payload
-        return cls(redis_key, namespace, key, layout_fp, seq, buf, payload.nbytes)
+        """Snapshot ``payload`` (one memcpy): the caller may reuse its buffer at once."""
+        data = memoryview(bytes(_flat(payload)))
+        return cls(redis_key, namespace, key, layout_fp, seq, data, data.nbytes)
+
+    @classmethod
+    def borrow(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
+               seq: int, payload: memoryview, release: Release) -> PendingWrite:
+        """Use ``payload`` in place; ``release`` is called exactly once when done with it."""
+        view = _flat(payload)
+        return cls(redis_key, namespace, key, layout_fp, seq, view, view.nbytes, release)
+
+    @property
+    def wire_len(self) -> int:
+        return sum(memoryview(p).nbytes for p in self.parts)
+
+    def done(self) -> None:
+        """The write is over (sent, dropped or failed): give a borrowed buffer back."""
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+
+
+def _flat(view: memoryview) -> memoryview:
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec,
                   elem_bytes: int) -> None:
-    """Encode and frame ``item`` in place (sets ``item.frame``); CPU-bound, thread-safe."""
-    raw = memoryview(item.buf)[HEADER_SIZE:]
+    """Encode and frame ``item`` (sets ``item.parts``); CPU-bound, thread-safe.
+
+    NONE: one checksum over the payload where it lies, no copy. Other codecs: the encoded
+    body is a new buffer, so a borrowed payload could be released right after this.
+    """
+    raw = item.payload
     if isinstance(codec, codecs.AutoCodec):
         chosen, body = codec.encode(raw, elem_bytes)
     elif codec is Codec.NONE:
@@ -54,14 +84,12 @@ def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec,
     else:
         chosen, body = codec, codecs.encode(codec, raw, elem_bytes)
     if chosen is Codec.NONE:
-        header = make_header(item.namespace, item.key, item.layout_fp, raw, seq=item.seq)
-        item.buf[:HEADER_SIZE] = header.pack()
-        item.frame = item.buf
+        header = header_for(item.namespace, item.key, item.layout_fp, raw, seq=item.seq)
+        item.parts = (header.pack(), raw)
     else:
-        header = make_header(item.namespace, item.key, item.layout_fp, body,
-                             raw_len=len(raw), codec=chosen, seq=item.seq)
-        item.frame = header.pack() + body
-        item.buf = bytearray()  # the raw copy is no longer needed: free it early
+        header = header_for(item.namespace, item.key, item.layout_fp, body,
+                            raw_len=len(raw), codec=chosen, seq=item.seq)
+        item.parts = (header.pack(), body)
     item.codec = chosen
 
 
@@ -104,9 +132,22 @@ class WriteQueue:
             batch.append(item)
         return batch
 
+    def drop_borrowed(self) -> int:
+        """Drop the queued writes that borrow a caller's buffer (released); how many."""
+        keep = deque(it for it in self._items if it.release is None)
+        dropped = [it for it in self._items if it.release is not None]
+        for item in dropped:
+            item.done()
+            self.queued_bytes -= item.raw_len
+        self._items = keep
+        self.dropped += len(dropped)
+        return len(dropped)
+
     def clear(self) -> int:
-        """Drop everything still queued; returns how many writes were dropped."""
+        """Drop everything still queued (borrowed buffers released); returns how many."""
         n = len(self._items)
+        for item in self._items:
+            item.done()
         self._items.clear()
         self.queued_bytes = 0
         self.dropped += n

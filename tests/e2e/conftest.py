@@ -37,12 +37,14 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> En
     counter = iter(range(10**6))
 
     def run(phases: list[dict[str, Any]], transfer: dict[str, Any] | None = None,
-            multiprocess: bool = False) -> list[list[tuple[list[int], int]]]:
+            multiprocess: bool = False,
+            prefix_caching: bool = False) -> list[list[tuple[list[int], int]]]:
+        """``run.counters`` holds the connector's counters of the last in-process run."""
         work = tmp_path_factory.mktemp(f"engine{next(counter)}")
         spec = work / "spec.json"
         out = work / "out.json"
         spec.write_text(json.dumps({"model": str(tiny_model), "transfer": transfer,
-                                    "phases": phases}))
+                                    "phases": phases, "prefix_caching": prefix_caching}))
         env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         proc = subprocess.run([sys.executable, str(RUNNER), str(spec), str(out)], env=env,
@@ -51,6 +53,8 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> En
         (work / "stderr.log").write_text(proc.stderr)
         assert proc.returncode == 0 and out.exists(), (
             f"engine process failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+        counters = out.with_name(out.name + ".connector.json")
+        run.counters = json.loads(counters.read_text()) if counters.exists() else {}  # type: ignore[attr-defined]
         return [[(list(t), int(c)) for t, c in phase] for phase in json.loads(out.read_text())]
 
     return run
@@ -70,6 +74,7 @@ def _prompts() -> dict[str, list[int]]:
         "absent": prompt(6, 200),
         "reconnect": prompt(7, 200),
         "two_engines": prompt(8, 330),
+        "delay": prompt(10, 200),
         **{f"kill{i}": prompt(100 + i, 400) for i in range(12)},
     }
 

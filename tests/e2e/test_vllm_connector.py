@@ -220,3 +220,58 @@ def corrupt_nvme_payloads(nvme_dir: Path) -> int:
                 fh.write(b"\xa5" * 64)
                 touched += 1
     return touched
+
+
+def test_layer_waits_follow_the_copies_in_the_engine(llm: Any, live: DaemonProcess,
+                                                     baseline: dict[str, list[int]]) -> None:
+    """In the real engine every attention layer waits for its own layer's load, and none
+    runs before that layer's copy is complete."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()._worker
+    run(llm, "repeat")
+    assert run(llm, "repeat") == (baseline["repeat"], full_blocks_tokens("repeat"))
+    trace = worker.pipeline.last_trace
+    assert trace is not None and trace.finished_at is not None
+    for ready, waited in zip(trace.ready_at, trace.waited_at, strict=True):
+        assert ready is not None and waited is not None and ready <= waited
+
+
+def test_pages_are_freed_only_after_the_saves_and_lookups_wait_for_them(
+        llm: Any, live: DaemonProcess, baseline: dict[str, list[int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request finishes while its saves are held back: vLLM keeps its pages (delayed
+    free) until the worker reports it in ``finished_sending``. The same prompt arriving
+    meanwhile waits for the save instead of missing, then loads it."""
+    from kvtier.connectors.vllm import scheduler as scheduler_module
+    from kvtier.connectors.vllm import transfers
+
+    monkeypatch.setattr(scheduler_module, "PENDING_SAVE_WAIT_S", 120.0)  # loaded machines
+    gate = threading.Event()
+    original = transfers.SaveRequest.copy
+
+    def gated(self: Any, stream: Any) -> None:
+        assert gate.wait(60)
+        original(self, stream)
+
+    monkeypatch.setattr(transfers.SaveRequest, "copy", gated)
+    core = llm.llm_engine.engine_core.engine_core
+    scheduler = core.scheduler
+    side = scheduler.connector._scheduler
+    assert run(llm, "delay") == (baseline["delay"], 0)
+    held = [r for r in scheduler.requests.values() if r.is_finished()]
+    assert len(held) == 1                                  # finished, not freed
+    assert scheduler.kv_cache_manager.get_block_ids(held[0].request_id)[0]
+    lookups = side.lookups
+    second: list[tuple[list[int], int]] = []
+    again = threading.Thread(target=lambda: second.append(run(llm, "delay")))
+    again.start()
+    deadline = time.monotonic() + 60
+    while side.lookups == lookups:                         # it asked, and was told "not yet"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not second
+    gate.set()
+    again.join(60)
+    assert second == [(baseline["delay"], full_blocks_tokens("delay"))]
+    assert not any(r.is_finished() for r in scheduler.requests.values())

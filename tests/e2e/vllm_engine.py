@@ -48,7 +48,13 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def kv_transfer_config(socket: Path | str, **extra: Any) -> dict[str, Any]:
-    """The KVTransferConfig fields of a kvtier-enabled engine."""
+    """The KVTransferConfig fields of a kvtier-enabled engine.
+
+    ``skip_slower_than_recompute`` is off unless a test turns it on: the tiny test model
+    recomputes a 64-token block in well under a millisecond, about what reloading it costs,
+    so on a loaded machine the measured comparison flips either way between runs and the
+    tests asserting exact hit counts would be flaky (test_vllm_data_path turns it on).
+    """
     return {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.connectors.vllm",
@@ -57,12 +63,13 @@ def kv_transfer_config(socket: Path | str, **extra: Any) -> dict[str, Any]:
         "kv_connector_extra_config": {"socket_path": str(socket),
                                       "tokens_per_block": TOKENS_PER_BLOCK,
                                       "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
-                                      **extra},
+                                      "skip_slower_than_recompute": False, **extra},
     }
 
 
-def make_llm(model: Path, transfer: dict[str, Any] | None) -> Any:
-    """An engine as the issue prescribes (float32, block 32, eager, no local prefix cache)."""
+def make_llm(model: Path, transfer: dict[str, Any] | None, prefix_caching: bool = False) -> Any:
+    """An engine as the issue prescribes (float32, block 32, eager, no local prefix cache
+    unless ``prefix_caching``)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -70,7 +77,7 @@ def make_llm(model: Path, transfer: dict[str, Any] | None) -> Any:
     if transfer is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
     return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32",
-               block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=False,
+               block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=prefix_caching,
                max_model_len=4096, seed=0, **kwargs)
 
 
@@ -92,14 +99,38 @@ def generate(llm: Any, prompts: list[list[int]], salts: list[str | None] | None 
     return [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
 
 
+def phase_prompts(phase: dict[str, Any], results: list[Any],
+                  prompts: list[list[list[int]]]) -> list[list[int]]:
+    """A phase's prompts: given, or ``{"continue": {"phase": i, "extra": [...]}}`` = each
+    prompt of phase ``i`` followed by its output and ``extra`` (a next chat turn)."""
+    cont = phase.get("continue")
+    if cont is None:
+        return phase["prompts"]
+    i = cont["phase"]
+    return [p + out + cont["extra"] for p, (out, _) in zip(prompts[i], results[i], strict=True)]
+
+
+def connector_counters(llm: Any) -> dict[str, Any]:
+    """The scheduler-side connector's counters (in-process engine core only)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    side = getattr(connector, "_scheduler", None)
+    if side is None:
+        return {}
+    return {**side.counters, "prefill_tokens_per_s": side.recompute.prefill_tokens_per_s}
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    llm = make_llm(Path(spec["model"]), spec.get("transfer"))
-    results = []
+    llm = make_llm(Path(spec["model"]), spec.get("transfer"), spec.get("prefix_caching", False))
+    results: list[Any] = []
+    prompts: list[list[list[int]]] = []
     for phase in spec["phases"]:
-        results.append(generate(llm, phase["prompts"], phase.get("salts"),
+        prompts.append(phase_prompts(phase, results, prompts))
+        results.append(generate(llm, prompts[-1], phase.get("salts"),
                                 phase.get("max_tokens", MAX_TOKENS)))
     Path(out_path).write_text(json.dumps(results))
+    Path(out_path + ".connector.json").write_text(json.dumps(connector_counters(llm)))
     # Stop the engine-core process (multiprocess mode) before leaving; then skip vLLM's
     # slow interpreter teardown, the results are on disk.
     llm.llm_engine.engine_core.shutdown(timeout=30)

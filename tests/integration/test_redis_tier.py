@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from kvtier.config import RedisConfig
 from kvtier.frame import HEADER_SIZE, FrameHeader, make_header
@@ -394,3 +395,76 @@ async def _tls_round_trip(url: str, certs: TlsCerts) -> None:
         outs = buffers(3)
         assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 3
         assert [bytes(o) for o in outs] == data
+
+
+# --- zero-copy writes, unix socket --------------------------------------------------------
+
+async def test_borrowed_submit_is_sent_in_place_and_released_once(
+        redis_server: RedisServer) -> None:
+    """A borrowed payload is not copied: it is framed and sent where it lies, and its
+    release callback runs exactly once, after the SET (or when the write is dropped)."""
+    keys, data = blocks(6)
+    released: list[int] = []
+    slots = [bytearray(d) for d in data]
+    async with running(cfg_for(redis_server.url, write_queue_blocks=4)) as tier:
+        for i in range(2):
+            tier.submit(NS, keys[i], LAYOUT_FP, memoryview(slots[i]),
+                        release=lambda i=i: released.append(i))
+        assert released == []           # still queued: the caller's slots stay pinned
+        assert await tier.flush(timeout=10)
+        assert sorted(released) == [0, 1]
+        outs = buffers(2)
+        assert await tier.get_into(keys[:2], outs, namespace=NS, layout_fp=LAYOUT_FP) == 2
+        assert [bytes(o) for o in outs] == data[:2]
+        # a full queue drops its oldest borrowed write and releases it at once
+        released.clear()
+        for i in range(2, 6):
+            tier.submit(NS, keys[i], LAYOUT_FP, memoryview(slots[i]),
+                        release=lambda i=i: released.append(i))
+        tier.submit(NS, keys[0], LAYOUT_FP, memoryview(slots[0]),
+                    release=lambda: released.append(0))
+        assert released == [2] and tier.counters.dropped_writes == 1
+        assert await tier.flush(timeout=10)
+        assert sorted(released) == [0, 2, 3, 4, 5]
+    assert redis_server.client().dbsize() == 5
+
+
+async def test_borrowed_submit_while_down_is_copied_and_released(tmp_path: Path) -> None:
+    redis_server_or_skip()
+    port = free_port()
+    keys, data = blocks(1)
+    released: list[bool] = []
+    slot = bytearray(data[0])
+    async with running(cfg_for(f"redis://127.0.0.1:{port}/0")) as tier:
+        assert not tier.up
+        tier.submit(NS, keys[0], LAYOUT_FP, memoryview(slot), release=lambda: released.append(True))
+        assert released == [True]       # a dead Redis never pins the caller's memory
+        slot[:] = bytes(len(slot))      # the slot is reused; the queued copy is intact
+        server = start_server(tmp_path / "late", port=port)
+        try:
+            await eventually(lambda: tier.up)
+            assert await tier.flush(timeout=10)
+            out = buffers(1)
+            assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 1
+            assert bytes(out[0]) == data[0]
+        finally:
+            server.stop()
+
+
+async def test_unix_socket_with_db(tmp_path: Path) -> None:
+    sock = tmp_path / "r.sock"
+    server = start_server(tmp_path / "unix", extra_args=["--unixsocket", str(sock),
+                                                          "--unixsocketperm", "700"])
+    keys, data = blocks(3)
+    try:
+        async with running(cfg_for(f"unix://{sock}?db=2")) as tier:
+            assert tier.up, tier.stats_extra()["last_error"]
+            await put_all(tier, keys, data)
+            outs = buffers(3)
+            assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 3
+            assert [bytes(o) for o in outs] == data
+        assert server.client().dbsize() == 0
+        with contextlib.closing(redis.Redis(host="127.0.0.1", port=server.port, db=2)) as db2:
+            assert db2.dbsize() == 3
+    finally:
+        server.stop()

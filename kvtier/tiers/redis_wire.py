@@ -1,0 +1,343 @@
+"""A small blocking RESP connection for the Redis tier's block traffic (GET/SET/EXISTS/DEL).
+
+Why not redis-py for blocks: on Python 3.11 its asyncio writer joins every command into one
+``bytes`` (a copy of each value), and a GET reply becomes a new ``bytes`` that the tier then
+copies again into the arena. Here a SET goes out with ``sendmsg`` as [command prefix, frame
+header, payload view, CRLF] straight from the caller's buffers, and a GET's payload is
+received straight into the caller's buffer (``recv_into``) and checked there.
+
+A ``Conn`` is a blocking socket with a timeout on every read and write (so every wait is
+bounded by ``op_timeout_s``), used by one worker thread at a time: kernel copies and
+checksums release the GIL, so several requests are in flight over several connections.
+A connection that failed in any way mid-command is closed, never reused. ``NodePool``
+keeps idle connections per server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+CRLF = b"\r\n"
+_SCRATCH = 1 << 16           # read buffer for reply lines and small values
+_IOV_MAX = 512               # buffers per sendmsg call (Linux IOV_MAX is 1024)
+
+
+class ErrorReply(str):
+    """A RESP error reply (``-ERR ...``, ``-MOVED ...``) returned as a value, not raised."""
+
+    @property
+    def kind(self) -> str:
+        return self.split(" ", 1)[0]
+
+
+class ReplyError(Exception):
+    """An error reply seen as a failure (for counting and ``last_error``)."""
+
+
+class ProtocolError(ConnectionError):
+    """The byte stream is not the RESP we expect: the connection is unusable."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAddr:
+    """A server to connect to: TCP host/port, or a unix socket path (host, port 0)."""
+
+    host: str
+    port: int
+    unix: bool = False
+
+    def __str__(self) -> str:
+        return self.host if self.unix else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnOptions:
+    """How to open and authenticate a connection (shared by every node of a target)."""
+
+    connect_timeout_s: float
+    op_timeout_s: float
+    username: str = ""
+    password: str = ""
+    db: int = 0
+    tls: ssl.SSLContext | None = None
+    tls_hostname: str | None = None
+
+
+# Called with (index, first bytes of the value (up to ``head`` bytes), value length); returns
+# where the rest of the value goes (a buffer of exactly length - len(head) bytes) or None
+# to read and discard it.
+Placer = Callable[[int, bytes, int], memoryview | None]
+
+
+def _bulk(arg: bytes | bytearray | memoryview) -> bytes:
+    return b"$%d\r\n" % len(arg)
+
+
+def command(*args: bytes) -> bytes:
+    """One small command in RESP (all arguments as one buffer)."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        parts += (_bulk(arg), arg, CRLF)
+    return b"".join(parts)
+
+
+class Conn:
+    """One blocking RESP connection (see the module docstring)."""
+
+    __slots__ = ("_buf", "_deadline", "_hi", "_lo", "_op_timeout", "_plain", "_sock", "addr")
+
+    def __init__(self, addr: NodeAddr, opts: ConnOptions) -> None:
+        self.addr = addr
+        if addr.unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(opts.connect_timeout_s)
+            try:
+                sock.connect(addr.host)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((addr.host, addr.port), opts.connect_timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if opts.tls is not None:
+            sock = opts.tls.wrap_socket(sock, server_hostname=opts.tls_hostname or addr.host)
+        sock.settimeout(opts.op_timeout_s)
+        self._sock = sock
+        self._op_timeout = opts.op_timeout_s
+        self._deadline = time.monotonic() + opts.op_timeout_s
+        self._plain = opts.tls is None
+        self._buf = bytearray(_SCRATCH)
+        self._lo = self._hi = 0
+        try:
+            self._handshake(opts)
+        except BaseException:
+            self.close()
+            raise
+
+    def _handshake(self, opts: ConnOptions) -> None:
+        cmds: list[bytes] = []
+        if opts.password:
+            auth = (opts.username.encode(),) if opts.username else ()
+            cmds.append(command(b"AUTH", *auth, opts.password.encode()))
+        if opts.db:
+            cmds.append(command(b"SELECT", str(opts.db).encode()))
+        if not cmds:
+            return
+        self.begin()
+        self.send(cmds)
+        for _ in cmds:
+            reply = self.read_reply()
+            if isinstance(reply, ErrorReply):
+                raise PermissionError(f"redis {self.addr} refused authentication: {reply}")
+
+    def begin(self) -> None:
+        """Start one exchange: all of it (every send and read) must end within op_timeout_s."""
+        self._deadline = time.monotonic() + self._op_timeout
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"redis {self.addr} did not answer within {self._op_timeout} s")
+        self._sock.settimeout(left)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # already broken: nothing left to release
+            self._sock.close()
+
+    # --- sending --------------------------------------------------------------------------
+
+    def send(self, bufs: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Write every buffer in order without joining them (no copy of large values)."""
+        self._arm()
+        if not self._plain:
+            for buf in bufs:
+                self._sock.sendall(buf)
+            return
+        views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        while views:
+            self._arm()
+            sent = self._sock.sendmsg(views[:_IOV_MAX])
+            while sent:
+                n = views[0].nbytes
+                if sent >= n:
+                    sent -= n
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+
+    # --- receiving ------------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        elif self._hi == len(self._buf):  # compact the unread tail to the front
+            tail = self._hi - self._lo
+            self._buf[:tail] = self._buf[self._lo:self._hi]
+            self._lo, self._hi = 0, tail
+        self._arm()
+        n = self._sock.recv_into(memoryview(self._buf)[self._hi:])
+        if n == 0:
+            raise ConnectionResetError(f"redis {self.addr} closed the connection")
+        self._hi += n
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(CRLF, self._lo, self._hi)
+            if end >= 0:
+                line = bytes(self._buf[self._lo:end])
+                self._lo = end + 2
+                return line
+            if self._hi - self._lo >= len(self._buf):
+                raise ProtocolError("reply line longer than the read buffer")
+            self._fill()
+
+    def _read_into(self, out: memoryview) -> None:
+        """Fill ``out`` exactly: buffered bytes first, then straight from the socket."""
+        pos = 0
+        have = min(self._hi - self._lo, out.nbytes)
+        if have:
+            out[:have] = self._buf[self._lo:self._lo + have]
+            self._lo += have
+            pos = have
+        while pos < out.nbytes:
+            self._arm()
+            n = self._sock.recv_into(out[pos:])
+            if n == 0:
+                raise ConnectionResetError(f"redis {self.addr} closed the connection")
+            pos += n
+
+    def _skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n:
+            step = min(n, scratch.nbytes)
+            self._read_into(scratch[:step])
+            n -= step
+
+    def read_reply(self) -> Any:
+        """Read one reply: bytes, int, None, ErrorReply, str (+OK) or a list of those."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            return ErrorReply(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            out = bytearray(n + 2)
+            self._read_into(memoryview(out))
+            return bytes(out[:n])
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self.read_reply() for _ in range(n)]
+        raise ProtocolError(f"unexpected reply type {kind!r} from redis {self.addr}")
+
+    def read_value(self, index: int, head: int, place: Placer) -> int | ErrorReply | None:
+        """Read one GET reply: None (missing), an ErrorReply, or the value's length.
+
+        The first ``head`` bytes of the value are read into a small buffer and handed to
+        ``place``, which says where the rest goes (e.g. straight into the caller's block).
+        """
+        line = self._line()
+        if line[:1] == b"-":
+            return ErrorReply(line[1:].decode(errors="replace"))
+        if line[:1] != b"$":
+            raise ProtocolError(f"expected a bulk reply from redis {self.addr}, got {line[:1]!r}")
+        n = int(line[1:])
+        if n < 0:
+            return None
+        first = bytearray(min(head, n))
+        self._read_into(memoryview(first))
+        dest = place(index, bytes(first), n)
+        rest = n - len(first)
+        if dest is None:
+            self._skip(rest)
+        else:
+            if dest.nbytes != rest:
+                raise ValueError(f"placer gave {dest.nbytes} bytes for a {rest}-byte value")
+            self._read_into(dest)
+        tail = bytearray(2)
+        self._read_into(memoryview(tail))
+        if tail != CRLF:
+            raise ProtocolError(f"bulk value from redis {self.addr} not followed by CRLF")
+        return n
+
+    # --- commands -------------------------------------------------------------------------
+
+    def simple_many(self, cmds: Sequence[bytes]) -> list[Any]:
+        """Send pre-encoded small commands in one write; read one reply each."""
+        self.begin()
+        self.send(cmds)
+        return [self.read_reply() for _ in cmds]
+
+    def set_many(self, items: Sequence[tuple[bytes, Sequence[bytes | bytearray | memoryview]]],
+                 ttl_s: int | None) -> list[Any]:
+        """Pipelined SETs; each value is given as parts sent back to back (header, payload)."""
+        expiry = (b"$2\r\nEX\r\n" + _bulk(str(ttl_s).encode()) + str(ttl_s).encode() + CRLF
+                  if ttl_s else b"")
+        argc = b"*5\r\n" if ttl_s else b"*3\r\n"
+        bufs: list[bytes | bytearray | memoryview] = []
+        for key, parts in items:
+            size = sum(memoryview(p).nbytes for p in parts)
+            bufs.append(b"%s$3\r\nSET\r\n%s%s\r\n$%d\r\n" % (argc, _bulk(key), key, size))
+            bufs += parts
+            bufs.append(CRLF + expiry)
+        self.begin()
+        self.send(bufs)
+        return [self.read_reply() for _ in items]
+
+    def get_many(self, keys: Sequence[bytes], head: int, place: Placer) -> list[Any]:
+        """Pipelined GETs; each value lands where ``place`` says (see ``read_value``)."""
+        self.begin()
+        self.send([command(b"GET", k) for k in keys])
+        return [self.read_value(i, head, place) for i in range(len(keys))]
+
+
+class NodePool:
+    """Idle connections to one server, at most ``max_idle`` kept; thread-safe."""
+
+    __slots__ = ("_closed", "_idle", "_lock", "addr", "max_idle", "opts")
+
+    def __init__(self, addr: NodeAddr, opts: ConnOptions, max_idle: int) -> None:
+        self.addr = addr
+        self.opts = opts
+        self.max_idle = max(1, max_idle)
+        self._idle: list[Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def run(self, fn: Callable[[Conn], Any]) -> Any:
+        """Run ``fn`` on a pooled connection (blocking); a failed connection is discarded."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = Conn(self.addr, self.opts)
+        try:
+            result = fn(conn)
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            if self._closed or len(self._idle) >= self.max_idle:
+                conn.close()
+            else:
+                self._idle.append(conn)
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()

@@ -1,0 +1,117 @@
+"""End to end, data path v2 (issue 11): real vLLM engines (in subprocesses) with configs the
+shared in-process engine does not have, all against one daemon.
+
+- the in-flight save bound is hit: saves are dropped and counted, outputs stay exact;
+- a tier made artificially slow (configured bandwidth) makes the scheduler load fewer
+  tokens, outputs stay exact;
+- vLLM's own prefix cache (``enable_prefix_caching=True``) hits part of a kvtier block:
+  the loaded block is overlaid on the locally computed page;
+- ``save_decode_tokens``: the next chat turn loads KV of the previous answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import EngineRun
+from tests.e2e.vllm_engine import BLOCK_SIZE, TOKENS_PER_BLOCK, kv_transfer_config, prompt
+from tests.support.daemon import DaemonProcess
+
+pytestmark = pytest.mark.e2e
+
+DECODE_TOKENS = 40
+P_BOUND = prompt(21, 200)
+P_SLOW = prompt(22, 260)
+P_OVERLAY = prompt(23, 300)
+P_LOCAL = P_OVERLAY[:BLOCK_SIZE + 8]          # one full page of P_OVERLAY, then 8 tokens
+P_DECODE = prompt(24, 100)                    # 1 prompt block; prompt + answer span 2
+NEXT_TURN = prompt(25, 30)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-dp"), cpu_bytes="64MiB")
+    d.start()
+    yield d
+    d.kill()
+
+
+@pytest.fixture(scope="module")
+def expected(run_engine: EngineRun) -> dict[str, Any]:
+    """Tokens without kvtier: the single prompts, and the decode conversation's two turns."""
+    singles, decode_turn1, decode_turn2 = run_engine(
+        [{"prompts": [P_BOUND, P_SLOW, P_OVERLAY, P_LOCAL]},
+         {"prompts": [P_DECODE], "max_tokens": DECODE_TOKENS},
+         {"continue": {"phase": 1, "extra": NEXT_TURN}}], transfer=None)
+    names = ("bound", "slow", "overlay", "local")
+    out: dict[str, Any] = {n: t for n, (t, _) in zip(names, singles, strict=True)}
+    out["decode1"], out["decode2"] = decode_turn1[0][0], decode_turn2[0][0]
+    return out
+
+
+def transfer(d: DaemonProcess, model_id: str, **extra: Any) -> dict[str, Any]:
+    return kv_transfer_config(d.socket, model_id=model_id, **extra)
+
+
+def test_save_bound_drops_and_counts(run_engine: EngineRun, daemon: DaemonProcess,
+                                     expected: dict[str, Any]) -> None:
+    """A bound below one block's bytes: every save is dropped (never waited for, never an
+    error), counted, and the next run is a plain miss with the same tokens."""
+    cfg = transfer(daemon, "bound", max_inflight_save_bytes=1000)
+    (first,), (second,) = run_engine([{"prompts": [P_BOUND]}, {"prompts": [P_BOUND]}], cfg)
+    assert first == (expected["bound"], 0)
+    assert second == (expected["bound"], 0)
+    counters = run_engine.counters  # type: ignore[attr-defined]
+    assert counters["dropped_saves"] >= 2
+    assert counters["dropped_save_bytes"] >= 2 * 3 * 64 * 1024
+    assert counters.get("saved_blocks", 0) == 0
+
+
+def test_slow_tier_loads_fewer_tokens(run_engine: EngineRun, daemon: DaemonProcess,
+                                      expected: dict[str, Any]) -> None:
+    """With the cpu tier configured at 1 KB/s a block would take a minute to reload, far
+    more than recomputing it: the scheduler loads nothing, counts the skipped blocks, and
+    the tokens are exact. The same blocks load in full with the measured bandwidth."""
+    slow = transfer(daemon, "slow", tier_bandwidth={"cpu": 1000.0},
+                    skip_slower_than_recompute=True)
+    (first,), (second,) = run_engine([{"prompts": [P_SLOW]}, {"prompts": [P_SLOW]}], slow)
+    assert first == (expected["slow"], 0)
+    assert second == (expected["slow"], 0)
+    counters = run_engine.counters  # type: ignore[attr-defined]
+    n_blocks = len(P_SLOW) // TOKENS_PER_BLOCK
+    assert counters["skipped_slower_than_recompute"] == n_blocks
+    assert counters["skipped_tokens_slower_than_recompute"] == n_blocks * TOKENS_PER_BLOCK
+    ((fast,),) = run_engine([{"prompts": [P_SLOW]}], transfer(daemon, "slow"))
+    assert fast == (expected["slow"], n_blocks * TOKENS_PER_BLOCK)
+
+
+def test_local_prefix_hit_inside_a_kvtier_block(run_engine: EngineRun, daemon: DaemonProcess,
+                                                expected: dict[str, Any]) -> None:
+    """vLLM's prefix cache holds the first page (32 tokens) of P_OVERLAY, kvtier holds its 4
+    blocks (from another engine): the first block is loaded onto the page vLLM kept."""
+    cfg = transfer(daemon, "overlay")
+    ((feed,),) = run_engine([{"prompts": [P_OVERLAY]}], cfg)
+    assert feed == (expected["overlay"], 0)
+    local, overlay = run_engine([{"prompts": [P_LOCAL]}, {"prompts": [P_OVERLAY]}], cfg,
+                                prefix_caching=True)
+    assert local[0][0] == expected["local"]
+    tokens, cached = overlay[0]
+    assert tokens == expected["overlay"]
+    assert cached == 4 * TOKENS_PER_BLOCK       # 32 from vLLM's cache + 224 from kvtier
+
+
+def test_save_decode_tokens_next_turn_loads_the_answer(
+        run_engine: EngineRun, daemon: DaemonProcess, expected: dict[str, Any]) -> None:
+    """With ``save_decode_tokens`` the answer's KV is offloaded too: the next turn (prompt +
+    answer + new tokens) loads 2 blocks, where prompts alone would give 1."""
+    cfg = transfer(daemon, "decode", save_decode_tokens=True)
+    turn1, turn2 = run_engine([{"prompts": [P_DECODE], "max_tokens": DECODE_TOKENS},
+                               {"continue": {"phase": 0, "extra": NEXT_TURN}}], cfg)
+    assert turn1[0] == (expected["decode1"], 0)
+    assert turn2[0][0] == expected["decode2"]
+    computed = len(P_DECODE) + DECODE_TOKENS - 1     # the last answer token has no KV yet
+    assert turn2[0][1] == computed // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK == 128
+

@@ -1,0 +1,292 @@
+"""The connector's worker side driven directly (no engine) against a real daemon process and
+real CPU KV caches in vLLM's CPU page format: pipelined loads, saves off the critical path
+with delayed freeing, the in-flight bound, lease expiry during a load, HBM device views
+through the fake device, and one registered arena mapping per process.
+
+Gates (threading.Event) hold a copy back where a test needs a transfer "in flight"; they
+are released by the test, never by time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="the connector package imports vLLM")
+torch = pytest.importorskip("torch")
+
+from kvtier.connectors.vllm import transfers  # noqa: E402
+from kvtier.connectors.vllm.config import ConnectorConfig  # noqa: E402
+from kvtier.connectors.vllm.metadata import (  # noqa: E402
+    KVTierConnectorMetadata,
+    TransferSpec,
+)
+from kvtier.connectors.vllm.worker import WorkerSide  # noqa: E402
+
+from kvtier.layout import KVLayout  # noqa: E402
+from tests.support.daemon import DaemonProcess  # noqa: E402
+from tests.support.fake_hbm import FakeHbmMapping, daemon_env, install_client_fake  # noqa: E402
+
+LAYERS = 12
+PAGE = 32
+TPB = 64
+HEADS, HEAD_DIM = 2, 32
+NUM_PAGES = 64
+LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype="float32",
+                  tokens_per_block=TPB)
+WAIT_S = 30.0
+
+
+def make_daemon(root: Path, **env: str) -> DaemonProcess:
+    return DaemonProcess(root, cpu_bytes="32MiB", nvme_bytes="64MiB", env=env).start()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = make_daemon(tmp_path_factory.mktemp("worker-daemon"))
+    yield d
+    d.kill()
+
+
+def caches(seed: int) -> dict[str, Any]:
+    """Per-layer caches in the CPU backend's format ``[pages, heads, page, 2*head]``."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn": torch.randn(NUM_PAGES, HEADS, PAGE, 2 * HEAD_DIM,
+                                                       generator=g)
+            for i in range(LAYERS)}
+
+
+def worker(d: DaemonProcess, model: str, kv: dict[str, Any],
+           register: Callable[[int, int], bool] | None = None, **extra: Any) -> WorkerSide:
+    cfg = ConnectorConfig.from_extra({"socket_path": str(d.socket), "tokens_per_block": TPB,
+                                      "model_id": model, **extra},
+                                     block_size=PAGE, default_model_id=model)
+    w = WorkerSide(cfg, LAYOUT, PAGE, 0, 1, register=register)
+    w.register_kv_caches(kv)
+    return w
+
+
+def tokens(seed: int, n_blocks: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 30000, n_blocks * TPB, dtype=np.uint32)
+
+
+def rows(first_page: int, n_blocks: int) -> list[list[int]]:
+    return [[first_page + 2 * j, first_page + 2 * j + 1] for j in range(n_blocks)]
+
+
+def save(w: WorkerSide, req: str, toks: np.ndarray, pages: list[list[int]],
+         save_id: int) -> None:
+    w.save(KVTierConnectorMetadata(saves=[TransferSpec(req, None, toks, 0, pages,
+                                                       save_id=save_id)]))
+
+
+def finished(w: WorkerSide, req: str) -> None:
+    """Report ``req`` finished and wait until the worker lets vLLM free its pages."""
+    sending, _ = w.get_finished({req})
+    deadline = time.monotonic() + WAIT_S
+    while req not in sending:
+        assert time.monotonic() < deadline, f"{req} never reported in finished_sending"
+        time.sleep(0.005)
+        sending, _ = w.get_finished(set())
+
+
+def load(w: WorkerSide, req: str, toks: np.ndarray, pages: list[list[int]]) -> set[int]:
+    """A step's load: start, every layer's wait (as the attention layers do), errors."""
+    w.start_load_kv(KVTierConnectorMetadata(loads=[TransferSpec(req, None, toks, 0, pages)]))
+    for name in w.layer_index:
+        w.wait_for_layer_load(name)
+    return w.take_load_errors()
+
+
+def pages_equal(kv: dict[str, Any], a: list[list[int]], b: list[list[int]]) -> bool:
+    ia = [p for r in a for p in r]
+    ib = [p for r in b for p in r]
+    return all(torch.equal(c[ia], c[ib]) for c in kv.values())
+
+
+def gate_layer(monkeypatch: pytest.MonkeyPatch, layer: int) -> threading.Event:
+    """Hold the copy of ``layer`` back until the returned event is set."""
+    gate = threading.Event()
+    original = transfers.LoadBatch._load_layer
+
+    def gated(self: Any, i: int, stream: Any) -> None:
+        if i == layer:
+            assert gate.wait(WAIT_S)
+        original(self, i, stream)
+
+    monkeypatch.setattr(transfers.LoadBatch, "_load_layer", gated)
+    return gate
+
+
+def test_save_then_pipelined_load_is_exact(daemon: DaemonProcess,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = caches(1)
+    w = worker(daemon, "exact", kv)
+    toks, src = tokens(1, 4), rows(1, 4)
+    save(w, "a", toks, src, save_id=7)
+    finished(w, "a")
+    meta = w.worker_meta()
+    assert meta is not None and meta.saves_done == {7: 1}
+    assert meta.counters["saved_blocks"] == 4
+    dst = rows(21, 4)
+    for c in kv.values():
+        c[[p for r in dst for p in r]] = 0
+    gate = gate_layer(monkeypatch, LAYERS - 1)
+    w.start_load_kv(KVTierConnectorMetadata(loads=[TransferSpec("b", None, toks, 0, dst)]))
+    names = list(w.layer_index)
+    w.wait_for_layer_load(names[0])        # returns while the last layer is held back
+    assert w.pipeline is not None
+    trace = w.pipeline.last_trace
+    assert trace is not None and trace.ready_at[-1] is None
+    first = [p for r in dst for p in r]
+    assert torch.equal(kv[names[0]][first], kv[names[0]][[p for r in src for p in r]])
+    gate.set()
+    for name in names:
+        w.wait_for_layer_load(name)
+    assert w.take_load_errors() == set()
+    assert trace.waited_at[0] < trace.ready_at[-1]  # type: ignore[operator]
+    assert all(r <= t for r, t in zip(trace.ready_at, trace.waited_at, strict=True))  # type: ignore[operator]
+    assert pages_equal(kv, src, dst)
+    assert w.worker_meta().counters["loaded_blocks"] == 4  # type: ignore[union-attr]
+    w.shutdown()
+
+
+def test_a_finished_request_keeps_its_pages_until_its_saves_are_over(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    original = transfers.SaveRequest.copy
+
+    def gated(self: Any, stream: Any) -> None:
+        assert gate.wait(WAIT_S)
+        original(self, stream)
+
+    monkeypatch.setattr(transfers.SaveRequest, "copy", gated)
+    w = worker(daemon, "delay", caches(2))
+    save(w, "r", tokens(2, 2), rows(1, 2), save_id=1)
+    sending, _ = w.get_finished({"r"})     # vLLM: "r" finished; its save is in flight
+    assert "r" not in sending
+    assert w.get_finished(set())[0] == set()
+    gate.set()
+    finished(w, "r")                      # reported once the save committed
+    assert w.get_finished(set())[0] == set()   # and only once
+    w.shutdown()
+
+
+def test_saves_beyond_the_bound_are_dropped_and_counted(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    original = transfers.SaveRequest.copy
+
+    def gated(self: Any, stream: Any) -> None:
+        assert gate.wait(WAIT_S)
+        original(self, stream)
+
+    monkeypatch.setattr(transfers.SaveRequest, "copy", gated)
+    w = worker(daemon, "bound", caches(3), max_inflight_save_bytes=2 * LAYOUT.block_bytes)
+    save(w, "x", tokens(3, 2), rows(1, 2), save_id=1)      # fills the bound
+    save(w, "y", tokens(4, 1), rows(11, 1), save_id=2)     # dropped, no error, no wait
+    meta = w.worker_meta()
+    assert meta is not None and meta.saves_done == {2: 1}
+    assert meta.counters == {"dropped_saves": 1, "dropped_save_bytes": LAYOUT.block_bytes}
+    assert "y" in w.get_finished({"y"})[0]                  # nothing in flight for "y"
+    gate.set()
+    finished(w, "x")
+    assert w.pipeline is not None and w.pipeline.save_stats.dropped == 1
+    w.shutdown()
+
+
+def test_a_lease_that_expires_during_the_load_is_a_load_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = make_daemon(tmp_path / "ttl", KVTIER_DAEMON_LEASE_TTL_S="0.2")
+    try:
+        kv = caches(4)
+        w = worker(d, "ttl", kv)
+        toks, src = tokens(5, 3), rows(1, 3)
+        save(w, "s", toks, src, save_id=1)
+        finished(w, "s")
+        gate = gate_layer(monkeypatch, LAYERS - 1)
+        dst = rows(21, 3)
+        w.start_load_kv(KVTierConnectorMetadata(loads=[TransferSpec("l", None, toks, 0,
+                                                                    dst)]))
+        deadline = time.monotonic() + WAIT_S
+        while d.stats()["requests"]["lease_expired"] < 1:   # the daemon's sweep took it
+            assert time.monotonic() < deadline, "lease never expired"
+            time.sleep(0.05)
+        gate.set()
+        for name in w.layer_index:
+            w.wait_for_layer_load(name)
+        assert w.take_load_errors() == {p for r in dst for p in r}
+        w.shutdown()
+    finally:
+        d.kill()
+
+
+def test_a_device_worker_loads_from_hbm_views(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    opened = install_client_fake(monkeypatch)
+    d = make_daemon(tmp_path / "hbm", **daemon_env(), KVTIER_HBM_ENABLED="1",
+                    KVTIER_HBM_BYTES="4MiB")
+    try:
+        kv = caches(5)
+        w = worker(d, "hbm", kv, device_loads=True)
+        toks, src, dst = tokens(6, 3), rows(1, 3), rows(21, 3)
+        save(w, "s", toks, src, save_id=1)
+        finished(w, "s")
+        assert d.stats()["tiers"]["hbm"]["blocks"] == 0
+        assert load(w, "l", toks, dst) == set()
+        assert pages_equal(kv, src, dst)
+        assert opened and all(isinstance(m, FakeHbmMapping) for m in opened)
+        hbm = d.stats()["tiers"]["hbm"]     # the get placed them there and read them there
+        assert hbm["blocks"] == 3 and hbm["bytes_read"] == 3 * LAYOUT.block_bytes
+        w.shutdown()
+    finally:
+        d.kill()
+
+
+def test_the_arena_is_mapped_and_registered_once_per_process(daemon: DaemonProcess) -> None:
+    calls: list[tuple[int, int]] = []
+
+    def register(address: int, nbytes: int) -> bool:
+        calls.append((address, nbytes))
+        return True
+
+    kv = caches(6)
+    w = worker(daemon, "register", kv, register=register)
+    toks, src = tokens(7, 2), rows(1, 2)
+    save(w, "s", toks, src, save_id=1)           # saver thread: its own connection
+    finished(w, "s")
+    assert load(w, "l", toks, rows(21, 2)) == set()   # loader thread: another one
+    assert len(calls) == 1
+    (reg,) = w.arenas.registrations.values()
+    assert reg.ok and reg.nbytes == calls[0][1] and reg.address == calls[0][0]
+    assert len(w.arenas.arenas) == 1
+    w.shutdown()
+
+
+def test_a_restarted_daemon_s_arena_replaces_the_old_mapping(tmp_path: Path) -> None:
+    d = make_daemon(tmp_path / "restart")
+    try:
+        kv = caches(7)
+        w = worker(d, "restart", kv, reconnect_min_s=0.01, reconnect_max_s=0.05)
+        save(w, "a", tokens(8, 1), rows(1, 1), save_id=1)
+        finished(w, "a")
+        (first,) = w.arenas.arenas
+        d.kill()
+        d.start()
+        deadline = time.monotonic() + WAIT_S
+        i = 2
+        while first in w.arenas.arenas:     # saves fail, then reconnect to the new daemon
+            assert time.monotonic() < deadline, "never reconnected"
+            save(w, f"r{i}", tokens(8 + i, 1), rows(1, 1), save_id=i)
+            finished(w, f"r{i}")
+            i += 1
+        assert len(w.arenas.arenas) == 1     # the dead daemon's arena is unmapped
+        w.shutdown()
+    finally:
+        d.kill()
