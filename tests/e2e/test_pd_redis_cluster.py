@@ -158,7 +158,7 @@ def test_consumer_decodes_exactly_from_the_producers_kv(
     prod, prod_counters = run_pd_engine(tmp_path_factory.mktemp("producer"), tiny_model,
                                         role_config(node_a, "kv_producer"), [P1, P2], 1,
                                         probe=node_b)
-    for (tokens, cached, _s, seen), p, want in zip(prod, [P1, P2], baseline, strict=True):
+    for (tokens, cached, _s, seen), p, want in zip(prod, [P1, P2], baseline[:2], strict=True):
         assert tokens == want[:1] and cached == 0
         assert seen == len(p) // TOKENS_PER_BLOCK, "blocks not in Redis at request end"
     assert prod_counters.get("redis_sync_gave_up", 0) == 0
@@ -174,4 +174,5 @@ def test_consumer_decodes_exactly_from_the_producers_kv(
     stats_b = node_b.stats()
     assert stats_b["requests"]["put_blocks"] == 0          # a consumer never saves
     assert masters_dbsize(cluster) == in_redis
-    assert node_a.stats()["daemon"]["redis_sync"]["gave_up"] == 0
+    synced = node_a.stats()["daemon"]["redis_sync"]
+    assert synced["commits"] >= 2 and synced["blocks"] >= 8 and synced["gave_up"] == 0
