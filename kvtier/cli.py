@@ -18,10 +18,14 @@ import time
 import traceback
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier import __version__
 from kvtier.errors import KVTierError
+from kvtier.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvtier.daemon.parts import DaemonParts
 
 _PLUGGABLE = (
     ("kvtier.plan.cli", "plan"),
@@ -31,49 +35,59 @@ _PLUGGABLE = (
 )
 
 
+# Today's short flag names, kept as aliases of the generated ``--section-field`` ones.
+SERVE_ALIASES: dict[str, tuple[str, ...]] = {
+    "daemon.data_dir": ("--data-dir",), "daemon.socket": ("--socket",),
+    "daemon.log_level": ("--log-level",), "policy.eviction": ("--eviction",),
+    "redis.ttl_s": ("--redis-ttl",),
+}
+
+
+def _flag(dotted: str) -> str:
+    return "--" + dotted.replace(".", "-").replace("_", "-")
+
+
 def _add_serve(sub: Any) -> None:
+    """``kvtier serve``: one flag per field of the config tree (``--section-field``)."""
+    from enum import Enum
+
+    from kvtier.config import Config
+    from kvtier.config_convert import iter_settings
+    from kvtier.units import ByteSize
+
     p = sub.add_parser("serve", help="run the node daemon in the foreground",
                        description="Run the kvtier daemon. Settings: TOML file < env "
-                       "KVTIER_* < these flags.")
+                       "KVTIER_<SECTION>_<FIELD> < these flags (one per setting).")
     p.add_argument("--config", metavar="FILE", help="TOML config file")
-    p.add_argument("--data-dir", help="data directory (nvme tier lives under it)")
-    p.add_argument("--socket", help="control socket path")
-    p.add_argument("--http-host", help="HTTP bind address (default 127.0.0.1)")
-    p.add_argument("--http-port", type=int, help="HTTP port (0 = pick a free one)")
-    p.add_argument("--cpu-bytes", help="cpu tier (shared memory) size, e.g. 4GiB")
-    p.add_argument("--nvme-bytes", help="nvme tier size, e.g. 64GiB (0 disables it)")
-    p.add_argument("--nvme-path", help="nvme tier directory (default DATA_DIR/nvme)")
-    p.add_argument("--nvme-direct", choices=("auto", "on", "off"), help="O_DIRECT use")
-    p.add_argument("--eviction", choices=("adaptive", "lru", "lfu", "cost"), help="eviction policy")
-    p.add_argument("--redis-url", help="enable the redis tier at this URL")
-    p.add_argument("--redis-cluster", action="store_true", default=None,
-                   help="the redis URL points at a Redis Cluster")
-    p.add_argument("--redis-password", help="redis AUTH password")
-    p.add_argument("--redis-codec", choices=("none", "lz4", "shuffle-lz4", "shuffle-zstd",
-                                             "auto"), help="codec for frames sent to redis")
-    p.add_argument("--redis-ttl", type=int, help="redis key TTL in seconds (0 = none)")
-    p.add_argument("--redis-write-through", action="store_true", default=None,
-                   help="write every put to redis too (not only blocks demoted from nvme)")
-    p.add_argument("--log-level", help="debug, info, warning")
     p.add_argument("--debug", action="store_true",
                    help="print the traceback of a startup failure (default: one line)")
+    for s in iter_settings(Config):
+        names = [_flag(s.dotted), *SERVE_ALIASES.get(s.dotted, ())]
+        env = f"KVTIER_{s.section.upper()}_{s.name.upper()}"
+        kw: dict[str, Any] = {"dest": "cfg__" + s.dotted, "default": None}
+        if s.base is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif isinstance(s.base, type) and issubclass(s.base, Enum):
+            kw["choices"] = [str(m.value) for m in s.base]
+            kw["type"] = str.lower
+        else:
+            kw["metavar"] = ("SIZE" if s.base is ByteSize else
+                             getattr(s.base, "__name__", "VALUE").upper())
+        size = " (e.g. 4GiB, 512MiB)" if s.base is ByteSize else ""
+        p.add_argument(*names, help=f"{s.dotted}{size}; env {env}", **kw)
     p.set_defaults(func=_run_serve)
 
 
 def _serve_overrides(a: argparse.Namespace) -> dict[str, Any]:
-    o: dict[str, Any] = {
-        "daemon.data_dir": a.data_dir, "daemon.socket": a.socket,
-        "http.host": a.http_host, "http.port": a.http_port, "cpu.bytes": a.cpu_bytes,
-        "nvme.bytes": a.nvme_bytes, "nvme.path": a.nvme_path, "nvme.direct": a.nvme_direct,
-        "policy.eviction": a.eviction, "redis.url": a.redis_url,
-        "redis.cluster": a.redis_cluster, "redis.password": a.redis_password,
-        "redis.codec": a.redis_codec, "redis.ttl_s": a.redis_ttl,
-        "redis.write_through": a.redis_write_through,
-        "daemon.log_level": a.log_level,
-    }
-    if a.redis_url:
+    """``section.field`` -> flag value (None: not given), plus what two flags imply:
+    --redis-url enables the redis tier, --nvme-bytes 0 disables the nvme tier."""
+    o: dict[str, Any] = {k[len("cfg__"):]: v for k, v in vars(a).items()
+                         if k.startswith("cfg__")}
+    if o.get("redis.url") and o.get("redis.enabled") is None:
         o["redis.enabled"] = True
-    if a.nvme_bytes is not None and str(a.nvme_bytes).strip() in ("0", "0B"):
+    nvme_bytes = o.get("nvme.bytes")
+    if nvme_bytes is not None and str(nvme_bytes).strip() in ("0", "0B") \
+            and o.get("nvme.enabled") is None:
         o["nvme.enabled"] = False
     return o
 
@@ -103,7 +117,7 @@ def _serve(a: argparse.Namespace) -> int:
         runner: Any = uvloop.run
     except ImportError:
         runner = asyncio.run
-    runner(run_daemon(cfg))
+    runner(run_daemon(cfg, parts=getattr(a, "daemon_parts", None)))
     return 0
 
 
@@ -122,14 +136,6 @@ def fetch_stats(url: str, timeout: float = 3.0) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def render_stats(s: dict[str, Any]) -> str:
     """The human table of `kvtier stats`."""
     d = s.get("daemon", {})
@@ -143,12 +149,12 @@ def render_stats(s: dict[str, Any]) -> str:
     rows = []
     for name, t in s.get("tiers", {}).items():
         rows.append((name, "yes" if t.get("up") else "DOWN", str(t.get("backend", "")),
-                     _fmt_bytes(t.get("capacity_bytes", 0)), _fmt_bytes(t.get("used_bytes", 0)),
+                     format_bytes(t.get("capacity_bytes", 0)), format_bytes(t.get("used_bytes", 0)),
                      str(t.get("blocks", 0)), str(t.get("hit_blocks", 0)),
                      str(t.get("miss_blocks", 0)), str(t.get("hit_tokens", 0)),
                      str(sum(t.get("evictions", {}).values())),
                      str(t.get("allocation_failures", 0)), str(t.get("checksum_failures", 0)),
-                     _fmt_bytes(t.get("bytes_read", 0)), _fmt_bytes(t.get("bytes_written", 0)),
+                     format_bytes(t.get("bytes_read", 0)), format_bytes(t.get("bytes_written", 0)),
                      str(t.get("errors", 0))))
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c)
               for i, c in enumerate(cols)]
@@ -160,7 +166,7 @@ def render_stats(s: dict[str, Any]) -> str:
         lines.append("prefetch: " + "  ".join(f"{k} {v}" for k, v in p.items()))
     bw = s.get("bandwidth", {})
     if bw:
-        lines.append("bandwidth: " + "  ".join(f"{k} {_fmt_bytes(v)}/s" for k, v in bw.items()))
+        lines.append("bandwidth: " + "  ".join(f"{k} {format_bytes(v)}/s" for k, v in bw.items()))
     conn = s.get("connector", {})
     if conn.get("engines"):
         lines.append("connector: " + "  ".join(f"{k} {v:g}" for k, v in sorted(conn.items())))
@@ -220,9 +226,12 @@ def _unavailable(name: str, exc: Exception) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, parts: DaemonParts | None = None) -> int:
+    """The ``kvtier`` command; ``parts`` (for ``serve``) builds the daemon's tiers another
+    way (kvtier.daemon.parts; the CPU tests' fake HBM pool comes in through it)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.daemon_parts = parts
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

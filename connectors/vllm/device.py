@@ -5,9 +5,11 @@ few (its loader and saver threads each own one, and reconnects make new ones). F
 copies between the arena and GPU pages to be asynchronous DMA on the connector's streams
 rather than pageable copies, the mapping must be registered with ``cudaHostRegister``,
 which is slow (it pins every page: peers report seconds per 8 GiB) and must not be undone
-while a copy may run. So each process maps each arena once (:class:`SharedArena`, never
-unmapped before exit), hands that one mapping to every client it opens, and registers it
-once, logging how long it took.
+while a copy may run. So each process keeps the first verified mapping of each arena file
+(the client's own, checked with fstat on the descriptor the daemon passed: never a second
+open by path), hands it to every client it opens, and registers it once, logging how long
+it took. Arenas are told apart by file identity, not path: a restarted daemon may reuse
+the path of its arena for a new file.
 
 The registration function is injectable (``ArenaRegistry(register=...)``): the CPU tests
 pass a recorder through the same seam the GPU path uses.
@@ -31,11 +33,8 @@ Register = Callable[[int, int], bool]
 GIB = 2**30
 
 
-class SharedArena(ArenaMapping):
-    """A process-wide arena mapping: clients that close do not unmap it."""
-
-    def close(self) -> None:  # unmapped at process exit only (it may be registered)
-        return
+ArenaKey = tuple[str, tuple[int, int]]
+"""(path, (st_dev, st_ino)): one arena file."""
 
 
 @dataclass(slots=True)
@@ -59,8 +58,8 @@ class ArenaRegistry:
     when ``register`` is set (GPU engines)."""
 
     register: Register | None = None
-    arenas: dict[str, SharedArena] = field(default_factory=dict)
-    registrations: dict[str, Registration] = field(default_factory=dict)
+    arenas: dict[ArenaKey, ArenaMapping] = field(default_factory=dict)
+    registrations: dict[ArenaKey, Registration] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def adopt(self, client: Any) -> None:
@@ -68,31 +67,36 @@ class ArenaRegistry:
         ops = getattr(client, "_ops", None)
         path = getattr(ops, "arena_path", None)
         own = getattr(ops, "arena", None)
-        if ops is None or path is None or own is None:
+        if ops is None or path is None or not isinstance(own, ArenaMapping):
             return
+        key: ArenaKey = (path, own.identity)
         with self._lock:
-            shared = self.arenas.get(path)
+            shared = self.arenas.get(key)
             if shared is None or shared.size != own.size:
-                self._retire_others(path)
-                shared = self.arenas[path] = SharedArena(path, own.size)
-            if self.register is not None and path not in self.registrations:
-                self.registrations[path] = self._register(path, shared)
-        ops.arena = shared
-        own.close()
+                self._retire_others(key)
+                own.keep_mapped = True        # the first verified mapping becomes shared
+                shared = self.arenas[key] = own
+            if self.register is not None and key not in self.registrations:
+                self.registrations[key] = self._register(path, shared)
+        if shared is not own:
+            ops.arena = shared
+            own.close()
 
-    def _retire_others(self, path: str) -> None:
+    def _retire_others(self, key: ArenaKey) -> None:
         """A new arena (the daemon restarted): unmap the old ones, whose files are gone and
         would otherwise keep their shared memory. A registered one stays mapped (a copy of
         the dead daemon's blocks may still be in flight on a stream); logged."""
-        for old in [p for p in self.arenas if p != path]:
+        for old in [k for k in self.arenas if k != key]:
             reg = self.registrations.get(old)
             if reg is not None and reg.ok:
                 logger.info("kvtier: keeping the registered mapping of the old arena %s "
-                            "(%.2f GiB) until exit", old, reg.nbytes / GIB)
+                            "(%.2f GiB) until exit", old[0], reg.nbytes / GIB)
                 continue
-            ArenaMapping.close(self.arenas.pop(old))   # unmaps once no view is alive
+            mapping = self.arenas.pop(old)
+            mapping.keep_mapped = False
+            mapping.close()                   # unmaps once no view is alive
 
-    def _register(self, path: str, arena: SharedArena) -> Registration:
+    def _register(self, path: str, arena: ArenaMapping) -> Registration:
         assert self.register is not None
         address = int(arena.buf.ctypes.data)
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from kvtier.errors import StartupError
+from kvtier.units import format_bytes
 
 
 def _user() -> str:
@@ -85,13 +86,9 @@ def check_shm_space(shm_dir: Path, nbytes: int, *, reusable: Path | None = None)
                 free += st.st_blocks * 512     # the pages it really holds
     if nbytes > free:
         raise StartupError(
-            f"the cpu tier needs {_gib(nbytes)} of shared memory but {shm_dir} has only "
-            f"{_gib(free)} free: lower --cpu-bytes (cpu.bytes) or enlarge {shm_dir} (e.g. "
+            f"the cpu tier needs {_size(nbytes)} of shared memory but {shm_dir} has only "
+            f"{_size(free)} free: lower --cpu-bytes (cpu.bytes) or enlarge {shm_dir} (e.g. "
             f"`mount -o remount,size=<bytes> {shm_dir}`, or docker --shm-size)")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB ({n} bytes)"
 
 
 def setup_error(exc: OSError) -> StartupError:
@@ -106,3 +103,7 @@ def setup_error(exc: OSError) -> StartupError:
         target, fix = "", "check the paths and settings of this daemon"
     return StartupError(f"cannot start:{target}: {reason}; {fix} (run with --debug for a "
                         "traceback)")
+
+
+def _size(n: int) -> str:
+    return format_bytes(n, digits=2, exact=True)

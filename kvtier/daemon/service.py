@@ -2,10 +2,15 @@
 
 Phases (each bounded): preflight (socket directory, data directory, HTTP port, shared
 memory: each failure one line naming the path and the fix, kvtier.daemon.preflight),
-setup (arena, adopted after a crash when its journal says what it holds; index rebuild
-from nvme and the adopted arena; redis connect in the background), start (control socket,
-HTTP), serve, drain (stop accepting, let in-flight requests finish, persist cpu-only
-blocks to nvme, flush redis), cleanup in reverse order.
+setup (arena, adopted after a crash when its journal says what it holds; tiers from the
+factories of ``DaemonParts``; index rebuild from nvme and the adopted arena; redis connect
+in the background), start (control socket, HTTP), serve, stop.
+
+Every resource registers its teardown on one ``AsyncExitStack`` right after it is made, so
+a failed start and a stop undo the same steps in reverse order: signal handlers, lease
+sweeper, control socket (stop accepting, let in-flight requests finish), store drain
+(persist cpu-only blocks to nvme), redis flush, nvme, hbm, arena, HTTP. One deadline
+(``daemon.drain_timeout_s``, from the moment the stop begins) bounds every step.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
-import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +32,11 @@ from kvtier.daemon.control import ControlServer
 from kvtier.daemon.http import HttpServer, bind_http
 from kvtier.daemon.limits import Limits
 from kvtier.daemon.metrics import Metrics, admission_stats
+from kvtier.daemon.parts import DaemonParts
 from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_error
 from kvtier.errors import ConfigError
 from kvtier.explain import MissLog, salt_id
+from kvtier.policy.factory import build_policies
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.arena_journal import read_journal
@@ -37,11 +45,24 @@ from kvtier.trust import claim_socket_path, prepare_socket_dir
 log = logging.getLogger("kvtier.daemon")
 
 
-class Daemon:
-    """One kvtier daemon per node."""
+@dataclass(slots=True)
+class Deadline:
+    """One shutdown deadline shared by every teardown step (``daemon.drain_timeout_s``)."""
 
-    def __init__(self, cfg: Config) -> None:
+    at: float
+
+    def left(self, floor: float = 0.1) -> float:
+        """Seconds left, at least ``floor`` (a step past the deadline still gets a moment
+        to release what it holds)."""
+        return max(floor, self.at - time.monotonic())
+
+
+class Daemon:
+    """One kvtier daemon per node; ``parts`` builds its tiers (default: the real ones)."""
+
+    def __init__(self, cfg: Config, parts: DaemonParts | None = None) -> None:
         self.cfg = cfg
+        self.parts = parts if parts is not None else DaemonParts()
         self.started = time.time()
         self.arena: Arena | None = None
         self.nvme: Any = None
@@ -52,14 +73,17 @@ class Daemon:
         self.http: HttpServer | None = None
         self.metrics: Metrics | None = None
         self.explain: MissLog | None = None
+        self.rebuilt_blocks = 0
+        self.adopted_blocks = 0
         self._stop = asyncio.Event()
-        self._sweeper: asyncio.Task[None] | None = None
-        self._http_sockets: list[socket.socket] = []   # bound at preflight, served by http
+        self._stack = contextlib.AsyncExitStack()
+        self._deadline = Deadline(math.inf)
 
     # -- setup ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Set everything up; StartupError (one line naming the path and the fix) for any
-        failure of the environment, the checks first so they fail before any slow setup."""
+        failure of the environment, the checks first so they fail before any slow setup.
+        The caller calls ``stop`` in every case (it undoes what the failed start made)."""
         try:
             await self._setup()
         except OSError as exc:
@@ -67,14 +91,19 @@ class Daemon:
 
     def _preflight(self) -> tuple[str | None, Path | None]:
         """The cheap checks (kvtier.daemon.preflight, kvtier.trust) before building tiers;
-        returns the stable arena name and path when warm restart is on (else None)."""
+        binds the HTTP port (its sockets are released at stop); returns the stable arena
+        name and path when warm restart is on (else None)."""
         cfg = self.cfg
         prepare_socket_dir(cfg.daemon.socket, default_dir=default_runtime_dir())
         claim_socket_path(cfg.daemon.socket)
         check_writable_dir(cfg.daemon.data_dir, "data directory", "--data-dir")
         if cfg.nvme.enabled and cfg.nvme.bytes > 0:
             check_writable_dir(cfg.nvme_path, "nvme directory", "--nvme-path")
-        self._http_sockets = bind_http(cfg.http.host, cfg.http.port)
+        self.metrics = Metrics(self.stats)
+        self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
+                               cfg.to_dict, cfg.http.admin_token, recent=self.recent_lookups,
+                               sockets=bind_http(cfg.http.host, cfg.http.port))
+        self._stack.push_async_callback(self.http.stop)
         if not cfg.cpu.shm_dir.is_dir():
             raise ConfigError(f"shared-memory directory {cfg.cpu.shm_dir} does not exist: set "
                               "cpu.shm_dir to a tmpfs directory such as /dev/shm")
@@ -87,96 +116,61 @@ class Daemon:
         return name, own
 
     async def _setup(self) -> None:
-        cfg = self.cfg
-        sock = cfg.daemon.socket
+        cfg, stack, parts = self.cfg, self._stack, self.parts
         name, own = self._preflight()
         state = read_journal(journal_path(own)) if own is not None else None
         self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
                            slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault,
                            name=name, adopt=state is not None)
+        stack.callback(self.arena.close)
         if cfg.hbm.enabled:
             self.hbm = self._make_hbm()
+            stack.callback(self.hbm.close)
         if cfg.nvme.enabled and cfg.nvme.bytes > 0:
             self.nvme = self._make_nvme()
+            stack.callback(self.nvme.close)
         if cfg.redis.enabled:
-            from kvtier.tiers.redis import RedisTier
-
-            self.redis = RedisTier(cfg.redis)
+            self.redis = parts.redis(cfg)
+            stack.push_async_callback(self._close_redis, self.redis)
             await self.redis.start()
-        self.store = self._make_store()
+        self.store = store = self._make_store()
         self.explain = MissLog(policies={
-            "cpu": getattr(self.store.cpu_policy, "name", ""),
-            "nvme": getattr(self.store.nvme_policy, "name", "")}, redis_tier=self.redis is not None)
-        self.store.explain = self.explain
+            "cpu": getattr(store.cpu_policy, "name", ""),
+            "nvme": getattr(store.nvme_policy, "name", "")}, redis_tier=self.redis is not None)
+        store.explain = self.explain
+        stack.push_async_callback(self._drain_store, store)
         journal = journal_path(self.arena.path) if self.arena.path == own else None
-        recovered = await self.store.recover(state, journal=journal)
-        rebuilt = recovered.nvme_blocks
-        self.adopted_blocks = recovered.adopted_blocks
-        if rebuilt:
-            log.info("rebuilt index from nvme: %d blocks", rebuilt)
-        self.metrics = Metrics(self.stats)
-        self.control = ControlServer(
-            self.store, sock, max_frame=cfg.daemon.max_frame_bytes,
+        recovered = await store.recover(state, journal=journal)
+        self.rebuilt_blocks, self.adopted_blocks = recovered.nvme_blocks, recovered.adopted_blocks
+        if self.rebuilt_blocks:
+            log.info("rebuilt index from nvme: %d blocks", self.rebuilt_blocks)
+        assert self.metrics is not None and self.http is not None
+        self.control = control = ControlServer(
+            store, cfg.daemon.socket, max_frame=cfg.daemon.max_frame_bytes,
             max_inflight=cfg.daemon.max_inflight_per_conn, arena_path=str(self.arena.path),
             arena_size=self.arena.size, observe=self.metrics.observe,
             hbm=self.hbm.handshake_info() if self.hbm is not None else None,
             open_arena=self.arena.open_for_client, limits=Limits.from_config(cfg.daemon))
-        self.control.stats_provider = self.stats
-        await self.control.start()
-        self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
-                               cfg.to_dict, cfg.http.admin_token,
-                               recent=self.recent_lookups, sockets=self._http_sockets,
-                               prefix=self.control.prefix)
+        control.stats_provider = self.stats
+        stack.push_async_callback(self._close_control, control)
+        await control.start()
+        self.http.prefix = control.prefix   # POST /v1/prefix (kvtier.daemon.prefix)
         await self.http.start()
-        self._sweeper = asyncio.ensure_future(self._sweep())
-        self.rebuilt_blocks = rebuilt
-
-    def _make_nvme(self) -> Any:
-        from kvtier.backoff import BackoffPolicy
-        from kvtier.tiers.nvme import NvmeTier
-        from kvtier.tiers.nvme_backend import make_frame_io, select_nvme_backend
-
-        nvme = self.cfg.nvme
-        choice = select_nvme_backend(nvme.backend)   # ConfigError when kvikio is forced in vain
-        log.info("nvme I/O backend: %s (%s)", choice.name, choice.reason)
-        return NvmeTier(self.cfg.nvme_path, nvme.bytes, direct=nvme.direct,
-                        io_threads=nvme.io_threads,
-                        io=make_frame_io(choice, threads=nvme.io_threads),
-                        backoff=BackoffPolicy(nvme.backoff_min_s, nvme.backoff_max_s))
+        sweeper = asyncio.ensure_future(self._sweep(store))
+        stack.callback(sweeper.cancel)
 
     def _make_hbm(self) -> Any:
-        """The HBM pool (hbm.enabled): a clear ConfigError when this host cannot have one.
+        """The HBM tier from ``parts.hbm`` (default: the CUDA pool, kvtier.daemon.parts)."""
+        return self.parts.hbm(self.cfg)
 
-        The store places blocks in it for clients that ask for device placement, and the
-        handshake hands its CUDA IPC handle to every client. UNTESTED ON HARDWARE: the CPU
-        tests run this with a host-memory fake pool (tests/support/fake_hbm.py).
-        """
-        from kvtier.tiers.hbm import HbmTier, hbm_available
-
-        hbm = self.cfg.hbm
-        if hbm.bytes <= 0:
-            raise ConfigError("hbm.enabled needs hbm.bytes > 0 (the device pool size, e.g. "
-                              "8GiB)")
-        ok, why = hbm_available(hbm.device)
-        if not ok:
-            raise ConfigError(f"hbm.enabled needs a CUDA device: {why}; set hbm.enabled = false "
-                              "or run on a GPU host with the [gpu] extra installed")
-        tier = HbmTier(hbm.bytes, device=hbm.device)
-        tier.open()
-        log.info("hbm tier: %d bytes on CUDA device %d (%s)", tier.capacity_bytes, hbm.device,
-                 why)
-        return tier
+    def _make_nvme(self) -> Any:
+        """The nvme tier from ``parts.nvme`` (default: the configured I/O backend)."""
+        return self.parts.nvme(self.cfg)
 
     def _make_store(self) -> TieredStore:
+        """The store over the tiers made so far, with the configured policies."""
         cfg = self.cfg
         assert self.arena is not None
-        kwargs: dict[str, Any] = {}
-        try:
-            from kvtier.policy.factory import build_policies  # cost policy wiring
-
-            kwargs.update(build_policies(cfg))
-        except ImportError:
-            kwargs["eviction"] = cfg.policy.eviction if cfg.policy.eviction != "cost" else "lru"
         return TieredStore(
             self.arena, nvme=self.nvme, redis=self.redis, hbm=self.hbm,
             lease_ttl_s=cfg.daemon.lease_ttl_s,
@@ -184,17 +178,37 @@ class Daemon:
             prefetch_ms_per_block=cfg.policy.prefetch_timeout_ms_per_block,
             redis_write_through=cfg.redis.write_through,
             redis_lookup_budget_s=cfg.redis.lookup_budget_s,
-            max_namespaces=cfg.daemon.max_namespaces, **kwargs)
+            max_namespaces=cfg.daemon.max_namespaces, **build_policies(cfg))
 
-    async def _sweep(self) -> None:
+    async def _sweep(self, store: TieredStore) -> None:
         """Take back expired leases every ``daemon.lease_sweep_s`` (a late commit or release
         is refused at its deadline whatever the period; the sweep frees the memory)."""
         while True:
             await asyncio.sleep(self.cfg.daemon.lease_sweep_s)
-            if self.store is not None:
-                n = self.store.expire_leases()
-                if n:
-                    log.warning("expired %d leases (client hung or crashed)", n)
+            n = store.expire_leases()
+            if n:
+                log.warning("expired %d leases (client hung or crashed)", n)
+
+    # -- teardown steps (run by the exit stack, bounded by the one deadline) --------------
+    async def _close_control(self, control: ControlServer) -> None:
+        await control.stop_accepting()
+        await control.close_connections(self._deadline.left() / 2)
+
+    async def _drain_store(self, store: TieredStore) -> None:
+        try:
+            saved = await asyncio.wait_for(store.drain(self._deadline.at),
+                                           self._deadline.left())
+            log.info("drain: persisted %d cpu-only blocks to nvme", saved)
+        except asyncio.TimeoutError:
+            log.warning("drain timed out; some cpu-only blocks were not persisted")
+
+    async def _close_redis(self, redis: Any) -> None:
+        """Flush queued writes within what is left of the deadline; never fails the stop."""
+        left = self._deadline.left()
+        try:
+            await asyncio.wait_for(redis.close(timeout=left), left + 0.5)
+        except Exception as exc:   # a dead Redis must not stop the cleanup
+            log.warning("redis close: %s", exc)
 
     # -- serve / stop --------------------------------------------------------------------
     def banner(self) -> str:
@@ -220,41 +234,20 @@ class Daemon:
         self._stop.set()
 
     async def serve_until_signal(self) -> None:
+        """Serve until SIGTERM or SIGINT; the handlers are removed at stop."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
+            try:
                 loop.add_signal_handler(sig, self.request_stop)
+            except (NotImplementedError, RuntimeError):
+                continue
+            self._stack.callback(loop.remove_signal_handler, sig)
         await self._stop.wait()
 
     async def stop(self) -> None:
-        """Graceful drain bounded by daemon.drain_timeout_s, then cleanup in reverse order."""
-        deadline = time.monotonic() + self.cfg.daemon.drain_timeout_s
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        if self.control is not None:
-            await self.control.stop_accepting()
-            await self.control.close_connections(max(0.1, (deadline - time.monotonic()) / 2))
-        if self.store is not None:
-            try:
-                saved = await asyncio.wait_for(self.store.drain(deadline),
-                                               max(0.1, deadline - time.monotonic()))
-                log.info("drain: persisted %d cpu-only blocks to nvme", saved)
-            except asyncio.TimeoutError:
-                log.warning("drain timed out; some cpu-only blocks were not persisted")
-        if self.http is not None:
-            await self.http.stop()
-        else:   # the start failed after binding the HTTP port: release it
-            for http_socket in self._http_sockets:
-                http_socket.close()
-        if self.redis is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.redis.close(), 2.0)
-        if self.nvme is not None:
-            self.nvme.close()
-        if self.arena is not None:
-            self.arena.close()
-        if self.hbm is not None:
-            self.hbm.close()
+        """Undo everything set up so far, in reverse order, within ``drain_timeout_s``."""
+        self._deadline = Deadline(time.monotonic() + self.cfg.daemon.drain_timeout_s)
+        await self._stack.aclose()
 
     # -- stats ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -297,9 +290,9 @@ class Daemon:
         return self.explain.recent(limit, misses_only=misses_only, namespaces=names)
 
 
-async def run_daemon(cfg: Config, *, ready: Any = None) -> None:
+async def run_daemon(cfg: Config, *, ready: Any = None, parts: DaemonParts | None = None) -> None:
     """Start, print where to find the daemon, serve until SIGTERM/SIGINT, drain."""
-    daemon = Daemon(cfg)
+    daemon = Daemon(cfg, parts)
     try:
         await daemon.start()
         print(daemon.banner(), flush=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvtier.config import Config
 from kvtier.doctor.env import Check, Host, Verdict
+from kvtier.units import format_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +47,6 @@ def mount_of(path: str, text: str) -> Mount | None:
     return best
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def _existing(path: Path, host: Host) -> Path:
     """``path`` or its nearest existing ancestor (the data dir may not exist yet)."""
     p = path
@@ -80,10 +77,10 @@ def check_shm(cfg: Config, host: Host) -> Check:
     m = mount_of(shm, host.mountinfo())
     fstype = m.fstype if m else "?"
     room = avail + mine
-    detail = (f"{shm} ({fstype}): {_gib(total)} total, {_gib(avail)} free"
-              + (f" + {_gib(mine)} in kvtier arenas" if mine else "")
-              + f"; cpu tier needs {_gib(need)}")
-    grow = (f"grow it: mount -o remount,size={_gib(need * 1.1 + total - avail)} {shm} "
+    detail = (f"{shm} ({fstype}): {format_bytes(total)} total, {format_bytes(avail)} free"
+              + (f" + {format_bytes(mine)} in kvtier arenas" if mine else "")
+              + f"; cpu tier needs {format_bytes(need)}")
+    grow = (f"grow it: mount -o remount,size={format_bytes(need * 1.1 + total - avail)} {shm} "
             "(docker: --shm-size; Kubernetes: mount the host's /dev/shm or an emptyDir with "
             "medium: Memory and a sizeLimit), or lower cpu.bytes (kvtier plan)")
     if total < need:
@@ -131,14 +128,14 @@ def check_data_dir(cfg: Config, host: Host) -> list[Check]:
         with contextlib.suppress(OSError):
             used += host.stat(str(path / name)).st_size
     need = cfg.nvme.bytes
-    detail = (f"{path}{note}: {_gib(avail)} free of {_gib(total)}"
-              + (f", {_gib(used)} already in the tier" if used else "")
-              + f"; nvme tier needs {_gib(need)}")
+    detail = (f"{path}{note}: {format_bytes(avail)} free of {format_bytes(total)}"
+              + (f", {format_bytes(used)} already in the tier" if used else "")
+              + f"; nvme tier needs {format_bytes(need)}")
     out = []
     if avail + used < need:
         out.append(Check("data dir space", Verdict.FAIL, detail,
-                         f"free {_gib(need - avail - used)} there, point nvme.path at a larger "
-                         "drive, or lower nvme.bytes"))
+                         f"free {format_bytes(need - avail - used)} there, point nvme.path at "
+                         "a larger drive, or lower nvme.bytes"))
     else:
         out.append(Check("data dir space", Verdict.OK, detail))
     m = mount_of(str(where), host.mountinfo())

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvtier.config import Config
 from kvtier.doctor.env import Check, Host, Verdict
+from kvtier.units import format_bytes
 
 THP = "/sys/kernel/mm/transparent_hugepage"
 NODES = "/sys/devices/system/node"
@@ -15,18 +16,14 @@ GDS_PROC = "/proc/driver/nvidia-fs/stats"
 NV_PROC = "/proc/driver/nvidia/version"
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def check_memlock(cfg: Config, host: Host) -> Check:
     """The GPU path pins the arena (cudaHostRegister): the memlock limit must cover it."""
     soft, _hard = host.memlock()
     unlimited = soft == resource.RLIM_INFINITY
-    shown = "unlimited" if unlimited else _gib(soft)
+    shown = "unlimited" if unlimited else format_bytes(soft)
     gpu_ok, _ = host.gpu()
     needs = cfg.hbm.enabled or gpu_ok
-    detail = f"memlock limit {shown}; the cpu tier is {_gib(cfg.cpu.bytes)}"
+    detail = f"memlock limit {shown}; the cpu tier is {format_bytes(cfg.cpu.bytes)}"
     if unlimited or soft >= cfg.cpu.bytes:
         return Check("memlock", Verdict.OK, detail)
     fix = ("systemd: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1; shell: ulimit -l "

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError
+from kvtier.units import format_bytes
 
 
 class LiveStatsError(KVTierError):
@@ -77,10 +78,6 @@ def size_options(stats: Mapping[str, Any], tier: str) -> list[SizeOption]:
     return [SizeOption(tier, s, s * cap, h, now) for s, h in curve]
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def plan_lines(stats: Mapping[str, Any]) -> list[str]:
     """``kvtier plan --live-stats``: per tier and size, the token hit rate it would give."""
     lines: list[str] = []
@@ -88,7 +85,7 @@ def plan_lines(stats: Mapping[str, Any]) -> list[str]:
         for o in size_options(stats, tier):
             if o.scale == 1.0:
                 continue
-            lines.append(f"a {tier} tier of {_gib(o.capacity_bytes)} ({o.scale:g}x) would "
+            lines.append(f"a {tier} tier of {format_bytes(o.capacity_bytes)} ({o.scale:g}x) would "
                          f"{'raise' if o.hit_rate >= o.current_hit_rate else 'lower'} its "
                          f"token hit rate from {o.current_hit_rate:.1%} to {o.hit_rate:.1%} "
                          "on this node's live workload")
@@ -106,11 +103,11 @@ def sizing_notes(stats: Mapping[str, Any]) -> list[str]:
             continue
         cap = float(stats.get("tiers", {}).get(tier, {}).get("capacity_bytes", 0) or 0)
         if twice is not None and twice - now >= TOO_SMALL_GAIN:
-            notes.append(f"{tier} tier too small for this workload: at {_gib(2 * cap)} its "
+            notes.append(f"{tier} tier too small for this workload: at {format_bytes(2 * cap)} its "
                          f"token hit rate would be {twice:.1%} instead of {now:.1%} (live "
                          "miss-ratio curve); give it more memory if the node has it")
         elif half is not None and now - half < TOO_LARGE_LOSS and now > 0:
-            notes.append(f"{tier} tier larger than its hit rate needs: at {_gib(cap / 2)} "
+            notes.append(f"{tier} tier larger than its hit rate needs: at {format_bytes(cap / 2)} "
                          f"it would still hit {half:.1%} of tokens (now {now:.1%}); the "
                          "memory could go elsewhere")
     return notes

@@ -249,8 +249,10 @@ class ArenaMapping:
                                      f"link; {_ARENA_FIX}") from None
         try:
             owner = os.getuid() if owner_uid is None else owner_uid
+            st = os.fstat(fd)
+            self.identity = (st.st_dev, st.st_ino)   # which file: a path can be reused
             problem = ("is announced with a size of 0 bytes" if size <= 0
-                       else arena_problem(os.fstat(fd), size, owner))
+                       else arena_problem(st, size, owner))
             if problem is not None:
                 raise UntrustedArena(f"refusing to map the arena {path} ({self.source}): it "
                                      f"{problem}; {_ARENA_FIX}")
@@ -260,6 +262,7 @@ class ArenaMapping:
             os.close(fd)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         self.size = size
+        self.keep_mapped = False   # shared by a process's clients (and maybe CUDA-registered)
 
     def view(self, offset: int, nbytes: int, *, writable: bool) -> np.ndarray:
         v = self.buf[offset: offset + nbytes]
@@ -269,6 +272,9 @@ class ArenaMapping:
         return v
 
     def close(self) -> None:
+        """Unmap, unless ``keep_mapped`` (then its owner unmaps it by clearing the flag)."""
+        if self.keep_mapped:
+            return
         self.buf = np.empty(0, dtype=np.uint8)
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()

@@ -117,7 +117,8 @@ def test_wrong_buffer_sizes(daemon: DaemonProcess) -> None:
 
 
 def test_commit_of_unknown_used_or_expired_lease(daemon_factory) -> None:
-    d = daemon_factory(env={"KVTIER_DAEMON_LEASE_TTL_S": "1"}).start()
+    d = daemon_factory(env={"KVTIER_DAEMON_LEASE_TTL_S": "1",
+                                        "KVTIER_DAEMON_LEASE_SWEEP_S": "0.1"}).start()
     c = connect(d.socket)
     ns = c.register_layout(LAYOUT, "m")
     keys = block_keys(ns, np.arange(64 * 2))
@@ -131,7 +132,7 @@ def test_commit_of_unknown_used_or_expired_lease(daemon_factory) -> None:
         lease.commit()  # already used
     keys2 = block_keys(ns, np.arange(64 * 2) + 999)
     lease2 = c.prepare_put(ns, keys2)
-    time.sleep(2.5)  # past the TTL: the sweeper releases the slots
+    time.sleep(1.3)  # past the 1 s TTL; the sweeper (every 0.1 s) has released the slots
     with pytest.raises(LeaseError):
         lease2.commit()
     assert c.lookup(ns, keys2).hits == 0

@@ -31,7 +31,12 @@ from kvtier.connectors.vllm.worker import WorkerSide  # noqa: E402
 
 from kvtier.layout import KVLayout  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
-from tests.support.fake_hbm import FakeHbmMapping, daemon_env, install_client_fake  # noqa: E402
+from tests.support.fake_hbm import (  # noqa: E402
+    DAEMON_PROGRAM,
+    FakeHbmMapping,
+    daemon_env,
+    install_client_fake,
+)
 
 LAYERS = 12
 PAGE = 32
@@ -43,8 +48,12 @@ LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtyp
 WAIT_S = 30.0
 
 
-def make_daemon(root: Path, **env: str) -> DaemonProcess:
-    return DaemonProcess(root, cpu_bytes="32MiB", nvme_bytes="64MiB", env=env).start()
+def make_daemon(root: Path, *, program: tuple[str, ...] | None = None,
+                **env: str) -> DaemonProcess:
+    """A real daemon; ``program``: DAEMON_PROGRAM for one with the fake HBM pool injected."""
+    extra = {"program": program} if program is not None else {}
+    return DaemonProcess(root, cpu_bytes="32MiB", nvme_bytes="64MiB", env=env,
+                         **extra).start()
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +239,8 @@ def test_a_lease_that_expires_during_the_load_is_a_load_error(
 def test_a_device_worker_loads_from_hbm_views(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     opened = install_client_fake(monkeypatch)
-    d = make_daemon(tmp_path / "hbm", **daemon_env(), KVTIER_HBM_ENABLED="1",
-                    KVTIER_HBM_BYTES="4MiB")
+    d = make_daemon(tmp_path / "hbm", program=DAEMON_PROGRAM, **daemon_env(),
+                    KVTIER_HBM_ENABLED="1", KVTIER_HBM_BYTES="4MiB")
     try:
         kv = caches(5)
         w = worker(d, "hbm", kv, device_loads=True)

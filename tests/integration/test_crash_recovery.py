@@ -12,11 +12,8 @@ import numpy as np
 
 from kvtier.client import connect
 from kvtier.keys import block_keys
-from kvtier.layout import KVLayout
+from tests.support.chains import LAYOUT, content
 from tests.support.daemon import DaemonProcess
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
-                  tokens_per_block=64)
 
 WRITER = r"""
 import sys, numpy as np
@@ -24,7 +21,7 @@ from kvtier.client import connect
 from kvtier.errors import KVTierError
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
-from tests.integration.test_crash_recovery import content
+from tests.support.chains import content
 sock, first, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 layout = KVLayout(2, 2, 32, "float16", 64)
 c = connect(sock)
@@ -39,11 +36,6 @@ with open(log, "a", buffering=1) as out:
         if n == len(keys):
             out.write("".join(k.hex() + "\n" for k in keys))  # only after the ack
 """
-
-
-def content(key: bytes) -> np.ndarray:
-    return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, LAYOUT.block_bytes, dtype=np.uint8)
 
 
 def test_sigkill_mid_write_loses_no_acknowledged_block(daemon_factory, tmp_path: Path) -> None:

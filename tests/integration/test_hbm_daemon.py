@@ -1,9 +1,10 @@
 """HBM end to end on the CPU: a real daemon process whose device pool is a host-memory fake,
 and real clients in this process whose HBM mapping is the matching fake.
 
-Only the device is faked (tests/support/fake_hbm.py; the daemon gets it through a test-only
-``sitecustomize`` on its PYTHONPATH): handshake, control protocol, store placement, client
-mapping selection, views and stats are the production code. The same flow on a real GPU is
+Only the device is faked (tests/support/fake_hbm.py; the daemon gets it through its
+``DaemonParts`` seam: tests/support/fake_hbm_daemon.py is ``kvtier serve`` with a fake HBM
+factory): handshake, control protocol, store placement, client mapping selection, views and
+stats are the production code. The same flow on a real GPU is
 tests/gpu/test_hbm_daemon.py.
 """
 
@@ -22,7 +23,13 @@ from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers import hbm as hbm_mod
 from tests.support.daemon import DaemonProcess
-from tests.support.fake_hbm import FAKE_BUS_ID, FakeHbmMapping, daemon_env, install_client_fake
+from tests.support.fake_hbm import (
+    DAEMON_PROGRAM,
+    FAKE_BUS_ID,
+    FakeHbmMapping,
+    daemon_env,
+    install_client_fake,
+)
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16",
                   tokens_per_block=64)
@@ -33,7 +40,7 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     d = DaemonProcess(tmp_path_factory.mktemp("hbm-daemon"), cpu_bytes="8MiB",
-                      env={**daemon_env(), "KVTIER_HBM_ENABLED": "1",
+                      program=DAEMON_PROGRAM, env={**daemon_env(), "KVTIER_HBM_ENABLED": "1",
                            "KVTIER_HBM_BYTES": "1MiB"})
     d.start(timeout=30)
     yield d

@@ -19,7 +19,9 @@ import pytest
 from kvtier.client import KVTierClient, connect
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
-from tests.integration.test_redis_tier import (
+from tests.support.daemon import DaemonProcess
+from tests.support.redis_servers import RedisServer, running_server
+from tests.support.redis_tier import (
     LAYOUT_FP,
     NS,
     blocks,
@@ -28,8 +30,6 @@ from tests.integration.test_redis_tier import (
     put_all,
     running,
 )
-from tests.support.daemon import DaemonProcess
-from tests.support.redis_servers import RedisServer, running_server
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
                   tokens_per_block=64)  # 32 KiB blocks

@@ -9,14 +9,12 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 
-from kvtier.config import RedisConfig
 from kvtier.frame import HEADER_SIZE, FrameHeader, make_header
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_queue import PendingWrite, WriteQueue
@@ -33,10 +31,17 @@ from tests.support.redis_servers import (
     tls_terminator,
     tls_unsupported_reason,
 )
-
-NS = bytes(range(16))
-LAYOUT_FP = 0x5EED_C0DE_1234_5678
-BLOCK = 64 * 1024
+from tests.support.redis_tier import (
+    BLOCK,
+    LAYOUT_FP,
+    NS,
+    blocks,
+    buffers,
+    cfg_for,
+    eventually,
+    put_all,
+    running,
+)
 
 
 @pytest.fixture
@@ -49,46 +54,6 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def redis_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     with running_cluster(tmp_path / "cluster") as cluster:
         yield cluster
-
-
-def cfg_for(url: str, **over: object) -> RedisConfig:
-    base = RedisConfig(enabled=True, url=url, connect_timeout_s=0.5, op_timeout_s=1.0)
-    return dataclasses.replace(base, **over)
-
-
-def blocks(n: int, size: int = BLOCK, seed: int = 0) -> tuple[list[bytes], list[bytes]]:
-    """``n`` (key, payload) pairs: fp16 normal data, like real KV."""
-    rng = np.random.default_rng(seed)
-    keys = [rng.bytes(16) for _ in range(n)]
-    data = [rng.standard_normal(size // 2).astype(np.float16).tobytes() for _ in range(n)]
-    return keys, data
-
-
-def buffers(n: int, size: int = BLOCK) -> list[memoryview]:
-    return [memoryview(bytearray(size)) for _ in range(n)]
-
-
-@contextlib.asynccontextmanager
-async def running(cfg: RedisConfig) -> AsyncIterator[RedisTier]:
-    tier = RedisTier(cfg)
-    await tier.start()
-    try:
-        yield tier
-    finally:
-        await tier.close()
-
-
-async def put_all(tier: RedisTier, keys: list[bytes], data: list[bytes]) -> None:
-    for key, payload in zip(keys, data, strict=True):
-        tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-    assert await tier.flush(timeout=10)
-
-
-async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 # --- single server ------------------------------------------------------------------------

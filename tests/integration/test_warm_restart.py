@@ -14,20 +14,15 @@ import numpy as np
 
 from kvtier.client import connect
 from kvtier.keys import block_keys
-from kvtier.layout import KVLayout
 from kvtier.tiers.arena import ArenaMapping, journal_path
 from kvtier.tiers.arena_journal import read_journal
+from tests.support.chains import LAYOUT, chain_keys, content
 from tests.support.daemon import DaemonProcess
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
-                  tokens_per_block=64)   # 32 KiB blocks
-HEAD_TOKENS = 64                         # one shared block: the "system prompt" of every chain
-CHAIN_TOKENS = 4 * 64
 
 CLIENT = r"""
 import sys, numpy as np
 from kvtier.client import connect
-from tests.integration.test_warm_restart import LAYOUT, chain_keys, content
+from tests.support.chains import LAYOUT, chain_keys, content
 sock, idx, log, bad = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 c = connect(sock)
 ns = c.register_layout(LAYOUT, "shared-model")
@@ -50,19 +45,6 @@ with open(log, "a", buffering=1) as out, open(bad, "a", buffering=1) as wrong:
         done.append(i)
         out.write(f"{i}\n")   # only after the ack
 """
-
-
-def content(key: bytes) -> np.ndarray:
-    return np.random.default_rng(int.from_bytes(key[:8], "little")).integers(
-        0, 256, LAYOUT.block_bytes, dtype=np.uint8)
-
-
-def chain_keys(ns, client: int, i: int) -> list[bytes]:  # type: ignore[no-untyped-def]
-    """Chain ``i`` of client ``client``: the shared head block, then 3 blocks of its own."""
-    own = 10_000_000 * (client + 1) + i * (CHAIN_TOKENS - HEAD_TOKENS)
-    tokens = np.concatenate([np.arange(HEAD_TOKENS),
-                             own + np.arange(CHAIN_TOKENS - HEAD_TOKENS)])
-    return [bytes(k) for k in block_keys(ns, tokens)]
 
 
 def read_back(c, ns, keys: list[bytes], tries: int = 1) -> tuple[int, int]:  # type: ignore[no-untyped-def]

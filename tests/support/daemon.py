@@ -32,6 +32,7 @@ class DaemonProcess:
     nvme_bytes: str = "256MiB"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    program: tuple[str, ...] = ("-m", "kvtier.cli")   # what ``python`` runs (``serve`` follows)
     proc: subprocess.Popen[str] | None = None
     http_url: str = ""
     log_path: Path = field(init=False)
@@ -49,7 +50,7 @@ class DaemonProcess:
         return self.root / "data"
 
     def start(self, timeout: float = 30.0) -> DaemonProcess:
-        args = [sys.executable, "-m", "kvtier.cli", "serve", "--data-dir", str(self.data_dir),
+        args = [sys.executable, *self.program, "serve", "--data-dir", str(self.data_dir),
                 "--socket", str(self.socket), "--http-port", "0",
                 "--cpu-bytes", self.cpu_bytes, "--nvme-bytes", self.nvme_bytes,
                 *self.extra_args]

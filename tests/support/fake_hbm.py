@@ -6,11 +6,11 @@ stats) runs on machines without a GPU through these fakes; only the device is fa
 protocol, backed by a file in /dev/shm so a second process can map it) and
 ``FakeHbmMapping`` for ``HbmMapping`` (what a client maps; views are numpy arrays).
 
-Daemon side: ``install_daemon_fake()`` makes ``hbm_available`` say yes and the tier build a
-``ShmDevicePool``. For a daemon subprocess, put ``SITE_DIR`` first on PYTHONPATH and set
-``KVTIER_TEST_FAKE_HBM=1`` (``daemon_env()``): its ``sitecustomize`` calls
-``install_daemon_fake`` at interpreter start. Nothing in the kvtier package reads that
-variable. Client side: ``install_client_fake(monkeypatch)`` routes ``HbmMapping.open`` here.
+Daemon side: the daemon's supported seam, ``DaemonParts(hbm=fake_hbm_tier)``
+(kvtier.daemon.parts), builds the HBM tier over a ``ShmDevicePool``; nothing is patched. A
+daemon subprocess runs ``python -m tests.support.fake_hbm_daemon serve ...`` (``DAEMON_PROGRAM``
+with ``daemon_env()``): the real ``kvtier serve`` with those parts. Client side:
+``install_client_fake(monkeypatch)`` routes ``HbmMapping.open`` here.
 """
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.config import Config
+from kvtier.daemon.parts import DaemonParts, open_hbm
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.tiers import hbm as hbm_mod
+from kvtier.tiers.hbm import HbmTier
 
 MAGIC = b"KVTFAKE1"
-SITE_DIR = Path(__file__).parent / "fake_hbm_site"
+DAEMON_PROGRAM = ("-m", "tests.support.fake_hbm_daemon")   # ``python -m ...`` like kvtier.cli
 FAKE_BUS_ID = "0000:C1:00.0"
 _seq = itertools.count()
 
@@ -141,10 +144,14 @@ class FakeHbmMapping:
             self._mm.close()
 
 
-def install_daemon_fake() -> None:
-    """Make this process's daemon build a ``ShmDevicePool`` for hbm.enabled (tests only)."""
-    hbm_mod.hbm_available = lambda device=0: (True, "fake host-memory HBM pool (tests only)")
-    hbm_mod.CupyDevicePool = ShmDevicePool  # type: ignore[misc, assignment]
+def fake_hbm_tier(cfg: Config) -> HbmTier:
+    """``DaemonParts.hbm`` for tests: the real tier over a host-memory ``ShmDevicePool``."""
+    return open_hbm(cfg, pool_factory=ShmDevicePool, why="fake host-memory HBM pool (tests only)")
+
+
+def fake_parts() -> DaemonParts:
+    """The daemon's parts with the fake HBM pool (every other tier real)."""
+    return DaemonParts(hbm=fake_hbm_tier)
 
 
 def install_client_fake(monkeypatch: Any) -> list[FakeHbmMapping]:
@@ -156,7 +163,8 @@ def install_client_fake(monkeypatch: Any) -> list[FakeHbmMapping]:
 
 
 def daemon_env() -> dict[str, str]:
-    """Environment for a daemon subprocess that should use the fake pool."""
+    """Environment for a ``DAEMON_PROGRAM`` subprocess: the repository root importable (for
+    ``tests.support``) wherever the test runs from."""
     root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join([str(SITE_DIR), root, os.environ.get("PYTHONPATH", "")])
-    return {"PYTHONPATH": path.rstrip(os.pathsep), "KVTIER_TEST_FAKE_HBM": "1"}
+    path = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    return {"PYTHONPATH": path.rstrip(os.pathsep)}

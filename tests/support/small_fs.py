@@ -8,7 +8,6 @@ the mount is refused.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,8 @@ MNT_DETACH = 2
 
 
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    """The C library this process already runs (``find_library`` would start ldconfig)."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 @contextmanager

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,10 +281,17 @@ def test_mapping_of_a_missing_arena_raises(shm_dir: Path) -> None:
 
 # -- stale arenas ----------------------------------------------------------------------------
 def dead_pid() -> int:
-    """The pid of a process that has exited (and been reaped)."""
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    return int(proc.stdout)
+    """The pid of no running process (the highest free one below pid_max), found without
+    starting a process: unit tests do not start processes."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    for pid in range(pid_max - 1, 1, -1):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except PermissionError:
+            continue
+    raise AssertionError("every pid is in use")
 
 
 def test_remove_stale_arenas_removes_only_dead_owners(shm_dir: Path) -> None:

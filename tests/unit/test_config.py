@@ -182,3 +182,43 @@ def test_bad_override_names_the_flag() -> None:
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.toml", env={})
+
+
+# -- the typed tree ----------------------------------------------------------------------------
+def test_enum_settings_are_enums_equal_to_their_text() -> None:
+    from kvtier.config import Eviction, LogLevel
+
+    cfg = load_config(env={"KVTIER_POLICY_EVICTION": "lfu", "KVTIER_DAEMON_LOG_LEVEL": "DEBUG",
+                           "KVTIER_REDIS_CODEC": "shuffle-lz4"})
+    assert cfg.policy.eviction is Eviction.LFU and cfg.policy.eviction == "lfu"
+    assert f"{cfg.policy.eviction}" == "lfu" and str(cfg.redis.codec) == "shuffle-lz4"
+    assert cfg.daemon.log_level is LogLevel.DEBUG
+    assert cfg.to_dict()["policy"]["eviction"] == "lfu"
+    assert type(cfg.to_dict()["cpu"]["bytes"]) is int
+
+
+def test_enum_errors_list_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"redis\.codec: .*one of none, lz4, shuffle-lz4, "
+                                          r"shuffle-zstd, auto.*env KVTIER_REDIS_CODEC"):
+        load_config(env={"KVTIER_REDIS_CODEC": "gzip"})
+
+
+def test_size_parsing_is_chosen_by_type_not_by_name() -> None:
+    from kvtier.config_convert import iter_settings
+    from kvtier.units import ByteSize
+
+    sizes = {s.dotted for s in iter_settings(Config) if s.base is ByteSize}
+    assert {"cpu.bytes", "nvme.bytes", "daemon.max_frame_bytes",
+            "nvme.write_budget_bytes_per_s"} <= sizes
+    for s in iter_settings(Config):
+        if s.dotted in sizes:
+            continue
+        assert not s.name.endswith("bytes"), s.dotted   # every *bytes field is a ByteSize
+
+
+def test_toml_values_are_typed_and_text_values_read_as_people_write_them(
+        tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[redis]\nttl_s = 60\nenabled = true\n[cpu]\nbytes = 33554432\n")
+    cfg = load_config(path, env={"KVTIER_NVME_DIRECT": "OFF"})
+    assert cfg.redis.ttl_s == 60 and cfg.redis.enabled is True
+    assert cfg.cpu.bytes == 32 * MiB and cfg.nvme.direct == "off"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,8 @@ from kvtier.doctor import add_parser
 from kvtier.doctor.collect import Request, collect
 from kvtier.doctor.rules import Pattern, diagnose
 from kvtier.doctor.signals import derive
+from tests.support.doctor_scenarios import files, scenario_argv
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
 EXPECTED = {
     "long_prompts": Pattern.LONG_PROMPTS_KV_FULL,
     "decode_slows": Pattern.DECODE_SLOWS_WITH_CONTEXT,
@@ -26,10 +25,6 @@ EXPECTED = {
 }
 
 
-def files(scenario: str, kind: str) -> list[str]:
-    return sorted(str(p) for p in (FIXTURES / scenario).glob(f"{kind}-*"))
-
-
 def doctor(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser(prog="kvtier")
     add_parser(parser.add_subparsers(dest="command", required=True))
@@ -37,14 +32,6 @@ def doctor(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, st
     code = args.func(args)
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def scenario_argv(name: str) -> list[str]:
-    argv = ["--engine-metrics", *files(name, "engine"), "--stats", *files(name, "stats"),
-            "--interval", "10"]
-    if files(name, "gpu"):
-        argv += ["--gpu-metrics", *files(name, "gpu")]
-    return argv
 
 
 def test_every_pattern_has_a_fixture() -> None:
@@ -134,19 +121,3 @@ def test_interval_from_daemon_uptime(capsys: pytest.CaptureFixture[str]) -> None
     assert code == 1
     assert json.loads(out)["signals"]["interval_s"] == pytest.approx(10.0)
 
-
-def test_kvtier_command_line_runs_doctor_in_a_subprocess() -> None:
-    pytest.importorskip("kvtier.cli")
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from kvtier.cli import main; sys.exit(main())",
-         "doctor", *scenario_argv("long_prompts"), "--json"],
-        capture_output=True, text=True, env=env, timeout=60, check=False)
-    assert proc.returncode == 1, proc.stderr
-    assert [f["pattern"] for f in json.loads(proc.stdout)["findings"]] == [
-        Pattern.LONG_PROMPTS_KV_FULL.value]

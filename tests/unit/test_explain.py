@@ -24,7 +24,7 @@ from kvtier.tiers.arena import Arena, ArenaMapping
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.slab import PAGE
 from tests.support.arena import temp_arena
-from tests.unit.test_store import nvme_corrupt_payload
+from tests.support.store import nvme_corrupt_payload
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16",
                   tokens_per_block=128)

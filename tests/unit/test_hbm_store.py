@@ -26,7 +26,7 @@ from kvtier.tiers.base import TierName
 from kvtier.tiers.hbm import HbmTier
 from tests.support.arena import temp_arena
 from tests.support.fake_hbm import ShmDevicePool
-from tests.unit.test_store import (
+from tests.support.store import (
     BLOCK,
     CLIENT,
     DIGEST,

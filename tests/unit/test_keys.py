@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,52 +9,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import LayoutMismatch
 from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, block_keys
-from kvtier.layout import KVLayout
-
-REPO = Path(__file__).resolve().parents[2]
-TPB = 4
-
-
-def layout(**overrides: object) -> KVLayout:
-    """A small layout (4 tokens per block) with selected fields changed."""
-    base: dict[str, object] = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
-                               "dtype": "float16", "tokens_per_block": TPB}
-    base.update(overrides)
-    return KVLayout(**base)  # type: ignore[arg-type]
-
-
-def ns(**overrides: object) -> Namespace:
-    base: dict[str, object] = {"model_id": "org/model-7b", "layout": layout(), "tp_rank": 0,
-                               "tp_size": 1, "cache_salt": None}
-    base.update(overrides)
-    return Namespace(**base)  # type: ignore[arg-type]
-
-
-TOKENS = list(range(1000, 1000 + 4 * TPB))  # four full blocks
-
-_KEYS_SCRIPT = """
-from kvtier.keys import Namespace, block_keys
-from kvtier.layout import KVLayout
-ns = Namespace("org/model-7b", KVLayout(2, 2, 8, "float16", tokens_per_block=4), 1, 2, "tenant")
-print(",".join(k.hex() for k in block_keys(ns, list(range(1000, 1016)))))
-print(ns.digest.hex())
-"""
-
-
-def keys_in_subprocess(hashseed: str) -> str:
-    env = {**os.environ, "PYTHONHASHSEED": hashseed}
-    out = subprocess.run([sys.executable, "-c", _KEYS_SCRIPT], env=env, cwd=REPO,
-                         capture_output=True, text=True, check=True, timeout=60)
-    return out.stdout
-
-
-def test_keys_identical_across_processes_with_different_hash_seeds() -> None:
-    a = keys_in_subprocess("1")
-    b = keys_in_subprocess("12345")
-    assert a == b
-    here = ns(tp_rank=1, tp_size=2, cache_salt="tenant")
-    assert a.splitlines() == [",".join(k.hex() for k in block_keys(here, TOKENS)),
-                              here.digest.hex()]
+from tests.support.keys import TOKENS, TPB, layout, ns
 
 
 def test_keys_are_16_bytes_one_per_full_block() -> None:

@@ -7,10 +7,8 @@ real kvikio path runs only in tests/gpu/test_kvikio.py on a GPU host.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import random
-import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -33,6 +31,15 @@ from kvtier.tiers.nvme.backends import (
     select_nvme_backend,
 )
 from kvtier.tiers.nvme.kvikio_io import KvikioFileIO, kvikio_mode
+from tests.support.fake_gpu_libs import (
+    FakeCuFile,
+    FakeDriver,
+    fake_kvikio,
+    no_kvikio,
+    no_libcuda,
+    with_driver,
+    with_kvikio,
+)
 
 NS = bytes(range(16))
 LAYOUT = 0xABCD
@@ -40,106 +47,12 @@ MiB = 1 << 20
 
 
 # ---------------------------------------------------------------------- fakes
-class FakeDriver:
-    """A stand-in for libcuda.so.1 answering cuInit / cuDeviceGetCount / cuGetErrorName."""
-
-    def __init__(self, init_rc: int = 0, count: int = 1, count_rc: int = 0) -> None:
-        self.init_rc, self.count, self.count_rc = init_rc, count, count_rc
-
-    def cuInit(self, flags: int) -> int:
-        return self.init_rc
-
-    def cuDeviceGetCount(self, ref: Any) -> int:
-        ctypes.cast(ref, ctypes.POINTER(ctypes.c_int)).contents.value = self.count
-        return self.count_rc
-
-    def cuGetErrorName(self, code: int, ref: Any) -> int:
-        names = {100: b"CUDA_ERROR_NO_DEVICE", 35: b"CUDA_ERROR_INSUFFICIENT_DRIVER"}
-        if code not in names:
-            return 1
-        ctypes.cast(ref, ctypes.POINTER(ctypes.c_char_p)).contents.value = names[code]
-        return 0
-
-
-class _Future:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def get(self) -> int:
-        return self.n
-
-
-class FakeCuFile:
-    """kvikio.CuFile's pread/pwrite contract over plain POSIX calls on its own descriptor."""
-
-    fail: str | None = None   # "pread" / "pwrite": raise RuntimeError like a CUfileException
-    opened: list[FakeCuFile] = []
-
-    def __init__(self, path: str, flags: str = "r") -> None:
-        assert flags == "r+"
-        self.fd = os.open(path, os.O_RDWR)
-        self.closed = False
-        FakeCuFile.opened.append(self)
-
-    def close(self) -> None:
-        os.close(self.fd)
-        self.closed = True
-
-    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0) -> _Future:
-        if FakeCuFile.fail == "pread":
-            raise RuntimeError("cuFile error: fake read failure")
-        view = memoryview(buf).cast("B")
-        size = len(view) if size is None else size
-        assert size <= len(view)
-        return _Future(os.preadv(self.fd, [view[:size]], file_offset))
-
-    def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0) -> _Future:
-        if FakeCuFile.fail == "pwrite":
-            raise RuntimeError("cuFile error: fake write failure")
-        view = memoryview(buf).cast("B")
-        size = len(view) if size is None else size
-        return _Future(os.pwrite(self.fd, view[:size], file_offset))
-
-
-def fake_kvikio(compat: bool | None = True, version: str = "26.10.0") -> types.ModuleType:
-    mod = types.ModuleType("kvikio")
-    mod.__version__ = version  # type: ignore[attr-defined]
-    mod.CuFile = FakeCuFile  # type: ignore[attr-defined]
-    defaults = types.SimpleNamespace(calls=[])
-    if compat is not None:
-        defaults.is_compat_mode_preferred = lambda: compat
-    defaults.set = lambda d: defaults.calls.append(d)
-    mod.defaults = defaults  # type: ignore[attr-defined]
-    return mod
-
-
 @pytest.fixture(autouse=True)
 def _reset_fakes() -> Iterator[None]:
     FakeCuFile.fail = None
     FakeCuFile.opened = []
     yield
     FakeCuFile.fail = None
-
-
-def no_kvikio(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "kvikio", None)   # import kvikio -> ImportError
-
-
-def with_kvikio(monkeypatch: pytest.MonkeyPatch, **kw: Any) -> types.ModuleType:
-    mod = fake_kvikio(**kw)
-    monkeypatch.setitem(sys.modules, "kvikio", mod)
-    return mod
-
-
-def no_libcuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(name: str, *a: Any, **k: Any) -> Any:
-        raise OSError(f"{name}: cannot open shared object file: No such file or directory")
-
-    monkeypatch.setattr(ctypes, "CDLL", refuse)
-
-
-def with_driver(monkeypatch: pytest.MonkeyPatch, driver: FakeDriver) -> None:
-    monkeypatch.setattr(nb, "_load_libcuda", lambda: driver)
 
 
 # ---------------------------------------------------------------------- driver probe
@@ -480,37 +393,6 @@ def test_daemon_builds_the_nvme_tier_with_the_selected_backend(
     cfg = load_config(env={}, overrides={"daemon.data_dir": tmp_path, "nvme.backend": "kvikio"})
     with pytest.raises(ConfigError, match=r"nvme\.backend = kvikio but kvikio not installed"):
         Daemon(cfg)._make_nvme()
-
-
-def test_real_daemon_shows_the_backend_in_stats_and_refuses_forced_kvikio(
-        tmp_path: Path) -> None:
-    from tests.support.daemon import DaemonProcess
-
-    here = select_nvme_backend("auto")
-    d = DaemonProcess(tmp_path / "a").start()
-    try:
-        nvme = d.stats()["tiers"]["nvme"]
-        assert nvme["io_backend"] == here.name
-        assert nvme["io_backend_reason"] == here.reason
-        table = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--url",
-                                d.http_url], capture_output=True, text=True, timeout=30)
-        assert table.returncode == 0 and nvme["backend"] in table.stdout
-    finally:
-        d.kill()
-    if here.name == "kvikio":
-        pytest.skip("this host can run kvikio: forcing it would succeed")
-    bad = DaemonProcess(tmp_path / "b", env={"KVTIER_NVME_BACKEND": "kvikio"})
-    with pytest.raises(RuntimeError):
-        bad.start(timeout=20)
-    assert "nvme.backend = kvikio but" in bad.log()
-
-
-def test_no_gpu_library_is_imported_at_module_top() -> None:
-    code = ("import sys, kvtier.tiers.nvme_backend, kvtier.tiers.hbm, kvtier.tiers.nvme, "
-            "kvtier.daemon.service\n"
-            "bad = [m for m in ('cupy', 'kvikio', 'torch') if m in sys.modules]\n"
-            "assert not bad, bad\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_selection_survives_an_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:

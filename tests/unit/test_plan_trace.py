@@ -8,9 +8,10 @@ import pytest
 
 from kvtier.plan import PlanError
 from kvtier.plan.workload import TraceFormat, parse_context, percentile, read_trace
+from tests.support.paths import MOONCAKE_TRACE
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "plan"
-MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+MOONCAKE = MOONCAKE_TRACE
 
 
 def test_mooncake_format_by_hand() -> None:

@@ -7,17 +7,14 @@ About 100 replays: minutes on a loaded 2-core machine (marked slow).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, load_trace
 from tests.support import workloads
+from tests.support.paths import MOONCAKE_TRACE
 
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
-if not TRACE.exists():  # the repo-relative location used by CI checkouts
-    TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / TRACE.name
+TRACE = MOONCAKE_TRACE
 
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.40)
 GENERATORS = ("multi_turn_trace", "rag_trace", "agent_trace", "scan_trace")

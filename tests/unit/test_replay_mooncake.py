@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, load_trace
+from tests.support.paths import MOONCAKE_TRACE
 
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
-if not TRACE.exists():  # the repo-relative location used by CI checkouts
-    TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / TRACE.name
+TRACE = MOONCAKE_TRACE
 
 pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
 

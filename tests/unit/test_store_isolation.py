@@ -14,7 +14,7 @@ from kvtier.errors import LeaseError, LeaseExpired
 from kvtier.keys import block_keys
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import ArenaMapping
-from tests.unit.test_store import (  # noqa: F401 - fixtures
+from tests.support.store import (  # noqa: F401 - fixtures
     ARENA_BLOCKS,
     BLOCK,
     CLIENT,

@@ -1,0 +1,209 @@
+"""The asyncio client: drives the sans-I/O ops (kvtier.client.ops) over asyncio streams.
+
+Several coroutines may share one client: replies are matched to requests by id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.client.leases import AsyncGetLease, AsyncPutLease
+from kvtier.client.ops import MAX_REPLY, LookupResult, Op, Ops, map_arena
+from kvtier.config import default_socket_path, trusted_daemon_uids
+from kvtier.errors import DaemonUnavailable, KVTierError, ProtocolError, RequestTimeout
+from kvtier.handshake import Hello, open_verified
+from kvtier.keys import BlockKey, Namespace
+from kvtier.layout import KVLayout
+from kvtier.prefix import PrefixLocality
+from kvtier.protocol import LENGTH, pack, unpack_body
+
+
+class AsyncKVTierClient:
+    """asyncio client; several coroutines may issue requests concurrently."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 timeout: float, *, device: bool = False) -> None:
+        self._reader, self._writer, self._timeout = reader, writer, timeout
+        self._ids = itertools.count(1)
+        self._ops = Ops(device)
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._reader_task: asyncio.Task[None] | None = None
+        self._broken: KVTierError | None = None
+
+    async def _start(self, hello: Hello, path: str) -> None:
+        """Map the arena of the handshake ``connect_async`` did, then start reading."""
+        map_arena(self._ops, hello, path)
+        self._reader_task = asyncio.ensure_future(self._read_loop())
+
+    # transport
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                (n,) = LENGTH.unpack(await self._reader.readexactly(LENGTH.size))
+                if n > MAX_REPLY:
+                    raise ProtocolError(f"reply of {n} bytes is too large")
+                reply = unpack_body(await self._reader.readexactly(n), MAX_REPLY)
+                rid = reply.get("id", 0)
+                targets = list(self._pending.values()) if rid == 0 else [
+                    self._pending.get(rid)]
+                for fut in targets:
+                    if fut is not None and not fut.done():
+                        fut.set_result(reply)
+        except (asyncio.IncompleteReadError, ConnectionError, KVTierError) as exc:
+            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(self._broken)
+
+    async def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self._broken is not None:
+            raise self._broken
+        rid = next(self._ids)
+        req["id"] = rid
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            self._writer.write(pack(req))
+            await self._writer.drain()
+            reply = await asyncio.wait_for(fut, self._timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"no reply to {req.get('op')} within {self._timeout}s") from None
+        except OSError as exc:
+            raise DaemonUnavailable(f"daemon connection lost: {exc}") from None
+        finally:
+            self._pending.pop(rid, None)
+        return Ops.check_reply(reply)
+
+    async def _run(self, op: Op) -> Any:
+        """``KVTierClient._run`` over asyncio: the same driving of ``op``, awaiting each
+        reply."""
+        try:
+            req = next(op)
+            while True:
+                try:
+                    reply = await self._call(req)
+                except KVTierError as exc:
+                    req = op.throw(exc)
+                else:
+                    req = op.send(reply)
+        except StopIteration as stop:
+            return stop.value
+
+    # API (each method is the KVTierClient method of that name as a coroutine)
+    async def register_layout(self, layout: KVLayout, model_id: str, *, tp_rank: int = 0,
+                              tp_size: int = 1, cache_salt: str | None = None) -> Namespace:
+        return await self._run(self._ops.op_register(layout, model_id, tp_rank, tp_size,
+                                                     cache_salt))
+
+    async def lookup(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                     prefetch: bool = True) -> LookupResult:
+        return await self._run(self._ops.op_lookup(ns, keys, prefetch))
+
+    async def prepare_put(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                          parent: BlockKey | None = None,
+                          start_depth: int = 0) -> AsyncPutLease:
+        return AsyncPutLease(self, *await self._run(self._ops.op_prepare_put(
+            ns, keys, parent, start_depth)))
+
+    async def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                          prefer_device: bool | None = None) -> AsyncGetLease:
+        return AsyncGetLease(self, *await self._run(self._ops.op_prepare_get(ns, keys,
+                                                                             prefer_device)))
+
+    @property
+    def hbm_info(self) -> dict[str, Any] | None:
+        return self._ops.hbm_info
+
+    @property
+    def hbm_mapped(self) -> bool:
+        return self._ops.hbm is not None
+
+    async def put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any], *,
+                  durable: bool = False, output_tokens: int | None = None) -> int:
+        return await self._run(self._ops.op_put(ns, keys, buffers, durable, output_tokens))
+
+    async def get(self, ns: Namespace, keys: Sequence[BlockKey],
+                  out_buffers: Sequence[Any]) -> int:
+        """``KVTierClient.get`` as a coroutine (``LeaseExpired`` rule included)."""
+        return await self._run(self._ops.op_get(ns, keys, out_buffers))
+
+    async def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
+        return await self._run(self._ops.op_delete(ns, keys))
+
+    async def prefix_locality(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, *,
+                              redis: bool = True) -> PrefixLocality:
+        return (await self._run(self._ops.op_prefix(ns, [token_ids], redis, False)))[0]
+
+    async def prefix_locality_batch(self, ns: Namespace,
+                                    prompts: Sequence[Sequence[int] | np.ndarray], *,
+                                    redis: bool = True) -> list[PrefixLocality]:
+        return await self._run(self._ops.op_prefix(ns, prompts, redis, True))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(self._ops.op_stats())
+
+    async def report_engine(self, **values: float) -> None:
+        await self._run(self._ops.op_report(values))
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()
+        self._ops.close()
+
+
+async def connect_async(socket_path: str | Path | None = None, timeout: float = 5.0, *,
+                        device: bool = False,
+                        trusted_uids: Collection[int] | None = None) -> AsyncKVTierClient:
+    """Connect an asyncio client; DaemonUnavailable when no daemon answers (``device``,
+    ``trusted_uids`` and the trust checks: see ``connect``).
+
+    The connect, the SO_PEERCRED check and the hello (which receives the arena's descriptor
+    with recvmsg, something asyncio streams cannot do) run in a worker thread on a blocking
+    socket bounded by ``timeout``, the very code ``connect`` runs; the verified socket is
+    then handed to asyncio streams.
+    """
+    path = str(socket_path or default_socket_path())
+    trusted = trusted_daemon_uids() if trusted_uids is None else frozenset(trusted_uids)
+    loop = asyncio.get_running_loop()
+    opening = loop.run_in_executor(None, open_verified, path, timeout, trusted)
+    try:
+        sock, hello = await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_opened)
+        raise
+    try:
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_REPLY + 1024)
+    except BaseException:
+        sock.close()
+        if hello.arena_fd is not None:
+            os.close(hello.arena_fd)
+        raise
+    client = AsyncKVTierClient(reader, writer, timeout, device=device)
+    try:
+        await client._start(hello, path)
+    except BaseException:
+        await client.close()
+        raise
+    return client
+
+
+def _close_opened(fut: asyncio.Future[tuple[socket.socket, Hello]]) -> None:
+    """Close what a cancelled ``connect_async`` opened after all."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    sock, hello = fut.result()
+    sock.close()
+    if hello.arena_fd is not None:
+        os.close(hello.arena_fd)

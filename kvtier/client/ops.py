@@ -1,0 +1,365 @@
+"""Every client operation, written once as a sans-I/O generator.
+
+An op yields request dicts and receives the daemon's replies (or, thrown in, the typed
+error a request failed with); it never touches a socket. ``KVTierClient`` drives ops with a
+blocking socket and ``AsyncKVTierClient`` with asyncio streams (each one's ``_run``), so the
+two clients share every rule: re-registering a forgotten namespace, the batching and the
+memcpy of ``put`` and ``get``, aborting or releasing a lease when a copy fails, and
+``LeaseExpired`` surfacing from the commit or release that ends a lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import (
+    BufferSizeError,
+    DaemonUnavailable,
+    HandshakeError,
+    KVTierError,
+    ProtocolError,
+    UnknownNamespace,
+    error_from_code,
+)
+from kvtier.handshake import Hello, hello_request
+from kvtier.keys import BlockKey, Namespace, block_keys
+from kvtier.layout import KVLayout
+from kvtier.prefix import PrefixLocality
+from kvtier.protocol import PROTOCOL_VERSION
+from kvtier.tiers.arena import ArenaMapping
+
+MAX_REPLY = 64 * 2**20
+"""Largest reply frame either client accepts (bytes)."""
+PUT_BATCH = 64
+"""Blocks per put round trip in ``put``: amortises the control round trip without pinning
+a large share of the arena at once."""
+Op = Generator[dict[str, Any], dict[str, Any], Any]
+"""A sans-I/O operation: yields requests, is sent replies (or thrown their errors), and
+returns its result."""
+log = logging.getLogger("kvtier.client")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """``hits`` leading blocks are present; ``tiers[i]`` says where block i was found.
+
+    ``bandwidth``: bytes/s at which a block of each tier reached clients recently, as
+    measured by the daemon (empty from daemons that do not report it, and for tiers not
+    yet measured).
+    """
+
+    hits: int
+    tiers: list[str]
+    bandwidth: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_reply(cls, reply: dict[str, Any]) -> LookupResult:
+        """The one place a LookupResult is built from a ``lookup`` reply."""
+        bandwidth = reply.get("bandwidth")
+        rates = ({str(k): float(v) for k, v in bandwidth.items()
+                  if isinstance(v, (int, float)) and v > 0}
+                 if isinstance(bandwidth, dict) else {})
+        return cls(int(reply["hits"]), list(reply["tiers"]), rates)
+
+
+def as_bytes(buf: Any) -> np.ndarray:
+    """A flat uint8 view of any C-contiguous buffer (bytes, numpy, memoryview)."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+
+
+def check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> None:
+    """BufferSizeError unless there is one buffer of the layout's block size per key."""
+    if len(buffers) != len(keys):
+        raise BufferSizeError(f"{len(keys)} keys but {len(buffers)} buffers")
+    nbytes = ns.layout.block_bytes
+    for i, b in enumerate(buffers):
+        size = memoryview(b).nbytes
+        if size != nbytes:
+            raise BufferSizeError(f"buffer {i} has {size} bytes; the layout's block is "
+                                  f"{nbytes} bytes")
+
+
+def done(value: Any = None) -> Op:
+    """An op that sends nothing and returns ``value`` (a lease that is already closed)."""
+    return value
+    yield  # pragma: no cover - makes this a generator
+
+
+def quietly(op: Op) -> Op:
+    """Run ``op`` and ignore a daemon error: cleanup after another failure, whose error is
+    the one the caller must see."""
+    try:
+        return (yield from op)
+    except KVTierError:
+        return None
+
+
+class Ops:
+    """The sans-I/O request logic of one connection (both clients hold one)."""
+
+    def __init__(self, device: bool = False) -> None:
+        self._registered: set[bytes] = set()
+        self.arena: ArenaMapping | None = None
+        self.arena_path: str | None = None        # from the hello (engines share one map)
+        self.device = device                      # default of prepare_get's prefer_device
+        self.hbm_info: dict[str, Any] | None = None   # the daemon's pool, from the hello
+        self.hbm: Any = None                      # HbmMapping, opened at first device get
+        self.hbm_error: str | None = None         # why the pool could not be mapped here
+
+    def _device_mapping(self, prefer_device: bool | None) -> Any:
+        """The HBM mapping to read device views through, or None for a cpu-only get.
+
+        Opened lazily, once, and only for a get that asked for device placement on a daemon
+        that has a pool, so cpu-only clients never import cupy. A pool this process cannot
+        map (no GPU visible, CUDA refuses the handle) is logged once and the client falls
+        back to cpu views for good.
+        """
+        if not (self.device if prefer_device is None else prefer_device):
+            return None
+        if self.hbm is not None or self.hbm_info is None or self.hbm_error is not None:
+            return self.hbm
+        from kvtier.tiers import hbm as hbm_mod
+
+        info = self.hbm_info
+        try:
+            self.hbm = hbm_mod.HbmMapping.open(
+                info["handle"], int(info["size"]), int(info.get("device", 0)),
+                pci_bus_id=str(info.get("pci_bus_id", "")) or None)
+        except Exception as exc:  # ImportError (no cupy), ConfigError, CUDARuntimeError
+            self.hbm_error = f"{type(exc).__name__}: {exc}"
+            log.warning("cannot map the daemon's HBM pool (%s); reading from cpu instead",
+                        self.hbm_error)
+        return self.hbm
+
+    def close(self) -> None:
+        """Unmap the arena and drop this client's reference to the HBM mapping."""
+        if self.arena is not None:
+            self.arena.close()
+        if self.hbm is not None:
+            hbm, self.hbm = self.hbm, None
+            with contextlib.suppress(Exception):
+                hbm.close()
+
+    def _ensure(self, ns: Namespace) -> Op:
+        if ns.digest not in self._registered:
+            yield from self._register(ns)
+
+    def _ask(self, ns: Namespace, req: dict[str, Any]) -> Op:
+        """Send a request about ``ns``; a daemon that does not know the namespace (it
+        restarted, or forgot it as the least recently used) gets it registered again and
+        the request once more, so callers never see that."""
+        yield from self._ensure(ns)
+        try:
+            return (yield req)
+        except UnknownNamespace:
+            self._registered.discard(ns.digest)
+            yield from self._register(ns)
+            return (yield req)
+
+    def _register(self, ns: Namespace) -> Op:
+        reply = yield {"op": "register_layout", "layout": ns.layout.to_dict(),
+                       "model_id": ns.model_id, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
+                       "cache_salt": ns.cache_salt}
+        if reply["ns"] != ns.digest:
+            raise HandshakeError("daemon computed another namespace digest: client and daemon "
+                                 "run incompatible kvtier versions")
+        self._registered.add(ns.digest)
+        return ns
+
+    @staticmethod
+    def _target(op: str, ns: Namespace, keys: Sequence[BlockKey]) -> dict[str, Any]:
+        return {"op": op, "ns": ns.digest, "layout_fp": ns.layout.fingerprint,
+                "keys": b"".join(keys)}
+
+    def op_register(self, layout: KVLayout, model_id: str, tp_rank: int, tp_size: int,
+                    cache_salt: str | None) -> Op:
+        ns = Namespace(model_id, layout, tp_rank, tp_size, cache_salt)
+        return (yield from self._register(ns))
+
+    def op_lookup(self, ns: Namespace, keys: Sequence[BlockKey], prefetch: bool) -> Op:
+        if not keys:
+            return LookupResult.from_reply({"hits": 0, "tiers": []})
+        req = self._target("lookup", ns, keys)
+        req["prefetch"] = prefetch
+        reply = yield from self._ask(ns, req)
+        return LookupResult.from_reply(reply)
+
+    def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey],
+                       parent: BlockKey | None, start_depth: int) -> Op:
+        req = self._target("put_prepare", ns, keys)
+        if parent is not None or start_depth:
+            req["parent"], req["depth"] = parent, start_depth
+        reply = yield from self._ask(ns, req)
+        assert self.arena is not None
+        nbytes = ns.layout.block_bytes
+        views = [None if off is None else self.arena.view(off, nbytes, writable=True)
+                 for off in reply["offsets"]]
+        return reply["lease"], views
+
+    def op_commit(self, lease: int, durable: bool, output_tokens: int | None) -> Op:
+        reply = yield {"op": "put_commit", "lease": lease, "durable": durable,
+                       "output_tokens": output_tokens}
+        return int(reply["stored"])
+
+    @staticmethod
+    def op_commit_sync(lease: int, durable: bool, output_tokens: int | None,
+                       redis_sync_s: float) -> Op:
+        """A commit answered once the put's chain is in Redis (or ``redis_sync_s`` passed):
+        (stored, leading blocks confirmed in Redis, whether that is the whole chain)."""
+        reply = yield {"op": "put_commit", "lease": lease, "durable": durable,
+                       "output_tokens": output_tokens, "redis_sync_s": redis_sync_s}
+        return (int(reply["stored"]), int(reply.get("redis_visible", 0)),
+                bool(reply.get("redis_synced", False)))
+
+    def op_abort(self, lease: int) -> Op:
+        yield {"op": "put_abort", "lease": lease}
+
+    def op_prepare_get(self, ns: Namespace, keys: Sequence[BlockKey],
+                       prefer_device: bool | None = None) -> Op:
+        mapping = self._device_mapping(prefer_device)
+        req = self._target("get_prepare", ns, keys)
+        if mapping is not None:
+            req["device"] = True
+        reply = yield from self._ask(ns, req)
+        assert self.arena is not None
+        nbytes = ns.layout.block_bytes
+        offsets = reply["offsets"]
+        devices = list(reply.get("devices") or ["cpu"] * len(offsets))
+        try:
+            if len(devices) != len(offsets) or any(d not in ("cpu", "hbm") for d in devices):
+                raise ProtocolError(f"get_prepare reply has devices {devices!r} for "
+                                    f"{len(offsets)} offsets")
+            if "hbm" in devices and mapping is None:
+                raise ProtocolError("daemon handed out hbm slots to a client that did not "
+                                    "ask for them")
+            views = [self.arena.view(off, nbytes, writable=False) if dev == "cpu"
+                     else mapping.view(off, nbytes)
+                     for off, dev in zip(offsets, devices, strict=True)]
+        except BaseException:
+            yield from quietly(self.op_release(reply["lease"]))
+            raise
+        return reply["lease"], views, devices
+
+    def op_release(self, lease: int, copy_s: float | None = None) -> Op:
+        req: dict[str, Any] = {"op": "get_release", "lease": lease}
+        if copy_s is not None:
+            req["copy_s"] = float(copy_s)
+        yield req
+
+    def op_put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any],
+               durable: bool, output_tokens: int | None) -> Op:
+        """Store blocks in bounded batches (never pin the whole arena): prepare, one memcpy
+        per block into the arena, commit. A failed copy aborts its lease and its error
+        propagates; a commit past the TTL raises ``LeaseExpired`` (that batch stored
+        nothing). Returns how many blocks were stored."""
+        check_buffers(ns, keys, buffers)
+        stored = 0
+        for i in range(0, len(keys), PUT_BATCH):
+            lease, views = yield from self.op_prepare_put(
+                ns, keys[i: i + PUT_BATCH], keys[i - 1] if i else None, i)
+            try:
+                for view, buf in zip(views, buffers[i: i + PUT_BATCH], strict=True):
+                    if view is not None:
+                        np.copyto(view, as_bytes(buf))
+            except BaseException:
+                yield from quietly(self.op_abort(lease))
+                raise
+            last = i + PUT_BATCH >= len(keys)
+            stored += yield from self.op_commit(lease, durable,
+                                                output_tokens if last else None)
+        return stored
+
+    def op_get(self, ns: Namespace, keys: Sequence[BlockKey],
+               out_buffers: Sequence[Any]) -> Op:
+        """Copy the leading available blocks into host ``out_buffers`` through cpu views;
+        returns how many. The release that follows the copy raises ``LeaseExpired`` when
+        the copy outlived the TTL (the bytes may be another block's); a failed copy
+        releases quietly and its error propagates."""
+        check_buffers(ns, keys, out_buffers)
+        lease, views, _ = yield from self.op_prepare_get(ns, keys, prefer_device=False)
+        try:
+            for view, out in zip(views, out_buffers, strict=False):
+                np.copyto(as_bytes(out), view)
+        except BaseException:
+            yield from quietly(self.op_release(lease))
+            raise
+        yield from self.op_release(lease)
+        return len(views)
+
+    def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
+        reply = yield from self._ask(ns, self._target("delete", ns, keys))
+        return int(reply["deleted"])
+
+    @staticmethod
+    def op_prefix(ns: Namespace, prompts: Sequence[Sequence[int] | np.ndarray], redis: bool,
+                  batch: bool) -> Op:
+        """Prefix locality (kvtier.prefix). Keys are hashed here, so the daemon only walks
+        them; the namespace is spelled out, so nothing is registered for a probe."""
+        chains = [block_keys(ns, p) for p in prompts]
+        req: dict[str, Any] = {
+            "op": "prefix_locality", "model_id": ns.model_id, "layout": ns.layout.to_dict(),
+            "tp_rank": ns.tp_rank, "tp_size": ns.tp_size, "cache_salt": ns.cache_salt,
+            "keys": b"".join(k for chain in chains for k in chain), "redis": redis}
+        if batch:
+            req["lengths"] = [len(chain) for chain in chains]
+        reply = yield req
+        return [PrefixLocality.from_dict(d) for d in reply["results"]]
+
+    def op_stats(self) -> Op:
+        reply = yield {"op": "stats"}
+        return reply["stats"]
+
+    def op_report(self, values: dict[str, float]) -> Op:
+        yield {"op": "report_engine", **values}
+
+    @staticmethod
+    def check_reply(reply: dict[str, Any]) -> dict[str, Any]:
+        if not reply.get("ok"):
+            raise error_from_code(str(reply.get("code", "internal")),
+                                  str(reply.get("error", "daemon reported an error")))
+        return reply
+
+    @staticmethod
+    def hello() -> dict[str, Any]:
+        """The first request (kvtier.handshake.hello_request)."""
+        return hello_request()
+
+    def on_hello(self, reply: dict[str, Any], arena_fd: int | None = None,
+                 daemon_uid: int | None = None) -> None:
+        """Map the arena the hello announced (``arena_fd`` when the daemon passed one, taken
+        over here) as a file of ``daemon_uid`` (default: ours); keep the HBM pool info."""
+        try:
+            if reply.get("version") != PROTOCOL_VERSION:
+                raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
+                                     f"{PROTOCOL_VERSION}")
+            arena = reply.get("arena")
+            if not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
+                    and isinstance(arena.get("size"), int)):
+                raise ProtocolError(f"hello reply has no valid arena: {arena!r}")
+        except BaseException:
+            if arena_fd is not None:
+                os.close(arena_fd)
+            raise
+        self.arena = ArenaMapping(arena["path"], int(arena["size"]), fd=arena_fd,
+                                  owner_uid=daemon_uid)
+        self.arena_path = str(arena["path"])
+        hbm = reply.get("hbm")
+        self.hbm_info = hbm if isinstance(hbm, dict) and hbm.get("handle") else None
+
+
+def map_arena(ops: Ops, hello: Hello, path: str) -> None:
+    """``ops.on_hello`` with the arena owned by the verified daemon uid; OSError (the file
+    is gone) becomes DaemonUnavailable."""
+    try:
+        ops.on_hello(hello.reply, hello.arena_fd, hello.peer.uid)
+    except OSError as exc:
+        raise DaemonUnavailable(f"cannot map the arena of the daemon at {path}: {exc}") from None

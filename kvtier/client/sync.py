@@ -1,0 +1,203 @@
+"""The blocking client: drives the sans-I/O ops (kvtier.client.ops) over a Unix socket."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.client.leases import GetLease, PutLease
+from kvtier.client.ops import MAX_REPLY, LookupResult, Op, Ops, map_arena
+from kvtier.config import default_socket_path, trusted_daemon_uids
+from kvtier.errors import DaemonUnavailable, KVTierError, ProtocolError, RequestTimeout
+from kvtier.handshake import Hello, handshake, open_verified
+from kvtier.keys import BlockKey, Namespace
+from kvtier.layout import KVLayout
+from kvtier.prefix import PrefixLocality
+from kvtier.protocol import LENGTH, pack, unpack_body
+
+
+class KVTierClient:
+    """Blocking client. One per thread; cheap to create. ``device``: see ``connect``."""
+
+    def __init__(self, sock: socket.socket, timeout: float, *, device: bool = False,
+                 hello: Hello | None = None) -> None:
+        """``hello``: the handshake ``connect`` already did on ``sock``; without it the
+        daemon is verified and greeted here (trusted uids from the environment)."""
+        self._sock = sock
+        self._timeout = timeout
+        self._ids = itertools.count(2)
+        self._ops = Ops(device)
+        self._broken: KVTierError | None = None
+        path = str(sock.getpeername())
+        if hello is None:
+            hello = handshake(sock, path, trusted_daemon_uids(), timeout)
+        map_arena(self._ops, hello, path)
+
+    # transport
+    def _recv_exact(self, n: int) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            chunk = self._sock.recv(min(n - got, 1 << 20))
+            if not chunk:
+                raise ConnectionError("daemon closed the connection")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self._broken is not None:
+            raise DaemonUnavailable(f"connection unusable after an earlier failure: "
+                                    f"{self._broken}")
+        rid = next(self._ids)
+        req["id"] = rid
+        try:
+            self._sock.sendall(pack(req))
+            while True:
+                (n,) = LENGTH.unpack(self._recv_exact(LENGTH.size))
+                if n > MAX_REPLY:
+                    raise ProtocolError(f"reply of {n} bytes is too large")
+                reply = unpack_body(self._recv_exact(n), MAX_REPLY)
+                if reply.get("id") in (rid, 0):
+                    break
+        except TimeoutError:
+            self._broken = RequestTimeout(f"no reply to {req.get('op')} within "
+                                          f"{self._timeout}s")
+            raise self._broken from None
+        except OSError as exc:
+            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
+            raise self._broken from None
+        return Ops.check_reply(reply)
+
+    def _run(self, op: Op) -> Any:
+        """Drive ``op`` to its result: each request it yields is sent and its reply sent
+        back in; a request's typed error is thrown into the op, which may handle it (see
+        ``Ops._ask``, ``quietly``) or let it propagate."""
+        try:
+            req = next(op)
+            while True:
+                try:
+                    reply = self._call(req)
+                except KVTierError as exc:
+                    req = op.throw(exc)
+                else:
+                    req = op.send(reply)
+        except StopIteration as stop:
+            return stop.value
+
+    # API
+    def register_layout(self, layout: KVLayout, model_id: str, *, tp_rank: int = 0,
+                        tp_size: int = 1, cache_salt: str | None = None) -> Namespace:
+        """Tell the daemon about a layout; returns the Namespace to key blocks with."""
+        return self._run(self._ops.op_register(layout, model_id, tp_rank, tp_size, cache_salt))
+
+    def lookup(self, ns: Namespace, keys: Sequence[BlockKey], *,
+               prefetch: bool = True) -> LookupResult:
+        """Leading keys present in any tier; starts promoting lower-tier hits."""
+        return self._run(self._ops.op_lookup(ns, keys, prefetch))
+
+    def prepare_put(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                    parent: BlockKey | None = None, start_depth: int = 0) -> PutLease:
+        """Write-locked slots for ``keys``, a piece of a prefix chain (``parent`` is the key
+        before ``keys[0]``, ``start_depth`` its position; defaults: a whole prompt)."""
+        return PutLease(self, *self._run(self._ops.op_prepare_put(ns, keys, parent,
+                                                                  start_depth)))
+
+    def prepare_get(self, ns: Namespace, keys: Sequence[BlockKey], *,
+                    prefer_device: bool | None = None) -> GetLease:
+        """Read-locked views of the leading available blocks (see ``GetLease``).
+
+        ``prefer_device`` (default: the client's ``device``): when the daemon has an HBM
+        pool, place the blocks there and hand out device views where it could.
+        """
+        return GetLease(self, *self._run(self._ops.op_prepare_get(ns, keys, prefer_device)))
+
+    @property
+    def hbm_info(self) -> dict[str, Any] | None:
+        """The daemon's HBM pool from the handshake (handle, size, device, pci_bus_id), or
+        None when it has none."""
+        return self._ops.hbm_info
+
+    @property
+    def hbm_mapped(self) -> bool:
+        """Whether this client has mapped the daemon's HBM pool (after a device get)."""
+        return self._ops.hbm is not None
+
+    def put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any], *,
+            durable: bool = False, output_tokens: int | None = None) -> int:
+        """Store blocks (one memcpy each into the arena); returns how many were stored.
+        ``LeaseExpired`` when a batch's commit came past the TTL (see ``Ops.op_put``)."""
+        return self._run(self._ops.op_put(ns, keys, buffers, durable, output_tokens))
+
+    def get(self, ns: Namespace, keys: Sequence[BlockKey], out_buffers: Sequence[Any]) -> int:
+        """Copy the leading available blocks into host ``out_buffers``; returns how many.
+        Always reads through cpu views (``prefer_device=False``).
+
+        Raises ``LeaseExpired`` when the copy outlived the lease TTL (a stalled client): the
+        bytes may belong to another block, so nothing is returned as valid and the contents
+        of ``out_buffers`` are unspecified. Retry, or treat it as a miss."""
+        return self._run(self._ops.op_get(ns, keys, out_buffers))
+
+    def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
+        return self._run(self._ops.op_delete(ns, keys))
+
+    def prefix_locality(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, *,
+                        redis: bool = True) -> PrefixLocality:
+        """How many leading tokens of a prompt this daemon's node holds (by tier) and the
+        shared Redis holds: a read-only probe for routing (nothing is promoted or
+        registered). ``hit_blocks`` equals what ``lookup`` would find now."""
+        return self._run(self._ops.op_prefix(ns, [token_ids], redis, False))[0]
+
+    def prefix_locality_batch(self, ns: Namespace,
+                              prompts: Sequence[Sequence[int] | np.ndarray], *,
+                              redis: bool = True) -> list[PrefixLocality]:
+        """``prefix_locality`` for several prompts in one round trip."""
+        return self._run(self._ops.op_prefix(ns, prompts, redis, True))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._ops.op_stats())
+
+    def report_engine(self, **values: float) -> None:
+        """Connector-side gauges (running, waiting, preemptions, context_tokens_p50/p99)."""
+        self._run(self._ops.op_report(values))
+
+    def ping(self) -> None:
+        self._call({"op": "ping"})
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._ops.close()
+
+    def __enter__(self) -> KVTierClient:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+
+def connect(socket_path: str | Path | None = None, timeout: float = 5.0, *,
+            device: bool = False, trusted_uids: Collection[int] | None = None) -> KVTierClient:
+    """Connect to the node's daemon; DaemonUnavailable when none answers.
+
+    The daemon must run as this process's uid or one of ``trusted_uids`` (default: the
+    uids in ``KVTIER_TRUSTED_UIDS``), checked with SO_PEERCRED before anything is sent
+    (UntrustedDaemon otherwise); its arena is mapped only if it is a private file of that
+    uid (UntrustedArena otherwise). See docs/client-api.md, "Trust".
+
+    ``device=True`` (GPU engines): gets prefer device placement, so on a daemon with an HBM
+    pool they may hand out device views (the pool is mapped at the first such get).
+    """
+    path = str(socket_path or default_socket_path())
+    trusted = trusted_daemon_uids() if trusted_uids is None else frozenset(trusted_uids)
+    sock, hello = open_verified(path, timeout, trusted)
+    try:
+        return KVTierClient(sock, timeout, device=device, hello=hello)
+    except BaseException:
+        sock.close()
+        raise

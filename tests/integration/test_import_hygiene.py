@@ -1,0 +1,25 @@
+"""Importing kvtier never imports a GPU library: checked in a fresh interpreter, where
+nothing else has imported them yet. (Moved from the unit tests: these start processes.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_no_gpu_library_is_imported_at_module_top() -> None:
+    code = ("import sys, kvtier.tiers.nvme_backend, kvtier.tiers.hbm, kvtier.tiers.nvme, "
+            "kvtier.daemon.service\n"
+            "bad = [m for m in ('cupy', 'kvikio', 'torch') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_import_needs_no_torch_or_cupy():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['cupy'] = None; "
+            "import kvtier.kernels, kvtier.kernels.cuda, kvtier.kernels.cuda_stream; "
+            "print(kvtier.kernels.PagedLayout.CPU.value)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "cpu"

@@ -1,0 +1,59 @@
+"""Helpers for tests of a RedisTier against real redis-server processes: a config for a
+server's URL, fp16-like block payloads, a started tier, a flushed batch of writes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+
+from kvtier.config import RedisConfig
+from kvtier.tiers.redis import RedisTier
+
+NS = bytes(range(16))
+LAYOUT_FP = 0x5EED_C0DE_1234_5678
+BLOCK = 64 * 1024
+
+
+def cfg_for(url: str, **over: object) -> RedisConfig:
+    base = RedisConfig(enabled=True, url=url, connect_timeout_s=0.5, op_timeout_s=1.0)
+    return dataclasses.replace(base, **over)
+
+
+def blocks(n: int, size: int = BLOCK, seed: int = 0) -> tuple[list[bytes], list[bytes]]:
+    """``n`` (key, payload) pairs: fp16 normal data, like real KV."""
+    rng = np.random.default_rng(seed)
+    keys = [rng.bytes(16) for _ in range(n)]
+    data = [rng.standard_normal(size // 2).astype(np.float16).tobytes() for _ in range(n)]
+    return keys, data
+
+
+def buffers(n: int, size: int = BLOCK) -> list[memoryview]:
+    return [memoryview(bytearray(size)) for _ in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: RedisConfig) -> AsyncIterator[RedisTier]:
+    tier = RedisTier(cfg)
+    await tier.start()
+    try:
+        yield tier
+    finally:
+        await tier.close()
+
+
+async def put_all(tier: RedisTier, keys: list[bytes], data: list[bytes]) -> None:
+    for key, payload in zip(keys, data, strict=True):
+        tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+    assert await tier.flush(timeout=10)
+
+
+async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)

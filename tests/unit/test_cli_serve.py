@@ -1,0 +1,80 @@
+"""`kvtier serve` flags are generated from the config tree: one per field, today's short names
+as aliases, and the flags land in the config with the highest precedence."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import SERVE_ALIASES, _serve_overrides, build_parser
+from kvtier.config import Config, load_config
+from kvtier.config_convert import iter_settings
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def overrides(*argv: str) -> dict[str, object]:
+    return _serve_overrides(build_parser().parse_args(["serve", *argv]))
+
+
+def test_every_setting_has_a_flag() -> None:
+    flags = {opt for a in serve_parser()._actions for opt in a.option_strings}
+    for s in iter_settings(Config):
+        assert "--" + f"{s.section}-{s.name}".replace("_", "-") in flags, s.dotted
+    for aliases in SERVE_ALIASES.values():
+        assert set(aliases) <= flags
+
+
+@pytest.mark.parametrize(("argv", "dotted", "value"), [
+    (["--cpu-bytes", "4GiB"], "cpu.bytes", "4GiB"),
+    (["--nvme-bytes", "8GiB"], "nvme.bytes", "8GiB"),
+    (["--socket", "/tmp/s"], "daemon.socket", "/tmp/s"),
+    (["--daemon-socket", "/tmp/s"], "daemon.socket", "/tmp/s"),
+    (["--data-dir", "/d"], "daemon.data_dir", "/d"),
+    (["--http-port", "0"], "http.port", "0"),
+    (["--http-host", "0.0.0.0"], "http.host", "0.0.0.0"),
+    (["--eviction", "lru"], "policy.eviction", "lru"),
+    (["--policy-eviction", "lfu"], "policy.eviction", "lfu"),
+    (["--nvme-direct", "off"], "nvme.direct", "off"),
+    (["--nvme-path", "/n"], "nvme.path", "/n"),
+    (["--redis-ttl", "60"], "redis.ttl_s", "60"),
+    (["--redis-codec", "lz4"], "redis.codec", "lz4"),
+    (["--redis-cluster"], "redis.cluster", True),
+    (["--redis-write-through"], "redis.write_through", True),
+    (["--no-cpu-prefault"], "cpu.prefault", False),
+    (["--log-level", "DEBUG"], "daemon.log_level", "debug"),
+])
+def test_flags_and_their_aliases(argv: list[str], dotted: str, value: object) -> None:
+    assert overrides(*argv)[dotted] == value
+
+
+def test_unset_flags_leave_the_lower_layers_alone() -> None:
+    o = overrides()
+    assert set(o.values()) == {None}
+    assert load_config(env={"KVTIER_HTTP_PORT": "9001"}, overrides=o).http.port == 9001
+
+
+def test_redis_url_enables_redis_and_zero_nvme_bytes_disables_nvme() -> None:
+    o = overrides("--redis-url", "redis://h:1/0", "--nvme-bytes", "0")
+    assert o["redis.enabled"] is True and o["nvme.enabled"] is False
+    o = overrides("--redis-url", "redis://h:1/0", "--no-redis-enabled")
+    assert o["redis.enabled"] is False
+
+
+def test_flag_values_go_through_the_same_conversion(tmp_path: Path) -> None:
+    cfg = load_config(env={}, overrides=overrides("--cpu-bytes", "64MiB", "--http-port", "0",
+                                                  "--eviction", "lru", "--data-dir",
+                                                  str(tmp_path)))
+    assert cfg.cpu.bytes == 64 * 2**20 and cfg.http.port == 0 and cfg.policy.eviction == "lru"
+    assert cfg.daemon.data_dir == tmp_path
+
+
+def test_enum_flags_refuse_other_values(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--eviction", "random"])
+    assert "invalid choice" in capsys.readouterr().err
