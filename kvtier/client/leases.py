@@ -103,7 +103,7 @@ class PutLease(_PutLeaseRules):
         client's timeout); ``redis_visible`` and ``redis_synced`` then say how it went.
         """
         return self._client._run(self._commit_op(
-            durable, output_tokens, _sync_wait(redis_sync_s, self._client._timeout)))
+            durable, output_tokens, _sync_wait(redis_sync_s, self._client)))
 
     def abort(self) -> None:
         self._client._run(self._abort_op())
@@ -162,7 +162,7 @@ class AsyncPutLease(_PutLeaseRules):
         """Publish the written blocks; ``LeaseExpired`` (nothing stored) past the TTL
         (``redis_sync_s``: see ``PutLease.commit``)."""
         return await self._client._run(self._commit_op(
-            durable, output_tokens, _sync_wait(redis_sync_s, self._client._timeout)))
+            durable, output_tokens, _sync_wait(redis_sync_s, self._client)))
 
     async def abort(self) -> None:
         await self._client._run(self._abort_op())
@@ -193,7 +193,7 @@ class AsyncGetLease(_GetLeaseRules):
         await self._client._run(self._exit_op(exc_type))
 
 
-def _sync_wait(redis_sync_s: float | None, timeout: float) -> float | None:
+def _sync_wait(redis_sync_s: float | None, client: Any) -> float | None:
     """How long a synchronous commit may wait: within the client's own timeout, so the
     reply always arrives before the client gives up on the connection."""
-    return None if redis_sync_s is None else min(redis_sync_s, 0.9 * timeout)
+    return None if redis_sync_s is None else min(redis_sync_s, 0.9 * client._timeout)
