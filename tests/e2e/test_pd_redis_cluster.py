@@ -17,13 +17,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from kvtier.layout import KVLayout
 from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S
@@ -48,45 +46,13 @@ P3 = P1[: 2 * TOKENS_PER_BLOCK] + prompt(23, 90)       # shares 2 blocks; never 
 
 
 def cluster_with_replicas(workdir: Path) -> LocalCluster:
-    """3 masters with one replica each (the helper's ``replicas`` when it has it)."""
-    try:
-        return start_cluster(workdir, 3, replicas=1)  # type: ignore[call-arg]
-    except TypeError:
-        pass
-    cluster = start_cluster(workdir, 3)
-    from tests.support.redis_servers import RedisServer, free_port
-
-    try:
-        followers = []
-        for i, master in enumerate(cluster.nodes):
-            port = free_port(cluster=True)
-            args = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", "2000")
-            follower = RedisServer(master.exe, workdir / f"replica{i}", port, args).start()
-            followers.append(follower)
-            with contextlib.closing(master.client()) as c:
-                c.execute_command("CLUSTER MEET", "127.0.0.1", port)
-                master_id = c.execute_command("CLUSTER MYID")
-            master_id = master_id.decode() if isinstance(master_id, bytes) else master_id
-            deadline = time.monotonic() + 30
-            while True:   # the replica must have learned of its master first
-                try:
-                    with contextlib.closing(follower.client()) as c:
-                        c.execute_command("CLUSTER REPLICATE", master_id)
-                    break
-                except redis.ResponseError:
-                    assert time.monotonic() < deadline, "replica never learned its master"
-                    time.sleep(0.1)
-        cluster.nodes.extend(followers)   # stopped with the rest
-        return cluster
-    except BaseException:
-        cluster.stop()
-        raise
+    """3 masters with one replica each."""
+    return start_cluster(workdir, 3, replicas=1)
 
 
 def masters_dbsize(cluster: LocalCluster) -> int:
     total = 0
-    for node in getattr(cluster, "all_nodes", cluster.nodes):
+    for node in cluster.all_nodes:
         with contextlib.closing(node.client()) as c:
             if c.execute_command("ROLE")[0] in (b"master", "master"):
                 total += int(c.dbsize())
