@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.kvtier-installed
 TSTAMP := $(VENV)/.kvtier-test-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast lint kernels-check bench clean prometheus-tools
+.PHONY: run test test-fast lint typecheck kernels-check bench clean prometheus-tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,7 @@ prometheus-tools:
 
 test: $(TSTAMP) prometheus-tools
 	$(VENV)/bin/ruff check .
+	$(MAKE) --no-print-directory typecheck
 	$(MAKE) --no-print-directory kernels-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -56,6 +57,11 @@ test-fast: $(TSTAMP) prometheus-tools
 lint: $(TSTAMP)
 	$(VENV)/bin/ruff check .
 
+# mypy at the settings in pyproject's [tool.mypy]; the script checks connectors/ and
+# kernels/ under their installed names (kvtier.connectors, kvtier.kernels).
+typecheck: $(TSTAMP)
+	$(PY) scripts/typecheck.py kvtier connectors kernels
+
 kernels-check: $(STAMP)
 	@if command -v nvcc >/dev/null 2>&1; then $(PY) -m kvtier.kernels.build --arch sm_90; \
 	else echo "kernels-check: nvcc not found, CUDA sources not compiled"; fi
@@ -64,4 +70,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_tiers.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvtier.kernels.layouts import PagedLayout, block_geometry
 
@@ -19,6 +19,10 @@ from kvtier.errors import BufferSizeError
 
 if TYPE_CHECKING:
     import torch
+
+    # Blocks as one (n_blocks, block_bytes) tensor, or one tensor per block in a list or
+    # tuple (arena slots need not be adjacent).
+    BlockBuffers: TypeAlias = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 class KernelPath(enum.Enum):
     """Which implementation moved the bytes."""
@@ -67,7 +71,7 @@ def gather_blocks(
     layer_caches: Sequence[torch.Tensor],
     layout: PagedLayout,
     page_ids: torch.Tensor,
-    out: torch.Tensor | Sequence[torch.Tensor],
+    out: BlockBuffers,
     *,
     tokens_per_block: int | None = None,
     token_offsets: torch.Tensor | None = None,
@@ -107,7 +111,7 @@ def gather_blocks(
         for row, dst in zip(staging, rows, strict=True):
             dst.view(torch.uint8).copy_(row)
     else:
-        gather_reference(layer_caches, plan, out)  # type: ignore[arg-type]
+        gather_reference(layer_caches, plan, out)
     return chosen
 
 
@@ -115,7 +119,7 @@ def scatter_blocks(
     layer_caches: Sequence[torch.Tensor],
     layout: PagedLayout,
     page_ids: torch.Tensor,
-    src: torch.Tensor | Sequence[torch.Tensor],
+    src: BlockBuffers,
     *,
     tokens_per_block: int | None = None,
     token_offsets: torch.Tensor | None = None,
@@ -146,11 +150,11 @@ def scatter_blocks(
 
         _row_pointers(rows, plan.geometry.block_bytes)  # validates sizes
         src = torch.stack([r.view(torch.uint8).reshape(-1) for r in rows])
-    scatter_reference(layer_caches, plan, src)  # type: ignore[arg-type]
+    scatter_reference(layer_caches, plan, src)
     return chosen
 
 
-def _rows(buffer: torch.Tensor | Sequence[torch.Tensor], n_blocks: int) -> list[torch.Tensor]:
+def _rows(buffer: BlockBuffers, n_blocks: int) -> list[torch.Tensor]:
     """The per-block rows of a block buffer, whichever form it came in."""
     rows = list(buffer) if isinstance(buffer, (list, tuple)) else list(buffer.unbind(0))
     if len(rows) != n_blocks:

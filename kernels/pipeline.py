@@ -21,6 +21,7 @@ stalling the engine; a dropped save is only a future cache miss.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -140,7 +141,7 @@ class LayerPipeline:
         for layer in range(self.num_layers):
             if ok:
                 try:
-                    self.streams.load_layer(layer, lambda s, i=layer: job.load_layer(i, s))
+                    self.streams.load_layer(layer, functools.partial(job.load_layer, layer))
                 except Exception:
                     logger.exception("kvtier: load of layer %d failed; its pages are "
                                      "recomputed", layer)

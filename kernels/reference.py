@@ -133,7 +133,7 @@ def _chunked_view(cache: torch.Tensor, view: CanonicalView, geom: BlockGeometry)
 
 
 def _storage_offset_bytes(cache: torch.Tensor) -> int:
-    return cache.storage_offset() * cache.element_size()
+    return int(cache.storage_offset()) * cache.element_size()
 
 
 def _as_blocks(out: torch.Tensor, geom: BlockGeometry, n_blocks: int) -> torch.Tensor:

@@ -112,7 +112,7 @@ def _serve(a: argparse.Namespace) -> int:
         level=getattr(logging, cfg.daemon.log_level.upper(), logging.INFO), stream=sys.stderr,
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
     try:
-        import uvloop  # type: ignore[import-not-found]
+        import uvloop
 
         runner: Any = uvloop.run
     except ImportError:

@@ -39,7 +39,8 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 try:  # optional: only SHUFFLE_ZSTD needs it
     import zstandard as _zstd
 except ImportError:  # pragma: no cover
-    _zstd = None
+    # A module or None: every use is behind available()/_require(), which test for None.
+    _zstd = None  # type: ignore[assignment]
 
 ZSTD_LEVEL = 1  # level 1: ~all of zstd's gain on KV planes at several hundred MB/s
 _MAX_ELEM_BYTES = 8
@@ -95,13 +96,13 @@ def split_planes(data: memoryview | bytes, elem_bytes: int) -> tuple[list[np.nda
 def _compress(codec: Codec, plane: np.ndarray) -> bytes:
     if codec is Codec.SHUFFLE_LZ4:
         return _lz4.compress(plane, store_size=False)
-    return _zstd_c().compress(plane)  # type: ignore[attr-defined]
+    return _zstd_c().compress(plane.data)
 
 
 def _decompress(codec: Codec, blob: memoryview, size: int) -> bytes:
     if codec is Codec.SHUFFLE_LZ4:
         return _lz4.decompress(blob, uncompressed_size=size)
-    return _zstd_d().decompress(blob, max_output_size=size)  # type: ignore[attr-defined]
+    return _zstd_d().decompress(blob, max_output_size=size)
 
 
 def _encode_shuffled(codec: Codec, data: memoryview | bytes, elem_bytes: int) -> bytes:
@@ -153,15 +154,15 @@ def _decode_shuffled(codec: Codec, data: memoryview, raw_len: int, out: np.ndarr
 _local = threading.local()
 
 
-def _zstd_c() -> object:
-    ctx = getattr(_local, "zc", None)
+def _zstd_c() -> _zstd.ZstdCompressor:
+    ctx: _zstd.ZstdCompressor | None = getattr(_local, "zc", None)
     if ctx is None:
         ctx = _local.zc = _zstd.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=False)
     return ctx
 
 
-def _zstd_d() -> object:
-    ctx = getattr(_local, "zd", None)
+def _zstd_d() -> _zstd.ZstdDecompressor:
+    ctx: _zstd.ZstdDecompressor | None = getattr(_local, "zd", None)
     if ctx is None:
         ctx = _local.zd = _zstd.ZstdDecompressor()
     return ctx

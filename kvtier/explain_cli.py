@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
@@ -50,10 +50,11 @@ def render(rows: list[dict[str, Any]], console: Console, now: float | None = Non
     """The human table: one row per lookup, the reason and a hint for misses."""
     now = time.time() if now is None else now
     table = Table(title="recent lookups (newest first)", title_justify="left")
-    for col, just in (("ago", "right"), ("model / ns", "left"), ("asked", "right"),
-                      ("cpu", "right"), ("nvme", "right"), ("redis", "right"),
-                      ("first miss", "left"), ("detail", "left")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("ago", "right"), ("model / ns", "left"), ("asked", "right"), ("cpu", "right"),
+        ("nvme", "right"), ("redis", "right"), ("first miss", "left"), ("detail", "left"))
+    for col, just in columns:
+        table.add_column(col, justify=just)
     for r in rows:
         ns = f"{r.get('model_id') or '?'} {r['namespace'][:8]}"
         if r.get("salt_id"):

@@ -98,7 +98,7 @@ class KVLayout:
         if unknown:
             raise LayoutMismatch(f"unknown layout fields {sorted(map(str, unknown))}")
         try:
-            return cls(**data)  # type: ignore[arg-type]
+            return cls(**data)
         except TypeError as exc:
             raise LayoutMismatch(f"incomplete layout: {exc}") from None
 

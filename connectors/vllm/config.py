@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from kvtier.errors import ConfigError
 from kvtier.layout import CANONICAL_FORMAT, KVLayout
@@ -47,8 +47,8 @@ def default_socket_path() -> Path:
     try:
         from kvtier.config import default_socket_path as core_default
     except ImportError:
-        core_default = None
-    if core_default is not None:
+        pass
+    else:
         return Path(core_default())
     env = os.environ.get("KVTIER_SOCKET")
     if env:
@@ -172,6 +172,20 @@ class ConnectorConfig:
                               role=getattr(transfer, "kv_role", None))
 
 
+class _AttentionSpec(Protocol):
+    """What the layout reads of vLLM's attention KV cache spec (``AttentionSpec``)."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: object
+    block_size: int
+
+
+def _is_attention_spec(spec: object) -> TypeGuard[_AttentionSpec]:
+    """Duck-typed, so any spec with the attention fields is accepted."""
+    return all(hasattr(spec, a) for a in ("num_kv_heads", "head_size", "dtype", "block_size"))
+
+
 def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
                                 tokens_per_block: int) -> tuple[KVLayout, int]:
     """The kvtier layout of this engine's (per-rank) KV cache, and vLLM's page size.
@@ -184,10 +198,9 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
         raise ConfigError(f"KVTierConnector supports models with one KV cache group "
                           f"(full attention); this model has {len(groups)}")
     spec = groups[0].kv_cache_spec
-    for attr in ("num_kv_heads", "head_size", "dtype", "block_size"):
-        if not hasattr(spec, attr):
-            raise ConfigError(f"KVTierConnector needs an attention KV cache spec, got "
-                              f"{type(spec).__name__}")
+    if not _is_attention_spec(spec):
+        raise ConfigError(f"KVTierConnector needs an attention KV cache spec, got "
+                          f"{type(spec).__name__}")
     if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
         raise ConfigError("KVTierConnector does not support sliding-window or chunked "
                           "attention caches (they drop old tokens)")

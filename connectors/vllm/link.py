@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from kvtier.errors import (
     DaemonUnavailable,
@@ -34,6 +34,8 @@ from .config import ConnectorConfig
 logger = logging.getLogger("kvtier.connectors.vllm")
 
 T = TypeVar("T")
+# What ``_run`` returns: ``(True, op's result)`` or ``(False, None)`` after a failure.
+_Outcome = tuple[Literal[True], T] | tuple[Literal[False], None]
 
 # Errors after which the connection itself is suspect: drop it and reconnect later.
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -41,6 +43,8 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 # Of those, the ones a fresh connection may cure at once (the daemon restarted).
 _RETRYABLE: tuple[type[BaseException], ...] = (DaemonUnavailable, OSError, EOFError)
+# What connecting may raise: the daemon is unreachable or refuses the handshake.
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_CONNECTION_ERRORS, KVTierError)
 
 
 def _connect(socket_path: str, timeout: float, device: bool = False) -> Any:
@@ -82,8 +86,8 @@ class DaemonLink:
     def call(self, op: Callable[[Any], T], default: T) -> T:
         """Run ``op(client)``; ``default`` on any failure (the client registers a
         namespace with the daemon on its first use on a connection)."""
-        ok, value = self._run(op)
-        return value if ok else default
+        outcome = self._run(op)
+        return outcome[1] if outcome[0] else default
 
     @contextlib.contextmanager
     def lease(self, opener: Callable[[Any], Any]) -> Iterator[Any]:
@@ -99,11 +103,11 @@ class DaemonLink:
             cm = opener(client)
             return cm, cm.__enter__()
 
-        ok, opened = self._run(open_lease)
-        if not ok:
+        opened = self._run(open_lease)
+        if not opened[0]:
             yield None
             return
-        cm, lease = opened
+        cm, lease = opened[1]
         try:
             yield lease
         except BaseException as exc:
@@ -121,7 +125,7 @@ class DaemonLink:
             self.errors += 1
             logger.warning("kvtier %s: lease not completed (%s: %s)", self.name, exc.code, exc)
 
-    def _run(self, op: Callable[[Any], T]) -> tuple[bool, T | None]:
+    def _run(self, op: Callable[[Any], T]) -> _Outcome[T]:
         """``(True, op(client))``, or ``(False, None)`` after a failure.
 
         A connection that worked before and now fails at once (broken pipe, reset: the
@@ -165,7 +169,7 @@ class DaemonLink:
         try:
             self._client = _connect(str(self.config.socket_path), self.config.timeout_s,
                                     self.device)
-        except (*_CONNECTION_ERRORS, KVTierError):
+        except _CONNECT_ERRORS:
             return False
         if self.on_connect is not None:
             self.on_connect(self._client)
@@ -203,7 +207,7 @@ class DaemonLink:
                                     self.device)
             if self.on_connect is not None:
                 self.on_connect(self._client)
-        except (*_CONNECTION_ERRORS, KVTierError) as exc:
+        except _CONNECT_ERRORS as exc:
             self._note_down(exc, now)
             return None
         if self._down_since is not None:

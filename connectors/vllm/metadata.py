@@ -78,6 +78,6 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         for k, v in other.saves_done.items():
             done[k] = done.get(k, 0) + v
         counters = dict(self.counters)
-        for k, v in other.counters.items():
-            counters[k] = counters.get(k, 0) + v
+        for name, n in other.counters.items():
+            counters[name] = counters.get(name, 0) + n
         return KVTierWorkerMetadata(done, counters)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -77,7 +77,7 @@ class RequestState:
     saved_any: bool = False
 
 
-def request_salt(request: Request) -> str | bool | None:
+def request_salt(request: Request) -> str | Literal[False] | None:
     """The namespace salt of a request, or ``False`` when its KV is not a function of its
     token ids alone (multimodal inputs, prompt embeddings) and must not be cached.
 
@@ -123,7 +123,7 @@ class SchedulerSide:
     # -- lookup ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvtier can add beyond ``num_computed_tokens`` (and whether they load
         asynchronously); 0 whenever the daemon is unreachable. Side-effect free for vLLM:
         it may call this again for a request it could not schedule."""
@@ -138,7 +138,7 @@ class SchedulerSide:
         hits = usable = n_blocks
         start = num_computed_tokens // self.config.tokens_per_block
         for rank in range(self.tp_size):
-            ns = self.link.namespace(salt, rank)  # type: ignore[arg-type]
+            ns = self.link.namespace(salt, rank)
             keys = block_keys(ns, tokens[: hits * self.config.tokens_per_block])
             res = self.link.lookup_result(ns, keys)
             hits = min(hits, res.hits if res is not None else 0)
@@ -148,7 +148,7 @@ class SchedulerSide:
             if hits == 0:
                 break
         self.lookups += 1
-        if hits < n_blocks and self._save_in_flight(salt, tokens, hits):  # type: ignore[arg-type]
+        if hits < n_blocks and self._save_in_flight(salt, tokens, hits):
             return None, False   # the next block is being saved: ask again next step
         skipped = max(0, hits - max(usable, start))
         span = self.pages.load_span(num_computed_tokens, min(hits, usable), len(tokens))
@@ -191,7 +191,7 @@ class SchedulerSide:
             salt = request_salt(request)
             if salt is False:
                 return
-            state = RequestState(request, salt)  # type: ignore[arg-type]
+            state = RequestState(request, salt)
             self._states[req_id] = state
         block_ids = blocks.get_block_ids()
         if block_ids and block_ids[0]:

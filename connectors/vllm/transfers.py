@@ -11,10 +11,11 @@ the copy, the connection dropped) makes its pages a load error, never good KV.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from kvtier.kernels.api import gather_blocks, scatter_blocks
 from kvtier.kernels.layouts import PagedLayout
 
-from kvtier.keys import block_keys
+from kvtier.keys import BlockKey, Namespace, block_keys
 
 from .link import DaemonLink
 from .metadata import TransferSpec
@@ -85,8 +86,7 @@ class LoadBatch:
                 ns = link.namespace(spec.cache_salt, self.tp_rank)
                 keys = block_keys(ns, spec.token_ids)[spec.first_block:spec.end_block]
                 prefer = self.prefer_device
-                lease = link.call(lambda c, ns=ns, keys=keys, p=prefer:
-                                  c.prepare_get(ns, keys, prefer_device=p), None)
+                lease = link.call(functools.partial(_prepare_get, ns, keys, prefer), None)
             except Exception:
                 logger.exception("kvtier: load of request %s failed; vLLM recomputes it",
                                  spec.req_id)
@@ -142,8 +142,7 @@ class LoadBatch:
             if item.lease is not None:
                 assert self._link is not None
                 share = self.copy_s * len(item.blocks) / total   # this lease's copy time
-                released, _ = self._link.run(
-                    lambda _c, lease=item.lease, s=share: _release(lease, s))
+                released, _ = self._link.run(functools.partial(_release, item.lease, share))
                 if not released:   # expired or lost during the copy: not good KV
                     logger.warning("kvtier: the get lease of request %s was not released "
                                    "cleanly; its pages are recomputed", item.spec.req_id)
@@ -156,7 +155,7 @@ class LoadBatch:
         for item in self._open:
             if item.lease is not None and self._link is not None:
                 with contextlib.suppress(Exception):
-                    self._link.run(lambda _c, lease=item.lease: lease.release())
+                    self._link.run(functools.partial(_release, item.lease, None))
                 item.lease = None
         return {p for s in self.specs for p in s.page_ids[s.skip_pages:]}
 
@@ -222,8 +221,15 @@ class SaveRequest:
             self._link.run(lambda _c: lease.abort())
 
 
-def _release(lease: Any, copy_s: float) -> None:
-    """Release a get lease, telling the daemon how long the copy took."""
+def _prepare_get(ns: Namespace, keys: Sequence[BlockKey], prefer_device: bool,
+                 client: Any) -> Any:
+    """``client``'s get lease on the leading held blocks of ``keys`` (a ``DaemonLink`` op)."""
+    return client.prepare_get(ns, keys, prefer_device=prefer_device)
+
+
+def _release(lease: Any, copy_s: float | None, _client: Any) -> None:
+    """Release a get lease, telling the daemon how long the copy took (a ``DaemonLink`` op:
+    the lease carries its own connection, so the link's client is not used)."""
     lease.release(copy_s=copy_s)
 
 

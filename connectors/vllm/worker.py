@@ -18,6 +18,7 @@ that expired during the copy) are reported by page id through
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterable
@@ -220,11 +221,11 @@ class WorkerSide:
             with self._lock:
                 self._saved_reqs.add(spec.req_id)
             fut = self.pipeline.submit_save(
-                job, job.nbytes, lambda ok, job=job: self._save_over(job, ok))
+                job, job.nbytes, functools.partial(self._save_over, job))
             if fut is None and producer:   # a producer never drops a save for room
                 self._wait_saves(self._all_inflight())
                 fut = self.pipeline.submit_save(
-                    job, job.nbytes, lambda ok, job=job: self._save_over(job, ok))
+                    job, job.nbytes, functools.partial(self._save_over, job))
             if fut is not None:
                 step.append(fut)
             if fut is None:

@@ -66,8 +66,8 @@ class KVTierCollector:
         for name, t in tiers.items():
             for key, fam in gauges.items():
                 fam.add_metric([name], float(t.get(key, 0)))
-            for key, fam in counters.items():
-                fam.add_metric([name], float(t.get(key, 0)))
+            for key, counter in counters.items():
+                counter.add_metric([name], float(t.get(key, 0)))
             for reason, n in t.get("evictions", {}).items():
                 evictions.add_metric([name, reason], float(n))
         yield from gauges.values()
@@ -186,7 +186,7 @@ class Metrics:
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(KVTierCollector(snapshot))  # type: ignore[arg-type]
+        self.registry.register(KVTierCollector(snapshot))
         self.op_seconds = Histogram("kvtier_op_seconds", "Control-plane operation latency",
                                     ["op"], registry=self.registry, buckets=_LATENCY_BUCKETS)
 

@@ -100,7 +100,7 @@ class RedisSync:
         for meta in metas:
             if meta.in_cpu and meta.cpu is not None:
                 store.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                                   memoryview(store.arena.view(meta.cpu, meta.nbytes)),
+                                   store.arena.view(meta.cpu, meta.nbytes).data,
                                    seq=meta.seq)
 
     def stats(self) -> dict[str, Any]:

@@ -113,9 +113,9 @@ def parse_engine(text: str, source: str) -> EngineSample:
     for name in _MEAN_GAUGES & values.keys():
         values[name] /= counts[name]
     histograms: dict[str, Histogram] = {}
-    for name, series in buckets.items():
+    for name, per_series in buckets.items():
         merged: Histogram | None = None
-        for per in series.values():
+        for per in per_series.values():
             bounds = tuple(sorted(per))
             h = Histogram(bounds, tuple(per[b] for b in bounds), 0.0, per[bounds[-1]])
             merged = h if merged is None else merged.plus(h)

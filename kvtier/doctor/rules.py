@@ -138,6 +138,8 @@ def long_prompts_kv_full(s: Signals, t: Thresholds) -> Finding | None:
 
 def decode_slows_with_context(s: Signals, t: Thresholds) -> Finding | None:
     """2: inter-token latency worsens as contexts grow, with a steady batch."""
+    if s.itl_mean is None or s.itl_mean_base is None:
+        return None
     itl = _ratio(s.itl_mean, s.itl_mean_base)
     growth = _context_growth(s, t)
     if not s.trend or itl is None or itl < t.shift or growth is None or growth < t.shift:

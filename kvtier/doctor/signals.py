@@ -165,9 +165,9 @@ def derive(engine: list[EngineSample], stats: list[KVTierStats],
         tps: list[float] = []
         running_avg: list[float] = []
         if interval_s:
-            for a, b in itertools.pairwise(engine):
-                ga, gb = a.get(m.GENERATION_TOKENS), b.get(m.GENERATION_TOKENS)
-                ra, rb = a.get(m.RUNNING), b.get(m.RUNNING)
+            for before, after in itertools.pairwise(engine):
+                ga, gb = before.get(m.GENERATION_TOKENS), after.get(m.GENERATION_TOKENS)
+                ra, rb = before.get(m.RUNNING), after.get(m.RUNNING)
                 if ga is not None and gb is not None and ra is not None and rb is not None:
                     tps.append(max(0.0, gb - ga) / interval_s)
                     running_avg.append((ra + rb) / 2)

@@ -135,6 +135,7 @@ def format_mrc(results: Sequence[ReplayResult]) -> str:
     rows = []
     for r in results:
         for t, sh in zip(r.tiers, r.shadows, strict=False):
+            # a shadow snapshot's "mrc" is a list of {"scale", "hit_rate"} dicts
             pts = {p["scale"]: p["hit_rate"] for p in sh["mrc"]}  # type: ignore[attr-defined]
             rows.append(f"{_capacity_label(r):>8}  {t.name:<5} {sh['mode']!s:<5} "
                         f"{float(str(sh['sample_rate'])):>6.4f}  "

@@ -20,6 +20,7 @@ nearly every reuse within two.
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -166,6 +167,11 @@ def make_policy(
     return make_eviction_policy(name)
 
 
+def _block_tokens(tokens_per_block: int, input_tokens: int, depth: int) -> int:
+    """Tokens of a request's block at ``depth`` (the last block may be partial)."""
+    return max(0, min(tokens_per_block, input_tokens - depth * tokens_per_block))
+
+
 def simulate(
     trace: Trace,
     policy: str,
@@ -242,6 +248,7 @@ def simulate(
                 if admits[j + 1].admit(v, tier=config.tiers[j + 1].name, nbytes=slot, now=now):
                     if belady:
                         below = pols[j + 1]
+                        # belady: every tier's policy is a BeladyPolicy
                         below.next_use = pol.next_use_of(v)  # type: ignore[attr-defined]
                     nb = forest.parent(v) if forest is not None else None
                     pols[j + 1].insert(v, nbytes=slot, parent=nb, depth=depth_of.get(v, 0),
@@ -321,12 +328,12 @@ def simulate(
         # ---- after the run: every block touched or inserted into the top tier, in order
         stats.on_stored(keys, output_tokens=r.output_tokens, now=now)
         for sh in shadow_sets:
-            sh.on_request(keys, lambda d, inp=inp: max(0, min(bt, inp - d * bt)), now)
+            sh.on_request(keys, functools.partial(_block_tokens, bt, inp), now)
         parent: Key | None = None
         for d, k in enumerate(keys):
             mask = loc.get(k, 0)
             if belady:
-                top.next_use = nxt[ref]  # type: ignore[attr-defined]
+                top.next_use = nxt[ref]  # type: ignore[attr-defined]  # a BeladyPolicy
             ref += 1
             if mask & 1:
                 top.touch(k, now=now)

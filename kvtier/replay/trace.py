@@ -94,6 +94,7 @@ def _parse(record: dict[str, object], fmt: TraceFormat, where: str) -> Request:
     if not isinstance(hashes, list):
         raise TraceError(f"{where}: field 'hash_ids' must be a list of block ids")
     try:
+        # a JSON value: float() raises TypeError/ValueError for the wrong ones, caught below
         ts = float(record["timestamp"])  # type: ignore[arg-type]
         blocks = tuple(int(h) for h in hashes)
     except (KeyError, TypeError, ValueError) as exc:
@@ -106,6 +107,7 @@ def _parse(record: dict[str, object], fmt: TraceFormat, where: str) -> Request:
 
     def opt_int(name: str) -> int | None:
         value = record.get(name)
+        # a JSON value: int() raises TypeError/ValueError for the wrong ones
         return None if value is None else int(value)  # type: ignore[call-overload]
 
     parent = opt_int("parent_chat_id")

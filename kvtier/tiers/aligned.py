@@ -24,13 +24,13 @@ def aligned_buffer(nbytes: int, alignment: int = PAGE) -> memoryview:
     if nbytes < 0:
         raise ValueError(f"buffer size must be >= 0, got {nbytes}")
     raw = np.zeros(nbytes + alignment, dtype=np.uint8)
-    start = (-address_of(memoryview(raw))) % alignment
-    return memoryview(raw[start: start + nbytes])  # the slice keeps ``raw`` alive
+    start = (-address_of(raw.data)) % alignment
+    return raw[start: start + nbytes].data  # the slice keeps ``raw`` alive
 
 
 def byte_view(buf: object) -> memoryview:
     """A flat unsigned-byte view of any C-contiguous buffer (numpy arrays, mmap, bytes)."""
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)  # type: ignore[arg-type]
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)  # type: ignore[arg-type]  # numpy's 3.11 stubs lack __buffer__
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     return view

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -191,7 +192,7 @@ def _valid(data: bytes, pos: int) -> bool:
     return xxhash.xxh3_64_intdigest(body) == check
 
 
-def _apply(state: JournalState, live: dict[int, _Live], rec: tuple) -> None:  # type: ignore[type-arg]
+def _apply(state: JournalState, live: dict[int, _Live], rec: tuple[Any, ...]) -> None:
     rtype, flags, _, depth, offset, nbytes, key, ns, parent, layout_fp, seq, checksum, gen = rec
     if rtype == RecordType.ALLOC:
         if offset in live:

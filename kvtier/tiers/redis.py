@@ -404,7 +404,8 @@ class RedisTier:
 
     def stats_extra(self) -> dict[str, Any]:
         """Redis-specific numbers for /v1/stats (the shared counters are in ``counters``)."""
-        auto = self._codec if isinstance(self._codec, codecs.AutoCodec) else None
+        codec = self._codec
+        current = codec.current if isinstance(codec, codecs.AutoCodec) else codec
         return {
             "target": self._target.display,
             "queue_depth": len(self._queue),
@@ -417,7 +418,7 @@ class RedisTier:
             "failed_servers": sorted(str(a) for a in self._router.failed),
             "last_heal_s": self.last_heal_s,
             "codec": self.cfg.codec,
-            "codec_current": (auto.current if auto else self._codec).name.lower(),
+            "codec_current": current.name.lower(),
             "codec_ratio": self._frames_raw / self._frames_wire if self._frames_wire else 1.0,
             "last_error": self.last_error,
             "namespace_mismatches": self.namespace_mismatches,

@@ -105,8 +105,8 @@ def read_blocks(conn: Conn, rkeys: Sequence[bytes], keys: Sequence[bytes],
             result.append(MISSING)
         elif isinstance(reply, ErrorReply):
             result.append(BlockRead(ReadStatus.ERROR, error=reply, why=str(reply)))
-        elif place.reads[i] is not None:
-            result.append(place.reads[i])  # type: ignore[arg-type]
+        elif (read := place.reads[i]) is not None:
+            result.append(read)
         else:
             result.append(_finish(place, i, reply))
     return result

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,7 +23,8 @@ from kvtier.frame import Codec, FrameHeader, payload_checksum
 NATIVE_MIN_BYTES = 64 << 10   # below this the ctypes call costs more than it saves
 
 
-def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _load() -> Callable[[int, int], int] | None:
+    """libxxhash's XXH3_64bits(address, size), or None when absent or disagreeing."""
     name = ctypes.util.find_library("xxhash")
     if name is None:
         return None

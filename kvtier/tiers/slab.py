@@ -67,8 +67,8 @@ class SlabAllocator:
         for unit in self._classes.get(slot_bytes, ()):
             if unit.free:
                 return self._take(unit)
-        unit = self._new_unit(slot_bytes)
-        return None if unit is None else self._take(unit)
+        fresh = self._new_unit(slot_bytes)
+        return None if fresh is None else self._take(fresh)
 
     def free(self, offset: int) -> None:
         """Return a slot; an emptied unit gives its slabs back. Bad offsets raise."""
