@@ -46,85 +46,68 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from kvtier import codec as codecs
-from kvtier.backoff import Backoff, BackoffPolicy
-from kvtier.config import RedisConfig
-from kvtier.frame import Codec
-from kvtier.tiers.base import EvictionReason, TierCounters, TierName
-from kvtier.tiers.redis_blocks import MISSING, BlockRead, ReadStatus, read_blocks, write_blocks
-from kvtier.tiers.redis_client import RedisMode, parse_target
-from kvtier.tiers.redis_queue import PendingWrite, Release, WriteQueue
-from kvtier.tiers.redis_route import Reach, Router, conn_options
-from kvtier.tiers.redis_wire import Conn, ErrorReply, NodeAddr, ReplyError, command
+from kvtier.tiers.base import EvictionReason, TierName
+from kvtier.tiers.redis_blocks import write_blocks
+from kvtier.tiers.redis_link import (
+    CLUSTER_REDIRECTS,
+    DOWN_AFTER_FAILURES,
+    HEALTH_INTERVAL_S,
+    RECONNECT_BACKOFF,
+    STATS_EVERY,
+    UNSERVED,
+    _describe,
+    log,
+)
+from kvtier.tiers.redis_queue import PendingWrite, Release
+from kvtier.tiers.redis_reads import (
+    EXISTS_BATCH,
+    GET_BATCH_BYTES,
+    GET_BATCH_KEYS,
+    NS_END,
+    NS_OFFSET,
+    RedisReads,
+)
+from kvtier.tiers.redis_route import Reach
+from kvtier.tiers.redis_wire import Conn, ErrorReply, command
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "CLOSE_FLUSH_S",
+    "CLUSTER_REDIRECTS",
+    "DOWN_AFTER_FAILURES",
+    "EXISTS_BATCH",
+    "GET_BATCH_BYTES",
+    "GET_BATCH_KEYS",
+    "HEALTH_INTERVAL_S",
+    "NS_END",
+    "NS_OFFSET",
+    "RECONNECT_BACKOFF",
+    "SET_BATCH_BYTES",
+    "SET_BATCH_KEYS",
+    "STATS_EVERY",
+    "UNSERVED",
+    "RedisTier",
+]
 
-EXISTS_BATCH = 64                 # keys per pipelined EXISTS round trip
-GET_BATCH_KEYS = 32               # keys per pipelined GET round trip ...
-GET_BATCH_BYTES = 1 << 20         # ... and about this many bytes: small enough that a
-SET_BATCH_KEYS = 32               # prompt's blocks spread over max_inflight connections
-SET_BATCH_BYTES = 1 << 20         # (bench_redis), large enough to amortize a thread hop
-DOWN_AFTER_FAILURES = 3           # soft failures (timeouts, error replies) in a row
-RECONNECT_BACKOFF = BackoffPolicy(base_s=0.05, cap_s=5.0)   # kvtier.backoff: x2, jitter 0.5
-HEALTH_INTERVAL_S = 1.0           # PING while idle, so `up` falls even without traffic
-STATS_EVERY = 5                   # health rounds between INFO/DBSIZE refreshes
+SET_BATCH_KEYS = 32               # keys per pipelined SET round trip, and about this many
+SET_BATCH_BYTES = 1 << 20         # bytes: small enough that a prompt's blocks spread over
+                                  # max_inflight connections (bench_redis), large enough to
+                                  # amortize a thread hop (GET batches are sized the same)
 CLOSE_FLUSH_S = 5.0               # bounded drain at close
-CLUSTER_REDIRECTS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")  # replies that mean "re-route"
-
-T = TypeVar("T")
-UNSERVED = object()               # per-key result: no live server for the key's slot
-NS_OFFSET, NS_END = 8, 23         # the frame header's namespace field (GETRANGE, inclusive)
 
 
-class RedisTier:
-    """Remote tier over Redis / Redis Cluster (see the module docstring for the contract)."""
+class RedisTier(RedisReads):
+    """Remote tier over Redis / Redis Cluster (see the module docstring for the contract).
+
+    Layers, each a module: ``RedisLink`` (kvtier.tiers.redis_link: state, threads, routing,
+    health, reconnects), ``RedisReads`` (kvtier.tiers.redis_reads: probes and GETs), and
+    this class: the Tier protocol, lifecycle, write-behind writes, delete and stats.
+    """
 
     name = TierName.REDIS
-
-    def __init__(self, cfg: RedisConfig, *, elem_bytes_hint: int = 2) -> None:
-        self.cfg = cfg
-        self.counters = TierCounters()
-        self._target = parse_target(cfg)
-        seed, opts = conn_options(cfg, self._target)
-        self._cluster = self._target.mode is RedisMode.CLUSTER
-        self._router = Router(seed, opts, cluster=self._cluster,
-                              pool_size=max(1, cfg.max_connections))
-        self._exec = ThreadPoolExecutor(max_workers=max(2, cfg.max_connections),
-                                        thread_name_prefix="kvtier-redis")
-        choice = codecs.from_config(cfg.codec)
-        self._codec: Codec | codecs.AutoCodec = codecs.AutoCodec() if choice is None else choice
-        self._elem_bytes = elem_bytes_hint
-        self._prefix = cfg.key_prefix.encode()
-        self._ttl = cfg.ttl_s if cfg.ttl_s > 0 else None
-        self._queue = WriteQueue(cfg.write_queue_blocks)
-        self._inflight = asyncio.Semaphore(max(1, cfg.max_inflight))
-        self._writing = 0                      # SET batches in flight
-        self._wake = asyncio.Event()           # queue non-empty, or the tier came up
-        self._progress = asyncio.Event()       # a batch finished or `up` changed
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._writer: asyncio.Task[None] | None = None
-        self._monitor: asyncio.Task[None] | None = None
-        self._reconnector: asyncio.Task[None] | None = None
-        self._closed = False
-        self._up = False
-        self._consecutive_failures = 0
-        self.reconnects = 0
-        self.last_error = ""
-        self._unserved_since: float | None = None
-        self.last_heal_s = 0.0                 # last time from a failed server to healed
-        self._frames_raw = 0                   # raw bytes of frames written (codec ratio)
-        self._frames_wire = 0
-        self._server_used = 0
-        self._server_max = 0
-        self._server_keys = 0
-        self.namespace_mismatches = 0          # frames found under another namespace
 
     # --- Tier protocol --------------------------------------------------------------------
 
@@ -213,131 +196,6 @@ class RedisTier:
                 await asyncio.wait_for(self._progress.wait(), wait)
         return True
 
-    # --- reads ----------------------------------------------------------------------------
-
-    async def exists_prefix(self, keys: Sequence[bytes], *,
-                            namespace: bytes | None = None) -> int:
-        """How many leading ``keys`` are in Redis (pipelined EXISTS, stops at the first miss).
-
-        With ``namespace``, a key counts only when its frame's namespace field is
-        ``namespace`` (pipelined GETRANGE of that field instead of EXISTS): a frame of
-        another namespace is a miss, counted in ``namespace_mismatches``.
-        0 while down; on an error, the prefix confirmed before it (the error is counted).
-        """
-        found = 0
-        if not keys or not self._up:
-            return 0
-        for start in range(0, len(keys), EXISTS_BATCH):
-            rkeys = [self._rkey(k) for k in keys[start:start + EXISTS_BATCH]]
-            for reply in await self._probe(rkeys, namespace):
-                if isinstance(reply, ErrorReply):
-                    self._error_reply(reply)
-                    return found
-                if reply is UNSERVED or isinstance(reply, BaseException) or \
-                        not self._present(reply, namespace):
-                    return found
-                found += 1
-            self._succeeded()
-        return found
-
-    async def _probe(self, rkeys: list[bytes], namespace: bytes | None) -> list[Any]:
-        """EXISTS per key, or GETRANGE of the frame's namespace field when ``namespace``."""
-        def probe(conn: Conn, idx: list[int]) -> list[Any]:
-            if namespace is None:
-                return conn.simple_many([command(b"EXISTS", rkeys[i]) for i in idx])
-            lo, hi = str(NS_OFFSET).encode(), str(NS_END).encode()
-            return conn.simple_many([command(b"GETRANGE", rkeys[i], lo, hi) for i in idx])
-
-        return await self._per_server(rkeys, probe)
-
-    def _present(self, reply: Any, namespace: bytes | None) -> bool:
-        """Whether a ``_probe`` reply says the block is there (for ``namespace``)."""
-        if namespace is None:
-            return bool(reply)
-        if not reply:  # GETRANGE of a missing key: b""
-            return False
-        if bytes(reply) != namespace:
-            self.namespace_mismatches += 1
-            return False
-        return True
-
-    async def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], *,
-                       namespace: bytes, layout_fp: int) -> int:
-        """Fill ``outs[i]`` with block ``keys[i]`` for the leading run present in Redis.
-
-        Returns how many leading blocks were filled. A frame that fails a check ends the
-        run, is counted in ``checksum_failures`` and is deleted. Never raises for Redis
-        trouble (down, timeouts, error replies all end the run early). Up to
-        ``max_inflight`` batches are fetched at once; all of them have finished writing
-        into ``outs`` before this returns.
-        """
-        n = min(len(keys), len(outs))
-        bounds = _batches([o.nbytes for o in outs[:n]], GET_BATCH_KEYS, GET_BATCH_BYTES)
-        window = max(1, self.cfg.max_inflight)
-        pending: deque[tuple[asyncio.Task[list[BlockRead]], int]] = deque()
-        filled = 0
-        stop = False
-        launched = 0
-        try:
-            while True:
-                while not stop and launched < len(bounds) and len(pending) < window \
-                        and self._up:
-                    lo, hi = bounds[launched]
-                    launched += 1
-                    pending.append((asyncio.ensure_future(self._fetch(
-                        keys[lo:hi], outs[lo:hi], namespace, layout_fp)), lo))
-                if not pending:
-                    break
-                task, lo = pending.popleft()
-                reads = await task
-                if stop:
-                    continue
-                for j, read in enumerate(reads):
-                    if read.status is ReadStatus.OK:
-                        filled += 1
-                        self.counters.bytes_read += read.wire
-                        continue
-                    stop = True
-                    await self._settle_read(read, self._rkey(keys[lo + j]))
-                    break
-        finally:  # every fetch launched writes into `outs`: wait for all of them
-            if pending:
-                await asyncio.gather(*(t for t, _ in pending), return_exceptions=True)
-        self.counters.hit_blocks += filled
-        self.counters.miss_blocks += n - filled
-        return filled
-
-    async def _fetch(self, keys: Sequence[bytes], outs: Sequence[memoryview],
-                     namespace: bytes, layout_fp: int) -> list[BlockRead]:
-        rkeys = [self._rkey(k) for k in keys]
-
-        def get(conn: Conn, idx: list[int]) -> list[BlockRead]:
-            return read_blocks(conn, [rkeys[i] for i in idx], [keys[i] for i in idx],
-                               [outs[i] for i in idx], namespace, layout_fp)
-
-        reads: list[BlockRead] = []
-        for result in await self._per_server(rkeys, get, holds_buffers=True):
-            if isinstance(result, BlockRead):
-                reads.append(result)
-            elif isinstance(result, BaseException):
-                reads.append(BlockRead(ReadStatus.ERROR, why=_describe(result)))
-            else:
-                reads.append(MISSING)
-        if all(r.status is not ReadStatus.ERROR for r in reads):
-            self._succeeded()
-        return reads
-
-    async def _settle_read(self, read: BlockRead, rkey: bytes) -> None:
-        """Account for the block that ended a read run."""
-        if read.status is ReadStatus.FOREIGN:
-            self.namespace_mismatches += 1
-        elif read.status is ReadStatus.CORRUPT:
-            await self._drop_corrupt(rkey, read.why)
-        elif read.status is ReadStatus.NOFIT:
-            self._note_error(ValueError(read.why))
-        elif read.error is not None:
-            self._error_reply(read.error)
-
     # --- writes ---------------------------------------------------------------------------
 
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
@@ -424,59 +282,6 @@ class RedisTier:
             "namespace_mismatches": self.namespace_mismatches,
         }
 
-    # --- internals ------------------------------------------------------------------------
-
-    def _rkey(self, key: bytes) -> bytes:
-        return self._prefix + key.hex().encode()
-
-    async def _in_thread(self, fn: Callable[[], T], *, holds_buffers: bool = False) -> T:
-        """Run blocking ``fn`` in the tier's worker threads. When ``fn`` uses the caller's
-        buffers (``holds_buffers``) and the caller is cancelled, wait for ``fn`` to end
-        first (bounded by op_timeout_s); otherwise a cancelled caller returns at once (a
-        lookup budget cuts a probe) and the thread ends on its own."""
-        fut = asyncio.get_running_loop().run_in_executor(self._exec, fn)
-        if not holds_buffers:
-            return await fut
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(fut)
-            raise
-
-    async def _per_server(self, rkeys: Sequence[bytes],
-                          fn: Callable[[Conn, list[int]], Sequence[Any]], *,
-                          holds_buffers: bool = False) -> list[Any]:
-        """Run ``fn(conn, indexes)`` once per server holding some of ``rkeys`` (in parallel,
-        in worker threads); returns one result per key: ``fn``'s, the exception that failed
-        its server (already counted), or UNSERVED."""
-        results: list[Any] = [UNSERVED] * len(rkeys)
-
-        async def one(node: NodeAddr | None, idx: list[int]) -> None:
-            if node is None:
-                return
-            pool = self._router.pool(node)
-            try:
-                replies = await self._in_thread(lambda: pool.run(lambda c: fn(c, idx)),
-                                                holds_buffers=holds_buffers)
-            except Exception as exc:
-                self._failed(exc, node)
-                for i in idx:
-                    results[i] = exc
-                return
-            for i, reply in zip(idx, replies, strict=True):
-                results[i] = reply
-
-        groups = self._router.group(rkeys)
-        await asyncio.gather(*(one(node, idx) for node, idx in groups.items()))
-        return results
-
-    async def _drop_corrupt(self, rkey: bytes, why: str) -> None:
-        self.counters.checksum_failures += 1
-        self.counters.evicted(EvictionReason.CORRUPT)
-        log.warning("redis tier: corrupt frame at %r deleted (%s)", rkey, why)
-        await self._per_server([rkey], lambda c, idx: c.simple_many([command(b"DEL", rkey)]))
-
     async def _write_loop(self) -> None:
         while True:
             while not (self._queue and self._up):
@@ -523,155 +328,3 @@ class RedisTier:
             self._writing -= 1
             self._inflight.release()
             self._progress.set()
-
-    async def _monitor_loop(self) -> None:
-        rounds = 0
-        while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)
-            if not self._up:
-                continue
-            await self._health(rounds % STATS_EVERY == 0)
-            rounds += 1
-
-    async def _health(self, refresh_stats: bool) -> None:
-        """PING every live master (INFO memory and DBSIZE too when ``refresh_stats``)."""
-        cmds = [command(b"PING")]
-        if refresh_stats:
-            cmds += [command(b"INFO", b"memory"), command(b"DBSIZE")]
-        masters = [m for m in self._router.masters() if m not in self._router.failed]
-
-        async def ask(node: NodeAddr) -> list[Any] | None:
-            pool = self._router.pool(node)
-            try:
-                return await self._in_thread(lambda: pool.run(lambda c: c.simple_many(cmds)))
-            except Exception as exc:
-                self._failed(exc, node)
-                return None
-
-        answers = await asyncio.gather(*(ask(m) for m in masters))
-        good = [a for a in answers if a is not None]
-        for answer in good:
-            if isinstance(answer[0], ErrorReply):
-                self._error_reply(answer[0])
-                return
-        if len(good) == len(answers):
-            self._succeeded()
-        if refresh_stats and good and len(good) == len(answers):
-            used = limit = keys = 0
-            for answer in good:
-                info = _info_fields(answer[1])
-                used += int(info.get("used_memory", 0))
-                limit += int(info.get("maxmemory", 0))
-                keys += answer[2] if isinstance(answer[2], int) else 0
-            self._server_used, self._server_max, self._server_keys = used, limit, keys
-
-    def _start_reconnect(self) -> None:
-        if self._closed or (self._reconnector and not self._reconnector.done()):
-            return
-        self._reconnector = asyncio.create_task(self._reconnect_loop(),
-                                                name="kvtier-redis-reconnect")
-
-    async def _reconnect_loop(self) -> None:
-        """Reload routing with backoff until every slot has a live server (the one server
-        answers PING, or a cluster's failed masters were replaced or came back)."""
-        backoff = Backoff(RECONNECT_BACKOFF)
-        while not self._closed:
-            await asyncio.sleep(backoff.next_delay())
-            try:
-                reach = await self._in_thread(self._router.refresh)
-            except Exception as exc:
-                self.last_error = _describe(exc)
-                continue
-            if reach is Reach.UNREACHABLE:
-                self.last_error = self._router.last_error or self.last_error
-                if self._up:
-                    self._mark_down()
-                continue
-            if not self._up:
-                self.reconnects += 1
-                self._set_up()
-                log.info("redis tier reconnected: %s", self._target.display)
-            if reach is Reach.HEALED:
-                if self._unserved_since is not None:
-                    self.last_heal_s = time.monotonic() - self._unserved_since
-                    self._unserved_since = None
-                    log.info("redis tier: every slot served again after %.2f s",
-                             self.last_heal_s)
-                return
-
-    def _set_up(self) -> None:
-        self._up = True
-        self._consecutive_failures = 0
-        self._wake.set()
-        self._progress.set()
-
-    def _mark_down(self) -> None:
-        self._up = False
-        self._progress.set()
-        self.counters.dropped_writes += self._queue.drop_borrowed()
-        self._router.drop_pools()
-        log.warning("redis tier down (%s): %s", self._target.display, self.last_error)
-        self._start_reconnect()
-
-    def _succeeded(self) -> None:
-        self._consecutive_failures = 0
-
-    def _note_error(self, exc: BaseException) -> None:
-        self.counters.errors += 1
-        self.last_error = _describe(exc)
-
-    def _error_reply(self, reply: ErrorReply) -> None:
-        """An error reply: in a cluster a redirect means "reload the slot map"."""
-        if self._cluster and reply.kind in CLUSTER_REDIRECTS:
-            self._note_error(ReplyError(str(reply)))
-            self._unserved_since = self._unserved_since or time.monotonic()
-            self._start_reconnect()
-            return
-        self._failed(ReplyError(str(reply)))
-
-    def _failed(self, exc: BaseException, node: NodeAddr | None = None) -> None:
-        """Count a failure. One server: down on a connection failure or a run of them.
-        Cluster: the failed server leaves the routing and the slot map is reloaded."""
-        self._note_error(exc)
-        if self._cluster and node is not None:
-            if node not in self._router.failed:
-                log.warning("redis tier: server %s failed (%s); its slots miss until "
-                            "the slot map heals", node, self.last_error)
-            self._router.mark_failed(node)
-            self._unserved_since = self._unserved_since or time.monotonic()
-            self._start_reconnect()
-            return
-        self._consecutive_failures += 1
-        hard = isinstance(exc, OSError) and not isinstance(exc, TimeoutError)
-        if self._up and (hard or self._consecutive_failures >= DOWN_AFTER_FAILURES):
-            self._mark_down()
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-
-def _batches(sizes: Sequence[int], max_keys: int, max_bytes: int) -> list[tuple[int, int]]:
-    """Split consecutive items into [lo, hi) runs of at most ``max_keys`` items and about
-    ``max_bytes`` bytes (a run always holds at least one item)."""
-    bounds: list[tuple[int, int]] = []
-    lo = 0
-    while lo < len(sizes):
-        hi, total = lo, 0
-        while hi < len(sizes) and hi - lo < max_keys and (
-                hi == lo or total + sizes[hi] <= max_bytes):
-            total += sizes[hi]
-            hi += 1
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
-
-
-def _info_fields(reply: Any) -> dict[str, str]:
-    text = reply.decode(errors="replace") if isinstance(reply, bytes) else ""
-    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:300]

@@ -1,0 +1,175 @@
+"""The Redis tier's reads: prefix probes (EXISTS / GETRANGE) and pipelined GETs into buffers.
+
+``RedisReads`` is the layer of ``RedisTier`` (kvtier.tiers.redis, which states the contract)
+that answers ``exists_prefix`` and ``get_into``: batches walk a prefix, several in flight,
+and stop at the first miss; a frame failing a check is deleted and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.tiers.base import EvictionReason
+from kvtier.tiers.redis_blocks import MISSING, BlockRead, ReadStatus, read_blocks
+from kvtier.tiers.redis_link import UNSERVED, RedisLink, _describe
+from kvtier.tiers.redis_wire import Conn, ErrorReply, command
+
+log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
+
+EXISTS_BATCH = 64                 # keys per pipelined EXISTS round trip
+GET_BATCH_KEYS = 32               # keys per pipelined GET round trip ...
+GET_BATCH_BYTES = 1 << 20         # ... and about this many bytes (see SET_BATCH_BYTES)
+NS_OFFSET, NS_END = 8, 23         # the frame header's namespace field (GETRANGE, inclusive)
+
+
+class RedisReads(RedisLink):
+    """Reads of the Redis tier: ``exists_prefix`` and ``get_into`` (base of ``RedisTier``)."""
+
+    async def exists_prefix(self, keys: Sequence[bytes], *,
+                            namespace: bytes | None = None) -> int:
+        """How many leading ``keys`` are in Redis (pipelined EXISTS, stops at the first miss).
+
+        With ``namespace``, a key counts only when its frame's namespace field is
+        ``namespace`` (pipelined GETRANGE of that field instead of EXISTS): a frame of
+        another namespace is a miss, counted in ``namespace_mismatches``.
+        0 while down; on an error, the prefix confirmed before it (the error is counted).
+        """
+        found = 0
+        if not keys or not self._up:
+            return 0
+        for start in range(0, len(keys), EXISTS_BATCH):
+            rkeys = [self._rkey(k) for k in keys[start:start + EXISTS_BATCH]]
+            for reply in await self._probe(rkeys, namespace):
+                if isinstance(reply, ErrorReply):
+                    self._error_reply(reply)
+                    return found
+                if reply is UNSERVED or isinstance(reply, BaseException) or \
+                        not self._present(reply, namespace):
+                    return found
+                found += 1
+            self._succeeded()
+        return found
+
+    async def _probe(self, rkeys: list[bytes], namespace: bytes | None) -> list[Any]:
+        """EXISTS per key, or GETRANGE of the frame's namespace field when ``namespace``."""
+        def probe(conn: Conn, idx: list[int]) -> list[Any]:
+            if namespace is None:
+                return conn.simple_many([command(b"EXISTS", rkeys[i]) for i in idx])
+            lo, hi = str(NS_OFFSET).encode(), str(NS_END).encode()
+            return conn.simple_many([command(b"GETRANGE", rkeys[i], lo, hi) for i in idx])
+
+        return await self._per_server(rkeys, probe)
+
+    def _present(self, reply: Any, namespace: bytes | None) -> bool:
+        """Whether a ``_probe`` reply says the block is there (for ``namespace``)."""
+        if namespace is None:
+            return bool(reply)
+        if not reply:  # GETRANGE of a missing key: b""
+            return False
+        if bytes(reply) != namespace:
+            self.namespace_mismatches += 1
+            return False
+        return True
+
+    async def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], *,
+                       namespace: bytes, layout_fp: int) -> int:
+        """Fill ``outs[i]`` with block ``keys[i]`` for the leading run present in Redis.
+
+        Returns how many leading blocks were filled. A frame that fails a check ends the
+        run, is counted in ``checksum_failures`` and is deleted. Never raises for Redis
+        trouble (down, timeouts, error replies all end the run early). Up to
+        ``max_inflight`` batches are fetched at once; all of them have finished writing
+        into ``outs`` before this returns.
+        """
+        n = min(len(keys), len(outs))
+        bounds = _batches([o.nbytes for o in outs[:n]], GET_BATCH_KEYS, GET_BATCH_BYTES)
+        window = max(1, self.cfg.max_inflight)
+        pending: deque[tuple[asyncio.Task[list[BlockRead]], int]] = deque()
+        filled = 0
+        stop = False
+        launched = 0
+        try:
+            while True:
+                while not stop and launched < len(bounds) and len(pending) < window \
+                        and self._up:
+                    lo, hi = bounds[launched]
+                    launched += 1
+                    pending.append((asyncio.ensure_future(self._fetch(
+                        keys[lo:hi], outs[lo:hi], namespace, layout_fp)), lo))
+                if not pending:
+                    break
+                task, lo = pending.popleft()
+                reads = await task
+                if stop:
+                    continue
+                for j, read in enumerate(reads):
+                    if read.status is ReadStatus.OK:
+                        filled += 1
+                        self.counters.bytes_read += read.wire
+                        continue
+                    stop = True
+                    await self._settle_read(read, self._rkey(keys[lo + j]))
+                    break
+        finally:  # every fetch launched writes into `outs`: wait for all of them
+            if pending:
+                await asyncio.gather(*(t for t, _ in pending), return_exceptions=True)
+        self.counters.hit_blocks += filled
+        self.counters.miss_blocks += n - filled
+        return filled
+
+    async def _fetch(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                     namespace: bytes, layout_fp: int) -> list[BlockRead]:
+        rkeys = [self._rkey(k) for k in keys]
+
+        def get(conn: Conn, idx: list[int]) -> list[BlockRead]:
+            return read_blocks(conn, [rkeys[i] for i in idx], [keys[i] for i in idx],
+                               [outs[i] for i in idx], namespace, layout_fp)
+
+        reads: list[BlockRead] = []
+        for result in await self._per_server(rkeys, get, holds_buffers=True):
+            if isinstance(result, BlockRead):
+                reads.append(result)
+            elif isinstance(result, BaseException):
+                reads.append(BlockRead(ReadStatus.ERROR, why=_describe(result)))
+            else:
+                reads.append(MISSING)
+        if all(r.status is not ReadStatus.ERROR for r in reads):
+            self._succeeded()
+        return reads
+
+    async def _settle_read(self, read: BlockRead, rkey: bytes) -> None:
+        """Account for the block that ended a read run."""
+        if read.status is ReadStatus.FOREIGN:
+            self.namespace_mismatches += 1
+        elif read.status is ReadStatus.CORRUPT:
+            await self._drop_corrupt(rkey, read.why)
+        elif read.status is ReadStatus.NOFIT:
+            self._note_error(ValueError(read.why))
+        elif read.error is not None:
+            self._error_reply(read.error)
+
+    async def _drop_corrupt(self, rkey: bytes, why: str) -> None:
+        self.counters.checksum_failures += 1
+        self.counters.evicted(EvictionReason.CORRUPT)
+        log.warning("redis tier: corrupt frame at %r deleted (%s)", rkey, why)
+        await self._per_server([rkey], lambda c, idx: c.simple_many([command(b"DEL", rkey)]))
+
+
+def _batches(sizes: Sequence[int], max_keys: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Split consecutive items into [lo, hi) runs of at most ``max_keys`` items and about
+    ``max_bytes`` bytes (a run always holds at least one item)."""
+    bounds: list[tuple[int, int]] = []
+    lo = 0
+    while lo < len(sizes):
+        hi, total = lo, 0
+        while hi < len(sizes) and hi - lo < max_keys and (
+                hi == lo or total + sizes[hi] <= max_bytes):
+            total += sizes[hi]
+            hi += 1
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
