@@ -31,6 +31,7 @@ otherwise decode into millions of Python objects (the daemon's bound, not the cl
 OPS = frozenset({
     "hello", "register_layout", "lookup", "put_prepare", "put_commit", "put_abort",
     "get_prepare", "get_release", "delete", "stats", "report_engine", "ping",
+    "prefix_locality",
 })
 
 

@@ -27,12 +27,16 @@ DEFAULT_MAX_INFLIGHT_SAVE_BYTES = 256 * 2**20
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 """Recompute speed assumed until the engine's own prefill throughput has been measured."""
 TIERS = ("hbm", "cpu", "nvme", "redis")
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+DEFAULT_REDIS_SYNC_TIMEOUT_S = 1.5
+"""A producer's wait for its blocks to be visible in Redis, per save (below 90% of the
+default ``timeout_s``, which bounds every daemon call)."""
 
 _KEYS = frozenset({
     "socket_path", "tokens_per_block", "model_id", "namespace", "save_decode_tokens",
     "async_load", "timeout_s", "reconnect_min_s", "reconnect_max_s",
     "max_inflight_save_bytes", "prefill_tokens_per_s", "tier_bandwidth",
-    "skip_slower_than_recompute", "device_loads",
+    "skip_slower_than_recompute", "device_loads", "redis_sync_timeout_s",
 })
 
 
@@ -76,6 +80,13 @@ class ConnectorConfig:
     time (tokens over the engine's measured prefill throughput, ``prefill_tokens_per_s``
     until measured). ``device_loads``: read blocks from the daemon's HBM pool as device
     views (default: when the engine's KV caches are on a GPU).
+
+    Prefill/decode (issue 15, docs/pd-disaggregation.md): ``role`` is vLLM's ``kv_role``.
+    ``kv_producer`` saves every full prompt block (a loaded prefix too), never drops a save
+    for lack of room, and finishes a step only once its saves are committed with a
+    synchronous write-through to Redis, bounded by ``redis_sync_timeout_s`` per save (and
+    by 90% of ``timeout_s``); ``kv_consumer`` loads and never saves; ``kv_both`` does both,
+    off the critical path.
     """
 
     socket_path: Path
@@ -91,11 +102,28 @@ class ConnectorConfig:
     tier_bandwidth: dict[str, float] = field(default_factory=dict)
     skip_slower_than_recompute: bool = True
     device_loads: bool | None = None
+    role: str = "kv_both"
+    redis_sync_timeout_s: float = DEFAULT_REDIS_SYNC_TIMEOUT_S
+
+    @property
+    def saves(self) -> bool:
+        """Whether this engine offloads KV at all (a consumer never does)."""
+        return self.role != "kv_consumer"
+
+    @property
+    def producer(self) -> bool:
+        """Whether saves are synchronous, complete and written through to Redis."""
+        return self.role == "kv_producer"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, *, block_size: int,
-                   default_model_id: str) -> ConnectorConfig:
-        """Validate ``kv_connector_extra_config``; a bad value raises ``ConfigError``."""
+                   default_model_id: str, role: str | None = None) -> ConnectorConfig:
+        """Validate ``kv_connector_extra_config`` (and vLLM's ``kv_role``, None meaning
+        ``kv_both``); a bad value raises ``ConfigError``."""
+        role = role or "kv_both"
+        if role not in ROLES:
+            raise ConfigError(f"kv_role {role!r} is not one KVTierConnector knows; use one "
+                              f"of {list(ROLES)}")
         extra = dict(extra or {})
         unknown = set(extra) - _KEYS
         if unknown:
@@ -129,6 +157,9 @@ class ConnectorConfig:
             tier_bandwidth=_tier_bandwidth(extra.get("tier_bandwidth")),
             skip_slower_than_recompute=_flag(extra, "skip_slower_than_recompute", True),
             device_loads=_auto_flag(extra, "device_loads"),
+            role=role,
+            redis_sync_timeout_s=_positive_float(extra, "redis_sync_timeout_s",
+                                                 DEFAULT_REDIS_SYNC_TIMEOUT_S),
         )
 
     @classmethod
@@ -137,7 +168,8 @@ class ConnectorConfig:
         transfer = vllm_config.kv_transfer_config
         extra = transfer.kv_connector_extra_config if transfer is not None else {}
         return cls.from_extra(extra, block_size=vllm_config.cache_config.block_size,
-                              default_model_id=str(vllm_config.model_config.model))
+                              default_model_id=str(vllm_config.model_config.model),
+                              role=getattr(transfer, "kv_role", None))
 
 
 class _AttentionSpec(Protocol):

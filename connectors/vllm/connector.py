@@ -82,9 +82,9 @@ class KVTierConnector(KVConnectorBase_V1):
 
             rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
             self._worker = WorkerSide(self.config, layout, block_size, rank, tp_size)
-        logger.info("kvtier: %s side, socket %s, %d tokens per block, model_id %r, tp %d",
-                    role.name.lower(), self.config.socket_path, self.config.tokens_per_block,
-                    self.config.model_id, tp_size)
+        logger.info("kvtier: %s side, %s, socket %s, %d tokens per block, model_id %r, "
+                    "tp %d", role.name.lower(), self.config.role, self.config.socket_path,
+                    self.config.tokens_per_block, self.config.model_id, tp_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -117,7 +117,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        """Join the step's loads and queue its saves; never waits for a save."""
+        """Join the step's loads and queue its saves; waits for them only in a
+        ``kv_producer``, whose blocks must be in Redis before its requests are reported."""
         meta = self._connector_metadata
         if isinstance(meta, KVTierConnectorMetadata):
             self._w().save(meta)

@@ -16,6 +16,10 @@ acknowledge them in their per-step metadata); a lookup whose next block is being
 answers "not yet" (``None``) rather than miss it, for ``PENDING_SAVE_WAIT_S`` at most.
 Of the matched blocks, only those faster to reload than to recompute are loaded
 (:mod:`.recompute`).
+
+Roles (vLLM's ``kv_role``): a ``kv_consumer`` plans no saves; a ``kv_producer`` plans the
+save of every full prompt block, from block 0 even when a prefix was loaded, so its
+synchronous commit leaves the whole prompt in Redis (docs/pd-disaggregation.md).
 """
 
 from __future__ import annotations
@@ -210,7 +214,10 @@ class SchedulerSide:
                             dtype=np.uint32)
         spec = TransferSpec(req_id, state.salt, tokens, span.first_block, rows, span.skip_pages)
         state.load = spec
-        state.known_blocks = max(state.known_blocks, span.end_block)
+        if not self.config.producer:
+            state.known_blocks = max(state.known_blocks, span.end_block)
+        # a producer saves the loaded prefix too: its put skips the blocks the daemon has
+        # (no copy) and its synchronous commit makes the whole chain visible in Redis
         self._pending_loads.append(spec)
         self.hit_tokens += num_external_tokens
 
@@ -249,6 +256,8 @@ class SchedulerSide:
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, state: RequestState,
                    computed_after_step: int) -> None:
+        if not self.config.saves:   # kv_consumer: loads only
+            return
         limit = computed_after_step
         if not self.config.save_decode_tokens:
             limit = min(limit, state.request.num_prompt_tokens)

@@ -164,15 +164,20 @@ class SaveRequest:
     """Offload one request's newly completed blocks into one put lease."""
 
     def __init__(self, spec: TransferSpec, caches: CacheSet,
-                 link_of: Callable[[], DaemonLink], tp_rank: int) -> None:
+                 link_of: Callable[[], DaemonLink], tp_rank: int,
+                 redis_sync_s: float | None = None) -> None:
+        """``redis_sync_s`` (producers): commit with a synchronous write-through to Redis
+        bounded by that many seconds; ``redis_synced`` then says whether it got there."""
         self.spec = spec
         self.caches = caches
         self.link_of = link_of
         self.tp_rank = tp_rank
+        self.redis_sync_s = redis_sync_s
         self._lease: Any = None
         self._link: DaemonLink | None = None
         self._todo: list[tuple[int, Any]] = []
         self.saved_blocks = 0
+        self.redis_synced: bool | None = None
 
     @property
     def nbytes(self) -> int:
@@ -200,7 +205,12 @@ class SaveRequest:
     def commit(self) -> None:
         assert self._link is not None and self._lease is not None
         lease, self._lease = self._lease, None
-        ok, _ = self._link.run(lambda _c: lease.commit())
+        sync_s = self.redis_sync_s
+        if sync_s is None:
+            ok, _ = self._link.run(lambda _c: lease.commit())
+        else:
+            ok, _ = self._link.run(lambda _c: lease.commit(redis_sync_s=sync_s))
+            self.redis_synced = bool(ok and lease.redis_synced)
         if not ok:
             raise RuntimeError(f"commit of request {self.spec.req_id}'s blocks refused")
         self.saved_blocks += len(self._todo)

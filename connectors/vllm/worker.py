@@ -4,8 +4,10 @@ Loads are layer-pipelined: ``start_load_kv`` hands the step's loads to the loade
 of a :class:`~kvtier.kernels.pipeline.LayerPipeline` and returns; each attention layer's
 ``wait_for_layer_load`` waits for that layer only. Saves are off the critical path:
 ``wait_for_save`` queues each request's completed blocks on the saver thread (bounded
-bytes in flight; beyond the bound a save is dropped and counted) and returns. A request
-with saves may finish while they run: the scheduler side then asked vLLM to delay freeing
+bytes in flight; beyond the bound a save is dropped and counted) and returns; a
+``kv_producer`` instead waits for room and for its saves, each committed with a synchronous
+write-through to Redis (docs/pd-disaggregation.md). A request with saves may finish while
+they run: the scheduler side then asked vLLM to delay freeing
 its pages, and this side reports it in ``finished_sending`` once its saves are over.
 Preempted requests' saves are awaited before the step that may reuse their pages.
 
@@ -204,17 +206,28 @@ class WorkerSide:
     # -- saves -------------------------------------------------------------------------
 
     def save(self, meta: KVTierConnectorMetadata) -> None:
-        """End of the step: join its loads, queue its saves (never wait for them)."""
+        """End of the step: join its loads, queue its saves (never wait for them; a
+        producer waits for room and for its saves, see ``_wait_saves``)."""
         self._finish_loads()
         if self.pipeline is None or self.caches is None:
             return
+        producer = self.config.producer
+        sync_s = (min(self.config.redis_sync_timeout_s, 0.9 * self.config.timeout_s)
+                  if producer else None)
+        step: list[Future[bool]] = []
         for spec in meta.saves:
             job = SaveRequest(spec, self.caches, lambda: self._thread_link("-save"),
-                              self.tp_rank)
+                              self.tp_rank, redis_sync_s=sync_s)
             with self._lock:
                 self._saved_reqs.add(spec.req_id)
             fut = self.pipeline.submit_save(
                 job, job.nbytes, functools.partial(self._save_over, job))
+            if fut is None and producer:   # a producer never drops a save for room
+                self._wait_saves(self._all_inflight())
+                fut = self.pipeline.submit_save(
+                    job, job.nbytes, functools.partial(self._save_over, job))
+            if fut is not None:
+                step.append(fut)
             if fut is None:
                 logger.debug("kvtier: save of %s dropped (%d bytes in flight)",
                              spec.req_id, self.pipeline.inflight_bytes)
@@ -225,11 +238,31 @@ class WorkerSide:
                 continue
             with self._lock:
                 self._inflight.setdefault(spec.req_id, []).append(fut)
+        if producer and step:
+            self._wait_saves(step)
+
+    def _all_inflight(self) -> list[Future[bool]]:
+        with self._lock:
+            return [f for futs in self._inflight.values() for f in futs if not f.done()]
+
+    def _wait_saves(self, futs: list[Future[bool]]) -> None:
+        """A producer's step ends only once its saves are committed (and in Redis, or given
+        up on): the request it finishes is then reported with its KV visible to every
+        consumer. Each save is bounded by the daemon calls' own timeouts; this wait is
+        bounded too, in case a copy hangs."""
+        bound = 3 * self.config.timeout_s + self.config.redis_sync_timeout_s
+        for fut in futs:
+            try:
+                fut.result(timeout=bound)
+            except Exception:   # a timeout: the save continues, the step does not wait
+                self._count("producer_save_waits_timed_out", 1)
 
     def _save_over(self, job: SaveRequest, committed: bool) -> None:
         """Saver thread: a save was committed or abandoned."""
         self.saved_blocks += job.saved_blocks
         self._count("saved_blocks", job.saved_blocks)
+        if job.redis_sync_s is not None and not job.redis_synced:
+            self._count("redis_sync_gave_up", 1)
         with self._lock:
             self._saves_done[job.spec.save_id] = 1
             futs = self._inflight.get(job.spec.req_id)

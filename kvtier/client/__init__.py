@@ -28,8 +28,9 @@ from kvtier.client.aio import AsyncKVTierClient, connect_async
 from kvtier.client.leases import AsyncGetLease, AsyncPutLease, GetLease, PutLease
 from kvtier.client.ops import PUT_BATCH, LookupResult
 from kvtier.client.sync import KVTierClient, connect
+from kvtier.prefix import PrefixLocality
 
 __all__ = [
     "PUT_BATCH", "AsyncGetLease", "AsyncKVTierClient", "AsyncPutLease", "GetLease",
-    "KVTierClient", "LookupResult", "PutLease", "connect", "connect_async",
+    "KVTierClient", "LookupResult", "PrefixLocality", "PutLease", "connect", "connect_async",
 ]

@@ -14,6 +14,8 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvtier.client.leases import AsyncGetLease, AsyncPutLease
 from kvtier.client.ops import MAX_REPLY, LookupResult, Op, Ops, map_arena
 from kvtier.config import default_socket_path, trusted_daemon_uids
@@ -21,6 +23,7 @@ from kvtier.errors import DaemonUnavailable, KVTierError, ProtocolError, Request
 from kvtier.handshake import Hello, open_verified
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
+from kvtier.prefix import PrefixLocality
 from kvtier.protocol import LENGTH, pack, unpack_body
 
 
@@ -135,6 +138,15 @@ class AsyncKVTierClient:
 
     async def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
         return await self._run(self._ops.op_delete(ns, keys))
+
+    async def prefix_locality(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, *,
+                              redis: bool = True) -> PrefixLocality:
+        return (await self._run(self._ops.op_prefix(ns, [token_ids], redis, False)))[0]
+
+    async def prefix_locality_batch(self, ns: Namespace,
+                                    prompts: Sequence[Sequence[int] | np.ndarray], *,
+                                    redis: bool = True) -> list[PrefixLocality]:
+        return await self._run(self._ops.op_prefix(ns, prompts, redis, True))
 
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._ops.op_stats())

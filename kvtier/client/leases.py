@@ -25,10 +25,20 @@ class _PutLeaseRules:
     def __init__(self, ops: Ops, lease: int, views: list[np.ndarray | None]) -> None:
         self._ops, self.lease, self.views = ops, lease, views
         self._open = True
+        self.redis_visible: int | None = None   # after a commit with redis_sync_s
+        self.redis_synced: bool | None = None
 
-    def _commit_op(self, durable: bool, output_tokens: int | None) -> Op:
+    def _commit_op(self, durable: bool, output_tokens: int | None,
+                   redis_sync_s: float | None = None) -> Op:
         self._open = False
-        return self._ops.op_commit(self.lease, durable, output_tokens)
+        if redis_sync_s is None:
+            return self._ops.op_commit(self.lease, durable, output_tokens)
+        return self._commit_sync_op(durable, output_tokens, redis_sync_s)
+
+    def _commit_sync_op(self, durable: bool, output_tokens: int | None, wait: float) -> Op:
+        stored, self.redis_visible, self.redis_synced = yield from self._ops.op_commit_sync(
+            self.lease, durable, output_tokens, wait)
+        return stored
 
     def _abort_op(self) -> Op:
         if not self._open:
@@ -82,13 +92,18 @@ class PutLease(_PutLeaseRules):
         super().__init__(client._ops, lease, views)
         self._client = client
 
-    def commit(self, *, durable: bool = False, output_tokens: int | None = None) -> int:
+    def commit(self, *, durable: bool = False, output_tokens: int | None = None,
+               redis_sync_s: float | None = None) -> int:
         """Publish the written blocks; ``durable`` waits until they are on nvme.
 
         ``output_tokens``: how many tokens the engine generated after this prompt, when
         known; the daemon's cost policy learns reuse per kind of request from it.
+        ``redis_sync_s``: answer only once every block of the put (new or stored before) is
+        visible in the shared Redis, or that many seconds passed (at most 90% of the
+        client's timeout); ``redis_visible`` and ``redis_synced`` then say how it went.
         """
-        return self._client._run(self._commit_op(durable, output_tokens))
+        return self._client._run(self._commit_op(
+            durable, output_tokens, _sync_wait(redis_sync_s, self._client)))
 
     def abort(self) -> None:
         self._client._run(self._abort_op())
@@ -142,9 +157,12 @@ class AsyncPutLease(_PutLeaseRules):
         super().__init__(client._ops, lease, views)
         self._client = client
 
-    async def commit(self, *, durable: bool = False, output_tokens: int | None = None) -> int:
-        """Publish the written blocks; ``LeaseExpired`` (nothing stored) past the TTL."""
-        return await self._client._run(self._commit_op(durable, output_tokens))
+    async def commit(self, *, durable: bool = False, output_tokens: int | None = None,
+                     redis_sync_s: float | None = None) -> int:
+        """Publish the written blocks; ``LeaseExpired`` (nothing stored) past the TTL
+        (``redis_sync_s``: see ``PutLease.commit``)."""
+        return await self._client._run(self._commit_op(
+            durable, output_tokens, _sync_wait(redis_sync_s, self._client)))
 
     async def abort(self) -> None:
         await self._client._run(self._abort_op())
@@ -173,3 +191,9 @@ class AsyncGetLease(_GetLeaseRules):
 
     async def __aexit__(self, exc_type: Any, *_: Any) -> None:
         await self._client._run(self._exit_op(exc_type))
+
+
+def _sync_wait(redis_sync_s: float | None, client: Any) -> float | None:
+    """How long a synchronous commit may wait: within the client's own timeout, so the
+    reply always arrives before the client gives up on the connection."""
+    return None if redis_sync_s is None else min(redis_sync_s, 0.9 * client._timeout)

@@ -29,8 +29,9 @@ from kvtier.errors import (
     error_from_code,
 )
 from kvtier.handshake import Hello, hello_request
-from kvtier.keys import BlockKey, Namespace
+from kvtier.keys import BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
+from kvtier.prefix import PrefixLocality
 from kvtier.protocol import PROTOCOL_VERSION
 from kvtier.tiers.arena import ArenaMapping
 
@@ -209,6 +210,16 @@ class Ops:
                        "output_tokens": output_tokens}
         return int(reply["stored"])
 
+    @staticmethod
+    def op_commit_sync(lease: int, durable: bool, output_tokens: int | None,
+                       redis_sync_s: float) -> Op:
+        """A commit answered once the put's chain is in Redis (or ``redis_sync_s`` passed):
+        (stored, leading blocks confirmed in Redis, whether that is the whole chain)."""
+        reply = yield {"op": "put_commit", "lease": lease, "durable": durable,
+                       "output_tokens": output_tokens, "redis_sync_s": redis_sync_s}
+        return (int(reply["stored"]), int(reply.get("redis_visible", 0)),
+                bool(reply.get("redis_synced", False)))
+
     def op_abort(self, lease: int) -> Op:
         yield {"op": "put_abort", "lease": lease}
 
@@ -287,6 +298,21 @@ class Ops:
     def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
         reply = yield from self._ask(ns, self._target("delete", ns, keys))
         return int(reply["deleted"])
+
+    @staticmethod
+    def op_prefix(ns: Namespace, prompts: Sequence[Sequence[int] | np.ndarray], redis: bool,
+                  batch: bool) -> Op:
+        """Prefix locality (kvtier.prefix). Keys are hashed here, so the daemon only walks
+        them; the namespace is spelled out, so nothing is registered for a probe."""
+        chains = [block_keys(ns, p) for p in prompts]
+        req: dict[str, Any] = {
+            "op": "prefix_locality", "model_id": ns.model_id, "layout": ns.layout.to_dict(),
+            "tp_rank": ns.tp_rank, "tp_size": ns.tp_size, "cache_salt": ns.cache_salt,
+            "keys": b"".join(k for chain in chains for k in chain), "redis": redis}
+        if batch:
+            req["lengths"] = [len(chain) for chain in chains]
+        reply = yield req
+        return [PrefixLocality.from_dict(d) for d in reply["results"]]
 
     def op_stats(self) -> Op:
         reply = yield {"op": "stats"}

@@ -9,6 +9,8 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvtier.client.leases import GetLease, PutLease
 from kvtier.client.ops import MAX_REPLY, LookupResult, Op, Ops, map_arena
 from kvtier.config import default_socket_path, trusted_daemon_uids
@@ -16,6 +18,7 @@ from kvtier.errors import DaemonUnavailable, KVTierError, ProtocolError, Request
 from kvtier.handshake import Hello, handshake, open_verified
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
+from kvtier.prefix import PrefixLocality
 from kvtier.protocol import LENGTH, pack, unpack_body
 
 
@@ -142,6 +145,19 @@ class KVTierClient:
 
     def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
         return self._run(self._ops.op_delete(ns, keys))
+
+    def prefix_locality(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, *,
+                        redis: bool = True) -> PrefixLocality:
+        """How many leading tokens of a prompt this daemon's node holds (by tier) and the
+        shared Redis holds: a read-only probe for routing (nothing is promoted or
+        registered). ``hit_blocks`` equals what ``lookup`` would find now."""
+        return self._run(self._ops.op_prefix(ns, [token_ids], redis, False))[0]
+
+    def prefix_locality_batch(self, ns: Namespace,
+                              prompts: Sequence[Sequence[int] | np.ndarray], *,
+                              redis: bool = True) -> list[PrefixLocality]:
+        """``prefix_locality`` for several prompts in one round trip."""
+        return self._run(self._ops.op_prefix(ns, prompts, redis, True))
 
     def stats(self) -> dict[str, Any]:
         return self._run(self._ops.op_stats())

@@ -36,6 +36,8 @@ from kvtier.daemon.limits import (
     Limits,
     read_request,
 )
+from kvtier.daemon.prefix import PrefixProbe
+from kvtier.daemon.redis_sync import RedisSync
 from kvtier.errors import (
     HandshakeError,
     KVTierError,
@@ -64,7 +66,8 @@ from kvtier.store import TieredStore
 log = logging.getLogger("kvtier.control")
 CONNECTOR_COUNTERS = ("skipped_slower_than_recompute", "skipped_tokens_slower_than_recompute",
                       "dropped_saves", "dropped_save_bytes", "saves_in_flight_bytes",
-                      "loaded_blocks", "saved_blocks", "prefill_tokens_per_s")
+                      "loaded_blocks", "saved_blocks", "prefill_tokens_per_s",
+                      "redis_sync_gave_up", "producer_save_waits_timed_out")
 """Counters the vLLM connector reports through ``report_engine`` (issue 11)."""
 _PEERCRED = struct.Struct("3i")
 _MAX_NAME = 1024  # model_id and cache_salt characters: namespaces retain them
@@ -126,7 +129,10 @@ class ControlServer:
             "delete": self._delete,
             "stats": self._stats,
             "report_engine": self._report_engine,
+            "prefix_locality": self._prefix_locality,
         }
+        self.prefix = PrefixProbe(store, self.limits)   # also serves POST /v1/prefix
+        self.redis_sync = RedisSync(store)              # put_commit with redis_sync_s
         self.stats_provider: Callable[[], dict[str, Any]] = store.stats
 
     async def start(self) -> None:
@@ -438,13 +444,34 @@ class ControlServer:
         return {"lease": lease, "offsets": offsets}
 
     async def _put_commit(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+        """``redis_sync_s`` (optional): answer only once the put's whole chain is in Redis,
+        or that many seconds passed (kvtier.daemon.redis_sync); the reply then says how
+        many leading blocks Redis holds (``redis_visible``) and whether that is all."""
         out = msg.get("output_tokens")
         if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 0):
             raise ProtocolError("output_tokens must be a non-negative int or nil")
-        stored = await self.store.commit_put(conn.id, req_field(msg, "lease", int),
+        lease_id = req_field(msg, "lease", int)
+        sync_s = msg.get("redis_sync_s")
+        if sync_s is not None and (not isinstance(sync_s, (int, float))
+                                   or isinstance(sync_s, bool) or not 0 <= sync_s <= 3600):
+            raise ProtocolError("redis_sync_s must be a number of seconds in [0, 3600] or nil")
+        lease = self.store.leases.get(lease_id) if sync_s is not None else None
+        target = (None if lease is None or lease.owner != conn.id
+                  else (lease.metas[0].namespace if lease.metas else None, list(lease.chain),
+                        list(lease.metas)))
+        stored = await self.store.commit_put(conn.id, lease_id,
                                              durable=bool(msg.get("durable", False)),
                                              output_tokens=out)
-        return {"stored": stored}
+        if sync_s is None or target is None:
+            return {"stored": stored}
+        digest, chain, fresh = target
+        if digest is None and chain:   # nothing new was stored: the chain's own namespace
+            meta = self.store.index.get(chain[0])
+            digest = meta.namespace if meta is not None else None
+        if digest is None:
+            return {"stored": stored, "redis_visible": 0, "redis_synced": not chain}
+        done = await self.redis_sync.sync(digest, chain, fresh, float(sync_s))
+        return {"stored": stored, "redis_visible": done.visible, "redis_synced": done.complete}
 
     async def _put_abort(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         self.store.abort_put(conn.id, req_field(msg, "lease", int))
@@ -484,13 +511,18 @@ class ControlServer:
                 conn.engine[name] = float(value)
         return {}
 
+    async def _prefix_locality(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+        """Leading tokens cached here (by tier) and in Redis; read-only (kvtier.prefix)."""
+        return await self.prefix.from_control(msg)
+
     def limit_stats(self) -> dict[str, Any]:
         """What the limits did: error replies by code, refused and dropped connections."""
         c = self.counters
         return {"errors": dict(c.errors), "refused_connections": c.refused_connections,
                 "dropped_idle": c.dropped_idle, "dropped_slow": c.dropped_slow,
                 "pending_request_bytes": self.pending.used,
-                "namespaces_evicted": self.store.namespaces_evicted}
+                "namespaces_evicted": self.store.namespaces_evicted,
+                "redis_sync": self.redis_sync.stats()}
 
     def engine_summary(self) -> dict[str, float]:
         """Connector-side gauges summed over connected engines."""

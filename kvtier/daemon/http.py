@@ -1,5 +1,5 @@
-"""HTTP endpoints (aiohttp): /metrics, /v1/stats, /v1/lookups/recent, /healthz, and
-token-guarded admin."""
+"""HTTP endpoints (aiohttp): /metrics, /v1/stats, /v1/lookups/recent, /healthz, POST
+/v1/prefix (prefix locality for routers, docs/prefix-locality.md), and token-guarded admin."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import errno
 import hmac
 import json
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.daemon.metrics import Metrics
-from kvtier.errors import StartupError
+from kvtier.daemon.prefix import PrefixProbe, http_error
+from kvtier.errors import KVTierError, StartupError
 
 _BACKLOG = 128
 
@@ -69,29 +71,35 @@ class HttpServer:
     """Binds to 127.0.0.1 by default; port 0 picks a free port (see ``port``).
 
     ``sockets``: listening sockets from ``bind_http`` (the daemon binds before its setup);
-    without them ``start`` binds ``host:port`` itself.
+    without them ``start`` binds ``host:port`` itself. ``prefix``: the control server's
+    probe, served at POST /v1/prefix (absent: 404); bodies are then bounded by its
+    ``limits.max_frame``.
     """
 
     def __init__(self, host: str, port: int, metrics: Metrics,
                  stats: Callable[[], dict[str, Any]], config: Callable[[], dict[str, Any]],
                  admin_token: str = "",
                  recent: Callable[[int, bool], list[dict[str, Any]]] | None = None, *,
-                 sockets: list[socket.socket] | None = None) -> None:
+                 sockets: list[socket.socket] | None = None,
+                 prefix: PrefixProbe | None = None) -> None:
         self.host, self._port = host, port
         self.metrics, self.stats, self.config = metrics, stats, config
         self.admin_token = admin_token
         self.recent = recent
+        self.prefix = prefix
         self._sockets = sockets or []
         self._runner: web.AppRunner | None = None
         self.port = port
 
     async def start(self) -> None:
-        app = web.Application()
+        max_body = self.prefix.limits.max_frame if self.prefix is not None else 2**20
+        app = web.Application(client_max_size=max_body)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/healthz", self._health)
         app.router.add_get("/v1/lookups/recent", self._recent)
         app.router.add_get("/v1/admin/config", self._config)
+        app.router.add_post("/v1/prefix", self._prefix)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         if not self._sockets:
@@ -126,6 +134,22 @@ class HttpServer:
         misses = request.query.get("misses", "0").lower() in ("1", "true", "yes")
         rows = self.recent(limit, misses) if self.recent is not None else []
         return web.json_response({"lookups": rows})
+
+    async def _prefix(self, request: web.Request) -> web.Response:
+        """How many leading tokens of a prompt (or of each in a batch) are cached here, by
+        tier, and in Redis: a read-only probe for routers (kvtier.daemon.prefix)."""
+        if self.prefix is None:
+            return web.json_response({"error": "prefix locality is not served here"},
+                                     status=404)
+        t0 = time.perf_counter()
+        body = await request.read()
+        try:
+            reply = await self.prefix.from_http(body, request.content_type, request.query)
+        except KVTierError as exc:
+            status, doc = http_error(exc)
+            return web.json_response(doc, status=status)
+        self.metrics.observe("http_prefix", time.perf_counter() - t0)
+        return web.json_response(reply)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

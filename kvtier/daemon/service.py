@@ -154,6 +154,7 @@ class Daemon:
         control.stats_provider = self.stats
         stack.push_async_callback(self._close_control, control)
         await control.start()
+        self.http.prefix = control.prefix   # POST /v1/prefix (kvtier.daemon.prefix)
         await self.http.start()
         sweeper = asyncio.ensure_future(self._sweep(store))
         stack.callback(sweeper.cancel)

@@ -1,0 +1,376 @@
+"""The daemon's prefix-locality probe (``kvtier.prefix``) for routers.
+
+One probe walks the prompt's block keys through the index the way ``TieredStore.lookup``
+does, then asks Redis for the leading run it holds, and changes nothing: no promotion, no
+prefetch, no eviction-order touch, no lookup counters, no namespace registration (a
+namespace may be named by its registered digest, or spelled out and hashed here). Token
+ids arrive as little-endian u4 bytes and are hashed through numpy views (the zero-copy path
+of ``kvtier.keys.block_keys``); a JSON list of ints is accepted for convenience.
+
+Bounds (``kvtier.daemon.limits``): a prompt carries at most ``max_context_tokens`` tokens
+(or as many keys as that makes in blocks); a batch at most ``MAX_PROMPTS`` prompts and
+``BATCH_CONTEXTS`` times ``max_context_tokens`` tokens in all; a JSON body at most
+``JSON_MAX_BYTES`` (the binary body: ``max_frame``). The Redis part is bounded by
+``redis.lookup_budget_s``, as a lookup's is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.daemon.limits import Limits
+from kvtier.errors import KVTierError, LimitExceeded, ProtocolError, UnknownNamespace
+from kvtier.index import SlotState
+from kvtier.keys import KEY_BYTES, BlockKey, Namespace, block_keys
+from kvtier.layout import KVLayout
+from kvtier.prefix import PrefixLocality, RedisProbe
+from kvtier.protocol import optional_int
+from kvtier.store import TieredStore
+
+MAX_PROMPTS = 256
+BATCH_CONTEXTS = 4
+JSON_MAX_BYTES = 4 * 2**20
+_MAX_NAME = 1024
+_MAX_TP = 1 << 16
+_CPU_STATES = (SlotState.READY, SlotState.LOADING)
+_NS_FIELDS = ("namespace", "model_id", "layout", "tp_rank", "tp_size", "cache_salt")
+
+HTTP_STATUS = {UnknownNamespace.code: 404, LimitExceeded.code: 413}
+"""HTTP status per error code (400 for every other KVTierError)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """One prompt of a probe, as token ids (u4) or as block keys already computed."""
+
+    tokens: np.ndarray | None = None
+    keys: list[BlockKey] | None = None
+
+
+class PrefixProbe:
+    """Answers prefix-locality questions against one store, within the daemon's limits."""
+
+    def __init__(self, store: TieredStore, limits: Limits) -> None:
+        self.store = store
+        self.limits = limits
+
+    # -- the probe -----------------------------------------------------------------------
+    async def probe(self, ns: Namespace, keys: list[BlockKey], *,
+                    redis: bool = True) -> PrefixLocality:
+        """Leading blocks of ``keys`` cached for ``ns``: locally by tier, then in Redis."""
+        digest, layout = ns.digest, ns.layout
+        fp, nbytes = layout.fingerprint, layout.block_bytes
+        get = self.store.index.get
+        n_local = n_cpu = 0
+        for k in keys:  # the walk of TieredStore.lookup, without its side effects
+            meta = get(k)
+            if (meta is None or not meta.present or meta.namespace != digest
+                    or meta.layout_fp != fp or meta.nbytes != nbytes):
+                break
+            n_local += 1
+            if meta.cpu_state in _CPU_STATES:
+                n_cpu += 1
+        state, from_zero, after_local = await self._redis(keys, n_local, digest, redis)
+        return PrefixLocality(layout.tokens_per_block, len(keys), n_local + after_local,
+                              n_local, {"cpu": n_cpu, "nvme": n_local - n_cpu}, state,
+                              from_zero)
+
+    async def _redis(self, keys: list[BlockKey], n_local: int, digest: bytes,
+                     want: bool) -> tuple[RedisProbe, int, int]:
+        """(state, leading blocks in Redis from block 0, leading blocks after the local
+        prefix): the second is what a lookup adds; one probe answers both unless Redis
+        holds less than this node does."""
+        tier = self.store.redis
+        if not want:
+            return RedisProbe.SKIPPED, 0, 0
+        if tier is None:
+            return RedisProbe.OFF, 0, 0
+        if not tier.up:
+            return RedisProbe.DOWN, 0, 0
+        try:
+            async with asyncio.timeout(self.store.redis_lookup_budget_s):
+                from_zero = int(await tier.exists_prefix(keys, namespace=digest))
+                if from_zero >= n_local:
+                    after = from_zero - n_local
+                elif n_local < len(keys):
+                    after = int(await tier.exists_prefix(keys[n_local:], namespace=digest))
+                else:
+                    after = 0
+        except TimeoutError:
+            return RedisProbe.TIMEOUT, 0, 0
+        return RedisProbe.OK, from_zero, after
+
+    async def probe_many(self, items: list[tuple[Namespace, PromptInput]], *,
+                         redis: bool = True) -> list[PrefixLocality]:
+        """Probe a checked batch; the Redis probes run concurrently."""
+        keyed = [(ns, self._keys(ns, p)) for ns, p in items]
+        return list(await asyncio.gather(*(self.probe(ns, keys, redis=redis)
+                                           for ns, keys in keyed)))
+
+    def _keys(self, ns: Namespace, prompt: PromptInput) -> list[BlockKey]:
+        if prompt.keys is not None:
+            return prompt.keys
+        assert prompt.tokens is not None
+        try:
+            return block_keys(ns, prompt.tokens)
+        except ValueError as exc:
+            raise ProtocolError(f"token ids: {exc}") from None
+
+    # -- namespaces ----------------------------------------------------------------------
+    def namespace(self, spec: Mapping[str, Any]) -> Namespace:
+        """The namespace a request names: ``namespace`` (the registered digest, bytes or
+        hex), or ``model_id`` with ``tp_rank``/``tp_size``/``cache_salt`` and either a
+        ``layout`` (hashed here, registered or not) or none (then the one namespace
+        registered with those fields)."""
+        raw = spec.get("namespace")
+        if raw is not None:
+            digest = _digest(raw)
+            entry = self.store.namespaces.get(digest)
+            if entry is None:
+                raise UnknownNamespace("namespace not registered with this daemon: name it by "
+                                       "model_id and layout instead (no engine of it has "
+                                       "connected since the daemon started)")
+            return entry.namespace
+        model_id = spec.get("model_id")
+        if not isinstance(model_id, str) or not model_id or len(model_id) > _MAX_NAME:
+            raise ProtocolError("name the namespace: 'namespace' (its digest) or 'model_id' "
+                                f"(a string of at most {_MAX_NAME} characters)")
+        salt = spec.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or len(salt) > _MAX_NAME):
+            raise ProtocolError(f"cache_salt must be a string of at most {_MAX_NAME} "
+                                "characters or null")
+        tp_size = optional_int(dict(spec), "tp_size", 1, 1, _MAX_TP)
+        tp_rank = optional_int(dict(spec), "tp_rank", 0, 0, tp_size - 1)
+        layout = spec.get("layout")
+        if layout is not None:
+            return Namespace(model_id, KVLayout.from_dict(layout), tp_rank, tp_size, salt)
+        found = [e.namespace for e in self.store.namespaces.values()
+                 if e.namespace.model_id == model_id and e.namespace.cache_salt == salt
+                 and e.namespace.tp_rank == tp_rank and e.namespace.tp_size == tp_size]
+        if not found:
+            raise UnknownNamespace(f"no engine serving {model_id!r} (with this tp_rank, "
+                                   "tp_size and cache_salt) has registered with this daemon: "
+                                   "pass its layout to probe anyway")
+        if len(found) > 1:
+            tpbs = sorted(ns.layout.tokens_per_block for ns in found)
+            raise ProtocolError(f"{len(found)} layouts of {model_id!r} are registered here "
+                                f"(tokens_per_block {tpbs}): pass 'layout' or 'namespace'")
+        return found[0]
+
+    # -- bounds --------------------------------------------------------------------------
+    def _check_prompt(self, ns: Namespace, prompt: PromptInput) -> int:
+        """The prompt's size in tokens, refused beyond the daemon's per-request bound."""
+        tpb = ns.layout.tokens_per_block
+        if prompt.keys is not None:
+            limit = self.limits.max_keys(tpb)
+            if len(prompt.keys) > limit:
+                raise LimitExceeded(f"{len(prompt.keys)} keys in one prompt; this namespace "
+                                    f"allows {limit} (daemon.max_context_tokens "
+                                    f"{self.limits.max_context_tokens} in blocks of {tpb})")
+            return len(prompt.keys) * tpb
+        assert prompt.tokens is not None
+        n = int(prompt.tokens.shape[0])
+        if n > self.limits.max_context_tokens:
+            raise LimitExceeded(f"a prompt of {n} tokens; the daemon allows "
+                                f"{self.limits.max_context_tokens} "
+                                "(daemon.max_context_tokens)")
+        return n
+
+    def _check_batch(self, items: list[tuple[Namespace, PromptInput]]) -> None:
+        if len(items) > MAX_PROMPTS:
+            raise LimitExceeded(f"{len(items)} prompts in one request; at most {MAX_PROMPTS}: "
+                                "split the batch")
+        budget = BATCH_CONTEXTS * self.limits.max_context_tokens
+        total = sum(self._check_prompt(ns, p) for ns, p in items)
+        if total > budget:
+            raise LimitExceeded(f"{total} tokens in one batch; at most {budget} "
+                                f"({BATCH_CONTEXTS} x daemon.max_context_tokens): split it")
+
+    # -- the control op ------------------------------------------------------------------
+    async def from_control(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """``prefix_locality``: ``ns`` (digest) or the namespace fields; ``tokens`` (u4
+        little-endian bytes) or ``keys`` (16-byte keys, concatenated); ``lengths`` (tokens
+        or keys per prompt) makes a batch; ``redis`` (default true). Answers ``results``."""
+        spec = {k: msg[k] for k in _NS_FIELDS if k in msg}
+        if "ns" in msg:
+            spec["namespace"] = msg["ns"]
+        ns = self.namespace(spec)
+        prompts = _split(msg.get("tokens"), msg.get("keys"), msg.get("lengths"))
+        items = [(ns, p) for p in prompts]
+        self._check_batch(items)
+        results = await self.probe_many(items, redis=_flag(msg.get("redis", True)))
+        return {"results": [r.to_dict() for r in results]}
+
+    # -- HTTP ----------------------------------------------------------------------------
+    async def from_http(self, body: bytes, content_type: str,
+                        query: Mapping[str, str]) -> dict[str, Any]:
+        """``POST /v1/prefix``: JSON (``token_ids``, ``tokens_b64`` or ``block_keys``, or
+        ``prompts`` for a batch), or ``application/octet-stream`` (u4 tokens or raw keys,
+        with the namespace and ``lengths`` in the query string). One prompt answers the
+        probe itself, a batch ``{"results": [...]}``."""
+        if content_type == "application/octet-stream":
+            spec: dict[str, Any] = dict(query)
+            for name in ("tp_rank", "tp_size"):
+                if name in spec:
+                    spec[name] = _query_int(name, spec[name])
+            ns = self.namespace(spec)
+            as_keys = query.get("input", "tokens") == "keys"
+            lengths = None
+            if "lengths" in query:
+                lengths = [_query_int("lengths", x) for x in query["lengths"].split(",")]
+            prompts = _split(None if as_keys else body, body if as_keys else None, lengths)
+            items = [(ns, p) for p in prompts]
+            batch = lengths is not None
+            want_redis = query.get("redis", "1").lower() not in ("0", "false", "no")
+        elif content_type in ("application/json", ""):
+            if len(body) > JSON_MAX_BYTES:
+                raise LimitExceeded(f"a JSON body of {len(body)} bytes; at most "
+                                    f"{JSON_MAX_BYTES}: send u4 tokens as "
+                                    "application/octet-stream or tokens_b64")
+            try:
+                doc = json.loads(body)
+            except (ValueError, RecursionError):
+                raise ProtocolError("the body is not valid JSON") from None
+            if not isinstance(doc, dict):
+                raise ProtocolError("the body must be a JSON object")
+            items, batch = self._json_items(doc)
+            want_redis = _flag(doc.get("redis", True))
+        else:
+            raise ProtocolError(f"unsupported content type {content_type[:64]!r}: send "
+                                "application/json or application/octet-stream")
+        self._check_batch(items)
+        results = [r.to_dict() for r in await self.probe_many(items, redis=want_redis)]
+        return {"results": results} if batch else results[0]
+
+    def _json_items(self, doc: dict[str, Any]) -> tuple[list[tuple[Namespace, PromptInput]],
+                                                         bool]:
+        top = {k: doc[k] for k in _NS_FIELDS if k in doc}
+        prompts = doc.get("prompts")
+        if prompts is None:
+            return [(self.namespace(top), _json_prompt(doc))], False
+        if not isinstance(prompts, list):
+            raise ProtocolError("'prompts' must be a list of objects")
+        if len(prompts) > MAX_PROMPTS:
+            raise LimitExceeded(f"{len(prompts)} prompts in one request; at most "
+                                f"{MAX_PROMPTS}: split the batch")
+        items = []
+        for p in prompts:
+            if not isinstance(p, dict):
+                raise ProtocolError("each of 'prompts' must be an object")
+            own = {k: p[k] for k in _NS_FIELDS if k in p}
+            items.append((self.namespace({**top, **own}), _json_prompt(p)))
+        return items, True
+
+
+def _digest(raw: object) -> bytes:
+    if isinstance(raw, str):
+        try:
+            raw = bytes.fromhex(raw)
+        except ValueError:
+            raise ProtocolError("namespace must be 32 hex digits") from None
+    if not isinstance(raw, bytes) or len(raw) != 16:
+        raise ProtocolError("namespace must be a 16-byte digest (32 hex digits)")
+    return raw
+
+
+def _flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError("'redis' must be true or false")
+    return value
+
+
+def _query_int(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ProtocolError(f"query parameter {name!r} must be an integer") from None
+
+
+def _split(tokens: object, keys: object, lengths: object) -> list[PromptInput]:
+    """Prompts from one blob of u4 tokens or 16-byte keys, cut by ``lengths`` (a batch)
+    or whole (one prompt). The token arrays are views of the blob: nothing per token."""
+    if (tokens is None) == (keys is None):
+        raise ProtocolError("send either 'tokens' (u4 little-endian bytes) or 'keys'")
+    blob = tokens if tokens is not None else keys
+    if not isinstance(blob, bytes):
+        raise ProtocolError("'tokens' and 'keys' must be bytes")
+    unit = 4 if tokens is not None else KEY_BYTES
+    if len(blob) % unit:
+        raise ProtocolError(f"{len(blob)} bytes are not a whole number of {unit}-byte items")
+    count = len(blob) // unit
+    if lengths is None:
+        sizes = [count]
+    else:
+        if (not isinstance(lengths, list) or not all(type(n) is int and n >= 0
+                                                     for n in lengths)):
+            raise ProtocolError("'lengths' must be a list of non-negative ints")
+        if len(lengths) > MAX_PROMPTS:
+            raise LimitExceeded(f"{len(lengths)} prompts in one request; at most "
+                                f"{MAX_PROMPTS}: split the batch")
+        if sum(lengths) != count:
+            raise ProtocolError(f"'lengths' add up to {sum(lengths)}, the body holds {count}")
+        sizes = lengths
+    out: list[PromptInput] = []
+    start = 0
+    if tokens is not None:
+        arr = np.frombuffer(blob, dtype="<u4")
+        for n in sizes:
+            out.append(PromptInput(tokens=arr[start:start + n]))
+            start += n
+    else:
+        for n in sizes:
+            piece = blob[start * KEY_BYTES:(start + n) * KEY_BYTES]
+            out.append(PromptInput(keys=TieredStore.split_keys(piece)))
+            start += n
+    return out
+
+
+def _json_prompt(doc: Mapping[str, Any]) -> PromptInput:
+    """One prompt of a JSON body: ``token_ids`` (ints), ``tokens_b64`` (u4 little-endian,
+    base64) or ``block_keys`` (32-hex-digit keys)."""
+    given = [k for k in ("token_ids", "tokens_b64", "block_keys") if k in doc]
+    if len(given) != 1:
+        raise ProtocolError("give exactly one of 'token_ids', 'tokens_b64', 'block_keys'")
+    value = doc[given[0]]
+    if given[0] == "token_ids":
+        if not isinstance(value, list):
+            raise ProtocolError("'token_ids' must be a list of ints")
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError, OverflowError):
+            raise ProtocolError("'token_ids' must be a flat list of ints") from None
+        if arr.size == 0:
+            arr = np.empty(0, dtype="<u4")
+        if arr.dtype.kind not in "iu" or arr.ndim != 1:
+            raise ProtocolError("'token_ids' must be a flat list of ints")
+        return PromptInput(tokens=arr)
+    if given[0] == "tokens_b64":
+        if not isinstance(value, str):
+            raise ProtocolError("'tokens_b64' must be a base64 string")
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError("'tokens_b64' is not valid base64") from None
+        return _split(raw, None, None)[0]
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise ProtocolError("'block_keys' must be a list of 32-hex-digit strings")
+    try:
+        keys = [bytes.fromhex(k) for k in value]
+    except ValueError:
+        raise ProtocolError("'block_keys' must be 32-hex-digit strings") from None
+    if any(len(k) != KEY_BYTES for k in keys):
+        raise ProtocolError("each block key is 16 bytes (32 hex digits)")
+    return PromptInput(keys=keys)
+
+
+def http_error(exc: KVTierError) -> tuple[int, dict[str, str]]:
+    """Status and JSON body for a refused probe."""
+    return HTTP_STATUS.get(exc.code, 400), {"error": str(exc), "code": exc.code}

@@ -1,0 +1,112 @@
+"""The connector's worker side as a ``kv_producer`` (no engine; real daemon, real Redis,
+real CPU KV caches): a step ends only once its saves are committed and in Redis, a save is
+never dropped for lack of room (a ``kv_both`` save is), and a Redis that cannot take the
+blocks bounds the step and is counted."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the connector package imports vLLM")
+pytest.importorskip("torch")
+
+from kvtier.connectors.vllm import transfers
+from kvtier.connectors.vllm.config import ConnectorConfig
+from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, TransferSpec
+from kvtier.connectors.vllm.worker import WorkerSide
+
+from tests.integration.test_connector_worker import (
+    LAYOUT,
+    PAGE,
+    TPB,
+    WAIT_S,
+    caches,
+    rows,
+    tokens,
+)
+from tests.support.daemon import DaemonProcess
+from tests.support.redis_servers import RedisServer, running_server
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    with running_server(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture
+def node(tmp_path: Path, redis_server: RedisServer) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path / "kvd", cpu_bytes="32MiB", nvme_bytes="0",
+                      extra_args=["--redis-url", redis_server.url],
+                      env={"KVTIER_REDIS_WRITE_THROUGH": "false",
+                           "KVTIER_REDIS_OP_TIMEOUT_S": "0.5"}).start()
+    yield d
+    d.kill()
+
+
+def worker(d: DaemonProcess, role: str, **extra: Any) -> WorkerSide:
+    cfg = ConnectorConfig.from_extra({"socket_path": str(d.socket), "tokens_per_block": TPB,
+                                      "model_id": "m", "timeout_s": 5.0,
+                                      "max_inflight_save_bytes": LAYOUT.block_bytes, **extra},
+                                     block_size=PAGE, default_model_id="m", role=role)
+    w = WorkerSide(cfg, LAYOUT, PAGE, 0, 1)
+    w.register_kv_caches(caches(3))
+    return w
+
+
+def two_saves() -> KVTierConnectorMetadata:
+    """Two requests' saves of one block each: the in-flight bound holds one at a time."""
+    return KVTierConnectorMetadata(saves=[
+        TransferSpec("a", None, tokens(1, 1), 0, rows(1, 1), save_id=1),
+        TransferSpec("b", None, tokens(2, 1), 0, rows(5, 1), save_id=2)])
+
+
+def counters(w: WorkerSide) -> dict[str, int]:
+    meta = w.worker_meta()
+    return dict(meta.counters) if meta is not None else {}
+
+
+def test_a_producer_step_ends_with_every_block_in_redis(node: DaemonProcess,
+                                                        redis_server: RedisServer) -> None:
+    w = worker(node, "kv_producer", redis_sync_timeout_s=3.0)
+    w.save(two_saves())
+    # no waiting here: save() returned after both commits and their write-through
+    assert w.saved_blocks == 2
+    assert redis_server.client().dbsize() == 2
+    got = counters(w)
+    assert got.get("dropped_saves", 0) == 0 and got.get("redis_sync_gave_up", 0) == 0
+    assert node.stats()["daemon"]["redis_sync"]["commits"] == 2
+    w.shutdown()
+
+
+def test_kv_both_drops_at_the_bound_where_a_producer_waits(
+        node: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    original = transfers.SaveRequest.copy
+
+    def held(self: Any, stream: Any) -> None:
+        assert gate.wait(WAIT_S)
+        original(self, stream)
+
+    monkeypatch.setattr(transfers.SaveRequest, "copy", held)
+    w = worker(node, "kv_both")
+    w.save(two_saves())                  # the first holds the bound: the second is dropped
+    gate.set()
+    w.shutdown()
+    assert counters(w).get("dropped_saves") == 1
+
+
+def test_redis_gone_bounds_the_producer_step_and_is_counted(
+        node: DaemonProcess, redis_server: RedisServer) -> None:
+    w = worker(node, "kv_producer", redis_sync_timeout_s=1.0)
+    redis_server.kill()
+    w.save(two_saves())
+    assert w.saved_blocks == 2           # stored on this node all the same
+    assert counters(w).get("redis_sync_gave_up") == 2
+    assert node.stats()["daemon"]["redis_sync"]["gave_up"] == 2
+    w.shutdown()

@@ -1,0 +1,138 @@
+"""put_commit with ``redis_sync_s`` against a real Redis: the commit answers once the put's
+whole chain is visible in Redis, so a second node that asks right after finds it; and when
+it cannot be (Redis down, writes stalled), the commit still answers within its bound and
+the give-up is counted."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.client import KVTierClient, connect
+from kvtier.keys import Namespace, block_keys
+from kvtier.layout import KVLayout
+from tests.support.daemon import DaemonProcess
+from tests.support.redis_servers import RedisServer, running_server, start_cluster
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
+                  tokens_per_block=64)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    with running_server(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture
+def node(redis_server: RedisServer,
+         daemon_factory: Callable[..., DaemonProcess]) -> Callable[..., DaemonProcess]:
+    def make(name: str, write_through: bool = False) -> DaemonProcess:
+        env = {"KVTIER_REDIS_WRITE_THROUGH": "true" if write_through else "false",
+               "KVTIER_REDIS_OP_TIMEOUT_S": "0.5"}
+        return daemon_factory(name, extra_args=["--redis-url", redis_server.url],
+                              env=env).start()
+    return make
+
+
+def write(c: KVTierClient, ns: Namespace, keys: list[bytes],
+          sync_s: float | None) -> tuple[int, int | None, bool | None, float]:
+    """prepare_put, fill, commit (with sync when asked): (stored, visible, synced, seconds)."""
+    lease = c.prepare_put(ns, keys)
+    for i, view in enumerate(lease.views):
+        if view is not None:
+            view[:] = i % 251
+    t0 = time.monotonic()
+    stored = lease.commit(redis_sync_s=sync_s)
+    return stored, lease.redis_visible, lease.redis_synced, time.monotonic() - t0
+
+
+def sync_stats(node: DaemonProcess) -> dict:
+    return node.stats()["daemon"]["redis_sync"]
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_synced_commit_is_visible_to_another_node_at_once(
+        redis_server: RedisServer, node: Callable[..., DaemonProcess],
+        write_through: bool) -> None:
+    a, b = node("a", write_through), node("b")
+    ca, cb = connect(a.socket), connect(b.socket)
+    ns = ca.register_layout(LAYOUT, "m")
+    keys = block_keys(ns, np.arange(10 * 64))
+    stored, visible, synced, _ = write(ca, ns, keys, 5.0)
+    assert (stored, visible, synced) == (10, 10, True)
+    # no waiting: the other node finds the whole chain in Redis right after the commit
+    assert redis_server.client().dbsize() == 10
+    assert cb.prefix_locality(ns, np.arange(10 * 64)).redis_blocks == 10
+    assert cb.lookup(cb.register_layout(LAYOUT, "m"), keys, prefetch=False).hits == 10
+    assert sync_stats(a)["commits"] == 1 and sync_stats(a)["gave_up"] == 0
+    ca.close()
+    cb.close()
+
+
+def test_blocks_stored_before_are_sent_too(redis_server: RedisServer,
+                                          node: Callable[..., DaemonProcess]) -> None:
+    a = node("a", write_through=False)
+    c = connect(a.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = block_keys(ns, np.arange(8 * 64))
+    assert write(c, ns, keys[:5], None)[:3] == (5, None, None)    # local only
+    assert redis_server.client().dbsize() == 0
+    # the producer's next put of the prompt: 5 blocks are skipped at prepare, 3 are new
+    stored, visible, synced, _ = write(c, ns, keys, 5.0)
+    assert (stored, visible, synced) == (3, 8, True)
+    assert redis_server.client().dbsize() == 8
+    c.close()
+
+
+def test_down_or_stalled_redis_bounds_the_commit_and_counts(
+        redis_server: RedisServer, node: Callable[..., DaemonProcess]) -> None:
+    a = node("a")
+    c = connect(a.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = block_keys(ns, np.arange(12 * 64))
+    # writes stalled (CLIENT PAUSE WRITE): the sync gives up at its bound, the put stands
+    admin = redis_server.client()
+    admin.execute_command("CLIENT", "PAUSE", "3000", "WRITE")
+    try:
+        stored, visible, synced, took = write(c, ns, keys[:4], 0.5)
+    finally:
+        with contextlib.suppress(Exception):
+            admin.execute_command("CLIENT", "UNPAUSE")
+    assert stored == 4 and synced is False and visible == 0
+    assert took < 2.5, f"a 0.5 s sync took {took:.2f} s"
+    assert c.lookup(ns, keys[:4]).hits == 4
+    # Redis gone: answered at once, counted
+    redis_server.kill()
+    stored, visible, synced, took = write(c, ns, keys[4:8], 2.0)
+    assert stored == 4 and synced is False and took < 2.5
+    stats = sync_stats(a)
+    assert stats["commits"] == 2 and stats["gave_up"] == 2
+    assert sum(stats["gave_up_by_reason"].values()) == 2
+    c.close()
+
+
+def test_synced_commit_over_a_cluster_with_replicas(
+        tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """The same through a Redis Cluster of 3 masters and 3 replicas (keys of one chain
+    spread over every master)."""
+    cluster = start_cluster(tmp_path / "cluster", 3, replicas=1)
+    try:
+        env = {"KVTIER_REDIS_LOOKUP_BUDGET_S": "2.0"}   # a cold cluster client's first ask
+        a, b = (daemon_factory(n, extra_args=["--redis-url", cluster.url], env=env).start()
+                for n in ("a", "b"))
+        ca, cb = connect(a.socket), connect(b.socket)
+        ns = ca.register_layout(LAYOUT, "m")
+        keys = block_keys(ns, np.arange(24 * 64))
+        assert write(ca, ns, keys, 5.0)[:3] == (24, 24, True)
+        assert sum(n.client().dbsize() for n in cluster.nodes) == 24   # the masters
+        assert cb.prefix_locality(ns, np.arange(24 * 64)).redis_blocks == 24
+        ca.close()
+        cb.close()
+    finally:
+        cluster.stop()
