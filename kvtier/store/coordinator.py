@@ -67,6 +67,8 @@ class TieredStore:
         make = policy_factory or (lambda name, tier: _make_policy(name))
         self.arena, self.nvme, self.redis, self.hbm = arena, nvme, redis, hbm
         self.clock, self.lease_ttl_s = clock, lease_ttl_s
+        self.redis_write_through = redis_write_through      # read by daemon.redis_sync
+        self.redis_lookup_budget_s = redis_lookup_budget_s  # and by daemon.prefix
         self.admission, self.observer, self.forest = admission, observer, forest
         self.index = BlockIndex()
         self.requests = RequestCounters()
