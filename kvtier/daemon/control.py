@@ -23,8 +23,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,55 +35,29 @@ from kvtier.daemon.limits import (
     Limits,
     read_request,
 )
+from kvtier.daemon.ops import Connection, ControlOps
 from kvtier.daemon.prefix import PrefixProbe
 from kvtier.daemon.redis_sync import RedisSync
 from kvtier.errors import (
     HandshakeError,
     KVTierError,
-    LayoutMismatch,
-    LimitExceeded,
     Overloaded,
     ProtocolError,
     StartupError,
-    UnknownNamespace,
 )
-from kvtier.frame import MAX_PAYLOAD
-from kvtier.keys import KEY_BYTES
-from kvtier.layout import KVLayout
 from kvtier.protocol import (
     PROTOCOL_VERSION,
     SUPPORTED_VERSIONS,
-    optional_int,
     pack,
     request_id,
-)
-from kvtier.protocol import (
-    field as req_field,
 )
 from kvtier.store import TieredStore
 
 log = logging.getLogger("kvtier.control")
-CONNECTOR_COUNTERS = ("skipped_slower_than_recompute", "skipped_tokens_slower_than_recompute",
-                      "dropped_saves", "dropped_save_bytes", "saves_in_flight_bytes",
-                      "loaded_blocks", "saved_blocks", "prefill_tokens_per_s",
-                      "redis_sync_gave_up", "producer_save_waits_timed_out")
-"""Counters the vLLM connector reports through ``report_engine`` (issue 11)."""
 _PEERCRED = struct.Struct("3i")
-_MAX_NAME = 1024  # model_id and cache_salt characters: namespaces retain them
-_MAX_TP = 1 << 16
 
 
-@dataclass(slots=True)
-class Connection:
-    id: int
-    pid: int
-    uid: int
-    client: str = ""
-    key_scheme: str = ""   # the client's key function version (kvtier.keys.KEY_SCHEME)
-    engine: dict[str, float] = field(default_factory=dict)
-
-
-class ControlServer:
+class ControlServer(ControlOps):
     """Serves the connector API of one daemon."""
 
     def __init__(self, store: TieredStore, socket_path: Path, *, max_frame: int,
@@ -117,20 +90,7 @@ class ControlServer:
         self.rejected_peers = 0
         self.protocol_errors = 0
         self.counters = LimitCounters()
-        self._ops: dict[str, Callable[[Connection, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
-            "ping": self._ping,
-            "register_layout": self._register_layout,
-            "lookup": self._lookup,
-            "put_prepare": self._put_prepare,
-            "put_commit": self._put_commit,
-            "put_abort": self._put_abort,
-            "get_prepare": self._get_prepare,
-            "get_release": self._get_release,
-            "delete": self._delete,
-            "stats": self._stats,
-            "report_engine": self._report_engine,
-            "prefix_locality": self._prefix_locality,
-        }
+        self._ops = self.op_table()
         self.prefix = PrefixProbe(store, self.limits)   # also serves POST /v1/prefix
         self.redis_sync = RedisSync(store)              # put_commit with redis_sync_s
         self.stats_provider: Callable[[], dict[str, Any]] = store.stats
@@ -381,140 +341,6 @@ class ControlServer:
         except (ConnectionError, RuntimeError):
             pass
 
-    # -- ops -----------------------------------------------------------------------------
-    async def _ping(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        return {}
-
-    def _target(self, msg: dict[str, Any]) -> tuple[bytes, int, list[bytes]]:
-        """Namespace, layout fingerprint and keys of a request; the key count is checked
-        against the namespace's limit on the raw blob, before any key object exists."""
-        ns = req_field(msg, "ns", bytes)
-        fp = req_field(msg, "layout_fp", int)
-        blob = req_field(msg, "keys", bytes)
-        layout = self.store.touch_namespace(ns)
-        if layout is None:
-            raise UnknownNamespace("namespace not registered with this daemon: call "
-                                   "register_layout first (the daemon may have restarted or "
-                                   "forgotten a namespace unused for long)")
-        limit = self.limits.max_keys(layout.tokens_per_block)
-        if len(blob) > limit * KEY_BYTES:
-            raise LimitExceeded(
-                f"{len(blob) // KEY_BYTES} keys in one request; this namespace allows "
-                f"{limit} ({self.limits.max_context_tokens} tokens, daemon.max_context_tokens, "
-                f"in blocks of {layout.tokens_per_block}): split the request")
-        return ns, fp, self.store.split_keys(blob)
-
-    async def _register_layout(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        layout = KVLayout.from_dict(req_field(msg, "layout", dict))
-        if layout.block_bytes > MAX_PAYLOAD:
-            raise LayoutMismatch(f"a block of {layout.block_bytes} bytes is beyond any tier "
-                                 f"(at most {MAX_PAYLOAD}): check the layout's sizes")
-        salt = msg.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise ProtocolError("cache_salt must be a string or nil")
-        model_id = req_field(msg, "model_id", str)
-        if len(model_id) > _MAX_NAME or (salt is not None and len(salt) > _MAX_NAME):
-            raise ProtocolError(f"model_id and cache_salt are limited to {_MAX_NAME} "
-                                "characters")
-        tp_size = optional_int(msg, "tp_size", 1, 1, _MAX_TP)
-        tp_rank = optional_int(msg, "tp_rank", 0, 0, tp_size - 1)
-        ns = self.store.register_namespace(layout, model_id, tp_rank, tp_size, salt)
-        return {"ns": ns.digest, "layout_fp": layout.fingerprint,
-                "block_bytes": layout.block_bytes}
-
-    async def _lookup(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        ns, fp, keys = self._target(msg)
-        res = await self.store.lookup(ns, fp, keys, prefetch=bool(msg.get("prefetch", True)))
-        reply: dict[str, Any] = {"hits": res.hits, "tiers": res.tiers}
-        bandwidth = getattr(self.store, "bandwidth", None)
-        if bandwidth is not None:   # additive: reload bytes/s per tier, for "never slower
-            reply["bandwidth"] = bandwidth.reload_bandwidth()  # than recompute" (issue 11)
-        return reply
-
-    async def _put_prepare(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        ns, fp, keys = self._target(msg)
-        parent = msg.get("parent")
-        if parent is not None and not (isinstance(parent, bytes) and len(parent) == 16):
-            raise ProtocolError("parent must be a 16-byte key or nil")
-        depth = msg.get("depth", 0)
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-            raise ProtocolError("depth must be a non-negative int")
-        lease, offsets = await self.store.prepare_put(conn.id, ns, fp, keys, parent=parent,
-                                                      depth=depth)
-        return {"lease": lease, "offsets": offsets}
-
-    async def _put_commit(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        """``redis_sync_s`` (optional): answer only once the put's whole chain is in Redis,
-        or that many seconds passed (kvtier.daemon.redis_sync); the reply then says how
-        many leading blocks Redis holds (``redis_visible``) and whether that is all."""
-        out = msg.get("output_tokens")
-        if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 0):
-            raise ProtocolError("output_tokens must be a non-negative int or nil")
-        lease_id = req_field(msg, "lease", int)
-        sync_s = msg.get("redis_sync_s")
-        if sync_s is not None and (not isinstance(sync_s, (int, float))
-                                   or isinstance(sync_s, bool) or not 0 <= sync_s <= 3600):
-            raise ProtocolError("redis_sync_s must be a number of seconds in [0, 3600] or nil")
-        lease = self.store.leases.get(lease_id) if sync_s is not None else None
-        target = (None if lease is None or lease.owner != conn.id
-                  else (lease.metas[0].namespace if lease.metas else None, list(lease.chain),
-                        list(lease.metas)))
-        stored = await self.store.commit_put(conn.id, lease_id,
-                                             durable=bool(msg.get("durable", False)),
-                                             output_tokens=out)
-        if sync_s is None or target is None:
-            return {"stored": stored}
-        digest, chain, fresh = target
-        if digest is None and chain:   # nothing new was stored: the chain's own namespace
-            meta = self.store.index.get(chain[0])
-            digest = meta.namespace if meta is not None else None
-        if digest is None:
-            return {"stored": stored, "redis_visible": 0, "redis_synced": not chain}
-        done = await self.redis_sync.sync(digest, chain, fresh, float(sync_s))
-        return {"stored": stored, "redis_visible": done.visible, "redis_synced": done.complete}
-
-    async def _put_abort(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        self.store.abort_put(conn.id, req_field(msg, "lease", int))
-        return {}
-
-    async def _get_prepare(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        """Read-locked slots; with ``device: true`` (a client that mapped the HBM pool) the
-        reply adds ``devices``, "hbm" or "cpu" per offset."""
-        ns, fp, keys = self._target(msg)
-        if msg.get("device") is True:
-            lease, offsets, devices = await self.store.prepare_get_device(conn.id, ns, fp, keys)
-            return {"lease": lease, "offsets": offsets, "devices": devices}
-        lease, offsets = await self.store.prepare_get(conn.id, ns, fp, keys)
-        return {"lease": lease, "offsets": offsets}
-
-    async def _get_release(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        copy_s = msg.get("copy_s")   # optional: the client's own copy time (issue 11)
-        if not isinstance(copy_s, (int, float)) or isinstance(copy_s, bool) or copy_s < 0:
-            copy_s = None
-        self.store.release_get(conn.id, req_field(msg, "lease", int), copy_s=copy_s)
-        return {}
-
-    async def _delete(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        ns, fp, keys = self._target(msg)
-        return {"deleted": await self.store.delete(ns, fp, keys)}
-
-    async def _stats(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"stats": self.stats_provider()}
-
-    async def _report_engine(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        allowed = ("running", "waiting", "preemptions", "context_tokens_p50",
-                   "context_tokens_p99", "requests_finished", "load_errors",
-                   *CONNECTOR_COUNTERS)
-        for name in allowed:
-            value = msg.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                conn.engine[name] = float(value)
-        return {}
-
-    async def _prefix_locality(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        """Leading tokens cached here (by tier) and in Redis; read-only (kvtier.prefix)."""
-        return await self.prefix.from_control(msg)
-
     def limit_stats(self) -> dict[str, Any]:
         """What the limits did: error replies by code, refused and dropped connections."""
         c = self.counters
@@ -523,21 +349,6 @@ class ControlServer:
                 "pending_request_bytes": self.pending.used,
                 "namespaces_evicted": self.store.namespaces_evicted,
                 "redis_sync": self.redis_sync.stats()}
-
-    def engine_summary(self) -> dict[str, float]:
-        """Connector-side gauges summed over connected engines."""
-        out: dict[str, float] = {"engines": 0}
-        for conn in self.connections.values():
-            if not conn.engine:
-                continue
-            out["engines"] += 1
-            for k, v in conn.engine.items():
-                if k.startswith("context_tokens"):
-                    out[k] = max(out.get(k, 0.0), v)
-                else:
-                    out[k] = out.get(k, 0.0) + v
-        return out
-
 
 def _short(value: object) -> str:
     """A client-sent value for an error message or log line, never longer than 64 chars."""
