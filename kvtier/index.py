@@ -1,7 +1,7 @@
 """BlockIndex: what the daemon knows about each block, per tier.
 
 Residency is data: a ``BlockMeta`` says whether the block is in the cpu arena (and in
-what state), on nvme, or both; readers pin it. Only ``TieredStore`` mutates the index,
+what state), on nvme, or both; readers pin it. Only the store (``kvtier.store``) mutates it,
 always on the event loop thread, so no locks are needed.
 
 Slot states (cpu arena):
@@ -14,11 +14,15 @@ Illegal transitions raise: a bug here would hand out wrong bytes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtier.errors import KVTierError
+
+if TYPE_CHECKING:
+    from kvtier.tiers.nvme import NvmeSlot
 
 
 class SlotState(str, Enum):
@@ -51,7 +55,7 @@ class BlockMeta:
     depth: int
     cpu: int | None = None              # arena offset
     cpu_state: SlotState = SlotState.NONE
-    nvme: Any = None                    # NvmeSlot when on nvme
+    nvme: NvmeSlot | None = None        # its frame's slot when on nvme
     nvme_ready: bool = False            # frame completely written
     nvme_busy: bool = False             # a write or read of the nvme slot is in flight
     readers: int = 0                    # read leases holding the cpu slot
@@ -92,12 +96,17 @@ class BlockMeta:
 class BlockIndex(dict[bytes, BlockMeta]):
     """key -> BlockMeta. A dict with a name: O(1) lookups on the hot path."""
 
-    def leading_present(self, keys: list[bytes]) -> int:
-        """How many leading keys of a chain are present in the local tiers."""
-        n = 0
+    def leading(self, keys: Iterable[bytes],
+                accept: Callable[[BlockMeta], bool] | None = None) -> Iterator[BlockMeta]:
+        """The leading blocks of a chain present in the local tiers (and ``accept``-ed),
+        up to the first that is not. Lazy: each key is looked up when the caller asks for
+        the next block, so a caller may await between blocks and see the index as it is."""
         for k in keys:
             meta = self.get(k)
-            if meta is None or not meta.present:
-                break
-            n += 1
-        return n
+            if meta is None or not meta.present or (accept is not None and not accept(meta)):
+                return
+            yield meta
+
+    def leading_present(self, keys: list[bytes]) -> int:
+        """How many leading keys of a chain are present in the local tiers."""
+        return sum(1 for _ in self.leading(keys))

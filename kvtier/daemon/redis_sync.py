@@ -96,12 +96,13 @@ class RedisSync:
         return SyncResult(visible, False, "missing" if tier.up else "down")
 
     def _send(self, metas: Any) -> None:
-        store = self.store
+        store, tier = self.store, self.store.redis
+        if tier is None:   # _sync checked it; the store's redis is typed optional
+            return
         for meta in metas:
             if meta.in_cpu and meta.cpu is not None:
-                store.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                                   store.arena.view(meta.cpu, meta.nbytes).data,
-                                   seq=meta.seq)
+                tier.submit(meta.namespace, meta.key, meta.layout_fp,
+                            store.arena.view(meta.cpu, meta.nbytes).data, seq=meta.seq)
 
     def stats(self) -> dict[str, Any]:
         c = self.counters

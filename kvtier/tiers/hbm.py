@@ -22,7 +22,7 @@ Availability: off unless ``hbm.enabled`` and ``hbm_available()`` holds (driver, 
 Nothing here imports cupy or torch at module import time.
 
 Wiring: the daemon builds the pool and passes it to the store, which places blocks in it for
-clients that ask for device placement (``kvtier.store_hbm``); the control handshake carries
+clients that ask for device placement (``kvtier.store.hbm``); the control handshake carries
 ``HbmTier.handshake_info`` to every client, and ``kvtier.client`` maps the pool lazily, only
 for callers that asked for device placement.
 

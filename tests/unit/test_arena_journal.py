@@ -189,7 +189,7 @@ def test_frames_record_their_parent_and_old_frames_read_as_unknown() -> None:
 
 # -- the store's commit log ------------------------------------------------------------------
 async def test_commit_log_hashes_off_loop_and_skips_freed_slots(shm_dir: Path) -> None:
-    from kvtier.store_recovery import CommitLog
+    from kvtier.store.recovery import CommitLog
 
     arena = Arena(4 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False, name="x.arena")
     arena.journal = ArenaJournal(shm_dir / "x.journal", arena.size, arena.slab_bytes)

@@ -32,14 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from kvtier.frame import FLAG_CHAIN, FrameHeader, parent_tag
+from kvtier.frame import FLAG_CHAIN, parent_tag
 from kvtier.index import BlockMeta, SlotState
+from kvtier.tiers.aligned import byte_view
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_journal import ArenaJournal, CommitInfo, CommittedSlot, JournalState
 from kvtier.tiers.base import EvictionReason
+from kvtier.tiers.nvme import NvmeSlot
+from kvtier.tiers.nvme.recovery import Recovered
 
 if TYPE_CHECKING:
-    from kvtier.store import TieredStore
+    from kvtier.store.coordinator import TieredStore
 
 log = logging.getLogger("kvtier.store")
 
@@ -70,7 +73,7 @@ class _Found:
     layout_fp: int
     nbytes: int
     seq: int
-    nvme: Any = None
+    nvme: NvmeSlot | None = None
     cpu: int | None = None
     cpu_order: int = 0
     checksum: int = 0
@@ -145,7 +148,7 @@ def _verify(arena: Arena, slots: list[CommittedSlot]) -> list[bool]:
         for c in chunk:
             end = c.offset + c.info.nbytes
             out.append(c.offset >= 0 and end <= arena.size and xxhash.xxh3_64_intdigest(
-                arena.view(c.offset, c.info.nbytes)) == c.checksum)
+                byte_view(arena.view(c.offset, c.info.nbytes))) == c.checksum)
         return out
 
     workers = max(1, min(4, os.cpu_count() or 1))
@@ -163,7 +166,7 @@ async def recover(store: TieredStore, state: JournalState | None, *,
     loop = asyncio.get_running_loop()
     c = RecoveryCounters()
     arena = store.arena
-    entries: list[tuple[Any, FrameHeader]] = []
+    entries: Recovered = []
     if store.nvme is not None:
         entries = await loop.run_in_executor(None, store.nvme.open)
     committed: list[CommittedSlot] = []
@@ -218,17 +221,18 @@ def rebuild_nvme_only(store: TieredStore) -> int:
     return c.nvme_blocks
 
 
-def _merge(store: TieredStore, entries: list[tuple[Any, FrameHeader]],
+def _merge(store: TieredStore, entries: Recovered,
            committed: list[CommittedSlot], writing: list[tuple[int, int]],
            c: RecoveryCounters) -> tuple[list[CommittedSlot], list[tuple[int, int]]]:
     """Build the index from the survivors; return the adopted cpu slots and the quarantined
     ones. Runs before the daemon serves (nothing else touches the store)."""
     found: dict[bytes, _Found] = {}
     nvme = store.nvme
+    assert nvme is not None or not entries
     for slot, h in entries:   # oldest first
         old = found.pop(h.key, None)
-        if old is not None:   # the same key under two namespaces: keep the newest
-            nvme.free(old.nvme)
+        if old is not None and old.nvme is not None and nvme is not None:
+            nvme.free(old.nvme)   # the same key under two namespaces: keep the newest
         f = _Found(h.key, h.namespace, h.layout_fp, h.raw_len, h.seq, nvme=slot)
         if h.flags & FLAG_CHAIN:
             f.tag = h.chain_parent
@@ -239,17 +243,17 @@ def _merge(store: TieredStore, entries: list[tuple[Any, FrameHeader]],
     by_offset: dict[int, CommittedSlot] = {}
     for s, ok in zip(committed, reserved, strict=False):
         info = s.info
-        f = found.get(info.key)
-        if not ok or (f is not None and (f.cpu is not None or (
-                f.namespace, f.layout_fp, f.nbytes) != (info.namespace, info.layout_fp,
-                                                        info.nbytes))):
+        on_nvme = found.get(info.key)
+        if not ok or (on_nvme is not None and (on_nvme.cpu is not None or (
+                on_nvme.namespace, on_nvme.layout_fp, on_nvme.nbytes) != (
+                    info.namespace, info.layout_fp, info.nbytes))):
             if ok:
                 store.arena.free(s.offset)
             c.dropped_conflict += 1
             continue
-        if f is None:
-            f = found[info.key] = _Found(info.key, info.namespace, info.layout_fp,
-                                         info.nbytes, info.seq)
+        f = on_nvme if on_nvme is not None else _Found(info.key, info.namespace,
+                                                        info.layout_fp, info.nbytes, info.seq)
+        found[info.key] = f
         f.cpu, f.cpu_order, f.checksum = s.offset, s.order, s.checksum
         f.parent, f.tag, f.depth = info.parent, None, info.depth
         by_offset[s.offset] = s
@@ -277,7 +281,7 @@ def _merge(store: TieredStore, entries: list[tuple[Any, FrameHeader]],
                           key=lambda m: m[1].cpu_order):
         meta.cpu = f.cpu
         meta.set_cpu_state(SlotState.LOADING)
-        store._cpu_ready(meta, now)
+        store.cpu.ready(meta, now)
         adopted.append(by_offset[f.cpu])  # type: ignore[index]
         c.adopted_blocks += 1
         c.adopted_bytes += meta.nbytes
@@ -314,7 +318,7 @@ def _reachable(found: dict[bytes, _Found]) -> dict[bytes, _Found]:
 
 
 def _drop_orphan(store: TieredStore, f: _Found) -> None:
-    if f.nvme is not None:
+    if f.nvme is not None and store.nvme is not None:
         store.nvme.free(f.nvme)
         store.nvme.counters.evicted(EvictionReason.ORPHAN)
     if f.cpu is not None:

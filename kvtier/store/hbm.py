@@ -1,11 +1,12 @@
 """HBM placement for the store: the optional top tier that GPU clients read from.
 
-``TieredStore`` owns one ``HbmPlacement`` when the daemon has an HBM pool. It only acts for
-gets that ask for device placement (``TieredStore.prepare_get_device``): the leading blocks
-of such a get, already ready and read-locked in the cpu arena by the store, are copied
-arena slot -> device slot (``HbmTier.copy_in``: a cupy H2D copy on a GPU, a memcpy over a
-host-memory fake in tests), read-locked in hbm and handed out by hbm offset, so the engine's
-load is a device-to-device copy. A later device get of the same block is an hbm hit.
+``TieredStore`` owns one ``HbmPlacement`` (the hbm residency) when the daemon has an HBM
+pool. It only acts for gets that ask for device placement
+(``TieredStore.prepare_get_device``): the leading blocks of such a get, already ready and
+read-locked in the cpu arena by the store, are copied arena slot -> device slot
+(``HbmTier.copy_in``: a cupy H2D copy on a GPU, a memcpy over a host-memory fake in tests),
+read-locked in hbm and handed out by hbm offset, so the engine's load is a device-to-device
+copy. A later device get of the same block is an hbm hit.
 
 Inclusion: a block is in hbm only while its cpu copy is. Blocks enter hbm from the arena
 (never from a put), the store drops the hbm copy whenever it drops the cpu copy (eviction,
@@ -30,11 +31,14 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kvtier.index import BlockMeta
-from kvtier.policy.base import EvictionPolicy
-from kvtier.tiers.base import EvictionReason
+from kvtier.policy.base import EvictionPolicy, Key
+from kvtier.store.alloc import allocate_with_eviction
+from kvtier.store.ports import HbmPort
+from kvtier.store.stats import BytesMoved
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.base import EvictionReason, TierName
 
 log = logging.getLogger("kvtier.store")
 
@@ -56,21 +60,21 @@ class HbmEntry:
 class HbmPlacement:
     """Residency, leases and eviction of blocks in the HBM pool (see the module docstring).
 
-    ``tier`` is an ``HbmTier`` (or anything with its slot interface: ``allocator``,
-    ``alloc``, ``free``, ``copy_in``, ``counters``); ``arena`` the cpu arena the copies read
-    from; ``moved`` the store's bytes-moved counter; ``pin_cpu``/``unpin_cpu`` the store's
-    read-lock of cpu copies (to keep a copy's source while a cancelled get's copy finishes).
+    ``tier`` is an ``HbmTier`` (or anything with its slot interface, ``HbmPort``); ``arena``
+    the cpu arena the copies read from; ``moved`` the store's bytes-moved counter;
+    ``pin_cpu``/``unpin_cpu`` the store's read-lock of cpu copies (to keep a copy's source
+    while a cancelled get's copy finishes).
     """
 
-    def __init__(self, tier: Any, policy: EvictionPolicy, arena: Any, *,
-                 clock: Callable[[], float], moved: Callable[[str, str, int], None],
+    def __init__(self, tier: HbmPort, policy: EvictionPolicy, arena: Arena, *,
+                 clock: Callable[[], float], moved: BytesMoved,
                  pin_cpu: Callable[[list[BlockMeta]], None],
                  unpin_cpu: Callable[[list[BlockMeta]], None]) -> None:
         self.tier = tier
         self.policy = policy
         self.arena = arena
         self.clock = clock
-        self._moved = moved
+        self.moved = moved
         self._pin_cpu = pin_cpu
         self._unpin_cpu = unpin_cpu
         self.entries: dict[bytes, HbmEntry] = {}
@@ -113,7 +117,7 @@ class HbmPlacement:
             c.miss_tokens += tokens_per_block
             if not can_place:
                 continue
-            off = self._alloc(meta.nbytes)
+            off = await self._alloc(meta.nbytes)
             if off is None:
                 can_place = False
                 continue
@@ -144,7 +148,7 @@ class HbmPlacement:
 
         If the waiting get is cancelled the copy still finishes in its thread (its slots
         cannot be reused before that), and the entries are settled and unlocked then."""
-        items = [(e.offset, self.arena.view(m.cpu, m.nbytes)) for _, m, e in copies]
+        items = [(e.offset, self._source(m)) for _, m, e in copies]
         job = asyncio.get_running_loop().run_in_executor(None, self.tier.copy_in, items)
         try:
             await asyncio.shield(job)
@@ -152,7 +156,7 @@ class HbmPlacement:
             sources = [m for _, m, _ in copies]
             self._pin_cpu(sources)    # the caller unpins its get; the thread still reads
 
-            def finish(f: asyncio.Future[Any]) -> None:
+            def finish(f: asyncio.Future[None]) -> None:
                 self._settle(copies, None, f)
                 self._unpin_cpu(sources)
 
@@ -163,7 +167,7 @@ class HbmPlacement:
         self._settle(copies, out, job)
 
     def _settle(self, copies: list[tuple[int, BlockMeta, HbmEntry]],
-                out: list[HbmEntry | None] | None, job: asyncio.Future[Any]) -> None:
+                out: list[HbmEntry | None] | None, job: asyncio.Future[None]) -> None:
         """Make copied entries ready (or drop them when the copy failed); ``out`` None: the
         get that started them is gone, so their read-locks are given back too."""
         exc = None if job.cancelled() else job.exception()
@@ -180,7 +184,7 @@ class HbmPlacement:
                                    depth=meta.depth, now=now)
                 self.policy.set_pinned(meta.key, True)
                 self.tier.counters.bytes_written += meta.nbytes
-                self._moved("cpu", "hbm", meta.nbytes)
+                self.moved.add(TierName.CPU, TierName.HBM, meta.nbytes)
                 if out is not None:
                     out[i] = entry
                 else:
@@ -190,6 +194,10 @@ class HbmPlacement:
                 self.tier.free(entry.offset)
             if fut is not None and not fut.done():
                 fut.set_result(ok)
+
+    def _source(self, meta: BlockMeta) -> object:
+        assert meta.cpu is not None  # the caller read-locked it in cpu
+        return self.arena.view(meta.cpu, meta.nbytes)
 
     def _lock(self, entry: HbmEntry) -> None:
         entry.readers += 1
@@ -203,23 +211,24 @@ class HbmPlacement:
                 self.policy.set_pinned(entry.key, False)
 
     # -- capacity ------------------------------------------------------------------------
-    def _alloc(self, nbytes: int) -> int | None:
+    async def _alloc(self, nbytes: int) -> int | None:
         """A device slot, evicting unpinned blocks by policy; None (counted) when full."""
-        for _ in range(4096):
-            if self.tier.allocator.could_fit(nbytes):
-                return self.tier.alloc(nbytes)
-            victim = self.policy.victim()
-            if victim is None:
-                break
-            entry = self.entries.get(victim)
-            if entry is None:
-                self.policy.remove(victim)
-            elif entry.readers or not entry.ready:  # the policy should not offer it
-                self.policy.set_pinned(victim, True)
-            else:
-                self.drop(victim, EvictionReason.CAPACITY)
-        self.tier.counters.allocation_failures += 1
-        return None
+        tier = self.tier
+        off = await allocate_with_eviction(
+            lambda: tier.alloc(nbytes) if tier.allocator.could_fit(nbytes) else None,
+            self.policy, self._evict)
+        if off is None:
+            tier.counters.allocation_failures += 1
+        return off
+
+    async def _evict(self, victim: Key) -> None:
+        entry = self.entries.get(victim)  # type: ignore[call-overload]
+        if entry is None:
+            self.policy.remove(victim)
+        elif entry.readers or not entry.ready:  # the policy should not offer it
+            self.policy.set_pinned(victim, True)
+        else:
+            self.drop(entry.key, EvictionReason.CAPACITY)
 
     def drop(self, key: bytes, reason: EvictionReason) -> bool:
         """Free ``key``'s device slot (the cpu copy, when there is one, is untouched).

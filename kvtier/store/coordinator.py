@@ -1,0 +1,303 @@
+"""TieredStore: the store's public API, wiring the residencies, promoter and demoter.
+
+The store is the control plane of the daemon: it decides and keeps the index; tiers move
+bytes. It is the sole writer of the index and runs on the event loop thread; blocking I/O
+happens inside the tiers' thread pools or Redis' asyncio client. How a request passes
+through the parts is drawn in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import KVTierError, LeaseExpired
+from kvtier.index import BlockIndex, BlockMeta
+from kvtier.keys import Namespace
+from kvtier.layout import KVLayout
+from kvtier.leases import LeaseKind, LeaseTable, Quarantine
+from kvtier.policy.base import AdmissionPolicy, EvictionPolicy, LookupObserver
+from kvtier.policy.base import make_eviction_policy as _make_policy
+from kvtier.policy.prefetch import PrefetchWait
+from kvtier.store.blocks import Blocks
+from kvtier.store.cpu import CpuResidency
+from kvtier.store.demotion import Demoter
+from kvtier.store.hbm import HbmPlacement
+from kvtier.store.leasing import LeaseKeeper
+from kvtier.store.namespaces import NamespaceEntry, NamespaceRegistry, split_keys
+from kvtier.store.nvme import NvmeResidency
+from kvtier.store.ports import ForestPort, HbmPort, MissLogPort, NvmePort, RedisPort
+from kvtier.store.promoter import Promoter
+from kvtier.store.reads import Reader
+from kvtier.store.recovery import CommitLog, RecoveryCounters, rebuild_nvme_only, recover
+from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, store_stats
+from kvtier.store.transfers import Transfers
+from kvtier.store.writes import Writer
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_journal import JournalState
+from kvtier.tiers.base import EvictionReason, Tier, TierName
+
+for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
+    with contextlib.suppress(ImportError):
+        importlib.import_module(f"kvtier.policy.{_mod}")
+
+__all__ = ["TieredStore"]
+
+
+class TieredStore:
+    """The daemon's block store. All methods run on the event loop thread."""
+
+    def __init__(self, arena: Arena, *, nvme: NvmePort | None = None,
+                 redis: RedisPort | None = None, hbm: HbmPort | None = None,
+                 eviction: str = "lru", lease_ttl_s: float = 30.0,
+                 prefetch_wait: str = "timeout", prefetch_ms_per_block: float = 2.0,
+                 prefetch_base_s: float = 0.05,
+                 policy_factory: Callable[[str, TierName], EvictionPolicy] | None = None,
+                 admission: AdmissionPolicy | None = None,
+                 observer: LookupObserver | None = None,
+                 redis_write_through: bool = False, forest: ForestPort | None = None,
+                 redis_lookup_budget_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic, max_namespaces: int = 4096,
+                 ) -> None:
+        make = policy_factory or (lambda name, tier: _make_policy(name))
+        self.arena, self.nvme, self.redis, self.hbm = arena, nvme, redis, hbm
+        self.clock, self.lease_ttl_s = clock, lease_ttl_s
+        self.redis_write_through = redis_write_through      # read by daemon.redis_sync
+        self.redis_lookup_budget_s = redis_lookup_budget_s  # and by daemon.prefix
+        self.admission, self.observer, self.forest = admission, observer, forest
+        self.index = BlockIndex()
+        self.requests = RequestCounters()
+        self.prefetch = PrefetchCounters()
+        self.ns = NamespaceRegistry(self.requests, max_namespaces)
+        self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
+        self.recovery: RecoveryCounters | None = None
+        self.cpu = CpuResidency(arena, self.index, make(eviction, TierName.CPU),
+                                on_ready=self.commit_log.ready)
+        self.transfers = Transfers(arena, nvme, redis, pin=self.cpu.pin, unpin=self.cpu.unpin)
+        self.bandwidth = self.transfers.bandwidth  # reload rates returned with lookups
+        self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
+        self.nvme_residency = None if nvme is None else NvmeResidency(nvme, self.nvme_policy)
+        self.hbm_place: HbmPlacement | None = None
+        if hbm is not None:
+            self.hbm_place = HbmPlacement(hbm, make(eviction, TierName.HBM), arena,
+                                          clock=clock, moved=self.transfers.moved,
+                                          pin_cpu=self.cpu.pin, unpin_cpu=self.cpu.unpin)
+            self.cpu.on_drop = self._drop_hbm_copy
+        self.blocks = Blocks(self.index, self.cpu, self.nvme_residency, forest)
+        self.demoter = Demoter(self.blocks, self.cpu, self.nvme_residency, redis, self.transfers,
+                               self.prefetch, clock, admission, redis_write_through)
+        self.cpu.on_victim = self.demoter.evict_cpu
+        if self.nvme_residency is not None:
+            self.nvme_residency.on_victim = self.demoter.evict_nvme
+        self.promoter = Promoter(self.blocks, self.cpu, self.nvme_residency, self.transfers,
+                                 self.prefetch, clock, PrefetchWait(prefetch_wait),
+                                 prefetch_ms_per_block / 1000.0, prefetch_base_s, forest)
+        self.leases = LeaseTable(lease_ttl_s, clock)
+        self.quarantine = Quarantine()  # slots of expired put leases, see kvtier.leases
+        self.lease_keeper = LeaseKeeper(self.leases, self.quarantine, self.blocks, self.cpu,
+                                        self.requests, clock, self.bandwidth, self.hbm_place)
+        self.reader = Reader(self.index, self.ns, self.cpu, self.nvme_policy, nvme, redis,
+                             self.promoter, self.lease_keeper, self.bandwidth, self.requests,
+                             self.prefetch, clock, self.hbm_place, redis_lookup_budget_s,
+                             observer)
+        self.writer = Writer(self.index, self.cpu, self.lease_keeper, self.demoter,
+                             self.transfers, self.requests, clock, observer, forest,
+                             redis is not None and redis_write_through, nvme is not None)
+        self._explain: MissLogPort | None = None
+
+    # -- wiring --------------------------------------------------------------------------
+    @property
+    def explain(self) -> MissLogPort | None:
+        """kvtier.explain.MissLog: why lookups miss (set by the daemon)."""
+        return self._explain
+
+    @explain.setter
+    def explain(self, log: MissLogPort | None) -> None:
+        self._explain = log
+        for part in (self.cpu, self.nvme_residency, self.demoter, self.reader, self.lease_keeper):
+            if part is not None:
+                part.explain = log
+
+    @property
+    def cpu_policy(self) -> EvictionPolicy:
+        return self.cpu.policy
+
+    @property
+    def bytes_moved(self) -> dict[tuple[str, str], int]:
+        return self.transfers.moved.by_pair
+
+    @property
+    def tiers(self) -> list[Tier]:
+        out: list[Tier] = [self.hbm, self.cpu] if self.hbm is not None else [self.cpu]
+        if self.nvme is not None:
+            out.append(self.nvme)
+        if self.redis is not None:
+            out.append(self.redis)
+        return out
+
+    def _drop_hbm_copy(self, meta: BlockMeta, reason: EvictionReason) -> None:
+        if self.hbm_place is not None:
+            self.hbm_place.drop(meta.key, reason)
+
+    # -- warm restart --------------------------------------------------------------------
+    def rebuild_from_nvme(self) -> int:
+        """Index every valid frame found on nvme (oldest first, so LRU order survives) and
+        drop the frames no chain head leads to. Sync (runs ``nvme.open()``); the daemon uses
+        ``recover``, which also adopts the arena."""
+        return rebuild_nvme_only(self)
+
+    async def recover(self, state: JournalState | None, *,
+                      journal: Path | None = None) -> RecoveryCounters:
+        """Warm restart: index nvme frames and the adopted arena's verified blocks, drop
+        orphans, quarantine slots in flight at the crash for one lease TTL, then journal to
+        ``journal`` (see ``kvtier.store.recovery``)."""
+        return await recover(self, state, journal=journal, quarantine_s=self.lease_ttl_s)
+
+    # -- namespaces ----------------------------------------------------------------------
+    @property
+    def namespaces(self) -> OrderedDict[bytes, NamespaceEntry]:
+        return self.ns.entries
+
+    @property
+    def namespaces_evicted(self) -> int:
+        return self.ns.evicted
+
+    def register_namespace(self, layout: KVLayout, model_id: str, tp_rank: int, tp_size: int,
+                           cache_salt: str | None) -> Namespace:
+        return self.ns.register(layout, model_id, tp_rank, tp_size, cache_salt)
+
+    def touch_namespace(self, digest: bytes) -> KVLayout | None:
+        """The layout a registered namespace uses (marking it recently used), or None."""
+        return self.ns.touch(digest)
+
+    split_keys = staticmethod(split_keys)
+
+    # -- lookup / get --------------------------------------------------------------------
+    async def lookup(self, digest: bytes, layout_fp: int, keys: list[bytes],
+                     *, prefetch: bool = True) -> LookupResult:
+        """Leading keys present anywhere (cpu -> nvme -> redis); starts promotion."""
+        try:
+            ns = self.ns.resolve(digest, layout_fp)
+        except KVTierError as exc:
+            if self._explain is not None:
+                self._explain.rejected(digest, len(keys), exc.code)
+            raise
+        return await self.reader.lookup(ns, keys, prefetch=prefetch)
+
+    async def prepare_get(self, owner: int, digest: bytes, layout_fp: int,
+                          keys: list[bytes]) -> tuple[int, list[int]]:
+        """Read-locked arena slots for the leading keys that are (or become) readable."""
+        return await self.reader.lease(owner, self.ns.resolve(digest, layout_fp), keys)
+
+    async def prepare_get_device(self, owner: int, digest: bytes, layout_fp: int,
+                                 keys: list[bytes]) -> tuple[int, list[int], list[str]]:
+        """``prepare_get`` for a client that maps the HBM pool: (lease, offsets, devices).
+
+        ``devices[i]`` is "hbm" when ``offsets[i]`` is a read-locked slot of the HBM pool and
+        "cpu" when it is an arena slot (no hbm tier, no room in it, or a failed copy). The
+        leading blocks are promoted cpu -> hbm first; the lease read-locks both copies.
+        """
+        return await self.reader.lease_device(owner, self.ns.resolve(digest, layout_fp), keys)
+
+    def release_get(self, owner: int, lease_id: int, *, copy_s: float | None = None) -> None:
+        """``copy_s``: how long the client's copy took, when it says (else the hold time
+        measures the serve bandwidth)."""
+        lease = self.lease_keeper.take(owner, lease_id, LeaseKind.GET)
+        self.bandwidth.get_finished(lease_id, copy_s)
+        self.lease_keeper.release_get(lease)
+
+    # -- put -----------------------------------------------------------------------------
+    async def prepare_put(self, owner: int, digest: bytes, layout_fp: int,
+                          keys: list[bytes], *, parent: bytes | None = None,
+                          depth: int = 0) -> tuple[int, list[int | None]]:
+        """Write-locked arena slots for the keys not stored yet (None: skip this key).
+
+        ``keys`` is a piece of a prefix chain: ``parent`` is the key before ``keys[0]``
+        and ``depth`` its 0-based position in the chain (0 and None for a whole prompt).
+        """
+        return await self.writer.prepare(owner, self.ns.resolve(digest, layout_fp), keys,
+                                         parent, depth)
+
+    async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False,
+                         output_tokens: int | None = None) -> int:
+        """Make the written blocks visible; ``durable`` also writes them to nvme first.
+
+        ``output_tokens`` (what the engine generated after this prompt, when known) feeds
+        the workload observer: reuse is learned per class of request.
+        """
+        return await self.writer.commit(owner, lease_id, durable=durable,
+                                        output_tokens=output_tokens)
+
+    def abort_put(self, owner: int, lease_id: int) -> None:
+        """Drop a put; past its deadline this is a quiet no-op (nothing was stored, which is
+        what an abort asks; the slots stay quarantined until the connection closes)."""
+        try:
+            lease = self.lease_keeper.take(owner, lease_id, LeaseKind.PUT)
+        except LeaseExpired:
+            return
+        self.lease_keeper.abort_put(lease)
+
+    # -- delete --------------------------------------------------------------------------
+    async def delete(self, digest: bytes, layout_fp: int, keys: list[bytes]) -> int:
+        """Remove the caller's blocks from every tier (blocks under a read lease, and blocks
+        of another namespace, are skipped)."""
+        ns = self.ns.resolve(digest, layout_fp)
+        mine = [k for k in keys
+                if (m := self.index.get(k)) is not None and not self.ns.foreign(m, ns)]
+        before = len(mine)
+        for k in mine:
+            meta = self.index.get(k)
+            if meta is None or self.blocks.in_use(meta):
+                continue
+            self.blocks.remove(meta, EvictionReason.DELETED, erase=True)
+            self.blocks.forget_if_gone(meta)  # also drops descendants orphaned by this delete
+        n = before - sum(1 for k in mine if k in self.index)
+        if self.redis is not None and self.redis.up:
+            n = max(n, await self.redis.delete(keys, namespace=digest))
+        self.requests.deletes += 1
+        return n
+
+    # -- leases --------------------------------------------------------------------------
+    def expire_leases(self) -> int:
+        """Take back leases past their deadline (a client that hung, stalled or forgot):
+        get leases are released, put leases' slots are quarantined."""
+        return self.lease_keeper.expire()
+
+    def release_owner(self, owner: int) -> int:
+        """A client connection closed: abort its puts, release its reads, free its
+        quarantined slots (it can no longer write into them)."""
+        return self.lease_keeper.release_owner(owner)
+
+    # -- shutdown ------------------------------------------------------------------------
+    async def drain(self, deadline: float) -> int:
+        """Finish in-flight I/O and persist cpu-only blocks to nvme until ``deadline``."""
+        await self.promoter.settle(deadline - self.clock())
+        saved = 0
+        if self.nvme is not None:
+            for meta in list(self.index.values()):
+                if self.clock() >= deadline:
+                    break
+                if meta.in_cpu and not meta.in_nvme and await self.demoter.persist(meta):
+                    saved += 1
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.flush(timeout=max(0.0, deadline - self.clock()))
+        return saved
+
+    # -- stats ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The store's part of /v1/stats (tiers, requests, prefetch, leases, ...)."""
+        return store_stats(self.tiers, self.requests, self.prefetch, self.transfers.moved,
+                           self.bandwidth.stats(),
+                           {"active": len(self.leases), "ttl_s": self.leases.ttl_s,
+                            "quarantined_slots": self.quarantine.slots,
+                            "quarantined_bytes": self.quarantine.bytes,
+                            "quarantined_total": self.quarantine.total_slots},
+                           eviction=getattr(self.cpu.policy, "name", "?"),
+                           namespaces=len(self.ns), index_blocks=len(self.index),
+                           recovery=self.recovery)

@@ -1,0 +1,119 @@
+"""The cpu residency: the shared-memory arena as the store's working tier.
+
+It owns the cpu fields of each ``BlockMeta`` (``cpu``, ``cpu_state``, ``readers``,
+``prefetched``), the cpu eviction policy and the tier's counters. Every block a client
+reads is here (read leases pin it); puts land here first. Making room asks the policy for a
+victim and hands it to ``on_victim`` (the store wires the demotion path there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from kvtier.index import BlockIndex, BlockMeta, SlotState
+from kvtier.policy.base import EvictionPolicy, Key
+from kvtier.store.alloc import allocate_with_eviction
+from kvtier.store.ports import MissLogPort
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.base import EvictionReason, TierCounters, TierName
+
+__all__ = ["CpuResidency"]
+
+
+async def _no_eviction(key: Key) -> None:  # until the store wires demotion
+    return None
+
+
+@dataclass(slots=True, eq=False)
+class CpuResidency:
+    """The arena seen as a tier (capacity, occupancy, counters) plus its block state."""
+
+    arena: Arena
+    index: BlockIndex
+    policy: EvictionPolicy
+    name: TierName = TierName.CPU
+    counters: TierCounters = field(default_factory=TierCounters)
+    resident: int = 0
+    on_victim: Callable[[Key], Awaitable[None]] = _no_eviction
+    on_drop: Callable[[BlockMeta, EvictionReason], None] | None = None  # hbm inclusion
+    on_ready: Callable[[BlockMeta, int | None], None] | None = None     # the commit journal
+    explain: MissLogPort | None = None
+
+    # -- the Tier face ------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return "shm"
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.arena.size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.arena.used_bytes
+
+    @property
+    def blocks(self) -> int:
+        return self.resident
+
+    @property
+    def up(self) -> bool:
+        return True
+
+    # -- read locks ---------------------------------------------------------------------
+    def pin(self, metas: list[BlockMeta]) -> None:
+        """Read-lock ``metas``: they cannot leave the arena until unpinned."""
+        for meta in metas:
+            meta.readers += 1
+            if meta.in_cpu:
+                self.policy.set_pinned(meta.key, True)
+
+    def unpin(self, metas: list[BlockMeta]) -> None:
+        for meta in metas:
+            meta.readers -= 1
+            if meta.readers == 0 and meta.in_cpu:
+                self.policy.set_pinned(meta.key, meta.cpu_pinned)
+
+    def refresh_pin(self, meta: BlockMeta) -> None:
+        """Tell the policy whether ``meta`` may be evicted now (after an nvme write ends)."""
+        if meta.in_cpu:
+            self.policy.set_pinned(meta.key, meta.cpu_pinned)
+
+    # -- slots --------------------------------------------------------------------------
+    async def alloc(self, nbytes: int) -> int | None:
+        """A free arena slot, evicting by policy when needed; None if nothing can go."""
+        off = await allocate_with_eviction(lambda: self.arena.alloc(nbytes), self.policy,
+                                           self.on_victim)
+        if off is None:
+            self.counters.allocation_failures += 1
+        return off
+
+    def ready(self, meta: BlockMeta, now: float, checksum: int | None = None) -> None:
+        """A slot's bytes are complete: make it readable and evictable (unless in use), and
+        journal it (``checksum``: its payload's xxh3-64 when known, else hashed off-loop)."""
+        meta.set_cpu_state(SlotState.READY)
+        if self.on_ready is not None:
+            self.on_ready(meta, checksum)
+        self.resident += 1
+        self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                           depth=meta.depth, now=now)
+        if meta.cpu_pinned:
+            self.policy.set_pinned(meta.key, True)
+
+    def drop(self, meta: BlockMeta, reason: EvictionReason = EvictionReason.CAPACITY) -> None:
+        """Free the arena slot; an hbm copy goes with it (hbm is inclusive of cpu)."""
+        if meta.cpu is None:
+            return
+        if self.on_drop is not None:
+            self.on_drop(meta, reason)
+        was_ready = meta.in_cpu
+        self.arena.free(meta.cpu)
+        meta.cpu = None
+        meta.set_cpu_state(SlotState.NONE)
+        meta.prefetched = False
+        if was_ready:
+            self.resident -= 1
+        self.policy.remove(meta.key)
+        if self.explain is not None:
+            self.explain.removed(meta.key, reason.value, "cpu")

@@ -1,0 +1,103 @@
+"""Leases on arena slots: puts write-lock, gets read-lock, and every lease expires.
+
+A crashed or stalled client never pins arena memory: get leases past their deadline are
+released; put leases' slots are quarantined until the owner's connection closes (it may
+still be writing into them), see ``kvtier.leases``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtier.bandwidth import BandwidthTracker
+from kvtier.index import BlockMeta, SlotState
+from kvtier.leases import Lease, LeaseKind, LeaseTable, Quarantine, expired_error
+from kvtier.store.blocks import Blocks
+from kvtier.store.cpu import CpuResidency
+from kvtier.store.hbm import HbmPlacement
+from kvtier.store.ports import MissLogPort
+from kvtier.store.stats import RequestCounters
+
+__all__ = ["LeaseKeeper"]
+
+
+@dataclass(slots=True, eq=False)
+class LeaseKeeper:
+    leases: LeaseTable
+    quarantine: Quarantine
+    blocks: Blocks
+    cpu: CpuResidency
+    requests: RequestCounters
+    clock: Callable[[], float]
+    bandwidth: BandwidthTracker
+    hbm: HbmPlacement | None = None
+    explain: MissLogPort | None = None
+
+    def open(self, kind: LeaseKind, owner: int, metas: list[BlockMeta]) -> Lease:
+        return self.leases.open(kind, owner, metas)
+
+    def take(self, owner: int, lease_id: int, kind: LeaseKind) -> Lease:
+        """The lease a commit/abort/release names; ``LeaseExpired`` once past its deadline,
+        whether or not the sweeper has reached it yet (the outcome never depends on it)."""
+        lease = self.leases.take(owner, lease_id, kind)
+        if lease.deadline <= self.clock():
+            self._expire(lease)
+            self.requests.lease_expired += 1
+            raise expired_error(kind, lease_id, self.leases.ttl_s)
+        return lease
+
+    def expire(self) -> int:
+        """Take back leases past their deadline: get leases are released, put leases'
+        slots are quarantined."""
+        expired = self.leases.take_expired()
+        for lease in expired:
+            self._expire(lease)
+        self.requests.lease_expired += len(expired)
+        return len(expired)
+
+    def release_owner(self, owner: int) -> int:
+        """A client connection closed: abort its puts, release its reads, free its
+        quarantined slots (it can no longer write into them)."""
+        mine = self.leases.take_owner(owner)
+        for lease in mine:
+            self.bandwidth.get_abandoned(lease.id)
+            if lease.kind is LeaseKind.PUT:
+                self.abort_put(lease)
+            else:
+                self.release_get(lease)
+        for off in self.quarantine.take_owner(owner):
+            self.cpu.arena.free(off)
+        return len(mine)
+
+    def abort_put(self, lease: Lease) -> None:
+        for meta in lease.metas:
+            if meta.cpu_state is SlotState.WRITING and self.blocks.index.get(meta.key) is meta:
+                self.cpu.drop(meta)
+                if self.explain is not None:
+                    self.explain.removed(meta.key, "lease", "cpu")
+                self.blocks.forget_if_gone(meta)
+
+    def release_get(self, lease: Lease) -> None:
+        if lease.hbm and self.hbm is not None:
+            self.hbm.release(lease.hbm)
+            lease.hbm = []
+        self.cpu.unpin(lease.metas)
+
+    def _expire(self, lease: Lease) -> None:
+        if lease.kind is LeaseKind.PUT:
+            self._quarantine_put(lease)
+        else:
+            self.release_get(lease)
+
+    def _quarantine_put(self, lease: Lease) -> None:
+        """Forget an expired put's blocks but keep their slots allocated (quarantined) until
+        the owner's connection closes: it may still be writing into them."""
+        for meta in lease.metas:
+            if meta.cpu_state is not SlotState.WRITING or meta.cpu is None:
+                continue
+            self.quarantine.add(lease.owner, meta.cpu,
+                                self.cpu.arena.slots.slot_size(meta.cpu))
+            meta.cpu = None
+            meta.set_cpu_state(SlotState.NONE)
+            self.blocks.forget_if_gone(meta)

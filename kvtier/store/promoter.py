@@ -1,0 +1,157 @@
+"""Promotion: a block found on nvme or in Redis is loaded into the arena (lower -> cpu).
+
+A lookup starts promotions right away (prefetch); the get that follows waits for them as
+``kvtier.policy.prefetch`` says, the same code the replay simulator runs. Loads run as
+tasks the store can wait for at drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+
+from kvtier.index import BlockMeta, SlotState
+from kvtier.policy.prefetch import PrefetchWait, prefetch_deadline
+from kvtier.store.blocks import Blocks
+from kvtier.store.cpu import CpuResidency
+from kvtier.store.namespaces import NamespaceEntry
+from kvtier.store.nvme import NvmeResidency
+from kvtier.store.ports import ForestPort
+from kvtier.store.stats import PrefetchCounters
+from kvtier.store.transfers import Transfer, Transfers
+from kvtier.tiers.base import EvictionReason, TierName
+
+log = logging.getLogger("kvtier.store")
+
+__all__ = ["Promoter"]
+
+
+@dataclass(slots=True, eq=False)
+class Promoter:
+    blocks: Blocks
+    cpu: CpuResidency
+    nvme: NvmeResidency | None
+    transfers: Transfers
+    prefetch: PrefetchCounters
+    clock: Callable[[], float]
+    wait_policy: PrefetchWait = PrefetchWait.TIMEOUT
+    per_block_s: float = 0.002
+    base_s: float = 0.05      # grace of a ``timeout`` wait before the per-block part
+    forest: ForestPort | None = None
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- nvme -> cpu --------------------------------------------------------------------
+    async def from_nvme(self, meta: BlockMeta, *, prefetched: bool) -> bool:
+        """Start loading ``meta`` into the arena; False when there was no room for it."""
+        if meta.cpu_state is not SlotState.NONE:
+            return True
+        if not meta.in_nvme or meta.nvme_busy:
+            return False
+        off = await self.cpu.alloc(meta.nbytes)
+        if off is None or meta.cpu_state is not SlotState.NONE or not meta.in_nvme:
+            if off is not None:
+                self.cpu.arena.free(off)
+            return meta.cpu_state is not SlotState.NONE
+        meta.cpu = off
+        meta.set_cpu_state(SlotState.LOADING)
+        meta.prefetched = prefetched
+        meta.nvme_busy = True
+        if prefetched:
+            self.prefetch.issued += 1
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        meta.loading = fut
+        self._spawn(self._load_nvme(meta, off, fut))
+        return True
+
+    async def _load_nvme(self, meta: BlockMeta, off: int, fut: asyncio.Future[bool]) -> None:
+        try:
+            done = await self.transfers.move(TierName.NVME, TierName.CPU, Transfer([meta]))
+        finally:
+            meta.nvme_busy = False
+        meta.loading = None
+        ok = done.moved == 1
+        if ok and meta.cpu == off:
+            self.cpu.ready(meta, self.clock(), done.checksum)
+        elif meta.cpu == off:
+            self.cpu.drop(meta)
+            self.prefetch.failed += 1
+            if done.corrupt and self.nvme is not None:
+                self.nvme.drop(meta, EvictionReason.CORRUPT)
+            self.blocks.forget_if_gone(meta)
+        if not fut.done():
+            fut.set_result(ok)
+
+    # -- redis -> cpu -------------------------------------------------------------------
+    async def from_redis(self, ns: NamespaceEntry, rkeys: list[bytes], chain: list[bytes],
+                         start: int) -> None:
+        """Index ``rkeys`` (``chain[start:]``, found in Redis) as loading and start the
+        batched load; stops at the first key already indexed or without room."""
+        index, layout = self.blocks.index, ns.layout
+        metas: list[BlockMeta] = []
+        for i, k in enumerate(rkeys):
+            if k in index:
+                break
+            off = await self.cpu.alloc(layout.block_bytes)
+            if off is None or k in index:
+                if off is not None:
+                    self.cpu.arena.free(off)
+                break
+            depth = start + i
+            parent = chain[depth - 1] if depth > 0 else None
+            meta = BlockMeta(k, ns.namespace.digest, layout.fingerprint, layout.block_bytes,
+                             parent, depth, cpu=off, prefetched=True)
+            meta.set_cpu_state(SlotState.LOADING)
+            meta.loading = asyncio.get_running_loop().create_future()
+            index[k] = meta
+            metas.append(meta)
+        if metas:
+            self.prefetch.issued += len(metas)
+            self._spawn(self._load_redis(metas))
+
+    async def _load_redis(self, metas: list[BlockMeta]) -> None:
+        n = (await self.transfers.move(TierName.REDIS, TierName.CPU, Transfer(metas))).moved
+        now = self.clock()
+        for i, meta in enumerate(metas):
+            ok = i < n
+            if ok:
+                self.cpu.ready(meta, now)
+                if self.forest is not None:
+                    self.forest.add(meta.key, meta.parent)
+            else:
+                self.prefetch.failed += 1
+                self.cpu.drop(meta)
+                self.blocks.forget_if_gone(meta)
+            fut, meta.loading = meta.loading, None
+            if fut is not None and not fut.done():
+                fut.set_result(ok)
+
+    # -- waiting ------------------------------------------------------------------------
+    async def wait(self, pending: list[asyncio.Future[bool]]) -> None:
+        """Wait for in-flight promotions as the prefetch policy says (``pending`` is every
+        promotion a get found; the deadline grows with their number)."""
+        not_done = [f for f in pending if not f.done()]
+        self.prefetch.late += len(not_done)
+        if not not_done:
+            return
+        now = self.clock()
+        deadline = prefetch_deadline(self.wait_policy, len(pending), self.per_block_s, now,
+                                     base_s=self.base_s)
+        if deadline is not None and deadline <= now:
+            return  # best effort: use what is ready now
+        timeout = None if deadline is None else deadline - now
+        _done, still = await asyncio.wait(not_done, timeout=timeout)
+        if still:
+            log.info("prefetch deadline passed with %d of %d blocks pending",
+                     len(still), len(pending))
+
+    async def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the loads in flight (drain)."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=max(0.0, timeout))

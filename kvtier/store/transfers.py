@@ -1,0 +1,189 @@
+"""Byte movement between tiers, dispatched by (source, destination) ``TierName``.
+
+The residencies decide what moves and keep the block state; the handlers here only move
+bytes (arena slot <-> nvme frame, arena slot <-> Redis, nvme frame -> Redis) and count them
+in ``BytesMoved``. cpu -> hbm copies run in ``kvtier.store.hbm`` (a batched device copy
+in a worker thread) and are counted in the same ``BytesMoved``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from kvtier.bandwidth import BandwidthTracker
+from kvtier.errors import FrameError, KVTierError
+from kvtier.frame import Codec, make_header
+from kvtier.index import BlockMeta
+from kvtier.store.ports import NvmePort, RedisPort
+from kvtier.store.stats import BytesMoved
+from kvtier.tiers.aligned import aligned_buffer, byte_view, round_up
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.base import TierName
+from kvtier.tiers.nvme import NvmeSlot
+
+log = logging.getLogger("kvtier.store")
+
+__all__ = ["Transfer", "TransferResult", "Transfers"]
+
+
+@dataclass(slots=True)
+class Transfer:
+    """What to move: ``metas`` (one block, or a batch for Redis reads); ``slot`` the
+    reserved destination of a write to nvme; ``sync`` makes that write durable."""
+
+    metas: list[BlockMeta]
+    slot: NvmeSlot | None = None
+    sync: bool = False
+
+
+@dataclass(slots=True)
+class TransferResult:
+    moved: int = 0                 # leading blocks whose bytes arrived
+    corrupt: bool = False          # the source frame is bad for good (drop it)
+    checksum: int | None = None    # xxh3-64 of the payload now in the arena, when known
+
+
+Handler = Callable[[Transfer], Awaitable[TransferResult]]
+
+
+def _nothing() -> None:
+    """Release callback for a buffer that nobody else holds."""
+
+
+def _no_lock(metas: list[BlockMeta]) -> None:
+    return None
+
+
+@dataclass(slots=True, eq=False)
+class Transfers:
+    """``pin``/``unpin`` read-lock arena slots that another tier reads in place (a
+    zero-copy Redis write keeps its slot pinned until the SET is over); ``bandwidth``
+    learns the reload rates (lower tier -> cpu) that lookups report to connectors."""
+
+    arena: Arena
+    nvme: NvmePort | None = None
+    redis: RedisPort | None = None
+    pin: Callable[[list[BlockMeta]], None] = _no_lock
+    unpin: Callable[[list[BlockMeta]], None] = _no_lock
+    moved: BytesMoved = field(default_factory=BytesMoved)
+    bandwidth: BandwidthTracker = field(default_factory=BandwidthTracker)
+    _routes: dict[tuple[TierName, TierName], Handler] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._routes = {
+            (TierName.CPU, TierName.NVME): self._cpu_to_nvme,
+            (TierName.NVME, TierName.CPU): self._nvme_to_cpu,
+            (TierName.REDIS, TierName.CPU): self._redis_to_cpu,
+            (TierName.CPU, TierName.REDIS): self._cpu_to_redis,
+            (TierName.NVME, TierName.REDIS): self._nvme_to_redis,
+        }
+
+    async def move(self, src: TierName, dst: TierName, job: Transfer) -> TransferResult:
+        """Move ``job``'s bytes from ``src`` to ``dst``; never raises for tier trouble."""
+        return await self._routes[(src, dst)](job)
+
+    def _count(self, src: TierName, dst: TierName, metas: list[BlockMeta]) -> None:
+        for meta in metas:
+            self.moved.add(src, dst, meta.nbytes)
+
+    def _arena_view(self, meta: BlockMeta, nbytes: int) -> memoryview:
+        assert meta.cpu is not None
+        return byte_view(self.arena.view(meta.cpu, nbytes))
+
+    async def _cpu_to_nvme(self, job: Transfer) -> TransferResult:
+        meta, nvme = job.metas[0], self.nvme
+        assert nvme is not None and job.slot is not None
+        meta.seq = nvme.next_seq()
+        payload = self._arena_view(meta, round_up(meta.nbytes))
+        header = make_header(meta.namespace, meta.key, meta.layout_fp, payload[: meta.nbytes],
+                             seq=meta.seq, chain=(meta.parent,))
+        try:
+            await nvme.write(job.slot, header, payload, sync=job.sync)
+        except Exception as exc:
+            log.warning("nvme write of %s failed: %s", meta.key.hex(), exc)
+            return TransferResult()
+        self._count(TierName.CPU, TierName.NVME, job.metas)
+        return TransferResult(moved=1)
+
+    async def _nvme_to_cpu(self, job: Transfer) -> TransferResult:
+        meta, nvme = job.metas[0], self.nvme
+        assert nvme is not None and meta.nvme is not None
+        view = self._arena_view(meta, round_up(meta.nbytes))
+        t0 = time.perf_counter()
+        try:
+            header = await nvme.read_into(meta.nvme, view, namespace=meta.namespace,
+                                          key=meta.key, layout_fp=meta.layout_fp)
+            self.bandwidth.observe(TierName.NVME.value, TierName.CPU.value, meta.nbytes,
+                                   time.perf_counter() - t0)
+        except FrameError as exc:  # the frame is bad for good: drop it
+            log.warning("dropping nvme block %s: %s", meta.key.hex(), exc)
+            return TransferResult(corrupt=True)
+        except KVTierError as exc:  # transient I/O trouble: keep the frame, miss this time
+            log.warning("nvme read of %s failed: %s", meta.key.hex(), exc)
+            return TransferResult()
+        except Exception:  # pragma: no cover - keep serving, never hand out the slot
+            log.exception("nvme read failed for %s", meta.key.hex())
+            nvme.counters.errors += 1
+            return TransferResult()
+        checksum = None
+        if header.codec is Codec.NONE and header.payload_len == meta.nbytes:
+            checksum = header.checksum   # the arena now holds exactly the payload
+        self._count(TierName.NVME, TierName.CPU, job.metas)
+        return TransferResult(moved=1, checksum=checksum)
+
+    async def _redis_to_cpu(self, job: Transfer) -> TransferResult:
+        metas, redis = job.metas, self.redis
+        assert redis is not None
+        views = [self._arena_view(m, m.nbytes) for m in metas]
+        t0 = time.perf_counter()
+        try:
+            n = await redis.get_into([m.key for m in metas], views,
+                                     namespace=metas[0].namespace,
+                                     layout_fp=metas[0].layout_fp)
+            self.bandwidth.observe(TierName.REDIS.value, TierName.CPU.value,
+                                   sum(m.nbytes for m in metas[:n]), time.perf_counter() - t0)
+        except Exception:  # the tier promises not to raise; be defensive anyway
+            log.exception("redis promotion failed")
+            n = 0
+        self._count(TierName.REDIS, TierName.CPU, metas[:n])
+        return TransferResult(moved=n)
+
+    def _submit_from_slot(self, meta: BlockMeta) -> None:
+        """Zero-copy hand-off to Redis: the arena slot is pinned (a reader) until the tier
+        releases it, once the SET is done, dropped or failed."""
+        assert self.redis is not None
+        self.pin([meta])
+        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
+                          self._arena_view(meta, meta.nbytes), seq=meta.seq,
+                          release=lambda: self.unpin([meta]))
+
+    async def _cpu_to_redis(self, job: Transfer) -> TransferResult:
+        for meta in job.metas:
+            self._submit_from_slot(meta)
+        self._count(TierName.CPU, TierName.REDIS, job.metas)
+        return TransferResult(moved=len(job.metas))
+
+    async def _nvme_to_redis(self, job: Transfer) -> TransferResult:
+        """A block leaving nvme: from its arena copy when it has one, else read back."""
+        meta, nvme = job.metas[0], self.nvme
+        if meta.in_cpu:
+            self._submit_from_slot(meta)
+        else:
+            assert nvme is not None and meta.nvme is not None
+            buf = aligned_buffer(round_up(meta.nbytes))
+            meta.nvme_busy = True
+            try:
+                await nvme.read_into(meta.nvme, buf, namespace=meta.namespace,
+                                     key=meta.key, layout_fp=meta.layout_fp)
+            except KVTierError:
+                return TransferResult()
+            finally:
+                meta.nvme_busy = False
+            assert self.redis is not None  # buf is ours: no copy
+            self.redis.submit(meta.namespace, meta.key, meta.layout_fp, buf[: meta.nbytes],
+                              seq=meta.seq, release=_nothing)
+        self._count(TierName.NVME, TierName.REDIS, job.metas)
+        return TransferResult(moved=1)
