@@ -99,9 +99,10 @@ class PrefetchCounters:
 class PrefetchTracker:
     """Classifies each promotion as hit-before-use, late or wasted.
 
-    The store calls ``issued`` when a promotion starts, ``used`` when a get resolves it
-    (``in_time`` from :func:`wait_for_prefix`), and ``dropped`` when a promoted block
-    leaves the tier; one never used is counted as wasted.
+    ``issued`` when a promotion starts, ``used`` when a get resolves it (``in_time`` from
+    :func:`wait_for_prefix`), ``dropped`` when a promoted block leaves the tier; one never
+    used is counted as wasted. Not wired in yet: the store keeps the same counts inline
+    (``kvtier.store.stats.PrefetchCounters``); giving this class its user is open work.
     """
 
     __slots__ = ("_pending", "counters")
