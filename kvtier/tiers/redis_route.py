@@ -218,7 +218,5 @@ class Router:
             pool.close()
 
     def close(self) -> None:
-        with self._lock:
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            pool.close()
+        """Close every pooled connection (the tier is closing)."""
+        self.drop_pools()
