@@ -2,8 +2,10 @@
 
 One entry point per direction. The path is chosen from where the tensors live:
 CUDA caches with cupy present run the CUDA kernel (one launch for all layers, on the
-given stream); everything else runs the torch reference. The chosen path is returned
-so callers (and ``kvtier stats``) can report it.
+given stream); CPU caches and buffers run the numpy host copies (``host.py``: no second
+OpenMP team beside the engine's); everything else runs the torch reference. The chosen
+path is returned so callers (and ``kvtier stats``) can report it (``TORCH`` covers both
+reference paths).
 """
 
 from __future__ import annotations
@@ -99,6 +101,12 @@ def gather_blocks(
         launch("gather", layer_caches, plan, _row_pointers(rows, plan.geometry.block_bytes),
                stream)
         return chosen
+    if layer_caches[0].device.type == "cpu" and all(r.device.type == "cpu" for r in rows):
+        from kvtier.kernels.host import gather_host
+
+        _row_pointers(rows, plan.geometry.block_bytes)  # validates sizes
+        gather_host(layer_caches, plan, rows)
+        return chosen
     from kvtier.kernels.reference import gather_reference
 
     if isinstance(out, (list, tuple)):
@@ -142,6 +150,12 @@ def scatter_blocks(
 
         launch("scatter", layer_caches, plan, _row_pointers(rows, plan.geometry.block_bytes),
                stream)
+        return chosen
+    if layer_caches[0].device.type == "cpu" and all(r.device.type == "cpu" for r in rows):
+        from kvtier.kernels.host import scatter_host
+
+        _row_pointers(rows, plan.geometry.block_bytes)  # validates sizes
+        scatter_host(layer_caches, plan, rows)
         return chosen
     from kvtier.kernels.reference import scatter_reference
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from kvtier.kernels.api import gather_blocks, scatter_blocks
 from kvtier.kernels.layouts import PagedLayout
@@ -259,4 +260,7 @@ def overlay_pages(dst: torch.Tensor, src: torch.Tensor, skip_pages: int, kv_comp
     shape = (num_layers, kv_components, pages_per_block, -1)
     d = dst.view(torch.uint8).view(shape)
     s = src.view(torch.uint8).view(shape)
+    if d.device.type == "cpu" and s.device.type == "cpu":   # no OpenMP team (kernels/host.py)
+        np.copyto(d.numpy()[:, :, skip_pages:], s.numpy()[:, :, skip_pages:])
+        return
     d[:, :, skip_pages:].copy_(s[:, :, skip_pages:])

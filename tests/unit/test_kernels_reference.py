@@ -1,4 +1,4 @@
-"""Torch reference gather/scatter against an independent, per-page oracle.
+"""Gather/scatter (numpy host copies, torch reference) against a per-page oracle.
 
 The oracle reads each layout the way the engine does (vLLM's own views and splits),
 not through kvtier's canonical strides, so a stride mistake in ``layouts.py`` fails here.
@@ -6,6 +6,7 @@ not through kvtier's canonical strides, so a stride mistake in ``layouts.py`` fa
 
 from __future__ import annotations
 
+import threading
 import zlib
 
 import pytest
@@ -19,6 +20,11 @@ from kvtier.kernels import (  # noqa: E402
     gather_blocks,
     scatter_blocks,
     select_path,
+)
+from kvtier.kernels.reference import (  # noqa: E402
+    gather_reference,
+    plan_transfer,
+    scatter_reference,
 )
 
 from kvtier.errors import BufferSizeError, LayoutMismatch  # noqa: E402
@@ -240,3 +246,64 @@ def test_cpu_tensors_select_the_torch_path():
     caches = [torch.zeros(2, 3, 4, 1, 8)]
     assert select_path(caches, [torch.zeros(8)]) is KernelPath.TORCH
     assert select_path([], []) is KernelPath.TORCH
+
+
+# -- the numpy host copies (CPU engines) against the torch reference ---------------
+
+
+@pytest.mark.parametrize("layout", list(PagedLayout), ids=lambda x: x.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_host_and_torch_reference_agree(layout: PagedLayout, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(13)
+    caches = [make_cache(layout, 4, dtype, gen) for _ in range(NUM_LAYERS)]
+    page_ids = mapping(gen, 3, 2)
+    nbytes = block_bytes(caches, layout, 8)
+    plan = plan_transfer(caches, layout, page_ids)
+    want = torch.empty((3, nbytes), dtype=torch.uint8)
+    gather_reference(caches, plan, want)
+    slots = [torch.full((nbytes,), 0xA5, dtype=torch.uint8) for _ in range(3)]
+    gather_blocks(caches, layout, page_ids, slots)
+    assert torch.equal(torch.stack(slots), want)
+    by_host = [torch.zeros_like(c) for c in caches]
+    by_torch = [torch.zeros_like(c) for c in caches]
+    scatter_blocks(by_host, layout, page_ids, slots)
+    scatter_reference(by_torch, plan_transfer(by_torch, layout, page_ids, for_scatter=True),
+                      want)
+    for a, b in zip(by_host, by_torch, strict=True):
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_host_copies_run_no_torch_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch copy started from a new thread starts a second OpenMP team that competes
+    with a CPU engine's own; the host path must move the bytes without any torch kernel
+    (only views), so the copies the old path made here are made to fail."""
+    gen = torch.Generator().manual_seed(3)
+    caches = [make_cache(PagedLayout.NHD, 16, torch.float32, gen, heads=8, dim=64)
+              for _ in range(2)]
+    page_ids = mapping(gen, 4, 3)
+    nbytes = block_bytes(caches, PagedLayout.NHD, 48)
+    want = torch.empty((4, nbytes), dtype=torch.uint8)
+    gather_blocks(caches, PagedLayout.NHD, page_ids, want)
+    rows = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(4)]
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("a torch kernel ran on the host path")
+
+    for name in ("copy_", "index_put_", "__getitem__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    monkeypatch.setattr(torch, "stack", refuse)
+    errors: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            gather_blocks(caches, PagedLayout.NHD, page_ids, rows)
+            scatter_blocks(caches, PagedLayout.NHD, page_ids, rows)
+        except BaseException as exc:   # reported on the test's thread
+            errors.append(exc)
+
+    t = threading.Thread(target=copy)
+    t.start()
+    t.join()
+    monkeypatch.undo()
+    assert not errors, errors
+    assert torch.equal(torch.stack(rows), want)
