@@ -75,13 +75,13 @@ fi
 say "== tier backends (what the daemon would pick here)"
 "$PY" - <<'PYEOF' 2>&1 | tee -a "$LOG"
 from kvtier.tiers.hbm import hbm_available
-from kvtier.tiers.nvme_backend import cuda_driver_status, select_nvme_backend
+from kvtier.tiers.nvme.backends import cuda_driver_status, select_nvme_backend
 print(f"cuda driver: {cuda_driver_status()}")
 print(f"nvme.backend=auto -> {select_nvme_backend('auto')}")
 print(f"hbm available (device 0): {hbm_available(0)}")
 try:
     import kvikio
-    from kvtier.tiers.nvme_backend import kvikio_mode
+    from kvtier.tiers.nvme.kvikio_io import kvikio_mode
     print(f"kvikio mode: {kvikio_mode(kvikio)}")
 except ImportError:
     pass

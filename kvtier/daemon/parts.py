@@ -29,7 +29,7 @@ def make_nvme(cfg: Config) -> NvmeTier:
     """The nvme tier under ``cfg.nvme_path`` with the configured I/O backend."""
     from kvtier.backoff import BackoffPolicy
     from kvtier.tiers.nvme import NvmeTier
-    from kvtier.tiers.nvme_backend import make_frame_io, select_nvme_backend
+    from kvtier.tiers.nvme.backends import make_frame_io, select_nvme_backend
 
     nvme = cfg.nvme
     choice = select_nvme_backend(nvme.backend)   # ConfigError when kvikio is forced in vain

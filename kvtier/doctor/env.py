@@ -68,7 +68,7 @@ def _memlock() -> tuple[int, int]:
 
 
 def _gpu() -> tuple[bool, str]:
-    from kvtier.tiers.nvme_backend import cuda_driver_status
+    from kvtier.tiers.nvme.backends import cuda_driver_status
 
     s = cuda_driver_status()
     return s.ok, s.reason
@@ -78,7 +78,7 @@ def _kvikio_mode() -> str | None:
     """"gds", "compat", "unknown", or None when kvikio cannot be imported."""
     import importlib
 
-    from kvtier.tiers.nvme_backend import kvikio_mode
+    from kvtier.tiers.nvme.kvikio_io import kvikio_mode
 
     try:
         return kvikio_mode(importlib.import_module("kvikio"))

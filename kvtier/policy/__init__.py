@@ -23,8 +23,7 @@ from kvtier.policy.base import (
     register_eviction_policy,
 )
 from kvtier.policy.prefetch import (
-    PrefetchCounters,
-    PrefetchTracker,
+    TIMEOUT_BASE_S,
     PrefetchWait,
     WaitOutcome,
     prefetch_deadline,
@@ -32,14 +31,13 @@ from kvtier.policy.prefetch import (
 )
 
 __all__ = [
+    "TIMEOUT_BASE_S",
     "AdmissionPolicy",
     "Clock",
     "EvictionPolicy",
     "FakeClock",
     "Key",
     "LookupObserver",
-    "PrefetchCounters",
-    "PrefetchTracker",
     "PrefetchWait",
     "StoreObserver",
     "WaitOutcome",

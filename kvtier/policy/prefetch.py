@@ -9,16 +9,19 @@ get that follows decides how long to wait for them (after SGLang's named stop po
   the ready prefix.
 
 Everything here is pure: times are arguments, so a fake clock drives the tests and the
-replay simulator uses the same code as the daemon.
+replay simulator uses the same code and the same ``timeout`` grace as the daemon. Outcome
+counts (issued, hit before use, late, wasted, failed) are the store's: a flag on each block
+(``BlockMeta.prefetched``) and ``kvtier.store.stats.PrefetchCounters``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import Enum
 
-from kvtier.policy.base import Key
+TIMEOUT_BASE_S = 0.05
+"""The fixed grace of a ``timeout`` wait before its per-block part (daemon and simulator)."""
 
 
 class PrefetchWait(str, Enum):
@@ -81,56 +84,3 @@ def wait_for_prefix(
     if late and deadline is not None:
         last = max(last, deadline)  # it waited the whole grace period in vain
     return WaitOutcome(ready_blocks=ready, return_at=last, late_blocks=late)
-
-
-@dataclass(slots=True)
-class PrefetchCounters:
-    """Monotonic prefetch counters (exported as kvtier_prefetch_*_total)."""
-
-    issued: int = 0           # promotions started at lookup time
-    hit_before_use: int = 0   # landed before the get that wanted them
-    late: int = 0             # still in flight when the get returned
-    wasted: int = 0           # landed but never used before leaving the tier
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-class PrefetchTracker:
-    """Classifies each promotion as hit-before-use, late or wasted.
-
-    ``issued`` when a promotion starts, ``used`` when a get resolves it (``in_time`` from
-    :func:`wait_for_prefix`), ``dropped`` when a promoted block leaves the tier; one never
-    used is counted as wasted. Not wired in yet: the store keeps the same counts inline
-    (``kvtier.store.stats.PrefetchCounters``); giving this class its user is open work.
-    """
-
-    __slots__ = ("_pending", "counters")
-
-    def __init__(self) -> None:
-        self._pending: set[Key] = set()
-        self.counters = PrefetchCounters()
-
-    def issued(self, key: Key) -> None:
-        """A promotion of ``key`` has started."""
-        if key not in self._pending:
-            self._pending.add(key)
-            self.counters.issued += 1
-
-    def used(self, key: Key, *, in_time: bool) -> None:
-        """A get consumed (``in_time``) or gave up on (late) the promotion of ``key``."""
-        if key in self._pending:
-            self._pending.discard(key)
-            if in_time:
-                self.counters.hit_before_use += 1
-            else:
-                self.counters.late += 1
-
-    def dropped(self, key: Key) -> None:
-        """``key`` left the tier; if nobody used its promotion, it was wasted."""
-        if key in self._pending:
-            self._pending.discard(key)
-            self.counters.wasted += 1
-
-    def __len__(self) -> int:
-        return len(self._pending)

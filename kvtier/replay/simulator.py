@@ -29,7 +29,7 @@ from kvtier.policy.adaptive import AdaptivePolicy
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit
 from kvtier.policy.base import EvictionPolicy, Key, make_eviction_policy
 from kvtier.policy.costmodel import BlockCosts
-from kvtier.policy.prefetch import PrefetchWait, wait_for_prefix
+from kvtier.policy.prefetch import TIMEOUT_BASE_S, PrefetchWait, wait_for_prefix
 from kvtier.policy.prefix import PrefixForest
 from kvtier.policy.shadow import TierShadows
 from kvtier.policy.stats import WorkloadStats
@@ -297,7 +297,7 @@ def simulate(
         wait_s = 0.0
         if n_tiers > 1 and hit:
             out = wait_for_prefix(config.prefetch, ready_at, now,
-                                  per_block_s=slot / bws[-1])
+                                  per_block_s=slot / bws[-1], base_s=TIMEOUT_BASE_S)
             usable = out.ready_blocks
             res.late_blocks += out.late_blocks
             wait_s = out.return_at - now

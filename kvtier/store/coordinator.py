@@ -23,7 +23,7 @@ from kvtier.layout import KVLayout
 from kvtier.leases import LeaseKind, LeaseTable, Quarantine
 from kvtier.policy.base import AdmissionPolicy, EvictionPolicy, LookupObserver
 from kvtier.policy.base import make_eviction_policy as _make_policy
-from kvtier.policy.prefetch import PrefetchWait
+from kvtier.policy.prefetch import TIMEOUT_BASE_S, PrefetchWait
 from kvtier.store.blocks import Blocks
 from kvtier.store.cpu import CpuResidency
 from kvtier.store.demotion import Demoter
@@ -56,7 +56,7 @@ class TieredStore:
                  redis: RedisPort | None = None, hbm: HbmPort | None = None,
                  eviction: str = "lru", lease_ttl_s: float = 30.0,
                  prefetch_wait: str = "timeout", prefetch_ms_per_block: float = 2.0,
-                 prefetch_base_s: float = 0.05,
+                 prefetch_base_s: float = TIMEOUT_BASE_S,
                  policy_factory: Callable[[str, TierName], EvictionPolicy] | None = None,
                  admission: AdmissionPolicy | None = None,
                  observer: LookupObserver | None = None,

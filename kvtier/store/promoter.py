@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 from kvtier.index import BlockMeta, SlotState
-from kvtier.policy.prefetch import PrefetchWait, prefetch_deadline
+from kvtier.policy.prefetch import TIMEOUT_BASE_S, PrefetchWait, prefetch_deadline
 from kvtier.store.blocks import Blocks
 from kvtier.store.cpu import CpuResidency
 from kvtier.store.namespaces import NamespaceEntry
@@ -38,7 +38,7 @@ class Promoter:
     clock: Callable[[], float]
     wait_policy: PrefetchWait = PrefetchWait.TIMEOUT
     per_block_s: float = 0.002
-    base_s: float = 0.05      # grace of a ``timeout`` wait before the per-block part
+    base_s: float = TIMEOUT_BASE_S   # grace of a ``timeout`` wait before the per-block part
     forest: ForestPort | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 

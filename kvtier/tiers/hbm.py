@@ -47,7 +47,7 @@ from kvtier.tiers.hbm_mapping import IPC_HANDLE_BYTES, HbmMapping
 from kvtier.tiers.hbm_mapping import _normalize_bus_id as _normalize_bus_id
 from kvtier.tiers.hbm_mapping import _validate_handle as _validate_handle
 from kvtier.tiers.hbm_pool import CupyDevicePool, DevicePool, _check_range
-from kvtier.tiers.nvme_backend import cuda_driver_status
+from kvtier.tiers.nvme.backends import cuda_driver_status
 from kvtier.tiers.slab import PAGE, SlabAllocator
 
 __all__ = [

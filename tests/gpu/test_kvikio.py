@@ -17,14 +17,10 @@ from typing import Any
 import pytest
 
 from kvtier.frame import make_header
-from kvtier.tiers._aligned import aligned_buffer
+from kvtier.tiers.aligned import aligned_buffer
 from kvtier.tiers.nvme import PAGE, NvmeTier
-from kvtier.tiers.nvme_backend import (
-    KvikioFileIO,
-    cuda_driver_status,
-    make_frame_io,
-    select_nvme_backend,
-)
+from kvtier.tiers.nvme.backends import cuda_driver_status, make_frame_io, select_nvme_backend
+from kvtier.tiers.nvme.kvikio_io import KvikioFileIO
 
 pytestmark = pytest.mark.gpu
 kvikio = pytest.importorskip("kvikio", reason="kvikio not installed (pip install 'kvtier[gpu]')")

@@ -18,7 +18,6 @@ import pytest
 from kvtier.config import load_config
 from kvtier.errors import BufferSizeError, CapacityError, ConfigError, KVTierError
 from kvtier.tiers import hbm as hbm_mod
-from kvtier.tiers import nvme_backend as nb
 from kvtier.tiers.base import Tier, TierName, tier_stats
 from kvtier.tiers.hbm import (
     IPC_HANDLE_BYTES,
@@ -28,6 +27,7 @@ from kvtier.tiers.hbm import (
     SlabAllocator,
     hbm_available,
 )
+from kvtier.tiers.nvme import backends as nb
 from tests.support.fake_gpu_libs import FakeDriver, no_libcuda, with_driver
 
 MiB = 1 << 20

@@ -8,7 +8,6 @@ from kvtier.errors import ConfigError
 from kvtier.policy import (
     EvictionPolicy,
     FakeClock,
-    PrefetchTracker,
     PrefetchWait,
     make_eviction_policy,
     prefetch_deadline,
@@ -92,16 +91,3 @@ def test_wait_stops_at_first_block_not_ready() -> None:
     out = wait_for_prefix(PrefetchWait.BEST_EFFORT, [0.0, 5.0, 0.0], 1.0, per_block_s=0.0)
     assert out.ready_blocks == 1 and out.late_blocks == 2
 
-
-def test_prefetch_tracker_classifies() -> None:
-    tr = PrefetchTracker()
-    for k in "abcd":
-        tr.issued(k)
-    tr.issued("a")  # duplicate issue is not counted twice
-    tr.used("a", in_time=True)
-    tr.used("b", in_time=False)
-    tr.dropped("c")
-    tr.dropped("a")  # already used: not wasted
-    c = tr.counters
-    assert (c.issued, c.hit_before_use, c.late, c.wasted) == (4, 1, 1, 1)
-    assert len(tr) == 1
