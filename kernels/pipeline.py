@@ -16,17 +16,15 @@ Saves. ``submit_save(job, nbytes)`` hands a save to the saver thread and returns
 prepares (opens a put lease), copies on the save stream ordered after the compute issued so
 far, and commits once the copy has finished. Bytes in flight are bounded: a save that
 would exceed ``max_inflight_bytes`` is refused (the caller counts it as dropped) instead of
-stalling the engine; a dropped save is only a future cache miss. The saver thread runs
-``save_nice`` steps below the engine's CPU priority (Linux schedules threads one by one):
-on a node whose cores the engine's step keeps busy, a save waits for a gap instead of
-taking a core from the step.
+stalling the engine; a dropped save is only a future cache miss. (The saver thread keeps
+the engine's CPU priority: a lowered one was measured to stall the engine, since the
+saver holds the GIL between copies and, starved, hands it back late.)
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -106,7 +104,6 @@ class LayerPipeline:
     """A loader thread with per-layer readiness and a saver thread with a byte bound."""
 
     def __init__(self, num_layers: int, device: Any = None, *, max_inflight_bytes: int,
-                 save_nice: int = 0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if max_inflight_bytes <= 0:
             raise ValueError(f"max_inflight_bytes must be positive, got {max_inflight_bytes}")
@@ -117,9 +114,7 @@ class LayerPipeline:
         self.save_stats = SaveStats()
         self.last_trace: LoadTrace | None = None
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save",
-                                         initializer=lower_thread_priority,
-                                         initargs=(save_nice,))
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
         self._step: _StepLoad | None = None
         self._lock = threading.Lock()
         self._inflight_bytes = 0
@@ -250,18 +245,3 @@ class LayerPipeline:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
 
-
-def lower_thread_priority(steps: int) -> int:
-    """Raise the calling thread's nice value by ``steps`` (Linux: per thread); the nice
-    value it now runs at. Lowering priority needs no privilege; where the platform has no
-    per-thread priority, nothing changes."""
-    if steps <= 0 or not hasattr(os, "setpriority"):
-        return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
-    tid = threading.get_native_id()
-    try:
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + steps))
-        return os.getpriority(os.PRIO_PROCESS, tid)
-    except OSError:
-        logger.debug("kvtier: could not lower the saver thread's priority", exc_info=True)
-        return 0

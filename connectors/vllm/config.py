@@ -28,9 +28,6 @@ DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 """Recompute speed assumed until the engine's own prefill throughput has been measured."""
 TIERS = ("hbm", "cpu", "nvme", "redis")
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
-DEFAULT_SAVE_THREAD_NICE = 10
-"""How far below the engine the saver thread runs (nice steps, 0..19): a save copies in
-the gaps of the engine's step instead of taking one of its cores."""
 DEFAULT_REDIS_SYNC_TIMEOUT_S = 1.5
 """A producer's wait for its blocks to be visible in Redis, per save (below 90% of the
 default ``timeout_s``, which bounds every daemon call)."""
@@ -39,7 +36,7 @@ _KEYS = frozenset({
     "socket_path", "tokens_per_block", "model_id", "namespace", "save_decode_tokens",
     "async_load", "timeout_s", "reconnect_min_s", "reconnect_max_s",
     "max_inflight_save_bytes", "prefill_tokens_per_s", "tier_bandwidth",
-    "skip_slower_than_recompute", "device_loads", "redis_sync_timeout_s", "save_thread_nice",
+    "skip_slower_than_recompute", "device_loads", "redis_sync_timeout_s",
 })
 
 
@@ -76,8 +73,7 @@ class ConnectorConfig:
     ``reconnect_min_s`` to ``reconnect_max_s``.
 
     Data path (issue 11): ``max_inflight_save_bytes`` bounds the bytes of saves copying
-    at once per worker (a save beyond it is dropped and counted, never waited for);
-    ``save_thread_nice`` (0..19) lowers the saver thread's CPU priority by that many steps.
+    at once per worker (a save beyond it is dropped and counted, never waited for).
     ``skip_slower_than_recompute`` makes the scheduler load only the leading blocks whose
     reload time (block bytes over the daemon-measured bandwidth of the tier holding them,
     or ``tier_bandwidth[tier]`` bytes/s when configured) does not exceed their recompute
@@ -108,7 +104,6 @@ class ConnectorConfig:
     device_loads: bool | None = None
     role: str = "kv_both"
     redis_sync_timeout_s: float = DEFAULT_REDIS_SYNC_TIMEOUT_S
-    save_thread_nice: int = DEFAULT_SAVE_THREAD_NICE
 
     @property
     def saves(self) -> bool:
@@ -165,7 +160,6 @@ class ConnectorConfig:
             role=role,
             redis_sync_timeout_s=_positive_float(extra, "redis_sync_timeout_s",
                                                  DEFAULT_REDIS_SYNC_TIMEOUT_S),
-            save_thread_nice=_nice(extra, "save_thread_nice", DEFAULT_SAVE_THREAD_NICE),
         )
 
     @classmethod
@@ -233,14 +227,6 @@ def _positive_int(extra: dict[str, Any], key: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"kv_connector_extra_config.{key} must be a positive int, "
                           f"got {value!r}")
-    return value
-
-
-def _nice(extra: dict[str, Any], key: str, default: int) -> int:
-    value = extra.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
-        raise ConfigError(f"kv_connector_extra_config.{key} must be an int in 0..19 (nice "
-                          f"steps below the engine; 0 keeps its priority), got {value!r}")
     return value
 
 

@@ -140,8 +140,7 @@ class WorkerSide:
                                self.pages.pages_per_block, nbytes, self.layout.kv_components)
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.pipeline = LayerPipeline(len(caches), caches[0].device if on_gpu else None,
-                                      max_inflight_bytes=self.config.max_inflight_save_bytes,
-                                      save_nice=self.config.save_thread_nice)
+                                      max_inflight_bytes=self.config.max_inflight_save_bytes)
         # Connect (map and register the arena) off the first step's critical path.
         self.pipeline.warm(lambda: self._thread_link("-load").preconnect(),
                            lambda: self._thread_link("-save").preconnect())

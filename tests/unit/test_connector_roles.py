@@ -8,11 +8,7 @@ from kvtier.errors import ConfigError
 
 pytest.importorskip("vllm", reason="the connector package imports vLLM")
 
-from kvtier.connectors.vllm.config import (
-    DEFAULT_REDIS_SYNC_TIMEOUT_S,
-    DEFAULT_SAVE_THREAD_NICE,
-    ConnectorConfig,
-)
+from kvtier.connectors.vllm.config import DEFAULT_REDIS_SYNC_TIMEOUT_S, ConnectorConfig
 
 
 def config(role: str | None, **extra: object) -> ConnectorConfig:
@@ -41,11 +37,3 @@ def test_bad_sync_timeouts_are_refused(bad: dict[str, object]) -> None:
 def test_an_unknown_role_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="kv_producer"):
         config("kv_prefill")
-
-
-def test_the_saver_thread_priority_is_validated() -> None:
-    assert config(None).save_thread_nice == DEFAULT_SAVE_THREAD_NICE > 0
-    assert config(None, save_thread_nice=0).save_thread_nice == 0
-    for bad in (-1, 20, "5", True):
-        with pytest.raises(ConfigError, match="save_thread_nice"):
-            config(None, save_thread_nice=bad)

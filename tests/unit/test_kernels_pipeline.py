@@ -3,7 +3,6 @@ never deadlock the forward, and the saver's byte bound (no GPU, no daemon)."""
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -151,23 +150,3 @@ def test_a_failed_save_is_abandoned_not_committed() -> None:
     assert pipe.save_stats.failed == 1 and pipe.inflight_bytes == 0
     pipe.close()
 
-
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority here")
-def test_the_saver_thread_runs_below_the_engine() -> None:
-    """Saves copy in the engine's gaps: the saver thread's nice value is raised, the
-    caller's (the engine's) is not."""
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    seen: list[int] = []
-
-    class Probe(GatedSave):
-        def prepare(self) -> bool:
-            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-            return True
-
-    for nice, want in ((0, base), (5, min(19, base + 5)), (40, 19)):
-        pipe = LayerPipeline(2, max_inflight_bytes=1000, save_nice=nice)
-        fut = pipe.submit_save(Probe(), 10)
-        assert fut is not None and fut.result(GATE_TIMEOUT_S)
-        pipe.close()
-        assert seen[-1] == want, (nice, seen)
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
