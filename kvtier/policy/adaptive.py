@@ -84,7 +84,7 @@ class AdaptivePolicy:
         meta = self._meta
         if key in meta:
             del meta[key]
-        elif self._cap_bytes and nbytes > 0 and not self.shadows.active:
+        elif self._cap_bytes and nbytes > 0 and not self.shadows.capacity_blocks:
             self._size_shadows(self._cap_bytes // nbytes)
         meta[key] = (nbytes, parent, depth, block_tokens)
         if block_tokens:  # only then: a mode that predates the keyword keeps working
@@ -102,7 +102,9 @@ class AdaptivePolicy:
 
     def remove(self, key: Key) -> None:
         if self._meta.pop(key, None) is not None:
-            self._pinned.discard(key)
+            pinned = self._pinned
+            if pinned:
+                pinned.discard(key)
             self._live.remove(key)
 
     def _size_shadows(self, blocks: int) -> None:
@@ -112,9 +114,11 @@ class AdaptivePolicy:
             shadows.set_capacity(blocks, above or shadows.above_blocks)
 
     def victim(self) -> Key | None:
-        if not self.shadows.active and self._meta:
+        shadows = self.shadows
+        if not shadows.capacity_blocks and self._meta:  # not sized yet (``active``)
             self._size_shadows(len(self._meta))
-        self._follow()
+        if shadows.mode != self.mode:
+            self._follow()
         return self._live.victim()
 
     def set_pinned(self, key: Key, pinned: bool) -> None:

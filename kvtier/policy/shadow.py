@@ -81,12 +81,17 @@ def sampling_rate(capacity_blocks: int) -> float:
 class ShadowCache:
     """One miniature cache: a policy instance, its capacity and its (decayed) hit tokens."""
 
-    __slots__ = ("capacity", "d1", "d2", "forest", "hits", "policy", "recent", "tokens")
+    __slots__ = (
+        "capacity", "d1", "d2", "forest", "hits", "policy", "recent", "resident", "tokens",
+    )
 
     def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
         self.policy = policy
         self.capacity = max(1, capacity)
         self.forest = PrefixForest()
+        # the policy's keys, mirrored (only this cache inserts and removes them): membership
+        # and size without a call into the policy
+        self.resident: set[Key] = set()
         self.hits = 0.0    # hit tokens since the start
         self.tokens = 0.0  # tokens of the sampled blocks seen since the start
         self.recent = 0.0  # hit tokens in the current epoch
@@ -106,27 +111,31 @@ class ShadowCache:
         self.tokens += n_tokens
         pol = self.policy
         forest = self.forest
+        resident = self.resident
         capacity = self.capacity
         hit = 0
         hitting = True  # still in the resident prefix (touches do not change residency)
         parent: Key | None = None
         for key, depth, tokens in chain:
-            if key in pol:
+            if key in resident:
                 if hitting:
                     hit += tokens
                 pol.touch(key, now=now)
             else:
                 hitting = False
-                if parent is None or parent in pol:
+                if parent is None or parent in resident:
                     pol.insert(key, nbytes=1, parent=parent, depth=depth, now=now)
+                    resident.add(key)
                     forest.add(key, parent)
-                    while len(pol) > capacity:
+                    while len(resident) > capacity:
                         victim = pol.victim()
                         if victim is None:
                             break
                         pol.remove(victim)
+                        resident.discard(victim)
                         for orphan in forest.discard(victim):
                             pol.remove(orphan)
+                            resident.discard(orphan)
             parent = key
         self.hits += hit
         self.recent += hit

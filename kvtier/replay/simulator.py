@@ -96,6 +96,8 @@ class ReplayResult:
     ttft_s: list[float] = field(default_factory=list)
     tiers: list[TierResult] = field(default_factory=list)
     elapsed_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time for the replay (a loaded machine's wall
+    # clock counts the time other processes had the cores too)
     # per REUSE_EDGES bucket (+1 open bucket): reuses seen and reuses hit; empty unless asked
     reuses_by_distance: list[int] = field(default_factory=list)
     hits_by_distance: list[int] = field(default_factory=list)
@@ -209,6 +211,7 @@ def _simulate(
     reuse_breakdown: bool,
 ) -> ReplayResult:
     t0 = time.perf_counter()
+    c0 = time.process_time()
     costs = config.costs or BlockCosts(
         block_tokens=trace.block_tokens, block_bytes=trace.block_tokens * config.bytes_per_token
     )
@@ -263,7 +266,7 @@ def _simulate(
 
     def evict_single() -> None:
         # make_room(0) with one tier: a victim leaves the hierarchy, its orphans with it
-        while len(top) > cap0:
+        while len(loc) > cap0:
             v = top.victim()
             if v is None:
                 return
@@ -327,7 +330,8 @@ def _simulate(
                 break
             served.append((mask & -mask).bit_length() - 1)
             hit += 1
-        stats.on_lookup(keys, hit, now=now)
+        # lookup and store in one pass (nothing reads the stats in between)
+        stats.on_request(keys, hit, output_tokens=r.output_tokens, now=now)
         # ---- prefetch: lower-tier blocks land one after another at their tier's bandwidth
         ready_at: list[float] = []
         t_ready = now
@@ -371,7 +375,6 @@ def _simulate(
         res.requests += 1
         res.ttft_s.append(load_s + prefill.seconds(hit_tokens, inp))
         # ---- after the run: every block touched or inserted into the top tier, in order
-        stats.on_stored(keys, output_tokens=r.output_tokens, now=now)
         for sh in shadow_sets:
             sh.on_request(keys, functools.partial(_block_tokens, bt, inp), now)
         parent: Key | None = None
@@ -400,15 +403,16 @@ def _simulate(
                         forest.add(k, parent)
                     if n_tiers > 1:
                         depth_of[k] = d
-                if len(top) > cap0:
-                    if n_tiers == 1:
+                if n_tiers == 1:
+                    if len(loc) > cap0:  # one tier: ``loc`` holds exactly its keys
                         evict_single()
-                    else:
-                        make_room(0, now)
+                elif len(top) > cap0:
+                    make_room(0, now)
             parent = k
         if progress is not None:
             progress(n)
     res.elapsed_s = time.perf_counter() - t0
+    res.cpu_s = time.process_time() - c0
     res.shadows = [sh.snapshot() for sh in shadow_sets]
     if buckets:
         res.hits_by_distance = by_hits
