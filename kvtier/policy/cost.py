@@ -11,7 +11,10 @@ tier down) / bytes``: what keeping it here saves, per byte it occupies.
   counts, shrunk level by level toward coarser classes (so a class without evidence takes
   its parent's rate and a feature without signal changes nothing);
 - recompute seconds from :class:`~kvtier.policy.costmodel.BlockCosts` (prefill FLOPs of the
-  chunk at its position: later chunks of long prompts cost more);
+  chunk at its position: later chunks of long prompts cost more). The position is depth x
+  the tokens per block of the block's own namespace, which the store passes on insert
+  (``block_tokens``, from the namespace's layout: vLLM's 16 or 32, an engine's 256);
+  ``BlockCosts.block_tokens`` is only the default for a block whose layout is unknown;
 - reload seconds from the bandwidth of the tier below (``None``: nothing below, the block
   would have to be recomputed).
 
