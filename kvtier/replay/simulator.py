@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import gc
 import time
-from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -36,13 +35,8 @@ from kvtier.policy.prefix import PrefixForest
 from kvtier.policy.shadow import TierShadows
 from kvtier.policy.stats import WorkloadStats
 from kvtier.replay.belady import BeladyPolicy
+from kvtier.replay.reuse import REUSE_EDGES, next_use_index, reuse_buckets
 from kvtier.replay.trace import Trace
-
-INF = float("inf")
-
-REUSE_EDGES: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
-"""Inclusive upper bounds of the reuse-distance buckets, in capacities (the last bucket,
-beyond 16, is open). A reuse within one capacity is always an LRU hit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,38 +110,6 @@ class ReplayResult:
     @property
     def block_hit_rate(self) -> float:
         return self.hit_blocks / self.references if self.references else 0.0
-
-
-def next_use_index(trace: Trace) -> list[float]:
-    """For each block reference (flattened in trace order), the index of its next use."""
-    refs = [b for r in trace.requests for b in r.blocks]
-    out = [INF] * len(refs)
-    last: dict[int, int] = {}
-    for i in range(len(refs) - 1, -1, -1):
-        k = refs[i]
-        j = last.get(k)
-        if j is not None:
-            out[i] = float(j)
-        last[k] = i
-    return out
-
-
-def reuse_buckets(trace: Trace, capacity_blocks: int) -> list[int]:
-    """For each block reference (flattened in trace order), its reuse-distance bucket:
-    the index into :data:`REUSE_EDGES` of ``(references since the previous use of the same
-    block) / capacity_blocks``, ``len(REUSE_EDGES)`` beyond the last edge, -1 for a first use.
-    """
-    bounds = [e * capacity_blocks for e in REUSE_EDGES]
-    out: list[int] = []
-    last: dict[int, int] = {}
-    i = 0
-    for r in trace.requests:
-        for k in r.blocks:
-            j = last.get(k)
-            out.append(-1 if j is None else bisect_left(bounds, i - j))
-            last[k] = i
-            i += 1
-    return out
 
 
 def make_policy(
