@@ -44,7 +44,8 @@ class AdaptivePolicy:
         self.shadows = shadows if shadows is not None else TierShadows(make)
         self.mode = self.shadows.mode
         self._live = make(self.mode)
-        self._meta: dict[Key, tuple[int, Key | None, int]] = {}  # recency order
+        # nbytes, parent, depth, block_tokens of every resident block, in recency order
+        self._meta: dict[Key, tuple[int, Key | None, int, int]] = {}
         self._pinned: set[Key] = set()
 
     def _follow(self) -> None:
@@ -66,23 +67,31 @@ class AdaptivePolicy:
                 path.append(parent)
                 parent = meta[parent][1]
             for k in reversed(path):
-                nbytes, par, depth = meta[k]
+                nbytes, par, depth, bt = meta[k]
                 done.add(k)
-                live.insert(k, nbytes=nbytes, parent=par, depth=depth, now=0.0)
+                if bt:
+                    live.insert(k, nbytes=nbytes, parent=par, depth=depth, now=0.0,
+                                block_tokens=bt)
+                else:
+                    live.insert(k, nbytes=nbytes, parent=par, depth=depth, now=0.0)
         for key in self._pinned:
             live.set_pinned(key, True)
         self._live = live
         self.mode = mode
 
     def insert(self, key: Key, *, nbytes: int, parent: Key | None = None, depth: int = 0,
-               now: float = 0.0) -> None:
+               now: float = 0.0, block_tokens: int = 0) -> None:
         meta = self._meta
         if key in meta:
             del meta[key]
-        elif self._cap_bytes and nbytes > 0 and not self.shadows.active:
+        elif self._cap_bytes and nbytes > 0 and not self.shadows.capacity_blocks:
             self._size_shadows(self._cap_bytes // nbytes)
-        meta[key] = (nbytes, parent, depth)
-        self._live.insert(key, nbytes=nbytes, parent=parent, depth=depth, now=now)
+        meta[key] = (nbytes, parent, depth, block_tokens)
+        if block_tokens:  # only then: a mode that predates the keyword keeps working
+            self._live.insert(key, nbytes=nbytes, parent=parent, depth=depth, now=now,
+                              block_tokens=block_tokens)
+        else:
+            self._live.insert(key, nbytes=nbytes, parent=parent, depth=depth, now=now)
 
     def touch(self, key: Key, *, now: float = 0.0) -> None:
         meta = self._meta
@@ -93,7 +102,9 @@ class AdaptivePolicy:
 
     def remove(self, key: Key) -> None:
         if self._meta.pop(key, None) is not None:
-            self._pinned.discard(key)
+            pinned = self._pinned
+            if pinned:
+                pinned.discard(key)
             self._live.remove(key)
 
     def _size_shadows(self, blocks: int) -> None:
@@ -103,9 +114,11 @@ class AdaptivePolicy:
             shadows.set_capacity(blocks, above or shadows.above_blocks)
 
     def victim(self) -> Key | None:
-        if not self.shadows.active and self._meta:
+        shadows = self.shadows
+        if not shadows.capacity_blocks and self._meta:  # not sized yet (``active``)
             self._size_shadows(len(self._meta))
-        self._follow()
+        if shadows.mode != self.mode:
+            self._follow()
         return self._live.victim()
 
     def set_pinned(self, key: Key, pinned: bool) -> None:

@@ -70,7 +70,9 @@ class EvictionPolicy(Protocol):
 
     - ``insert`` is called once when a block becomes resident in the tier (``parent`` is
       the previous key of its prefix chain, ``None`` for the first chunk; ``depth`` is its
-      0-based chunk index in the chain). Inserting a key already present is a ``touch``.
+      0-based chunk index in the chain; ``block_tokens`` the tokens per block of its
+      namespace's layout, 0 when unknown: with ``depth`` it gives the block's token
+      position, which prices its recompute). Inserting a key already present is a ``touch``.
     - ``touch`` is called on every use of a resident block (a hit, a get, a re-put).
     - ``remove`` is called when the block leaves the tier for any reason (evicted,
       demoted, deleted, expired). Removing an absent key is a no-op.
@@ -86,7 +88,8 @@ class EvictionPolicy(Protocol):
     name: str
 
     def insert(
-        self, key: Key, *, nbytes: int, parent: Key | None, depth: int, now: float
+        self, key: Key, *, nbytes: int, parent: Key | None, depth: int, now: float,
+        block_tokens: int = 0,
     ) -> None: ...
 
     def touch(self, key: Key, *, now: float) -> None: ...

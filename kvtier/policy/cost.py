@@ -11,7 +11,10 @@ tier down) / bytes``: what keeping it here saves, per byte it occupies.
   counts, shrunk level by level toward coarser classes (so a class without evidence takes
   its parent's rate and a feature without signal changes nothing);
 - recompute seconds from :class:`~kvtier.policy.costmodel.BlockCosts` (prefill FLOPs of the
-  chunk at its position: later chunks of long prompts cost more);
+  chunk at its position: later chunks of long prompts cost more). The position is depth x
+  the tokens per block of the block's own namespace, which the store passes on insert
+  (``block_tokens``, from the namespace's layout: vLLM's 16 or 32, an engine's 256);
+  ``BlockCosts.block_tokens`` is only the default for a block whose layout is unknown;
 - reload seconds from the bandwidth of the tier below (``None``: nothing below, the block
   would have to be recomputed).
 
@@ -60,18 +63,20 @@ class _Entry:
     """One resident block (a plain slotted class: mutable, no dataclass overhead)."""
 
     __slots__ = (
-        "at", "children", "depth", "key", "nbytes", "order", "parent", "pinned", "prio", "seq",
+        "at", "children", "key", "order", "parent", "pinned", "prio", "saved", "seq",
     )
 
-    def __init__(self, key: Key, nbytes: int, parent: Key | None, depth: int) -> None:
+    def __init__(self, key: Key, parent: Key | None, saved: float) -> None:
         self.key = key
-        self.nbytes = nbytes
         self.parent = parent
-        self.depth = depth
+        self.saved = saved  # recompute minus reload seconds per byte (fixed at insert)
         self.children = 0
         self.pinned = False
         self.prio = 0.0
-        self.seq = -1  # sequence number of its one live heap item (older ones are stale)
+        # number of its one live heap item; -1 while it is no candidate (a child is
+        # resident, it is pinned or it left): older items and those of non-candidates are
+        # stale, so a heap item is live exactly when its number equals its entry's
+        self.seq = -1
         self.order = 0  # when it was last inserted or used: ties go to the oldest use
         self.at = 0  # the stats' reference count when it was last inserted or used
 
@@ -83,7 +88,9 @@ class CostPolicy:
     ``stats`` is shared by the tiers of one store and fed with every lookup and store;
     without it every block has the same reuse estimate and the policy orders by cost and
     recency only. ``reload_bandwidth`` is the read bandwidth (B/s) of the next tier down, ``None``
-    for the last tier.
+    for the last tier. A block's recompute cost follows its own tokens per block
+    (``block_tokens`` on :meth:`insert`, the store's namespace layout), else
+    ``costs.block_tokens``.
     """
 
     name = "cost"
@@ -110,7 +117,7 @@ class CostPolicy:
         self._level = 0.0  # inflation value L: the priority of the last block evicted
         self._unit = 0.0   # value of a sure-to-be-reused depth-0 block: prio's scale
         self._victim: _Entry | None = None  # what victim() named last
-        self._saved: dict[tuple[int, int], float] = {}
+        self._saved: dict[tuple[int, int, int], float] = {}
         self._life = 0.0  # mean age (block references since last use) of evicted blocks
 
     # ------------------------------------------------------------------ value
@@ -119,13 +126,13 @@ class CostPolicy:
         entry = self._entries.get(key)
         return 0.0 if entry is None else self._value(entry)
 
-    def _saved_per_byte(self, depth: int, nbytes: int) -> float:
-        # recompute minus reload seconds, per byte; memoised per (depth, nbytes)
-        memo_key = (depth, nbytes)
+    def _saved_per_byte(self, depth: int, nbytes: int, block_tokens: int = 0) -> float:
+        # recompute minus reload seconds, per byte; memoised per (depth, nbytes, tokens)
+        memo_key = (depth, nbytes, block_tokens)
         saved = self._saved.get(memo_key)
         if saved is None:
             costs = self._costs
-            saved = costs.recompute_s(depth)
+            saved = costs.recompute_s(depth, block_tokens=block_tokens or None)
             if self._reload_bw is not None:
                 saved -= costs.reload_s(nbytes, self._reload_bw)
             saved = max(saved, 0.0) / max(nbytes, 1)
@@ -133,7 +140,7 @@ class CostPolicy:
         return saved
 
     def _value(self, entry: _Entry) -> float:
-        saved = self._saved_per_byte(entry.depth, entry.nbytes)
+        saved = entry.saved
         if saved == 0.0:
             return 0.0
         stats = self._stats
@@ -148,49 +155,69 @@ class CostPolicy:
         return saved * p * life / (p * gap + (1.0 - p) * life)
 
     def _schedule(self, entry: _Entry) -> None:
-        unit = self._unit
-        if unit == 0.0:
-            unit = self._unit = self._saved_per_byte(0, entry.nbytes) or 1.0
-        entry.prio = self._level + self._value(entry) / unit
-        self._uses += 1
-        entry.order = self._uses
-        if self._stats is not None:
-            entry.at = self._stats.tick
+        # _value inlined (the hot path: every insert and touch)
+        saved = entry.saved
+        stats = self._stats
+        if saved == 0.0:
+            value = 0.0
+        elif stats is None:
+            value = 0.5 * saved
+        else:
+            p, gap = stats.reuse_estimate(entry.key)
+            life = self._life or float(len(self._entries) + 1)
+            if gap > life:
+                p *= life / gap
+                gap = life
+            value = saved * p * life / (p * gap + (1.0 - p) * life)
+        entry.prio = prio = self._level + value / self._unit
+        order = self._uses = self._uses + 1
+        entry.order = order
+        if stats is not None:
+            entry.at = stats.tick
         if entry.children == 0 and not entry.pinned:
-            self._push(entry)
+            seq = self._seq = self._seq + 1
+            entry.seq = seq
+            heap = self._heap
+            heapq.heappush(heap, (prio, order, seq, entry))
+            if len(heap) > 2 * len(self._entries) + 1024:
+                self._compact()
 
     def _push(self, entry: _Entry) -> None:
-        self._seq += 1
-        entry.seq = self._seq
-        heapq.heappush(self._heap, (entry.prio, entry.order, self._seq, entry))
-        if len(self._heap) > 2 * len(self._entries) + 1024:
+        seq = self._seq = self._seq + 1
+        entry.seq = seq
+        heap = self._heap
+        heapq.heappush(heap, (entry.prio, entry.order, seq, entry))
+        if len(heap) > 2 * len(self._entries) + 1024:
             self._compact()
 
     def _compact(self) -> None:
-        heap = [
-            (e.prio, e.order, e.seq, e)
-            for e in self._entries.values()
-            if e.children == 0 and not e.pinned and e.seq >= 0
-        ]
+        heap = [(e.prio, e.order, e.seq, e) for e in self._entries.values() if e.seq >= 0]
         heapq.heapify(heap)
         self._heap = heap
 
     # ------------------------------------------------------------------ protocol
     def insert(
         self, key: Key, *, nbytes: int, parent: Key | None = None, depth: int = 0,
-        now: float = 0.0,
+        now: float = 0.0, block_tokens: int = 0,
     ) -> None:
-        """Make ``key`` resident (or touch it if it already is)."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._schedule(entry)
-            return
-        entry = _Entry(key, nbytes, parent, depth)
-        self._entries[key] = entry
-        if parent is not None:
-            up = self._entries.get(parent)
-            if up is not None:
-                up.children += 1
+        """Make ``key`` resident (or touch it if it already is). ``block_tokens``: tokens
+        per block of its namespace (0: ``costs.block_tokens``); with ``depth`` it places the
+        block's tokens in the prompt, which sets its recompute cost."""
+        entries = self._entries
+        entry = entries.get(key)
+        if entry is None:
+            saved = self._saved.get((depth, nbytes, block_tokens))
+            if saved is None:
+                saved = self._saved_per_byte(depth, nbytes, block_tokens)
+            entry = _Entry(key, parent, saved)
+            entries[key] = entry
+            if self._unit == 0.0:
+                self._unit = self._saved_per_byte(0, nbytes, block_tokens) or 1.0
+            if parent is not None:
+                up = entries.get(parent)
+                if up is not None:
+                    up.children += 1
+                    up.seq = -1  # no longer a leaf: its heap item is stale
         self._schedule(entry)
 
     def touch(self, key: Key, *, now: float = 0.0) -> None:
@@ -204,6 +231,7 @@ class CostPolicy:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
+        entry.seq = -1
         if entry is self._victim:  # evicted: the water level rises to its priority
             self._victim = None
             if entry.prio > self._level:
@@ -222,19 +250,14 @@ class CostPolicy:
     def victim(self) -> Key | None:
         """The unpinned leaf with the lowest priority (oldest first among equals), or None."""
         heap = self._heap
-        entries = self._entries
+        pop = heapq.heappop
         while heap:
-            prio, _, seq, entry = heap[0]
-            if (
-                entry.seq == seq
-                and entry.prio == prio
-                and entries.get(entry.key) is entry
-                and entry.children == 0
-                and not entry.pinned
-            ):
+            item = heap[0]
+            entry = item[3]
+            if entry.seq == item[2]:
                 self._victim = entry
                 return entry.key
-            heapq.heappop(heap)
+            pop(heap)
         return None
 
     def set_pinned(self, key: Key, pinned: bool) -> None:
@@ -243,7 +266,9 @@ class CostPolicy:
         if entry is None or entry.pinned == pinned:
             return
         entry.pinned = pinned
-        if not pinned and entry.children == 0:
+        if pinned:
+            entry.seq = -1
+        elif entry.children == 0:
             self._push(entry)
 
     def __contains__(self, key: object) -> bool:

@@ -50,10 +50,14 @@ class BlockCosts:
     block_bytes: int = 256 * 131072
     prefill: PrefillModel = field(default_factory=PrefillModel)
 
-    def recompute_s(self, depth: int, tokens: int | None = None) -> float:
-        """Seconds to recompute the chunk at 0-based ``depth`` (``tokens`` if partial)."""
-        start = depth * self.block_tokens
-        n = self.block_tokens if tokens is None else tokens
+    def recompute_s(self, depth: int, tokens: int | None = None, *,
+                    block_tokens: int | None = None) -> float:
+        """Seconds to recompute the chunk at 0-based ``depth`` (``tokens`` if partial) of a
+        namespace whose blocks hold ``block_tokens`` tokens (default: ``self.block_tokens``,
+        a sizing default until the namespace's layout is known)."""
+        bt = block_tokens or self.block_tokens
+        start = depth * bt
+        n = bt if tokens is None else tokens
         return self.prefill.seconds(start, start + n)
 
     def reload_s(self, nbytes: int, bandwidth: float | None) -> float:

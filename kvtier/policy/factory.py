@@ -21,8 +21,13 @@ from kvtier.policy.stats import WorkloadStats
 from kvtier.tiers.base import TierName
 
 TYPICAL_BLOCK_BYTES = 8 * 2**20
-"""Sizing unit for the observer's horizon before any layout is known (a 256-token block
-of an 8B model in bf16 is 32 MiB; small test models are far smaller)."""
+"""Sizing unit for the observer's horizon, fixed before any layout is known (a 256-token
+block of an 8B model in bf16 is 32 MiB; small test models are far smaller). Only sizing:
+a block's own cost uses its real bytes."""
+DEFAULT_BLOCK_TOKENS = 256
+"""Tokens per block the cost model assumes for a block whose namespace's layout is not
+known (the store passes each block's ``block_tokens`` from its namespace's layout on insert,
+so a vLLM namespace of 16 or 32 tokens per block is priced at its real token positions)."""
 
 H2D_BPS = 2.0e10          # reload bandwidth of the tier below hbm (cpu arena -> device)
 NVME_READ_BPS = 2.0e9     # reload bandwidth of the tier below cpu (re-measured by bench)
@@ -52,7 +57,7 @@ def build_policies(cfg: Any) -> dict[str, Any]:
         # one cache size of references is too short to tell reused blocks from dead ones.
         window = max(1 << 16, 16 * all_blocks)
         stats = WorkloadStats(horizon=window, history=window)
-        costs = BlockCosts(block_tokens=256, block_bytes=TYPICAL_BLOCK_BYTES,
+        costs = BlockCosts(block_tokens=DEFAULT_BLOCK_TOKENS, block_bytes=TYPICAL_BLOCK_BYTES,
                            prefill=PrefillModel(params=cfg.policy.model_params))
     below_cpu = NVME_READ_BPS if cfg.nvme.enabled else (
         REDIS_READ_BPS if cfg.redis.enabled else None)

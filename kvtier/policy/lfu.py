@@ -93,7 +93,7 @@ class LFUPolicy:
 
     def insert(
         self, key: Key, *, nbytes: int = 0, parent: Key | None = None, depth: int = 0,
-        now: float = 0.0,
+        now: float = 0.0, block_tokens: int = 0,
     ) -> None:
         """Make ``key`` resident with one more use (its remembered count, if any, resumes)."""
         old = self._score.get(key)

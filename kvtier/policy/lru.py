@@ -30,7 +30,7 @@ class LRUPolicy:
 
     def insert(
         self, key: Key, *, nbytes: int = 0, parent: Key | None = None, depth: int = 0,
-        now: float = 0.0,
+        now: float = 0.0, block_tokens: int = 0,
     ) -> None:
         """Make ``key`` resident as the most recently used block (or touch it)."""
         if key in self._pinned:

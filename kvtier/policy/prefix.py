@@ -42,24 +42,29 @@ class PrefixForest:
 
         The returned keys are forgotten too; the caller removes them from their tiers.
         """
-        if key not in self._parent:
+        parents = self._parent
+        if key not in parents:
             return []
-        parent = self._parent.pop(key)
+        parent = parents.pop(key)
+        children = self._children
         if parent is not None:
-            kids = self._children.get(parent)
+            kids = children.get(parent)
             if kids is not None:
                 kids.discard(key)
                 if not kids:
-                    del self._children[parent]
+                    del children[parent]
+        kids = children.pop(key, None)
+        if not kids:  # a leaf (the common case): nothing orphaned
+            return []
         orphans: list[Key] = []
-        stack = [key]
+        stack = [kids]  # child sets still to walk, depth first
         while stack:
-            kids = self._children.pop(stack.pop(), None)
-            if kids:
-                for kid in kids:
-                    del self._parent[kid]
-                    orphans.append(kid)
-                    stack.append(kid)
+            for kid in stack.pop():
+                del parents[kid]
+                orphans.append(kid)
+                grandkids = children.pop(kid, None)
+                if grandkids:
+                    stack.append(grandkids)
         return orphans
 
     def parent(self, key: Key) -> Key | None:

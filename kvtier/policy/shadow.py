@@ -81,12 +81,17 @@ def sampling_rate(capacity_blocks: int) -> float:
 class ShadowCache:
     """One miniature cache: a policy instance, its capacity and its (decayed) hit tokens."""
 
-    __slots__ = ("capacity", "d1", "d2", "forest", "hits", "policy", "recent", "tokens")
+    __slots__ = (
+        "capacity", "d1", "d2", "forest", "hits", "policy", "recent", "resident", "tokens",
+    )
 
     def __init__(self, policy: EvictionPolicy, capacity: int) -> None:
         self.policy = policy
         self.capacity = max(1, capacity)
         self.forest = PrefixForest()
+        # the policy's keys, mirrored (only this cache inserts and removes them): membership
+        # and size without a call into the policy
+        self.resident: set[Key] = set()
         self.hits = 0.0    # hit tokens since the start
         self.tokens = 0.0  # tokens of the sampled blocks seen since the start
         self.recent = 0.0  # hit tokens in the current epoch
@@ -105,29 +110,35 @@ class ShadowCache:
         capacity."""
         self.tokens += n_tokens
         pol = self.policy
+        forest = self.forest
+        resident = self.resident
+        capacity = self.capacity
         hit = 0
-        for key, _, tokens in chain:
-            if key not in pol:
-                break
-            hit += tokens
+        hitting = True  # still in the resident prefix (touches do not change residency)
+        parent: Key | None = None
+        for key, depth, tokens in chain:
+            if key in resident:
+                if hitting:
+                    hit += tokens
+                pol.touch(key, now=now)
+            else:
+                hitting = False
+                if parent is None or parent in resident:
+                    pol.insert(key, nbytes=1, parent=parent, depth=depth, now=now)
+                    resident.add(key)
+                    forest.add(key, parent)
+                    while len(resident) > capacity:
+                        victim = pol.victim()
+                        if victim is None:
+                            break
+                        pol.remove(victim)
+                        resident.discard(victim)
+                        for orphan in forest.discard(victim):
+                            pol.remove(orphan)
+                            resident.discard(orphan)
+            parent = key
         self.hits += hit
         self.recent += hit
-        parent: Key | None = None
-        forest = self.forest
-        for key, depth, _ in chain:
-            if key in pol:
-                pol.touch(key, now=now)
-            elif parent is None or parent in pol:
-                pol.insert(key, nbytes=1, parent=parent, depth=depth, now=now)
-                forest.add(key, parent)
-                while len(pol) > self.capacity:
-                    victim = pol.victim()
-                    if victim is None:
-                        break
-                    pol.remove(victim)
-                    for orphan in forest.discard(victim):
-                        pol.remove(orphan)
-            parent = key
 
 
 @dataclass(slots=True)
@@ -209,7 +220,16 @@ class TierShadows:
                ) -> list[tuple[Key, int, int]]:
         """The sampled sub-chain of one request: ``(key, depth, tokens)``."""
         th = self._threshold
-        return [(k, d, tokens(d)) for d, k in enumerate(keys) if key_hash(k) < th]
+        out = []
+        for d, k in enumerate(keys):
+            if type(k) is int:  # key_hash inlined for replay's int keys (the hot path)
+                x = ((k ^ (k >> 31)) * _GOLDEN) & _MASK
+                h = (x ^ (x >> 29)) >> 40
+            else:
+                h = key_hash(k)
+            if h < th:
+                out.append((k, d, tokens(d)))
+        return out
 
     def on_request(self, keys: Sequence[Key], tokens: Callable[[int], int], now: float) -> None:
         """Feed one request (its whole chain; ``tokens(depth)`` is the block's token count)

@@ -55,6 +55,7 @@ from functools import cache
 
 from kvtier.policy.base import Key
 
+# ``uses`` buckets: 1, 2, 3-4, 5+ (computed inline in ``_reference``)
 # class layout, coarse to fine: ((((uses * OUT + output) * TAIL + tail) * HIT + hit) * LEN + length)
 _USE_B = 4
 _OUT_B = 16
@@ -78,12 +79,6 @@ def _cells(cls: int) -> tuple[int, ...]:
     a reference then costs one tuple lookup, not a division per level)."""
     return tuple(off + cls // div for off, div in zip(_OFFSET, _LEVEL_DIV, strict=True))
 _TAIL_OF = (0, 1, 2, 3, 3, 3)
-
-
-def _use_bucket(uses: int) -> int:
-    if uses <= 2:
-        return uses - 1
-    return 2 if uses <= 4 else 3
 
 
 def _log_bucket(n: int, top: int) -> int:
@@ -166,9 +161,30 @@ class WorkloadStats:
         n = len(keys)
         fresh = FRESH_BEHIND_HIT if hit_blocks > 0 else FRESH_NO_HIT
         length = _log_bucket(n, _LEN_B - 1)
+        reference = self._reference
         for depth, key in enumerate(keys):
-            self._reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
-                            OUT_UNKNOWN, False)
+            reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
+                      OUT_UNKNOWN, False)
+
+    def on_request(self, keys: Sequence[Key], hit_blocks: int, *, output_tokens: int | None,
+                   now: float = 0.0) -> None:
+        """:meth:`on_lookup` then :meth:`on_stored` of one request, in one pass: for a caller
+        that knows the request's output when it looks it up (the replay). Each reference
+        is counted once, in its refined class, where the two calls count it in the coarse
+        class and then move it. (A chain that repeats a key, or is longer than the
+        history, takes the two calls: only they give its second references' semantics.)"""
+        n = len(keys)
+        if n > self._history or len(set(keys)) != n:
+            self.on_lookup(keys, hit_blocks, now=now)
+            self.on_stored(keys, output_tokens=output_tokens, now=now)
+            return
+        out = output_bucket(output_tokens)
+        fresh = FRESH_BEHIND_HIT if hit_blocks > 0 else FRESH_NO_HIT
+        length = _log_bucket(n, _LEN_B - 1)
+        reference = self._reference
+        for depth, key in enumerate(keys):
+            reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
+                      out, True)
 
     def on_stored(
         self, keys: Sequence[Key], *, output_tokens: int | None, now: float = 0.0
@@ -210,10 +226,10 @@ class WorkloadStats:
         hist = self._hist
         rec = hist.get(key)
         tick = self.tick
-        uses = 1
+        decay = self._decay
         if rec is not None:
             gap = tick - rec.last
-            fade = self._decay ** gap
+            fade = decay ** gap
             rec.tried = rec.tried * fade + 1.0
             rec.reused *= fade
             rec.gaps *= fade
@@ -224,20 +240,39 @@ class WorkloadStats:
                 wg = w * gap
                 reuse = self._reuse
                 gaps = self._gap
-                for i in _cells(rec.cls):
-                    reuse[i] += w
-                    gaps[i] += wg
+                # the six levels unrolled (the hottest loop of a replay)
+                c0, c1, c2, c3, c4, c5 = _cells(rec.cls)
+                reuse[c0] += w
+                reuse[c1] += w
+                reuse[c2] += w
+                reuse[c3] += w
+                reuse[c4] += w
+                reuse[c5] += w
+                gaps[c0] += wg
+                gaps[c1] += wg
+                gaps[c2] += wg
+                gaps[c3] += wg
+                gaps[c4] += wg
+                gaps[c5] += wg
             hist.move_to_end(key)
             uses = rec.uses + 1
+            ub = 1 if uses == 2 else (2 if uses <= 4 else 3)
+        else:
+            uses = 1
+            ub = 0
         cls = (
-            ((_use_bucket(uses) * _OUT_B + out) * _TAIL_B + (_TAIL_OF[tail] if tail < 6 else 4))
+            ((ub * _OUT_B + out) * _TAIL_B + (_TAIL_OF[tail] if tail < 6 else 4))
             * _HIT_B + hit
         ) * _LEN_B + length
-        self._scale /= self._decay
-        w = self._scale
+        self._scale = w = self._scale / decay
         access = self._access
-        for i in _cells(cls):
-            access[i] += w
+        c0, c1, c2, c3, c4, c5 = _cells(cls)
+        access[c0] += w
+        access[c1] += w
+        access[c2] += w
+        access[c3] += w
+        access[c4] += w
+        access[c5] += w
         if rec is None:
             hist[key] = _Rec(uses, cls, tick, w, stored)
             if len(hist) > self._history:
@@ -249,8 +284,8 @@ class WorkloadStats:
             rec.w = w
             rec.stored = stored
         self.tick = tick + 1
-        self._cache_at += 1
-        if self._cache_at >= 256:  # estimates move slowly: recompute at most every 256
+        cache_at = self._cache_at = self._cache_at + 1
+        if cache_at >= 256:  # estimates move slowly: recompute at most every 256
             self._cache_at = 0
             self._cache.clear()
             if self._scale > 1e200:
@@ -274,7 +309,8 @@ class WorkloadStats:
         rec = self._hist.get(key)
         if rec is None:
             return self.prior, self.horizon / 2.0
-        p, gap = self.class_estimate(rec.cls)
+        est = self._cache.get(rec.cls)
+        p, gap = est if est is not None else self.class_estimate(rec.cls)
         if rec.tried:
             k = self._key_strength
             kp = k * p

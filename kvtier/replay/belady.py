@@ -31,7 +31,7 @@ class BeladyPolicy:
 
     def insert(
         self, key: Key, *, nbytes: int = 0, parent: Key | None = None, depth: int = 0,
-        now: float = 0.0,
+        now: float = 0.0, block_tokens: int = 0,
     ) -> None:
         """Make ``key`` resident, next used at :attr:`next_use`."""
         self.touch(key, now=now, _insert=True)

@@ -77,7 +77,7 @@ class TieredStore:
         self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
         self.recovery: RecoveryCounters | None = None
         self.cpu = CpuResidency(arena, self.index, make(eviction, TierName.CPU),
-                                on_ready=self.commit_log.ready)
+                                on_ready=self.commit_log.ready, tokens_of=self.block_tokens)
         self.transfers = Transfers(arena, nvme, redis, pin=self.cpu.pin, unpin=self.cpu.unpin)
         self.bandwidth = self.transfers.bandwidth  # reload rates returned with lookups
         self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
@@ -87,6 +87,7 @@ class TieredStore:
             self.hbm_place = HbmPlacement(hbm, make(eviction, TierName.HBM), arena,
                                           clock=clock, moved=self.transfers.moved,
                                           pin_cpu=self.cpu.pin, unpin_cpu=self.cpu.unpin)
+            self.hbm_place.tokens_of = self.block_tokens
             self.cpu.on_drop = self._drop_hbm_copy
         self.blocks = Blocks(self.index, self.cpu, self.nvme_residency, forest)
         self.demoter = Demoter(self.blocks, self.cpu, self.nvme_residency, redis, self.transfers,
@@ -139,6 +140,12 @@ class TieredStore:
         if self.redis is not None:
             out.append(self.redis)
         return out
+
+    def block_tokens(self, meta: BlockMeta) -> int:
+        """Tokens per block of ``meta``'s namespace, 0 while its layout is unknown (the
+        eviction policies' cost of a block follows its token position)."""
+        layout = self.ns.layout(meta.namespace)
+        return 0 if layout is None else layout.tokens_per_block
 
     def _drop_hbm_copy(self, meta: BlockMeta, reason: EvictionReason) -> None:
         if self.hbm_place is not None:

@@ -25,6 +25,11 @@ async def _no_eviction(key: Key) -> None:  # until the store wires demotion
     return None
 
 
+def unknown_block_tokens(meta: BlockMeta) -> int:
+    """Tokens per block when no namespace layout is known: 0 (the policy's default)."""
+    return 0
+
+
 @dataclass(slots=True, eq=False)
 class CpuResidency:
     """The arena seen as a tier (capacity, occupancy, counters) plus its block state."""
@@ -39,6 +44,9 @@ class CpuResidency:
     on_drop: Callable[[BlockMeta, EvictionReason], None] | None = None  # hbm inclusion
     on_ready: Callable[[BlockMeta, int | None], None] | None = None     # the commit journal
     explain: MissLogPort | None = None
+    # tokens per block of a block's namespace (the store wires its registry): the cost
+    # policy prices a block's recompute by its token position, depth x tokens per block
+    tokens_of: Callable[[BlockMeta], int] = unknown_block_tokens
 
     # -- the Tier face ------------------------------------------------------------------
     @property
@@ -97,7 +105,7 @@ class CpuResidency:
             self.on_ready(meta, checksum)
         self.resident += 1
         self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
-                           depth=meta.depth, now=now)
+                           depth=meta.depth, now=now, block_tokens=self.tokens_of(meta))
         if meta.cpu_pinned:
             self.policy.set_pinned(meta.key, True)
 

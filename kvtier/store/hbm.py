@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from kvtier.index import BlockMeta
 from kvtier.policy.base import EvictionPolicy, Key
 from kvtier.store.alloc import allocate_with_eviction
+from kvtier.store.cpu import unknown_block_tokens
 from kvtier.store.ports import HbmPort
 from kvtier.store.stats import BytesMoved
 from kvtier.tiers.arena import Arena
@@ -78,6 +79,7 @@ class HbmPlacement:
         self._pin_cpu = pin_cpu
         self._unpin_cpu = unpin_cpu
         self.entries: dict[bytes, HbmEntry] = {}
+        self.tokens_of: Callable[[BlockMeta], int] = unknown_block_tokens  # store wires it
         tier.placement = ("store: gets with device placement promote cpu -> hbm; inclusive "
                           "of cpu (evicting from hbm frees the device slot)")
 
@@ -181,7 +183,8 @@ class HbmPlacement:
             if ok:
                 entry.ready = True
                 self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
-                                   depth=meta.depth, now=now)
+                                   depth=meta.depth, now=now,
+                                   block_tokens=self.tokens_of(meta))
                 self.policy.set_pinned(meta.key, True)
                 self.tier.counters.bytes_written += meta.nbytes
                 self.moved.add(TierName.CPU, TierName.HBM, meta.nbytes)

@@ -244,6 +244,32 @@ def test_stats_on_stored_after_lookup_refines_without_counting_twice() -> None:
     assert stats.uses("c") == 1 and len(stats) == 3
 
 
+def test_stats_on_request_is_on_lookup_then_on_stored_in_one_pass() -> None:
+    """The replay's one-pass call learns what the two calls learn: the same references,
+    classes and records (estimates equal up to float rounding), also for chains that repeat
+    a key or outgrow the history (those take the two calls)."""
+    import random
+
+    rng = random.Random(7)
+    one = WorkloadStats(horizon=60, history=50)
+    two = WorkloadStats(horizon=60, history=50)
+    for _ in range(2000):
+        n = rng.choice((1, 3, 8, 60))  # 60: longer than the history
+        keys = [f"k{rng.randrange(120)}" for _ in range(n)]
+        hit = rng.randrange(n + 1)
+        out = rng.choice((None, 3, 300, 3000))
+        one.on_request(keys, hit, output_tokens=out)
+        two.on_lookup(keys, hit)
+        two.on_stored(keys, output_tokens=out)
+    assert one.tick == two.tick and len(one) == len(two)
+    for i in range(120):
+        key = f"k{i}"
+        assert one.uses(key) == two.uses(key)
+        p1, g1 = one.reuse_estimate(key)
+        p2, g2 = two.reuse_estimate(key)
+        assert p1 == pytest.approx(p2, rel=1e-9) and g1 == pytest.approx(g2, rel=1e-9)
+
+
 def test_stats_feature_without_signal_changes_nothing() -> None:
     import random
 
