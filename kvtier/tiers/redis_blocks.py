@@ -131,9 +131,10 @@ def _finish(place: _Placer, i: int, wire: int) -> BlockRead:
 
 
 def write_blocks(conn: Conn, items: Sequence[PendingWrite], codec: Codec | codecs.AutoCodec,
-                 elem_bytes: int, ttl_s: int | None) -> list[Any]:
-    """Frame (where not yet framed) and SET every item in one pipeline; one reply each."""
+                 ttl_s: int | None) -> list[Any]:
+    """Frame (where not yet framed, each with its own element width) and SET every item in
+    one pipeline; one reply each."""
     for item in items:
         if not item.parts:
-            frame_pending(item, codec, elem_bytes)
+            frame_pending(item, codec)
     return conn.set_many([(it.redis_key, it.parts) for it in items], ttl_s)
