@@ -132,9 +132,12 @@ def _finish(place: _Placer, i: int, wire: int) -> BlockRead:
 
 def write_blocks(conn: Conn, items: Sequence[PendingWrite], codec: Codec | codecs.AutoCodec,
                  ttl_s: int | None) -> list[Any]:
-    """Frame (where not yet framed, each with its own element width) and SET every item in
-    one pipeline; one reply each."""
-    for item in items:
+    """SET every item in one pipeline, each framed (with its own element width) just before
+    it is sent, so its checksum overlaps the server reading the ones before; one reply each."""
+    def parts_of(i: int) -> tuple[bytes | memoryview, ...]:
+        item = items[i]
         if not item.parts:
             frame_pending(item, codec)
-    return conn.set_many([(it.redis_key, it.parts) for it in items], ttl_s)
+        return item.parts
+
+    return conn.set_many([it.redis_key for it in items], parts_of, ttl_s)
