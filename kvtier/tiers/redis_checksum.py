@@ -3,11 +3,11 @@
 The ``xxhash`` package holds the GIL while it hashes, so the Redis tier's worker threads
 would take turns hashing large blocks (a 32 MiB one holds every other thread and the event
 loop for over a ms). It is also faster than a distribution's libxxhash, so it hashes blocks
-under ``NATIVE_MIN_BYTES``. For larger ones the reference xxHash library (``libxxhash``, as shipped by Linux
-distributions) called through ctypes releases the GIL for the call, so blocks are hashed in
-parallel with sends, receives and the event loop. The result is the same number as
-``kvtier.frame.payload_checksum`` (checked at import on sample inputs); without the library,
-or on any disagreement, this falls back to that function.
+under ``NATIVE_MIN_BYTES``. For larger ones the reference xxHash library (``libxxhash``, as
+shipped by Linux distributions) called through ctypes releases the GIL for the call, so
+blocks are hashed in parallel with sends, receives and the event loop. The result is the
+same number as ``kvtier.frame.payload_checksum`` (checked at import on sample inputs);
+without the library, or on any disagreement, this falls back to that function.
 """
 
 from __future__ import annotations
