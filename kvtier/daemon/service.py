@@ -134,6 +134,8 @@ class Daemon:
             stack.push_async_callback(self._close_redis, self.redis)
             await self.redis.start()
         self.store = store = self._make_store()
+        if self.redis is not None:   # shuffle codecs: each block's element width
+            self.redis.use_layouts(store.ns.layout)
         self.explain = MissLog(policies={
             "cpu": getattr(store.cpu_policy, "name", ""),
             "nvme": getattr(store.nvme_policy, "name", "")}, redis_tier=self.redis is not None)

@@ -199,7 +199,8 @@ class RedisTier(RedisReads):
     # --- writes ---------------------------------------------------------------------------
 
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
-               seq: int = 0, release: Release | None = None) -> None:
+               seq: int = 0, release: Release | None = None,
+               elem_bytes: int | None = None) -> None:
         """Queue a block for writing (write-behind).
 
         With ``release``, ``payload`` is used in place (no copy: the caller keeps it
@@ -210,7 +211,8 @@ class RedisTier(RedisReads):
         queued while down wait for the tier to come back (within the same bound), as
         copies: going down drops the queued borrowed writes (their buffers are released),
         and a borrowed write submitted while down is copied, so a dead Redis never pins
-        the caller's memory.
+        the caller's memory. ``elem_bytes`` (the shuffle codecs' element width) defaults
+        to the width of ``namespace``'s layout (``use_layouts``), else ``elem_bytes_hint``.
         """
         if self._closed:
             self.counters.dropped_writes += 1
@@ -221,9 +223,11 @@ class RedisTier(RedisReads):
         if release is not None and not self._up:  # may wait long: do not hold the caller's
             release()                               # buffer (e.g. a pinned arena slot)
             release = None
-        item = (PendingWrite.copy_of(rkey, namespace, key, layout_fp, seq, payload)
+        width = self._elem_bytes_for(namespace) if elem_bytes is None else elem_bytes
+        item = (PendingWrite.copy_of(rkey, namespace, key, layout_fp, seq, payload, width)
                 if release is None else
-                PendingWrite.borrow(rkey, namespace, key, layout_fp, seq, payload, release))
+                PendingWrite.borrow(rkey, namespace, key, layout_fp, seq, payload, release,
+                                    width))
         dropped = self._queue.push(item)
         if dropped is not None:
             dropped.done()
@@ -300,8 +304,7 @@ class RedisTier(RedisReads):
             rkeys = [it.redis_key for it in batch]
 
             def put(conn: Conn, idx: list[int]) -> list[Any]:
-                return write_blocks(conn, [batch[i] for i in idx], self._codec,
-                                    self._elem_bytes, self._ttl)
+                return write_blocks(conn, [batch[i] for i in idx], self._codec, self._ttl)
 
             ok = True
             replies = await self._per_server(rkeys, put, holds_buffers=True)

@@ -131,9 +131,13 @@ def _finish(place: _Placer, i: int, wire: int) -> BlockRead:
 
 
 def write_blocks(conn: Conn, items: Sequence[PendingWrite], codec: Codec | codecs.AutoCodec,
-                 elem_bytes: int, ttl_s: int | None) -> list[Any]:
-    """Frame (where not yet framed) and SET every item in one pipeline; one reply each."""
-    for item in items:
+                 ttl_s: int | None) -> list[Any]:
+    """SET every item in one pipeline, each framed (with its own element width) just before
+    it is sent, so its checksum overlaps the server reading the ones before; one reply each."""
+    def parts_of(i: int) -> tuple[bytes | memoryview, ...]:
+        item = items[i]
         if not item.parts:
-            frame_pending(item, codec, elem_bytes)
-    return conn.set_many([(it.redis_key, it.parts) for it in items], ttl_s)
+            frame_pending(item, codec)
+        return item.parts
+
+    return conn.set_many([it.redis_key for it in items], parts_of, ttl_s)

@@ -22,9 +22,10 @@ from kvtier import codec as codecs
 from kvtier.backoff import Backoff, BackoffPolicy
 from kvtier.config import RedisConfig
 from kvtier.frame import Codec
+from kvtier.layout import KVLayout
 from kvtier.tiers.base import TierCounters
 from kvtier.tiers.redis_client import RedisMode, parse_target
-from kvtier.tiers.redis_queue import WriteQueue
+from kvtier.tiers.redis_queue import DEFAULT_ELEM_BYTES, WriteQueue
 from kvtier.tiers.redis_route import Reach, Router, conn_options
 from kvtier.tiers.redis_wire import Conn, ErrorReply, NodeAddr, ReplyError, command
 
@@ -43,7 +44,8 @@ UNSERVED = object()               # per-key result: no live server for the key's
 class RedisLink:
     """The Redis tier's state and its connection to the servers (base of ``RedisTier``)."""
 
-    def __init__(self, cfg: RedisConfig, *, elem_bytes_hint: int = 2) -> None:
+    def __init__(self, cfg: RedisConfig, *,
+                 elem_bytes_hint: int = DEFAULT_ELEM_BYTES) -> None:
         self.cfg = cfg
         self.counters = TierCounters()
         self._target = parse_target(cfg)
@@ -55,7 +57,8 @@ class RedisLink:
                                         thread_name_prefix="kvtier-redis")
         choice = codecs.from_config(cfg.codec)
         self._codec: Codec | codecs.AutoCodec = codecs.AutoCodec() if choice is None else choice
-        self._elem_bytes = elem_bytes_hint
+        self._elem_bytes = elem_bytes_hint     # fallback: no layout known for a namespace
+        self._layout_of: Callable[[bytes], KVLayout | None] | None = None
         self._prefix = cfg.key_prefix.encode()
         self._ttl = cfg.ttl_s if cfg.ttl_s > 0 else None
         self._queue = WriteQueue(cfg.write_queue_blocks)
@@ -80,6 +83,18 @@ class RedisLink:
         self._server_max = 0
         self._server_keys = 0
         self.namespace_mismatches = 0          # frames found under another namespace
+
+    def use_layouts(self, layout_of: Callable[[bytes], KVLayout | None]) -> None:
+        """Where block layouts come from (the store's namespace registry, ``layout``): each
+        queued block is shuffled with its namespace's element width (4 for fp32), not the
+        ``elem_bytes_hint`` fallback."""
+        self._layout_of = layout_of
+
+    def _elem_bytes_for(self, namespace: bytes) -> int:
+        """The element width of ``namespace``'s layout, or the fallback when unknown."""
+        layout = self._layout_of(namespace) if self._layout_of is not None else None
+        return layout.element_bytes if layout is not None else self._elem_bytes
+
     def _rkey(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 

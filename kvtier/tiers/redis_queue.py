@@ -23,6 +23,7 @@ from kvtier.frame import Codec
 from kvtier.tiers.redis_checksum import header_for
 
 Release = Callable[[], None]
+DEFAULT_ELEM_BYTES = 2   # shuffle width when a block's layout is unknown (fp16/bf16)
 
 
 @dataclass(slots=True)
@@ -39,20 +40,25 @@ class PendingWrite:
     release: Release | None = None      # set when borrowed: call once the write is over
     parts: tuple[bytes | memoryview, ...] = ()   # the frame as sent: header, payload
     codec: Codec = Codec.NONE
+    elem_bytes: int = DEFAULT_ELEM_BYTES  # byte-shuffle element width (its layout's)
 
     @classmethod
     def copy_of(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
-                seq: int, payload: memoryview) -> PendingWrite:
+                seq: int, payload: memoryview,
+                elem_bytes: int = DEFAULT_ELEM_BYTES) -> PendingWrite:
         """Snapshot ``payload`` (one memcpy): the caller may reuse its buffer at once."""
         data = memoryview(bytes(_flat(payload)))
-        return cls(redis_key, namespace, key, layout_fp, seq, data, data.nbytes)
+        return cls(redis_key, namespace, key, layout_fp, seq, data, data.nbytes,
+                   elem_bytes=elem_bytes)
 
     @classmethod
     def borrow(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
-               seq: int, payload: memoryview, release: Release) -> PendingWrite:
+               seq: int, payload: memoryview, release: Release,
+               elem_bytes: int = DEFAULT_ELEM_BYTES) -> PendingWrite:
         """Use ``payload`` in place; ``release`` is called exactly once when done with it."""
         view = _flat(payload)
-        return cls(redis_key, namespace, key, layout_fp, seq, view, view.nbytes, release)
+        return cls(redis_key, namespace, key, layout_fp, seq, view, view.nbytes, release,
+                   elem_bytes=elem_bytes)
 
     @property
     def wire_len(self) -> int:
@@ -69,14 +75,14 @@ def _flat(view: memoryview) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec,
-                  elem_bytes: int) -> None:
-    """Encode and frame ``item`` (sets ``item.parts``); CPU-bound, thread-safe.
+def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec) -> None:
+    """Encode and frame ``item`` (sets ``item.parts``) with its own ``elem_bytes``;
+    CPU-bound, thread-safe.
 
     NONE: one checksum over the payload where it lies, no copy. Other codecs: the encoded
     body is a new buffer, so a borrowed payload could be released right after this.
     """
-    raw = item.payload
+    raw, elem_bytes = item.payload, item.elem_bytes
     if isinstance(codec, codecs.AutoCodec):
         chosen, body = codec.encode(raw, elem_bytes)
     elif codec is Codec.NONE:

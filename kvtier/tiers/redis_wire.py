@@ -9,6 +9,11 @@ received straight into the caller's buffer (``recv_into``) and checked there.
 A ``Conn`` is a blocking socket with a timeout on every read and write (so every wait is
 bounded by ``op_timeout_s``), used by one worker thread at a time: kernel copies and
 checksums release the GIL, so several requests are in flight over several connections.
+A plain (non-TLS) socket stays in blocking mode with kernel timeouts (SO_RCVTIMEO /
+SO_SNDTIMEO, set to what is left of the exchange's deadline): a payload is then received
+with one ``recv_into(MSG_WAITALL)`` and a pipeline sent with one ``sendmsg``, instead of a
+poll and a partial read or write per socket-buffer's worth with the GIL taken back each time
+(Python's socket timeouts make the descriptor non-blocking).
 A connection that failed in any way mid-command is closed, never reused. ``NodePool``
 keeps idle connections per server.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +33,8 @@ from typing import Any
 CRLF = b"\r\n"
 _SCRATCH = 1 << 16           # read buffer for reply lines and small values
 _IOV_MAX = 512               # buffers per sendmsg call (Linux IOV_MAX is 1024)
+SEND_PIECE_BYTES = 256 << 10   # a SET pipeline is sent in pieces of about this size
+_TIMEVAL = struct.Struct("@ll")   # struct timeval for SO_RCVTIMEO / SO_SNDTIMEO
 
 
 class ErrorReply(str):
@@ -108,11 +116,11 @@ class Conn:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if opts.tls is not None:
             sock = opts.tls.wrap_socket(sock, server_hostname=opts.tls_hostname or addr.host)
-        sock.settimeout(opts.op_timeout_s)
+        self._plain = opts.tls is None
+        sock.settimeout(None if self._plain else opts.op_timeout_s)  # plain: kernel timeouts
         self._sock = sock
         self._op_timeout = opts.op_timeout_s
         self._deadline = time.monotonic() + opts.op_timeout_s
-        self._plain = opts.tls is None
         self._buf = bytearray(_SCRATCH)
         self._lo = self._hi = 0
         try:
@@ -141,11 +149,21 @@ class Conn:
         """Start one exchange: all of it (every send and read) must end within op_timeout_s."""
         self._deadline = time.monotonic() + self._op_timeout
 
-    def _arm(self) -> None:
+    def _arm(self, opt: int = socket.SO_RCVTIMEO) -> None:
+        """Bound the next socket call (a receive, or a send with SO_SNDTIMEO) by what is
+        left of the exchange's deadline."""
         left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"redis {self.addr} did not answer within {self._op_timeout} s")
-        self._sock.settimeout(left)
+        if left <= 1e-6:   # (a zero timeval would mean "no timeout" to the kernel)
+            raise self._timed_out()
+        if self._plain:
+            sec = int(left)
+            self._sock.setsockopt(socket.SOL_SOCKET, opt,
+                                  _TIMEVAL.pack(sec, max(1, int((left - sec) * 1e6))))
+        else:
+            self._sock.settimeout(left)
+
+    def _timed_out(self) -> TimeoutError:
+        return TimeoutError(f"redis {self.addr} did not answer within {self._op_timeout} s")
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # already broken: nothing left to release
@@ -155,15 +173,18 @@ class Conn:
 
     def send(self, bufs: Sequence[bytes | bytearray | memoryview]) -> None:
         """Write every buffer in order without joining them (no copy of large values)."""
-        self._arm()
         if not self._plain:
+            self._arm()
             for buf in bufs:
                 self._sock.sendall(buf)
             return
         views = [memoryview(b).cast("B") for b in bufs if len(b)]
         while views:
-            self._arm()
-            sent = self._sock.sendmsg(views[:_IOV_MAX])
+            self._arm(socket.SO_SNDTIMEO)
+            try:   # blocking: returns once all was queued, or short at the deadline
+                sent = self._sock.sendmsg(views[:_IOV_MAX])
+            except BlockingIOError:   # SO_SNDTIMEO passed with nothing sent
+                raise self._timed_out() from None
             while sent:
                 n = views[0].nbytes
                 if sent >= n:
@@ -183,7 +204,10 @@ class Conn:
             self._buf[:tail] = self._buf[self._lo:self._hi]
             self._lo, self._hi = 0, tail
         self._arm()
-        n = self._sock.recv_into(memoryview(self._buf)[self._hi:])
+        try:
+            n = self._sock.recv_into(memoryview(self._buf)[self._hi:])
+        except BlockingIOError:   # SO_RCVTIMEO passed (plain sockets)
+            raise self._timed_out() from None
         if n == 0:
             raise ConnectionResetError(f"redis {self.addr} closed the connection")
         self._hi += n
@@ -207,9 +231,13 @@ class Conn:
             out[:have] = self._buf[self._lo:self._lo + have]
             self._lo += have
             pos = have
+        flags = socket.MSG_WAITALL if self._plain else 0
         while pos < out.nbytes:
             self._arm()
-            n = self._sock.recv_into(out[pos:])
+            try:   # plain: one call for the whole rest (short only at the deadline)
+                n = self._sock.recv_into(out[pos:], 0, flags)
+            except BlockingIOError:
+                raise self._timed_out() from None
             if n == 0:
                 raise ConnectionResetError(f"redis {self.addr} closed the connection")
             pos += n
@@ -281,21 +309,30 @@ class Conn:
         self.send(cmds)
         return [self.read_reply() for _ in cmds]
 
-    def set_many(self, items: Sequence[tuple[bytes, Sequence[bytes | bytearray | memoryview]]],
+    def set_many(self, keys: Sequence[bytes],
+                 parts_of: Callable[[int], Sequence[bytes | bytearray | memoryview]],
                  ttl_s: int | None) -> list[Any]:
-        """Pipelined SETs; each value is given as parts sent back to back (header, payload)."""
+        """Pipelined SETs of ``keys``; value i is ``parts_of(i)``, parts sent back to back
+        (header, payload), asked for just before it is sent. The pipeline goes out in
+        pieces of about ``SEND_PIECE_BYTES``, so preparing the next values (framing: a
+        checksum) overlaps the server reading the first ones instead of delaying them all."""
         expiry = (b"$2\r\nEX\r\n" + _bulk(str(ttl_s).encode()) + str(ttl_s).encode() + CRLF
                   if ttl_s else b"")
         argc = b"*5\r\n" if ttl_s else b"*3\r\n"
+        self.begin()
         bufs: list[bytes | bytearray | memoryview] = []
-        for key, parts in items:
+        pending = 0
+        for i, key in enumerate(keys):
+            parts = parts_of(i)
             size = sum(memoryview(p).nbytes for p in parts)
             bufs.append(b"%s$3\r\nSET\r\n%s%s\r\n$%d\r\n" % (argc, _bulk(key), key, size))
             bufs += parts
             bufs.append(CRLF + expiry)
-        self.begin()
-        self.send(bufs)
-        return [self.read_reply() for _ in items]
+            pending += size
+            if pending >= SEND_PIECE_BYTES or i == len(keys) - 1:
+                self.send(bufs)
+                bufs, pending = [], 0
+        return [self.read_reply() for _ in keys]
 
     def get_many(self, keys: Sequence[bytes], head: int, place: Placer) -> list[Any]:
         """Pipelined GETs; each value lands where ``place`` says (see ``read_value``)."""

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvtier.client import connect
+from kvtier.frame import HEADER_SIZE, Codec, FrameHeader
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
@@ -153,3 +154,32 @@ def test_daemon_starts_and_serves_with_redis_unreachable(
     finally:
         server.stop()
     c.close()
+
+
+def test_shuffle_codec_takes_each_namespace_element_width(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """An fp32 namespace's blocks are byte-shuffled with elem_bytes=4 (the codec header's
+    first byte), an fp16 one's with 2: the width comes from the namespace's layout."""
+    node = DaemonProcess(tmp_path / "a", extra_args=["--redis-url", redis_server.url],
+                         env={**WRITE_THROUGH, "KVTIER_REDIS_CODEC": "shuffle-lz4"}).start()
+    try:
+        c = connect(node.socket)
+        fp32 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
+                        tokens_per_block=32)
+        widths = {}
+        admin = redis_server.client()
+        for layout in (fp32, LAYOUT):
+            ns = c.register_layout(layout, f"model-{layout.dtype}")
+            keys = block_keys(ns, np.arange(layout.tokens_per_block))
+            data = [content(bytes(k), layout.block_bytes) for k in keys]
+            assert c.put(ns, keys, data) == 1
+            rkey = b"kvtier:" + bytes(keys[0]).hex().encode()
+            wait_for(lambda k=rkey: admin.exists(k) == 1)
+            value = admin.get(rkey)
+            header = FrameHeader.unpack(value[:HEADER_SIZE])
+            assert header.codec is Codec.SHUFFLE_LZ4 and header.raw_len == layout.block_bytes
+            widths[layout.dtype] = value[HEADER_SIZE]   # the shuffle codec's elem_bytes
+        assert widths == {"float32": 4, "float16": 2}
+        c.close()
+    finally:
+        node.kill()

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from kvtier.frame import HEADER_SIZE, FrameHeader, make_header
+from kvtier.layout import KVLayout
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_queue import PendingWrite, WriteQueue
 from tests.support.redis_servers import (
@@ -153,6 +154,28 @@ async def test_codecs_round_trip_through_redis(redis_server: RedisServer, codec:
         if codec in ("shuffle-zstd", "auto"):
             assert ratio > 1.15, ratio  # fp16 normal data: byte planes compress ~1.18x
         assert tier.counters.checksum_failures == 0
+
+
+async def test_shuffle_width_comes_from_the_namespace_layout(redis_server: RedisServer) -> None:
+    """Each queued block carries its namespace's element width (use_layouts); an unknown
+    namespace falls back to elem_bytes_hint (2); blocks round-trip exactly either way."""
+    fp32 = KVLayout(num_layers=1, num_kv_heads=2, head_dim=128, dtype="float32",
+                    tokens_per_block=32)   # 32 KiB blocks
+    other = bytes(16)
+    keys, data = blocks(3, size=fp32.block_bytes, seed=5)
+    async with running(cfg_for(redis_server.url, codec="shuffle-lz4")) as tier:
+        tier.use_layouts({NS: fp32}.get)
+        tier.submit(NS, keys[0], LAYOUT_FP, memoryview(data[0]))
+        tier.submit(other, keys[1], LAYOUT_FP, memoryview(data[1]))
+        tier.submit(other, keys[2], LAYOUT_FP, memoryview(data[2]), elem_bytes=8)
+        assert await tier.flush(timeout=10)
+        admin = redis_server.client()
+        widths = [admin.get(tier._rkey(k))[HEADER_SIZE] for k in keys]
+        assert widths == [4, 2, 8]
+        for i, ns in enumerate((NS, other, other)):
+            out = buffers(1, fp32.block_bytes)
+            assert await tier.get_into([keys[i]], out, namespace=ns, layout_fp=LAYOUT_FP) == 1
+            assert bytes(out[0]) == data[i]
 
 
 # --- two nodes, cluster -------------------------------------------------------------------
