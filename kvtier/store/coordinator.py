@@ -81,7 +81,8 @@ class TieredStore:
         self.transfers = Transfers(arena, nvme, redis, pin=self.cpu.pin, unpin=self.cpu.unpin)
         self.bandwidth = self.transfers.bandwidth  # reload rates returned with lookups
         self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
-        self.nvme_residency = None if nvme is None else NvmeResidency(nvme, self.nvme_policy)
+        self.nvme_residency = None if nvme is None else NvmeResidency(
+            nvme, self.nvme_policy, tokens_of=self.block_tokens)
         self.hbm_place: HbmPlacement | None = None
         if hbm is not None:
             self.hbm_place = HbmPlacement(hbm, make(eviction, TierName.HBM), arena,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvtier.index import BlockMeta
 from kvtier.policy.base import EvictionPolicy, Key
 from kvtier.store.alloc import allocate_with_eviction
+from kvtier.store.cpu import unknown_block_tokens
 from kvtier.store.ports import MissLogPort, NvmePort
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.nvme import NvmeSlot
@@ -32,6 +33,7 @@ class NvmeResidency:
     policy: EvictionPolicy
     on_victim: Callable[[Key], Awaitable[None]] = _no_eviction
     explain: MissLogPort | None = None
+    tokens_of: Callable[[BlockMeta], int] = unknown_block_tokens   # the store wires it
 
     async def alloc(self, nbytes: int) -> NvmeSlot | None:
         """A reserved slot, evicting by policy when needed (the tier counts failures)."""
@@ -43,7 +45,7 @@ class NvmeResidency:
         meta.nvme = slot
         meta.nvme_ready = True
         self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
-                           depth=meta.depth, now=now)
+                           depth=meta.depth, now=now, block_tokens=self.tokens_of(meta))
 
     def drop(self, meta: BlockMeta, reason: EvictionReason, *, erase: bool = False) -> None:
         """Free ``meta``'s frame (``erase``: an explicit delete also zeroes its header)."""

@@ -13,7 +13,9 @@ from kvtier.policy.costmodel import BlockCosts
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, ArenaMapping
 from kvtier.tiers.base import TierName
+from kvtier.tiers.nvme import NvmeTier
 from tests.support.store import (
+    ARENA_BLOCKS,
     CLIENT,
     DIGEST,
     FP,
@@ -102,4 +104,21 @@ async def test_the_store_passes_the_namespace_tokens_per_block_on_insert(
     assert made[TierName.CPU].block_tokens == [LAYOUT.tokens_per_block] * 3
     assert store.block_tokens(store.index[chain(1)[0]]) == LAYOUT.tokens_per_block
     assert (await store.lookup(DIGEST, FP, chain(3))).hits == 3
+    await store.drain(clock() + 5)
+
+
+async def test_blocks_demoted_to_nvme_keep_their_namespace_tokens_per_block(
+        arena: Arena, nvme: NvmeTier, client: ArenaMapping, clock: FakeClock) -> None:
+    made: dict[TierName, _Recording] = {}
+
+    def factory(name: str, tier: TierName) -> Any:
+        made[tier] = _Recording()
+        return made[tier]
+
+    store = TieredStore(arena, nvme=nvme, eviction="lru", lease_ttl_s=TTL,
+                        prefetch_wait="wait", clock=clock, policy_factory=factory)
+    store.register_namespace(LAYOUT, "test/model", 0, 1, None)
+    for k in chain(ARENA_BLOCKS + 2):   # the arena holds ARENA_BLOCKS: two go down to nvme
+        await put(store, client, [k], owner=CLIENT)
+    assert made[TierName.NVME].block_tokens == [LAYOUT.tokens_per_block] * 2
     await store.drain(clock() + 5)
