@@ -30,12 +30,16 @@ NATIVE_MIN_BYTES = 4 << 20
 
 def _load() -> Callable[[int, int], int] | None:
     """libxxhash's XXH3_64bits(address, size), or None when absent or disagreeing."""
-    name = ctypes.util.find_library("xxhash")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).XXH3_64bits
-    except (OSError, AttributeError):
+    # The sonames are tried directly: ``ctypes.util.find_library`` runs ``ldconfig -p`` in
+    # a subprocess, which an import must not do.
+    fn = None
+    for name in ("libxxhash.so.0", "libxxhash.so"):
+        try:
+            fn = ctypes.CDLL(name).XXH3_64bits
+            break
+        except (OSError, AttributeError):
+            continue
+    if fn is None:
         return None
     fn.restype = ctypes.c_uint64
     fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
