@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.tiers.arena import ArenaMapping
+from kvtier.tiers.arena_mapping import ArenaMapping
 
 logger = logging.getLogger("kvtier.connectors.vllm")
 

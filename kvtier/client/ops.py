@@ -33,7 +33,7 @@ from kvtier.keys import BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality
 from kvtier.protocol import PROTOCOL_VERSION
-from kvtier.tiers.arena import ArenaMapping
+from kvtier.tiers.arena_mapping import ArenaMapping
 
 MAX_REPLY = 64 * 2**20
 """Largest reply frame either client accepts (bytes)."""

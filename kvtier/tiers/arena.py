@@ -21,7 +21,6 @@ returned to the pool, O(1) from a class's free list.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import mmap
@@ -33,10 +32,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvtier.errors import ConfigError, UntrustedArena
+from kvtier.errors import ConfigError
 from kvtier.tiers.arena_journal import ArenaJournal, open_private
 from kvtier.tiers.slab import PAGE, SlabAllocator
-from kvtier.trust import arena_problem
 
 log = logging.getLogger(__name__)
 _STABLE_RE = re.compile(r"^d[0-9a-f]{16}\.arena$")
@@ -54,9 +52,6 @@ def journal_path(arena_path: Path) -> Path:
     return arena_path.with_suffix(".journal")
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-_ARENA_FIX = ("the daemon creates its arena as a 0600 file of its own user, so the process on "
-              "the socket is not a kvtier daemon you can trust: stop it and restart `kvtier "
-              "serve`")
 
 
 class Arena:
@@ -223,61 +218,6 @@ class Arena:
             self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = -1
-
-
-class ArenaMapping:
-    """Client side: maps the daemon's arena and hands out views of leased slots.
-
-    Maps only a private regular file of the daemon's user (``kvtier.trust.arena_problem``:
-    owned by ``owner_uid``, default our own uid; no group/other bits; at least ``size``
-    bytes), else UntrustedArena. ``fd``: the descriptor the daemon passed over the socket
-    (taken over: closed here); without one, ``path`` is opened with O_NOFOLLOW. Either way
-    the check runs with fstat on the very descriptor that is mapped, so nothing can swap
-    the file in between. ``source`` says which way the arena came ("fd" or "path").
-    """
-
-    def __init__(self, path: str, size: int, *, fd: int | None = None,
-                 owner_uid: int | None = None) -> None:
-        self.source = "path" if fd is None else "fd"
-        if fd is None:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError as exc:
-                if exc.errno != errno.ELOOP:
-                    raise
-                raise UntrustedArena(f"refusing to map the arena {path}: it is a symbolic "
-                                     f"link; {_ARENA_FIX}") from None
-        try:
-            owner = os.getuid() if owner_uid is None else owner_uid
-            st = os.fstat(fd)
-            self.identity = (st.st_dev, st.st_ino)   # which file: a path can be reused
-            problem = ("is announced with a size of 0 bytes" if size <= 0
-                       else arena_problem(st, size, owner))
-            if problem is not None:
-                raise UntrustedArena(f"refusing to map the arena {path} ({self.source}): it "
-                                     f"{problem}; {_ARENA_FIX}")
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
-        self.size = size
-        self.keep_mapped = False   # shared by a process's clients (and maybe CUDA-registered)
-
-    def view(self, offset: int, nbytes: int, *, writable: bool) -> np.ndarray:
-        v = self.buf[offset: offset + nbytes]
-        if not writable:
-            v = v.view()
-            v.flags.writeable = False
-        return v
-
-    def close(self) -> None:
-        """Unmap, unless ``keep_mapped`` (then its owner unmaps it by clearing the flag)."""
-        if self.keep_mapped:
-            return
-        self.buf = np.empty(0, dtype=np.uint8)
-        with contextlib.suppress(BufferError, ValueError):
-            self._mm.close()
 
 
 def remove_stale_arenas(shm_dir: Path, keep: Path | None = None,

@@ -21,7 +21,8 @@ from hypothesis.stateful import (
 )
 
 from kvtier.errors import CapacityError, ConfigError
-from kvtier.tiers.arena import Arena, ArenaMapping, remove_stale_arenas
+from kvtier.tiers.arena import Arena, remove_stale_arenas
+from kvtier.tiers.arena_mapping import ArenaMapping, shared_mappings
 from kvtier.tiers.slab import PAGE, round_up
 from tests.support.arena import shm_root
 
@@ -272,6 +273,33 @@ def test_mapping_survives_the_daemon_unlinking_the_file(arena: Arena) -> None:
         assert bytes(client.view(0, 4, writable=False)) == b"\x09" * 4
     finally:
         client.close()
+
+
+def test_clients_of_one_process_share_one_mapping_per_arena_file(
+        arena: Arena, shm_dir: Path) -> None:
+    """Each client verifies its own descriptor, but a process maps an arena file once:
+    the scheduler, loader and saver clients of an engine do not each walk its pages."""
+    before = shared_mappings()
+    a = ArenaMapping(str(arena.path), arena.size)
+    b = ArenaMapping(str(arena.path), arena.size)
+    other = Arena(N_SLABS * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False)
+    c = ArenaMapping(str(other.path), other.size)
+    try:
+        assert shared_mappings() == before + 2          # a and b share; c is another file
+        assert a.buf.ctypes.data == b.buf.ctypes.data != c.buf.ctypes.data
+        a.close()                                        # b still reads and writes
+        b.view(0, 8, writable=True)[:] = 7
+        assert bytes(arena.view(0, 8)) == b"\x07" * 8
+        assert len(a.buf) == 0 and shared_mappings() == before + 2
+        b.close()
+        assert shared_mappings() == before + 1           # the last reference unmapped
+        a.close()                                        # closing twice is harmless
+        assert shared_mappings() == before + 1
+    finally:
+        b.close()
+        c.close()
+        other.close()
+    assert shared_mappings() == before
 
 
 def test_mapping_of_a_missing_arena_raises(shm_dir: Path) -> None:

@@ -27,7 +27,7 @@ from kvtier.client.ops import Op, Ops
 from kvtier.errors import BufferSizeError, DaemonUnavailable, LeaseExpired, error_from_code
 from kvtier.keys import KEY_BYTES, Namespace, block_keys
 from kvtier.layout import KVLayout
-from kvtier.tiers.arena import ArenaMapping
+from kvtier.tiers.arena_mapping import ArenaMapping
 from tests.support.arena import temp_arena
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",

@@ -11,7 +11,8 @@ from kvtier.policy.base import Key, make_eviction_policy
 from kvtier.policy.cost import CostPolicy
 from kvtier.policy.costmodel import BlockCosts
 from kvtier.store import TieredStore
-from kvtier.tiers.arena import Arena, ArenaMapping
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.base import TierName
 from kvtier.tiers.nvme import NvmeTier
 from tests.support.store import (

@@ -20,7 +20,8 @@ from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.policy.admission import TierAdmission, WriteBudget
 from kvtier.store import TieredStore
-from kvtier.tiers.arena import Arena, ArenaMapping
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.slab import PAGE
 from tests.support.arena import temp_arena

@@ -21,7 +21,8 @@ from kvtier.index import SlotState
 from kvtier.policy.base import make_eviction_policy
 from kvtier.policy.factory import build_policies
 from kvtier.store import TieredStore
-from kvtier.tiers.arena import Arena, ArenaMapping
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.base import TierName
 from kvtier.tiers.hbm import HbmTier
 from tests.support.arena import temp_arena

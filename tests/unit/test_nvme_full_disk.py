@@ -23,7 +23,8 @@ from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
 from kvtier.tiers.aligned import PAGE, aligned_buffer
-from kvtier.tiers.arena import Arena, ArenaMapping
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.base import tier_stats
 from kvtier.tiers.nvme import NvmeDegradedError, NvmeIOError, NvmeSlot, NvmeTier
 from tests.support.arena import temp_arena

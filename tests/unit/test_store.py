@@ -20,7 +20,8 @@ from kvtier.errors import (
 from kvtier.index import SlotState
 from kvtier.keys import Namespace, block_keys
 from kvtier.store import TieredStore
-from kvtier.tiers.arena import Arena, ArenaMapping
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.slab import PAGE

@@ -13,7 +13,7 @@ import pytest
 from kvtier.errors import LeaseError, LeaseExpired
 from kvtier.keys import block_keys
 from kvtier.store import TieredStore
-from kvtier.tiers.arena import ArenaMapping
+from kvtier.tiers.arena_mapping import ArenaMapping
 from tests.support.store import (  # noqa: F401 - fixtures
     ARENA_BLOCKS,
     BLOCK,

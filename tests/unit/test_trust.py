@@ -17,7 +17,7 @@ from kvtier.config import default_runtime_dir, default_socket_path, trusted_daem
 from kvtier.daemon.http import bearer_token_matches
 from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_error
 from kvtier.errors import ConfigError, StartupError, UntrustedArena
-from kvtier.tiers.arena import ArenaMapping
+from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.trust import (
     arena_problem,
     claim_socket_path,
