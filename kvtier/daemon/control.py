@@ -13,7 +13,6 @@ counted by code.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import functools
@@ -27,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier import __version__
+from kvtier.daemon.greeting import Greeter
 from kvtier.daemon.limits import (
     STREAM_LIMIT,
     ByteBudget,
@@ -39,15 +38,12 @@ from kvtier.daemon.ops import Connection, ControlOps
 from kvtier.daemon.prefix import PrefixProbe
 from kvtier.daemon.redis_sync import RedisSync
 from kvtier.errors import (
-    HandshakeError,
     KVTierError,
     Overloaded,
     ProtocolError,
     StartupError,
 )
 from kvtier.protocol import (
-    PROTOCOL_VERSION,
-    SUPPORTED_VERSIONS,
     pack,
     request_id,
 )
@@ -79,9 +75,7 @@ class ControlServer(ControlOps):
         self.max_frame = self.limits.max_frame
         self.pending = ByteBudget(self.limits.total_pending_bytes)
         self.max_inflight = max_inflight
-        self.arena = {"path": arena_path, "size": arena_size}
-        self.open_arena = open_arena or self._open_arena_by_path   # a new fd per client
-        self.hbm = hbm
+        self.greeter = Greeter({"path": arena_path, "size": arena_size}, hbm, open_arena)
         self.observe = observe
         self.connections: dict[int, Connection] = {}
         self._ids = itertools.count(1)
@@ -94,6 +88,11 @@ class ControlServer(ControlOps):
         self.prefix = PrefixProbe(store, self.limits)   # also serves POST /v1/prefix
         self.redis_sync = RedisSync(store)              # put_commit with redis_sync_s
         self.stats_provider: Callable[[], dict[str, Any]] = store.stats
+
+    @property
+    def hbm(self) -> dict[str, Any] | None:
+        """The HBM pool's handshake info every hello reply carries (None: no pool)."""
+        return self.greeter.hbm
 
     async def start(self) -> None:
         """Listen on the socket. Its directory was prepared and verified before (the
@@ -176,7 +175,7 @@ class ControlServer(ControlOps):
             self.pending.release(n)
 
         try:
-            await self._handshake(conn, reader, writer)
+            await self.greeter.greet(conn, functools.partial(self._read, reader), writer)
             while True:
                 frame = await read_request(reader, self.limits, self.pending, self.counters,
                                            held, busy=lambda: bool(tasks))
@@ -242,58 +241,6 @@ class ControlServer(ControlOps):
         msg, n = frame
         self.pending.release(n)
         return msg
-
-    async def _handshake(self, conn: Connection, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> None:
-        msg = await self._read(reader)
-        if msg is None:
-            raise ConnectionError("closed before hello")
-        if msg.get("op") != "hello":
-            raise HandshakeError("the first request must be 'hello'")
-        version = msg.get("version")
-        if type(version) is not int or version not in SUPPORTED_VERSIONS:
-            raise HandshakeError(f"protocol version {version!r} not supported; this daemon "
-                                 f"speaks {sorted(SUPPORTED_VERSIONS)}: upgrade the client")
-        conn.client = str(msg.get("client", ""))[:64]
-        conn.key_scheme = str(msg.get("key_scheme", ""))[:64]
-        reply = {"id": msg.get("id", 0), "ok": True, "version": PROTOCOL_VERSION,
-                 "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
-        if self.hbm is not None:
-            reply["hbm"] = self.hbm
-        data = pack(reply)
-        if msg.get("arena_fd") is True:
-            data = data[self._send_with_arena_fd(writer, data):]
-        if data:
-            writer.write(data)
-        await writer.drain()
-
-    def _send_with_arena_fd(self, writer: asyncio.StreamWriter, data: bytes) -> int:
-        """Send the start of the hello reply with the arena's descriptor (SCM_RIGHTS), so
-        the client maps the daemon's own file and never a path someone could swap.
-
-        The hello reply is the first thing written on the connection, so the transport's
-        buffer is empty and a direct sendmsg keeps the byte order; the rest, if the kernel
-        took only part, goes through the transport. Returns the bytes sent (0: nothing was
-        sent, the client maps the path with its O_NOFOLLOW and fstat checks instead).
-        """
-        try:
-            arena_fd = self.open_arena()
-        except (OSError, KVTierError) as exc:
-            log.warning("cannot open the arena %s to pass it: %s", self.arena["path"], exc)
-            return 0
-        try:
-            raw = writer.get_extra_info("socket")
-            with socket.socket(fileno=os.dup(raw.fileno())) as dup:
-                return dup.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                             array.array("i", [arena_fd]))])
-        except BlockingIOError:
-            return 0
-        finally:
-            os.close(arena_fd)
-
-    def _open_arena_by_path(self) -> int:
-        """A new descriptor of the arena file (when the daemon gave no ``open_arena``)."""
-        return os.open(str(self.arena["path"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     async def _dispatch(self, conn: Connection, msg: dict[str, Any],
                         writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:
