@@ -34,6 +34,7 @@ from kvtier.layout import KVLayout
 
 from .config import ConnectorConfig
 from .device import ArenaRegistry, Register, cuda_register
+from .ledger import SaveLedger
 from .link import DaemonLink
 from .mapping import PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
@@ -85,13 +86,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._async: dict[str, Future[set[int]]] = {}
-        # save bookkeeping, shared with the saver thread
-        self._lock = threading.Lock()
-        self._inflight: dict[str, list[Future[bool]]] = {}
-        self._saved_reqs: set[str] = set()
-        self._finishing: set[str] = set()
-        self._saves_done: dict[int, int] = {}
-        self._counters: dict[str, int] = {}
+        self.ledger = SaveLedger()   # saves in flight, delayed frees, per-step reports
         self.loaded_blocks = 0
         self.saved_blocks = 0
 
@@ -218,12 +213,11 @@ class WorkerSide:
         for spec in meta.saves:
             job = SaveRequest(spec, self.caches, lambda: self._thread_link("-save"),
                               self.tp_rank, redis_sync_s=sync_s)
-            with self._lock:
-                self._saved_reqs.add(spec.req_id)
+            self.ledger.planned(spec.req_id)
             fut = self.pipeline.submit_save(
                 job, job.nbytes, functools.partial(self._save_over, job))
             if fut is None and producer:   # a producer never drops a save for room
-                self._wait_saves(self._all_inflight())
+                self._wait_saves(self.ledger.running())
                 fut = self.pipeline.submit_save(
                     job, job.nbytes, functools.partial(self._save_over, job))
             if fut is not None:
@@ -233,17 +227,11 @@ class WorkerSide:
                              spec.req_id, self.pipeline.inflight_bytes)
                 self._count("dropped_saves", 1)
                 self._count("dropped_save_bytes", job.nbytes)
-                with self._lock:
-                    self._saves_done[spec.save_id] = 1
+                self.ledger.dropped(spec.save_id)
                 continue
-            with self._lock:
-                self._inflight.setdefault(spec.req_id, []).append(fut)
+            self.ledger.submitted(spec.req_id, fut)
         if producer and step:
             self._wait_saves(step)
-
-    def _all_inflight(self) -> list[Future[bool]]:
-        with self._lock:
-            return [f for futs in self._inflight.values() for f in futs if not f.done()]
 
     def _wait_saves(self, futs: list[Future[bool]]) -> None:
         """A producer's step ends only once its saves are committed (and in Redis, or given
@@ -263,36 +251,20 @@ class WorkerSide:
         self._count("saved_blocks", job.saved_blocks)
         if job.redis_sync_s is not None and not job.redis_synced:
             self._count("redis_sync_gave_up", 1)
-        with self._lock:
-            self._saves_done[job.spec.save_id] = 1
-            futs = self._inflight.get(job.spec.req_id)
-            if futs is not None:
-                futs[:] = [f for f in futs if not f.done()]
+        self.ledger.over(job.spec.req_id, job.spec.save_id)
 
     def handle_preemptions(self, req_ids: Iterable[str]) -> None:
         """Wait for the saves of preempted requests: vLLM may hand their pages to another
         request in this very step."""
         for req_id in req_ids:
-            with self._lock:
-                futs = list(self._inflight.get(req_id, ()))
-            for fut in futs:
+            for fut in self.ledger.of(req_id):
                 fut.result()
 
     def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
         """(requests whose delayed free may happen now, requests whose asynchronous load
         completed). A finished request that had saves is reported once they are over; the
         scheduler side delayed freeing exactly those (it planned the saves)."""
-        with self._lock:
-            for req_id in finished_req_ids:
-                if req_id in self._saved_reqs:
-                    self._saved_reqs.discard(req_id)
-                    self._finishing.add(req_id)
-            sending = set()
-            for req_id in list(self._finishing):
-                if not any(not f.done() for f in self._inflight.get(req_id, ())):
-                    self._finishing.discard(req_id)
-                    self._inflight.pop(req_id, None)
-                    sending.add(req_id)
+        sending = self.ledger.finished_sending(finished_req_ids)
         recving: set[str] = set()
         for req_id, fut in list(self._async.items()):
             if not fut.done():
@@ -307,17 +279,10 @@ class WorkerSide:
 
     def worker_meta(self) -> KVTierWorkerMetadata | None:
         """Saves over and counter increments since the last step, for the scheduler."""
-        with self._lock:
-            if not self._saves_done and not self._counters:
-                return None
-            meta = KVTierWorkerMetadata(self._saves_done, self._counters)
-            self._saves_done, self._counters = {}, {}
-        return meta
+        return self.ledger.take_meta()
 
     def _count(self, name: str, n: int) -> None:
-        if n:
-            with self._lock:
-                self._counters[name] = self._counters.get(name, 0) + n
+        self.ledger.count(name, n)
 
     def shutdown(self) -> None:
         if self.pipeline is not None:
