@@ -40,6 +40,7 @@ from kvtier.tiers.arena_journal import ArenaJournal, CommitInfo, CommittedSlot, 
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.nvme import NvmeSlot
 from kvtier.tiers.nvme.recovery import Recovered
+from kvtier.tiers.redis_checksum import checksum as payload_checksum
 
 if TYPE_CHECKING:
     from kvtier.store.coordinator import TieredStore
@@ -85,14 +86,17 @@ class _Found:
 class CommitLog:
     """Writes the journal's COMMIT record of each block that becomes ready in the arena.
 
-    A checksum the caller knows (a promotion from nvme: the frame's) is recorded at once;
-    others (a put's payload, written by the client) are hashed in the default executor in
-    batches, and recorded only if the slot was not freed meanwhile (the journal's slot
-    generation): a crash before the record leaves the block uncommitted, dropped at adoption.
+    A checksum the caller knows (a promotion from nvme or Redis of an uncompressed frame:
+    the frame's payload checksum, the same xxh3-64 over the same bytes, already verified) is
+    recorded at once; others (a put's payload, written by the client) are hashed in the
+    default executor in batches (large blocks without holding the GIL), and recorded only
+    if the slot was not freed meanwhile (the journal's slot generation): a crash before the
+    record leaves the block uncommitted, dropped at adoption.
     """
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
+        self.hashed = 0        # blocks this log had to hash (no checksum came with them)
         self._queue: list[tuple[int, int, CommitInfo]] = []
         self._task: asyncio.Task[None] | None = None
 
@@ -129,6 +133,7 @@ class CommitLog:
                 batch = [b for b in batch if journal.generation(b[0]) == b[1]]
                 views = [self.arena.view(off, info.nbytes) for off, _, info in batch]
                 sums = await loop.run_in_executor(None, _checksums, views)
+                self.hashed += len(views)
                 if self.arena.journal is not journal:
                     return
                 for (off, gen, info), csum in zip(batch, sums, strict=True):
@@ -138,7 +143,9 @@ class CommitLog:
 
 
 def _checksums(views: list[Any]) -> list[int]:
-    return [xxhash.xxh3_64_intdigest(v) for v in views]
+    # the frame checksum's function: xxh3-64, blocks of 4 MiB and more hashed without the
+    # GIL (a 32 MiB block would otherwise stall the event loop and the Redis threads)
+    return [payload_checksum(v) for v in views]
 
 
 def _verify(arena: Arena, slots: list[CommittedSlot]) -> list[bool]:

@@ -44,6 +44,7 @@ class TransferResult:
     moved: int = 0                 # leading blocks whose bytes arrived
     corrupt: bool = False          # the source frame is bad for good (drop it)
     checksum: int | None = None    # xxh3-64 of the payload now in the arena, when known
+    checksums: list[int | None] = field(default_factory=list)  # the same, per block of a batch
 
 
 Handler = Callable[[Transfer], Awaitable[TransferResult]]
@@ -138,18 +139,19 @@ class Transfers:
         metas, redis = job.metas, self.redis
         assert redis is not None
         views = [self._arena_view(m, m.nbytes) for m in metas]
+        sums: list[int | None] = [None] * len(metas)   # verified frame checksums
         t0 = time.perf_counter()
         try:
             n = await redis.get_into([m.key for m in metas], views,
                                      namespace=metas[0].namespace,
-                                     layout_fp=metas[0].layout_fp)
+                                     layout_fp=metas[0].layout_fp, checksums=sums)
             self.bandwidth.observe(TierName.REDIS.value, TierName.CPU.value,
                                    sum(m.nbytes for m in metas[:n]), time.perf_counter() - t0)
         except Exception:  # the tier promises not to raise; be defensive anyway
             log.exception("redis promotion failed")
             n = 0
         self._count(TierName.REDIS, TierName.CPU, metas[:n])
-        return TransferResult(moved=n)
+        return TransferResult(moved=n, checksums=sums[:n])
 
     def _submit_from_slot(self, meta: BlockMeta) -> None:
         """Zero-copy hand-off to Redis: the arena slot is pinned (a reader) until the tier
