@@ -3,13 +3,6 @@
 A lookup starts promotions right away (prefetch); the get that follows waits for them as
 ``kvtier.policy.prefetch`` says, the same code the replay simulator runs. Loads run as
 tasks the store can wait for at drain.
-
-A lookup that goes to Redis does not wait for its probe before reading: ``speculate`` starts
-the read of the tail into free arena slots (never evicting, bounded by ``speculate_bytes``)
-while the probe runs, with the blocks kept out of the index; ``adopt`` then indexes, as
-loading, the leading blocks the probe confirmed (the read verifies each frame before a
-block becomes ready, as any Redis promotion does), and the rest of the slots are freed once
-the read is over. The get that follows waits on the read already in flight.
 """
 
 from __future__ import annotations
@@ -27,26 +20,12 @@ from kvtier.store.namespaces import NamespaceEntry
 from kvtier.store.nvme import NvmeResidency
 from kvtier.store.ports import ForestPort
 from kvtier.store.stats import PrefetchCounters
-from kvtier.store.transfers import Transfer, TransferResult, Transfers
+from kvtier.store.transfers import Transfer, Transfers
 from kvtier.tiers.base import EvictionReason, TierName
 
 log = logging.getLogger("kvtier.store")
 
-__all__ = ["Promoter", "Speculation"]
-
-SPECULATE_BYTES = 64 << 20   # at most this much of a lookup's tail is read before its probe
-SPECULATE_BLOCKS = 256       # ... and at most this many blocks
-
-
-@dataclass(slots=True, eq=False)
-class Speculation:
-    """A Redis read started before the probe answered: ``metas`` (loading, in free arena
-    slots, not in the index) and the read; ``decided`` gets how many leading metas the
-    probe confirmed and were indexed (0: none, every slot is freed after the read)."""
-
-    metas: list[BlockMeta]
-    read: asyncio.Future[TransferResult]
-    decided: asyncio.Future[int]
+__all__ = ["Promoter"]
 
 
 @dataclass(slots=True, eq=False)
@@ -62,10 +41,6 @@ class Promoter:
     base_s: float = TIMEOUT_BASE_S   # grace of a ``timeout`` wait before the per-block part
     forest: ForestPort | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    speculate_bytes: int = SPECULATE_BYTES
-    speculate_blocks: int = SPECULATE_BLOCKS
-    speculated: int = 0          # blocks read before their probe answered ...
-    speculated_unused: int = 0   # ... of which the probe did not confirm (slot freed)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -128,7 +103,11 @@ class Promoter:
                 if off is not None:
                     self.cpu.arena.free(off)
                 break
-            meta = _loading_meta(ns, k, chain, start + i, off)
+            depth = start + i
+            parent = chain[depth - 1] if depth > 0 else None
+            meta = BlockMeta(k, ns.namespace.digest, layout.fingerprint, layout.block_bytes,
+                             parent, depth, cpu=off, prefetched=True)
+            meta.set_cpu_state(SlotState.LOADING)
             meta.loading = asyncio.get_running_loop().create_future()
             index[k] = meta
             metas.append(meta)
@@ -136,78 +115,9 @@ class Promoter:
             self.prefetch.issued += len(metas)
             self._spawn(self._load_redis(metas))
 
-    def speculate(self, ns: NamespaceEntry, rkeys: list[bytes], chain: list[bytes],
-                  start: int) -> Speculation | None:
-        """Start reading ``rkeys`` (``chain[start:]``) from Redis before the probe says they
-        are there: free arena slots only (a block that gets none is not read early), none of
-        it indexed until ``adopt``. The caller must ``adopt`` or ``discard`` the result."""
-        arena, nbytes = self.cpu.arena, ns.layout.block_bytes
-        metas: list[BlockMeta] = []
-        budget = self.speculate_bytes
-        for i, k in enumerate(rkeys[: self.speculate_blocks]):
-            if k in self.blocks.index or budget < nbytes:
-                break
-            off = arena.alloc(nbytes)   # never evicts: a guess must not cost a cached block
-            if off is None:
-                break
-            budget -= nbytes
-            metas.append(_loading_meta(ns, k, chain, start + i, off))
-        if not metas:
-            return None
-        self.speculated += len(metas)
-        loop = asyncio.get_running_loop()
-        spec = Speculation(metas, asyncio.ensure_future(
-            self.transfers.move(TierName.REDIS, TierName.CPU, Transfer(metas))),
-            loop.create_future())
-        self._spawn(self._finish_speculation(spec))
-        return spec
-
-    async def adopt(self, spec: Speculation, found: int, ns: NamespaceEntry,
-                    rkeys: list[bytes], chain: list[bytes], start: int) -> None:
-        """The probe found ``found`` leading ``rkeys`` in Redis (``spec`` read them from
-        ``rkeys[0]`` on): index those as loading, waiting on the read in flight; keys found
-        past what ``spec`` covers are promoted as usual. Stops at a key indexed meanwhile."""
-        if spec.decided.done():
-            return
-        index = self.blocks.index
-        loop = asyncio.get_running_loop()
-        n = 0
-        for meta in spec.metas[:found]:
-            if meta.key in index:
-                break
-            meta.loading = loop.create_future()
-            index[meta.key] = meta
-            n += 1
-        self.prefetch.issued += n
-        spec.decided.set_result(n)
-        if n == len(spec.metas) < found:
-            await self.from_redis(ns, rkeys[n:found], chain, start + n)
-
-    @staticmethod
-    def discard(spec: Speculation) -> None:
-        """Nothing of ``spec`` is wanted (no hit, a failed probe, a cancelled lookup)."""
-        if not spec.decided.done():
-            spec.decided.set_result(0)
-
-    async def _finish_speculation(self, spec: Speculation) -> None:
-        done = await spec.read
-        n = await spec.decided
-        arena = self.cpu.arena
-        for meta in spec.metas[n:]:   # never indexed: no one saw these slots
-            assert meta.cpu is not None
-            arena.free(meta.cpu)
-            meta.cpu = None
-            meta.set_cpu_state(SlotState.NONE)
-        self.speculated_unused += len(spec.metas) - n
-        sums = done.checksums
-        self._loaded_redis(spec.metas[:n], min(done.moved, n), sums[:n])
-
     async def _load_redis(self, metas: list[BlockMeta]) -> None:
         done = await self.transfers.move(TierName.REDIS, TierName.CPU, Transfer(metas))
-        self._loaded_redis(metas, done.moved, done.checksums)
-
-    def _loaded_redis(self, metas: list[BlockMeta], n: int, sums: list[int | None]) -> None:
-        """The read of ``metas`` (indexed, loading) is over: the leading ``n`` arrived."""
+        n, sums = done.moved, done.checksums
         now = self.clock()
         for i, meta in enumerate(metas):
             ok = i < n
@@ -246,14 +156,3 @@ class Promoter:
         """Wait up to ``timeout`` seconds for the loads in flight (drain)."""
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=max(0.0, timeout))
-
-
-def _loading_meta(ns: NamespaceEntry, key: bytes, chain: list[bytes], depth: int,
-                  off: int) -> BlockMeta:
-    """The index entry of a block of ``ns`` being read from Redis into arena slot ``off``."""
-    layout = ns.layout
-    parent = chain[depth - 1] if depth > 0 else None
-    meta = BlockMeta(key, ns.namespace.digest, layout.fingerprint, layout.block_bytes,
-                     parent, depth, cpu=off, prefetched=True)
-    meta.set_cpu_state(SlotState.LOADING)
-    return meta

@@ -17,7 +17,7 @@ from kvtier.store.hbm import HbmEntry, HbmPlacement
 from kvtier.store.leasing import LeaseKeeper
 from kvtier.store.namespaces import NamespaceEntry, NamespaceRegistry
 from kvtier.store.ports import MissLogPort, NvmePort, RedisPort
-from kvtier.store.promoter import Promoter, Speculation
+from kvtier.store.promoter import Promoter
 from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, count_lookup
 from kvtier.tiers.base import TierName
 
@@ -79,33 +79,14 @@ class Reader:
                 tiers.append("nvme")
                 self.nvme_policy.touch(meta.key, now=now)
                 to_promote.append(meta)
-        n_local, n_cpu = len(tiers), tiers.count("cpu")
+        n_local, n_cpu, tpb = len(tiers), tiers.count("cpu"), ns.layout.tokens_per_block
         count_lookup(self.cpu.counters, None if self.nvme is None else self.nvme.counters,
-                     len(keys), n_local, n_cpu, ns.layout.tokens_per_block)
+                     len(keys), n_local, n_cpu, tpb)
         redis_keys: list[bytes] = []
-        spec: Speculation | None = None
-        try:
-            if n_local < len(keys) and self._redis_up():
-                # reading starts with the probe (one round trip less before the get)
-                spec = self.promoter.speculate(ns, keys[n_local:], keys, n_local) \
-                    if prefetch else None
-                n_r = await self._redis_prefix(keys[n_local:], digest)
-                redis_keys = keys[n_local: n_local + n_r]
-                tiers.extend(["redis"] * n_r)
-            await self._after_lookup(ns, keys, tiers, local, to_promote, redis_keys, spec,
-                                     prefetch=prefetch, now=now)
-        finally:
-            if spec is not None:   # no-op once adopted: what was not adopted is freed
-                self.promoter.discard(spec)
-        return LookupResult(len(tiers), tiers)
-
-    async def _after_lookup(self, ns: NamespaceEntry, keys: list[bytes], tiers: list[str],
-                            local: list[BlockMeta], to_promote: list[BlockMeta],
-                            redis_keys: list[bytes], spec: Speculation | None, *,
-                            prefetch: bool, now: float) -> None:
-        """Count the lookup and start promoting what it found below the arena."""
-        digest, n_local = ns.namespace.digest, len(local)
-        n_cpu, tpb = tiers.count("cpu"), ns.layout.tokens_per_block
+        if n_local < len(keys) and self._redis_up():
+            n_r = await self._redis_prefix(keys[n_local:], digest)
+            redis_keys = keys[n_local: n_local + n_r]
+            tiers.extend(["redis"] * n_r)
         hits = len(tiers)
         self.requests.lookup(len(keys), hits, tpb)
         if self.observer is not None:
@@ -124,13 +105,11 @@ class Reader:
                     if not await self.promoter.from_nvme(meta, prefetched=True):
                         break
                 else:
-                    if spec is not None:
-                        await self.promoter.adopt(spec, len(redis_keys), ns, redis_keys,
-                                                  keys, n_local)
-                    elif redis_keys:
+                    if redis_keys:
                         await self.promoter.from_redis(ns, redis_keys, keys, n_local)
             finally:
                 self.cpu.unpin(chain)
+        return LookupResult(hits, tiers)
 
     async def readable_prefix(self, ns: NamespaceEntry, keys: list[bytes]) -> list[BlockMeta]:
         """The leading keys ready in the arena (promoting and waiting as the prefetch policy
@@ -151,8 +130,6 @@ class Reader:
         if len(chain) < len(keys) and self._redis_up():
             before = len(chain)
             rkeys = keys[before:]
-            # probe first (no early read here: a get usually follows a lookup, and the
-            # keys it finds nowhere are, most of the time, not in Redis either)
             n_r = await self._redis_prefix(rkeys, ns.namespace.digest)
             if n_r:
                 await self.promoter.from_redis(ns, rkeys[:n_r], keys, before)

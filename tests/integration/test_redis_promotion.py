@@ -1,8 +1,6 @@
 """Blocks promoted from Redis into the arena, against a real redis-server: the journal takes
 the frame's verified checksum instead of hashing the block again (uncompressed frames only),
-and a lookup starts reading its Redis tail before its probe answers (into free slots only,
-indexed once the probe confirmed them, ready once the read verified them); the get that
-follows is served from that read."""
+and a lookup's prefetch is what the get that follows is served from."""
 
 from __future__ import annotations
 
@@ -16,12 +14,11 @@ from kvtier.frame import payload_checksum
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_journal import ArenaJournal, read_journal
-from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.redis import RedisTier
 from tests.support.arena import temp_arena
 from tests.support.redis_servers import RedisServer, running_server
 from tests.support.redis_tier import blocks, buffers, cfg_for, running
-from tests.support.store import BLOCK, CLIENT, DIGEST, FP, LAYOUT, NAMESPACE, chain, payload
+from tests.support.store import BLOCK, DIGEST, FP, LAYOUT, NAMESPACE, chain, payload
 
 ARENA_BLOCKS = 8
 
@@ -114,110 +111,3 @@ async def test_compressed_frames_are_still_hashed_by_the_journal(
         assert state is not None
         assert sorted(c.checksum for c in state.committed) == sorted(
             xxhash.xxh3_64_intdigest(payload(k)) for k in keys)
-
-
-# --- reading with the probe ---------------------------------------------------------------
-
-async def _get(store: TieredStore, arena: Arena, keys: list[bytes]) -> list[bytes]:
-    """prepare_get + the bytes of every leased block (through a client mapping) + release."""
-    lease, offsets = await store.prepare_get(CLIENT, DIGEST, FP, keys)
-    mapping = ArenaMapping(str(arena.path), arena.size)
-    try:
-        return [bytes(mapping.view(off, BLOCK, writable=False)) for off in offsets]
-    finally:
-        mapping.close()
-        store.release_get(CLIENT, lease)
-
-
-def _rkey(key: bytes) -> bytes:
-    return b"kvtier:" + key.hex().encode()
-
-
-async def test_a_lookup_reads_its_redis_tail_with_the_probe_and_the_get_uses_it(
-        journaled_arena: Arena, tier: RedisTier) -> None:
-    store = await _store(journaled_arena, tier)
-    keys = chain(5)
-    await _seed(tier, keys[:3])                 # the last two blocks are nowhere
-    assert (await store.lookup(DIGEST, FP, keys)).tiers == ["redis"] * 3
-    promoter = store.promoter
-    assert promoter.speculated == 5             # read before the probe answered ...
-    assert store.prefetch.issued == 3           # ... only the confirmed ones indexed
-    assert [k in store.index for k in keys] == [True] * 3 + [False] * 2
-    assert await _get(store, journaled_arena, keys) == [payload(k) for k in keys[:3]]
-    await promoter.settle(10)
-    # one read of the five keys (three found), none for the get
-    assert (tier.counters.hit_blocks, tier.counters.miss_blocks) == (3, 2)
-    assert promoter.speculated_unused == 2
-    assert journaled_arena.used_bytes == 3 * BLOCK  # the unconfirmed slots went back
-    assert store.prefetch.hit_before_use == 3 and store.prefetch.failed == 0
-
-
-async def test_a_frame_failing_its_checksum_is_a_miss_never_wrong_bytes(
-        journaled_arena: Arena, tier: RedisTier, redis_server: RedisServer) -> None:
-    store = await _store(journaled_arena, tier)
-    keys = chain(3)
-    await _seed(tier, keys)
-    raw = redis_server.client()
-    value = raw.get(_rkey(keys[1]))
-    assert value is not None
-    raw.setrange(_rkey(keys[1]), len(value) - 10, b"X")   # a payload byte, not the header
-    # the probe reads the namespace field only: it counts the block ...
-    assert (await store.lookup(DIGEST, FP, keys)).hits == 3
-    # ... the read does not: the get serves the sound head, never the corrupt block
-    assert await _get(store, journaled_arena, keys) == [payload(keys[0])]
-    await store.promoter.settle(10)
-    assert tier.counters.checksum_failures == 1 and store.prefetch.failed == 2
-    assert [k in store.index for k in keys] == [True, False, False]
-    assert journaled_arena.used_bytes == BLOCK
-    assert raw.exists(_rkey(keys[1])) == 0      # the corrupt frame was deleted
-
-
-async def test_another_namespace_frame_is_neither_read_nor_indexed(
-        journaled_arena: Arena, tier: RedisTier) -> None:
-    store = await _store(journaled_arena, tier)
-    keys = chain(2)
-    for key in keys:   # a stolen key: the same block key under another tenant's namespace
-        tier.submit(bytes(16), key, FP, memoryview(payload(key)))
-    assert await tier.flush(timeout=10)
-    assert (await store.lookup(DIGEST, FP, keys)).hits == 0
-    await store.promoter.settle(10)
-    assert not store.index and journaled_arena.used_bytes == 0
-    assert store.promoter.speculated_unused == store.promoter.speculated
-    assert tier.namespace_mismatches >= 1
-
-
-async def test_reading_early_takes_free_slots_only_and_never_evicts(
-        journaled_arena: Arena, tier: RedisTier) -> None:
-    store = await _store(journaled_arena, tier)
-    mapping = ArenaMapping(str(journaled_arena.path), journaled_arena.size)
-    cached = chain(ARENA_BLOCKS - 1, start=1)
-    try:   # the arena holds 7 cached blocks: one free slot
-        lease, offsets = await store.prepare_put(CLIENT, DIGEST, FP, cached)
-        for key, off in zip(cached, offsets, strict=True):
-            assert off is not None
-            mapping.view(off, BLOCK, writable=True)[:] = memoryview(payload(key))
-        await store.commit_put(CLIENT, lease, durable=False)
-    finally:
-        mapping.close()
-    keys = chain(3)
-    await _seed(tier, keys)
-    assert (await store.lookup(DIGEST, FP, keys, prefetch=False)).hits == 3
-    assert store.promoter.speculated == 0       # no prefetch asked: nothing read early
-    assert (await store.lookup(DIGEST, FP, keys)).hits == 3
-    assert store.promoter.speculated == 1       # the one free slot, nothing evicted for it
-    assert all(store.index[k].in_cpu for k in cached[-2:])
-    # the probe confirmed all three: the other two are promoted as before (evicting LRU)
-    assert await _get(store, journaled_arena, keys) == [payload(k) for k in keys]
-
-
-async def test_a_speculative_read_is_bounded_by_bytes(
-        journaled_arena: Arena, tier: RedisTier) -> None:
-    store = await _store(journaled_arena, tier)
-    store.promoter.speculate_bytes = 2 * BLOCK
-    keys = chain(4)
-    await _seed(tier, keys)
-    assert (await store.lookup(DIGEST, FP, keys)).hits == 4
-    assert store.promoter.speculated == 2
-    assert await _get(store, journaled_arena, keys) == [payload(k) for k in keys]
-    await store.promoter.settle(10)
-    assert journaled_arena.used_bytes == 4 * BLOCK
