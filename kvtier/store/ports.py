@@ -49,7 +49,8 @@ class RedisPort(Tier, Protocol):
     """The shared lowest tier (``RedisTier``): writes are queued, reads are batched."""
 
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
-               seq: int = 0, release: Callable[[], None] | None = None) -> None: ...
+               seq: int = 0, release: Callable[[], None] | None = None,
+               on_checksum: Callable[[int | None], None] | None = None) -> None: ...
 
     async def exists_prefix(self, keys: Sequence[bytes], *,
                             namespace: bytes | None = None) -> int: ...

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +98,8 @@ class CommitLog:
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
         self.hashed = 0        # blocks this log had to hash (no checksum came with them)
-        self._queue: list[tuple[int, int, CommitInfo]] = []
+        self.borrowed = 0      # blocks whose checksum came from their Redis frame instead
+        self._queue: dict[int, tuple[int, CommitInfo]] = {}   # offset -> (generation, info)
         self._task: asyncio.Task[None] | None = None
 
     def ready(self, meta: BlockMeta, checksum: int | None = None) -> None:
@@ -112,9 +114,34 @@ class CommitLog:
         if checksum is not None:
             journal.commit(meta.cpu, gen, info, checksum)
             return
-        self._queue.append((meta.cpu, gen, info))
+        self._queue[meta.cpu] = (gen, info)
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain())
+
+    def defer(self, meta: BlockMeta) -> Callable[[int | None], None] | None:
+        """``meta`` (queued for hashing, not hashed yet) is about to be framed for Redis
+        from its slot, which hashes the same bytes with the same function: take it out of
+        the queue and return the callback that records that checksum (None: hash it here
+        after all). None when there is nothing to defer. The record then waits for the
+        Redis write; a crash before it leaves the block to Redis, not to the adopted arena."""
+        if meta.cpu is None or meta.cpu not in self._queue:
+            return None
+        off = meta.cpu
+        gen, info = self._queue.pop(off)
+
+        def record(checksum: int | None) -> None:
+            journal = self.arena.journal
+            if journal is None or journal.generation(off) != gen:
+                return   # journal gone, or the slot was freed meanwhile
+            if checksum is None:
+                self._queue[off] = (gen, info)
+                if self._task is None:
+                    self._task = asyncio.ensure_future(self._drain())
+                return
+            self.borrowed += 1
+            journal.commit(off, gen, info, checksum)
+
+        return record
 
     async def flush(self) -> None:
         """Wait until every queued checksum is recorded (or found stale)."""
@@ -125,12 +152,13 @@ class CommitLog:
         loop = asyncio.get_running_loop()
         try:
             while self._queue:
-                batch, self._queue = self._queue, []
+                queued, self._queue = self._queue, {}
                 journal = self.arena.journal
                 if journal is None:
                     return
                 # slots freed since they became ready need no checksum
-                batch = [b for b in batch if journal.generation(b[0]) == b[1]]
+                batch = [(off, gen, info) for off, (gen, info) in queued.items()
+                         if journal.generation(off) == gen]
                 views = [self.arena.view(off, info.nbytes) for off, _, info in batch]
                 sums = await loop.run_in_executor(None, _checksums, views)
                 self.hashed += len(views)

@@ -69,6 +69,9 @@ class Transfers:
     redis: RedisPort | None = None
     pin: Callable[[list[BlockMeta]], None] = _no_lock
     unpin: Callable[[list[BlockMeta]], None] = _no_lock
+    # the commit journal's CommitLog.defer: a block framed for Redis from its slot hands its
+    # frame checksum (the same xxh3-64 of the same bytes) to the journal, hashed once
+    journal_defer: Callable[[BlockMeta], Callable[[int | None], None] | None] | None = None
     moved: BytesMoved = field(default_factory=BytesMoved)
     bandwidth: BandwidthTracker = field(default_factory=BandwidthTracker)
     _routes: dict[tuple[TierName, TierName], Handler] = field(default_factory=dict)
@@ -158,9 +161,10 @@ class Transfers:
         releases it, once the SET is done, dropped or failed."""
         assert self.redis is not None
         self.pin([meta])
+        told = None if self.journal_defer is None else self.journal_defer(meta)
         self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
                           self._arena_view(meta, meta.nbytes), seq=meta.seq,
-                          release=lambda: self.unpin([meta]))
+                          release=lambda: self.unpin([meta]), on_checksum=told)
 
     async def _cpu_to_redis(self, job: Transfer) -> TransferResult:
         for meta in job.metas:

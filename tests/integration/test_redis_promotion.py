@@ -1,6 +1,7 @@
-"""Blocks promoted from Redis into the arena, against a real redis-server: the journal takes
-the frame's verified checksum instead of hashing the block again (uncompressed frames only),
-and a lookup's prefetch is what the get that follows is served from."""
+"""The arena journal and the Redis tier hash a block once, against a real redis-server: a block
+promoted from Redis is journaled with its frame's verified checksum, and a put written
+through to Redis with the checksum its frame was built with (uncompressed frames only: a
+compressed frame's checksum covers other bytes, so the journal hashes those blocks itself)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from kvtier.frame import payload_checksum
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_journal import ArenaJournal, read_journal
+from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.redis import RedisTier
 from tests.support.arena import temp_arena
 from tests.support.redis_servers import RedisServer, running_server
 from tests.support.redis_tier import blocks, buffers, cfg_for, running
-from tests.support.store import BLOCK, DIGEST, FP, LAYOUT, NAMESPACE, chain, payload
+from tests.support.store import BLOCK, CLIENT, DIGEST, FP, LAYOUT, NAMESPACE, chain, payload
 
 ARENA_BLOCKS = 8
 
@@ -36,8 +38,9 @@ def journaled_arena(tmp_path: Path) -> Iterator[Arena]:
         yield arena
 
 
-async def _store(arena: Arena, tier: RedisTier) -> TieredStore:
-    store = TieredStore(arena, redis=tier, eviction="lru", prefetch_wait="wait")
+async def _store(arena: Arena, tier: RedisTier, *, write_through: bool = False) -> TieredStore:
+    store = TieredStore(arena, redis=tier, eviction="lru", prefetch_wait="wait",
+                        redis_write_through=write_through)
     assert store.register_namespace(LAYOUT, "test/model", 0, 1, None) == NAMESPACE
     return store
 
@@ -111,3 +114,54 @@ async def test_compressed_frames_are_still_hashed_by_the_journal(
         assert state is not None
         assert sorted(c.checksum for c in state.committed) == sorted(
             xxhash.xxh3_64_intdigest(payload(k)) for k in keys)
+
+
+# --- puts written through -----------------------------------------------------------------
+
+async def _put(store: TieredStore, arena: Arena, keys: list[bytes]) -> None:
+    """prepare_put, each block written through a client mapping, commit."""
+    mapping = ArenaMapping(str(arena.path), arena.size)
+    try:
+        lease, offsets = await store.prepare_put(CLIENT, DIGEST, FP, keys)
+        for key, off in zip(keys, offsets, strict=True):
+            assert off is not None
+            mapping.view(off, BLOCK, writable=True)[:] = memoryview(payload(key))
+        assert await store.commit_put(CLIENT, lease) == len(keys)
+    finally:
+        mapping.close()
+
+
+def _journaled(arena: Arena) -> dict[bytes, int]:
+    """key -> recorded checksum, as a restart would read the journal."""
+    assert arena.journal is not None
+    state = read_journal(arena.journal.path)
+    assert state is not None
+    return {c.info.key: c.checksum for c in state.committed}
+
+
+@pytest.mark.parametrize(("codec", "borrowed"), [("none", 3), ("lz4", 0)])
+async def test_a_written_through_put_is_journaled_with_its_frame_checksum(
+        journaled_arena: Arena, redis_server: RedisServer, codec: str, borrowed: int) -> None:
+    async with running(cfg_for(redis_server.url, codec=codec)) as tier:
+        store = await _store(journaled_arena, tier, write_through=True)
+        keys = chain(3)
+        await _put(store, journaled_arena, keys)
+        assert await tier.flush(timeout=10)
+        await store.commit_log.flush()
+        log = store.commit_log
+        assert (log.borrowed, log.hashed) == (borrowed, 3 - borrowed)
+        assert _journaled(journaled_arena) == {
+            k: xxhash.xxh3_64_intdigest(payload(k)) for k in keys}
+
+
+async def test_a_put_redis_cannot_take_is_hashed_by_the_journal(
+        journaled_arena: Arena, redis_server: RedisServer) -> None:
+    async with running(cfg_for(redis_server.url)) as tier:
+        store = await _store(journaled_arena, tier, write_through=True)
+    # the tier is closed: the write-through drops every block at once
+    keys = chain(2)
+    await _put(store, journaled_arena, keys)
+    await store.commit_log.flush()
+    assert (store.commit_log.borrowed, store.commit_log.hashed) == (0, 2)
+    assert _journaled(journaled_arena) == {k: xxhash.xxh3_64_intdigest(payload(k)) for k in keys}
+    assert all(store.index[k].readers == 0 for k in keys)   # slots released
