@@ -78,7 +78,8 @@ class TieredStore:
         self.recovery: RecoveryCounters | None = None
         self.cpu = CpuResidency(arena, self.index, make(eviction, TierName.CPU),
                                 on_ready=self.commit_log.ready, tokens_of=self.block_tokens)
-        self.transfers = Transfers(arena, nvme, redis, pin=self.cpu.pin, unpin=self.cpu.unpin)
+        self.transfers = Transfers(arena, nvme, redis, pin=self.cpu.pin, unpin=self.cpu.unpin,
+                                   journal_defer=self.commit_log.defer)
         self.bandwidth = self.transfers.bandwidth  # reload rates returned with lookups
         self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)
         self.nvme_residency = None if nvme is None else NvmeResidency(

@@ -116,12 +116,13 @@ class Promoter:
             self._spawn(self._load_redis(metas))
 
     async def _load_redis(self, metas: list[BlockMeta]) -> None:
-        n = (await self.transfers.move(TierName.REDIS, TierName.CPU, Transfer(metas))).moved
+        done = await self.transfers.move(TierName.REDIS, TierName.CPU, Transfer(metas))
+        n, sums = done.moved, done.checksums
         now = self.clock()
         for i, meta in enumerate(metas):
             ok = i < n
-            if ok:
-                self.cpu.ready(meta, now)
+            if ok:   # the frame's verified checksum, when known, spares the journal a hash
+                self.cpu.ready(meta, now, sums[i] if i < len(sums) else None)
                 if self.forest is not None:
                     self.forest.add(meta.key, meta.parent)
             else:

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from kvtier.tiers.arena_journal import ArenaJournal, CommitInfo, CommittedSlot, 
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.nvme import NvmeSlot
 from kvtier.tiers.nvme.recovery import Recovered
+from kvtier.tiers.redis_checksum import checksum as payload_checksum
 
 if TYPE_CHECKING:
     from kvtier.store.coordinator import TieredStore
@@ -85,15 +87,19 @@ class _Found:
 class CommitLog:
     """Writes the journal's COMMIT record of each block that becomes ready in the arena.
 
-    A checksum the caller knows (a promotion from nvme: the frame's) is recorded at once;
-    others (a put's payload, written by the client) are hashed in the default executor in
-    batches, and recorded only if the slot was not freed meanwhile (the journal's slot
-    generation): a crash before the record leaves the block uncommitted, dropped at adoption.
+    A checksum the caller knows (a promotion from nvme or Redis of an uncompressed frame:
+    the frame's payload checksum, the same xxh3-64 over the same bytes, already verified) is
+    recorded at once; others (a put's payload, written by the client) are hashed in the
+    default executor in batches (large blocks without holding the GIL), and recorded only
+    if the slot was not freed meanwhile (the journal's slot generation): a crash before the
+    record leaves the block uncommitted, dropped at adoption.
     """
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
-        self._queue: list[tuple[int, int, CommitInfo]] = []
+        self.hashed = 0        # blocks this log had to hash (no checksum came with them)
+        self.borrowed = 0      # blocks whose checksum came from their Redis frame instead
+        self._queue: dict[int, tuple[int, CommitInfo]] = {}   # offset -> (generation, info)
         self._task: asyncio.Task[None] | None = None
 
     def ready(self, meta: BlockMeta, checksum: int | None = None) -> None:
@@ -108,9 +114,34 @@ class CommitLog:
         if checksum is not None:
             journal.commit(meta.cpu, gen, info, checksum)
             return
-        self._queue.append((meta.cpu, gen, info))
+        self._queue[meta.cpu] = (gen, info)
         if self._task is None:
             self._task = asyncio.ensure_future(self._drain())
+
+    def defer(self, meta: BlockMeta) -> Callable[[int | None], None] | None:
+        """``meta`` (queued for hashing, not hashed yet) is about to be framed for Redis
+        from its slot, which hashes the same bytes with the same function: take it out of
+        the queue and return the callback that records that checksum (None: hash it here
+        after all). None when there is nothing to defer. The record then waits for the
+        Redis write; a crash before it leaves the block to Redis, not to the adopted arena."""
+        if meta.cpu is None or meta.cpu not in self._queue:
+            return None
+        off = meta.cpu
+        gen, info = self._queue.pop(off)
+
+        def record(checksum: int | None) -> None:
+            journal = self.arena.journal
+            if journal is None or journal.generation(off) != gen:
+                return   # journal gone, or the slot was freed meanwhile
+            if checksum is None:
+                self._queue[off] = (gen, info)
+                if self._task is None:
+                    self._task = asyncio.ensure_future(self._drain())
+                return
+            self.borrowed += 1
+            journal.commit(off, gen, info, checksum)
+
+        return record
 
     async def flush(self) -> None:
         """Wait until every queued checksum is recorded (or found stale)."""
@@ -121,14 +152,16 @@ class CommitLog:
         loop = asyncio.get_running_loop()
         try:
             while self._queue:
-                batch, self._queue = self._queue, []
+                queued, self._queue = self._queue, {}
                 journal = self.arena.journal
                 if journal is None:
                     return
                 # slots freed since they became ready need no checksum
-                batch = [b for b in batch if journal.generation(b[0]) == b[1]]
+                batch = [(off, gen, info) for off, (gen, info) in queued.items()
+                         if journal.generation(off) == gen]
                 views = [self.arena.view(off, info.nbytes) for off, _, info in batch]
                 sums = await loop.run_in_executor(None, _checksums, views)
+                self.hashed += len(views)
                 if self.arena.journal is not journal:
                     return
                 for (off, gen, info), csum in zip(batch, sums, strict=True):
@@ -138,7 +171,9 @@ class CommitLog:
 
 
 def _checksums(views: list[Any]) -> list[int]:
-    return [xxhash.xxh3_64_intdigest(v) for v in views]
+    # the frame checksum's function: xxh3-64, blocks of 4 MiB and more hashed without the
+    # GIL (a 32 MiB block would otherwise stall the event loop and the Redis threads)
+    return [payload_checksum(v) for v in views]
 
 
 def _verify(arena: Arena, slots: list[CommittedSlot]) -> list[bool]:

@@ -44,6 +44,7 @@ class TransferResult:
     moved: int = 0                 # leading blocks whose bytes arrived
     corrupt: bool = False          # the source frame is bad for good (drop it)
     checksum: int | None = None    # xxh3-64 of the payload now in the arena, when known
+    checksums: list[int | None] = field(default_factory=list)  # the same, per block of a batch
 
 
 Handler = Callable[[Transfer], Awaitable[TransferResult]]
@@ -68,6 +69,9 @@ class Transfers:
     redis: RedisPort | None = None
     pin: Callable[[list[BlockMeta]], None] = _no_lock
     unpin: Callable[[list[BlockMeta]], None] = _no_lock
+    # the commit journal's CommitLog.defer: a block framed for Redis from its slot hands its
+    # frame checksum (the same xxh3-64 of the same bytes) to the journal, hashed once
+    journal_defer: Callable[[BlockMeta], Callable[[int | None], None] | None] | None = None
     moved: BytesMoved = field(default_factory=BytesMoved)
     bandwidth: BandwidthTracker = field(default_factory=BandwidthTracker)
     _routes: dict[tuple[TierName, TierName], Handler] = field(default_factory=dict)
@@ -138,27 +142,29 @@ class Transfers:
         metas, redis = job.metas, self.redis
         assert redis is not None
         views = [self._arena_view(m, m.nbytes) for m in metas]
+        sums: list[int | None] = [None] * len(metas)   # verified frame checksums
         t0 = time.perf_counter()
         try:
             n = await redis.get_into([m.key for m in metas], views,
                                      namespace=metas[0].namespace,
-                                     layout_fp=metas[0].layout_fp)
+                                     layout_fp=metas[0].layout_fp, checksums=sums)
             self.bandwidth.observe(TierName.REDIS.value, TierName.CPU.value,
                                    sum(m.nbytes for m in metas[:n]), time.perf_counter() - t0)
         except Exception:  # the tier promises not to raise; be defensive anyway
             log.exception("redis promotion failed")
             n = 0
         self._count(TierName.REDIS, TierName.CPU, metas[:n])
-        return TransferResult(moved=n)
+        return TransferResult(moved=n, checksums=sums[:n])
 
     def _submit_from_slot(self, meta: BlockMeta) -> None:
         """Zero-copy hand-off to Redis: the arena slot is pinned (a reader) until the tier
         releases it, once the SET is done, dropped or failed."""
         assert self.redis is not None
         self.pin([meta])
+        told = None if self.journal_defer is None else self.journal_defer(meta)
         self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
                           self._arena_view(meta, meta.nbytes), seq=meta.seq,
-                          release=lambda: self.unpin([meta]))
+                          release=lambda: self.unpin([meta]), on_checksum=told)
 
     async def _cpu_to_redis(self, job: Transfer) -> TransferResult:
         for meta in job.metas:

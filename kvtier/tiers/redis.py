@@ -62,7 +62,7 @@ from kvtier.tiers.redis_link import (
     _describe,
     log,
 )
-from kvtier.tiers.redis_queue import PendingWrite, Release
+from kvtier.tiers.redis_queue import OnChecksum, PendingWrite, Release
 from kvtier.tiers.redis_reads import (
     EXISTS_BATCH,
     GET_BATCH_BYTES,
@@ -200,7 +200,7 @@ class RedisTier(RedisReads):
 
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
                seq: int = 0, release: Release | None = None,
-               elem_bytes: int | None = None) -> None:
+               elem_bytes: int | None = None, on_checksum: OnChecksum | None = None) -> None:
         """Queue a block for writing (write-behind).
 
         With ``release``, ``payload`` is used in place (no copy: the caller keeps it
@@ -213,9 +213,15 @@ class RedisTier(RedisReads):
         and a borrowed write submitted while down is copied, so a dead Redis never pins
         the caller's memory. ``elem_bytes`` (the shuffle codecs' element width) defaults
         to the width of ``namespace``'s layout (``use_layouts``), else ``elem_bytes_hint``.
+        ``on_checksum`` (borrowed writes only) is called once, on the event loop, just
+        before ``release``: with the payload's xxh3-64 (``kvtier.frame.payload_checksum``)
+        when its frame was built uncompressed, else None; a caller that needs that number
+        too (the arena journal) need not hash the block again.
         """
         if self._closed:
             self.counters.dropped_writes += 1
+            if on_checksum is not None:
+                on_checksum(None)
             if release is not None:
                 release()
             return
@@ -223,11 +229,14 @@ class RedisTier(RedisReads):
         if release is not None and not self._up:  # may wait long: do not hold the caller's
             release()                               # buffer (e.g. a pinned arena slot)
             release = None
+        if release is None and on_checksum is not None:   # a copy: nobody waits on it
+            on_checksum(None)
+            on_checksum = None
         width = self._elem_bytes_for(namespace) if elem_bytes is None else elem_bytes
         item = (PendingWrite.copy_of(rkey, namespace, key, layout_fp, seq, payload, width)
                 if release is None else
                 PendingWrite.borrow(rkey, namespace, key, layout_fp, seq, payload, release,
-                                    width))
+                                    width, on_checksum))
         dropped = self._queue.push(item)
         if dropped is not None:
             dropped.done()

@@ -42,6 +42,7 @@ class BlockRead:
     wire: int = 0                      # bytes of the value on the wire
     why: str = ""
     error: ErrorReply | None = None
+    checksum: int | None = None        # OK, uncompressed: the verified xxh3-64 of the block
 
 
 MISSING = BlockRead(ReadStatus.MISSING)
@@ -127,7 +128,8 @@ def _finish(place: _Placer, i: int, wire: int) -> BlockRead:
         if scratch is None:
             out[:header.raw_len] = bytes(header.raw_len)  # never leave unverified bytes
         return BlockRead(ReadStatus.CORRUPT, wire, str(exc))
-    return BlockRead(ReadStatus.OK, wire)
+    # uncompressed: the checksum just verified is the block's own (the journal reuses it)
+    return BlockRead(ReadStatus.OK, wire, checksum=header.checksum if scratch is None else None)
 
 
 def write_blocks(conn: Conn, items: Sequence[PendingWrite], codec: Codec | codecs.AutoCodec,

@@ -23,6 +23,7 @@ from kvtier.frame import Codec
 from kvtier.tiers.redis_checksum import header_for
 
 Release = Callable[[], None]
+OnChecksum = Callable[[int | None], None]
 DEFAULT_ELEM_BYTES = 2   # shuffle width when a block's layout is unknown (fp16/bf16)
 
 
@@ -41,6 +42,8 @@ class PendingWrite:
     parts: tuple[bytes | memoryview, ...] = ()   # the frame as sent: header, payload
     codec: Codec = Codec.NONE
     elem_bytes: int = DEFAULT_ELEM_BYTES  # byte-shuffle element width (its layout's)
+    on_checksum: OnChecksum | None = None  # told the payload's xxh3-64 (or None) at done()
+    checksum: int | None = None         # the payload's xxh3-64, once framed uncompressed
 
     @classmethod
     def copy_of(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
@@ -54,11 +57,14 @@ class PendingWrite:
     @classmethod
     def borrow(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
                seq: int, payload: memoryview, release: Release,
-               elem_bytes: int = DEFAULT_ELEM_BYTES) -> PendingWrite:
-        """Use ``payload`` in place; ``release`` is called exactly once when done with it."""
+               elem_bytes: int = DEFAULT_ELEM_BYTES,
+               on_checksum: OnChecksum | None = None) -> PendingWrite:
+        """Use ``payload`` in place; ``release`` is called exactly once when done with it
+        (after ``on_checksum``, when given, with the payload's checksum if it was framed
+        uncompressed, else None)."""
         view = _flat(payload)
         return cls(redis_key, namespace, key, layout_fp, seq, view, view.nbytes, release,
-                   elem_bytes=elem_bytes)
+                   elem_bytes=elem_bytes, on_checksum=on_checksum)
 
     @property
     def wire_len(self) -> int:
@@ -66,6 +72,9 @@ class PendingWrite:
 
     def done(self) -> None:
         """The write is over (sent, dropped or failed): give a borrowed buffer back."""
+        told, self.on_checksum = self.on_checksum, None
+        if told is not None:
+            told(self.checksum)
         release, self.release = self.release, None
         if release is not None:
             release()
@@ -92,6 +101,7 @@ def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec) -> None:
     if chosen is Codec.NONE:
         header = header_for(item.namespace, item.key, item.layout_fp, raw, seq=item.seq)
         item.parts = (header.pack(), raw)
+        item.checksum = header.checksum     # of the raw payload: its owner may reuse it
     else:
         header = header_for(item.namespace, item.key, item.layout_fp, body,
                             raw_len=len(raw), codec=chosen, seq=item.seq)

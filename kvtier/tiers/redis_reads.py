@@ -76,14 +76,18 @@ class RedisReads(RedisLink):
         return True
 
     async def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], *,
-                       namespace: bytes, layout_fp: int) -> int:
+                       namespace: bytes, layout_fp: int,
+                       checksums: list[int | None] | None = None) -> int:
         """Fill ``outs[i]`` with block ``keys[i]`` for the leading run present in Redis.
 
         Returns how many leading blocks were filled. A frame that fails a check ends the
         run, is counted in ``checksum_failures`` and is deleted. Never raises for Redis
         trouble (down, timeouts, error replies all end the run early). Up to
         ``max_inflight`` batches are fetched at once; all of them have finished writing
-        into ``outs`` before this returns.
+        into ``outs`` before this returns. ``checksums`` (a list as long as ``keys``), when
+        given, receives each filled block's verified xxh3-64 where the frame was stored
+        uncompressed (the same number as ``kvtier.frame.payload_checksum`` of the bytes now
+        in ``outs[i]``), None elsewhere: a caller that journals the block need not hash it.
         """
         n = min(len(keys), len(outs))
         bounds = _batches([o.nbytes for o in outs[:n]], GET_BATCH_KEYS, GET_BATCH_BYTES)
@@ -108,6 +112,8 @@ class RedisReads(RedisLink):
                     continue
                 for j, read in enumerate(reads):
                     if read.status is ReadStatus.OK:
+                        if checksums is not None:
+                            checksums[lo + j] = read.checksum
                         filled += 1
                         self.counters.bytes_read += read.wire
                         continue
