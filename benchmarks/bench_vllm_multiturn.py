@@ -13,6 +13,9 @@ other conversations at once, each turn of all of them submitted together so vLLM
 them continuously; output tokens per second per turn: turn 1 hits nothing, later turns hit
 their prefixes).
 
+Both engines run with tcmalloc preloaded when it is installed (vLLM's CPU setup; Debian
+``libtcmalloc-minimal4``), ``--malloc glibc`` to compare with glibc's malloc.
+
     .venv/bin/python benchmarks/bench_vllm_multiturn.py [--conversations 3 --turns 4]
 """
 
@@ -130,12 +133,27 @@ def connector_counters(llm: Any) -> dict[str, float]:
     return {**side.counters, "prefill_tokens_per_s": round(side.recompute.prefill_tokens_per_s)}
 
 
-def spawn(model: Path, socket: str | None, convs: Any, work: Path, name: str) -> dict:
+def find_tcmalloc() -> str | None:
+    """vLLM's CPU docs preload tcmalloc (vLLM warns without it). glibc's malloc makes a
+    prefill's speed depend on the sizes of the prefills before it (its mmap and trim
+    thresholds move), so the two engines, which prefill different amounts, would differ
+    for a reason that is not kvtier. Debian: libtcmalloc-minimal4."""
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            if (Path(d) / name).exists():
+                return str(Path(d) / name)
+    return None
+
+
+def spawn(model: Path, socket: str | None, convs: Any, work: Path, name: str,
+          preload: str | None = None) -> dict:
     spec = work / f"{name}.convs.json"
     spec.write_text(json.dumps(convs))
     out = work / f"{name}.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": str(REPO)}
+    if preload:
+        env["LD_PRELOAD"] = preload
     with open(work / f"{name}.log", "w") as log:
         subprocess.run([sys.executable, __file__, "--child", str(model), socket or "",
                         str(spec), str(out)], env=env, stdout=log, stderr=log, check=True)
@@ -155,6 +173,9 @@ def main() -> None:
                     help="alternate baseline and kvtier runs this many times (a fresh daemon "
                          "each time) and keep each measurement's best: on a shared machine "
                          "the load changes between runs")
+    ap.add_argument("--malloc", choices=("tcmalloc", "glibc"), default="tcmalloc",
+                    help="the engines' allocator (both runs): tcmalloc, as vLLM's CPU docs "
+                         "set it up, when installed; glibc otherwise or when asked")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -171,12 +192,17 @@ def main() -> None:
                                          a.user_tokens),
              "concurrent": conversations(a.concurrent, a.concurrent_turns, a.first_tokens,
                                          a.user_tokens, seed=11)}
+    preload = find_tcmalloc() if a.malloc == "tcmalloc" else None
+    if "LD_PRELOAD" in os.environ:
+        preload = None   # the caller's own choice stands (inherited by both engines)
+    print(f"engines' allocator (both runs): "
+          f"{preload or os.environ.get('LD_PRELOAD') or 'glibc malloc'}")
     bases, kvs = [], []
     for i in range(a.repeat):
-        bases.append(spawn(model, None, convs, work, f"baseline{i}"))
+        bases.append(spawn(model, None, convs, work, f"baseline{i}", preload))
         daemon = DaemonProcess(work / f"daemon{i}", cpu_bytes="2GiB", nvme_bytes="0").start()
         try:
-            kvs.append(spawn(model, str(daemon.socket), convs, work, f"kvtier{i}"))
+            kvs.append(spawn(model, str(daemon.socket), convs, work, f"kvtier{i}", preload))
         finally:
             daemon.kill()
     if a.repeat > 1:
