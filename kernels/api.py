@@ -101,10 +101,9 @@ def gather_blocks(
         launch("gather", layer_caches, plan, _row_pointers(rows, plan.geometry.block_bytes),
                stream)
         return chosen
-    if layer_caches[0].device.type == "cpu" and all(r.device.type == "cpu" for r in rows):
+    if _on_host(layer_caches, rows, plan.geometry.block_bytes):
         from kvtier.kernels.host import gather_host
 
-        _row_pointers(rows, plan.geometry.block_bytes)  # validates sizes
         gather_host(layer_caches, plan, rows)
         return chosen
     from kvtier.kernels.reference import gather_reference
@@ -151,10 +150,9 @@ def scatter_blocks(
         launch("scatter", layer_caches, plan, _row_pointers(rows, plan.geometry.block_bytes),
                stream)
         return chosen
-    if layer_caches[0].device.type == "cpu" and all(r.device.type == "cpu" for r in rows):
+    if _on_host(layer_caches, rows, plan.geometry.block_bytes):
         from kvtier.kernels.host import scatter_host
 
-        _row_pointers(rows, plan.geometry.block_bytes)  # validates sizes
         scatter_host(layer_caches, plan, rows)
         return chosen
     from kvtier.kernels.reference import scatter_reference
@@ -166,6 +164,16 @@ def scatter_blocks(
         src = torch.stack([r.view(torch.uint8).reshape(-1) for r in rows])
     scatter_reference(layer_caches, plan, src)
     return chosen
+
+
+def _on_host(layer_caches: Sequence[torch.Tensor], rows: Sequence[torch.Tensor],
+             nbytes: int) -> bool:
+    """Whether the numpy host copies apply (every tensor in CPU memory); the rows'
+    sizes and contiguity are checked first."""
+    if layer_caches[0].device.type != "cpu" or any(r.device.type != "cpu" for r in rows):
+        return False
+    _row_pointers(rows, nbytes)
+    return True
 
 
 def _rows(buffer: BlockBuffers, n_blocks: int) -> list[torch.Tensor]:

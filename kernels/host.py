@@ -15,7 +15,7 @@ buffer, one memcpy per byte).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,36 +54,32 @@ def block_array(row: torch.Tensor, geom: BlockGeometry) -> np.ndarray:
                        geom.chunk_tokens, geom.num_heads, geom.row_bytes)
 
 
-def _chunks(plan: TransferPlan) -> tuple[list[list[int]], list[list[int]]]:
-    cpb = plan.geometry.chunks_per_block
+def _chunk_pairs(layer_caches: Sequence[torch.Tensor], plan: TransferPlan,
+                 rows: Sequence[torch.Tensor]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(engine page chunk, block row chunk) views of every (layer, block, chunk) planned:
+    both ``[kv][chunk_token][head][row]``, one strided copy apart."""
+    geom = plan.geometry
+    cpb = geom.chunks_per_block
     pages = plan.chunk_pages.reshape(-1, cpb).tolist()
     subs = plan.chunk_subs.reshape(-1, cpb).tolist()
-    return pages, subs
+    blocks = [block_array(r, geom) for r in rows]
+    for layer, cache in enumerate(layer_caches):
+        cached = chunked_array(cache, plan.view, geom)
+        for blk, bp, bs in zip(blocks, pages, subs, strict=True):
+            row = blk[layer]
+            for j, (p, s) in enumerate(zip(bp, bs, strict=True)):
+                yield cached[p, s], row[:, j]
 
 
 def gather_host(layer_caches: Sequence[torch.Tensor], plan: TransferPlan,
                 rows: Sequence[torch.Tensor]) -> None:
     """Copy the planned pages of every CPU layer cache into one row per block."""
-    geom = plan.geometry
-    pages, subs = _chunks(plan)
-    blocks = [block_array(r, geom) for r in rows]
-    for layer, cache in enumerate(layer_caches):
-        src = chunked_array(cache, plan.view, geom)
-        for blk, bp, bs in zip(blocks, pages, subs, strict=True):
-            dst = blk[layer]
-            for j, (p, s) in enumerate(zip(bp, bs, strict=True)):
-                np.copyto(dst[:, j], src[p, s])
+    for page, chunk in _chunk_pairs(layer_caches, plan, rows):
+        np.copyto(chunk, page)
 
 
 def scatter_host(layer_caches: Sequence[torch.Tensor], plan: TransferPlan,
                  rows: Sequence[torch.Tensor]) -> None:
     """Copy one row per block into the planned pages of every CPU layer cache."""
-    geom = plan.geometry
-    pages, subs = _chunks(plan)
-    blocks = [block_array(r, geom) for r in rows]
-    for layer, cache in enumerate(layer_caches):
-        dst = chunked_array(cache, plan.view, geom)
-        for blk, bp, bs in zip(blocks, pages, subs, strict=True):
-            src = blk[layer]
-            for j, (p, s) in enumerate(zip(bp, bs, strict=True)):
-                np.copyto(dst[p, s], src[:, j])
+    for page, chunk in _chunk_pairs(layer_caches, plan, rows):
+        np.copyto(page, chunk)
