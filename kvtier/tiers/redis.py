@@ -17,13 +17,15 @@ slow or gone. Everything here is built so that Redis trouble costs hits, never r
   in the caller's buffer; no Python copy of a payload either way. Every exchange is
   bounded by ``op_timeout_s``.
 - Reads walk a prefix: pipelined EXISTS / GET in batches (up to ``max_inflight`` batches
-  in flight), stopping at the first miss. Every value is a frame (kvtier.frame) checked
-  against the expected namespace, key and layout fingerprint plus its payload checksum; a
-  frame failing a check is a miss, counted in ``counters.checksum_failures``, deleted from
-  Redis and never left in the caller's buffer. A sound frame of another namespace (a
-  caller with a stolen key) is a miss, counted in ``namespace_mismatches``, and is left
-  alone: it is another tenant's block, not a corrupt one. Buffers past the returned count
-  may have been written (with verified blocks): their contents are unspecified.
+  in flight, and about ``inflight_bytes_per_server`` per live server: a server buffers
+  each GET pipeline's whole reply), stopping at the first miss. Every value is a frame
+  (kvtier.frame) checked against the expected namespace, key and layout fingerprint plus
+  its payload checksum; a frame failing a check is a miss, counted in
+  ``counters.checksum_failures``, deleted from Redis and never left in the caller's buffer.
+  A sound frame of another namespace (a caller with a stolen key) is a miss, counted in
+  ``namespace_mismatches``, and is left alone: it is another tenant's block, not a
+  corrupt one. Buffers past the returned count may have been written (with verified
+  blocks): their contents are unspecified.
 - ``exists_prefix`` and ``delete`` given the caller's namespace read the namespace field of
   each frame (GETRANGE, as cheap as EXISTS) and treat another namespace's frame as absent.
 - Writes are write-behind: ``submit`` queues the block and returns, either borrowing the

@@ -83,7 +83,7 @@ class RedisReads(RedisLink):
         Returns how many leading blocks were filled. A frame that fails a check ends the
         run, is counted in ``checksum_failures`` and is deleted. Never raises for Redis
         trouble (down, timeouts, error replies all end the run early). Up to
-        ``max_inflight`` batches are fetched at once; all of them have finished writing
+        ``_window()`` batches are fetched at once; all of them have finished writing
         into ``outs`` before this returns. ``checksums`` (a list as long as ``keys``), when
         given, receives each filled block's verified xxh3-64 where the frame was stored
         uncompressed (the same number as ``kvtier.frame.payload_checksum`` of the bytes now
@@ -91,7 +91,8 @@ class RedisReads(RedisLink):
         """
         n = min(len(keys), len(outs))
         bounds = _batches([o.nbytes for o in outs[:n]], GET_BATCH_KEYS, GET_BATCH_BYTES)
-        window = max(1, self.cfg.max_inflight)
+        biggest = max((sum(o.nbytes for o in outs[lo:hi]) for lo, hi in bounds), default=0)
+        window = self._window(biggest)
         pending: deque[tuple[asyncio.Task[list[BlockRead]], int]] = deque()
         filled = 0
         stop = False
