@@ -21,31 +21,43 @@ from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
 from kvtier.trust import PeerCred, check_daemon_peer
 
 MAX_HELLO_REPLY = 64 * 2**20
-_FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)   # room for exactly one descriptor
+_FDS = 2                     # the arena's descriptor, then the presence filter's
+_FD_SPACE = socket.CMSG_SPACE(_FDS * array.array("i").itemsize)
 
 
 def hello_request() -> dict[str, Any]:
-    """The first request; ``arena_fd``: pass the arena's descriptor with the reply;
-    ``key_scheme``: the client's key function version (kvtier.keys.KEY_SCHEME)."""
+    """The first request; ``arena_fd``: pass the arena's descriptor with the reply, and
+    ``presence_fd`` the presence filter's after it (kvtier.presence); ``key_scheme``: the
+    client's key function version (kvtier.keys.KEY_SCHEME)."""
     return {"op": "hello", "version": PROTOCOL_VERSION, "client": f"python/{os.getpid()}",
-            "key_scheme": KEY_SCHEME, "arena_fd": True}
+            "key_scheme": KEY_SCHEME, "arena_fd": True, "presence_fd": True}
 
 
 @dataclass(slots=True)
 class Hello:
-    """What the handshake established: the daemon's credentials, its reply, the arena fd
-    (None when the daemon passed none; whoever takes the Hello owns and closes it)."""
+    """What the handshake established: the daemon's credentials, its reply, the arena's
+    and the presence filter's descriptors (None when the daemon passed none; whoever takes
+    the Hello owns and closes them)."""
 
     peer: PeerCred
     reply: dict[str, Any]
     arena_fd: int | None
+    presence_fd: int | None = None
+
+    def close_fds(self) -> None:
+        """Close the descriptors nobody took over."""
+        for fd in (self.arena_fd, self.presence_fd):
+            if fd is not None:
+                os.close(fd)
+        self.arena_fd = self.presence_fd = None
 
 
-def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None]:
-    """Read exactly the hello reply frame, and the descriptor passed alongside it, if any.
+def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """Read exactly the hello reply frame, and the descriptors passed alongside it (the
+    arena's, then the presence filter's), if any.
 
-    recvmsg all along (the descriptor rides on the frame's first byte), with
-    MSG_CMSG_CLOEXEC so it never leaks into a child process; room for one descriptor only
+    recvmsg all along (the descriptors ride on the frame's first byte), with
+    MSG_CMSG_CLOEXEC so they never leak into a child process; room for two descriptors only
     (the kernel closes any more). An error reply raises its typed error.
     """
     fds: list[int] = []
@@ -76,9 +88,9 @@ def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], int | None]:
         for fd in fds:
             os.close(fd)
         raise
-    for fd in fds[1:]:
+    for fd in fds[_FDS:]:
         os.close(fd)
-    return reply, (fds[0] if fds else None)
+    return reply, fds[:_FDS]
 
 
 def handshake(sock: socket.socket, path: str, trusted_uids: Collection[int],
@@ -91,14 +103,14 @@ def handshake(sock: socket.socket, path: str, trusted_uids: Collection[int],
     peer = check_daemon_peer(sock, path, trusted_uids)
     try:
         sock.sendall(pack({**hello_request(), "id": 1}))
-        reply, fd = recv_hello(sock)
+        reply, fds = recv_hello(sock)
     except TimeoutError:
         raise RequestTimeout(f"no reply to hello from the daemon at {path} within "
                              f"{timeout}s") from None
     except OSError as exc:
         raise DaemonUnavailable(f"daemon at {path} dropped the connection during the hello: "
                                 f"{exc}") from None
-    return Hello(peer, reply, fd)
+    return Hello(peer, reply, fds[0] if fds else None, fds[1] if len(fds) > 1 else None)
 
 
 def open_verified(path: str, timeout: float,

@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvtier.errors import KVTierError
 
@@ -93,8 +93,33 @@ class BlockMeta:
         return "nvme" if self.in_nvme else "none"
 
 
+class KeySet(Protocol):
+    """Told of every key entering and leaving the index (kvtier.presence)."""
+
+    def add(self, key: bytes) -> None: ...
+    def remove(self, key: bytes) -> None: ...
+
+
 class BlockIndex(dict[bytes, BlockMeta]):
-    """key -> BlockMeta. A dict with a name: O(1) lookups on the hot path."""
+    """key -> BlockMeta. A dict with a name: O(1) lookups on the hot path. ``presence``,
+    when set, is told of every key that enters or leaves (item assignment and ``del``
+    are the only ways the store changes the index)."""
+
+    __slots__ = ("presence",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.presence: KeySet | None = None
+
+    def __setitem__(self, key: bytes, meta: BlockMeta) -> None:
+        if self.presence is not None and key not in self:
+            self.presence.add(key)
+        super().__setitem__(key, meta)
+
+    def __delitem__(self, key: bytes) -> None:
+        super().__delitem__(key)
+        if self.presence is not None:
+            self.presence.remove(key)
 
     def leading(self, keys: Iterable[bytes],
                 accept: Callable[[BlockMeta], bool] | None = None) -> Iterator[BlockMeta]:

@@ -36,7 +36,7 @@ _KEYS = frozenset({
     "socket_path", "tokens_per_block", "model_id", "namespace", "save_decode_tokens",
     "async_load", "timeout_s", "reconnect_min_s", "reconnect_max_s",
     "max_inflight_save_bytes", "prefill_tokens_per_s", "tier_bandwidth",
-    "skip_slower_than_recompute", "device_loads", "redis_sync_timeout_s",
+    "skip_slower_than_recompute", "device_loads", "redis_sync_timeout_s", "presence_filter",
 })
 
 
@@ -79,7 +79,10 @@ class ConnectorConfig:
     or ``tier_bandwidth[tier]`` bytes/s when configured) does not exceed their recompute
     time (tokens over the engine's measured prefill throughput, ``prefill_tokens_per_s``
     until measured). ``device_loads``: read blocks from the daemon's HBM pool as device
-    views (default: when the engine's KV caches are on a GPU).
+    views (default: when the engine's KV caches are on a GPU). ``presence_filter``: answer
+    a lookup without a round trip when the daemon's presence filter shows it can add
+    nothing beyond vLLM's own prefix cache (kvtier.presence; counted in
+    ``lookups_without_round_trip``).
 
     Prefill/decode (issue 15, docs/pd-disaggregation.md): ``role`` is vLLM's ``kv_role``.
     ``kv_producer`` saves every full prompt block (a loaded prefix too), never drops a save
@@ -104,6 +107,7 @@ class ConnectorConfig:
     device_loads: bool | None = None
     role: str = "kv_both"
     redis_sync_timeout_s: float = DEFAULT_REDIS_SYNC_TIMEOUT_S
+    presence_filter: bool = True
 
     @property
     def saves(self) -> bool:
@@ -156,6 +160,7 @@ class ConnectorConfig:
                                                  DEFAULT_PREFILL_TOKENS_PER_S),
             tier_bandwidth=_tier_bandwidth(extra.get("tier_bandwidth")),
             skip_slower_than_recompute=_flag(extra, "skip_slower_than_recompute", True),
+            presence_filter=_flag(extra, "presence_filter", True),
             device_loads=_auto_flag(extra, "device_loads"),
             role=role,
             redis_sync_timeout_s=_positive_float(extra, "redis_sync_timeout_s",

@@ -182,6 +182,15 @@ class DaemonLink:
             return None
         return self.call(lambda c: c.lookup(namespace, list(keys)), None)
 
+    def leading_bound(self, keys: Sequence[BlockKey]) -> int | None:
+        """An upper bound on the lookup of ``keys`` from the daemon's presence filter, with
+        no round trip (kvtier.presence); None when there is none to read (not connected,
+        no exact filter, the connection closed): ask with ``lookup_result`` then."""
+        client = self._client
+        if client is None or not keys:
+            return None
+        return client.leading_bound(keys)
+
     def lookup(self, namespace: Namespace, keys: Sequence[BlockKey]) -> int:
         """Leading blocks of ``keys`` the daemon holds (0 when it is unreachable)."""
         if not keys:

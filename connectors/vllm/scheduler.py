@@ -117,7 +117,8 @@ class SchedulerSide:
         self._next_save_id = 0
         self._step_started: tuple[float, int] | None = None
         self.counters: dict[str, int] = {"skipped_slower_than_recompute": 0,
-                                         "skipped_tokens_slower_than_recompute": 0}
+                                         "skipped_tokens_slower_than_recompute": 0,
+                                         "lookups_without_round_trip": 0}
         self.link.preconnect()   # at engine start, not in the first request's lookup
 
     # -- lookup ----------------------------------------------------------------------
@@ -140,7 +141,13 @@ class SchedulerSide:
         for rank in range(self.tp_size):
             ns = self.link.namespace(salt, rank)
             keys = block_keys(ns, tokens[: hits * self.config.tokens_per_block])
-            res = self.link.lookup_result(ns, keys)
+            bound = self.link.leading_bound(keys) if self.config.presence_filter else None
+            if bound is not None and bound <= start:
+                # nothing kvtier holds goes past what vLLM already has: no round trip
+                hits = min(hits, bound)
+                self.counters["lookups_without_round_trip"] += 1
+                break
+            res = self.link.lookup_result(ns, keys if bound is None else keys[:bound])
             hits = min(hits, res.hits if res is not None else 0)
             if res is not None and self.config.skip_slower_than_recompute:
                 usable = min(usable, self.recompute.worth_loading(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import socket
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -187,8 +186,7 @@ async def connect_async(socket_path: str | Path | None = None, timeout: float = 
         reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_REPLY + 1024)
     except BaseException:
         sock.close()
-        if hello.arena_fd is not None:
-            os.close(hello.arena_fd)
+        hello.close_fds()
         raise
     client = AsyncKVTierClient(reader, writer, timeout, device=device)
     try:
@@ -205,5 +203,4 @@ def _close_opened(fut: asyncio.Future[tuple[socket.socket, Hello]]) -> None:
         return
     sock, hello = fut.result()
     sock.close()
-    if hello.arena_fd is not None:
-        os.close(hello.arena_fd)
+    hello.close_fds()

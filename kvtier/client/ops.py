@@ -32,6 +32,7 @@ from kvtier.handshake import Hello, hello_request
 from kvtier.keys import BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality
+from kvtier.presence import PresenceView
 from kvtier.protocol import PROTOCOL_VERSION
 from kvtier.tiers.arena_mapping import ArenaMapping
 
@@ -114,6 +115,7 @@ class Ops:
         self.hbm_info: dict[str, Any] | None = None   # the daemon's pool, from the hello
         self.hbm: Any = None                      # HbmMapping, opened at first device get
         self.hbm_error: str | None = None         # why the pool could not be mapped here
+        self.presence: PresenceView | None = None   # the daemon's presence filter, read-only
 
     def _device_mapping(self, prefer_device: bool | None) -> Any:
         """The HBM mapping to read device views through, or None for a cpu-only get.
@@ -144,6 +146,9 @@ class Ops:
         """Unmap the arena and drop this client's reference to the HBM mapping."""
         if self.arena is not None:
             self.arena.close()
+        if self.presence is not None:
+            self.presence.close()
+            self.presence = None
         if self.hbm is not None:
             hbm, self.hbm = self.hbm, None
             with contextlib.suppress(Exception):
@@ -334,9 +339,10 @@ class Ops:
         return hello_request()
 
     def on_hello(self, reply: dict[str, Any], arena_fd: int | None = None,
-                 daemon_uid: int | None = None) -> None:
+                 daemon_uid: int | None = None, presence_fd: int | None = None) -> None:
         """Map the arena the hello announced (``arena_fd`` when the daemon passed one, taken
-        over here) as a file of ``daemon_uid`` (default: ours); keep the HBM pool info."""
+        over here) as a file of ``daemon_uid`` (default: ours); keep the HBM pool info; map
+        the presence filter (``presence_fd``, taken over) when the daemon passed one."""
         try:
             if reply.get("version") != PROTOCOL_VERSION:
                 raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
@@ -346,11 +352,20 @@ class Ops:
                     and isinstance(arena.get("size"), int)):
                 raise ProtocolError(f"hello reply has no valid arena: {arena!r}")
         except BaseException:
-            if arena_fd is not None:
-                os.close(arena_fd)
+            for fd in (arena_fd, presence_fd):
+                if fd is not None:
+                    os.close(fd)
             raise
-        self.arena = ArenaMapping(arena["path"], int(arena["size"]), fd=arena_fd,
-                                  owner_uid=daemon_uid)
+        try:
+            self.arena = ArenaMapping(arena["path"], int(arena["size"]), fd=arena_fd,
+                                      owner_uid=daemon_uid)
+        except BaseException:
+            if presence_fd is not None:
+                os.close(presence_fd)
+            raise
+        if presence_fd is not None:
+            self.presence = open_presence(presence_fd, reply.get("presence"),
+                                          os.getuid() if daemon_uid is None else daemon_uid)
         self.arena_path = str(arena["path"])
         hbm = reply.get("hbm")
         self.hbm_info = hbm if isinstance(hbm, dict) and hbm.get("handle") else None
@@ -360,6 +375,21 @@ def map_arena(ops: Ops, hello: Hello, path: str) -> None:
     """``ops.on_hello`` with the arena owned by the verified daemon uid; OSError (the file
     is gone) becomes DaemonUnavailable."""
     try:
-        ops.on_hello(hello.reply, hello.arena_fd, hello.peer.uid)
+        ops.on_hello(hello.reply, hello.arena_fd, hello.peer.uid, hello.presence_fd)
     except OSError as exc:
         raise DaemonUnavailable(f"cannot map the arena of the daemon at {path}: {exc}") from None
+
+
+def open_presence(fd: int, announced: Any, daemon_uid: int) -> PresenceView | None:
+    """The daemon's presence filter as a read-only view, or None (logged) when it is not
+    what the daemon announced: the filter only spares round trips, so a client works
+    without it (``fd`` is taken over either way)."""
+    if not isinstance(announced, dict):
+        os.close(fd)
+        log.warning("not using the daemon's presence filter: announced as %r", announced)
+        return None
+    try:
+        return PresenceView(fd, announced, daemon_uid)   # closes fd whatever happens
+    except (KVTierError, OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("not using the daemon's presence filter: %s", exc)
+        return None

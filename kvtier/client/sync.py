@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import select
 import socket
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ class KVTierClient:
         self._ids = itertools.count(2)
         self._ops = Ops(device)
         self._broken: KVTierError | None = None
+        self._poll = select.poll()     # liveness of the connection, for leading_bound
+        self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         path = str(sock.getpeername())
         if hello is None:
             hello = handshake(sock, path, trusted_daemon_uids(), timeout)
@@ -116,6 +119,17 @@ class KVTierClient:
         pool, place the blocks there and hand out device views where it could.
         """
         return GetLease(self, *self._run(self._ops.op_prepare_get(ns, keys, prefer_device)))
+
+    def leading_bound(self, keys: Sequence[BlockKey]) -> int | None:
+        """An upper bound on what ``lookup(keys)`` would find now, read from the daemon's
+        presence filter without a round trip (kvtier.presence); None when the daemon passed
+        no exact filter or this connection is no longer open (ask the daemon then)."""
+        view = self._ops.presence
+        if view is None or not view.exact or self._broken is not None:
+            return None
+        if self._poll.poll(0):   # readable with nothing asked: the daemon hung up (or
+            return None          # wrote out of turn); the next call finds out which
+        return view.leading_bound(keys)
 
     @property
     def hbm_info(self) -> dict[str, Any] | None:

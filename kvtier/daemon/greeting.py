@@ -24,11 +24,14 @@ log = logging.getLogger("kvtier.control")
 class Greeter:
     """Answers a connection's first request. ``arena``: ``{"path", "size"}`` announced to
     every client; ``hbm``: the HBM pool's handshake info, when the daemon has one;
-    ``open_arena``: a new descriptor of the arena per client (default: open the path)."""
+    ``open_arena``: a new descriptor of the arena per client (default: open the path);
+    ``presence``: the presence filter's announcement and a new read-only descriptor of it
+    per client (kvtier.presence), passed after the arena's to clients that ask."""
 
     arena: dict[str, Any]
     hbm: dict[str, Any] | None = None
     open_arena: Callable[[], int] | None = field(default=None)
+    presence: tuple[dict[str, Any], Callable[[], int]] | None = None
 
     async def greet(self, conn: Connection,
                     read: Callable[[], Awaitable[dict[str, Any] | None]],
@@ -49,36 +52,55 @@ class Greeter:
                  "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
         if self.hbm is not None:
             reply["hbm"] = self.hbm
-        data = pack(reply)
-        if msg.get("arena_fd") is True:
-            data = data[self._send_with_arena_fd(writer, data):]
+        fds = self._descriptors(msg, reply)
+        try:
+            data = pack(reply)
+            if fds:
+                data = data[self._send_with_fds(writer, data, fds):]
+        finally:
+            for fd in fds:
+                os.close(fd)
         if data:
             writer.write(data)
         await writer.drain()
 
-    def _send_with_arena_fd(self, writer: asyncio.StreamWriter, data: bytes) -> int:
-        """Send the start of the hello reply with the arena's descriptor (SCM_RIGHTS), so
-        the client maps the daemon's own file and never a path someone could swap.
+    def _descriptors(self, msg: dict[str, Any], reply: dict[str, Any]) -> list[int]:
+        """The descriptors to pass with the reply: the arena's when asked, then the
+        presence filter's when asked too (announced in ``reply``). None that fails to open
+        is fatal: the client maps the arena by path, and works without the filter."""
+        if msg.get("arena_fd") is not True:
+            return []
+        try:
+            fds = [self.open_arena() if self.open_arena else self._open_by_path()]
+        except (OSError, KVTierError) as exc:
+            log.warning("cannot open the arena %s to pass it: %s", self.arena["path"], exc)
+            return []
+        if msg.get("presence_fd") is True and self.presence is not None:
+            announced, open_presence = self.presence
+            try:
+                fds.append(open_presence())
+                reply["presence"] = announced
+            except OSError as exc:
+                log.warning("cannot open the presence filter to pass it: %s", exc)
+        return fds
+
+    @staticmethod
+    def _send_with_fds(writer: asyncio.StreamWriter, data: bytes, fds: list[int]) -> int:
+        """Send the start of the hello reply with the descriptors (SCM_RIGHTS), so the
+        client maps the daemon's own files and never a path someone could swap.
 
         The hello reply is the first thing written on the connection, so the transport's
         buffer is empty and a direct sendmsg keeps the byte order; the rest, if the kernel
         took only part, goes through the transport. Returns the bytes sent (0: nothing was
-        sent, the client maps the path with its O_NOFOLLOW and fstat checks instead).
+        sent, the client maps the arena's path with its O_NOFOLLOW and fstat checks instead).
         """
-        try:
-            arena_fd = self.open_arena() if self.open_arena else self._open_by_path()
-        except (OSError, KVTierError) as exc:
-            log.warning("cannot open the arena %s to pass it: %s", self.arena["path"], exc)
-            return 0
         try:
             raw = writer.get_extra_info("socket")
             with socket.socket(fileno=os.dup(raw.fileno())) as dup:
                 return dup.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                             array.array("i", [arena_fd]))])
+                                             array.array("i", fds))])
         except BlockingIOError:
             return 0
-        finally:
-            os.close(arena_fd)
 
     def _open_by_path(self) -> int:
         return os.open(str(self.arena["path"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -37,6 +37,7 @@ from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_e
 from kvtier.errors import ConfigError
 from kvtier.explain import MissLog, salt_id
 from kvtier.policy.factory import build_policies
+from kvtier.presence import PresenceFilter
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.arena_journal import read_journal
@@ -141,6 +142,10 @@ class Daemon:
             "nvme": getattr(store.nvme_policy, "name", "")}, redis_tier=self.redis is not None)
         store.explain = self.explain
         stack.push_async_callback(self._drain_store, store)
+        # every key entering or leaving the index, recovered ones included (kvtier.presence)
+        presence = PresenceFilter.create(Path(f"{self.arena.path}.presence"))
+        stack.callback(presence.close)
+        store.index.presence = presence
         journal = journal_path(self.arena.path) if self.arena.path == own else None
         recovered = await store.recover(state, journal=journal)
         self.rebuilt_blocks, self.adopted_blocks = recovered.nvme_blocks, recovered.adopted_blocks
@@ -154,6 +159,9 @@ class Daemon:
             hbm=self.hbm.handshake_info() if self.hbm is not None else None,
             open_arena=self.arena.open_for_client, limits=Limits.from_config(cfg.daemon))
         control.stats_provider = self.stats
+        # a "no" from the filter is final only without a Redis tier to look further in
+        control.greeter.presence = (presence.announce(exact=self.redis is None),
+                                    presence.open_for_client)
         stack.push_async_callback(self._close_control, control)
         await control.start()
         self.http.prefix = control.prefix   # POST /v1/prefix (kvtier.daemon.prefix)

@@ -261,6 +261,9 @@ def remove_stale_arenas(shm_dir: Path, keep: Path | None = None,
         p.unlink(missing_ok=True)
         journal_path(p).unlink(missing_ok=True)
         removed.append(p)
+    for p in shm_dir.glob(prefix + "*.arena.presence"):   # kvtier.presence, of a gone arena
+        if not p.with_suffix("").exists():
+            p.unlink(missing_ok=True)
     return removed
 
 

@@ -275,3 +275,22 @@ def test_pages_are_freed_only_after_the_saves_and_lookups_wait_for_them(
     again.join(60)
     assert second == [(baseline["delay"], full_blocks_tokens("delay"))]
     assert not any(r.is_finished() for r in scheduler.requests.values())
+
+
+def test_new_prompts_are_answered_without_a_round_trip(llm: Any, live: DaemonProcess) -> None:
+    """A prompt the daemon holds nothing of is answered from its presence filter (no
+    lookup round trip, counted); the same prompt again goes to the daemon and loads, with
+    the tokens of the first (recomputed) run."""
+    from tests.e2e.vllm_engine import prompt
+
+    side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    lookups = live.stats()["requests"]["lookups"]
+    local = side.counters["lookups_without_round_trip"]
+    fresh = prompt(4242, 3 * TOKENS_PER_BLOCK + 7)
+    ((first, cached0),) = generate(llm, [fresh])
+    assert cached0 == 0
+    assert side.counters["lookups_without_round_trip"] == local + 1
+    assert live.stats()["requests"]["lookups"] == lookups       # the daemon was not asked
+    ((second, cached1),) = generate(llm, [fresh])
+    assert cached1 == 3 * TOKENS_PER_BLOCK and second == first
+    assert side.counters["lookups_without_round_trip"] == local + 1

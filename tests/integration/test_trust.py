@@ -273,7 +273,7 @@ def test_client_refuses_an_arena_named_by_path_that_is_not_private(
         _connect_either(mode, fake.path)
     assert f"refusing to map the arena {arena}" in str(err.value)
     assert [sorted(h) for h in fake.hellos] == [["arena_fd", "client", "id", "key_scheme", "op",
-                                                 "version"]]   # nothing but the hello
+                                                 "presence_fd", "version"]]   # only the hello
 
 
 @pytest.mark.parametrize("kind", ["world_writable", "group_readable", "other_owner",
