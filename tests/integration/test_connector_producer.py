@@ -30,13 +30,7 @@ from tests.integration.test_connector_worker import (
     tokens,
 )
 from tests.support.daemon import DaemonProcess
-from tests.support.redis_servers import RedisServer, running_server
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path / "redis") as server:
-        yield server
+from tests.support.redis_servers import RedisServer
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from kvtier.client import KVTierClient, connect
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
-from tests.support.redis_servers import RedisServer, running_server
+from tests.support.redis_servers import RedisServer
 from tests.support.redis_tier import (
     LAYOUT_FP,
     NS,
@@ -124,12 +124,6 @@ def test_another_block_size_never_reads_past_a_block(daemon: DaemonProcess,
     assert_exact(victim, vns, keys)
     victim.close()
     thief.close()
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path / "redis") as server:
-        yield server
 
 
 def test_stolen_keys_are_misses_in_redis_and_its_frames_stay(

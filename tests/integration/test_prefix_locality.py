@@ -10,19 +10,17 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pytest
 
 from kvtier.client import connect
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality, RedisProbe
 from tests.support.daemon import DaemonProcess
-from tests.support.redis_servers import RedisServer, running_server
+from tests.support.redis_servers import RedisServer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
                   tokens_per_block=64)  # 32 KiB blocks
@@ -170,12 +168,6 @@ def test_http_forms_agree_and_refusals_are_typed(daemon: DaemonProcess) -> None:
     # probes registered nothing: the daemon knows the namespaces the client registered
     assert daemon.stats()["requests"]["lookups"] == 0
     c.close()
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path / "redis") as server:
-        yield server
 
 
 def test_second_node_sees_the_first_nodes_blocks_in_redis(

@@ -14,7 +14,7 @@ from kvtier.client import KVTierClient, connect
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
-from tests.support.redis_servers import RedisServer, running_server
+from tests.support.redis_servers import RedisServer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
                   tokens_per_block=16)
@@ -81,12 +81,6 @@ def test_clients_of_one_daemon_share_what_it_holds(daemon: DaemonProcess) -> Non
     assert b.leading_bound(keys) == 4 and b.lookup(ns_b, keys).hits == 4
     a.close()
     b.close()
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path / "redis") as server:
-        yield server
 
 
 def test_a_daemon_with_redis_announces_no_exact_filter(tmp_path: Path,

@@ -21,19 +21,12 @@ from tests.support.redis_servers import (
     RedisServer,
     free_port,
     redis_server_or_skip,
-    running_server,
     start_server,
 )
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
                   tokens_per_block=64)  # 32 KiB blocks
 WRITE_THROUGH = {"KVTIER_REDIS_WRITE_THROUGH": "true"}
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path / "redis") as server:
-        yield server
 
 
 @pytest.fixture

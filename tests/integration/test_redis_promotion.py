@@ -18,17 +18,11 @@ from kvtier.tiers.arena_journal import ArenaJournal, read_journal
 from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.redis import RedisTier
 from tests.support.arena import temp_arena
-from tests.support.redis_servers import RedisServer, running_server
+from tests.support.redis_servers import RedisServer
 from tests.support.redis_tier import blocks, buffers, cfg_for, running
 from tests.support.store import BLOCK, CLIENT, DIGEST, FP, LAYOUT, NAMESPACE, chain, payload
 
 ARENA_BLOCKS = 8
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path / "redis") as server:
-        yield server
 
 
 @pytest.fixture

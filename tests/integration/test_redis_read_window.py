@@ -5,23 +5,16 @@ about ``inflight_bytes_per_server`` per live server (at least two), never over
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvtier.tiers.redis import RedisTier
-from tests.support.redis_servers import LocalCluster, RedisServer, running_cluster, running_server
+from tests.support.redis_servers import LocalCluster, RedisServer, running_cluster
 from tests.support.redis_tier import LAYOUT_FP, NS, blocks, buffers, cfg_for, put_all, running
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path / "redis") as server:
-        yield server
 
 
 def spy_fetches(tier: RedisTier) -> list[int]:

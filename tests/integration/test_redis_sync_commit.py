@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,16 +17,10 @@ from kvtier.client import KVTierClient, connect
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
-from tests.support.redis_servers import RedisServer, running_server, start_cluster
+from tests.support.redis_servers import RedisServer, start_cluster
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
                   tokens_per_block=64)
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path / "redis") as server:
-        yield server
 
 
 @pytest.fixture

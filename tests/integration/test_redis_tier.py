@@ -27,7 +27,6 @@ from tests.support.redis_servers import (
     make_certs,
     redis_server_or_skip,
     running_cluster,
-    running_server,
     start_server,
     tls_terminator,
     tls_unsupported_reason,
@@ -43,12 +42,6 @@ from tests.support.redis_tier import (
     put_all,
     running,
 )
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with running_server(tmp_path / "redis") as server:
-        yield server
 
 
 @pytest.fixture
