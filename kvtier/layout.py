@@ -9,7 +9,7 @@ the fingerprint, so two formats never share blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import xxhash
@@ -45,6 +45,9 @@ class KVLayout:
     tokens_per_block: int = 256
     kv_components: int = 2
     kv_format: str = CANONICAL_FORMAT
+    # derived once (the store checks a block's fingerprint on every prefix walk)
+    _fingerprint: int = field(init=False, repr=False, compare=False)
+    _block_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block"):
@@ -60,6 +63,9 @@ class KVLayout:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise LayoutMismatch(
                 f"unsupported KV dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+        packed = msgpack.packb(sorted(self.to_dict().items()), use_bin_type=True)
+        object.__setattr__(self, "_fingerprint", xxhash.xxh3_64_intdigest(packed))
+        object.__setattr__(self, "_block_bytes", self.bytes_per_token * self.tokens_per_block)
 
     @property
     def element_bytes(self) -> int:
@@ -74,7 +80,7 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         """Payload size of one block, the unit of allocation in every tier."""
-        return self.bytes_per_token * self.tokens_per_block
+        return self._block_bytes
 
     def to_dict(self) -> dict[str, int | str]:
         return {
@@ -105,5 +111,4 @@ class KVLayout:
     @property
     def fingerprint(self) -> int:
         """64-bit digest of the geometry; stored in every frame header."""
-        packed = msgpack.packb(sorted(self.to_dict().items()), use_bin_type=True)
-        return xxhash.xxh3_64_intdigest(packed)
+        return self._fingerprint
