@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.redis_blocks import MISSING, BlockRead, ReadStatus, read_blocks
 from kvtier.tiers.redis_link import UNSERVED, RedisLink, _describe
+from kvtier.tiers.redis_ranged import fetch_ranged, ranged
 from kvtier.tiers.redis_wire import Conn, ErrorReply, command
 
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
@@ -131,6 +132,13 @@ class RedisReads(RedisLink):
     async def _fetch(self, keys: Sequence[bytes], outs: Sequence[memoryview],
                      namespace: bytes, layout_fp: int) -> list[BlockRead]:
         rkeys = [self._rkey(k) for k in keys]
+        if len(keys) == 1 and ranged(outs[0].nbytes):   # a large block: in parallel ranges
+            out = outs[0] if outs[0].format == "B" and outs[0].ndim == 1 else outs[0].cast("B")
+            read = await fetch_ranged(self, keys[0], rkeys[0], out, namespace, layout_fp)
+            if read is not None:
+                if read.status is ReadStatus.OK:
+                    self._succeeded()
+                return [read]
 
         def get(conn: Conn, idx: list[int]) -> list[BlockRead]:
             return read_blocks(conn, [rkeys[i] for i in idx], [keys[i] for i in idx],
