@@ -96,3 +96,23 @@ def test_a_daemon_with_redis_announces_no_exact_filter(tmp_path: Path,
         c.close()
     finally:
         d.kill()
+
+
+def test_a_warm_restart_rebuilds_the_filter_with_the_blocks(daemon: DaemonProcess) -> None:
+    """Blocks adopted from the arena after a crash are in the new daemon's filter; a client
+    of the dead daemon stops using the old one."""
+    c = connect(daemon.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = chain(ns, 5, 6)
+    assert c.put(ns, keys, fill(6)) == 6
+    daemon.wait_journal_commits(6)
+    daemon.crash()                     # SIGKILL: the arena and its journal stay in shm
+    assert c.leading_bound(keys) is None
+    c.close()
+    daemon.start()
+    fresh = connect(daemon.socket)
+    ns2 = fresh.register_layout(LAYOUT, "m")
+    hits = fresh.lookup(ns2, keys).hits
+    assert hits == 6                   # adopted warm
+    assert fresh.leading_bound(keys) == hits
+    fresh.close()

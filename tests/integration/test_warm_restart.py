@@ -64,17 +64,6 @@ def read_back(c, ns, keys: list[bytes], tries: int = 1) -> tuple[int, int]:  # t
     return best
 
 
-def wait_journal_commits(d: DaemonProcess, n: int, timeout: float = 10.0) -> None:
-    """Until the journal holds ``n`` commits (checksums are recorded off the event loop)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = read_journal(journal_path(d.arena_path))
-        if state is not None and len(state.committed) >= n:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"the journal did not reach {n} commits")
-
-
 def test_kill9_under_mixed_load_restarts_warm_with_exact_bytes(daemon_factory,
                                                                tmp_path: Path) -> None:
     d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="256MiB").start()
@@ -147,7 +136,7 @@ def test_blocks_in_flight_at_the_kill_are_never_served(daemon_factory) -> None:
     lease = c.prepare_put(ns, pending)
     for k, view in zip(pending[:2], lease.views[:2], strict=True):
         np.copyto(view, content(k))   # half written, never committed
-    wait_journal_commits(d, 8)
+    d.wait_journal_commits(8)
     d.crash()
     # corrupt one committed block in the arena after the crash: it must fail verification
     state = read_journal(journal_path(d.arena_path))
@@ -199,7 +188,7 @@ def test_nvme_frames_behind_a_lost_head_are_collected(daemon_factory) -> None:
     for k, view in zip(keys[1:], lease.views, strict=True):
         np.copyto(view, content(k))
     assert lease.commit(durable=True) == 7                        # tail: cpu + nvme
-    wait_journal_commits(d, 8)
+    d.wait_journal_commits(8)
 
     d.crash()   # warm: the head comes back from the arena, the whole chain is reachable
     d.start()
@@ -228,7 +217,7 @@ def test_a_resized_arena_starts_cold_and_keeps_nvme(daemon_factory) -> None:
     ns = c.register_layout(LAYOUT, "m")
     keys = [bytes(k) for k in block_keys(ns, np.arange(64 * 4))]
     assert c.put(ns, keys, [content(k) for k in keys], durable=True) == 4
-    wait_journal_commits(d, 4)
+    d.wait_journal_commits(4)
     d.crash()
     d.cpu_bytes = "16MiB"
     d.start()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.tiers.arena import journal_path, stable_arena_name
+from kvtier.tiers.arena_journal import read_journal
 
 SHM = Path("/dev/shm")
 
@@ -97,15 +98,27 @@ class DaemonProcess:
         left in shm, so the next start is cold."""
         self.crash()
         if self.proc is not None:
-            for arena in SHM.glob(f"kvtier-{os.getuid()}-{self.proc.pid}-*.arena"):
+            for arena in [*SHM.glob(f"kvtier-{os.getuid()}-{self.proc.pid}-*.arena"),
+                          self.arena_path]:
                 arena.unlink(missing_ok=True)
-            self.arena_path.unlink(missing_ok=True)
+                Path(f"{arena}.presence").unlink(missing_ok=True)   # kvtier.presence
             journal_path(self.arena_path).unlink(missing_ok=True)
 
     def terminate(self, timeout: float = 30.0) -> int:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
+
+    def wait_journal_commits(self, n: int, timeout: float = 10.0) -> None:
+        """Until the arena's journal holds ``n`` commits (checksums are recorded off the
+        event loop), so that a crash now leaves them for a warm restart to adopt."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = read_journal(journal_path(self.arena_path))
+            if state is not None and len(state.committed) >= n:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"the journal did not reach {n} commits")
 
     def restart(self) -> DaemonProcess:
         self.kill()
