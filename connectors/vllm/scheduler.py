@@ -138,15 +138,24 @@ class SchedulerSide:
             return 0, False
         hits = usable = n_blocks
         start = num_computed_tokens // self.config.tokens_per_block
+        tpb = self.config.tokens_per_block
         for rank in range(self.tp_size):
             ns = self.link.namespace(salt, rank)
-            keys = block_keys(ns, tokens[: hits * self.config.tokens_per_block])
+            # the chain up to the first block past vLLM's own hit decides most misses (a
+            # new prompt, however long, is ruled out by its first key): hash the rest only
+            # when the presence filter cannot answer from that head
+            head = min(hits, start + 1)
+            keys = block_keys(ns, tokens[: head * tpb])
             bound = self.link.leading_bound(keys) if self.config.presence_filter else None
             if bound is not None and bound <= start:
                 # nothing kvtier holds goes past what vLLM already has: no round trip
                 hits = min(hits, bound)
                 self.counters["lookups_without_round_trip"] += 1
                 break
+            if hits > head:
+                keys += block_keys(ns, tokens[head * tpb: hits * tpb], parent=keys[-1])
+                if bound is not None:
+                    bound = self.link.leading_bound(keys)
             res = self.link.lookup_result(ns, keys if bound is None else keys[:bound])
             hits = min(hits, res.hits if res is not None else 0)
             if res is not None and self.config.skip_slower_than_recompute:
