@@ -351,7 +351,8 @@ class SchedulerSide:
         values.update(running=len(self._states), waiting=len(self._spans),
                       preemptions=self._preemptions,
                       prefill_tokens_per_s=round(self.recompute.prefill_tokens_per_s, 1))
-        self.link.call(lambda c: c.report_engine(**values), None)
+        # no round trip inside the engine's step: the reply is skipped by the next call
+        self.link.call(lambda c: c.report_engine_nowait(**values), None)
 
     def shutdown(self) -> None:
         self.link.close()

@@ -180,6 +180,20 @@ class KVTierClient:
         """Connector-side gauges (running, waiting, preemptions, context_tokens_p50/p99)."""
         self._run(self._ops.op_report(values))
 
+    def report_engine_nowait(self, **values: float) -> None:
+        """``report_engine`` without waiting for its reply (the next call skips it, as it
+        skips any reply that is not its own): an engine reports from inside its step."""
+        if self._broken is not None:
+            raise DaemonUnavailable(f"connection unusable after an earlier failure: "
+                                    f"{self._broken}")
+        (req,) = self._ops.op_report(values)
+        req["id"] = next(self._ids)
+        try:
+            self._sock.sendall(pack(req))
+        except OSError as exc:
+            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
+            raise self._broken from None
+
     def ping(self) -> None:
         self._call({"op": "ping"})
 

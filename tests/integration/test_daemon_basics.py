@@ -188,3 +188,19 @@ def test_keys_match_across_processes(seed: str) -> None:
                            env={**os.environ, "PYTHONHASHSEED": s}, check=True).stdout
             for s in (seed, "999")}
     assert len(outs) == 1 and len(outs.pop().strip()) == 10 * 32
+
+
+def test_a_report_sent_without_waiting_lands_and_its_reply_is_skipped(
+        daemon: DaemonProcess) -> None:
+    """The connector reports from inside the engine's step without a round trip: the
+    daemon applies it, and the next call on the connection skips its reply."""
+    c = connect(daemon.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    c.report_engine_nowait(running=7, waiting=2, lookups_without_round_trip=5)
+    keys = block_keys(ns, np.arange(3 * LAYOUT.tokens_per_block))
+    data = [block_bytes_for(k, LAYOUT.block_bytes) for k in keys]
+    assert c.put(ns, keys, data) == 3             # the stray reply is skipped, not taken
+    assert c.lookup(ns, keys).hits == 3
+    engine = c.stats()["connector"]
+    assert engine["running"] == 7 and engine["lookups_without_round_trip"] == 5
+    c.close()

@@ -116,3 +116,4 @@ def test_a_warm_restart_rebuilds_the_filter_with_the_blocks(daemon: DaemonProces
     assert hits == 6                   # adopted warm
     assert fresh.leading_bound(keys) == hits
     fresh.close()
+
