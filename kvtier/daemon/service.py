@@ -142,10 +142,10 @@ class Daemon:
             "nvme": getattr(store.nvme_policy, "name", "")}, redis_tier=self.redis is not None)
         store.explain = self.explain
         stack.push_async_callback(self._drain_store, store)
-        # every key entering or leaving the index, recovered ones included (kvtier.presence)
-        presence = PresenceFilter.create(Path(f"{self.arena.path}.presence"))
-        stack.callback(presence.close)
-        store.index.presence = presence
+        presence = self._make_presence(Path(f"{self.arena.path}.presence"))
+        if presence is not None:   # every key entering or leaving the index, recovered too
+            stack.callback(presence.close)
+            store.index.presence = presence
         journal = journal_path(self.arena.path) if self.arena.path == own else None
         recovered = await store.recover(state, journal=journal)
         self.rebuilt_blocks, self.adopted_blocks = recovered.nvme_blocks, recovered.adopted_blocks
@@ -160,14 +160,27 @@ class Daemon:
             open_arena=self.arena.open_for_client, limits=Limits.from_config(cfg.daemon))
         control.stats_provider = self.stats
         # a "no" from the filter is final only without a Redis tier to look further in
-        control.greeter.presence = (presence.announce(exact=self.redis is None),
-                                    presence.open_for_client)
+        if presence is not None:
+            control.greeter.presence = (presence.announce(exact=self.redis is None),
+                                        presence.open_for_client)
         stack.push_async_callback(self._close_control, control)
         await control.start()
         self.http.prefix = control.prefix   # POST /v1/prefix (kvtier.daemon.prefix)
         await self.http.start()
         sweeper = asyncio.ensure_future(self._sweep(store))
         stack.callback(sweeper.cancel)
+
+    @staticmethod
+    def _make_presence(path: Path) -> PresenceFilter | None:
+        """The presence filter (kvtier.presence), or None when its file cannot be made (a
+        name taken in a shared /dev/shm): it only spares clients round trips, so the
+        daemon serves without it, every lookup asked."""
+        try:
+            return PresenceFilter.create(path)
+        except OSError as exc:
+            log.warning("no presence filter at %s (%s): clients ask the daemon for every "
+                        "lookup; remove that file to get it back", path, exc)
+            return None
 
     def _make_hbm(self) -> Any:
         """The HBM tier from ``parts.hbm`` (default: the CUDA pool, kvtier.daemon.parts)."""

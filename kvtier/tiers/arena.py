@@ -27,6 +27,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -262,8 +263,11 @@ def remove_stale_arenas(shm_dir: Path, keep: Path | None = None,
         journal_path(p).unlink(missing_ok=True)
         removed.append(p)
     for p in shm_dir.glob(prefix + "*.arena.presence"):   # kvtier.presence, of a gone arena
-        if not p.with_suffix("").exists():
-            p.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):   # only our own files; anything else stays
+            st = p.lstat()
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() \
+                    and not p.with_suffix("").exists():
+                p.unlink()
     return removed
 
 

@@ -117,3 +117,26 @@ def test_a_warm_restart_rebuilds_the_filter_with_the_blocks(daemon: DaemonProces
     assert fresh.leading_bound(keys) == hits
     fresh.close()
 
+
+
+def test_a_taken_filter_name_leaves_the_daemon_serving_without_it(tmp_path: Path) -> None:
+    """Another user may take names in a shared /dev/shm: the filter is only an
+    optimization, so the daemon starts and serves, and clients ask it for every lookup."""
+    d = DaemonProcess(tmp_path / "d", cpu_bytes="8MiB", nvme_bytes="0")
+    taken = Path(f"{d.arena_path}.presence")
+    taken.unlink(missing_ok=True)
+    taken.symlink_to(tmp_path / "elsewhere")
+    try:
+        d.start()
+        c = connect(d.socket)
+        ns = c.register_layout(LAYOUT, "m")
+        assert c._ops.presence is None
+        keys = chain(ns, 11, 2)
+        assert c.leading_bound(keys) is None
+        assert c.put(ns, keys, fill(2)) == 2 and c.lookup(ns, keys).hits == 2
+        assert "no presence filter" in d.log()
+        c.close()
+    finally:
+        d.kill()
+        taken.unlink(missing_ok=True)
+    assert not (tmp_path / "elsewhere").exists()
