@@ -51,6 +51,7 @@ COUNTERS_LOG2 = 22                       # 4 MiB: 400k blocks -> ~2% false "mayb
 HASHES = 3
 KEY_BYTES = 16
 _SATURATED = 255
+_WORD = struct.Struct("<I")
 
 
 def _positions(keys: bytes, n: int, mask: int, hashes: int) -> np.ndarray:
@@ -73,7 +74,6 @@ class PresenceFilter:
     hashes: int
     _fd: int
     _mm: mmap.mmap
-    _counts: np.ndarray
 
     @classmethod
     def create(cls, path: Path, counters_log2: int = COUNTERS_LOG2,
@@ -93,8 +93,7 @@ class PresenceFilter:
             os.close(fd)
             raise
         mm[:HEADER.size] = HEADER.pack(MAGIC, counters_log2, hashes)
-        counts = np.frombuffer(mm, dtype=np.uint8, offset=HEADER_BYTES)
-        return cls(path, counters_log2, hashes, fd, mm, counts)
+        return cls(path, counters_log2, hashes, fd, mm)
 
     @property
     def size(self) -> int:
@@ -105,25 +104,27 @@ class PresenceFilter:
         return {"counters_log2": self.counters_log2, "hashes": self.hashes, "exact": exact}
 
     def _at(self, key: bytes) -> list[int]:
+        """Byte offsets in the mapping of ``key``'s counters (the index keeps this on its
+        hot path: plain ints and mmap item access, no numpy scalars)."""
         mask = (1 << self.counters_log2) - 1
-        return [int.from_bytes(key[4 * i: 4 * i + 4], "little") & mask
+        return [HEADER_BYTES + (_WORD.unpack_from(key, 4 * i)[0] & mask)
                 for i in range(self.hashes)]
 
     def add(self, key: bytes) -> None:
-        counts = self._counts
+        mm = self._mm
         for i in self._at(key):
-            if counts[i] < _SATURATED:
-                counts[i] += 1
+            if mm[i] < _SATURATED:
+                mm[i] += 1
 
     def remove(self, key: bytes) -> None:
-        counts = self._counts
+        mm = self._mm
         for i in self._at(key):
-            if 0 < counts[i] < _SATURATED:
-                counts[i] -= 1
+            if 0 < mm[i] < _SATURATED:
+                mm[i] -= 1
 
     def maybe(self, key: bytes) -> bool:
-        counts = self._counts
-        return all(counts[i] for i in self._at(key))
+        mm = self._mm
+        return all(mm[i] for i in self._at(key))
 
     def open_for_client(self) -> int:
         """A new read-only descriptor of the file, to pass to a client."""
@@ -135,7 +136,6 @@ class PresenceFilter:
 
     def close(self) -> None:
         """Unmap and remove the file (a client still mapping it keeps its own pages)."""
-        self._counts = np.zeros(0, np.uint8)
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()
         with contextlib.suppress(OSError):
