@@ -64,33 +64,49 @@ class _Placer:
         self.scratch: list[memoryview | None] = [None] * len(keys)
 
     def __call__(self, i: int, head: bytes, n: int) -> memoryview | None:
-        try:
-            header = FrameHeader.unpack(head)
-        except FrameError as exc:
-            self.reads[i] = BlockRead(ReadStatus.CORRUPT, n, str(exc))
-            return None
-        if header.namespace != self.namespace:  # someone else's block: keep it
-            self.reads[i] = BlockRead(ReadStatus.FOREIGN, n, "frame holds another namespace")
-            return None
-        try:
-            header.check(self.namespace, self.keys[i], self.layout_fp)
-            if header.payload_len != n - HEADER_SIZE:
-                raise FrameError(f"frame says {header.payload_len} payload bytes, value "
-                                 f"holds {n - HEADER_SIZE}")
-        except FrameError as exc:
-            self.reads[i] = BlockRead(ReadStatus.CORRUPT, n, str(exc))
-            return None
         out = self.outs[i]
-        if header.raw_len != out.nbytes:  # the caller's buffer, not the frame, is wrong
-            self.reads[i] = BlockRead(ReadStatus.NOFIT, n, (
-                f"block of {header.raw_len} bytes does not match the {out.nbytes}-byte buffer"))
+        verdict = judge_header(head, self.keys[i], out.nbytes, self.namespace,
+                               self.layout_fp, n)
+        if isinstance(verdict, BlockRead):
+            self.reads[i] = verdict
             return None
-        self.headers[i] = header
-        if header.codec is Codec.NONE and header.payload_len == header.raw_len:
+        header = self.headers[i] = verdict
+        if uncompressed(header):
             return out[:header.raw_len]
         buf = memoryview(bytearray(header.payload_len))
         self.scratch[i] = buf
         return buf
+
+
+def judge_header(head: bytes, key: bytes, out_bytes: int, namespace: bytes, layout_fp: int,
+                 n: int | None = None) -> FrameHeader | BlockRead:
+    """A read's verdict from a frame's first HEADER_SIZE bytes: the header when its payload
+    may go into an ``out_bytes`` buffer, else the BlockRead that ends the read (CORRUPT,
+    FOREIGN: a sound frame of another namespace, NOFIT: the caller's buffer is wrong).
+    ``n``: the value's length on the wire when known (a GET), checked against the header."""
+    try:
+        header = FrameHeader.unpack(head)
+    except FrameError as exc:
+        return BlockRead(ReadStatus.CORRUPT, n or 0, str(exc))
+    wire = HEADER_SIZE + header.payload_len if n is None else n
+    if header.namespace != namespace:  # someone else's block: keep it
+        return BlockRead(ReadStatus.FOREIGN, wire, "frame holds another namespace")
+    try:
+        header.check(namespace, key, layout_fp)
+        if n is not None and header.payload_len != n - HEADER_SIZE:
+            raise FrameError(f"frame says {header.payload_len} payload bytes, value "
+                             f"holds {n - HEADER_SIZE}")
+    except FrameError as exc:
+        return BlockRead(ReadStatus.CORRUPT, wire, str(exc))
+    if header.raw_len != out_bytes:  # the caller's buffer, not the frame, is wrong
+        return BlockRead(ReadStatus.NOFIT, wire, (
+            f"block of {header.raw_len} bytes does not match the {out_bytes}-byte buffer"))
+    return header
+
+
+def uncompressed(header: FrameHeader) -> bool:
+    """Whether the frame's payload is the block itself (lands in the caller's buffer)."""
+    return header.codec is Codec.NONE and header.payload_len == header.raw_len
 
 
 def read_blocks(conn: Conn, rkeys: Sequence[bytes], keys: Sequence[bytes],

@@ -23,8 +23,8 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from kvtier.errors import FrameError
-from kvtier.frame import HEADER_SIZE, Codec, FrameHeader
-from kvtier.tiers.redis_blocks import BlockRead, ReadStatus
+from kvtier.frame import HEADER_SIZE
+from kvtier.tiers.redis_blocks import BlockRead, ReadStatus, judge_header, uncompressed
 from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_wire import Conn, command
 
@@ -49,20 +49,11 @@ async def fetch_ranged(tier: RedisReads, key: bytes, rkey: bytes, out: memoryvie
             [command(b"GETRANGE", rkey, b"0", b"%d" % (HEADER_SIZE - 1))])))[0]
     if not isinstance(head, bytes) or len(head) < HEADER_SIZE:
         return None                  # missing, an error, no live server: the GET decides
-    try:
-        header = FrameHeader.unpack(head)
-    except FrameError:
-        return None                  # the GET finds it corrupt and deletes it
-    if header.namespace != namespace:
-        return BlockRead(ReadStatus.FOREIGN, HEADER_SIZE, "frame holds another namespace")
-    try:
-        header.check(namespace, key, layout_fp)
-    except FrameError:
-        return None
-    if header.raw_len != out.nbytes:
-        return BlockRead(ReadStatus.NOFIT, HEADER_SIZE + header.payload_len, (
-            f"block of {header.raw_len} bytes does not match the {out.nbytes}-byte buffer"))
-    if header.codec is not Codec.NONE or header.payload_len != header.raw_len:
+    verdict = judge_header(head, key, out.nbytes, namespace, layout_fp)
+    if isinstance(verdict, BlockRead):   # a corrupt one is left to the GET, which deletes
+        return None if verdict.status is ReadStatus.CORRUPT else verdict
+    header = verdict
+    if not uncompressed(header):
         return None
     payload = out[:header.raw_len]
     parts = [(lo, min(lo + RANGE_PART_BYTES, payload.nbytes))

@@ -334,24 +334,14 @@ class Conn:
                 bufs, pending = [], 0
         return [self.read_reply() for _ in keys]
 
-    def getrange_into(self, key: bytes, start: int, dest: memoryview) -> int | ErrorReply:
+    def getrange_into(self, key: bytes, start: int, dest: memoryview) -> int | ErrorReply | None:
         """GETRANGE of ``dest.nbytes`` bytes from ``start``, received straight into
-        ``dest``; the length of the reply (``dest`` is filled only when it is exact)."""
+        ``dest`` (``read_value``); the length of the reply (``dest`` is filled only when it
+        is exact)."""
         self.begin()
         self.send([command(b"GETRANGE", key, b"%d" % start,
                            b"%d" % (start + dest.nbytes - 1))])
-        line = self._line()
-        if line[:1] == b"-":
-            return ErrorReply(line[1:].decode(errors="replace"))
-        if line[:1] != b"$":
-            raise ProtocolError(f"expected a bulk reply from redis {self.addr}, got {line[:1]!r}")
-        n = max(0, int(line[1:]))
-        if n == dest.nbytes:
-            self._read_into(dest)
-            self._skip(2)
-        else:
-            self._skip(n + 2 if int(line[1:]) >= 0 else 0)
-        return n
+        return self.read_value(0, 0, lambda _i, _head, n: dest if n == dest.nbytes else None)
 
     def get_many(self, keys: Sequence[bytes], head: int, place: Placer) -> list[Any]:
         """Pipelined GETs; each value lands where ``place`` says (see ``read_value``)."""
