@@ -95,10 +95,6 @@ class PresenceFilter:
         mm[:HEADER.size] = HEADER.pack(MAGIC, counters_log2, hashes)
         return cls(path, counters_log2, hashes, fd, mm)
 
-    @property
-    def size(self) -> int:
-        return HEADER_BYTES + (1 << self.counters_log2)
-
     def announce(self, exact: bool) -> dict[str, Any]:
         """The hello's ``presence`` entry."""
         return {"counters_log2": self.counters_log2, "hashes": self.hashes, "exact": exact}
@@ -121,10 +117,6 @@ class PresenceFilter:
         for i in self._at(key):
             if 0 < mm[i] < _SATURATED:
                 mm[i] -= 1
-
-    def maybe(self, key: bytes) -> bool:
-        mm = self._mm
-        return all(mm[i] for i in self._at(key))
 
     def open_for_client(self) -> int:
         """A new read-only descriptor of the file, to pass to a client."""
