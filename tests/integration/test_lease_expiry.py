@@ -34,6 +34,8 @@ from tests.support.stall_client import FIELDS, LAYOUT, key_bytes
 TTL_S = 0.5
 SWEEP_S = 0.02
 ARENA_BLOCKS = 128
+STALL_ROUNDS = 120   # random stop points until a put and a get were both caught (most
+#                      runs need a few; a fast put is a small target on a quiet machine)
 LEASE_ENV = {"KVTIER_DAEMON_LEASE_TTL_S": str(TTL_S),
              "KVTIER_DAEMON_LEASE_SWEEP_S": str(SWEEP_S),
              "KVTIER_POLICY_EVICTION": "lru"}
@@ -190,7 +192,7 @@ def test_clients_stopped_at_random_points_never_see_wrong_bytes(
 
     try:
         wait_for(lambda: field("iterations") >= 2 or child.poll() is not None, 60)
-        for round_ in range(40):
+        for round_ in range(STALL_ROUNDS):
             if field("gets_expired") >= 1 and field("puts_expired") >= 1:
                 break
             start = field("iterations")
