@@ -10,7 +10,9 @@ redis_blocks]`` (``redis_blocks`` -1 without a probe) and the connector's counte
 
 Spec: ``model``, ``transfer`` (or null), ``prompts``, ``max_tokens``, ``probe_url``,
 ``probe_layout`` (the engine's KVLayout as a dict, so the probe names the namespace
-without an engine on the probed node), ``warmup`` (prompts run first, not reported).
+without an engine on the probed node), ``warmup`` (prompts run first, not reported),
+``gate`` (optional ``{"after": N, "dir": PATH}``: after N prompts, create PATH/paused and
+wait for PATH/go, so a test can break something while the engine is up mid-run).
 """
 
 from __future__ import annotations
@@ -40,6 +42,20 @@ def probe(url: str, model_id: str, layout: dict[str, Any], tokens: list[int]) ->
     return int(answer["redis_blocks"])
 
 
+GATE_WAIT_S = 120.0
+
+
+def wait_at_gate(gate: dict[str, Any]) -> None:
+    """Tell the test the engine is paused mid-run and wait until it says go."""
+    where = Path(gate["dir"])
+    (where / "paused").touch()
+    deadline = time.monotonic() + GATE_WAIT_S
+    while not (where / "go").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"pd_engine: no {where / 'go'} within {GATE_WAIT_S:.0f} s")
+        time.sleep(0.02)
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     model = Path(spec["model"])
@@ -48,7 +64,10 @@ def main(spec_path: str, out_path: str) -> None:
     for p in spec.get("warmup", []):
         generate(llm, [p], max_tokens=1)
     rows: list[list[Any]] = []
-    for p in spec["prompts"]:
+    gate = spec.get("gate")
+    for i, p in enumerate(spec["prompts"]):
+        if gate is not None and i == int(gate["after"]):
+            wait_at_gate(gate)
         t0 = time.perf_counter()
         ((tokens, cached),) = generate(llm, [p], max_tokens=max_tokens)
         took = time.perf_counter() - t0

@@ -12,34 +12,18 @@ saves nothing.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from kvtier.layout import KVLayout
-from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S
-from tests.e2e.vllm_engine import (
-    ENGINE_ENV,
-    MAX_TOKENS,
-    TOKENS_PER_BLOCK,
-    kv_transfer_config,
-    prompt,
-)
+from tests.e2e.pd_support import masters_dbsize, role_config, run_pd_engine
+from tests.e2e.vllm_engine import MAX_TOKENS, TOKENS_PER_BLOCK, prompt
 from tests.support.daemon import DaemonProcess
 from tests.support.redis_servers import LocalCluster, start_cluster
 
 pytestmark = pytest.mark.e2e
 
-RUNNER = Path(__file__).with_name("pd_engine.py")
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
-                  tokens_per_block=TOKENS_PER_BLOCK)   # the tiny Llama's KV per kvtier block
 P1 = prompt(21, 300)                                   # 4 whole blocks and a tail
 P2 = prompt(22, 4 * TOKENS_PER_BLOCK)                  # exactly 4 blocks
 P3 = P1[: 2 * TOKENS_PER_BLOCK] + prompt(23, 90)       # shares 2 blocks; never prefilled
@@ -48,15 +32,6 @@ P3 = P1[: 2 * TOKENS_PER_BLOCK] + prompt(23, 90)       # shares 2 blocks; never 
 def cluster_with_replicas(workdir: Path) -> LocalCluster:
     """3 masters with one replica each."""
     return start_cluster(workdir, 3, replicas=1)
-
-
-def masters_dbsize(cluster: LocalCluster) -> int:
-    total = 0
-    for node in cluster.all_nodes:
-        with contextlib.closing(node.client()) as c:
-            if c.execute_command("ROLE")[0] in (b"master", "master"):
-                total += int(c.dbsize())
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -82,34 +57,6 @@ def nodes(cluster: LocalCluster,
     finally:
         for d in made:
             d.kill()
-
-
-def run_pd_engine(tmp: Path, model: Path, transfer: dict[str, Any] | None,
-                  prompts: list[list[int]], max_tokens: int,
-                  probe: DaemonProcess | None = None) -> tuple[list[list[Any]], dict[str, Any]]:
-    """One engine process over ``prompts``: per prompt [tokens, cached, seconds,
-    redis_blocks seen by ``probe`` right after], and the connector's counters."""
-    spec, out = tmp / "spec.json", tmp / "out.json"
-    spec.write_text(json.dumps({
-        "model": str(model), "transfer": transfer, "prompts": prompts,
-        "max_tokens": max_tokens, "probe_url": probe.http_url if probe else None,
-        "probe_layout": LAYOUT.to_dict()}))
-    env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, str(RUNNER), str(spec), str(out)], env=env,
-                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
-                          check=False)
-    (tmp / "stderr.log").write_text(proc.stderr)
-    assert proc.returncode == 0 and out.exists(), (
-        f"engine process failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    counters = json.loads(Path(str(out) + ".connector.json").read_text())
-    return json.loads(out.read_text()), counters
-
-
-def role_config(node: DaemonProcess, role: str) -> dict[str, Any]:
-    cfg = kv_transfer_config(node.socket, redis_sync_timeout_s=5.0, timeout_s=8.0)
-    cfg["kv_role"] = role
-    return cfg
 
 
 def test_consumer_decodes_exactly_from_the_producers_kv(

@@ -1,0 +1,98 @@
+"""Running one engine of a prefill/decode pair (tests/e2e/pd_engine.py) from a P/D test:
+in the foreground, or in the background with a gate mid-run, so a test can break a Redis
+server while the engine is up and between two of its requests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.layout import KVLayout
+from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S
+from tests.e2e.vllm_engine import ENGINE_ENV, TOKENS_PER_BLOCK, kv_transfer_config
+from tests.support.daemon import DaemonProcess
+from tests.support.redis_servers import LocalCluster
+
+RUNNER = Path(__file__).with_name("pd_engine.py")
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
+                  tokens_per_block=TOKENS_PER_BLOCK)   # the tiny Llama's KV per kvtier block
+Rows = list[list[Any]]   # per prompt: [tokens, num_cached_tokens, seconds, redis_blocks]
+
+
+class PdEngine:
+    """One engine process over a list of prompts (see pd_engine.py for the spec)."""
+
+    def __init__(self, tmp: Path, model: Path, transfer: dict[str, Any] | None,
+                 prompts: list[list[int]], max_tokens: int, *,
+                 probe: DaemonProcess | None = None, pause_after: int | None = None) -> None:
+        self.tmp, self.out = tmp, tmp / "out.json"
+        spec: dict[str, Any] = {
+            "model": str(model), "transfer": transfer, "prompts": prompts,
+            "max_tokens": max_tokens, "probe_url": probe.http_url if probe else None,
+            "probe_layout": LAYOUT.to_dict()}
+        if pause_after is not None:
+            spec["gate"] = {"after": pause_after, "dir": str(tmp)}
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        self._stderr = (tmp / "stderr.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(RUNNER), str(tmp / "spec.json"), str(self.out)], env=env,
+            stdout=subprocess.DEVNULL, stderr=self._stderr, text=True)
+
+    def wait_paused(self) -> None:
+        """Block until the engine has run the prompts before its gate and waits there."""
+        deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
+        while not (self.tmp / "paused").exists():
+            assert self.proc.poll() is None, f"engine exited early:\n{self._tail()}"
+            assert time.monotonic() < deadline, "engine never reached its gate"
+            time.sleep(0.05)
+
+    def go(self) -> None:
+        (self.tmp / "go").touch()
+
+    def result(self) -> tuple[Rows, dict[str, Any]]:
+        """Wait for the engine to finish: its rows and its connector's counters."""
+        try:
+            rc = self.proc.wait(SUBPROCESS_TIMEOUT_S)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            self._stderr.close()
+        assert rc == 0 and self.out.exists(), f"engine process failed (rc={rc}):\n{self._tail()}"
+        counters = json.loads(Path(str(self.out) + ".connector.json").read_text())
+        return json.loads(self.out.read_text()), counters
+
+    def _tail(self) -> str:
+        self._stderr.flush()
+        return (self.tmp / "stderr.log").read_text()[-4000:]
+
+
+def run_pd_engine(tmp: Path, model: Path, transfer: dict[str, Any] | None,
+                  prompts: list[list[int]], max_tokens: int,
+                  probe: DaemonProcess | None = None) -> tuple[Rows, dict[str, Any]]:
+    """One engine process over ``prompts``, in the foreground."""
+    return PdEngine(tmp, model, transfer, prompts, max_tokens, probe=probe).result()
+
+
+def role_config(node: DaemonProcess, role: str) -> dict[str, Any]:
+    cfg = kv_transfer_config(node.socket, redis_sync_timeout_s=5.0, timeout_s=8.0)
+    cfg["kv_role"] = role
+    return cfg
+
+
+def masters_dbsize(cluster: LocalCluster) -> int:
+    total = 0
+    for node in cluster.all_nodes:
+        if node.proc is None or node.proc.poll() is not None:
+            continue
+        with contextlib.closing(node.client()) as c:
+            if c.execute_command("ROLE")[0] in (b"master", "master"):
+                total += int(c.dbsize())
+    return total
