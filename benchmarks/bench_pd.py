@@ -140,6 +140,7 @@ def main() -> None:
                 **common, "transfer": transfer(node_b, "kv_consumer"), "prompts": order,
                 "warmup": warmup})
             redis_stats = node_b.stats()["tiers"].get("redis", {})
+            synced = node_a.stats()["daemon"]["redis_sync"]
     from_redis = cons[0::2]
     recompute = cons[1::2]
     t_redis = statistics.median(r[2] for r in from_redis)
@@ -153,6 +154,10 @@ def main() -> None:
           f"synchronous write-through ({t_prod / statistics.median(r[2] for r in cons[1::2]):.2f}"
           f"x the consumer's plain recompute); blocks in Redis at request end: {visible} of "
           f"{blocks} each")
+    if synced["commits"]:
+        print(f"  producer's synchronous commits (node A): {synced['commits']}, "
+              f"{synced['seconds'] / synced['commits'] * 1e3:.1f} ms each on average "
+              f"(answered once the chain is in Redis), gave up {synced['gave_up']}")
     print(f"  consumer (node B) TTFT, KV from Redis: median {t_redis * 1e3:8.1f} ms  "
           f"(num_cached_tokens {[r[1] for r in from_redis]})")
     print(f"  consumer (node B) TTFT, recomputed:    median {t_recompute * 1e3:8.1f} ms  "

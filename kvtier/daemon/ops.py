@@ -7,6 +7,7 @@ fields; a typed KVTierError becomes a typed error reply in ``ControlServer._disp
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,6 +150,7 @@ class ControlOps:
         target = (None if lease is None or lease.owner != conn.id
                   else (lease.metas[0].namespace if lease.metas else None, list(lease.chain),
                         list(lease.metas)))
+        began = time.monotonic()
         stored = await self.store.commit_put(conn.id, lease_id,
                                              durable=bool(msg.get("durable", False)),
                                              output_tokens=out)
@@ -160,7 +162,7 @@ class ControlOps:
             digest = meta.namespace if meta is not None else None
         if digest is None:
             return {"stored": stored, "redis_visible": 0, "redis_synced": not chain}
-        done = await self.redis_sync.sync(digest, chain, fresh, float(sync_s))
+        done = await self.redis_sync.sync(digest, chain, fresh, float(sync_s), began)
         return {"stored": stored, "redis_visible": done.visible, "redis_synced": done.complete}
 
     async def _put_abort(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:

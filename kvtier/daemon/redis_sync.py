@@ -3,16 +3,16 @@
 A prefill node (vLLM ``kv_producer``) must make a prompt's blocks visible in the shared
 Redis before the request is reported finished, or the decode node that asks at once
 misses. The write-behind queue gives no such moment, so a commit that asks for it waits:
-the committed blocks are handed to the Redis tier (unless write-through already did), the
-queue is flushed, and one namespace-checked probe confirms how many leading blocks of the
-put's chain Redis now holds; blocks of the chain that were stored before (their slots were
-skipped at prepare) and that Redis lacks are sent too when they are in the arena. All of
-it is bounded by the caller's timeout (at most ``MAX_SYNC_S``); a sync that ends short of
-the whole chain (timeout, tier down, a block only on nvme) is counted in ``gave_up``.
-
-Only the Redis tier's public surface is used (``submit``, ``flush``, ``exists_prefix``).
-``flush`` waits for the queue to drain, including other clients' writes queued before
-ours: the price of not reaching into the tier; it is FIFO, so ours are never overtaken.
+the committed blocks are handed to the Redis tier from their arena slots (zero-copy,
+pinned until their SET is over; unless write-through already did), and the commit waits
+for exactly those SETs' replies (``RedisTier.written``): an OK is the confirmation, with no
+queue drain and no probe after it. Blocks of the put's chain that were stored before (their
+slots were skipped at prepare) and that this daemon has no recent write of are confirmed
+with one namespace-checked probe; those Redis lacks are sent too when they are in the
+arena. All of it is bounded by the caller's timeout (at most ``MAX_SYNC_S``); a sync that
+ends short of the whole chain (timeout, tier down, a block only on nvme) is counted in
+``gave_up``. Writes queued before ours still go first (the queue is FIFO), so a busy queue
+delays a sync, but writes queued after it do not.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Any
 
 from kvtier.index import BlockMeta
 from kvtier.store import TieredStore
+from kvtier.store.transfers import Transfer
+from kvtier.tiers.base import TierName
 
 MAX_SYNC_S = 60.0
 
@@ -53,13 +55,15 @@ class RedisSync:
         self.counters = RedisSyncCounters()
 
     async def sync(self, digest: bytes, chain: list[bytes], fresh: list[BlockMeta],
-                   timeout_s: float) -> SyncResult:
-        """``chain``: every key of the put; ``fresh``: the blocks this commit stored."""
+                   timeout_s: float, since: float) -> SyncResult:
+        """``chain``: every key of the put; ``fresh``: the blocks this commit stored;
+        ``since``: when the commit began (``time.monotonic()``): a write of a chain key that
+        ended since then confirms it without asking Redis."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
             async with asyncio.timeout(min(max(timeout_s, 0.0), MAX_SYNC_S)):
-                result = await self._sync(digest, chain, fresh)
+                result = await self._sync(digest, chain, fresh, since)
         except TimeoutError:
             result = SyncResult(0, False, "timeout")
         c = self.counters
@@ -71,8 +75,8 @@ class RedisSync:
             c.reasons[result.reason] = c.reasons.get(result.reason, 0) + 1
         return result
 
-    async def _sync(self, digest: bytes, chain: list[bytes],
-                    fresh: list[BlockMeta]) -> SyncResult:
+    async def _sync(self, digest: bytes, chain: list[bytes], fresh: list[BlockMeta],
+                    since: float) -> SyncResult:
         store, tier = self.store, self.store.redis
         if tier is None:
             return SyncResult(0, not chain, "off")
@@ -81,28 +85,37 @@ class RedisSync:
         if not tier.up:
             return SyncResult(0, False, "down")
         if not store.redis_write_through:   # the commit queued nothing: send them now
-            self._send(m for m in fresh if store.index.get(m.key) is m)
-        await tier.flush()
-        visible = int(await tier.exists_prefix(chain, namespace=digest))
+            await self._send([m for m in fresh if store.index.get(m.key) is m])
+        visible = await self._confirmed(chain, digest, since)
         if visible < len(chain):
             # blocks of the chain stored before this put (skipped at prepare) that Redis
             # lacks, e.g. written while it was down or evicted there: send what the arena has
             tail = [store.index.get(k) for k in chain[visible:]]
-            self._send(m for m in tail if m is not None and m.namespace == digest)
-            await tier.flush()
-            visible = int(await tier.exists_prefix(chain, namespace=digest))
+            await self._send([m for m in tail if m is not None and m.namespace == digest])
+            visible += await self._confirmed(chain[visible:], digest, since)
         if visible == len(chain):
             return SyncResult(visible, True, "ok")
         return SyncResult(visible, False, "missing" if tier.up else "down")
 
-    def _send(self, metas: Any) -> None:
-        store, tier = self.store, self.store.redis
-        if tier is None:   # _sync checked it; the store's redis is typed optional
-            return
-        for meta in metas:
-            if meta.in_cpu and meta.cpu is not None:
-                tier.submit(meta.namespace, meta.key, meta.layout_fp,
-                            store.arena.view(meta.cpu, meta.nbytes).data, seq=meta.seq)
+    async def _confirmed(self, chain: list[bytes], digest: bytes, since: float) -> int:
+        """How many leading blocks of ``chain`` Redis holds: the replies to this daemon's
+        writes of them since ``since``, then one probe from the first block without one."""
+        tier = self.store.redis
+        assert tier is not None
+        done = 0
+        for stored in await tier.written(chain, since):
+            if stored is None:
+                return done + int(await tier.exists_prefix(chain[done:], namespace=digest))
+            if not stored:
+                return done
+            done += 1
+        return done
+
+    async def _send(self, metas: list[BlockMeta]) -> None:
+        """Queue ``metas`` for Redis from their arena slots (pinned until written: no copy)."""
+        ready = [m for m in metas if m.in_cpu and m.cpu is not None]
+        if ready:
+            await self.store.transfers.move(TierName.CPU, TierName.REDIS, Transfer(ready))
 
     def stats(self) -> dict[str, Any]:
         c = self.counters

@@ -63,6 +63,8 @@ class RedisPort(Tier, Protocol):
 
     async def flush(self, timeout: float | None = None) -> bool: ...
 
+    async def written(self, keys: Sequence[bytes], since: float) -> list[bool | None]: ...
+
 
 class HbmPort(Tier, Protocol):
     """Device slots of the HBM pool (``HbmTier``; a host-memory fake in tests)."""

@@ -239,11 +239,18 @@ class RedisTier(RedisReads):
                 if release is None else
                 PendingWrite.borrow(rkey, namespace, key, layout_fp, seq, payload, release,
                                     width, on_checksum))
+        self._outcomes.track(item)
         dropped = self._queue.push(item)
         if dropped is not None:
             dropped.done()
             self.counters.dropped_writes += 1
         self._wake.set()
+
+    async def written(self, keys: Sequence[bytes], since: float) -> list[bool | None]:
+        """Per key, once its newest queued write is over: True if Redis stored it, False
+        if it failed or was dropped; None when no write of the key is pending or ended at
+        or after ``since`` (``time.monotonic()``): only Redis can tell (``exists_prefix``)."""
+        return await self._outcomes.wait([self._rkey(k) for k in keys], since)
 
     async def delete(self, keys: Sequence[bytes], *, namespace: bytes | None = None) -> int:
         """Delete blocks from Redis; returns how many existed. 0 while down or on error.
@@ -320,7 +327,8 @@ class RedisTier(RedisReads):
             ok = True
             replies = await self._per_server(rkeys, put, holds_buffers=True)
             for item, reply in zip(batch, replies, strict=True):
-                if reply != "OK":
+                item.ok = reply == "OK"
+                if not item.ok:
                     ok = False
                     self.counters.dropped_writes += 1
                     if isinstance(reply, ErrorReply):

@@ -25,7 +25,7 @@ from kvtier.frame import Codec
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import TierCounters
 from kvtier.tiers.redis_client import RedisMode, parse_target
-from kvtier.tiers.redis_queue import DEFAULT_ELEM_BYTES, WriteQueue
+from kvtier.tiers.redis_queue import DEFAULT_ELEM_BYTES, WriteOutcomes, WriteQueue
 from kvtier.tiers.redis_route import Reach, Router, conn_options
 from kvtier.tiers.redis_wire import Conn, ErrorReply, NodeAddr, ReplyError, command
 
@@ -62,6 +62,7 @@ class RedisLink:
         self._prefix = cfg.key_prefix.encode()
         self._ttl = cfg.ttl_s if cfg.ttl_s > 0 else None
         self._queue = WriteQueue(cfg.write_queue_blocks)
+        self._outcomes = WriteOutcomes()       # per key: is its newest write in Redis
         self._inflight = asyncio.Semaphore(max(1, cfg.max_inflight))
         self._writing = 0                      # SET batches in flight
         self._wake = asyncio.Event()           # queue non-empty, or the tier came up

@@ -14,8 +14,10 @@ payload, so a NONE-codec write costs one checksum and no copy of its own.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier import codec as codecs
@@ -44,6 +46,8 @@ class PendingWrite:
     elem_bytes: int = DEFAULT_ELEM_BYTES  # byte-shuffle element width (its layout's)
     on_checksum: OnChecksum | None = None  # told the payload's xxh3-64 (or None) at done()
     checksum: int | None = None         # the payload's xxh3-64, once framed uncompressed
+    ok: bool = False                    # Redis answered OK to this SET
+    on_settled: Callable[[PendingWrite], None] | None = None  # told first in done()
 
     @classmethod
     def copy_of(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
@@ -72,6 +76,9 @@ class PendingWrite:
 
     def done(self) -> None:
         """The write is over (sent, dropped or failed): give a borrowed buffer back."""
+        settled, self.on_settled = self.on_settled, None
+        if settled is not None:
+            settled(self)
         told, self.on_checksum = self.on_checksum, None
         if told is not None:
             told(self.checksum)
@@ -168,3 +175,61 @@ class WriteQueue:
         self.queued_bytes = 0
         self.dropped += n
         return n
+
+
+RECENT_OUTCOMES = 4096   # finished writes whose result is kept for a later ``wait``
+
+
+class WriteOutcomes:
+    """Which SETs of a key succeeded: a caller that needs its blocks *in* Redis (a
+    synchronous commit) waits for exactly its writes instead of draining the whole queue
+    and probing Redis afterwards. Per Redis key: the newest write still pending, or the
+    result and end time of a recent one (a bounded LRU); anything else is unknown."""
+
+    __slots__ = ("_pending", "_recent", "_waiters")
+
+    def __init__(self) -> None:
+        self._pending: dict[bytes, PendingWrite] = {}
+        self._recent: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
+        self._waiters: dict[bytes, list[asyncio.Future[bool]]] = {}
+
+    def track(self, item: PendingWrite) -> None:
+        """``item`` was queued: it is now the write a ``wait`` on its key waits for."""
+        self._pending[item.redis_key] = item
+        self._recent.pop(item.redis_key, None)
+        item.on_settled = self._settled
+
+    def _settled(self, item: PendingWrite) -> None:
+        key = item.redis_key
+        if self._pending.get(key) is not item:
+            return   # a newer write of the same key is the one that counts
+        del self._pending[key]
+        self._recent[key] = (item.ok, time.monotonic())
+        if len(self._recent) > RECENT_OUTCOMES:
+            self._recent.popitem(last=False)
+        for fut in self._waiters.pop(key, ()):
+            if not fut.done():
+                fut.set_result(item.ok)
+
+    async def wait(self, rkeys: Sequence[bytes], since: float) -> list[bool | None]:
+        """Per key: True once its newest write was stored, False when that write failed
+        or was dropped, None when no write of it is pending or ended at or after ``since``
+        (``time.monotonic()``): older answers may no longer hold (a TTL, an eviction in
+        Redis), so only Redis can tell."""
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future[bool] | None] = []
+        for key in rkeys:
+            if key in self._pending:
+                waiter: asyncio.Future[bool] = loop.create_future()
+                self._waiters.setdefault(key, []).append(waiter)
+                futs.append(waiter)
+            else:
+                futs.append(None)
+        out: list[bool | None] = []
+        for key, fut in zip(rkeys, futs, strict=True):
+            if fut is not None:
+                out.append(await fut)
+                continue
+            ok, ended = self._recent.get(key, (False, -1.0))
+            out.append(ok if ended >= since else None)
+        return out

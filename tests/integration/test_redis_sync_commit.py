@@ -130,3 +130,42 @@ def test_synced_commit_over_a_cluster_with_replicas(
         cb.close()
     finally:
         cluster.stop()
+
+
+def getranges(server: RedisServer) -> int:
+    """GETRANGE calls the server has answered (a namespace-checked probe is GETRANGEs)."""
+    stats = server.client().info("commandstats")
+    return int(stats.get("cmdstat_getrange", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_own_writes_confirm_the_sync_without_a_probe(
+        redis_server: RedisServer, node: Callable[..., DaemonProcess],
+        write_through: bool) -> None:
+    """A commit's fresh blocks are confirmed by the replies to their own SETs: no drain of
+    the queue and no probe of Redis after them. Blocks stored before the put, whose last
+    write ended before the commit began, are asked of Redis: one deleted there meanwhile
+    is found missing and sent again."""
+    a = node("a", write_through)
+    c = connect(a.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = block_keys(ns, np.arange(10 * 64))
+    before = getranges(redis_server)
+    assert write(c, ns, keys[:6], 5.0)[:3] == (6, 6, True)
+    assert getranges(redis_server) == before, "fresh blocks were probed after their SETs"
+    assert redis_server.client().dbsize() == 6
+
+    # the next put of the prompt: 6 blocks stored before (asked of Redis), 4 new ones
+    admin = redis_server.client()
+    gone = b"kvtier:" + bytes(keys[3]).hex().encode()
+    assert admin.delete(gone) == 1                       # e.g. evicted by Redis's maxmemory
+    before = getranges(redis_server)
+    stored, visible, synced, _ = write(c, ns, keys, 5.0)
+    assert (stored, visible, synced) == (4, 10, True)
+    assert getranges(redis_server) > before              # the old blocks were asked about
+    assert admin.exists(gone) == 1 and admin.dbsize() == 10   # and the missing one re-sent
+    b = node("b")
+    cb = connect(b.socket)
+    assert cb.prefix_locality(ns, np.arange(10 * 64)).redis_blocks == 10
+    cb.close()
+    c.close()
