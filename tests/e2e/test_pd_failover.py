@@ -171,7 +171,10 @@ def test_masters_killed_mid_run_no_request_fails_no_wrong_token(
             for node in (node_a, node_b):
                 assert redis_stats(node)["checksum_failures"] == 0
             assert node_b.stats()["requests"]["put_blocks"] == 0   # a consumer never saves
-            print(f"\nP/D failover: master :{first.port} killed mid-prefill, node A served "
+            reasons = node_a.stats()["daemon"]["redis_sync"]["gave_up_by_reason"]
+            print(f"\nP/D failover: producer request seconds "
+                  f"{[round(row[2], 2) for row in prod]}, sync give-ups by reason {reasons}")
+            print(f"P/D failover: master :{first.port} killed mid-prefill, node A served "
                   f"every slot again within {heal_a:.2f} s (producer sync give-ups "
                   f"{prod_counters.get('redis_sync_gave_up', 0)}); master :{second.port} "
                   f"killed mid-decode, node B within {heal_b:.2f} s; consumer cached tokens "
