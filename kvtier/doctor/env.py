@@ -4,10 +4,10 @@ verdict and a fix.
 What peers' users lost days to: a /dev/shm smaller than the cpu tier, a data dir on
 overlayfs or tmpfs or without O_DIRECT, a memlock limit that breaks pinned registration,
 huge pages off, an arena spread over NUMA nodes, GDS silently in compat mode, a socket
-directory others can write, and engines hashing keys differently. The checks live in
-:mod:`kvtier.doctor.env_fs`, :mod:`kvtier.doctor.env_host` and
-:mod:`kvtier.doctor.env_daemon`; they read the system only through :class:`Host`, so a
-test can hand them a crafted environment.
+directory others can write, engines hashing keys differently, and a Redis anyone can write
+to. The checks live in :mod:`kvtier.doctor.env_fs`, :mod:`kvtier.doctor.env_host`,
+:mod:`kvtier.doctor.env_daemon` and :mod:`kvtier.doctor.env_redis`; they read the system
+only through :class:`Host`, so a test can hand them a crafted environment.
 
 Exit status as the rest of doctor: 0 nothing failed, 1 a check failed (``--strict``: or
 warned), 2 the configuration could not be read.
@@ -115,7 +115,7 @@ class Host:
 def run_checks(cfg: Config, host: Host | None = None, *,
                daemon_url: str | None = None) -> list[Check]:
     """All checks in a fixed order; ``daemon_url`` None skips the ones that ask the daemon."""
-    from kvtier.doctor import env_daemon, env_fs, env_host
+    from kvtier.doctor import env_daemon, env_fs, env_host, env_redis
 
     h = host or Host()
     stats: dict[str, Any] | None = None
@@ -134,6 +134,7 @@ def run_checks(cfg: Config, host: Host | None = None, *,
         env_host.check_numa(h, stats),
         *env_host.check_gpu(cfg, h),
         env_daemon.check_key_scheme(stats, stats_error),
+        env_redis.check_redis_auth(cfg, h),
     ]
     return checks
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import Config, load_config
-from kvtier.doctor import env_daemon, env_fs, env_host
+from kvtier.doctor import env_daemon, env_fs, env_host, env_redis
 from kvtier.doctor.env import Check, Host, Verdict, exit_status, run_checks, to_json
 from kvtier.keys import KEY_SCHEME
 
@@ -211,6 +211,42 @@ def test_key_scheme_mismatch_fails() -> None:
     assert env_daemon.check_key_scheme(None, "no daemon").verdict is Verdict.SKIP
 
 
+# -- redis ----------------------------------------------------------------------------------
+def redis_config(tmp_path: Path, url: str, **more: Any) -> Config:
+    config(tmp_path)
+    return load_config(tmp_path / "k.toml", env={},
+                       overrides={"redis.enabled": True, "redis.url": url, **more})
+
+
+def test_redis_without_a_password_warns(tmp_path: Path) -> None:
+    c = env_redis.check_redis_auth(redis_config(tmp_path, "redis://127.0.0.1:6379/0"), host())
+    assert c.verdict is Verdict.WARN and "127.0.0.1:6379" in c.detail
+    assert "ACL SETUSER kvtier" in c.fix
+    assert env_redis.check_redis_auth(config(tmp_path), host()).verdict is Verdict.SKIP
+
+
+def test_redis_with_credentials_is_fine(tmp_path: Path) -> None:
+    in_url = redis_config(tmp_path, "rediss://kvtier:s3cret@10.0.0.5:6380/0")
+    c = env_redis.check_redis_auth(in_url, host())
+    assert c.verdict is Verdict.OK and "'kvtier'" in c.detail and "TLS" in c.detail
+    assert "s3cret" not in c.detail
+    in_fields = redis_config(tmp_path, "redis://10.0.0.5:6379/0", **{"redis.password": "pw"})
+    assert env_redis.check_redis_auth(in_fields, host()).verdict is Verdict.OK
+
+
+def test_redis_unix_socket_open_to_others_warns(tmp_path: Path) -> None:
+    sock = tmp_path / "redis.sock"
+    sock.touch()
+    cfg = redis_config(tmp_path, f"unix://{sock}?db=0")
+    os.chmod(sock, 0o777)
+    c = env_redis.check_redis_auth(cfg, host())
+    assert c.verdict is Verdict.WARN and "0777" in c.detail and "unixsocketperm" in c.fix
+    os.chmod(sock, 0o700)
+    assert env_redis.check_redis_auth(cfg, host()).verdict is Verdict.OK
+    missing = redis_config(tmp_path, f"unix://{tmp_path / 'none.sock'}")
+    assert env_redis.check_redis_auth(missing, host()).verdict is Verdict.WARN
+
+
 # -- the whole run ---------------------------------------------------------------------------
 def test_run_checks_exit_status_and_json(tmp_path: Path) -> None:
     (tmp_path / "shm").mkdir()
@@ -220,7 +256,8 @@ def test_run_checks_exit_status_and_json(tmp_path: Path) -> None:
     checks = run_checks(cfg, h, daemon_url="http://127.0.0.1:1")
     names = [c.name for c in checks]
     assert names == ["shm size", "data dir space", "data dir filesystem", "data dir O_DIRECT",
-                     "socket dir", "memlock", "huge pages", "numa", "gpu", "key scheme"]
+                     "socket dir", "memlock", "huge pages", "numa", "gpu", "key scheme",
+                     "redis auth"]
     assert by_name(checks, "shm size").verdict is Verdict.FAIL
     assert exit_status(checks) == 1
     doc = to_json(checks, 1)
