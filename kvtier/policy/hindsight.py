@@ -16,8 +16,9 @@ records learn that label (same classes, same shrinkage, same per-key Beta poster
 OPTgen's window: reuses up to ``window`` capacities apart are labelled (longer ones count
 as misses); time is quantised into buckets of ``capacity / 128`` references (the
 occupancy vector has ``128 x window`` cells; an interval covers the buckets from its
-start's to the one before its end's, so a reuse within one bucket is always a hit). Cost: one numpy max and add over at
-most that many cells per reuse; memory: ``256 x window`` int32 cells.
+start's to the one before its end's, so a reuse within one bucket is always a hit). Cost:
+one numpy max and add over at most that many cells per reuse; memory: ``256 x window``
+int32 cells.
 
 Measured on the shared Mooncake trace (docs/replay-analysis.md, "a fourth attempt"):
 with a window of 2-4 capacities it hits 1.20x LRU's tokens at 5% of the unique blocks
@@ -30,7 +31,7 @@ import heapq
 
 import numpy as np
 
-from kvtier.policy.base import register_eviction_policy
+from kvtier.policy.base import Key, register_eviction_policy
 from kvtier.policy.cost import CostPolicy, _Entry
 from kvtier.policy.costmodel import BlockCosts
 from kvtier.policy.stats import (
@@ -51,31 +52,54 @@ BUCKETS_PER_CAPACITY = 128
 
 
 class HindsightStats(WorkloadStats):
-    """Reuse classes learned from OPTgen's labels at ``capacity_blocks`` (see module doc).
-
-    The other arguments are :class:`WorkloadStats`' (its ``horizon`` still bounds the key
-    history's meaning; the label is OPTgen's).
+    """Reuse classes learned from OPTgen's labels at ``capacity_blocks`` (see module doc;
+    0: given later with :meth:`set_capacity`). ``window_capacities``: OPTgen's window. The
+    other arguments are :class:`WorkloadStats`'.
     """
 
-    __slots__ = ("_base", "_cap", "_occ", "_quantum", "_span", "_window")
+    __slots__ = ("_base", "_cap", "_occ", "_quantum", "_span", "_window", "_window_caps")
 
-    def __init__(self, *, capacity_blocks: int, window_capacities: float = WINDOW_CAPACITIES,
-                 horizon: int = 65536, history: int = 1 << 20, half_life: float = 200_000.0,
-                 strength: float = 8.0, prior: float = 0.5, key_strength: float = 2.0) -> None:
+    def __init__(self, *, capacity_blocks: int = 0,
+                 window_capacities: float = WINDOW_CAPACITIES, horizon: int = 65536,
+                 history: int = 1 << 20, half_life: float = 200_000.0, strength: float = 8.0,
+                 prior: float = 0.5, key_strength: float = 2.0) -> None:
         super().__init__(horizon=horizon, history=history, half_life=half_life,
                          strength=strength, prior=prior, key_strength=key_strength)
-        if capacity_blocks <= 0 or window_capacities <= 0:
-            raise ValueError("capacity_blocks and window_capacities must be positive")
+        if capacity_blocks < 0 or window_capacities <= 0:
+            raise ValueError("capacity_blocks must not be negative, window_capacities must "
+                             "be positive")
+        self._window_caps = window_capacities
+        self._cap = 0
+        self._window = self._quantum = self._span = self._base = 0
+        self._occ = np.zeros(0, dtype=np.int32)
+        if capacity_blocks:
+            self.set_capacity(capacity_blocks)
+
+    @property
+    def capacity_blocks(self) -> int:
+        """The cache size OPTgen labels for (0: not known yet)."""
+        return self._cap
+
+    def set_capacity(self, capacity_blocks: int) -> None:
+        """Label for a cache of ``capacity_blocks`` from now on (a daemon learns its tier's
+        size in blocks at its first put). Until a size is known a reuse is labelled as
+        ``WorkloadStats`` does (within the horizon); a new size restarts the vector."""
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        if capacity_blocks == self._cap:
+            return
         self._cap = capacity_blocks
-        self._window = max(1, int(window_capacities * capacity_blocks))
+        self._window = max(1, int(self._window_caps * capacity_blocks))
         self._quantum = max(1, capacity_blocks // BUCKETS_PER_CAPACITY)
         self._span = self._window // self._quantum + 2  # buckets an interval may cover
         self._occ = np.zeros(2 * self._span, dtype=np.int32)
-        self._base = 0  # bucket number of _occ[0]
+        self._base = self.tick // self._quantum  # bucket number of _occ[0]
 
     def opt_hit(self, last: int, tick: int) -> bool:
         """OPTgen: would the optimal cache have held the block from ``last`` to ``tick``?
         If so the interval takes its room (the occupancy vector rises over it)."""
+        if not self._cap:  # no size yet: "reused within the horizon"
+            return tick - last <= self.horizon
         if tick - last > self._window:
             return False
         q = self._quantum
@@ -159,11 +183,23 @@ class HindsightPolicy(CostPolicy):
 
     name = "hindsight"
 
-    __slots__ = ()
+    __slots__ = ("_size_stats",)
 
     def __init__(self, *, stats: WorkloadStats | None = None, costs: BlockCosts | None = None,
-                 reload_bandwidth: float | None = None) -> None:
+                 reload_bandwidth: float | None = None, size_stats: bool = False) -> None:
         super().__init__(stats=stats, costs=costs, reload_bandwidth=reload_bandwidth)
+        # size_stats: this is the tier whose size OPTgen labels for, learned at the first
+        # eviction (its population then) when nobody gave it earlier
+        self._size_stats = size_stats
+
+    def victim(self) -> Key | None:
+        """As ``cost``; the first call may size the stats' OPTgen (``size_stats``)."""
+        if self._size_stats:
+            self._size_stats = False
+            stats = self._stats
+            if isinstance(stats, HindsightStats) and not stats.capacity_blocks and self._entries:
+                stats.set_capacity(len(self._entries))
+        return super().victim()
 
     def _value(self, entry: _Entry) -> float:
         stats = self._stats

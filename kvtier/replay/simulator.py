@@ -186,7 +186,8 @@ def _simulate(
     # tell classes apart (online AUC 0.65 vs 0.84 at 16x)
     window = max(1024, 16 * total)
     stats = (HindsightStats(capacity_blocks=total, horizon=window, history=window)
-             if policy == "hindsight" else WorkloadStats(horizon=window, history=window))
+             if policy in ("hindsight", "adaptive")
+             else WorkloadStats(horizon=window, history=window))
     pols = [make_policy(policy, i, config, stats) for i in range(n_tiers)]
     caps = [t.capacity_blocks for t in config.tiers]
     bws = [t.read_bw for t in config.tiers]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from kvtier.policy.base import make_eviction_policy
+from kvtier.policy.adaptive import AdaptivePolicy
+from kvtier.policy.base import EvictionPolicy, make_eviction_policy
 from kvtier.policy.hindsight import HindsightPolicy, HindsightStats
+from kvtier.policy.shadow import TierShadows
 
 
 def test_optgen_labels_a_reuse_a_hit_only_while_the_cache_has_room() -> None:
@@ -56,4 +60,44 @@ def test_hindsight_orders_by_value_with_greedy_dual_aging() -> None:
 
 def test_invalid_sizes_are_refused() -> None:
     with pytest.raises(ValueError):
-        HindsightStats(capacity_blocks=0)
+        HindsightStats(capacity_blocks=-1)
+    with pytest.raises(ValueError):
+        HindsightStats(capacity_blocks=8, window_capacities=0)
+    with pytest.raises(ValueError):
+        HindsightStats().set_capacity(0)
+
+
+def test_before_its_size_is_known_a_reuse_within_the_horizon_is_a_hit() -> None:
+    s = HindsightStats(horizon=100)
+    assert s.capacity_blocks == 0
+    assert s.opt_hit(0, 100) and s.opt_hit(1, 100) and not s.opt_hit(0, 101)
+    s.set_capacity(1)
+    assert s.capacity_blocks == 1
+    assert s.opt_hit(0, 2) and not s.opt_hit(1, 3)  # OPTgen from now on
+
+
+def test_adaptive_tells_the_tier_size_it_learns_to_its_hook() -> None:
+    sizes: list[int] = []
+
+    def make(mode: str) -> EvictionPolicy:
+        return make_eviction_policy(mode)
+
+    pol = AdaptivePolicy(make, TierShadows(make, modes=("lru", "lfu")),
+                         capacity_bytes=64 * 1024, on_capacity=sizes.append)
+    pol.insert(1, nbytes=1024, parent=None, depth=0)
+    assert sizes == [64]
+
+
+def test_a_deferred_observer_counts_lookups_off_the_request_path_and_before_stores() -> None:
+    from kvtier.policy.adaptive import ShadowObserver
+
+    stats = HindsightStats(capacity_blocks=4, horizon=1000, history=1000)
+    later: list[Callable[[], None]] = []
+    obs = ShadowObserver({}, inner=stats, defer=later.append)
+    obs.on_lookup([1, 2, 3], 0, now=0.0)
+    obs.on_lookup([1, 2], 2, now=0.0)
+    assert stats.tick == 0 and len(later) == 1  # queued, one drain scheduled
+    obs.on_stored([1, 2], output_tokens=10, now=0.0)  # a store drains first
+    assert stats.tick == 5 and stats.uses(1) == 2
+    later[0]()  # the scheduled drain finds nothing left
+    assert stats.tick == 5
