@@ -54,7 +54,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", nargs="?", default=str(DEFAULT))
     ap.add_argument("--fraction", nargs="+", type=float, default=[0.05, 0.40])
-    ap.add_argument("--policy", nargs="+", default=["lru", "lfu", "cost", "adaptive", "belady"])
+    ap.add_argument("--policy", nargs="+",
+                    default=["lru", "lfu", "cost", "hindsight", "adaptive", "belady"])
     ap.add_argument("--spread", action="store_true",
                     help="also print each policy vs LRU over five capacities around each "
                     "fraction (x0.92 .. x1.08)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvtier.policy import adaptive as _adaptive  # noqa: F401  (registers "adaptive")
 from kvtier.policy import cost as _cost  # noqa: F401  (registers "cost")
+from kvtier.policy import hindsight as _hindsight  # noqa: F401  (registers "hindsight")
 from kvtier.policy import lfu as _lfu  # noqa: F401  (registers "lfu")
 from kvtier.policy import lru as _lru  # noqa: F401  (registers "lru")
 from kvtier.policy.base import (

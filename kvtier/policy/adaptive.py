@@ -30,17 +30,22 @@ class AdaptivePolicy:
     ``shadows`` may be shared with an observer that feeds it; when its capacity is not
     known yet, ``capacity_bytes`` over the first block's size sizes it (a daemon knows its
     tier in bytes, not blocks), else the population at the first eviction (the tier is
-    full then).
+    full then). ``on_capacity`` is then told that size in blocks (the daemon sizes the
+    ``hindsight`` mode's OPTgen with it).
     """
 
     name = "adaptive"
 
-    __slots__ = ("_cap_bytes", "_live", "_make", "_meta", "_pinned", "mode", "shadows")
+    __slots__ = (
+        "_cap_bytes", "_live", "_make", "_meta", "_on_capacity", "_pinned", "mode", "shadows",
+    )
 
     def __init__(self, make: Callable[[str], EvictionPolicy],
-                 shadows: TierShadows | None = None, *, capacity_bytes: int = 0) -> None:
+                 shadows: TierShadows | None = None, *, capacity_bytes: int = 0,
+                 on_capacity: Callable[[int], None] | None = None) -> None:
         self._make = make
         self._cap_bytes = capacity_bytes
+        self._on_capacity = on_capacity  # told the tier's size in blocks once it is known
         self.shadows = shadows if shadows is not None else TierShadows(make)
         self.mode = self.shadows.mode
         self._live = make(self.mode)
@@ -112,6 +117,8 @@ class AdaptivePolicy:
         above = shadows.above.capacity_blocks if shadows.above is not None else 0
         if blocks > 0:
             shadows.set_capacity(blocks, above or shadows.above_blocks)
+            if self._on_capacity is not None:
+                self._on_capacity(blocks)
 
     def victim(self) -> Key | None:
         shadows = self.shadows
@@ -140,24 +147,26 @@ class AdaptivePolicy:
 @register_eviction_policy("adaptive")
 def _make_adaptive(*, make: Callable[[str], EvictionPolicy] | None = None,
                    shadows: TierShadows | None = None,
-                   capacity_bytes: int = 0) -> AdaptivePolicy:
+                   capacity_bytes: int = 0,
+                   on_capacity: Callable[[int], None] | None = None) -> AdaptivePolicy:
     if make is None:
         from kvtier.policy.base import make_eviction_policy
 
         def make(mode: str) -> EvictionPolicy:
             return make_eviction_policy(mode)
 
-    return AdaptivePolicy(make, shadows, capacity_bytes=capacity_bytes)
+    return AdaptivePolicy(make, shadows, capacity_bytes=capacity_bytes, on_capacity=on_capacity)
 
 
 class ShadowObserver:
-    """The store's observer seam: feeds each lookup's chain to every tier's shadows, then
-    forwards to ``inner`` (the ``cost`` mode's :class:`~kvtier.policy.stats.WorkloadStats`).
+    """The store's observer seam: feeds each lookup's chain to every tier's shadows and to
+    ``inner`` (the cost-like modes' :class:`~kvtier.policy.stats.WorkloadStats`).
 
     ``block_tokens`` weighs each block (the daemon looks up full blocks only). ``defer``
-    (the daemon passes the event loop's ``call_soon``) takes the shadows off the request
-    path: a lookup only queues its chain, and the queue is replayed into the shadows after
-    the reply has gone out. Without it the shadows run inline (tests, tools).
+    (the daemon passes the event loop's ``call_soon``) takes both off the request path: a
+    lookup only queues its chain, and the queue is replayed into ``inner`` and the shadows
+    after the reply has gone out (a store report drains it first, so ``inner`` sees every
+    lookup before the store that follows it). Without it both run inline (tests, tools).
     """
 
     def __init__(self, shadows: dict[str, TierShadows], inner: Any = None,
@@ -167,22 +176,25 @@ class ShadowObserver:
         self.inner = inner
         self.block_tokens = block_tokens
         self.defer = defer
-        self._queue: list[tuple[Sequence[Key], float]] = []
+        self._queue: list[tuple[Sequence[Key], int, float]] = []
 
     def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float) -> None:
-        if self.inner is not None:
-            self.inner.on_lookup(keys, hit_blocks, now=now)
         if self.defer is None:
+            if self.inner is not None:
+                self.inner.on_lookup(keys, hit_blocks, now=now)
             self._feed(keys, now)
             return
         if not self._queue:
             self.defer(self.drain)
-        self._queue.append((tuple(keys), now))
+        self._queue.append((tuple(keys), hit_blocks, now))
 
     def drain(self) -> None:
-        """Replay the queued lookups into the shadows (in arrival order)."""
+        """Replay the queued lookups into ``inner`` and the shadows (in arrival order)."""
         queue, self._queue = self._queue, []
-        for keys, now in queue:
+        inner = self.inner
+        for keys, hit_blocks, now in queue:
+            if inner is not None:
+                inner.on_lookup(keys, hit_blocks, now=now)
             self._feed(keys, now)
 
     def _feed(self, keys: Sequence[Key], now: float) -> None:
@@ -192,6 +204,8 @@ class ShadowObserver:
 
     def on_stored(self, keys: Sequence[Key], *, output_tokens: int | None,
                   now: float) -> None:
+        if self._queue:  # the lookups before this store count first
+            self.drain()
         on_stored = getattr(self.inner, "on_stored", None)
         if on_stored is not None:
             on_stored(keys, output_tokens=output_tokens, now=now)

@@ -15,6 +15,7 @@ from kvtier.policy.adaptive import AdaptivePolicy, ShadowObserver
 from kvtier.policy.admission import TierAdmission, WriteBudget
 from kvtier.policy.base import EvictionPolicy, make_eviction_policy
 from kvtier.policy.costmodel import BlockCosts, PrefillModel
+from kvtier.policy.hindsight import HindsightStats
 from kvtier.policy.prefix import PrefixForest
 from kvtier.policy.shadow import TierShadows
 from kvtier.policy.stats import WorkloadStats
@@ -49,14 +50,18 @@ def build_policies(cfg: Any) -> dict[str, Any]:
     name = cfg.policy.eviction
     stats: WorkloadStats | None = None
     costs: BlockCosts | None = None
-    if name in ("cost", "adaptive"):
+    if name in ("cost", "adaptive", "hindsight"):
         top_blocks = max(1024, cfg.cpu.bytes // TYPICAL_BLOCK_BYTES)
         all_blocks = top_blocks + (cfg.nvme.bytes // TYPICAL_BLOCK_BYTES
                                    if cfg.nvme.enabled else 0)
         # Reuse counts within a window of ~16x everything the node can hold (as in replay):
         # one cache size of references is too short to tell reused blocks from dead ones.
         window = max(1 << 16, 16 * all_blocks)
-        stats = WorkloadStats(horizon=window, history=window)
+        # adaptive starts in (and hindsight is) the OPTgen-trained mode: its labels need the
+        # cpu tier's size in blocks, told later (the first put's block size, or the first
+        # eviction's population)
+        stats = (HindsightStats(horizon=window, history=window) if name != "cost"
+                 else WorkloadStats(horizon=window, history=window))
         costs = BlockCosts(block_tokens=DEFAULT_BLOCK_TOKENS, block_bytes=TYPICAL_BLOCK_BYTES,
                            prefill=PrefillModel(params=cfg.policy.model_params))
     below_cpu = NVME_READ_BPS if cfg.nvme.enabled else (
@@ -77,10 +82,16 @@ def build_policies(cfg: Any) -> dict[str, Any]:
             sh = shadows[tier.value] = TierShadows(make, above=above, rate=rate)
             cap = {TierName.HBM: cfg.hbm.bytes, TierName.CPU: cfg.cpu.bytes}.get(
                 tier, cfg.nvme.bytes if cfg.nvme.enabled else 0)
-            return AdaptivePolicy(make, sh, capacity_bytes=cap)
-        if policy != "cost":
+            sizes = (stats.set_capacity if isinstance(stats, HindsightStats)
+                     and tier is TierName.CPU else None)
+            return AdaptivePolicy(make, sh, capacity_bytes=cap, on_capacity=sizes)
+        if policy not in ("cost", "hindsight"):
             return make_eviction_policy(policy)
         bw = {TierName.HBM: H2D_BPS, TierName.CPU: below_cpu}.get(tier, below_nvme)
+        if policy == "hindsight":
+            return make_eviction_policy(
+                "hindsight", stats=stats, costs=costs, reload_bandwidth=bw,
+                size_stats=name == "hindsight" and tier is TierName.CPU)
         return make_eviction_policy("cost", stats=stats, costs=costs, reload_bandwidth=bw)
 
     admission = None

@@ -3,7 +3,7 @@
 Waldspurger et al., "Cache Modeling and Optimization using Miniature Simulations"
 (ATC'17): a cache of ``R x C`` slots fed only the keys whose hash falls under ``R`` behaves
 like the full cache of ``C`` slots, at ``R`` of the cost. One :class:`TierShadows` per tier
-runs, for every candidate mode (``lru``, ``lfu``, ``cost``), a miniature cache of the tier's
+runs, for every candidate mode (``hindsight``, ``lru``, ``lfu``), a miniature cache of the tier's
 size, and for the live mode also one at each other :data:`MRC_SCALES` size. The 1x shadows
 say which mode would have hit the most tokens lately (the live tier follows it,
 :mod:`kvtier.policy.adaptive`); the live mode's shadows form the tier's miss-ratio curve.
@@ -36,8 +36,10 @@ from kvtier.policy.prefix import PrefixForest
 
 MRC_SCALES: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
 """Sizes of the miss-ratio curve, in multiples of the tier's size."""
-MODES: tuple[str, ...] = ("cost", "lru", "lfu")
-"""Candidate modes; the first is the mode a tier starts in."""
+MODES: tuple[str, ...] = ("hindsight", "lru", "lfu")
+"""Candidate modes; the first is the mode a tier starts in. ``hindsight`` is ``cost``'s
+estimator trained on OPTgen's labels (:mod:`kvtier.policy.hindsight`); it replaced ``cost``
+here (docs/replay-analysis.md, "a fourth attempt")."""
 SHADOW_SLOTS = 512
 """Target size, in blocks, of a 1x shadow: enough slots that a miniature cache behaves like
 the full one (SHARDS reports errors of ~0.01 from a few thousand sampled keys)."""

@@ -22,6 +22,7 @@ from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, TraceFormat, load_trace
 
 POLICIES = ("lru", "lfu", "cost", "adaptive", "belady")
+CHOICES = (*POLICIES, "hindsight")  # hindsight: what adaptive starts in (not a default column)
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.40)
 DEFAULT_BW = {"hbm": 1.0e12, "cpu": 25.0e9, "nvme": 3.0e9, "redis": 1.0e9}
 
@@ -49,7 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--format", choices=[f.value for f in TraceFormat], default="auto")
     p.add_argument("--block-tokens", type=int, default=None,
                    help="tokens per hash id (default: 512 Mooncake, 16 Bailian)")
-    p.add_argument("--policy", nargs="+", choices=POLICIES, default=list(POLICIES),
+    p.add_argument("--policy", nargs="+", choices=CHOICES, default=list(POLICIES),
                    help="policies to compare (default: all)")
     p.add_argument("--capacity-fraction", nargs="+", type=float, default=None,
                    help="one-tier runs sized as fractions of the trace's unique blocks "

@@ -30,6 +30,7 @@ from kvtier.policy.adaptive import AdaptivePolicy
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit
 from kvtier.policy.base import EvictionPolicy, Key, make_eviction_policy
 from kvtier.policy.costmodel import BlockCosts
+from kvtier.policy.hindsight import HindsightStats
 from kvtier.policy.prefetch import TIMEOUT_BASE_S, PrefetchWait, wait_for_prefix
 from kvtier.policy.prefix import PrefixForest
 from kvtier.policy.shadow import TierShadows
@@ -126,9 +127,9 @@ def make_policy(
         shadows = TierShadows(make, capacity_blocks=config.tiers[tier_index].capacity_blocks,
                               above_blocks=above)
         return AdaptivePolicy(make, shadows)
-    if name == "cost":
+    if name in ("cost", "hindsight"):
         below = config.tiers[tier_index + 1].read_bw if tier_index + 1 < len(config.tiers) else None
-        return make_eviction_policy("cost", stats=stats, costs=config.costs,
+        return make_eviction_policy(name, stats=stats, costs=config.costs,
                                     reload_bandwidth=below)
     return make_eviction_policy(name)
 
@@ -184,7 +185,9 @@ def _simulate(
     # Mooncake trace, a horizon of one top-tier lifetime has too few reuses of fresh blocks to
     # tell classes apart (online AUC 0.65 vs 0.84 at 16x)
     window = max(1024, 16 * total)
-    stats = WorkloadStats(horizon=window, history=window)
+    stats = (HindsightStats(capacity_blocks=total, horizon=window, history=window)
+             if policy in ("hindsight", "adaptive")
+             else WorkloadStats(horizon=window, history=window))
     pols = [make_policy(policy, i, config, stats) for i in range(n_tiers)]
     caps = [t.capacity_blocks for t in config.tiers]
     bws = [t.read_bw for t in config.tiers]
