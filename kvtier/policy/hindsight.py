@@ -34,16 +34,7 @@ import numpy as np
 from kvtier.policy.base import Key, register_eviction_policy
 from kvtier.policy.cost import CostPolicy, _Entry
 from kvtier.policy.costmodel import BlockCosts
-from kvtier.policy.stats import (
-    _HIT_B,
-    _LEN_B,
-    _OUT_B,
-    _TAIL_B,
-    _TAIL_OF,
-    WorkloadStats,
-    _cells,
-    _Rec,
-)
+from kvtier.policy.stats import WorkloadStats
 
 WINDOW_CAPACITIES = 4.0
 """OPTgen's window in capacities: reuses further apart are not labelled hits."""
@@ -119,61 +110,9 @@ class HindsightStats(WorkloadStats):
         seg += 1
         return True
 
-    def _reference(
-        self, key: object, hit: int, tail: int, length: int, out: int, stored: bool
-    ) -> None:
-        # WorkloadStats._reference with OPTgen's label in place of "within the horizon"
-        hist = self._hist
-        rec = hist.get(key)
-        tick = self.tick
-        decay = self._decay
-        if rec is not None:
-            gap = tick - rec.last
-            fade = decay ** gap
-            rec.tried = rec.tried * fade + 1.0
-            rec.reused *= fade
-            rec.gaps *= fade
-            if self.opt_hit(rec.last, tick):
-                rec.reused += 1.0
-                rec.gaps += gap
-                w = rec.w
-                wg = w * gap
-                reuse = self._reuse
-                gaps = self._gap
-                for c in _cells(rec.cls):
-                    reuse[c] += w
-                    gaps[c] += wg
-            hist.move_to_end(key)
-            uses = rec.uses + 1
-            ub = 1 if uses == 2 else (2 if uses <= 4 else 3)
-        else:
-            uses = 1
-            ub = 0
-        cls = (
-            ((ub * _OUT_B + out) * _TAIL_B + (_TAIL_OF[tail] if tail < 6 else 4))
-            * _HIT_B + hit
-        ) * _LEN_B + length
-        self._scale = w = self._scale / decay
-        access = self._access
-        for c in _cells(cls):
-            access[c] += w
-        if rec is None:
-            hist[key] = _Rec(uses, cls, tick, w, stored)
-            if len(hist) > self._history:
-                hist.popitem(last=False)
-        else:
-            rec.uses = uses
-            rec.cls = cls
-            rec.last = tick
-            rec.w = w
-            rec.stored = stored
-        self.tick = tick + 1
-        cache_at = self._cache_at = self._cache_at + 1
-        if cache_at >= 256:
-            self._cache_at = 0
-            self._cache.clear()
-            if self._scale > 1e200:
-                self._renormalise()
+    def _reused_in_time(self, last: int, tick: int) -> bool:
+        """OPTgen's label in place of "within the horizon" (see ``opt_hit``)."""
+        return self.opt_hit(last, tick)
 
 
 @register_eviction_policy("hindsight")

@@ -220,6 +220,12 @@ class WorkloadStats:
                 self._reference(key, HIT_UNKNOWN, n - 1 - depth, length, out, True)
 
     # ---------------------------------------------------------------- bookkeeping
+    def _reused_in_time(self, last: int, tick: int) -> bool:
+        """The label a reuse teaches: the block referenced at ``last`` came back at
+        ``tick`` soon enough to count (here: within the horizon; ``HindsightStats``: the
+        optimal cache of the tier's size would have hit it)."""
+        return tick - last <= self.horizon
+
     def _reference(
         self, key: Key, hit: int, tail: int, length: int, out: int, stored: bool
     ) -> None:
@@ -233,7 +239,7 @@ class WorkloadStats:
             rec.tried = rec.tried * fade + 1.0
             rec.reused *= fade
             rec.gaps *= fade
-            if gap <= self.horizon:  # the previous reference was reused in time
+            if self._reused_in_time(rec.last, tick):  # the previous reference counts
                 rec.reused += 1.0
                 rec.gaps += gap
                 w = rec.w
