@@ -81,6 +81,7 @@ class Eviction(Choice):
     LRU = "lru"
     LFU = "lfu"
     COST = "cost"
+    HINDSIGHT = "hindsight"
 
 
 class PrefetchWait(Choice):

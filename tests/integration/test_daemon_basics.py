@@ -204,3 +204,26 @@ def test_a_report_sent_without_waiting_lands_and_its_reply_is_skipped(
     engine = c.stats()["connector"]
     assert engine["running"] == 7 and engine["lookups_without_round_trip"] == 5
     c.close()
+
+
+def test_hindsight_eviction_runs_in_the_daemon(daemon_factory) -> None:
+    """``--eviction hindsight`` (the mode ``adaptive`` starts in) as the fixed policy: the
+    arena overflows, OPTgen learns the tier's size at the first eviction, every block is
+    still served exactly, from the arena or nvme."""
+    d = daemon_factory(cpu_bytes="4MiB", nvme_bytes="64MiB",
+                       extra_args=["--eviction", "hindsight"]).start()
+    c = connect(d.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = block_keys(ns, np.arange(64 * 300))  # 300 x 32 KiB > 4 MiB arena
+    for i in range(0, len(keys), 30):           # prompts of 30 blocks, then a re-read
+        chunk = keys[i:i + 30]
+        assert c.put(ns, chunk, [block_bytes_for(k, LAYOUT.block_bytes) for k in chunk]) == 30
+        assert c.lookup(ns, keys[:10]).hits == 10
+    stats = c.stats()
+    assert stats["tiers"]["cpu"]["evictions"]["capacity"] > 0
+    outs = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in range(40)]
+    assert c.lookup(ns, keys[:40]).hits == 40
+    assert c.get(ns, keys[:40], outs) == 40
+    for k, out in zip(keys[:40], outs, strict=True):
+        assert np.array_equal(out, block_bytes_for(k, LAYOUT.block_bytes))
+    c.close()
