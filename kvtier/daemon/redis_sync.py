@@ -9,10 +9,11 @@ for exactly those SETs' replies (``RedisTier.written``): an OK is the confirmati
 queue drain and no probe after it. Blocks of the put's chain that were stored before (their
 slots were skipped at prepare) and that this daemon has no recent write of are confirmed
 with one namespace-checked probe; those Redis lacks are sent too when they are in the
-arena. All of it is bounded by the caller's timeout (at most ``MAX_SYNC_S``); a sync that
-ends short of the whole chain (timeout, tier down, a block only on nvme) is counted in
-``gave_up``. Writes queued before ours still go first (the queue is FIFO), so a busy queue
-delays a sync, but writes queued after it do not.
+arena; while the tier is healing (a master died and its replica is being promoted), the
+sync waits for it and sends again. All of it is bounded by the caller's timeout (at most
+``MAX_SYNC_S``); a sync that ends short of the whole chain (timeout, tier down, a block only
+on nvme) is counted in ``gave_up``. Writes queued before ours still go first (the queue is
+FIFO), so a busy queue delays a sync, but writes queued after it do not.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvtier.store.transfers import Transfer
 from kvtier.tiers.base import TierName
 
 MAX_SYNC_S = 60.0
+HEAL_POLL_S = 0.05   # how often a sync waiting for a healing tier looks again
 
 
 @dataclass(slots=True)
@@ -61,11 +63,12 @@ class RedisSync:
         ended since then confirms it without asking Redis."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        confirmed = [0]   # leading blocks confirmed so far: what a timeout reports
         try:
             async with asyncio.timeout(min(max(timeout_s, 0.0), MAX_SYNC_S)):
-                result = await self._sync(digest, chain, fresh, since)
+                result = await self._sync(digest, chain, fresh, since, confirmed)
         except TimeoutError:
-            result = SyncResult(0, False, "timeout")
+            result = SyncResult(confirmed[0], False, "timeout")
         c = self.counters
         c.commits += 1
         c.blocks += result.visible
@@ -76,7 +79,7 @@ class RedisSync:
         return result
 
     async def _sync(self, digest: bytes, chain: list[bytes], fresh: list[BlockMeta],
-                    since: float) -> SyncResult:
+                    since: float, confirmed: list[int]) -> SyncResult:
         store, tier = self.store, self.store.redis
         if tier is None:
             return SyncResult(0, not chain, "off")
@@ -86,13 +89,21 @@ class RedisSync:
             return SyncResult(0, False, "down")
         if not store.redis_write_through:   # the commit queued nothing: send them now
             await self._send([m for m in fresh if store.index.get(m.key) is m])
-        visible = await self._confirmed(chain, digest, since)
-        if visible < len(chain):
-            # blocks of the chain stored before this put (skipped at prepare) that Redis
-            # lacks, e.g. written while it was down or evicted there: send what the arena has
+        visible = confirmed[0] = await self._confirmed(chain, digest, since)
+        while visible < len(chain):
+            # blocks of the chain that Redis lacks: stored before this put (skipped at
+            # prepare) and written while it was down or evicted there, or a write that met
+            # a master that had just died. Send what the arena has again; while the tier is
+            # healing (a failed server, unserved slots: a replica is being promoted), wait
+            # for it and try again, within the caller's bound.
             tail = [store.index.get(k) for k in chain[visible:]]
             await self._send([m for m in tail if m is not None and m.namespace == digest])
             visible += await self._confirmed(chain[visible:], digest, since)
+            confirmed[0] = visible
+            if visible == len(chain) or not tier.healing:
+                break
+            while tier.healing and tier.up:
+                await asyncio.sleep(HEAL_POLL_S)
         if visible == len(chain):
             return SyncResult(visible, True, "ok")
         return SyncResult(visible, False, "missing" if tier.up else "down")

@@ -65,6 +65,9 @@ class RedisPort(Tier, Protocol):
 
     async def written(self, keys: Sequence[bytes], since: float) -> list[bool | None]: ...
 
+    @property
+    def healing(self) -> bool: ...
+
 
 class HbmPort(Tier, Protocol):
     """Device slots of the HBM pool (``HbmTier``; a host-memory fake in tests)."""

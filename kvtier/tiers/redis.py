@@ -133,6 +133,12 @@ class RedisTier(RedisReads):
     def up(self) -> bool:
         return self._up
 
+    @property
+    def healing(self) -> bool:
+        """Up, with a server out of the routing or slots no live server serves (a master
+        died; its replica is being promoted, or the slot map is being reloaded)."""
+        return self._up and (bool(self._router.failed) or self._router.unserved_slots() > 0)
+
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -169,3 +169,41 @@ def test_own_writes_confirm_the_sync_without_a_probe(
     assert cb.prefix_locality(ns, np.arange(10 * 64)).redis_blocks == 10
     cb.close()
     c.close()
+
+
+def test_a_sync_that_meets_a_dead_master_waits_for_the_failover(
+        tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A master dies between two synchronous commits: the next commit's SETs to it fail,
+    the tier takes it out of the routing and reloads the slot map, and the commit waits
+    for its replica's promotion (within its bound) and sends again: the whole chain is in
+    Redis when it answers, nothing given up."""
+    from tests.support.redis_servers import running_cluster
+
+    with running_cluster(tmp_path / "cluster", 3, replicas=1, node_timeout_ms=500,
+                         extra_args=("--cluster-require-full-coverage", "no")) as cluster:
+        env = {"KVTIER_REDIS_OP_TIMEOUT_S": "1.0", "KVTIER_REDIS_CONNECT_TIMEOUT_S": "0.5",
+               "KVTIER_REDIS_LOOKUP_BUDGET_S": "2.0"}
+        a = daemon_factory("a", extra_args=["--redis-url", cluster.url], env=env).start()
+        c = connect(a.socket)
+        ns = c.register_layout(LAYOUT, "m")
+        first = block_keys(ns, np.arange(12 * 64))
+        assert write(c, ns, first, 10.0)[:3] == (12, 12, True)
+        for master in cluster.nodes:   # the first chain is on the replicas too
+            with contextlib.closing(master.client()) as admin:
+                assert admin.execute_command("WAIT", 1, 5000) == 1
+        cluster.nodes[0].kill()
+        second = block_keys(ns, np.arange(24 * 64) + 10_000_000)   # over every master
+        stored, visible, synced, took = write(c, ns, second, 20.0)
+        assert (stored, visible, synced) == (24, 24, True), (visible, took)
+        stats = sync_stats(a)
+        assert stats["gave_up"] == 0 and stats["commits"] == 2
+        held = 0
+        for node in cluster.all_nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            with contextlib.closing(node.client()) as admin:
+                if admin.execute_command("ROLE")[0] in (b"master", "master"):
+                    held += int(admin.dbsize())
+        assert held == 12 + 24
+        print(f"\nsync commit across a failover: {took:.2f} s (cluster-node-timeout 500 ms)")
+        c.close()
