@@ -256,7 +256,7 @@ class RedisTier(RedisReads):
         """Per key, once its newest queued write is over: True if Redis stored it, False
         if it failed or was dropped; None when no write of the key is pending or ended at
         or after ``since`` (``time.monotonic()``): only Redis can tell (``exists_prefix``)."""
-        return await self._outcomes.wait([self._rkey(k) for k in keys], since)
+        return await self._outcomes.wait([self._rkey(k) for k in keys], since, up=self._up)
 
     async def delete(self, keys: Sequence[bytes], *, namespace: bytes | None = None) -> int:
         """Delete blocks from Redis; returns how many existed. 0 while down or on error.

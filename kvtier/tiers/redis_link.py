@@ -240,6 +240,7 @@ class RedisLink:
         self._up = False
         self._progress.set()
         self.counters.dropped_writes += self._queue.drop_borrowed()
+        self._outcomes.give_up_waiting()   # what is still queued waits for the tier
         self._router.drop_pools()
         log.warning("redis tier down (%s): %s", self._target.display, self.last_error)
         self._start_reconnect()

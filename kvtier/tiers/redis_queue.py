@@ -211,25 +211,35 @@ class WriteOutcomes:
             if not fut.done():
                 fut.set_result(item.ok)
 
-    async def wait(self, rkeys: Sequence[bytes], since: float) -> list[bool | None]:
+    def give_up_waiting(self) -> None:
+        """The tier went down: every ``wait`` answers now (False for a write still queued,
+        which waits for the tier to come back) instead of hanging until it does."""
+        waiters, self._waiters = self._waiters, {}
+        for futs in waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(False)
+
+    async def wait(self, rkeys: Sequence[bytes], since: float, *,
+                   up: bool = True) -> list[bool | None]:
         """Per key: True once its newest write was stored, False when that write failed
-        or was dropped, None when no write of it is pending or ended at or after ``since``
-        (``time.monotonic()``): older answers may no longer hold (a TTL, an eviction in
-        Redis), so only Redis can tell."""
+        or was dropped, None when no write of it is pending and none ended at or after
+        ``since`` (``time.monotonic()``): an older answer may no longer hold (a TTL, an
+        eviction in Redis), so only Redis can tell. While the tier is down (``up`` False)
+        a pending write answers False at once."""
         loop = asyncio.get_running_loop()
-        futs: list[asyncio.Future[bool] | None] = []
-        for key in rkeys:
-            if key in self._pending:
-                waiter: asyncio.Future[bool] = loop.create_future()
-                self._waiters.setdefault(key, []).append(waiter)
-                futs.append(waiter)
-            else:
-                futs.append(None)
+        waiting: dict[int, asyncio.Future[bool]] = {}
         out: list[bool | None] = []
-        for key, fut in zip(rkeys, futs, strict=True):
-            if fut is not None:
-                out.append(await fut)
-                continue
-            ok, ended = self._recent.get(key, (False, -1.0))
-            out.append(ok if ended >= since else None)
+        for i, key in enumerate(rkeys):
+            if key in self._pending:
+                if up:
+                    waiter: asyncio.Future[bool] = loop.create_future()
+                    self._waiters.setdefault(key, []).append(waiter)
+                    waiting[i] = waiter
+                out.append(False)   # the write's reply replaces it below
+            else:
+                ok, ended = self._recent.get(key, (False, -1.0))
+                out.append(ok if ended >= since else None)
+        for i, waiter in waiting.items():
+            out[i] = await waiter
         return out

@@ -104,7 +104,8 @@ def test_down_or_stalled_redis_bounds_the_commit_and_counts(
     # Redis gone: answered at once, counted
     redis_server.kill()
     stored, visible, synced, took = write(c, ns, keys[4:8], 2.0)
-    assert stored == 4 and synced is False and took < 2.5
+    # at once, not at its 2 s bound: nothing can be written while the tier is down
+    assert stored == 4 and synced is False and took < 1.0, took
     stats = sync_stats(a)
     assert stats["commits"] == 2 and stats["gave_up"] == 2
     assert sum(stats["gave_up_by_reason"].values()) == 2

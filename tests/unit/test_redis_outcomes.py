@@ -78,3 +78,16 @@ async def test_a_cancelled_wait_leaves_the_write_alone() -> None:
             await out.wait([b"k"], 0.0)
     settle(w, True)
     assert await out.wait([b"k"], 0.0) == [True]
+
+
+async def test_a_down_tier_answers_at_once() -> None:
+    out = WriteOutcomes()
+    w = item(b"k")
+    out.track(w)
+    assert await out.wait([b"k"], 0.0, up=False) == [False]   # queued until it is back
+    waiting = asyncio.ensure_future(out.wait([b"k"], 0.0))
+    await asyncio.sleep(0)
+    out.give_up_waiting()                                      # the tier went down
+    assert await waiting == [False]
+    settle(w, True)                                            # written once it came back
+    assert await out.wait([b"k"], 0.0) == [True]
