@@ -10,10 +10,12 @@ queue drain and no probe after it. Blocks of the put's chain that were stored be
 slots were skipped at prepare) and that this daemon has no recent write of are confirmed
 with one namespace-checked probe; those Redis lacks are sent too when they are in the
 arena; while the tier is healing (a master died and its replica is being promoted), the
-sync waits for it and sends again. All of it is bounded by the caller's timeout (at most
-``MAX_SYNC_S``); a sync that ends short of the whole chain (timeout, tier down, a block only
-on nvme) is counted in ``gave_up``. Writes queued before ours still go first (the queue is
-FIFO), so a busy queue delays a sync, but writes queued after it do not.
+sync waits for it and sends again (once per outage: when a sync waited one out in vain,
+later ones give up at once, as a slot may stay lost for good). All of it is bounded by the
+caller's timeout (at most ``MAX_SYNC_S``); a sync that ends short of the whole chain
+(timeout, tier down, a block only on nvme) is counted in ``gave_up``. Writes queued before
+ours still go first (the queue is FIFO), so a busy queue delays a sync, but writes queued
+after it do not.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ class RedisSyncCounters:
     reasons: dict[str, int] = field(default_factory=dict)  # gave_up by reason
 
 
+@dataclass(slots=True)
+class _Progress:
+    """How far one sync got: what a timeout reports, and the outage it is waiting out."""
+
+    visible: int = 0
+    waiting_on: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class SyncResult:
     visible: int     # leading blocks of the chain confirmed in Redis
@@ -55,6 +65,9 @@ class RedisSync:
     def __init__(self, store: TieredStore) -> None:
         self.store = store
         self.counters = RedisSyncCounters()
+        # an outage (RedisTier.healing_since) that already cost a sync its whole bound:
+        # later syncs do not wait for it again (a slot may stay lost for good)
+        self._waited_out: float | None = None
 
     async def sync(self, digest: bytes, chain: list[bytes], fresh: list[BlockMeta],
                    timeout_s: float, since: float) -> SyncResult:
@@ -63,12 +76,14 @@ class RedisSync:
         ended since then confirms it without asking Redis."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        confirmed = [0]   # leading blocks confirmed so far: what a timeout reports
+        progress = _Progress()
         try:
             async with asyncio.timeout(min(max(timeout_s, 0.0), MAX_SYNC_S)):
-                result = await self._sync(digest, chain, fresh, since, confirmed)
+                result = await self._sync(digest, chain, fresh, since, progress)
         except TimeoutError:
-            result = SyncResult(confirmed[0], False, "timeout")
+            result = SyncResult(progress.visible, False, "timeout")
+            if progress.waiting_on is not None:
+                self._waited_out = progress.waiting_on
         c = self.counters
         c.commits += 1
         c.blocks += result.visible
@@ -79,7 +94,7 @@ class RedisSync:
         return result
 
     async def _sync(self, digest: bytes, chain: list[bytes], fresh: list[BlockMeta],
-                    since: float, confirmed: list[int]) -> SyncResult:
+                    since: float, progress: _Progress) -> SyncResult:
         store, tier = self.store, self.store.redis
         if tier is None:
             return SyncResult(0, not chain, "off")
@@ -89,21 +104,25 @@ class RedisSync:
             return SyncResult(0, False, "down")
         if not store.redis_write_through:   # the commit queued nothing: send them now
             await self._send([m for m in fresh if store.index.get(m.key) is m])
-        visible = confirmed[0] = await self._confirmed(chain, digest, since)
+        visible = progress.visible = await self._confirmed(chain, digest, since)
         while visible < len(chain):
             # blocks of the chain that Redis lacks: stored before this put (skipped at
             # prepare) and written while it was down or evicted there, or a write that met
             # a master that had just died. Send what the arena has again; while the tier is
             # healing (a failed server, unserved slots: a replica is being promoted), wait
-            # for it and try again, within the caller's bound.
+            # for it and try again, within the caller's bound, unless an earlier sync
+            # already waited this outage out in vain.
             tail = [store.index.get(k) for k in chain[visible:]]
             await self._send([m for m in tail if m is not None and m.namespace == digest])
             visible += await self._confirmed(chain[visible:], digest, since)
-            confirmed[0] = visible
-            if visible == len(chain) or not tier.healing:
+            progress.visible = visible
+            outage = tier.healing_since
+            if visible == len(chain) or outage is None or outage == self._waited_out:
                 break
-            while tier.healing and tier.up:
+            progress.waiting_on = outage
+            while tier.healing_since == outage:
                 await asyncio.sleep(HEAL_POLL_S)
+            progress.waiting_on = None
         if visible == len(chain):
             return SyncResult(visible, True, "ok")
         return SyncResult(visible, False, "missing" if tier.up else "down")

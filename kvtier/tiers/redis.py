@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -134,10 +135,13 @@ class RedisTier(RedisReads):
         return self._up
 
     @property
-    def healing(self) -> bool:
-        """Up, with a server out of the routing or slots no live server serves (a master
-        died; its replica is being promoted, or the slot map is being reloaded)."""
-        return self._up and (bool(self._router.failed) or self._router.unserved_slots() > 0)
+    def healing_since(self) -> float | None:
+        """While up with a server out of the routing or slots no live server serves (a
+        master died; its replica is being promoted, or the slot map is being reloaded):
+        when that began (``time.monotonic()``, one value per outage); else None."""
+        if not self._up or not (self._router.failed or self._router.unserved_slots()):
+            return None
+        return self._unserved_since or 0.0   # set when a server failed or at a partial start
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -159,6 +163,7 @@ class RedisTier(RedisReads):
             self._set_up()
             log.info("redis tier up: %s", self._target.display)
             if reach is Reach.PARTIAL:
+                self._unserved_since = time.monotonic()
                 self._start_reconnect()
         self._writer = asyncio.create_task(self._write_loop(), name="kvtier-redis-writer")
         self._monitor = asyncio.create_task(self._monitor_loop(), name="kvtier-redis-health")

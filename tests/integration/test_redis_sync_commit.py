@@ -208,3 +208,30 @@ def test_a_sync_that_meets_a_dead_master_waits_for_the_failover(
         assert held == 12 + 24
         print(f"\nsync commit across a failover: {took:.2f} s (cluster-node-timeout 500 ms)")
         c.close()
+
+
+def test_a_slot_lost_for_good_costs_one_sync_its_bound_not_every_sync(
+        tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A master without a replica dies: its slots stay unserved. The first commit that
+    meets it waits for a heal that never comes (its whole bound, reason "timeout"); later
+    commits during the same outage give up at once ("missing") instead of each paying the
+    bound again."""
+    from tests.support.redis_servers import running_cluster
+
+    with running_cluster(tmp_path / "cluster", 3, node_timeout_ms=500,
+                         extra_args=("--cluster-require-full-coverage", "no")) as cluster:
+        env = {"KVTIER_REDIS_OP_TIMEOUT_S": "1.0", "KVTIER_REDIS_CONNECT_TIMEOUT_S": "0.5"}
+        a = daemon_factory("a", extra_args=["--redis-url", cluster.url], env=env).start()
+        c = connect(a.socket)
+        ns = c.register_layout(LAYOUT, "m")
+        assert write(c, ns, block_keys(ns, np.arange(12 * 64)), 10.0)[:3] == (12, 12, True)
+        cluster.nodes[0].kill()
+        second = block_keys(ns, np.arange(24 * 64) + 10_000_000)   # over every master
+        stored, _, synced, took = write(c, ns, second, 1.5)
+        assert stored == 24 and synced is False and took >= 1.4, took
+        third = block_keys(ns, np.arange(24 * 64) + 20_000_000)
+        stored, _, synced, took = write(c, ns, third, 1.5)
+        assert stored == 24 and synced is False and took < 0.75, took
+        reasons = sync_stats(a)["gave_up_by_reason"]
+        assert reasons == {"timeout": 1, "missing": 1}, reasons
+        c.close()
