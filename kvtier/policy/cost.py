@@ -169,18 +169,18 @@ class CostPolicy:
                 p *= life / gap
                 gap = life
             value = saved * p * life / (p * gap + (1.0 - p) * life)
-        entry.prio = prio = self._level + value / self._unit
-        order = self._uses = self._uses + 1
-        entry.order = order
+        self._place(entry, value)
+
+    def _place(self, entry: _Entry, value: float) -> None:
+        """GreedyDual: ``entry``'s priority is the water level plus its value (in units of
+        the cheapest block); an evictable leaf joins the heap."""
+        entry.prio = self._level + value / self._unit
+        entry.order = self._uses = self._uses + 1
+        stats = self._stats
         if stats is not None:
             entry.at = stats.tick
         if entry.children == 0 and not entry.pinned:
-            seq = self._seq = self._seq + 1
-            entry.seq = seq
-            heap = self._heap
-            heapq.heappush(heap, (prio, order, seq, entry))
-            if len(heap) > 2 * len(self._entries) + 1024:
-                self._compact()
+            self._push(entry)
 
     def _push(self, entry: _Entry) -> None:
         seq = self._seq = self._seq + 1

@@ -27,8 +27,6 @@ with a window of 2-4 capacities it hits 1.20x LRU's tokens at 5% of the unique b
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
 from kvtier.policy.base import Key, register_eviction_policy
@@ -147,20 +145,4 @@ class HindsightPolicy(CostPolicy):
         return entry.saved * stats.reuse_estimate(entry.key)[0]
 
     def _schedule(self, entry: _Entry) -> None:
-        stats = self._stats
-        saved = entry.saved
-        if stats is None:
-            value = 0.5 * saved
-        else:
-            value = saved * stats.reuse_estimate(entry.key)[0]
-            entry.at = stats.tick
-        entry.prio = prio = self._level + value / self._unit
-        order = self._uses = self._uses + 1
-        entry.order = order
-        if entry.children == 0 and not entry.pinned:
-            seq = self._seq = self._seq + 1
-            entry.seq = seq
-            heap = self._heap
-            heapq.heappush(heap, (prio, order, seq, entry))
-            if len(heap) > 2 * len(self._entries) + 1024:
-                self._compact()
+        self._place(entry, self._value(entry))

@@ -17,7 +17,6 @@ from kvtier.layout import KVLayout
 from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S
 from tests.e2e.vllm_engine import ENGINE_ENV, TOKENS_PER_BLOCK, kv_transfer_config
 from tests.support.daemon import DaemonProcess
-from tests.support.redis_servers import LocalCluster
 
 RUNNER = Path(__file__).with_name("pd_engine.py")
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
@@ -85,14 +84,3 @@ def role_config(node: DaemonProcess, role: str) -> dict[str, Any]:
     cfg = kv_transfer_config(node.socket, redis_sync_timeout_s=5.0, timeout_s=8.0)
     cfg["kv_role"] = role
     return cfg
-
-
-def masters_dbsize(cluster: LocalCluster) -> int:
-    total = 0
-    for node in cluster.all_nodes:
-        if node.proc is None or node.proc.poll() is not None:
-            continue
-        with contextlib.closing(node.client()) as c:
-            if c.execute_command("ROLE")[0] in (b"master", "master"):
-                total += int(c.dbsize())
-    return total

@@ -49,21 +49,10 @@ def redis_stats(node: DaemonProcess) -> dict[str, Any]:
 def replicate(cluster: LocalCluster) -> None:
     """Every write so far reached the live masters' replicas (WAIT), so what a killed
     master held is on its promoted replica: the test then knows what must survive."""
-    for master in live_masters(cluster):
+    for master in cluster.live_masters():
         with contextlib.closing(master.client()) as c:
             if c.execute_command("ROLE")[2]:     # a master that still has a replica
                 assert c.execute_command("WAIT", 1, 5000) == 1
-
-
-def live_masters(cluster: LocalCluster) -> list[RedisServer]:
-    out = []
-    for node in cluster.all_nodes:
-        if node.proc is None or node.proc.poll() is not None:
-            continue
-        with contextlib.closing(node.client()) as c:
-            if c.execute_command("ROLE")[0] in (b"master", "master"):
-                out.append(node)
-    return out
 
 
 def kill_a_master(cluster: LocalCluster) -> tuple[RedisServer, float]:
@@ -72,7 +61,7 @@ def kill_a_master(cluster: LocalCluster) -> tuple[RedisServer, float]:
     def keys_of(node: RedisServer) -> int:
         with contextlib.closing(node.client()) as c:
             return int(c.dbsize()) if c.execute_command("ROLE")[2] else -1
-    victim = max(live_masters(cluster), key=keys_of)
+    victim = max(cluster.live_masters(), key=keys_of)
     assert keys_of(victim) > 0, "no master with keys and a replica to kill"
     victim.kill()
     return victim, time.monotonic()

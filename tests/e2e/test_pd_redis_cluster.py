@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.pd_support import masters_dbsize, role_config, run_pd_engine
+from tests.e2e.pd_support import role_config, run_pd_engine
 from tests.e2e.vllm_engine import MAX_TOKENS, TOKENS_PER_BLOCK, prompt
 from tests.support.daemon import DaemonProcess
 from tests.support.redis_servers import LocalCluster, start_cluster
@@ -75,7 +75,7 @@ def test_consumer_decodes_exactly_from_the_producers_kv(
         assert tokens == want[:1] and cached == 0
         assert seen == len(p) // TOKENS_PER_BLOCK, "blocks not in Redis at request end"
     assert prod_counters.get("redis_sync_gave_up", 0) == 0
-    in_redis = masters_dbsize(cluster)
+    in_redis = cluster.keys_held()
     assert in_redis == 2 * 4   # 4 blocks of each prompt, nothing else
 
     # decode on node B: exact tokens, only what the producer did not save is computed
@@ -86,6 +86,6 @@ def test_consumer_decodes_exactly_from_the_producers_kv(
                                         2 * TOKENS_PER_BLOCK]
     stats_b = node_b.stats()
     assert stats_b["requests"]["put_blocks"] == 0          # a consumer never saves
-    assert masters_dbsize(cluster) == in_redis
+    assert cluster.keys_held() == in_redis
     synced = node_a.stats()["daemon"]["redis_sync"]
     assert synced["commits"] >= 2 and synced["blocks"] >= 8 and synced["gave_up"] == 0

@@ -212,6 +212,25 @@ class LocalCluster:
                 continue
         raise RuntimeError(f"no live cluster node knows slot {slot}")
 
+    def live_masters(self) -> list[RedisServer]:
+        """The running nodes that are masters now (a promoted replica included)."""
+        out = []
+        for node in self.all_nodes:
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            with contextlib.closing(node.client()) as c:
+                if c.execute_command("ROLE")[0] in (b"master", "master"):
+                    out.append(node)
+        return out
+
+    def keys_held(self) -> int:
+        """Keys on the live masters (each key once: replicas are not counted)."""
+        total = 0
+        for node in self.live_masters():
+            with contextlib.closing(node.client()) as c:
+                total += int(c.dbsize())
+        return total
+
     def stop(self) -> None:
         for node in self.all_nodes:
             node.stop()
