@@ -228,9 +228,11 @@ class RedisConfig:
     codec: RedisCodec = RedisCodec.NONE
     write_through: bool = False           # also write puts through (not only demotions)
     write_queue_blocks: Count = 256       # bounded write-behind queue; full: drop oldest
-    max_inflight: Count = 8               # bounded concurrent pipelines ...
+    max_inflight: Count = 8               # GET pipelines in flight per read ...
     inflight_bytes_per_server: ByteSize = ByteSize(8 * 2**20)  # GETs in flight per live
     #                                       server: about this many bytes, >= 2 pipelines
+    write_inflight: Count = 1             # SET pipelines in flight (each spread over the
+    #                                       servers): Redis ingests fastest from one
     connect_timeout_s: Seconds = 1.0
     op_timeout_s: Seconds = 2.0
     lookup_budget_s: Seconds = 0.1        # Redis part of a lookup/get on the request path:

@@ -63,7 +63,7 @@ class RedisLink:
         self._ttl = cfg.ttl_s if cfg.ttl_s > 0 else None
         self._queue = WriteQueue(cfg.write_queue_blocks)
         self._outcomes = WriteOutcomes()       # per key: is its newest write in Redis
-        self._inflight = asyncio.Semaphore(max(1, cfg.max_inflight))
+        self._inflight = asyncio.Semaphore(max(1, cfg.write_inflight))   # SET batches
         self._writing = 0                      # SET batches in flight
         self._wake = asyncio.Event()           # queue non-empty, or the tier came up
         self._progress = asyncio.Event()       # a batch finished or `up` changed
