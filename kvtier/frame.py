@@ -12,6 +12,13 @@ tag is the first 8 bytes of the parent's key (``parent_tag``). A restarted daemo
 drop frames no chain head leads to. Frames written before (flags 0, the field was reserved
 and zero) read as "position unknown", and readers that ignore the flags read new frames.
 
+Striped (``FLAG_STRIPED``, same format version; only the Redis tier writes them): the payload
+of a block of 8 MiB or more is stored as 4 MiB stripes, the first after the header under the block's
+Redis key, stripe i (i >= 1) under that key + ``:i`` (``kvtier.tiers.redis_stripes``): Redis
+serves values of 32 MiB and more several times slower than smaller ones. The header and its
+payload checksum cover the whole payload as before. Readers that do not know the flag see a
+value shorter than ``payload_len`` and take it for a corrupt frame (a miss).
+
 The header checks itself, so a torn or overwritten header is detected before any
 payload is trusted; the payload checksum covers the stored (encoded) bytes, so
 corruption is caught before decoding. A frame failing any check is a miss, never data.
@@ -35,6 +42,9 @@ HEADER_SIZE = _STRUCT.size + _HEADER_CHECK.size  # 96 bytes
 MAX_PAYLOAD = 1 << 36  # 64 GiB: anything larger is a corrupt length, not a block
 FLAG_CHAIN = 1         # parent_tag/FLAG_PARENT are meaningful
 FLAG_PARENT = 2        # the block has a parent in its chain
+FLAG_STRIPED = 4       # the payload continues in stripes under other keys (Redis)
+STRIPE_BYTES = 4 << 20          # a striped payload's stripes (the last may be shorter)
+STRIPED_MIN_BYTES = 8 << 20     # blocks of at least this many raw bytes are striped
 
 
 def parent_tag(key: bytes) -> int:
@@ -122,6 +132,12 @@ class FrameHeader:
                 f"payload length {len(payload)} differs from header {self.payload_len}")
         if payload_checksum(payload) != self.checksum:
             raise ChecksumError("payload checksum mismatch")
+
+
+def stripe_bounds(payload_len: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each stripe of a striped payload: stripe 0 follows the header."""
+    return [(lo, min(lo + STRIPE_BYTES, payload_len))
+            for lo in range(0, max(payload_len, 1), STRIPE_BYTES)]
 
 
 def make_header(namespace: bytes, key: bytes, layout_fp: int, payload: bytes | memoryview,

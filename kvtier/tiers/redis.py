@@ -50,11 +50,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from kvtier import codec as codecs
+from kvtier.errors import FrameError
+from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, FrameHeader
 from kvtier.tiers.base import EvictionReason, TierName
-from kvtier.tiers.redis_blocks import write_blocks
+from kvtier.tiers.redis_blocks import WireSet, write_blocks
 from kvtier.tiers.redis_link import (
     CLUSTER_REDIRECTS,
     DOWN_AFTER_FAILURES,
@@ -65,7 +68,7 @@ from kvtier.tiers.redis_link import (
     _describe,
     log,
 )
-from kvtier.tiers.redis_queue import OnChecksum, PendingWrite, Release
+from kvtier.tiers.redis_queue import OnChecksum, PendingWrite, Release, frame_pending
 from kvtier.tiers.redis_reads import (
     EXISTS_BATCH,
     GET_BATCH_BYTES,
@@ -75,6 +78,7 @@ from kvtier.tiers.redis_reads import (
     RedisReads,
 )
 from kvtier.tiers.redis_route import Reach
+from kvtier.tiers.redis_stripes import part_keys, stripe_sets
 from kvtier.tiers.redis_wire import Conn, ErrorReply, command
 
 __all__ = [
@@ -277,19 +281,31 @@ class RedisTier(RedisReads):
         if not keys or not self._up:
             return 0
         rkeys = [self._rkey(k) for k in keys]
-        if namespace is not None:
-            probed = await self._probe(rkeys, namespace)
-            if any(isinstance(r, ErrorReply) for r in probed):
-                self._error_reply(next(r for r in probed if isinstance(r, ErrorReply)))
-            rkeys = [k for k, r in zip(rkeys, probed, strict=True)
-                     if isinstance(r, bytes) and self._present(r, namespace)]
-            if not rkeys:
-                return 0
+        stripes: list[bytes] = []   # of striped blocks (their headers say how many)
+        heads = await self._per_server(rkeys, lambda conn, idx: conn.simple_many(
+            [command(b"GETRANGE", rkeys[i], b"0", b"%d" % (HEADER_SIZE - 1)) for i in idx]))
+        if any(isinstance(r, ErrorReply) for r in heads):
+            self._error_reply(next(r for r in heads if isinstance(r, ErrorReply)))
+        mine: list[bytes] = []
+        for rkey, head in zip(rkeys, heads, strict=True):
+            if namespace is not None and not (
+                    isinstance(head, bytes) and self._present(head[NS_OFFSET:NS_END + 1],
+                                                              namespace)):
+                continue   # absent, or another namespace's frame: kept
+            mine.append(rkey)
+            with contextlib.suppress(FrameError):
+                if isinstance(head, bytes) and head:
+                    header = FrameHeader.unpack(head)
+                    if header.flags & FLAG_STRIPED:
+                        stripes += part_keys(rkey, header)
+        if not mine:
+            return 0
+        rkeys, every = mine, mine + stripes
 
         def delete(conn: Conn, idx: list[int]) -> list[Any]:
-            return conn.simple_many([command(b"DEL", rkeys[i]) for i in idx])
+            return conn.simple_many([command(b"DEL", every[i]) for i in idx])
 
-        replies = await self._per_server(rkeys, delete)
+        replies = (await self._per_server(every, delete))[:len(rkeys)]   # blocks: heads
         n = sum(r for r in replies if isinstance(r, int) and not isinstance(r, bool))
         if any(isinstance(r, ErrorReply) for r in replies):
             self._error_reply(next(r for r in replies if isinstance(r, ErrorReply)))
@@ -320,6 +336,16 @@ class RedisTier(RedisReads):
             "namespace_mismatches": self.namespace_mismatches,
         }
 
+    async def _send_sets(self, sets: list[WireSet]) -> list[Any]:
+        """One pipeline per server of ``sets``; a reply per entry (see ``_per_server``)."""
+        if not sets:
+            return []
+
+        def put(conn: Conn, idx: list[int]) -> list[Any]:
+            return write_blocks(conn, [sets[i] for i in idx], self._codec, self._ttl)
+
+        return await self._per_server([s[0] for s in sets], put, holds_buffers=True)
+
     async def _write_loop(self) -> None:
         while True:
             while not (self._queue and self._up):
@@ -335,14 +361,30 @@ class RedisTier(RedisReads):
 
     async def _write_batch(self, batch: list[PendingWrite]) -> None:
         try:
-            rkeys = [it.redis_key for it in batch]
-
-            def put(conn: Conn, idx: list[int]) -> list[Any]:
-                return write_blocks(conn, [batch[i] for i in idx], self._codec, self._ttl)
-
+            striped = [it for it in batch if it.striped]
+            sets: list[WireSet] = [(it.redis_key, it, None) for it in batch if not it.striped]
+            heads: list[WireSet] = []
+            if striped:   # framed first (in parallel, off the loop): stripes need the header
+                await asyncio.gather(*(self._in_thread(partial(frame_pending, it, self._codec))
+                                       for it in striped))
+                for it in striped:
+                    parts, (rkey, head) = stripe_sets(it)
+                    sets += [(key, it, data) for key, data in parts]
+                    heads.append((rkey, it, head))
+            replies = await self._send_sets(sets)
+            if heads:   # a head only once every stripe of its block is stored
+                failed = {id(it) for (_, it, _), r in zip(sets, replies, strict=True)
+                          if r != "OK"}
+                heads = [h for h in heads if id(h[1]) not in failed]
+                sets += heads
+                replies += await self._send_sets(heads)
             ok = True
-            replies = await self._per_server(rkeys, put, holds_buffers=True)
-            for item, reply in zip(batch, replies, strict=True):
+            result: dict[int, Any] = {}   # per block: "OK", or its first other reply
+            for (_, item, _), reply in zip(sets, replies, strict=True):
+                if result.get(id(item), "OK") == "OK":
+                    result[id(item)] = reply
+            for item in batch:
+                reply = result[id(item)]
                 item.ok = reply == "OK"
                 if not item.ok:
                     ok = False

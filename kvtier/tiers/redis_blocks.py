@@ -19,7 +19,7 @@ from typing import Any
 
 from kvtier import codec as codecs
 from kvtier.errors import FrameError
-from kvtier.frame import HEADER_SIZE, Codec, FrameHeader
+from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, STRIPE_BYTES, Codec, FrameHeader
 from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_queue import PendingWrite, frame_pending
 from kvtier.tiers.redis_wire import Conn, ErrorReply
@@ -71,6 +71,9 @@ class _Placer:
             self.reads[i] = verdict
             return None
         header = self.headers[i] = verdict
+        if header.flags & FLAG_STRIPED:   # the rest is in other keys: read as stripes
+            self.reads[i] = BlockRead(ReadStatus.MISSING, n, "striped frame read by GET")
+            return None
         if uncompressed(header):
             return out[:header.raw_len]
         buf = memoryview(bytearray(header.payload_len))
@@ -93,8 +96,10 @@ def judge_header(head: bytes, key: bytes, out_bytes: int, namespace: bytes, layo
         return BlockRead(ReadStatus.FOREIGN, wire, "frame holds another namespace")
     try:
         header.check(namespace, key, layout_fp)
-        if n is not None and header.payload_len != n - HEADER_SIZE:
-            raise FrameError(f"frame says {header.payload_len} payload bytes, value "
+        here = (min(header.payload_len, STRIPE_BYTES) if header.flags & FLAG_STRIPED
+                else header.payload_len)   # a striped frame's key holds stripe 0
+        if n is not None and here != n - HEADER_SIZE:
+            raise FrameError(f"frame says {here} payload bytes, value "
                              f"holds {n - HEADER_SIZE}")
     except FrameError as exc:
         return BlockRead(ReadStatus.CORRUPT, wire, str(exc))
@@ -148,14 +153,22 @@ def _finish(place: _Placer, i: int, wire: int) -> BlockRead:
     return BlockRead(ReadStatus.OK, wire, checksum=header.checksum if scratch is None else None)
 
 
-def write_blocks(conn: Conn, items: Sequence[PendingWrite], codec: Codec | codecs.AutoCodec,
+# One SET of a batch: its Redis key, the block it is for, and what it sends (None: the
+# block's whole frame, framed on the way out).
+WireSet = tuple[bytes, PendingWrite, tuple[bytes | memoryview, ...] | None]
+
+
+def write_blocks(conn: Conn, sets: Sequence[WireSet], codec: Codec | codecs.AutoCodec,
                  ttl_s: int | None) -> list[Any]:
-    """SET every item in one pipeline, each framed (with its own element width) just before
-    it is sent, so its checksum overlaps the server reading the ones before; one reply each."""
+    """SET every entry in one pipeline; a whole frame is framed (with its block's element
+    width) just before it is sent, so its checksum overlaps the server reading the ones
+    before; one reply each."""
     def parts_of(i: int) -> tuple[bytes | memoryview, ...]:
-        item = items[i]
+        _, item, parts = sets[i]
+        if parts is not None:
+            return parts
         if not item.parts:
             frame_pending(item, codec)
         return item.parts
 
-    return conn.set_many([it.redis_key for it in items], parts_of, ttl_s)
+    return conn.set_many([s[0] for s in sets], parts_of, ttl_s)

@@ -70,11 +70,11 @@ def checksum(payload: bytes | bytearray | memoryview) -> int:
 
 def header_for(namespace: bytes, key: bytes, layout_fp: int, payload: bytes | memoryview,
                *, raw_len: int | None = None, codec: Codec = Codec.NONE,
-               seq: int = 0) -> FrameHeader:
+               seq: int = 0, flags: int = 0) -> FrameHeader:
     """``kvtier.frame.make_header`` with the checksum computed here (same header)."""
     size = memoryview(payload).nbytes
     return FrameHeader(namespace, key, layout_fp, size, size if raw_len is None else raw_len,
-                       checksum(payload), codec, seq)
+                       checksum(payload), codec, seq, flags)
 
 
 def verify(header: FrameHeader, payload: bytes | memoryview) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier import codec as codecs
-from kvtier.frame import Codec
+from kvtier.frame import FLAG_STRIPED, STRIPED_MIN_BYTES, Codec
 from kvtier.tiers.redis_checksum import header_for
 
 Release = Callable[[], None]
@@ -71,6 +71,11 @@ class PendingWrite:
                    elem_bytes=elem_bytes, on_checksum=on_checksum)
 
     @property
+    def striped(self) -> bool:
+        """Whether the frame is stored in stripes (``kvtier.tiers.redis_stripes``)."""
+        return self.raw_len >= STRIPED_MIN_BYTES
+
+    @property
     def wire_len(self) -> int:
         return sum(memoryview(p).nbytes for p in self.parts)
 
@@ -99,6 +104,7 @@ def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec) -> None:
     body is a new buffer, so a borrowed payload could be released right after this.
     """
     raw, elem_bytes = item.payload, item.elem_bytes
+    flags = FLAG_STRIPED if item.striped else 0
     if isinstance(codec, codecs.AutoCodec):
         chosen, body = codec.encode(raw, elem_bytes)
     elif codec is Codec.NONE:
@@ -106,12 +112,13 @@ def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec) -> None:
     else:
         chosen, body = codec, codecs.encode(codec, raw, elem_bytes)
     if chosen is Codec.NONE:
-        header = header_for(item.namespace, item.key, item.layout_fp, raw, seq=item.seq)
+        header = header_for(item.namespace, item.key, item.layout_fp, raw, seq=item.seq,
+                            flags=flags)
         item.parts = (header.pack(), raw)
         item.checksum = header.checksum     # of the raw payload: its owner may reuse it
     else:
         header = header_for(item.namespace, item.key, item.layout_fp, body,
-                            raw_len=len(raw), codec=chosen, seq=item.seq)
+                            raw_len=len(raw), codec=chosen, seq=item.seq, flags=flags)
         item.parts = (header.pack(), body)
     item.codec = chosen
 

@@ -1,5 +1,9 @@
 """Reading one large block from Redis in parallel ranges (GETRANGE on several connections).
 
+Blocks of ``RANGED_MIN_BYTES`` or more are written striped now (kvtier.tiers.redis_stripes,
+read from here once the header says so); ranges serve frames stored whole (by an earlier
+kvtier).
+
 A Redis server writes a reply to one client at most 64 KiB per turn of its event loop
 (``NET_MAX_WRITES_PER_EVENT``, unless ``maxmemory`` is exceeded), so one GET of a 32 MiB
 value is paced by the server's loop, however fast the link. The same value read as
@@ -23,16 +27,17 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from kvtier.errors import FrameError
-from kvtier.frame import HEADER_SIZE
+from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, STRIPED_MIN_BYTES
 from kvtier.tiers.redis_blocks import BlockRead, ReadStatus, judge_header, uncompressed
 from kvtier.tiers.redis_checksum import verify
+from kvtier.tiers.redis_stripes import fetch_striped
 from kvtier.tiers.redis_wire import Conn, command
 
 if TYPE_CHECKING:
     from kvtier.tiers.redis_reads import RedisReads
 
-RANGED_MIN_BYTES = 8 << 20     # blocks at least this large are read in ranges ...
-RANGE_PART_BYTES = 4 << 20     # ... of about this size each
+RANGED_MIN_BYTES = STRIPED_MIN_BYTES   # blocks at least this large are read in ranges
+RANGE_PART_BYTES = 4 << 20             # ... of about this size each (or as stripes)
 
 
 def ranged(nbytes: int) -> bool:
@@ -53,6 +58,8 @@ async def fetch_ranged(tier: RedisReads, key: bytes, rkey: bytes, out: memoryvie
     if isinstance(verdict, BlockRead):   # a corrupt one is left to the GET, which deletes
         return None if verdict.status is ReadStatus.CORRUPT else verdict
     header = verdict
+    if header.flags & FLAG_STRIPED:   # the payload is in stripes, not in this value
+        return await fetch_striped(tier, rkey, header, out)
     if not uncompressed(header):
         return None
     payload = out[:header.raw_len]

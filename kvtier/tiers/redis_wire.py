@@ -343,6 +343,13 @@ class Conn:
                            b"%d" % (start + dest.nbytes - 1))])
         return self.read_value(0, 0, lambda _i, _head, n: dest if n == dest.nbytes else None)
 
+    def get_exact(self, key: bytes, dest: memoryview) -> int | ErrorReply | None:
+        """GET a value received straight into ``dest``; the value's length (``dest`` is
+        filled only when it is exact), None when missing."""
+        self.begin()
+        self.send([command(b"GET", key)])
+        return self.read_value(0, 0, lambda _i, _head, n: dest if n == dest.nbytes else None)
+
     def get_many(self, keys: Sequence[bytes], head: int, place: Placer) -> list[Any]:
         """Pipelined GETs; each value lands where ``place`` says (see ``read_value``)."""
         self.begin()

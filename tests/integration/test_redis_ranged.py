@@ -1,17 +1,19 @@
-"""Large blocks read from a real redis-server in parallel ranges (kvtier.tiers.redis_ranged):
-exact bytes, the verified checksum handed on, and every way a ranged read can go wrong
-ending as a plain GET would (corrupt frames deleted and zeroed, foreign ones left alone,
-compressed ones read whole)."""
+"""Large blocks stored whole (as kvtier wrote them before striping) read from a real
+redis-server in parallel ranges (kvtier.tiers.redis_ranged): exact bytes, the verified
+checksum handed on, and every way a ranged read can go wrong ending as a plain GET would
+(corrupt frames deleted and zeroed, foreign ones left alone, compressed ones read whole).
+Striped blocks, what kvtier writes now: tests/integration/test_redis_stripes.py."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from kvtier.frame import HEADER_SIZE, FrameHeader
+from kvtier import codec as codecs
+from kvtier.frame import HEADER_SIZE, Codec, FrameHeader, encode_frame, make_header
 from kvtier.tiers.redis_checksum import checksum
 from kvtier.tiers.redis_ranged import RANGE_PART_BYTES, RANGED_MIN_BYTES, ranged
 from tests.support.redis_servers import RedisServer
-from tests.support.redis_tier import LAYOUT_FP, NS, blocks, buffers, cfg_for, put_all, running
+from tests.support.redis_tier import LAYOUT_FP, NS, blocks, buffers, cfg_for, running
 
 SIZE = RANGED_MIN_BYTES + 3 * RANGE_PART_BYTES // 2 + 4096   # ranges of unequal sizes
 
@@ -20,12 +22,22 @@ def rkey(key: bytes) -> bytes:
     return b"kvtier:" + key.hex().encode()
 
 
+def put_whole(server: RedisServer, keys: list[bytes], data: list[bytes],
+              codec: Codec = Codec.NONE) -> None:
+    """Store each block as one frame under its key, as kvtier did before striping."""
+    admin = server.client()
+    for key, raw in zip(keys, data, strict=True):
+        body = raw if codec is Codec.NONE else codecs.encode(codec, memoryview(raw), 2)
+        header = make_header(NS, key, LAYOUT_FP, body, raw_len=len(raw), codec=codec)
+        admin.set(rkey(key), encode_frame(header, body))
+
+
 async def test_large_blocks_round_trip_in_ranges(redis_server: RedisServer) -> None:
     assert ranged(SIZE) and not ranged(RANGED_MIN_BYTES - 1)
     keys, data = blocks(3, size=SIZE, seed=7)
     admin = redis_server.client()
     async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
-        await put_all(tier, keys, data)
+        put_whole(redis_server, keys, data)
         admin.config_resetstat()
         outs = buffers(3, SIZE)
         sums: list[int | None] = [None] * 3
@@ -50,7 +62,7 @@ async def test_a_corrupt_large_frame_is_zeroed_counted_and_deleted(
     keys, data = blocks(1, size=SIZE, seed=8)
     admin = redis_server.client()
     async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
-        await put_all(tier, keys, data)
+        put_whole(redis_server, keys, data)
         admin.setrange(rkey(keys[0]), HEADER_SIZE + SIZE - 10, b"\xff\x00\xff")  # the tail
         out = buffers(1, SIZE)
         assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 0
@@ -63,7 +75,7 @@ async def test_a_frame_of_another_namespace_is_left_alone(redis_server: RedisSer
     keys, data = blocks(1, size=SIZE, seed=9)
     admin = redis_server.client()
     async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
-        await put_all(tier, keys, data)
+        put_whole(redis_server, keys, data)
         frame = admin.get(rkey(keys[0]))
         header = FrameHeader.unpack(frame[:HEADER_SIZE])
         other = dataclasses.replace(header, namespace=bytes(16))
@@ -76,9 +88,8 @@ async def test_a_frame_of_another_namespace_is_left_alone(redis_server: RedisSer
 
 async def test_a_compressed_large_frame_is_read_whole(redis_server: RedisServer) -> None:
     keys, data = blocks(2, size=SIZE, seed=10)
-    async with running(cfg_for(redis_server.url, codec="shuffle-lz4",
-                               op_timeout_s=10.0)) as tier:
-        await put_all(tier, keys, data)
+    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
+        put_whole(redis_server, keys, data, Codec.SHUFFLE_LZ4)
         outs = buffers(2, SIZE)
         assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 2
         assert [bytes(o) for o in outs] == data

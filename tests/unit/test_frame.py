@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import pytest
@@ -12,16 +13,19 @@ from hypothesis import strategies as st
 from kvtier.errors import ChecksumError, FrameError
 from kvtier.frame import (
     _STRUCT,
+    FLAG_STRIPED,
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
     MAX_PAYLOAD,
+    STRIPE_BYTES,
     Codec,
     FrameHeader,
     decode_frame,
     encode_frame,
     make_header,
     payload_checksum,
+    stripe_bounds,
 )
 
 NS = bytes(range(16))
@@ -171,3 +175,33 @@ def test_self_consistent_but_invalid_headers_are_rejected(kwargs: dict[str, obje
 def test_header_check_runs_on_a_memoryview_with_trailing_bytes() -> None:
     buf = memoryview(bytearray(frame()))
     assert FrameHeader.unpack(buf) == FrameHeader.unpack(bytes(buf[:HEADER_SIZE]))
+
+
+def test_stripe_bounds_cover_a_payload_in_order() -> None:
+    for size in (1, STRIPE_BYTES - 1, STRIPE_BYTES, 3 * STRIPE_BYTES + 5):
+        bounds = stripe_bounds(size)
+        assert bounds[0][0] == 0 and bounds[-1][1] == size
+        assert all(hi - lo <= STRIPE_BYTES for lo, hi in bounds)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert len(stripe_bounds(3 * STRIPE_BYTES + 5)) == 4
+
+
+def test_a_striped_head_read_by_a_get_is_a_miss_not_corruption() -> None:
+    """A GET of a striped block's key holds the header and stripe 0 only: that length is
+    what the header promises there (not corrupt), and the GET path leaves the block to the
+    striped read."""
+    from kvtier.tiers.redis_blocks import ReadStatus, _Placer, judge_header
+
+    size = 3 * STRIPE_BYTES
+    header = FrameHeader(bytes(16), b"k" * 16, 7, size, size, 0, flags=FLAG_STRIPED)
+    wire_head = HEADER_SIZE + STRIPE_BYTES
+    verdict = judge_header(header.pack(), b"k" * 16, size, bytes(16), 7, wire_head)
+    assert verdict == header
+    short = judge_header(header.pack(), b"k" * 16, size, bytes(16), 7, wire_head - 1)
+    assert not isinstance(short, FrameHeader) and short.status is ReadStatus.CORRUPT
+    whole = judge_header(header.pack(), b"k" * 16, size, bytes(16), 7, HEADER_SIZE + size)
+    assert not isinstance(whole, FrameHeader) and whole.status is ReadStatus.CORRUPT
+    place = _Placer([b"k" * 16], [memoryview(bytearray(size))], bytes(16), 7)
+    assert place(0, header.pack(), wire_head) is None        # nothing read into the block
+    read = place.reads[0]
+    assert read is not None and read.status is ReadStatus.MISSING

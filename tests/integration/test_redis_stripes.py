@@ -1,0 +1,195 @@
+"""Large blocks stored as stripes in a real redis-server (kvtier.tiers.redis_stripes): exact
+bytes and checksums back, a head only ever written after its stripes, deletes that take
+the stripes along, and every broken stripe a miss with nothing unverified left behind."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.frame import (
+    FLAG_STRIPED,
+    HEADER_SIZE,
+    STRIPE_BYTES,
+    STRIPED_MIN_BYTES,
+    FrameHeader,
+)
+from kvtier.tiers import redis_stripes
+from kvtier.tiers.redis_checksum import checksum
+from tests.support.redis_servers import LocalCluster, RedisServer, running_cluster
+from tests.support.redis_tier import LAYOUT_FP, NS, blocks, buffers, cfg_for, put_all, running
+
+SIZE = STRIPED_MIN_BYTES + 3 * STRIPE_BYTES // 2 + 4096   # head + 3 stripes, the last short
+STRIPES = -(-SIZE // STRIPE_BYTES)
+
+
+def rkey(key: bytes) -> bytes:
+    return b"kvtier:" + key.hex().encode()
+
+
+def stripe_keys(key: bytes) -> list[bytes]:
+    return [rkey(key) + b":%d" % i for i in range(1, STRIPES)]
+
+
+async def test_a_large_block_is_stored_in_stripes_and_read_back_exactly(
+        redis_server: RedisServer) -> None:
+    keys, data = blocks(3, size=SIZE, seed=21)
+    admin = redis_server.client()
+    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
+        await put_all(tier, keys, data)
+        assert admin.dbsize() == 3 * STRIPES
+        for key, raw in zip(keys, data, strict=True):
+            head = admin.get(rkey(key))
+            header = FrameHeader.unpack(head[:HEADER_SIZE])
+            assert header.flags & FLAG_STRIPED and header.payload_len == SIZE
+            assert head[HEADER_SIZE:] == raw[:STRIPE_BYTES]        # stripe 0 after the header
+            assert b"".join(admin.get(k) for k in stripe_keys(key)) == raw[STRIPE_BYTES:]
+        admin.config_resetstat()
+        outs = buffers(3, SIZE)
+        sums: list[int | None] = [None] * 3
+        got = await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP,
+                                  checksums=sums)
+        assert got == 3 and [bytes(o) for o in outs] == data
+        assert sums == [checksum(d) for d in data]
+        calls = admin.info("commandstats")
+        assert calls["cmdstat_get"]["calls"] == 3 * (STRIPES - 1)        # stripes 1..
+        assert calls["cmdstat_getrange"]["calls"] == 3 * 2               # header, stripe 0
+        assert tier.counters.checksum_failures == 0
+        # blocks under the threshold are stored whole, as before
+        small_keys, small = blocks(2, size=STRIPED_MIN_BYTES - 4096, seed=22)
+        await put_all(tier, small_keys, small)
+        assert not FrameHeader.unpack(admin.getrange(rkey(small_keys[0]), 0, HEADER_SIZE - 1)
+                                      ).flags & FLAG_STRIPED
+        # a delete takes the stripes along and counts blocks, not keys
+        assert await tier.delete(keys + small_keys, namespace=NS) == 5
+        assert admin.dbsize() == 0
+
+
+async def test_a_corrupt_stripe_is_a_counted_miss_and_the_block_is_deleted(
+        redis_server: RedisServer) -> None:
+    keys, data = blocks(2, size=SIZE, seed=23)
+    admin = redis_server.client()
+    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
+        await put_all(tier, keys, data)
+        admin.setrange(stripe_keys(keys[1])[-1], 100, b"\xff\x00\xff")
+        outs = buffers(2, SIZE)
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
+        assert bytes(outs[0]) == data[0]
+        assert bytes(outs[1]) == bytes(SIZE)                # nothing unverified left behind
+        assert tier.counters.checksum_failures == 1
+        assert not any(admin.exists(k) for k in [rkey(keys[1]), *stripe_keys(keys[1])])
+        assert admin.exists(rkey(keys[0]))
+
+
+async def test_a_lost_stripe_is_a_miss_and_the_rest_of_the_block_goes(
+        redis_server: RedisServer) -> None:
+    keys, data = blocks(1, size=SIZE, seed=24)
+    admin = redis_server.client()
+    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
+        await put_all(tier, keys, data)
+        admin.delete(stripe_keys(keys[0])[0])               # as an eviction in Redis would
+        out = buffers(1, SIZE)
+        assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 0
+        assert bytes(out[0]) == bytes(SIZE)
+        assert tier.counters.checksum_failures == 0
+        assert tier.counters.evictions["expired"] == 1
+        assert admin.dbsize() == 0                          # the head no longer promises it
+
+
+async def test_a_block_rewritten_while_read_is_a_miss_and_is_kept(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, data = blocks(1, size=SIZE, seed=25)
+    admin = redis_server.client()
+    real = redis_stripes._read_stripes
+
+    async def rewritten_meanwhile(tier, rk, header, out):   # type: ignore[no-untyped-def]
+        # another node stores the same key while this read is between its stripes
+        admin.setrange(stripe_keys(keys[0])[1], 0, b"\x01\x02\x03")
+        newer = dataclasses.replace(header, seq=header.seq + 1)
+        admin.setrange(rk, 0, newer.pack())
+        return await real(tier, rk, header, out)
+
+    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
+        await put_all(tier, keys, data)
+        monkeypatch.setattr(redis_stripes, "_read_stripes", rewritten_meanwhile)
+        out = buffers(1, SIZE)
+        assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 0
+        assert bytes(out[0]) == bytes(SIZE)
+        assert tier.counters.checksum_failures == 0
+        assert admin.dbsize() == STRIPES                     # another writer's: kept
+
+
+async def test_a_head_is_written_only_after_all_its_stripes(
+        redis_server: RedisServer) -> None:
+    """A server that refuses a stripe (out of memory) leaves no head promising the block."""
+    keys, data = blocks(1, size=SIZE, seed=26)
+    admin = redis_server.client()
+    used = int(admin.info("memory")["used_memory"])
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", used + STRIPE_BYTES + STRIPE_BYTES // 2)
+    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
+        for key, payload in zip(keys, data, strict=True):
+            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+        await tier.flush(timeout=10)
+        assert not admin.exists(rkey(keys[0]))
+        assert tier.counters.dropped_writes == 1
+        assert (await tier.written(keys, 0.0)) == [False]
+        out = buffers(1, SIZE)
+        assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 0
+
+
+async def test_compressed_large_blocks_are_striped_by_their_encoded_size(
+        redis_server: RedisServer) -> None:
+    rng = np.random.default_rng(27)
+    sparse = np.zeros(SIZE // 2, np.float16)                 # compresses below one stripe
+    sparse[rng.integers(0, sparse.size, 1000)] = 1.0
+    _, dense = blocks(1, size=SIZE, seed=28)                 # stays several stripes
+    keys = [rng.bytes(16) for _ in range(2)]
+    data = [sparse.tobytes(), dense[0]]
+    admin = redis_server.client()
+    async with running(cfg_for(redis_server.url, codec="shuffle-lz4",
+                               op_timeout_s=10.0)) as tier:
+        await put_all(tier, keys, data)
+        for key in keys:
+            header = FrameHeader.unpack(admin.getrange(rkey(key), 0, HEADER_SIZE - 1))
+            assert header.flags & FLAG_STRIPED and header.raw_len == SIZE
+            assert admin.exists(rkey(key) + b":1") == (header.payload_len > STRIPE_BYTES)
+        outs = buffers(2, SIZE)
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 2
+        assert [bytes(o) for o in outs] == data
+
+
+async def test_stripes_spread_over_a_clusters_masters(tmp_path: Path) -> None:
+    keys, data = blocks(2, size=SIZE, seed=29)
+    with running_cluster(tmp_path / "cluster") as cluster:
+        assert isinstance(cluster, LocalCluster)
+        async with running(cfg_for(cluster.url, op_timeout_s=10.0)) as tier:
+            await put_all(tier, keys, data)
+            held = [node.client().dbsize() for node in cluster.live_masters()]
+            assert sum(held) == 2 * STRIPES and sum(1 for n in held if n) >= 2
+            outs = buffers(2, SIZE)
+            assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 2
+            assert [bytes(o) for o in outs] == data
+            assert await tier.delete(keys, namespace=NS) == 2
+            assert sum(node.client().dbsize() for node in cluster.live_masters()) == 0
+
+
+async def test_a_stripe_that_errors_is_a_miss_that_deletes_nothing(
+        redis_server: RedisServer) -> None:
+    """An error reply says nothing of the block: no stripe is deleted, nothing is left in
+    the buffer, and the error is counted."""
+    keys, data = blocks(1, size=SIZE, seed=30)
+    admin = redis_server.client()
+    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
+        await put_all(tier, keys, data)
+        victim = stripe_keys(keys[0])[1]
+        admin.delete(victim)
+        admin.rpush(victim, b"x")                            # GET answers WRONGTYPE
+        out = buffers(1, SIZE)
+        assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 0
+        assert bytes(out[0]) == bytes(SIZE)
+        assert tier.counters.errors >= 1 and tier.counters.checksum_failures == 0
+        assert admin.dbsize() == STRIPES
