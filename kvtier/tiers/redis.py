@@ -50,14 +50,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 from kvtier import codec as codecs
 from kvtier.errors import FrameError
 from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, FrameHeader
 from kvtier.tiers.base import EvictionReason, TierName
-from kvtier.tiers.redis_blocks import WireSet, write_blocks
 from kvtier.tiers.redis_link import (
     CLUSTER_REDIRECTS,
     DOWN_AFTER_FAILURES,
@@ -68,18 +66,17 @@ from kvtier.tiers.redis_link import (
     _describe,
     log,
 )
-from kvtier.tiers.redis_queue import OnChecksum, PendingWrite, Release, frame_pending
 from kvtier.tiers.redis_reads import (
     EXISTS_BATCH,
     GET_BATCH_BYTES,
     GET_BATCH_KEYS,
     NS_END,
     NS_OFFSET,
-    RedisReads,
 )
 from kvtier.tiers.redis_route import Reach
-from kvtier.tiers.redis_stripes import part_keys, stripe_sets
+from kvtier.tiers.redis_stripes import part_keys
 from kvtier.tiers.redis_wire import Conn, ErrorReply, command
+from kvtier.tiers.redis_writes import SET_BATCH_BYTES, SET_BATCH_KEYS, RedisWrites
 
 __all__ = [
     "CLOSE_FLUSH_S",
@@ -99,24 +96,16 @@ __all__ = [
     "RedisTier",
 ]
 
-SET_BATCH_KEYS = 512              # keys per pipelined SET round trip, and about this many
-SET_BATCH_BYTES = 32 << 20        # bytes: what was queued goes out as one pipeline per
-                                  # server. A Redis server ingests SETs fastest from one
-                                  # connection at a time (bench_redis: 8 MiB of 256 KiB
-                                  # values 2.5 ms on one connection, 3.5-4.6 ms spread over
-                                  # 2-8; 24 MiB of 3 MiB ones 6 ms vs 9.6 ms), so writes
-                                  # keep ``write_inflight`` (1) batch in flight; the
-                                  # op timeout bounds a batch's exchange (32 MiB at 1 GB/s
-                                  # is 32 ms)
 CLOSE_FLUSH_S = 5.0               # bounded drain at close
 
 
-class RedisTier(RedisReads):
+class RedisTier(RedisWrites):
     """Remote tier over Redis / Redis Cluster (see the module docstring for the contract).
 
     Layers, each a module: ``RedisLink`` (kvtier.tiers.redis_link: state, threads, routing,
-    health, reconnects), ``RedisReads`` (kvtier.tiers.redis_reads: probes and GETs), and
-    this class: the Tier protocol, lifecycle, write-behind writes, delete and stats.
+    health, reconnects), ``RedisReads`` (kvtier.tiers.redis_reads: probes and GETs),
+    ``RedisWrites`` (kvtier.tiers.redis_writes: the write-behind queue's writer), and this
+    class: the Tier protocol, lifecycle, delete and stats.
     """
 
     name = TierName.REDIS
@@ -199,79 +188,6 @@ class RedisTier(RedisReads):
             self._exec.shutdown(wait=False, cancel_futures=True)
             self._up = False
 
-    async def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write was sent; False on timeout or while down.
-
-        Returns at once (False) while the tier is down: nothing can drain until it is
-        back, and a SIGTERM drain must not hang on a dead Redis.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while len(self._queue) or self._writing:
-            if not self._up or self._closed:
-                return False
-            wait = 0.1 if deadline is None else min(0.1, deadline - loop.time())
-            if wait <= 0:
-                return False
-            self._progress.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), wait)
-        return True
-
-    # --- writes ---------------------------------------------------------------------------
-
-    def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
-               seq: int = 0, release: Release | None = None,
-               elem_bytes: int | None = None, on_checksum: OnChecksum | None = None) -> None:
-        """Queue a block for writing (write-behind).
-
-        With ``release``, ``payload`` is used in place (no copy: the caller keeps it
-        unchanged, e.g. an arena slot pinned) and ``release()`` is called exactly once, on
-        the event loop, when the write is over (sent, dropped or failed). Without it the
-        payload is copied before returning. Never blocks and never raises for Redis
-        trouble: a full queue drops its oldest write (``counters.dropped_writes``); writes
-        queued while down wait for the tier to come back (within the same bound), as
-        copies: going down drops the queued borrowed writes (their buffers are released),
-        and a borrowed write submitted while down is copied, so a dead Redis never pins
-        the caller's memory. ``elem_bytes`` (the shuffle codecs' element width) defaults
-        to the width of ``namespace``'s layout (``use_layouts``), else ``elem_bytes_hint``.
-        ``on_checksum`` (borrowed writes only) is called once, on the event loop, just
-        before ``release``: with the payload's xxh3-64 (``kvtier.frame.payload_checksum``)
-        when its frame was built uncompressed, else None; a caller that needs that number
-        too (the arena journal) need not hash the block again.
-        """
-        if self._closed:
-            self.counters.dropped_writes += 1
-            if on_checksum is not None:
-                on_checksum(None)
-            if release is not None:
-                release()
-            return
-        rkey = self._rkey(key)
-        if release is not None and not self._up:  # may wait long: do not hold the caller's
-            release()                               # buffer (e.g. a pinned arena slot)
-            release = None
-        if release is None and on_checksum is not None:   # a copy: nobody waits on it
-            on_checksum(None)
-            on_checksum = None
-        width = self._elem_bytes_for(namespace) if elem_bytes is None else elem_bytes
-        item = (PendingWrite.copy_of(rkey, namespace, key, layout_fp, seq, payload, width)
-                if release is None else
-                PendingWrite.borrow(rkey, namespace, key, layout_fp, seq, payload, release,
-                                    width, on_checksum))
-        self._outcomes.track(item)
-        dropped = self._queue.push(item)
-        if dropped is not None:
-            dropped.done()
-            self.counters.dropped_writes += 1
-        self._wake.set()
-
-    async def written(self, keys: Sequence[bytes], since: float) -> list[bool | None]:
-        """Per key, once its newest queued write is over: True if Redis stored it, False
-        if it failed or was dropped; None when no write of the key is pending or ended at
-        or after ``since`` (``time.monotonic()``): only Redis can tell (``exists_prefix``)."""
-        return await self._outcomes.wait([self._rkey(k) for k in keys], since, up=self._up)
-
     async def delete(self, keys: Sequence[bytes], *, namespace: bytes | None = None) -> int:
         """Delete blocks from Redis; returns how many existed. 0 while down or on error.
 
@@ -335,76 +251,3 @@ class RedisTier(RedisReads):
             "last_error": self.last_error,
             "namespace_mismatches": self.namespace_mismatches,
         }
-
-    async def _send_sets(self, sets: list[WireSet]) -> list[Any]:
-        """One pipeline per server of ``sets``; a reply per entry (see ``_per_server``)."""
-        if not sets:
-            return []
-
-        def put(conn: Conn, idx: list[int]) -> list[Any]:
-            return write_blocks(conn, [sets[i] for i in idx], self._codec, self._ttl)
-
-        return await self._per_server([s[0] for s in sets], put, holds_buffers=True)
-
-    async def _write_loop(self) -> None:
-        while True:
-            while not (self._queue and self._up):
-                self._wake.clear()
-                await self._wake.wait()
-            await self._inflight.acquire()
-            batch = self._queue.take(SET_BATCH_KEYS, SET_BATCH_BYTES)
-            if not batch:
-                self._inflight.release()
-                continue
-            self._writing += 1
-            self._spawn(self._write_batch(batch))
-
-    async def _write_batch(self, batch: list[PendingWrite]) -> None:
-        try:
-            striped = [it for it in batch if it.striped]
-            sets: list[WireSet] = [(it.redis_key, it, None) for it in batch if not it.striped]
-            heads: list[WireSet] = []
-            if striped:   # framed first (in parallel, off the loop): stripes need the header
-                await asyncio.gather(*(self._in_thread(partial(frame_pending, it, self._codec))
-                                       for it in striped))
-                for it in striped:
-                    parts, (rkey, head) = stripe_sets(it)
-                    sets += [(key, it, data) for key, data in parts]
-                    heads.append((rkey, it, head))
-            replies = await self._send_sets(sets)
-            if heads:   # a head only once every stripe of its block is stored
-                failed = {id(it) for (_, it, _), r in zip(sets, replies, strict=True)
-                          if r != "OK"}
-                heads = [h for h in heads if id(h[1]) not in failed]
-                sets += heads
-                replies += await self._send_sets(heads)
-            ok = True
-            result: dict[int, Any] = {}   # per block: "OK", or its first other reply
-            for (_, item, _), reply in zip(sets, replies, strict=True):
-                if result.get(id(item), "OK") == "OK":
-                    result[id(item)] = reply
-            for item in batch:
-                reply = result[id(item)]
-                item.ok = reply == "OK"
-                if not item.ok:
-                    ok = False
-                    self.counters.dropped_writes += 1
-                    if isinstance(reply, ErrorReply):
-                        self._error_reply(reply)
-                    continue
-                wire = item.wire_len
-                self.counters.bytes_written += wire
-                self._frames_raw += item.raw_len
-                self._frames_wire += wire
-            if ok:
-                self._succeeded()
-        except Exception as exc:  # a bug in framing must not kill the writer
-            log.exception("redis tier: write batch failed")
-            self._note_error(exc)
-            self.counters.dropped_writes += len(batch)
-        finally:
-            for item in batch:
-                item.done()
-            self._writing -= 1
-            self._inflight.release()
-            self._progress.set()
