@@ -35,6 +35,8 @@ _SCRATCH = 1 << 16           # read buffer for reply lines and small values
 _IOV_MAX = 512               # buffers per sendmsg call (Linux IOV_MAX is 1024)
 SEND_PIECE_BYTES = 256 << 10   # a SET pipeline is sent in pieces of about this size
 _TIMEVAL = struct.Struct("@ll")   # struct timeval for SO_RCVTIMEO / SO_SNDTIMEO
+_REARM_S = 0.02                   # a kernel timeout is set again at most this often
+_SMALL = 4096                     # reads up to this size go through the read buffer
 
 
 class ErrorReply(str):
@@ -99,7 +101,8 @@ def command(*args: bytes) -> bytes:
 class Conn:
     """One blocking RESP connection (see the module docstring)."""
 
-    __slots__ = ("_buf", "_deadline", "_hi", "_lo", "_op_timeout", "_plain", "_sock", "addr")
+    __slots__ = ("_armed", "_buf", "_deadline", "_hi", "_lo", "_op_timeout", "_plain", "_sock",
+                 "addr")
 
     def __init__(self, addr: NodeAddr, opts: ConnOptions) -> None:
         self.addr = addr
@@ -121,6 +124,7 @@ class Conn:
         self._sock = sock
         self._op_timeout = opts.op_timeout_s
         self._deadline = time.monotonic() + opts.op_timeout_s
+        self._armed: dict[int, float] = {}   # socket option -> until when its timeout holds
         self._buf = bytearray(_SCRATCH)
         self._lo = self._hi = 0
         try:
@@ -148,14 +152,23 @@ class Conn:
     def begin(self) -> None:
         """Start one exchange: all of it (every send and read) must end within op_timeout_s."""
         self._deadline = time.monotonic() + self._op_timeout
+        self._armed.clear()
 
     def _arm(self, opt: int = socket.SO_RCVTIMEO) -> None:
         """Bound the next socket call (a receive, or a send with SO_SNDTIMEO) by what is
         left of the exchange's deadline."""
-        left = self._deadline - time.monotonic()
+        now = time.monotonic()
+        left = self._deadline - now
         if left <= 1e-6:   # (a zero timeval would mean "no timeout" to the kernel)
             raise self._timed_out()
         if self._plain:
+            if now < self._armed.get(opt, 0.0):
+                return   # armed moments ago for a deadline it still meets: no syscall
+            if left > 2 * _REARM_S:   # a timeout short of the deadline by _REARM_S holds
+                left -= _REARM_S      # for calls in the next _REARM_S
+                self._armed[opt] = now + _REARM_S
+            else:
+                self._armed.pop(opt, None)
             sec = int(left)
             self._sock.setsockopt(socket.SOL_SOCKET, opt,
                                   _TIMEVAL.pack(sec, max(1, int((left - sec) * 1e6))))
@@ -199,7 +212,7 @@ class Conn:
     def _fill(self) -> None:
         if self._lo == self._hi:
             self._lo = self._hi = 0
-        elif self._hi == len(self._buf):  # compact the unread tail to the front
+        elif len(self._buf) - self._hi < _SMALL:  # compact the unread tail to the front
             tail = self._hi - self._lo
             self._buf[:tail] = self._buf[self._lo:self._hi]
             self._lo, self._hi = 0, tail
@@ -224,7 +237,15 @@ class Conn:
             self._fill()
 
     def _read_into(self, out: memoryview) -> None:
-        """Fill ``out`` exactly: buffered bytes first, then straight from the socket."""
+        """Fill ``out`` exactly: buffered bytes first, then straight from the socket (a small
+        ``out`` through the read buffer: a value's CRLF comes with the next reply's line in
+        one receive instead of one each)."""
+        if out.nbytes <= _SMALL:
+            while self._hi - self._lo < out.nbytes:
+                self._fill()
+            out[:] = self._buf[self._lo:self._lo + out.nbytes]
+            self._lo += out.nbytes
+            return
         pos = 0
         have = min(self._hi - self._lo, out.nbytes)
         if have:
