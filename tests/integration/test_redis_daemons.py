@@ -176,3 +176,34 @@ def test_shuffle_codec_takes_each_namespace_element_width(
         c.close()
     finally:
         node.kill()
+
+
+def test_large_blocks_cross_nodes_as_stripes_and_a_delete_takes_them_all(
+        redis_server: RedisServer, node_factory: Callable[..., DaemonProcess]) -> None:
+    """Blocks of 8 MiB or more go to Redis as stripes (kvtier.tiers.redis_stripes): node B
+    reads node A's exactly, and a delete leaves nothing of them in Redis."""
+    big = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16",
+                   tokens_per_block=640)   # 10 MiB blocks: a head and two more stripes
+    node_a = node_factory("a", redis_server.url)
+    node_b = node_factory("b", redis_server.url)
+    ca, cb = connect(node_a.socket), connect(node_b.socket)
+    ns_a = ca.register_layout(big, "model")
+    keys = block_keys(ns_a, np.arange(2 * 640))
+    data = [content(bytes(k), big.block_bytes) for k in keys]
+    assert ca.put(ns_a, keys, data) == 2
+    admin = redis_server.client()
+    wait_for(lambda: admin.dbsize() == 2 * 3)          # two heads, four stripes
+    head = FrameHeader.unpack(admin.getrange(b"kvtier:" + bytes(keys[0]).hex().encode(),
+                                             0, HEADER_SIZE - 1))
+    assert head.payload_len == big.block_bytes
+
+    ns_b = cb.register_layout(big, "model")
+    assert cb.lookup(ns_b, keys).hits == 2
+    outs = [np.zeros(big.block_bytes, np.uint8) for _ in keys]
+    assert cb.get(ns_b, keys, outs) == 2
+    assert all(np.array_equal(o, d) for o, d in zip(outs, data, strict=True))
+    assert redis_stats(node_b)["checksum_failures"] == 0
+    assert cb.delete(ns_b, keys) == 2
+    assert admin.dbsize() == 0
+    ca.close()
+    cb.close()
