@@ -1,7 +1,7 @@
 """Which Redis server holds a key: one server, or a Redis Cluster slot map that heals itself.
 
 The tier asks ``Router.group(keys)`` before every batch and talks to each server through a
-``NodePool`` (kvtier.tiers.redis_wire). In a cluster a server can die while the others live
+``NodePool`` (kvtier.tiers.redis_pool). In a cluster a server can die while the others live
 on: ``mark_failed`` takes it out of the routing at once (its keys are misses, answered
 without a connection attempt) and ``refresh`` reloads the slot map from any server that
 answers (CLUSTER SLOTS), so once a replica is promoted its slots are served again. Only the
@@ -20,7 +20,8 @@ from redis.crc import key_slot
 
 from kvtier.config import RedisConfig
 from kvtier.tiers.redis_client import RedisMode, RedisTarget
-from kvtier.tiers.redis_wire import Conn, ConnOptions, ErrorReply, NodeAddr, NodePool, command
+from kvtier.tiers.redis_pool import NodePool
+from kvtier.tiers.redis_wire import Conn, ConnOptions, ErrorReply, NodeAddr, command
 
 CLUSTER_SLOTS = 16384
 

@@ -14,8 +14,8 @@ SO_SNDTIMEO, set to what is left of the exchange's deadline): a payload is then 
 with one ``recv_into(MSG_WAITALL)`` and a pipeline sent with one ``sendmsg``, instead of a
 poll and a partial read or write per socket-buffer's worth with the GIL taken back each time
 (Python's socket timeouts make the descriptor non-blocking).
-A connection that failed in any way mid-command is closed, never reused. ``NodePool``
-keeps idle connections per server.
+A connection that failed in any way mid-command is closed, never reused
+(kvtier.tiers.redis_pool keeps the idle ones per server).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import contextlib
 import socket
 import ssl
 import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -376,42 +375,3 @@ class Conn:
         self.begin()
         self.send([command(b"GET", k) for k in keys])
         return [self.read_value(i, head, place) for i in range(len(keys))]
-
-
-class NodePool:
-    """Idle connections to one server, at most ``max_idle`` kept; thread-safe."""
-
-    __slots__ = ("_closed", "_idle", "_lock", "addr", "max_idle", "opts")
-
-    def __init__(self, addr: NodeAddr, opts: ConnOptions, max_idle: int) -> None:
-        self.addr = addr
-        self.opts = opts
-        self.max_idle = max(1, max_idle)
-        self._idle: list[Conn] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def run(self, fn: Callable[[Conn], Any]) -> Any:
-        """Run ``fn`` on a pooled connection (blocking); a failed connection is discarded."""
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = Conn(self.addr, self.opts)
-        try:
-            result = fn(conn)
-        except BaseException:
-            conn.close()
-            raise
-        with self._lock:
-            if self._closed or len(self._idle) >= self.max_idle:
-                conn.close()
-            else:
-                self._idle.append(conn)
-        return result
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
