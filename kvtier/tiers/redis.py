@@ -54,8 +54,9 @@ from typing import Any
 
 from kvtier import codec as codecs
 from kvtier.errors import FrameError
-from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, FrameHeader
+from kvtier.frame import FLAG_STRIPED, FrameHeader
 from kvtier.tiers.base import EvictionReason, TierName
+from kvtier.tiers.redis_blocks import header_range
 from kvtier.tiers.redis_link import (
     CLUSTER_REDIRECTS,
     DOWN_AFTER_FAILURES,
@@ -199,7 +200,7 @@ class RedisTier(RedisWrites):
         rkeys = [self._rkey(k) for k in keys]
         stripes: list[bytes] = []   # of striped blocks (their headers say how many)
         heads = await self._per_server(rkeys, lambda conn, idx: conn.simple_many(
-            [command(b"GETRANGE", rkeys[i], b"0", b"%d" % (HEADER_SIZE - 1)) for i in idx]))
+            [header_range(rkeys[i]) for i in idx]))
         if any(isinstance(r, ErrorReply) for r in heads):
             self._error_reply(next(r for r in heads if isinstance(r, ErrorReply)))
         mine: list[bytes] = []

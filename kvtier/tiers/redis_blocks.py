@@ -22,7 +22,7 @@ from kvtier.errors import FrameError
 from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, STRIPE_BYTES, Codec, FrameHeader
 from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_queue import PendingWrite, frame_pending
-from kvtier.tiers.redis_wire import Conn, ErrorReply
+from kvtier.tiers.redis_wire import Conn, ErrorReply, command
 
 
 class ReadStatus(str, Enum):
@@ -107,6 +107,11 @@ def judge_header(head: bytes, key: bytes, out_bytes: int, namespace: bytes, layo
         return BlockRead(ReadStatus.NOFIT, wire, (
             f"block of {header.raw_len} bytes does not match the {out_bytes}-byte buffer"))
     return header
+
+
+def header_range(rkey: bytes) -> bytes:
+    """The command reading the frame header at ``rkey`` (b"" when the key is missing)."""
+    return command(b"GETRANGE", rkey, b"0", b"%d" % (HEADER_SIZE - 1))
 
 
 def uncompressed(header: FrameHeader) -> bool:

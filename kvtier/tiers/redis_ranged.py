@@ -28,10 +28,16 @@ from typing import TYPE_CHECKING
 
 from kvtier.errors import FrameError
 from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, STRIPED_MIN_BYTES
-from kvtier.tiers.redis_blocks import BlockRead, ReadStatus, judge_header, uncompressed
+from kvtier.tiers.redis_blocks import (
+    BlockRead,
+    ReadStatus,
+    header_range,
+    judge_header,
+    uncompressed,
+)
 from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_stripes import fetch_striped
-from kvtier.tiers.redis_wire import Conn, command
+from kvtier.tiers.redis_wire import Conn
 
 if TYPE_CHECKING:
     from kvtier.tiers.redis_reads import RedisReads
@@ -51,7 +57,7 @@ async def fetch_ranged(tier: RedisReads, key: bytes, rkey: bytes, out: memoryvie
     header verdict, or None to read it with one GET instead (see the module docstring)."""
     head = (await tier._per_server(
         [rkey], lambda c, idx: c.simple_many(
-            [command(b"GETRANGE", rkey, b"0", b"%d" % (HEADER_SIZE - 1))])))[0]
+            [header_range(rkey)])))[0]
     if not isinstance(head, bytes) or len(head) < HEADER_SIZE:
         return None                  # missing, an error, no live server: the GET decides
     verdict = judge_header(head, key, out.nbytes, namespace, layout_fp)

@@ -27,7 +27,7 @@ from kvtier import codec as codecs
 from kvtier.errors import FrameError
 from kvtier.frame import HEADER_SIZE, FrameHeader, stripe_bounds
 from kvtier.tiers.base import EvictionReason
-from kvtier.tiers.redis_blocks import BlockRead, ReadStatus, uncompressed
+from kvtier.tiers.redis_blocks import BlockRead, ReadStatus, header_range, uncompressed
 from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_queue import PendingWrite
 from kvtier.tiers.redis_wire import Conn, ErrorReply, command
@@ -124,7 +124,7 @@ async def _read_stripes(tier: RedisReads, rkey: bytes, header: FrameHeader,
 async def _header_at(tier: RedisReads, rkey: bytes) -> FrameHeader | None:
     head = (await tier._per_server(
         [rkey], lambda c, idx: c.simple_many(
-            [command(b"GETRANGE", rkey, b"0", b"%d" % (HEADER_SIZE - 1))])))[0]
+            [header_range(rkey)])))[0]
     try:
         return FrameHeader.unpack(head) if isinstance(head, bytes) else None
     except FrameError:

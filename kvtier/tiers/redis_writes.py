@@ -141,18 +141,11 @@ class RedisWrites(RedisReads):
                     parts, (rkey, head) = stripe_sets(it)
                     sets += [(key, it, data) for key, data in parts]
                     heads.append((rkey, it, head))
-            replies = await self._send_sets(sets)
-            if heads:   # a head only once every stripe of its block is stored
-                failed = {id(it) for (_, it, _), r in zip(sets, replies, strict=True)
-                          if r != "OK"}
-                heads = [h for h in heads if id(h[1]) not in failed]
-                sets += heads
-                replies += await self._send_sets(heads)
+            result = _first_failures(sets, await self._send_sets(sets))
+            # a head only once every stripe of its block is stored (it may have none)
+            heads = [h for h in heads if result.get(id(h[1]), "OK") == "OK"]
+            result.update(_first_failures(heads, await self._send_sets(heads)))
             ok = True
-            result: dict[int, Any] = {}   # per block: "OK", or its first other reply
-            for (_, item, _), reply in zip(sets, replies, strict=True):
-                if result.get(id(item), "OK") == "OK":
-                    result[id(item)] = reply
             for item in batch:
                 reply = result[id(item)]
                 item.ok = reply == "OK"
@@ -178,3 +171,13 @@ class RedisWrites(RedisReads):
             self._writing -= 1
             self._inflight.release()
             self._progress.set()
+
+
+def _first_failures(sets: list[WireSet], replies: list[Any]) -> dict[int, Any]:
+    """Per block (``id`` of its PendingWrite) among ``sets``: "OK" when every SET of it
+    was stored, else the first other reply."""
+    result: dict[int, Any] = {}
+    for (_, item, _), reply in zip(sets, replies, strict=True):
+        if result.get(id(item), "OK") == "OK":
+            result[id(item)] = reply
+    return result

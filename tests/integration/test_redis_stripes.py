@@ -4,7 +4,9 @@ the stripes along, and every broken stripe a miss with nothing unverified left b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +20,23 @@ from kvtier.frame import (
     FrameHeader,
 )
 from kvtier.tiers import redis_stripes
+from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_checksum import checksum
 from tests.support.redis_servers import LocalCluster, RedisServer, running_cluster
 from tests.support.redis_tier import LAYOUT_FP, NS, blocks, buffers, cfg_for, put_all, running
 
 SIZE = STRIPED_MIN_BYTES + 3 * STRIPE_BYTES // 2 + 4096   # head + 3 stripes, the last short
 STRIPES = -(-SIZE // STRIPE_BYTES)
+
+
+@contextlib.asynccontextmanager
+async def stored(server: RedisServer, n: int, seed: int
+                 ) -> AsyncIterator[tuple[RedisTier, list[bytes], list[bytes]]]:
+    """A started tier that stored ``n`` blocks of SIZE bytes: (tier, keys, payloads)."""
+    keys, data = blocks(n, size=SIZE, seed=seed)
+    async with running(cfg_for(server.url, op_timeout_s=10.0)) as tier:
+        await put_all(tier, keys, data)
+        yield tier, keys, data
 
 
 def rkey(key: bytes) -> bytes:
@@ -36,10 +49,8 @@ def stripe_keys(key: bytes) -> list[bytes]:
 
 async def test_a_large_block_is_stored_in_stripes_and_read_back_exactly(
         redis_server: RedisServer) -> None:
-    keys, data = blocks(3, size=SIZE, seed=21)
     admin = redis_server.client()
-    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
-        await put_all(tier, keys, data)
+    async with stored(redis_server, 3, seed=21) as (tier, keys, data):
         assert admin.dbsize() == 3 * STRIPES
         for key, raw in zip(keys, data, strict=True):
             head = admin.get(rkey(key))
@@ -70,10 +81,8 @@ async def test_a_large_block_is_stored_in_stripes_and_read_back_exactly(
 
 async def test_a_corrupt_stripe_is_a_counted_miss_and_the_block_is_deleted(
         redis_server: RedisServer) -> None:
-    keys, data = blocks(2, size=SIZE, seed=23)
     admin = redis_server.client()
-    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
-        await put_all(tier, keys, data)
+    async with stored(redis_server, 2, seed=23) as (tier, keys, data):
         admin.setrange(stripe_keys(keys[1])[-1], 100, b"\xff\x00\xff")
         outs = buffers(2, SIZE)
         assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
@@ -86,10 +95,8 @@ async def test_a_corrupt_stripe_is_a_counted_miss_and_the_block_is_deleted(
 
 async def test_a_lost_stripe_is_a_miss_and_the_rest_of_the_block_goes(
         redis_server: RedisServer) -> None:
-    keys, data = blocks(1, size=SIZE, seed=24)
     admin = redis_server.client()
-    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
-        await put_all(tier, keys, data)
+    async with stored(redis_server, 1, seed=24) as (tier, keys, _data):
         admin.delete(stripe_keys(keys[0])[0])               # as an eviction in Redis would
         out = buffers(1, SIZE)
         assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 0
@@ -181,10 +188,8 @@ async def test_a_stripe_that_errors_is_a_miss_that_deletes_nothing(
         redis_server: RedisServer) -> None:
     """An error reply says nothing of the block: no stripe is deleted, nothing is left in
     the buffer, and the error is counted."""
-    keys, data = blocks(1, size=SIZE, seed=30)
     admin = redis_server.client()
-    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
-        await put_all(tier, keys, data)
+    async with stored(redis_server, 1, seed=30) as (tier, keys, _data):
         victim = stripe_keys(keys[0])[1]
         admin.delete(victim)
         admin.rpush(victim, b"x")                            # GET answers WRONGTYPE
