@@ -12,7 +12,7 @@ header and payload, with no copy in Python.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -21,8 +21,10 @@ from kvtier import codec as codecs
 from kvtier.errors import FrameError
 from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, STRIPE_BYTES, Codec, FrameHeader
 from kvtier.tiers.redis_checksum import verify
+from kvtier.tiers.redis_mux import GetJob, read_jobs
+from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_queue import PendingWrite, frame_pending
-from kvtier.tiers.redis_wire import Conn, ErrorReply, command
+from kvtier.tiers.redis_wire import Conn, ErrorReply, NodeAddr, command
 
 
 class ReadStatus(str, Enum):
@@ -123,20 +125,58 @@ def read_blocks(conn: Conn, rkeys: Sequence[bytes], keys: Sequence[bytes],
                 outs: Sequence[memoryview], namespace: bytes, layout_fp: int
                 ) -> list[BlockRead]:
     """GET every key (one pipeline) and land each verified block in its ``outs`` buffer."""
-    outs = [o if o.format == "B" and o.ndim == 1 else o.cast("B") for o in outs]
-    place = _Placer(keys, outs, namespace, layout_fp)
+    place = _Placer(keys, _bytes_views(outs), namespace, layout_fp)
     replies = conn.get_many(rkeys, HEADER_SIZE, place)
-    result: list[BlockRead] = []
-    for i, reply in enumerate(replies):
-        if reply is None:
-            result.append(MISSING)
-        elif isinstance(reply, ErrorReply):
-            result.append(BlockRead(ReadStatus.ERROR, error=reply, why=str(reply)))
-        elif (read := place.reads[i]) is not None:
-            result.append(read)
-        else:
-            result.append(_finish(place, i, reply))
-    return result
+    return [_read_of(place, i, reply) for i, reply in enumerate(replies)]
+
+
+def read_blocks_muxed(batches: Sequence[tuple[NodeAddr, list[int]]], rkeys: Sequence[bytes],
+                      keys: Sequence[bytes], outs: Sequence[memoryview], namespace: bytes,
+                      layout_fp: int, *, pool_of: Callable[[NodeAddr], NodePool], width: int
+                      ) -> tuple[list[BlockRead], list[tuple[NodeAddr, BaseException]]]:
+    """``read_blocks`` for many pipelines (``batches``: a server and the indexes of the keys
+    it holds, in key order) read by this one thread, ``width`` at a time
+    (kvtier.tiers.redis_mux). Each block is verified as it lands; no pipeline starts past
+    a block that was not OK. Returns a BlockRead per key (MISSING where none was read,
+    ERROR where its connection failed, nothing read after that in its pipeline) and the
+    (server, error) of each failed pipeline."""
+    place = _Placer(keys, _bytes_views(outs), namespace, layout_fp)
+    reads: list[BlockRead] = [MISSING] * len(keys)
+    bad = len(keys)   # the first index known not OK
+
+    def job(node: NodeAddr, idx: list[int]) -> GetJob:
+        def placed(i: int, head: bytes, n: int) -> memoryview | None:
+            return place(idx[i], head, n)
+
+        def done(i: int, reply: int | ErrorReply | BaseException | None) -> None:
+            nonlocal bad
+            read = reads[idx[i]] = _read_of(place, idx[i], reply)
+            if read.status is not ReadStatus.OK:
+                bad = min(bad, idx[i])
+
+        return GetJob(node, [rkeys[i] for i in idx], HEADER_SIZE, placed, done, idx[0])
+
+    jobs = [job(node, idx) for node, idx in batches]
+    read_jobs(jobs, pool_of, width, lambda j: j.first < bad)
+    return reads, [(j.node, j.error) for j in jobs if j.error is not None]
+
+
+def _bytes_views(outs: Sequence[memoryview]) -> list[memoryview]:
+    return [o if o.format == "B" and o.ndim == 1 else o.cast("B") for o in outs]
+
+
+def _read_of(place: _Placer, i: int, reply: int | ErrorReply | BaseException | None
+             ) -> BlockRead:
+    """The BlockRead of key ``i`` from its GET reply (the payload already placed), or from
+    the exception that failed its connection before the reply was in."""
+    if reply is None:
+        return MISSING
+    if isinstance(reply, ErrorReply):
+        return BlockRead(ReadStatus.ERROR, error=reply, why=str(reply))
+    if isinstance(reply, BaseException):
+        return BlockRead(ReadStatus.ERROR, why=f"{type(reply).__name__}: {reply}"[:300])
+    read = place.reads[i]
+    return read if read is not None else _finish(place, i, reply)
 
 
 def _finish(place: _Placer, i: int, wire: int) -> BlockRead:

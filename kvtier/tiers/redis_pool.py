@@ -28,21 +28,29 @@ class NodePool:
 
     def run(self, fn: Callable[[Conn], Any]) -> Any:
         """Run ``fn`` on a pooled connection (blocking); a failed connection is discarded."""
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = Conn(self.addr, self.opts)
+        conn = self.take()
         try:
             result = fn(conn)
         except BaseException:
             conn.close()
             raise
-        with self._lock:
-            if self._closed or len(self._idle) >= self.max_idle:
-                conn.close()
-            else:
-                self._idle.append(conn)
+        self.give(conn)
         return result
+
+    def take(self) -> Conn:
+        """An idle connection, or a new one (blocking connect): the caller's until ``give``
+        (or closed by the caller when anything failed on it)."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        return Conn(self.addr, self.opts) if conn is None else conn
+
+    def give(self, conn: Conn) -> None:
+        """Take back a connection whose exchange ended cleanly."""
+        with self._lock:
+            if not self._closed and len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
 
     def close(self) -> None:
         with self._lock:

@@ -208,16 +208,21 @@ class Conn:
 
     # --- receiving ------------------------------------------------------------------------
 
-    def _fill(self) -> None:
+    def _room(self) -> memoryview:
+        """The read buffer's free end (the unread tail moved to the front when short)."""
         if self._lo == self._hi:
             self._lo = self._hi = 0
-        elif len(self._buf) - self._hi < _SMALL:  # compact the unread tail to the front
+        elif len(self._buf) - self._hi < _SMALL:
             tail = self._hi - self._lo
             self._buf[:tail] = self._buf[self._lo:self._hi]
             self._lo, self._hi = 0, tail
+        return memoryview(self._buf)[self._hi:]
+
+    def _fill(self) -> None:
+        room = self._room()
         self._arm()
         try:
-            n = self._sock.recv_into(memoryview(self._buf)[self._hi:])
+            n = self._sock.recv_into(room)
         except BlockingIOError:   # SO_RCVTIMEO passed (plain sockets)
             raise self._timed_out() from None
         if n == 0:
@@ -261,6 +266,78 @@ class Conn:
             if n == 0:
                 raise ConnectionResetError(f"redis {self.addr} closed the connection")
             pos += n
+
+    # --- receiving without blocking (kvtier.tiers.redis_mux reads several at once) -----
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is a plain socket (no TLS): only those are read without blocking."""
+        return self._plain
+
+    @property
+    def deadline(self) -> float:
+        """When the current exchange must have ended (``time.monotonic``)."""
+        return self._deadline
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def take_line(self) -> bytes | None:
+        """A reply line from the read buffer, or None when it holds no whole line yet."""
+        end = self._buf.find(CRLF, self._lo, self._hi)
+        if end < 0:
+            if self._hi - self._lo >= len(self._buf):
+                raise ProtocolError("reply line longer than the read buffer")
+            return None
+        line = bytes(self._buf[self._lo:end])
+        self._lo = end + 2
+        return line
+
+    def take_into(self, out: memoryview, pos: int) -> int:
+        """Copy buffered bytes into ``out[pos:]``; the new position."""
+        have = min(self._hi - self._lo, out.nbytes - pos)
+        if have > 0:
+            out[pos:pos + have] = self._buf[self._lo:self._lo + have]
+            self._lo += have
+            pos += have
+        return pos
+
+    def fill_nowait(self) -> bool:
+        """Receive what has arrived into the read buffer; False when nothing had."""
+        n = self._recv_nowait(self._room())
+        self._hi += n
+        return n > 0
+
+    def recv_nowait(self, out: memoryview) -> int:
+        """Receive what has arrived straight into ``out`` (buffered bytes first); 0 when
+        nothing had."""
+        pos = self.take_into(out, 0)
+        if pos:
+            return pos
+        return self._recv_nowait(out)
+
+    def buffered(self) -> int:
+        """Bytes received and not yet taken."""
+        return self._hi - self._lo
+
+    def drop(self, n: int) -> int:
+        """Discard up to ``n`` buffered bytes; how many were."""
+        n = min(n, self._hi - self._lo)
+        self._lo += n
+        return n
+
+    def _recv_nowait(self, out: memoryview) -> int:
+        try:
+            n = self._sock.recv_into(out, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+        if n == 0:
+            raise ConnectionResetError(f"redis {self.addr} closed the connection")
+        return n
+
+    def timed_out(self) -> TimeoutError:
+        """The error of an exchange that ran past its deadline (the connection is unusable)."""
+        return self._timed_out()
 
     def _skip(self, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
