@@ -74,9 +74,10 @@ from kvtier.tiers.redis_reads import (
     NS_END,
     NS_OFFSET,
 )
+from kvtier.tiers.redis_resp import ErrorReply, command
 from kvtier.tiers.redis_route import Reach
 from kvtier.tiers.redis_stripes import part_keys
-from kvtier.tiers.redis_wire import Conn, ErrorReply, command
+from kvtier.tiers.redis_wire import Conn
 from kvtier.tiers.redis_writes import SET_BATCH_BYTES, SET_BATCH_KEYS, RedisWrites
 
 __all__ = [

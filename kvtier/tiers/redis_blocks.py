@@ -24,7 +24,8 @@ from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_mux import GetJob, read_jobs
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_queue import PendingWrite, frame_pending
-from kvtier.tiers.redis_wire import Conn, ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_resp import ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_wire import Conn
 
 
 class ReadStatus(str, Enum):

@@ -26,8 +26,9 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.base import TierCounters
 from kvtier.tiers.redis_client import RedisMode, parse_target
 from kvtier.tiers.redis_queue import DEFAULT_ELEM_BYTES, WriteOutcomes, WriteQueue
+from kvtier.tiers.redis_resp import ErrorReply, NodeAddr, ReplyError, command
 from kvtier.tiers.redis_route import Reach, Router, conn_options
-from kvtier.tiers.redis_wire import Conn, ErrorReply, NodeAddr, ReplyError, command
+from kvtier.tiers.redis_wire import Conn
 
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
 

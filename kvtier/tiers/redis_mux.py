@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvtier.tiers.redis_pool import NodePool
-from kvtier.tiers.redis_wire import CRLF, Conn, ErrorReply, NodeAddr, Placer, ProtocolError, command
+from kvtier.tiers.redis_resp import CRLF, ErrorReply, NodeAddr, Placer, ProtocolError, command
+from kvtier.tiers.redis_wire import Conn
 
 # Called with (index in the job, reply) as each reply is complete: the value's length
 # (its bytes are where the placer said), None for a missing key, or an error reply; and

@@ -10,7 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.tiers.redis_wire import Conn, ConnOptions, NodeAddr
+from kvtier.tiers.redis_resp import ConnOptions, NodeAddr
+from kvtier.tiers.redis_wire import Conn
 
 
 class NodePool:

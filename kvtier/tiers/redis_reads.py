@@ -23,7 +23,8 @@ from kvtier.tiers.redis_blocks import (
 )
 from kvtier.tiers.redis_link import UNSERVED, RedisLink, _describe
 from kvtier.tiers.redis_ranged import fetch_ranged, ranged
-from kvtier.tiers.redis_wire import Conn, ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_resp import ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_wire import Conn
 
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
 

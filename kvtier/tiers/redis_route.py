@@ -21,7 +21,8 @@ from redis.crc import key_slot
 from kvtier.config import RedisConfig
 from kvtier.tiers.redis_client import RedisMode, RedisTarget
 from kvtier.tiers.redis_pool import NodePool
-from kvtier.tiers.redis_wire import Conn, ConnOptions, ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_wire import Conn
 
 CLUSTER_SLOTS = 16384
 

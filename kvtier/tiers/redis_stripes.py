@@ -30,7 +30,8 @@ from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.redis_blocks import BlockRead, ReadStatus, header_range, uncompressed
 from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_queue import PendingWrite
-from kvtier.tiers.redis_wire import Conn, ErrorReply, command
+from kvtier.tiers.redis_resp import ErrorReply, command
+from kvtier.tiers.redis_wire import Conn
 
 if TYPE_CHECKING:
     from kvtier.tiers.redis_reads import RedisReads

@@ -22,79 +22,28 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import ssl
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-CRLF = b"\r\n"
+from kvtier.tiers.redis_resp import (
+    CRLF,
+    ConnOptions,
+    ErrorReply,
+    NodeAddr,
+    Placer,
+    ProtocolError,
+    _bulk,
+    command,
+)
+
 _SCRATCH = 1 << 16           # read buffer for reply lines and small values
 _IOV_MAX = 512               # buffers per sendmsg call (Linux IOV_MAX is 1024)
 SEND_PIECE_BYTES = 256 << 10   # a SET pipeline is sent in pieces of about this size
 _TIMEVAL = struct.Struct("@ll")   # struct timeval for SO_RCVTIMEO / SO_SNDTIMEO
 _REARM_S = 0.02                   # a kernel timeout is set again at most this often
 _SMALL = 4096                     # reads up to this size go through the read buffer
-
-
-class ErrorReply(str):
-    """A RESP error reply (``-ERR ...``, ``-MOVED ...``) returned as a value, not raised."""
-
-    @property
-    def kind(self) -> str:
-        return self.split(" ", 1)[0]
-
-
-class ReplyError(Exception):
-    """An error reply seen as a failure (for counting and ``last_error``)."""
-
-
-class ProtocolError(ConnectionError):
-    """The byte stream is not the RESP we expect: the connection is unusable."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeAddr:
-    """A server to connect to: TCP host/port, or a unix socket path (host, port 0)."""
-
-    host: str
-    port: int
-    unix: bool = False
-
-    def __str__(self) -> str:
-        return self.host if self.unix else f"{self.host}:{self.port}"
-
-
-@dataclass(frozen=True, slots=True)
-class ConnOptions:
-    """How to open and authenticate a connection (shared by every node of a target)."""
-
-    connect_timeout_s: float
-    op_timeout_s: float
-    username: str = ""
-    password: str = ""
-    db: int = 0
-    tls: ssl.SSLContext | None = None
-    tls_hostname: str | None = None
-
-
-# Called with (index, first bytes of the value (up to ``head`` bytes), value length); returns
-# where the rest of the value goes (a buffer of exactly length - len(head) bytes) or None
-# to read and discard it.
-Placer = Callable[[int, bytes, int], memoryview | None]
-
-
-def _bulk(arg: bytes | bytearray | memoryview) -> bytes:
-    return b"$%d\r\n" % len(arg)
-
-
-def command(*args: bytes) -> bytes:
-    """One small command in RESP (all arguments as one buffer)."""
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        parts += (_bulk(arg), arg, CRLF)
-    return b"".join(parts)
 
 
 class Conn:

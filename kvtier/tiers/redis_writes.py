@@ -18,8 +18,9 @@ from kvtier.tiers.redis_blocks import WireSet, write_blocks
 from kvtier.tiers.redis_link import log
 from kvtier.tiers.redis_queue import OnChecksum, PendingWrite, Release, frame_pending
 from kvtier.tiers.redis_reads import RedisReads
+from kvtier.tiers.redis_resp import ErrorReply
 from kvtier.tiers.redis_stripes import stripe_sets
-from kvtier.tiers.redis_wire import Conn, ErrorReply
+from kvtier.tiers.redis_wire import Conn
 
 SET_BATCH_KEYS = 512              # keys per pipelined SET round trip, and about this many
 SET_BATCH_BYTES = 32 << 20        # bytes: what was queued goes out as one pipeline per
