@@ -1,0 +1,181 @@
+"""The polling GET reader (kvtier.tiers.redis_mux) against a scripted peer on a unix socket:
+replies cut at every possible boundary land exactly where the placer says, and a peer that
+breaks the protocol, hangs up mid-value or never answers fails only its own job, within
+the deadline. (A real redis-server never splits its replies this finely; the reads against
+one are in tests/integration/test_redis_mux.py.)"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from kvtier.tiers.redis_mux import GetJob, read_jobs
+from kvtier.tiers.redis_pool import NodePool
+from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr, ProtocolError
+
+HEAD = 8   # bytes of each value handed to the placer
+
+
+def bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(value), value)
+
+
+def cuts(data: bytes, rng: random.Random, most: int) -> list[bytes]:
+    """``data`` in pieces of 1..most bytes."""
+    out, i = [], 0
+    while i < len(data):
+        n = rng.randint(1, most)
+        out.append(data[i:i + n])
+        i += n
+    return out
+
+
+@contextmanager
+def peer(tmp_path: Path, script: Callable[[socket.socket], None]) -> Iterator[NodeAddr]:
+    """A unix socket that accepts connections and runs ``script`` on each (after reading
+    whatever the client sent first)."""
+    path = str(tmp_path / "peer.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(8)
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.recv(1 << 16)   # the pipeline of GETs
+                script(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield NodeAddr(path, 0, unix=True)
+    finally:
+        stop.set()
+        srv.close()
+        thread.join(5)
+
+
+class Reads:
+    """Placer and completion callback of one job: where each value goes, what came back."""
+
+    def __init__(self, sizes: list[int | None]) -> None:
+        self.bufs = [None if n is None else memoryview(bytearray(n)) for n in sizes]
+        self.heads: dict[int, bytes] = {}
+        self.replies: list[tuple[int, object]] = []
+
+    def place(self, i: int, head: bytes, n: int) -> memoryview | None:
+        self.heads[i] = head
+        buf = self.bufs[i]
+        return None if buf is None else buf[:n - len(head)]
+
+    def done(self, i: int, reply: object) -> None:
+        self.replies.append((i, reply))
+
+
+def run(addr: NodeAddr, n_keys: int, reads: Reads, timeout_s: float = 2.0) -> GetJob:
+    pool = NodePool(addr, ConnOptions(connect_timeout_s=1.0, op_timeout_s=timeout_s), 2)
+    job = GetJob(addr, [b"k%d" % i for i in range(n_keys)], HEAD, reads.place, reads.done)
+    try:
+        read_jobs([job], lambda _a: pool, 4, lambda _j: True)
+    finally:
+        pool.close()
+    return job
+
+
+@pytest.mark.parametrize("most", [1, 3, 97, 4096])
+def test_replies_cut_anywhere_land_exactly(tmp_path: Path, most: int) -> None:
+    rng = random.Random(most)
+    values = [os.urandom(3000), None, b"-ERR wrong kind", os.urandom(5), b"",
+              os.urandom(70_000), os.urandom(HEAD)]
+    wire = b"".join(b"$-1\r\n" if v is None else v + b"\r\n" if v.startswith(b"-")
+                    else bulk(v) for v in values)
+
+    def script(conn: socket.socket) -> None:
+        for piece in cuts(wire, rng, most):
+            conn.sendall(piece)
+
+    # value 3 (5 bytes, shorter than HEAD) gets no buffer: the placer says "skip it"
+    reads = Reads([3000 - HEAD, None, None, None, 0, 70_000 - HEAD, 0])
+    with peer(tmp_path, script) as addr:
+        job = run(addr, len(values), reads)
+    assert job.error is None and job.started
+    assert [i for i, _ in reads.replies] == list(range(len(values)))
+    got = dict(reads.replies)
+    assert got[1] is None
+    assert isinstance(got[2], ErrorReply) and got[2].kind == "ERR"
+    for i in (0, 3, 4, 5, 6):
+        value = values[i]
+        assert value is not None
+        assert got[i] == len(value)
+        assert reads.heads[i] == value[:HEAD]
+        buf = reads.bufs[i]
+        if buf is not None:
+            assert bytes(buf) == value[HEAD:]
+
+
+@pytest.mark.parametrize(("wire", "why"), [
+    (bulk(b"x" * 20) + b"+OK\r\n", "a status reply where a bulk value belongs"),
+    (b"$20\r\n" + b"x" * 20 + b"XY", "a value not followed by CRLF"),
+])
+def test_protocol_breach_fails_the_job(tmp_path: Path, wire: bytes, why: str) -> None:
+    def script(conn: socket.socket) -> None:
+        conn.sendall(wire)
+        time.sleep(0.5)
+
+    reads = Reads([20 - HEAD, 20 - HEAD])
+    with peer(tmp_path, script) as addr:
+        job = run(addr, 2, reads)
+    assert isinstance(job.error, ProtocolError), why
+    assert reads.replies[-1] == (len(reads.replies) - 1, job.error)
+
+
+def test_hangup_mid_value_fails_at_that_value(tmp_path: Path) -> None:
+    first = os.urandom(100)
+
+    def script(conn: socket.socket) -> None:
+        conn.sendall(bulk(first) + b"$5000\r\n" + b"y" * 1000)
+
+    reads = Reads([100 - HEAD, 5000 - HEAD])
+    with peer(tmp_path, script) as addr:
+        job = run(addr, 2, reads)
+    assert isinstance(job.error, ConnectionResetError)
+    assert reads.replies[0] == (0, 100) and bytes(reads.bufs[0] or b"") == first[HEAD:]
+    assert reads.replies[1] == (1, job.error)
+
+
+def test_silent_peer_times_out_within_the_deadline(tmp_path: Path) -> None:
+    def script(conn: socket.socket) -> None:
+        conn.sendall(b"$40\r\n" + b"z" * 10)   # then nothing
+        time.sleep(2.0)
+
+    reads = Reads([40 - HEAD])
+    with peer(tmp_path, script) as addr:
+        t0 = time.monotonic()
+        job = run(addr, 1, reads, timeout_s=0.3)
+        took = time.monotonic() - t0
+    assert isinstance(job.error, TimeoutError)
+    assert 0.25 < took < 1.5
+    assert reads.replies == [(0, job.error)]
+
+
+def test_unreachable_server_fails_the_job_without_starting_it(tmp_path: Path) -> None:
+    reads = Reads([10])
+    job = run(NodeAddr(str(tmp_path / "nobody.sock"), 0, unix=True), 1, reads)
+    assert isinstance(job.error, OSError) and job.started
+    assert reads.replies == [(0, job.error)]
