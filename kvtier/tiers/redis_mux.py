@@ -179,36 +179,40 @@ def read_jobs(jobs: Sequence[GetJob], pool_of: Callable[[NodeAddr], NodePool], w
         del active[fd]
         stream.conn.close()
 
-    while True:
-        while pending and len(active) < width:
-            job = pending.pop()
-            if not launch(job):
+    try:
+        while True:
+            while pending and len(active) < width:
+                job = pending.pop()
+                if not launch(job):
+                    continue
+                job.started = True
+                stream = _start(job, pool_of)
+                if stream is not None:
+                    fd = stream.conn.fileno()
+                    active[fd] = stream
+                    poller.register(fd, select.POLLIN)
+            if not active:
+                return
+            now = time.monotonic()
+            for stream in [s for s in active.values() if s.conn.deadline <= now]:
+                fail(stream, stream.conn.timed_out())
+            if not active:
                 continue
-            job.started = True
-            stream = _start(job, pool_of)
-            if stream is not None:
-                fd = stream.conn.fileno()
-                active[fd] = stream
-                poller.register(fd, select.POLLIN)
-        if not active:
-            return
-        now = time.monotonic()
-        for stream in [s for s in active.values() if s.conn.deadline <= now]:
-            fail(stream, stream.conn.timed_out())
-        if not active:
-            continue
-        wait_ms = max(1, int((min(s.conn.deadline for s in active.values()) - now) * 1e3))
-        for fd, _events in poller.poll(wait_ms):
-            stream = active[fd]
-            try:
-                finished = stream.step()
-            except Exception as exc:   # the job's failure, reported with it
-                fail(stream, exc)
-                continue
-            if finished:
-                poller.unregister(fd)
-                del active[fd]
-                pool_of(stream.job.node).give(stream.conn)
+            wait_ms = max(1, int((min(s.conn.deadline for s in active.values()) - now) * 1e3))
+            for fd, _events in poller.poll(wait_ms):
+                stream = active[fd]
+                try:
+                    finished = stream.step()
+                except Exception as exc:   # the job's failure, reported with it
+                    fail(stream, exc)
+                    continue
+                if finished:
+                    poller.unregister(fd)
+                    del active[fd]
+                    pool_of(stream.job.node).give(stream.conn)
+    finally:   # only an unexpected exit leaves streams: their connections are mid-reply
+        for stream in active.values():
+            stream.conn.close()
 
 
 def _start(job: GetJob, pool_of: Callable[[NodeAddr], NodePool]) -> _Stream | None:

@@ -141,12 +141,17 @@ class RedisReads(RedisLink):
                 else:
                     batches.append((node, [lo + i for i in idx]))
         batches = [b for b in batches if b[1][0] < unserved]
-        reads, failures = await self._in_thread(
-            lambda: read_blocks_muxed(batches, rkeys, keys, outs, namespace, layout_fp,
-                                      pool_of=self._router.pool, width=window),
-            holds_buffers=True)
-        for node, exc in failures:
-            self._failed(exc, node)
+        try:
+            reads, failures = await self._in_thread(
+                lambda: read_blocks_muxed(batches, rkeys, keys, outs, namespace, layout_fp,
+                                          pool_of=self._router.pool, width=window),
+                holds_buffers=True)
+        except Exception as exc:   # a bug in the reader must not reach the caller: a miss
+            log.exception("redis tier: read failed")
+            self._note_error(exc)
+            return [BlockRead(ReadStatus.ERROR, why=_describe(exc))]
+        for node, error in failures:
+            self._failed(error, node)
         leading = next((j for j, r in enumerate(reads) if r.status is not ReadStatus.OK),
                        len(reads))
         if not any(r.status is ReadStatus.ERROR for r in reads[:leading + 1]):
