@@ -12,8 +12,10 @@ thread per pipeline (kvtier.tiers.redis_reads).
 
 A job is one pipeline to one server. Jobs start in order, at most ``width`` at a time, each
 on its own pooled connection, as long as ``launch(job)`` agrees (a read that met a miss
-starts nothing past it). A connection that fails or passes its deadline fails its job and
-is closed; every other job goes on.
+starts nothing past it). A read's first pipeline always gets a connection; the others only
+while the server's pool has some to spare (``NodePool.limit``, ``redis.max_connections``),
+so concurrent reads share a bounded number of connections. A connection that fails or
+passes its deadline fails its job and is discarded; every other job goes on.
 """
 
 from __future__ import annotations
@@ -163,35 +165,49 @@ class _Stream:
 
 def read_jobs(jobs: Sequence[GetJob], pool_of: Callable[[NodeAddr], NodePool], width: int,
               launch: Callable[[GetJob], bool]) -> None:
-    """Run ``jobs`` (blocking, in one thread), at most ``width`` connections at once. A job
-    that failed has ``error`` set (its connection closed, the error reported as the reply
-    it did not get, nothing after it); one that ``launch`` turned away has ``started``
-    False."""
+    """Run ``jobs`` (blocking, in one thread), at most ``width`` connections at once, and
+    beyond the first only as the server's pool allows (``NodePool.try_take``: concurrent
+    reads share ``limit`` connections per server). A job that failed has ``error`` set
+    (its connection discarded, the error reported as the reply it did not get, nothing
+    after it); one that ``launch`` turned away has ``started`` False."""
     poller = select.poll()
     active: dict[int, _Stream] = {}
     pending = list(reversed(jobs))
 
     def fail(stream: _Stream, exc: BaseException) -> None:
-        stream.job.error = exc
-        stream.job.done(stream.i, exc)
+        _failed(stream.job, stream.i, exc)
         fd = stream.conn.fileno()
         poller.unregister(fd)
         del active[fd]
-        stream.conn.close()
+        pool_of(stream.job.node).discard(stream.conn)
 
     try:
         while True:
             while pending and len(active) < width:
-                job = pending.pop()
+                job = pending[-1]
                 if not launch(job):
+                    pending.pop()
                     continue
+                pool = pool_of(job.node)
+                try:   # the first pipeline always gets a connection; more only within limit
+                    conn = pool.try_take() if active else pool.take()
+                except Exception as exc:   # could not connect: the job's failure
+                    pending.pop()
+                    job.started = True
+                    _failed(job, 0, exc)
+                    continue
+                if conn is None:
+                    break   # the server's connections are in use: go on with those held
+                pending.pop()
                 job.started = True
-                stream = _start(job, pool_of)
+                stream = _start(job, pool, conn)
                 if stream is not None:
-                    fd = stream.conn.fileno()
+                    fd = conn.fileno()
                     active[fd] = stream
                     poller.register(fd, select.POLLIN)
             if not active:
+                if pending:
+                    continue
                 return
             now = time.monotonic()
             for stream in [s for s in active.values() if s.conn.deadline <= now]:
@@ -212,20 +228,22 @@ def read_jobs(jobs: Sequence[GetJob], pool_of: Callable[[NodeAddr], NodePool], w
                     pool_of(stream.job.node).give(stream.conn)
     finally:   # only an unexpected exit leaves streams: their connections are mid-reply
         for stream in active.values():
-            stream.conn.close()
+            pool_of(stream.job.node).discard(stream.conn)
 
 
-def _start(job: GetJob, pool_of: Callable[[NodeAddr], NodePool]) -> _Stream | None:
-    """Send the job's pipeline on a pooled connection; None (``job.error`` set) on failure."""
-    conn: Conn | None = None
+def _start(job: GetJob, pool: NodePool, conn: Conn) -> _Stream | None:
+    """Send the job's pipeline on ``conn``; None (the job failed, ``conn`` discarded) when
+    that fails."""
     try:
-        conn = pool_of(job.node).take()
         conn.begin()
         conn.send([command(b"GET", k) for k in job.rkeys])
     except Exception as exc:   # the job's failure, reported with it
-        job.error = exc
-        job.done(0, exc)
-        if conn is not None:
-            conn.close()
+        pool.discard(conn)
+        _failed(job, 0, exc)
         return None
     return _Stream(conn, job)
+
+
+def _failed(job: GetJob, at: int, exc: BaseException) -> None:
+    job.error = exc
+    job.done(at, exc)

@@ -1,7 +1,11 @@
-"""Idle Redis connections per server (``NodePool``), shared by the tier's worker threads.
+"""Redis connections per server (``NodePool``), shared by the tier's worker threads.
 
 A connection is taken for one exchange and given back after it; one that failed in any way
-is closed, never reused (kvtier.tiers.redis_wire says why).
+is discarded (closed, never reused: kvtier.tiers.redis_wire says why). ``limit`` bounds the
+connections one server gets from the reads that fan out (kvtier.tiers.redis_mux asks with
+``try_take`` for every pipeline after its first); one exchange per worker thread (``take``)
+always gets a connection, as before, so a busy read never starves a write or a health PING.
+At most ``limit`` idle connections are kept.
 """
 
 from __future__ import annotations
@@ -15,14 +19,15 @@ from kvtier.tiers.redis_wire import Conn
 
 
 class NodePool:
-    """Idle connections to one server, at most ``max_idle`` kept; thread-safe."""
+    """Connections to one server: counted, at most ``limit`` idle kept; thread-safe."""
 
-    __slots__ = ("_closed", "_idle", "_lock", "addr", "max_idle", "opts")
+    __slots__ = ("_closed", "_idle", "_lock", "addr", "limit", "open", "opts")
 
-    def __init__(self, addr: NodeAddr, opts: ConnOptions, max_idle: int) -> None:
+    def __init__(self, addr: NodeAddr, opts: ConnOptions, limit: int) -> None:
         self.addr = addr
         self.opts = opts
-        self.max_idle = max(1, max_idle)
+        self.limit = max(1, limit)
+        self.open = 0                 # connections made and not yet closed (idle or taken)
         self._idle: list[Conn] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -33,29 +38,58 @@ class NodePool:
         try:
             result = fn(conn)
         except BaseException:
-            conn.close()
+            self.discard(conn)
             raise
         self.give(conn)
         return result
 
     def take(self) -> Conn:
-        """An idle connection, or a new one (blocking connect): the caller's until ``give``
-        (or closed by the caller when anything failed on it)."""
+        """An idle connection, or a new one (blocking connect) whatever ``limit`` says: the
+        caller's until ``give`` or ``discard``."""
         with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        return Conn(self.addr, self.opts) if conn is None else conn
+            if self._idle:
+                return self._idle.pop()
+            self.open += 1
+        return self._connect()
+
+    def try_take(self) -> Conn | None:
+        """An idle connection, or a new one while fewer than ``limit`` are open; else None
+        (the server's share of connections is in use: make do with those already held)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            if self.open >= self.limit:
+                return None
+            self.open += 1
+        return self._connect()
+
+    def _connect(self) -> Conn:
+        try:
+            return Conn(self.addr, self.opts)
+        except BaseException:
+            with self._lock:
+                self.open -= 1
+            raise
 
     def give(self, conn: Conn) -> None:
         """Take back a connection whose exchange ended cleanly."""
         with self._lock:
-            if not self._closed and len(self._idle) < self.max_idle:
+            if not self._closed and len(self._idle) < self.limit:
                 self._idle.append(conn)
                 return
+            self.open -= 1
+        conn.close()
+
+    def discard(self, conn: Conn) -> None:
+        """Close a connection that failed (or is mid-reply): it is never reused."""
+        with self._lock:
+            self.open -= 1
         conn.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            self.open -= len(idle)
         for conn in idle:
             conn.close()

@@ -31,6 +31,11 @@ def rkey(key: bytes) -> bytes:
     return b"kvtier:" + key.hex().encode()
 
 
+def connections_made(server: RedisServer) -> int:
+    """Connections the server has accepted since it started (INFO stats)."""
+    return int(server.client().info("stats")["total_connections_received"])
+
+
 def gets_served(server: RedisServer) -> int:
     """GET commands the server has run (INFO commandstats)."""
     stats = server.client().info("commandstats")
@@ -142,4 +147,24 @@ async def test_reads_from_many_tasks_at_once(redis_server: RedisServer) -> None:
         results = await asyncio.gather(*(read(tier, keys, 256 * KiB) for keys, _ in sets))
         for (got, outs), (_, data) in zip(results, sets, strict=True):
             assert got == 8 and [bytes(o) for o in outs] == data
+        assert tier.counters.errors == 0
+
+
+async def test_concurrent_reads_share_the_connection_limit(redis_server: RedisServer) -> None:
+    """Six reads at once, each of which would use eight pipelines, against
+    ``max_connections=4``: beyond each read's first connection they share the server's
+    four, so three rounds open at most 4 + 6 x 3 connections (uncapped, the four worker
+    threads' reads alone would open 4 x 8 in the first round)."""
+    sets = [blocks(8, size=256 * KiB, seed=s) for s in range(6)]
+    cfg = cfg_for(redis_server.url, op_timeout_s=5.0, max_connections=4, max_inflight=8)
+    async with running(cfg) as tier:
+        for keys, data in sets:
+            await put_all(tier, keys, data)
+        before = connections_made(redis_server)
+        for _ in range(3):
+            results = await asyncio.gather(*(read(tier, keys, 256 * KiB) for keys, _ in sets))
+            for (got, outs), (_, data) in zip(results, sets, strict=True):
+                assert got == 8 and [bytes(o) for o in outs] == data
+        opened = connections_made(redis_server) - before - 1   # the second INFO's own
+        assert 0 < opened <= 4 + 6 * 3, opened
         assert tier.counters.errors == 0

@@ -26,8 +26,8 @@ def spy_streams(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     start = redis_mux._start
     give = NodePool.give
 
-    def counted_start(job: Any, pool_of: Any) -> Any:
-        stream = start(job, pool_of)
+    def counted_start(job: Any, pool: Any, conn: Any) -> Any:
+        stream = start(job, pool, conn)
         if stream is not None:
             live.add(id(stream.conn))
             peak[0] = max(peak[0], len(live))
