@@ -179,32 +179,20 @@ class Conn:
         self._hi += n
 
     def _line(self) -> bytes:
-        while True:
-            end = self._buf.find(CRLF, self._lo, self._hi)
-            if end >= 0:
-                line = bytes(self._buf[self._lo:end])
-                self._lo = end + 2
-                return line
-            if self._hi - self._lo >= len(self._buf):
-                raise ProtocolError("reply line longer than the read buffer")
+        while (line := self.take_line()) is None:
             self._fill()
+        return line
 
     def _read_into(self, out: memoryview) -> None:
         """Fill ``out`` exactly: buffered bytes first, then straight from the socket (a small
         ``out`` through the read buffer: a value's CRLF comes with the next reply's line in
         one receive instead of one each)."""
         if out.nbytes <= _SMALL:
-            while self._hi - self._lo < out.nbytes:
+            while self.buffered() < out.nbytes:
                 self._fill()
-            out[:] = self._buf[self._lo:self._lo + out.nbytes]
-            self._lo += out.nbytes
+            self.take_into(out, 0)
             return
-        pos = 0
-        have = min(self._hi - self._lo, out.nbytes)
-        if have:
-            out[:have] = self._buf[self._lo:self._lo + have]
-            self._lo += have
-            pos = have
+        pos = self.take_into(out, 0)
         flags = socket.MSG_WAITALL if self._plain else 0
         while pos < out.nbytes:
             self._arm()
@@ -217,11 +205,6 @@ class Conn:
             pos += n
 
     # --- receiving without blocking (kvtier.tiers.redis_mux reads several at once) -----
-
-    @property
-    def plain(self) -> bool:
-        """Whether this is a plain socket (no TLS): only those are read without blocking."""
-        return self._plain
 
     @property
     def deadline(self) -> float:

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvtier.config import RedisConfig
 from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_checksum import checksum
 
 NS = bytes(range(16))
 LAYOUT_FP = 0x5EED_C0DE_1234_5678
@@ -50,6 +51,16 @@ async def put_all(tier: RedisTier, keys: list[bytes], data: list[bytes]) -> None
     for key, payload in zip(keys, data, strict=True):
         tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
     assert await tier.flush(timeout=10)
+
+
+async def read_exact(tier: RedisTier, keys: list[bytes], data: list[bytes], size: int) -> None:
+    """``get_into`` every key: all blocks exact, each with its verified checksum handed on
+    (what the arena journal reuses)."""
+    outs = buffers(len(keys), size)
+    sums: list[int | None] = [None] * len(keys)
+    got = await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP, checksums=sums)
+    assert got == len(keys) and [bytes(o) for o in outs] == data
+    assert sums == [checksum(d) for d in data]
 
 
 async def eventually(pred: Callable[[], bool], timeout: float = 10.0) -> None:
