@@ -79,11 +79,17 @@ class PendingWrite:
     def wire_len(self) -> int:
         return sum(memoryview(p).nbytes for p in self.parts)
 
-    def done(self) -> None:
-        """The write is over (sent, dropped or failed): give a borrowed buffer back."""
+    def settle(self) -> None:
+        """Tell ``on_settled`` (once) that the write's outcome (``ok``) is known: a
+        synchronous commit waiting on it may answer before the rest of ``done``."""
         settled, self.on_settled = self.on_settled, None
         if settled is not None:
             settled(self)
+
+    def done(self) -> None:
+        """The write is over (sent, dropped or failed): settle it if not yet, then give a
+        borrowed buffer back."""
+        self.settle()
         told, self.on_checksum = self.on_checksum, None
         if told is not None:
             told(self.checksum)

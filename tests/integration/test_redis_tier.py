@@ -410,6 +410,31 @@ async def test_borrowed_submit_is_sent_in_place_and_released_once(
     assert redis_server.client().dbsize() == 5
 
 
+async def test_a_write_outcome_is_told_before_its_buffer_is_given_back(
+        redis_server: RedisServer) -> None:
+    """A synchronous commit waiting on its SETs (``written``) resumes before the batch's
+    buffers are given back (the per-block release work follows it); ``flush`` still returns
+    only after every release ran."""
+    keys, data = blocks(4)
+    released: list[int] = []
+    seen: list[list[int]] = []
+    async with running(cfg_for(redis_server.url)) as tier:
+        since = time.monotonic()
+        for i in range(4):
+            tier.submit(NS, keys[i], LAYOUT_FP, memoryview(bytearray(data[i])),
+                        release=lambda i=i: released.append(i))
+
+        async def waiter() -> None:
+            assert await tier.written(keys, since) == [True] * 4
+            seen.append(list(released))
+
+        task = asyncio.ensure_future(waiter())
+        assert await tier.flush(timeout=10)
+        await task
+        assert seen == [[]]                    # told while all four were still held
+        assert sorted(released) == [0, 1, 2, 3]
+
+
 async def test_borrowed_submit_while_down_is_copied_and_released(tmp_path: Path) -> None:
     redis_server_or_skip()
     port = free_port()
