@@ -51,7 +51,7 @@ COUNTERS_LOG2 = 22                       # 4 MiB: 400k blocks -> ~2% false "mayb
 HASHES = 3
 KEY_BYTES = 16
 _SATURATED = 255
-_WORD = struct.Struct("<I")
+_WORDS = struct.Struct("<4I")           # a key's four 32-bit words (keys are 16 bytes)
 
 
 def _positions(keys: bytes, n: int, mask: int, hashes: int) -> np.ndarray:
@@ -103,8 +103,7 @@ class PresenceFilter:
         """Byte offsets in the mapping of ``key``'s counters (the index keeps this on its
         hot path: plain ints and mmap item access, no numpy scalars)."""
         mask = (1 << self.counters_log2) - 1
-        return [HEADER_BYTES + (_WORD.unpack_from(key, 4 * i)[0] & mask)
-                for i in range(self.hashes)]
+        return [HEADER_BYTES + (w & mask) for w in _WORDS.unpack_from(key)[:self.hashes]]
 
     def add(self, key: bytes) -> None:
         mm = self._mm

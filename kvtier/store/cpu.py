@@ -89,6 +89,10 @@ class CpuResidency:
             self.policy.set_pinned(meta.key, meta.cpu_pinned)
 
     # -- slots --------------------------------------------------------------------------
+    def try_alloc(self, nbytes: int) -> int | None:
+        """A free arena slot without evicting anything (no await: a put's common case)."""
+        return self.arena.alloc(nbytes)
+
     async def alloc(self, nbytes: int) -> int | None:
         """A free arena slot, evicting by policy when needed; None if nothing can go."""
         off = await allocate_with_eviction(lambda: self.arena.alloc(nbytes), self.policy,

@@ -16,6 +16,7 @@ from kvtier.policy.base import AdmissionPolicy, Key, LookupObserver
 from kvtier.tiers.base import Tier
 from kvtier.tiers.nvme import NvmeSlot
 from kvtier.tiers.nvme.recovery import Recovered
+from kvtier.tiers.redis_queue import Borrowed
 from kvtier.tiers.slab import SlabAllocator
 
 __all__ = ["AdmissionPolicy", "ForestPort", "HbmPort", "LookupObserver", "MissLogPort",
@@ -51,6 +52,8 @@ class RedisPort(Tier, Protocol):
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
                seq: int = 0, release: Callable[[], None] | None = None,
                on_checksum: Callable[[int | None], None] | None = None) -> None: ...
+
+    def submit_many(self, blocks: Sequence[Borrowed]) -> None: ...
 
     async def exists_prefix(self, keys: Sequence[bytes], *,
                             namespace: bytes | None = None) -> int: ...

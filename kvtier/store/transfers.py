@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvtier.bandwidth import BandwidthTracker
 from kvtier.errors import FrameError, KVTierError
@@ -23,6 +24,7 @@ from kvtier.tiers.aligned import aligned_buffer, byte_view, round_up
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.base import TierName
 from kvtier.tiers.nvme import NvmeSlot
+from kvtier.tiers.redis_queue import Borrowed
 
 log = logging.getLogger("kvtier.store")
 
@@ -156,19 +158,19 @@ class Transfers:
         self._count(TierName.REDIS, TierName.CPU, metas[:n])
         return TransferResult(moved=n, checksums=sums[:n])
 
-    def _submit_from_slot(self, meta: BlockMeta) -> None:
-        """Zero-copy hand-off to Redis: the arena slot is pinned (a reader) until the tier
-        releases it, once the SET is done, dropped or failed."""
+    def _submit_from_slots(self, metas: list[BlockMeta]) -> None:
+        """Zero-copy hand-off to Redis: each arena slot is pinned (a reader) until the tier
+        releases it, once its SET is done, dropped or failed."""
         assert self.redis is not None
-        self.pin([meta])
-        told = None if self.journal_defer is None else self.journal_defer(meta)
-        self.redis.submit(meta.namespace, meta.key, meta.layout_fp,
-                          self._arena_view(meta, meta.nbytes), seq=meta.seq,
-                          release=lambda: self.unpin([meta]), on_checksum=told)
+        self.pin(metas)
+        defer, unpin = self.journal_defer, self.unpin
+        self.redis.submit_many([
+            Borrowed(m.namespace, m.key, m.layout_fp, self._arena_view(m, m.nbytes), m.seq,
+                     partial(unpin, [m]), None if defer is None else defer(m))
+            for m in metas])
 
     async def _cpu_to_redis(self, job: Transfer) -> TransferResult:
-        for meta in job.metas:
-            self._submit_from_slot(meta)
+        self._submit_from_slots(job.metas)
         self._count(TierName.CPU, TierName.REDIS, job.metas)
         return TransferResult(moved=len(job.metas))
 
@@ -176,7 +178,7 @@ class Transfers:
         """A block leaving nvme: from its arena copy when it has one, else read back."""
         meta, nvme = job.metas[0], self.nvme
         if meta.in_cpu:
-            self._submit_from_slot(meta)
+            self._submit_from_slots([meta])
         else:
             assert nvme is not None and meta.nvme is not None
             buf = aligned_buffer(round_up(meta.nbytes))

@@ -47,22 +47,24 @@ class Writer:
         self._check_fits(nbytes, keys)
         metas: list[BlockMeta] = []
         offsets: list[int | None] = []
+        index, cpu = self.index, self.cpu
         full = False  # after one failed allocation the rest would fail too: stop evicting
         for i, k in enumerate(keys):
-            if full or k in self.index:
+            if full or k in index:
                 offsets.append(None)
                 continue
-            off = await self.cpu.alloc(nbytes)
-            if off is None or k in self.index:
-                if off is not None:
-                    self.cpu.arena.free(off)
-                full = off is None
-                offsets.append(None)
-                continue
+            off = cpu.try_alloc(nbytes)   # the common case: room without evicting, no await
+            if off is None:
+                off = await cpu.alloc(nbytes)
+                if off is None or k in index:   # (stored by another put meanwhile)
+                    if off is not None:
+                        cpu.arena.free(off)
+                    full = off is None
+                    offsets.append(None)
+                    continue
             meta = BlockMeta(k, digest, layout_fp, nbytes, keys[i - 1] if i else parent,
-                             depth + i, cpu=off)
-            meta.set_cpu_state(SlotState.WRITING)
-            self.index[k] = meta
+                             depth + i, cpu=off, cpu_state=SlotState.WRITING)
+            index[k] = meta
             metas.append(meta)
             offsets.append(off)
         lease = self.leases.open(LeaseKind.PUT, owner, metas)

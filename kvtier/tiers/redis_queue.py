@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvtier import codec as codecs
 from kvtier.frame import FLAG_STRIPED, STRIPED_MIN_BYTES, Codec
@@ -26,6 +27,19 @@ from kvtier.tiers.redis_checksum import header_for
 
 Release = Callable[[], None]
 OnChecksum = Callable[[int | None], None]
+
+
+class Borrowed(NamedTuple):
+    """A block handed to Redis in place (``RedisTier.submit_many``): its identity, its
+    payload where it lies, and the callbacks of a borrowed write (see ``submit``)."""
+
+    namespace: bytes
+    key: bytes
+    layout_fp: int
+    payload: memoryview
+    seq: int
+    release: Release
+    on_checksum: OnChecksum | None = None
 DEFAULT_ELEM_BYTES = 2   # shuffle width when a block's layout is unknown (fp16/bf16)
 
 

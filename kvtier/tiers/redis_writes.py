@@ -16,7 +16,7 @@ from typing import Any
 
 from kvtier.tiers.redis_blocks import WireSet, write_blocks
 from kvtier.tiers.redis_link import log
-from kvtier.tiers.redis_queue import OnChecksum, PendingWrite, Release, frame_pending
+from kvtier.tiers.redis_queue import Borrowed, OnChecksum, PendingWrite, Release, frame_pending
 from kvtier.tiers.redis_reads import RedisReads
 from kvtier.tiers.redis_resp import ErrorReply
 from kvtier.tiers.redis_stripes import stripe_sets
@@ -94,12 +94,34 @@ class RedisWrites(RedisReads):
                 if release is None else
                 PendingWrite.borrow(rkey, namespace, key, layout_fp, seq, payload, release,
                                     width, on_checksum))
+        self._enqueue(item)
+        self._wake.set()
+
+    def submit_many(self, blocks: Sequence[Borrowed]) -> None:
+        """``submit`` of borrowed blocks (each with its ``release``), in order, waking the
+        writer once: a put's write-through hands over its whole batch (per block: its Redis
+        key and a queue entry, the element width looked up once per namespace)."""
+        if self._closed or not self._up:   # copied or dropped one by one (see ``submit``)
+            for b in blocks:
+                self.submit(b.namespace, b.key, b.layout_fp, b.payload, seq=b.seq,
+                            release=b.release, on_checksum=b.on_checksum)
+            return
+        widths: dict[bytes, int] = {}
+        for b in blocks:
+            width = widths.get(b.namespace)
+            if width is None:
+                width = widths[b.namespace] = self._elem_bytes_for(b.namespace)
+            self._enqueue(PendingWrite.borrow(self._rkey(b.key), b.namespace, b.key,
+                                              b.layout_fp, b.seq, b.payload, b.release, width,
+                                              b.on_checksum))
+        self._wake.set()
+
+    def _enqueue(self, item: PendingWrite) -> None:
         self._outcomes.track(item)
         dropped = self._queue.push(item)
         if dropped is not None:
             dropped.done()
             self.counters.dropped_writes += 1
-        self._wake.set()
 
     async def written(self, keys: Sequence[bytes], since: float) -> list[bool | None]:
         """Per key, once its newest queued write is over: True if Redis stored it, False
