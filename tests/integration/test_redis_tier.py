@@ -18,7 +18,7 @@ import redis
 from kvtier.frame import HEADER_SIZE, FrameHeader, make_header
 from kvtier.layout import KVLayout
 from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_queue import PendingWrite, WriteQueue
+from kvtier.tiers.redis_queue import Borrowed, PendingWrite, WriteQueue
 from tests.support.redis_servers import (
     LocalCluster,
     RedisServer,
@@ -408,6 +408,34 @@ async def test_borrowed_submit_is_sent_in_place_and_released_once(
         assert await tier.flush(timeout=10)
         assert sorted(released) == [0, 2, 3, 4, 5]
     assert redis_server.client().dbsize() == 5
+
+
+async def test_submit_many_borrows_each_block_and_releases_it_once(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    """A batch handed over at once is sent in place, each block released once after its
+    SET; while the tier is down the same call copies and releases at once (``submit``)."""
+    keys, data = blocks(3)
+    released: list[int] = []
+    slots = [bytearray(d) for d in data]
+
+    def batch(idx: range) -> list[Borrowed]:
+        return [Borrowed(NS, keys[i], LAYOUT_FP, memoryview(slots[i]), 0,
+                         lambda i=i: released.append(i)) for i in idx]
+
+    async with running(cfg_for(redis_server.url)) as tier:
+        tier.submit_many(batch(range(3)))
+        assert released == []
+        assert await tier.flush(timeout=10)
+        assert sorted(released) == [0, 1, 2]
+        outs = buffers(3)
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 3
+        assert [bytes(o) for o in outs] == data
+    released.clear()
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    async with running(cfg_for(dead)) as tier:
+        assert not tier.up
+        tier.submit_many(batch(range(2)))
+        assert released == [0, 1]              # copied: the slots are free at once
 
 
 async def test_a_write_outcome_is_told_before_its_buffer_is_given_back(
