@@ -177,6 +177,10 @@ class DaemonConfig:
     max_connections: AtLeastOne = 1024    # beyond: a typed refusal ("overloaded"), then close
     max_namespaces: AtLeastOne = 4096     # registrations beyond evict the least recently used
     listen_backlog: AtLeastOne = 4096     # connect bursts queue here (capped by somaxconn)
+    gc_freeze: bool = True                # freeze long-lived objects, so Python's collector
+    #                                       does not walk every block (kvtier.daemon.gc_guard)
+    gc_full_s: Seconds = 3600.0           # then one collection over everything this often
+    #                                       (0: never; docs/operations.md)
 
 
 @dataclass(slots=True)

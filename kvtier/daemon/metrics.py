@@ -99,6 +99,16 @@ class KVTierCollector:
         yield CounterMetricFamily("kvtier_lease_expired", "Leases released by their deadline "
                                   "(a client hung or crashed)",
                                   value=float(req.get("lease_expired", 0)))
+        gcs = daemon.get("gc")
+        if gcs:
+            yield GaugeMetricFamily("kvtier_gc_frozen_objects", "Python objects frozen out of "
+                                    "garbage collections", value=float(gcs["frozen"]))
+            yield CounterMetricFamily("kvtier_gc_full_collections", "Collections over every "
+                                      "object (they stop the event loop)",
+                                      value=float(gcs["full_collections"]))
+            yield GaugeMetricFamily("kvtier_gc_last_full_seconds", "How long the last full "
+                                    "collection stopped the event loop",
+                                    value=float(gcs["last_full_s"]))
         yield from _admission_families(s.get("admission", {}))
         yield from _explain_families(s.get("explain", {}))
         schemes = GaugeMetricFamily("kvtier_clients_by_key_scheme", "Connected clients per "

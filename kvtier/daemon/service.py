@@ -29,6 +29,7 @@ from typing import Any
 from kvtier import __version__
 from kvtier.config import Config, default_runtime_dir
 from kvtier.daemon.control import ControlServer
+from kvtier.daemon.gc_guard import GcGuard
 from kvtier.daemon.http import HttpServer, bind_http
 from kvtier.daemon.limits import Limits
 from kvtier.daemon.metrics import Metrics, admission_stats
@@ -74,6 +75,7 @@ class Daemon:
         self.http: HttpServer | None = None
         self.metrics: Metrics | None = None
         self.explain: MissLog | None = None
+        self.gc: GcGuard | None = None
         self.rebuilt_blocks = 0
         self.adopted_blocks = 0
         self._stop = asyncio.Event()
@@ -167,6 +169,10 @@ class Daemon:
         await control.start()
         self.http.prefix = control.prefix   # POST /v1/prefix (kvtier.daemon.prefix)
         await self.http.start()
+        if cfg.daemon.gc_freeze:
+            self.gc = GcGuard(cfg.daemon.gc_full_s)
+            self.gc.start()
+            stack.callback(self.gc.stop)
         sweeper = asyncio.ensure_future(self._sweep(store))
         stack.callback(sweeper.cancel)
 
@@ -286,6 +292,8 @@ class Daemon:
         }
         if self.control is not None:
             out["daemon"].update(self.control.limit_stats())
+        if self.gc is not None:
+            out["daemon"]["gc"] = self.gc.as_dict()
         out.update(self.store.stats())   # tiers.hbm first when the daemon has a pool
         shadows = getattr(self.store.observer, "snapshot", None)
         if callable(shadows):  # adaptive policy: mode and miss-ratio curve per tier

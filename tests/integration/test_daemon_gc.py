@@ -1,0 +1,56 @@
+"""The daemon keeps its blocks out of Python's garbage collections (kvtier.daemon.gc_guard):
+a real daemon filled with blocks has them frozen, and says so in /v1/stats."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.client import connect
+from kvtier.keys import block_keys
+from kvtier.layout import KVLayout
+from tests.support.daemon import DaemonProcess
+
+LAYOUT = KVLayout(1, 1, 64, "float16", 16)    # 4 KiB blocks: many blocks, little memory
+BLOCKS = 20_000
+
+
+def _fill(d: DaemonProcess) -> None:
+    c = connect(d.socket, timeout=30)
+    try:
+        ns = c.register_layout(LAYOUT, "gc")
+        tokens = LAYOUT.tokens_per_block
+        buf = [np.zeros(LAYOUT.block_bytes, np.uint8)] * 1000
+        for i in range(0, BLOCKS, 1000):
+            keys = block_keys(ns, np.arange(i * tokens, (i + 1000) * tokens))
+            assert c.put(ns, keys, buf) == 1000
+    finally:
+        c.close()
+
+
+def test_stored_blocks_are_frozen_out_of_collections(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d", cpu_bytes="256MiB", nvme_bytes="0").start()
+    try:
+        _fill(d)
+        gc_stats = d.stats()["daemon"]["gc"]
+        assert gc_stats["frozen"] >= BLOCKS        # at least each block's own object
+        assert gc_stats["freezes"] > 0 and gc_stats["full_collections"] == 0
+        with urllib.request.urlopen(d.http_url + "/metrics", timeout=5) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        assert families["kvtier_gc_frozen_objects"].samples[0].value >= BLOCKS
+        assert families["kvtier_gc_full_collections"].samples[0].value == 0
+    finally:
+        d.kill()
+
+
+def test_gc_freeze_off_leaves_the_interpreter_collector(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d", cpu_bytes="256MiB", nvme_bytes="0",
+                      env={"KVTIER_DAEMON_GC_FREEZE": "false"}).start()
+    try:
+        _fill(d)
+        assert "gc" not in d.stats()["daemon"]
+    finally:
+        d.kill()
