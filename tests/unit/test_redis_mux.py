@@ -101,10 +101,11 @@ def run(addr: NodeAddr, n_keys: int, reads: Reads, timeout_s: float = 2.0) -> Ge
 @pytest.mark.parametrize("most", [1, 3, 97, 4096])
 def test_replies_cut_anywhere_land_exactly(tmp_path: Path, most: int) -> None:
     rng = random.Random(most)
-    values = [os.urandom(3000), None, b"-ERR wrong kind", os.urandom(5), b"",
-              os.urandom(70_000), os.urandom(HEAD)]
-    wire = b"".join(b"$-1\r\n" if v is None else v + b"\r\n" if v.startswith(b"-")
-                    else bulk(v) for v in values)
+    error = b"-ERR wrong kind"      # (told apart by identity: a random value may start "-")
+    values = [os.urandom(3000), None, error, os.urandom(5), b"", os.urandom(70_000),
+              os.urandom(HEAD)]
+    wire = b"".join(b"$-1\r\n" if v is None else v + b"\r\n" if v is error else bulk(v)
+                    for v in values)
 
     def script(conn: socket.socket) -> None:
         for piece in cuts(wire, rng, most):
