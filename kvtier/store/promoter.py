@@ -93,22 +93,24 @@ class Promoter:
                          start: int) -> None:
         """Index ``rkeys`` (``chain[start:]``, found in Redis) as loading and start the
         batched load; stops at the first key already indexed or without room."""
-        index, layout = self.blocks.index, ns.layout
+        index, layout, cpu = self.blocks.index, ns.layout, self.cpu
+        loop = asyncio.get_running_loop()
         metas: list[BlockMeta] = []
         for i, k in enumerate(rkeys):
             if k in index:
                 break
-            off = await self.cpu.alloc(layout.block_bytes)
-            if off is None or k in index:
-                if off is not None:
-                    self.cpu.arena.free(off)
-                break
+            off = cpu.try_alloc(layout.block_bytes)   # no await unless it must evict
+            if off is None:
+                off = await cpu.alloc(layout.block_bytes)
+                if off is None or k in index:
+                    if off is not None:
+                        cpu.arena.free(off)
+                    break
             depth = start + i
             parent = chain[depth - 1] if depth > 0 else None
             meta = BlockMeta(k, ns.namespace.digest, layout.fingerprint, layout.block_bytes,
-                             parent, depth, cpu=off, prefetched=True)
-            meta.set_cpu_state(SlotState.LOADING)
-            meta.loading = asyncio.get_running_loop().create_future()
+                             parent, depth, cpu=off, cpu_state=SlotState.LOADING,
+                             loading=loop.create_future(), prefetched=True)
             index[k] = meta
             metas.append(meta)
         if metas:
