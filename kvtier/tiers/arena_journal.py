@@ -18,9 +18,14 @@ stops at the first record that does not check (records are appended by one threa
 Records are plain stores into shared memory: they survive the process (not the machine), cost
 no system call, and are visible before the slot offset is handed to a client.
 
-Compaction: when the records outnumber ``4 * live slots + COMPACT_MIN`` (or fill the file), a
-new file holding one record per live slot (COMMIT when committed, else ALLOC) is written
-beside and renamed over the journal, so a crash sees either the old or the new file whole.
+Compaction: when the records outnumber ``4 * live slots + COMPACT_MIN`` (or fill three
+quarters of the file, as they do while the arena fills up), a new file holding
+one record per live slot (COMMIT when committed, else ALLOC) is written beside by a worker
+thread from a snapshot of those records, while appends go on into the old file; the next
+append after it is written copies the records appended meanwhile into it and renames it over
+the journal. A crash sees either the old or the new file whole. (At 188k live slots writing
+the new file on the event loop stopped it for 54 ms; now the loop only lists the records.)
+Only a file that fills up before its compaction is written waits for it.
 
 Replay (``read_journal``) turns the records into ``JournalState``: committed blocks (to be
 verified against the arena bytes) and slots still being written at the crash (the store
@@ -30,12 +35,14 @@ quarantines them for one lease TTL: a stalled client of the dead daemon may stil
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import secrets
 import stat
 import struct
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -48,6 +55,8 @@ VERSION = 1
 RECORD = 128
 COMPACT_MIN = 4096            # records appended beyond 4x the live slots before compacting
 MIN_RECORDS = 1 << 14         # smallest file (sparse: untouched records cost no memory)
+
+log = logging.getLogger("kvtier.tiers.arena")
 
 # type u8 | flags u8 | pad u16 | depth u32 | offset u64 | nbytes u64 | key 16s | namespace 16s
 # | parent 16s | layout_fp u64 | seq u64 | checksum u64 | generation u64 | pad, then xxh3-64
@@ -203,7 +212,9 @@ def _apply(state: JournalState, live: dict[int, _Live], rec: tuple[Any, ...]) ->
             state.inconsistent += 1
     elif rtype == RecordType.COMMIT:
         lv = live.get(offset)
-        if lv is None or lv.generation != gen or lv.commit is not None:
+        if lv is None:   # a compacted file: a committed slot's one record stands for its ALLOC
+            lv = live[offset] = _Live(gen, nbytes)
+        elif lv.generation != gen or lv.commit is not None:
             state.inconsistent += 1
             return
         info = CommitInfo(key, ns, layout_fp, nbytes,
@@ -235,6 +246,8 @@ class ArenaJournal:
         self._fd = -1
         self._tail = 0
         self._capacity = 0
+        self._writer: ThreadPoolExecutor | None = None   # writes compacted files
+        self._next: _NextFile | None = None   # a compaction being written
         for offset, nbytes, commit in live:
             self._gen += 1
             rec = (_commit_record(commit, self._gen) if commit is not None else
@@ -276,7 +289,14 @@ class ArenaJournal:
         return len(self._live)
 
     def close(self, *, unlink: bool) -> None:
-        """Unmap; ``unlink`` also removes the file (a graceful stop: nothing to adopt)."""
+        """Unmap; ``unlink`` also removes the file (a graceful stop: nothing to adopt). A
+        compaction still being written is dropped (the journal is whole without it)."""
+        nxt, self._next = self._next, None
+        if nxt is not None:
+            nxt.discard()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
         if self._mm is not None:
             with contextlib.suppress(BufferError, ValueError):
                 self._mm.close()
@@ -289,41 +309,129 @@ class ArenaJournal:
 
     # -- file ------------------------------------------------------------------------------
     def _append(self, record: bytes) -> None:
-        if self._tail >= self._capacity or self._tail > 4 * len(self._live) + COMPACT_MIN:
+        """Write ``record``, whose change ``_live`` already shows (so a compaction started
+        or finished here holds it in its snapshot, never twice)."""
+        nxt = self._next
+        if nxt is not None and (nxt.done.done() or self._tail >= self._capacity):
+            self._switch(nxt)   # (waits only when the old file is full)
+        if self._tail >= self._capacity:
             self._rewrite()
+            return
         assert self._mm is not None
         self._mm[self._tail * RECORD: (self._tail + 1) * RECORD] = record
         self._tail += 1
         self.records += 1
+        if self._next is not None:
+            self._next.since.append(record)
+        elif (self._tail > 4 * len(self._live) + COMPACT_MIN      # mostly dead records, or
+              or 4 * self._tail > 3 * self._capacity):            # a growing arena's file
+            self._compact_aside()                                 # filling up
+
+    def settle(self) -> None:
+        """Finish a compaction being written aside now, waiting for it (tests, tools)."""
+        while self._next is not None:
+            self._switch(self._next)
+
+    def _compact_aside(self) -> None:
+        """Start writing the compacted file in the worker thread (see the module doc)."""
+        parts = [_header(self.arena_size, self.slab_bytes)]
+        parts += [lv.record for lv in self._live.values()]   # O(live) references, no copy
+        capacity = max(MIN_RECORDS, 2 * (4 * len(parts) + COMPACT_MIN))
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-journal")
+        tmp = self._tmp_path()
+        self._next = _NextFile(tmp, capacity, len(parts),
+                               self._writer.submit(_write_file, tmp, parts, capacity))
+
+    def _switch(self, nxt: _NextFile) -> None:
+        """Finish a compaction written aside: append what came meanwhile, rename, swap."""
+        self._next = None
+        try:
+            fd = nxt.done.result()
+        except Exception as exc:   # (the old file is whole: compact again later)
+            log.warning("arena journal compaction failed: %s", exc)
+            return
+        if nxt.records + len(nxt.since) >= nxt.capacity:   # outgrown while written
+            os.close(fd)
+            nxt.tmp.unlink(missing_ok=True)
+            self._rewrite()
+            return
+        try:
+            mm = mmap.mmap(fd, nxt.capacity * RECORD, mmap.MAP_SHARED,
+                           mmap.PROT_READ | mmap.PROT_WRITE)
+            blob = b"".join(nxt.since)
+            mm[nxt.records * RECORD: nxt.records * RECORD + len(blob)] = blob
+            os.rename(nxt.tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            nxt.tmp.unlink(missing_ok=True)
+            raise
+        self._swap(mm, fd, nxt.records + len(nxt.since), nxt.capacity)
+        self.records += nxt.records
+
+    def _tmp_path(self) -> Path:
+        return self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
     def _rewrite(self) -> None:
-        """Write one record per live slot to a new file and rename it over the journal."""
-        need = 1 + len(self._live)
-        capacity = max(MIN_RECORDS, 2 * (4 * need + COMPACT_MIN))
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        """Write one record per live slot to a new file and rename it over the journal, on
+        this thread (at start, and when a full file cannot wait)."""
+        parts = [_header(self.arena_size, self.slab_bytes)]
+        parts += [lv.record for lv in self._live.values()]
+        capacity = max(MIN_RECORDS, 2 * (4 * len(parts) + COMPACT_MIN))
+        tmp = self._tmp_path()
+        fd = _write_file(tmp, parts, capacity)
         try:
-            os.ftruncate(fd, capacity * RECORD)
             mm = mmap.mmap(fd, capacity * RECORD, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
-            parts = [_header(self.arena_size, self.slab_bytes)]
-            parts += [lv.record for lv in self._live.values()]   # O(live) copies, no packing
-            blob = b"".join(parts)
-            mm[: len(blob)] = blob
             os.rename(tmp, self.path)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
+        self._swap(mm, fd, len(parts), capacity)
+        self.records += len(parts)
+
+    def _swap(self, mm: mmap.mmap, fd: int, tail: int, capacity: int) -> None:
         old_mm, old_fd = self._mm, self._fd
         self._mm, self._fd = mm, fd
-        self._tail = len(parts)
+        self._tail = tail
         self._capacity = capacity
-        self.records += len(parts)
         if old_mm is not None:
             self.compactions += 1
             with contextlib.suppress(BufferError, ValueError):
                 old_mm.close()
         if old_fd >= 0:
             os.close(old_fd)
+
+
+@dataclass(slots=True)
+class _NextFile:
+    """A compacted journal being written aside, and the records appended since its snapshot."""
+
+    tmp: Path
+    capacity: int
+    records: int                    # the snapshot's (header included)
+    done: Future[int]               # its descriptor, once written
+    since: list[bytes] = field(default_factory=list)
+
+    def discard(self) -> None:
+        with contextlib.suppress(Exception):
+            os.close(self.done.result())
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_file(tmp: Path, parts: list[bytes], capacity: int) -> int:
+    """A new journal file at ``tmp`` holding ``parts``, ``capacity`` records long; its open
+    descriptor (a worker thread's job: ``os.pwrite`` runs without the GIL)."""
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, capacity * RECORD)
+        blob = b"".join(parts)
+        written = 0
+        while written < len(blob):
+            written += os.pwrite(fd, memoryview(blob)[written:], written)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return fd

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,6 +99,7 @@ def test_compaction_keeps_the_live_state(shm_dir: Path, monkeypatch: pytest.Monk
                 j.commit(off, gen, info(off // PAGE), round_)
             if round_ < 49:
                 j.free(off)
+    j.settle()                                # (compactions are written aside)
     assert j.compactions >= 1
     assert os.stat(j.path).st_mode & 0o777 == 0o600
     state = read_journal(j.path)
@@ -105,7 +107,126 @@ def test_compaction_keeps_the_live_state(shm_dir: Path, monkeypatch: pytest.Monk
     assert sorted(c.offset for c in state.committed) == [o * PAGE for o in (0, 1, 2, 3, 4, 6, 7)]
     assert {c.checksum for c in state.committed} == {49}
     assert state.writing == [(5 * PAGE, PAGE)]
+    assert (state.inconsistent, state.torn) == (0, 0)
     j.close(unlink=True)
+
+
+def test_a_committed_slot_outlives_a_compaction(shm_dir: Path) -> None:
+    """A compacted file keeps a committed slot as its COMMIT record alone: replay adopts it
+    (it used to count it inconsistent and drop it: a second crash lost every block)."""
+    j = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB)
+    j.alloc(0, PAGE)
+    j.alloc(PAGE, PAGE)
+    gen = j.generation(0)
+    assert gen is not None and j.commit(0, gen, info(1), 11)
+    j._rewrite()
+    state = read_journal(j.path)
+    assert state is not None and state.inconsistent == 0
+    assert [(c.offset, c.checksum, c.info) for c in state.committed] == [(0, 11, info(1))]
+    assert state.writing == [(PAGE, PAGE)]
+    j.close(unlink=False)
+    # adopted by the next daemon, then that one crashes too: still there
+    adopted = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB,
+                           live=[(c.offset, c.info.nbytes, c) for c in state.committed])
+    again = read_journal(adopted.path)
+    assert again is not None and again.inconsistent == 0
+    assert [(c.offset, c.checksum) for c in again.committed] == [(0, 11)]
+    adopted.close(unlink=True)
+
+
+def _churn(j: ArenaJournal, rounds: int, base: int) -> None:
+    """Records on slots ``base``.. (alloc, commit, free) without changing the live state."""
+    for r in range(rounds):
+        off = (base + r % 4) * PAGE
+        j.alloc(off, PAGE)
+        gen = j.generation(off)
+        assert gen is not None
+        j.commit(off, gen, info(9), r)
+        j.free(off)
+
+
+def test_compaction_is_written_aside_while_appends_go_on(shm_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compacted file is written by a worker thread; records appended meanwhile reach
+    both the old file (a crash then replays it whole) and, at the switch, the new one."""
+    monkeypatch.setattr(aj, "COMPACT_MIN", 16)
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    gate = threading.Event()
+    real = aj._write_file
+
+    def slow(tmp: Path, parts: list[bytes], capacity: int) -> int:
+        gate.wait(10)
+        return real(tmp, parts, capacity)
+
+    monkeypatch.setattr(aj, "_write_file", slow)
+    j.alloc(0, PAGE)
+    g0 = j.generation(0)
+    assert g0 is not None and j.commit(0, g0, info(1), 11)
+    _churn(j, 30, 8)                       # past 4 x live + 16: a compaction starts aside
+    assert j._next is not None and j.compactions == 0
+    j.alloc(PAGE, PAGE)                    # while it is written: a new slot ...
+    g1 = j.generation(PAGE)
+    assert g1 is not None and j.commit(PAGE, g1, info(2), 22)
+    j.free(0)                              # ... and one freed
+    crashed = read_journal(j.path)         # a crash now: the old file has everything
+    assert crashed is not None and crashed.inconsistent == 0
+    assert [c.offset for c in crashed.committed] == [PAGE]
+    gate.set()
+    j._next.done.result(10)
+    _churn(j, 1, 8)                        # the next append switches to the new file
+    assert j.compactions >= 1
+    j.settle()
+    state = read_journal(j.path)
+    assert state is not None and (state.inconsistent, state.torn) == (0, 0)
+    assert [(c.offset, c.checksum) for c in state.committed] == [(PAGE, 22)]
+    assert state.writing == []
+    assert not list(shm_dir.glob("*.tmp"))
+    j.close(unlink=True)
+
+
+def test_a_filling_arena_compacts_aside_before_its_file_is_full(
+        shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the arena fills up the records never outnumber 4x the live slots, so the file
+    itself filling up triggers the compaction: aside, not on the caller's thread."""
+    j = ArenaJournal(shm_dir / "j.journal", 1 << 40, SLAB)
+    inline: list[int] = []
+    real = ArenaJournal._rewrite
+    monkeypatch.setattr(ArenaJournal, "_rewrite",
+                        lambda self: (inline.append(len(self._live)), real(self))[1])
+    slots = aj.MIN_RECORDS // 2 + 100            # two records each: past three quarters
+    for i in range(slots):
+        j.alloc(i * PAGE, PAGE)
+        gen = j.generation(i * PAGE)
+        assert gen is not None and j.commit(i * PAGE, gen, info(i % 200), i)
+        if j._next is not None:
+            j._next.done.result(10)              # (a worker thread that keeps up)
+    j.settle()
+    assert inline == [] and j.compactions >= 1
+    state = read_journal(j.path)
+    assert state is not None and (state.inconsistent, state.torn) == (0, 0)
+    assert len(state.committed) == slots and state.writing == []
+    j.close(unlink=True)
+
+
+def test_close_drops_a_compaction_still_being_written(shm_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aj, "COMPACT_MIN", 16)
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    gate = threading.Event()
+    real = aj._write_file
+    monkeypatch.setattr(aj, "_write_file",
+                        lambda tmp, parts, cap: (gate.wait(10), real(tmp, parts, cap))[1])
+    j.alloc(0, PAGE)
+    g0 = j.generation(0)
+    assert g0 is not None and j.commit(0, g0, info(1), 11)
+    _churn(j, 30, 8)
+    assert j._next is not None
+    threading.Timer(0.2, gate.set).start()
+    j.close(unlink=False)
+    assert not list(shm_dir.glob("*.tmp"))
+    state = read_journal(shm_dir / "j.journal")
+    assert state is not None and [c.offset for c in state.committed] == [0]
+    (shm_dir / "j.journal").unlink()
 
 
 # -- slab re-reservation ---------------------------------------------------------------------
