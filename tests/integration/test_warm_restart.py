@@ -178,6 +178,27 @@ def test_blocks_in_flight_at_the_kill_are_never_served(daemon_factory) -> None:
     c2.close()
 
 
+def test_a_second_crash_after_a_warm_restart_keeps_the_adopted_blocks(daemon_factory) -> None:
+    """The adopting daemon's journal starts compacted (one COMMIT per adopted slot): a crash
+    right after must adopt the same blocks again, with exact bytes."""
+    d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="0").start()
+    c = connect(d.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = [bytes(k) for k in block_keys(ns, np.arange(64 * 8))]
+    assert c.put(ns, keys, [content(k) for k in keys]) == 8
+    d.wait_journal_commits(8)
+    c.close()
+    for _ in range(2):
+        d.crash()
+        d.start()
+        rec = d.stats()["recovery"]
+        assert rec["mode"] == "warm" and rec["adopted_blocks"] == 8, rec
+    c2 = connect(d.socket)
+    ns2 = c2.register_layout(LAYOUT, "m")
+    assert read_back(c2, ns2, keys) == (8, 0)
+    c2.close()
+
+
 def test_nvme_frames_behind_a_lost_head_are_collected(daemon_factory) -> None:
     d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="64MiB").start()
     c = connect(d.socket)
