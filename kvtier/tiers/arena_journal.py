@@ -332,11 +332,15 @@ class ArenaJournal:
         while self._next is not None:
             self._switch(self._next)
 
-    def _compact_aside(self) -> None:
-        """Start writing the compacted file in the worker thread (see the module doc)."""
+    def _snapshot(self) -> tuple[list[bytes], int]:
+        """The compacted file's records (header, one per live slot) and its capacity."""
         parts = [_header(self.arena_size, self.slab_bytes)]
         parts += [lv.record for lv in self._live.values()]   # O(live) references, no copy
-        capacity = max(MIN_RECORDS, 2 * (4 * len(parts) + COMPACT_MIN))
+        return parts, max(MIN_RECORDS, 2 * (4 * len(parts) + COMPACT_MIN))
+
+    def _compact_aside(self) -> None:
+        """Start writing the compacted file in the worker thread (see the module doc)."""
+        parts, capacity = self._snapshot()
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-journal")
         tmp = self._tmp_path()
@@ -356,18 +360,7 @@ class ArenaJournal:
             nxt.tmp.unlink(missing_ok=True)
             self._rewrite()
             return
-        try:
-            mm = mmap.mmap(fd, nxt.capacity * RECORD, mmap.MAP_SHARED,
-                           mmap.PROT_READ | mmap.PROT_WRITE)
-            blob = b"".join(nxt.since)
-            mm[nxt.records * RECORD: nxt.records * RECORD + len(blob)] = blob
-            os.rename(nxt.tmp, self.path)
-        except BaseException:
-            os.close(fd)
-            nxt.tmp.unlink(missing_ok=True)
-            raise
-        self._swap(mm, fd, nxt.records + len(nxt.since), nxt.capacity)
-        self.records += nxt.records
+        self._install(fd, nxt.tmp, nxt.capacity, nxt.records, nxt.since)
 
     def _tmp_path(self) -> Path:
         return self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -375,26 +368,29 @@ class ArenaJournal:
     def _rewrite(self) -> None:
         """Write one record per live slot to a new file and rename it over the journal, on
         this thread (at start, and when a full file cannot wait)."""
-        parts = [_header(self.arena_size, self.slab_bytes)]
-        parts += [lv.record for lv in self._live.values()]
-        capacity = max(MIN_RECORDS, 2 * (4 * len(parts) + COMPACT_MIN))
+        parts, capacity = self._snapshot()
         tmp = self._tmp_path()
-        fd = _write_file(tmp, parts, capacity)
+        self._install(_write_file(tmp, parts, capacity), tmp, capacity, len(parts), [])
+
+    def _install(self, fd: int, tmp: Path, capacity: int, written: int,
+                 since: list[bytes]) -> None:
+        """Make the compacted file ``tmp`` (``fd``, ``written`` records in it) the journal:
+        append ``since`` (records that came after its snapshot), rename it over the old
+        one, and write on in it."""
         try:
             mm = mmap.mmap(fd, capacity * RECORD, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
+            blob = b"".join(since)
+            mm[written * RECORD: written * RECORD + len(blob)] = blob
             os.rename(tmp, self.path)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
-        self._swap(mm, fd, len(parts), capacity)
-        self.records += len(parts)
-
-    def _swap(self, mm: mmap.mmap, fd: int, tail: int, capacity: int) -> None:
+        self.records += written
         old_mm, old_fd = self._mm, self._fd
         self._mm, self._fd = mm, fd
-        self._tail = tail
+        self._tail = written + len(since)
         self._capacity = capacity
         if old_mm is not None:
             self.compactions += 1
