@@ -41,7 +41,7 @@ from kvtier.policy.factory import build_policies
 from kvtier.presence import PresenceFilter
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
-from kvtier.tiers.arena_journal import read_journal
+from kvtier.tiers.journal_replay import read_journal
 from kvtier.trust import claim_socket_path, prepare_socket_dir
 
 log = logging.getLogger("kvtier.daemon")

@@ -39,8 +39,8 @@ from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, 
 from kvtier.store.transfers import Transfers
 from kvtier.store.writes import Writer
 from kvtier.tiers.arena import Arena
-from kvtier.tiers.arena_journal import JournalState
 from kvtier.tiers.base import EvictionReason, Tier, TierName
+from kvtier.tiers.journal_replay import JournalState
 
 for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
     with contextlib.suppress(ImportError):

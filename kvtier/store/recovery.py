@@ -37,8 +37,10 @@ from kvtier.frame import FLAG_CHAIN, parent_tag
 from kvtier.index import BlockMeta, SlotState
 from kvtier.tiers.aligned import byte_view
 from kvtier.tiers.arena import Arena
-from kvtier.tiers.arena_journal import ArenaJournal, CommitInfo, CommittedSlot, JournalState
+from kvtier.tiers.arena_journal import ArenaJournal
 from kvtier.tiers.base import EvictionReason
+from kvtier.tiers.journal_format import CommitInfo, CommittedSlot
+from kvtier.tiers.journal_replay import JournalState
 from kvtier.tiers.nvme import NvmeSlot
 from kvtier.tiers.nvme.recovery import Recovered
 from kvtier.tiers.redis_checksum import checksum as payload_checksum

@@ -34,7 +34,8 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.arena_journal import ArenaJournal, open_private
+from kvtier.tiers.arena_journal import ArenaJournal
+from kvtier.tiers.journal_format import open_private
 from kvtier.tiers.slab import PAGE, SlabAllocator
 
 log = logging.getLogger(__name__)

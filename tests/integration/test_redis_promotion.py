@@ -14,8 +14,9 @@ import xxhash
 from kvtier.frame import payload_checksum
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena
-from kvtier.tiers.arena_journal import ArenaJournal, read_journal
+from kvtier.tiers.arena_journal import ArenaJournal
 from kvtier.tiers.arena_mapping import ArenaMapping
+from kvtier.tiers.journal_replay import read_journal
 from kvtier.tiers.redis import RedisTier
 from tests.support.arena import temp_arena
 from tests.support.redis_servers import RedisServer

@@ -15,8 +15,8 @@ import numpy as np
 from kvtier.client import connect
 from kvtier.keys import block_keys
 from kvtier.tiers.arena import journal_path
-from kvtier.tiers.arena_journal import read_journal
 from kvtier.tiers.arena_mapping import ArenaMapping
+from kvtier.tiers.journal_replay import read_journal
 from tests.support.chains import LAYOUT, chain_keys, content
 from tests.support.daemon import DaemonProcess
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.tiers.arena import journal_path, stable_arena_name
-from kvtier.tiers.arena_journal import read_journal
+from kvtier.tiers.journal_replay import read_journal
 
 SHM = Path("/dev/shm")
 

@@ -19,7 +19,9 @@ from kvtier.frame import FLAG_CHAIN, FrameHeader, make_header, parent_tag
 from kvtier.index import BlockMeta
 from kvtier.tiers import arena_journal as aj
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
-from kvtier.tiers.arena_journal import ArenaJournal, CommitInfo, read_journal
+from kvtier.tiers.arena_journal import ArenaJournal
+from kvtier.tiers.journal_format import RECORD, CommitInfo
+from kvtier.tiers.journal_replay import read_journal
 from kvtier.tiers.slab import PAGE, SlabAllocator
 from tests.support.arena import shm_root
 
@@ -79,7 +81,7 @@ def test_a_torn_last_record_is_dropped(shm_dir: Path) -> None:
     assert gen is not None and j.commit(0, gen, info(1), 11)
     tail = j._tail   # the crash tears the COMMIT record (the one written last)
     with open(j.path, "r+b") as f:
-        f.seek((tail - 1) * aj.RECORD + 40)
+        f.seek((tail - 1) * RECORD + 40)
         f.write(b"\xff")
     state = read_journal(j.path)
     assert state is not None and state.torn == 1
@@ -192,7 +194,7 @@ def test_a_filling_arena_compacts_aside_before_its_file_is_full(
     inline: list[int] = []
     real = ArenaJournal._rewrite
     monkeypatch.setattr(ArenaJournal, "_rewrite",
-                        lambda self: (inline.append(len(self._live)), real(self))[1])
+                        lambda self: (inline.append(len(self._gens)), real(self))[1])
     slots = aj.MIN_RECORDS // 2 + 100            # two records each: past three quarters
     for i in range(slots):
         j.alloc(i * PAGE, PAGE)
