@@ -40,7 +40,7 @@ from kvtier.tiers.redis_resp import (
 
 _SCRATCH = 1 << 16           # read buffer for reply lines and small values
 _IOV_MAX = 512               # buffers per sendmsg call (Linux IOV_MAX is 1024)
-SEND_PIECE_BYTES = 256 << 10   # a SET pipeline is sent in pieces of about this size
+SEND_PIECE_BYTES = 1 << 20     # a SET pipeline is sent in pieces of about this size
 _TIMEVAL = struct.Struct("@ll")   # struct timeval for SO_RCVTIMEO / SO_SNDTIMEO
 _REARM_S = 0.02                   # a kernel timeout is set again at most this often
 _SMALL = 4096                     # reads up to this size go through the read buffer
@@ -344,7 +344,10 @@ class Conn:
         """Pipelined SETs of ``keys``; value i is ``parts_of(i)``, parts sent back to back
         (header, payload), asked for just before it is sent. The pipeline goes out in
         pieces of about ``SEND_PIECE_BYTES``, so preparing the next values (framing: a
-        checksum) overlaps the server reading the first ones instead of delaying them all."""
+        checksum) overlaps the server reading the first ones instead of delaying them all.
+        (1 MiB, not 256 KiB: 32 SETs of 256 KiB from the tier took 1.8-2.1 ms against 1.9-2.5
+        ms, fewer sends and fewer, larger reads by the server; values of 1 MiB and more go
+        one per send either way.)"""
         expiry = (b"$2\r\nEX\r\n" + _bulk(str(ttl_s).encode()) + str(ttl_s).encode() + CRLF
                   if ttl_s else b"")
         argc = b"*5\r\n" if ttl_s else b"*3\r\n"
