@@ -102,7 +102,11 @@ class KVTierCollector:
         gcs = daemon.get("gc")
         if gcs:
             yield GaugeMetricFamily("kvtier_gc_frozen_objects", "Python objects frozen out of "
-                                    "garbage collections", value=float(gcs["frozen"]))
+                                    "garbage collections, counted at start and at each full "
+                                    "collection", value=float(gcs["frozen"]))
+            yield GaugeMetricFamily("kvtier_gc_frozen_since_full_objects", "Python objects "
+                                    "frozen after that count (some freed since)",
+                                    value=float(gcs["frozen_since"]))
             yield CounterMetricFamily("kvtier_gc_full_collections", "Collections over every "
                                       "object (they stop the event loop)",
                                       value=float(gcs["full_collections"]))

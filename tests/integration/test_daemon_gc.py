@@ -36,11 +36,13 @@ def test_stored_blocks_are_frozen_out_of_collections(tmp_path: Path) -> None:
     try:
         _fill(d)
         gc_stats = d.stats()["daemon"]["gc"]
-        assert gc_stats["frozen"] >= BLOCKS        # at least each block's own object
+        # counted at start; the blocks' objects were frozen after it (each at least one)
+        assert gc_stats["frozen"] > 0 and gc_stats["frozen_since"] >= BLOCKS
         assert gc_stats["freezes"] > 0 and gc_stats["full_collections"] == 0
         with urllib.request.urlopen(d.http_url + "/metrics", timeout=5) as r:
             families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
-        assert families["kvtier_gc_frozen_objects"].samples[0].value >= BLOCKS
+        assert families["kvtier_gc_frozen_objects"].samples[0].value == gc_stats["frozen"]
+        assert families["kvtier_gc_frozen_since_full_objects"].samples[0].value >= BLOCKS
         assert families["kvtier_gc_full_collections"].samples[0].value == 0
     finally:
         d.kill()
