@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.tiers.journal_format import (
+    GENERATION,
+    GENERATION_AT,
     RECORD,
     CommitInfo,
     CommittedSlot,
@@ -62,8 +64,10 @@ class ArenaJournal:
         self.path = path
         self.arena_size = arena_size
         self.slab_bytes = slab_bytes
-        self._gens: dict[int, int] = {}       # live slot -> its allocation's generation
-        self._records: dict[int, bytes] = {}  # live slot -> its latest record
+        # live slot -> its latest record (which names its allocation's generation); one
+        # dict: a snapshot is one copy of its values, and each dict keyed per block resizes
+        # (rehashing all of it) at the same block counts as the others
+        self._records: dict[int, bytes] = {}
         self._gen = 0
         self.records = 0          # appended since start (compactions included)
         self.compactions = 0
@@ -75,7 +79,6 @@ class ArenaJournal:
         self._next: _NextFile | None = None   # a compaction being written
         for offset, nbytes, commit in live:
             self._gen += 1
-            self._gens[offset] = self._gen
             self._records[offset] = (
                 commit_record(commit, self._gen) if commit is not None else
                 pack_record(RecordType.ALLOC, offset=offset, nbytes=nbytes,
@@ -87,25 +90,23 @@ class ArenaJournal:
         """Slot ``offset`` was handed out for writing ``nbytes``."""
         self._gen += 1
         rec = pack_record(RecordType.ALLOC, offset=offset, nbytes=nbytes, generation=self._gen)
-        self._gens[offset] = self._gen
         self._records[offset] = rec
         self._append(rec)
 
     def free(self, offset: int) -> None:
         """Slot ``offset`` went back to the allocator."""
-        if self._gens.pop(offset, None) is not None:
-            del self._records[offset]
+        if self._records.pop(offset, None) is not None:
             self._append(pack_record(RecordType.FREE, offset=offset))
 
     def generation(self, offset: int) -> int | None:
         """Which allocation of ``offset`` is live now (None: the slot is free)."""
-        return self._gens.get(offset)
+        rec = self._records.get(offset)
+        return None if rec is None else GENERATION.unpack_from(rec, GENERATION_AT)[0]
 
     def commit(self, offset: int, generation: int, info: CommitInfo, checksum: int) -> bool:
         """Record that the slot holds ``info``'s block with payload ``checksum``; False (and
         nothing written) when that allocation of the slot is gone or already committed."""
-        if (self._gens.get(offset) != generation
-                or self._records[offset][0] == RecordType.COMMIT):
+        if self.generation(offset) != generation or self._records[offset][0] == RecordType.COMMIT:
             return False
         rec = self._records[offset] = commit_record(CommittedSlot(offset, info, checksum),
                                                     generation)
@@ -114,7 +115,7 @@ class ArenaJournal:
 
     @property
     def live_slots(self) -> int:
-        return len(self._gens)
+        return len(self._records)
 
     def close(self, *, unlink: bool) -> None:
         """Unmap; ``unlink`` also removes the file (a graceful stop: nothing to adopt). A
@@ -151,7 +152,7 @@ class ArenaJournal:
         self.records += 1
         if self._next is not None:
             self._next.since.append(record)
-        elif (self._tail > 4 * len(self._gens) + COMPACT_MIN      # mostly dead records, or
+        elif (self._tail > 4 * len(self._records) + COMPACT_MIN      # mostly dead records, or
               or 4 * self._tail > 3 * self._capacity):            # a growing arena's file
             self._compact_aside()                                 # filling up
 

@@ -26,6 +26,8 @@ RECORD = 128
 # type u8 | flags u8 | pad u16 | depth u32 | offset u64 | nbytes u64 | key 16s | namespace 16s
 # | parent 16s | layout_fp u64 | seq u64 | checksum u64 | generation u64 | pad, then xxh3-64
 BODY = struct.Struct("<BBHIQQ16s16s16sQQQQ")
+GENERATION = struct.Struct("<Q")
+GENERATION_AT = struct.calcsize("<BBHIQQ16s16s16sQQQ")   # the generation field's position
 _PAD = RECORD - 8 - BODY.size
 _CHECK = struct.Struct("<Q")
 HAS_PARENT = 1

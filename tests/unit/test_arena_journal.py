@@ -194,7 +194,7 @@ def test_a_filling_arena_compacts_aside_before_its_file_is_full(
     inline: list[int] = []
     real = ArenaJournal._rewrite
     monkeypatch.setattr(ArenaJournal, "_rewrite",
-                        lambda self: (inline.append(len(self._gens)), real(self))[1])
+                        lambda self: (inline.append(len(self._records)), real(self))[1])
     slots = aj.MIN_RECORDS // 2 + 100            # two records each: past three quarters
     for i in range(slots):
         j.alloc(i * PAGE, PAGE)
