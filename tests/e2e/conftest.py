@@ -37,14 +37,17 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> En
     counter = iter(range(10**6))
 
     def run(phases: list[dict[str, Any]], transfer: dict[str, Any] | None = None,
-            multiprocess: bool = False,
-            prefix_caching: bool = False) -> list[list[tuple[list[int], int]]]:
-        """``run.counters`` holds the connector's counters of the last in-process run."""
+            multiprocess: bool = False, prefix_caching: bool = False,
+            model: Path | None = None,
+            dtype: str = "float32") -> list[list[tuple[list[int], int]]]:
+        """``run.counters`` holds the connector's counters of the last in-process run;
+        ``model`` another checkpoint than the tiny Llama, ``dtype`` the engine's."""
         work = tmp_path_factory.mktemp(f"engine{next(counter)}")
         spec = work / "spec.json"
         out = work / "out.json"
-        spec.write_text(json.dumps({"model": str(tiny_model), "transfer": transfer,
-                                    "phases": phases, "prefix_caching": prefix_caching}))
+        spec.write_text(json.dumps({"model": str(model or tiny_model), "transfer": transfer,
+                                    "phases": phases, "prefix_caching": prefix_caching,
+                                    "dtype": dtype}))
         env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         proc = subprocess.run([sys.executable, str(RUNNER), str(spec), str(out)], env=env,

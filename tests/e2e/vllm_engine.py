@@ -27,14 +27,17 @@ MAX_TOKENS = 12
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
-def build_tiny_llama(path: Path) -> Path:
-    """A 2-layer random LlamaForCausalLM (hidden 64, 4 heads, 2 KV heads, head_dim 32)."""
+def build_tiny_llama(path: Path, *, layers: int = 2, kv_heads: int = 2,
+                     head_dim: int = 32) -> Path:
+    """A random LlamaForCausalLM (hidden 64, 4 heads; by default 2 layers, 2 KV heads,
+    head_dim 32)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, max_position_embeddings=4096, initializer_range=0.3,
+                      num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=4096, initializer_range=0.3,
                       tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
@@ -67,16 +70,17 @@ def kv_transfer_config(socket: Path | str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def make_llm(model: Path, transfer: dict[str, Any] | None, prefix_caching: bool = False) -> Any:
-    """An engine as the issue prescribes (float32, block 32, eager, no local prefix cache
-    unless ``prefix_caching``)."""
+def make_llm(model: Path, transfer: dict[str, Any] | None, prefix_caching: bool = False,
+             dtype: str = "float32") -> Any:
+    """An engine as the issue prescribes (float32 unless ``dtype``, block 32, eager, no
+    local prefix cache unless ``prefix_caching``)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = {}
     if transfer is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
-    return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32",
+    return LLM(model=str(model), skip_tokenizer_init=True, dtype=dtype,
                block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=prefix_caching,
                max_model_len=4096, seed=0, **kwargs)
 
@@ -122,7 +126,8 @@ def connector_counters(llm: Any) -> dict[str, Any]:
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    llm = make_llm(Path(spec["model"]), spec.get("transfer"), spec.get("prefix_caching", False))
+    llm = make_llm(Path(spec["model"]), spec.get("transfer"), spec.get("prefix_caching", False),
+                   spec.get("dtype", "float32"))
     results: list[Any] = []
     prompts: list[list[list[int]]] = []
     for phase in spec["phases"]:

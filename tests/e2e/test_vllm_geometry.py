@@ -1,0 +1,71 @@
+"""End to end with another model geometry than the shared tiny Llama: 3 layers, one KV head
+(multi-query attention), head_dim 64, in bfloat16, kvtier blocks of one vLLM page. The
+connector derives the block layout from the engine's KV cache, so nothing here is
+configured for the geometry: a fresh engine reloads what the first one saved, its outputs
+equal an engine without kvtier, and the daemon holds the layout the engine has."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.client import connect
+from kvtier.keys import block_keys
+from kvtier.layout import KVLayout
+from tests.e2e.conftest import EngineRun
+from tests.e2e.vllm_engine import BLOCK_SIZE, build_tiny_llama, kv_transfer_config, prompt
+from tests.support.daemon import DaemonProcess
+
+pytestmark = pytest.mark.e2e
+
+LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 3, 1, 64, "bfloat16"
+PROMPTS = [prompt(41, 200), prompt(42, 330)]
+
+
+@pytest.fixture(scope="module")
+def mqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-mqa"), layers=LAYERS,
+                            kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-geo"), cpu_bytes="64MiB")
+    d.start()
+    yield d
+    d.kill()
+
+
+def test_an_mqa_bf16_model_reloads_exactly_in_a_fresh_engine(
+        run_engine: EngineRun, daemon: DaemonProcess, mqa_model: Path) -> None:
+    (expected,) = run_engine([{"prompts": PROMPTS}], transfer=None, model=mqa_model,
+                             dtype=DTYPE)
+    transfer = kv_transfer_config(daemon.socket, model_id="tiny-mqa",
+                                  tokens_per_block=BLOCK_SIZE)
+    (first,) = run_engine([{"prompts": PROMPTS}], transfer=transfer, model=mqa_model,
+                          dtype=DTYPE)
+    (second,) = run_engine([{"prompts": PROMPTS}], transfer=transfer, model=mqa_model,
+                           dtype=DTYPE)
+    for (want, _), (got1, cached1), (got2, cached2), p in zip(expected, first, second,
+                                                              PROMPTS, strict=True):
+        assert got1 == want and got2 == want
+        assert cached1 == 0
+        # every whole block of the prompt but the last token's comes from kvtier
+        assert cached2 == (len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE, (len(p), cached2)
+    # the daemon holds the blocks under this geometry's own layout: a client keying the
+    # prompts with it finds every full block of each one (the layout is in the namespace)
+    layout = KVLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                      dtype=DTYPE, tokens_per_block=BLOCK_SIZE)
+    c = connect(daemon.socket)
+    try:
+        ns = c.register_layout(layout, "tiny-mqa")
+        for p in PROMPTS:
+            keys = block_keys(ns, p)
+            assert c.lookup(ns, keys, prefetch=False).hits == len(keys) == len(p) // BLOCK_SIZE
+        cpu = c.stats()["tiers"]["cpu"]
+        assert cpu["blocks"] >= sum(len(p) // BLOCK_SIZE for p in PROMPTS)
+        assert cpu["bytes_written"] % layout.block_bytes == 0, (cpu, layout.block_bytes)
+    finally:
+        c.close()
