@@ -181,6 +181,8 @@ class DaemonConfig:
     #                                       does not walk every block (kvtier.daemon.gc_guard)
     gc_full_s: Seconds = 3600.0           # then one collection over everything this often
     #                                       (0: never; docs/operations.md)
+    gc_quiet_s: Seconds = 1.0             # ... once no request came for this long (waiting at
+    #                                       most another gc_full_s; 0: do not wait)
 
 
 @dataclass(slots=True)

@@ -77,6 +77,7 @@ class ControlServer(ControlOps):
         self.max_inflight = max_inflight
         self.greeter = Greeter({"path": arena_path, "size": arena_size}, hbm, open_arena)
         self.observe = observe
+        self.last_request = 0.0     # time.monotonic() of the last request (GcGuard)
         self.connections: dict[int, Connection] = {}
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
@@ -247,6 +248,7 @@ class ControlServer(ControlOps):
         rid = request_id(msg)
         op = msg.get("op")
         t0 = time.perf_counter()
+        self.last_request = time.monotonic()
         try:
             if rid == 0 and msg.get("id", 0) != 0:
                 raise ProtocolError("the request id must be an int")

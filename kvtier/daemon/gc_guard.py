@@ -12,7 +12,9 @@ generation, so what grows old is never walked again: the oldest generation stays
 empty and its collections short. Frozen objects are still freed by reference counting. A
 cycle that became garbage after it was frozen is reclaimed by one collection over
 everything every ``full_s`` (unfreeze, collect, freeze); its duration and what it found are
-kept for the stats.
+kept for the stats. That collection stops the loop (about 1 s at 400k blocks), so it waits
+for a quiet moment: ``quiet_s`` without a request (at most another ``full_s``, then it runs
+anyway and counts it).
 
 Counting the frozen objects (``gc.get_freeze_count``) walks all of them: 63 ms with the loop
 stopped at 400k blocks, once per /v1/stats or /metrics scrape when the stats asked for it.
@@ -27,6 +29,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,14 +46,21 @@ class GcStats:
     last_full_found: int = 0    # unreachable objects it found (cycles frozen meanwhile)
     frozen: int = 0             # objects frozen, counted at start and at each full collection
     frozen_since: int = 0       # objects frozen after that count (some freed since)
+    last_full_waited_s: float = 0.0   # how long the last one waited for a quiet moment
+    full_not_quiet: int = 0     # full collections run without one (none came in time)
 
 
 class GcGuard:
     """Freezes what survives each middle-generation collection; one full collection every
-    ``full_s`` (0: never). ``stop`` unfreezes everything (the interpreter's own collector)."""
+    ``full_s`` (0: never), once ``quiet_for()`` (seconds since the last request) reaches
+    ``quiet_s`` (0: on the hour). ``stop`` unfreezes everything (the interpreter's own
+    collector)."""
 
-    def __init__(self, full_s: float) -> None:
+    def __init__(self, full_s: float, *, quiet_s: float = 0.0,
+                 quiet_for: Callable[[], float] | None = None) -> None:
         self.full_s = full_s
+        self.quiet_s = quiet_s
+        self.quiet_for = quiet_for
         self.stats = GcStats()
         self._task: asyncio.Task[None] | None = None
         self._on = False
@@ -105,11 +115,27 @@ class GcGuard:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.full_s)
+            await self._quiet_moment()
             self.full()
+
+    async def _quiet_moment(self) -> None:
+        """Wait until ``quiet_s`` passed without a request, or another ``full_s``."""
+        if self.quiet_for is None or self.quiet_s <= 0:
+            return
+        t0 = time.monotonic()
+        give_up = t0 + self.full_s
+        while (quiet := self.quiet_for()) < self.quiet_s:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                self.stats.full_not_quiet += 1
+                break
+            await asyncio.sleep(min(self.quiet_s - quiet, left) + 0.001)
+        self.stats.last_full_waited_s = time.monotonic() - t0
 
     def as_dict(self) -> dict[str, float | int]:
         """For /v1/stats (``daemon.gc``): O(1), nothing is counted here."""
         s = self.stats
         return {"frozen": s.frozen, "frozen_since": s.frozen_since, "freezes": s.freezes,
                 "full_collections": s.full_collections, "last_full_s": s.last_full_s,
-                "last_full_found": s.last_full_found}
+                "last_full_found": s.last_full_found,
+                "last_full_waited_s": s.last_full_waited_s, "full_not_quiet": s.full_not_quiet}

@@ -87,6 +87,7 @@ class HttpServer:
         self.admin_token = admin_token
         self.recent = recent
         self.prefix = prefix
+        self.last_request = 0.0     # time.monotonic() of the last prefix probe (routers)
         self._sockets = sockets or []
         self._runner: web.AppRunner | None = None
         self.port = port
@@ -138,6 +139,7 @@ class HttpServer:
     async def _prefix(self, request: web.Request) -> web.Response:
         """How many leading tokens of a prompt (or of each in a batch) are cached here, by
         tier, and in Redis: a read-only probe for routers (kvtier.daemon.prefix)."""
+        self.last_request = time.monotonic()
         if self.prefix is None:
             return web.json_response({"error": "prefix locality is not served here"},
                                      status=404)

@@ -170,7 +170,10 @@ class Daemon:
         self.http.prefix = control.prefix   # POST /v1/prefix (kvtier.daemon.prefix)
         await self.http.start()
         if cfg.daemon.gc_freeze:
-            self.gc = GcGuard(cfg.daemon.gc_full_s)
+            http = self.http
+            self.gc = GcGuard(cfg.daemon.gc_full_s, quiet_s=cfg.daemon.gc_quiet_s,
+                              quiet_for=lambda: time.monotonic() - max(control.last_request,
+                                                                       http.last_request))
             self.gc.start()
             stack.callback(self.gc.stop)
         sweeper = asyncio.ensure_future(self._sweep(store))

@@ -1,8 +1,10 @@
 """The daemon keeps its blocks out of Python's garbage collections (kvtier.daemon.gc_guard):
-a real daemon filled with blocks has them frozen, and says so in /v1/stats."""
+a real daemon filled with blocks has them frozen, and says so in /v1/stats; its full
+collection waits for a moment without requests."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
 
@@ -55,4 +57,27 @@ def test_gc_freeze_off_leaves_the_interpreter_collector(tmp_path: Path) -> None:
         _fill(d)
         assert "gc" not in d.stats()["daemon"]
     finally:
+        d.kill()
+
+
+def test_the_full_collection_waits_until_clients_are_quiet(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "d", cpu_bytes="64MiB", nvme_bytes="0",
+                      env={"KVTIER_DAEMON_GC_FULL_S": "2", "KVTIER_DAEMON_GC_QUIET_S": "0.3"})
+    d.start()
+    c = connect(d.socket)
+    try:
+        ns = c.register_layout(LAYOUT, "gc")
+        keys = block_keys(ns, np.arange(4 * LAYOUT.tokens_per_block))
+        busy_until = time.monotonic() + 3.0       # due at 2 s, gives up at 4 s
+        while time.monotonic() < busy_until:      # an engine asking all the time
+            c.lookup(ns, keys)
+            time.sleep(0.01)
+        assert d.stats()["daemon"]["gc"]["full_collections"] == 0   # (/v1/stats: HTTP)
+        give_up = time.monotonic() + 5.0
+        while (gcs := d.stats()["daemon"]["gc"])["full_collections"] == 0:
+            assert time.monotonic() < give_up, gcs
+            time.sleep(0.05)
+        assert gcs["full_not_quiet"] == 0 and gcs["last_full_waited_s"] >= 0.9, gcs
+    finally:
+        c.close()
         d.kill()

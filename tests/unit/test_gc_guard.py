@@ -3,7 +3,9 @@ full collection reclaims a cycle that became garbage after it was frozen."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -83,3 +85,48 @@ def test_stop_without_start_and_twice_is_harmless() -> None:
     g.stop()
     g.stop()
     assert gc.get_freeze_count() == 0 and g._after not in gc.callbacks
+
+
+class Requests:
+    """Seconds since the last request, as the daemon reports them to the guard."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def quiet_for(self) -> float:
+        return time.monotonic() - self.last
+
+
+async def test_the_full_collection_waits_for_a_quiet_moment() -> None:
+    requests = Requests()
+    g = GcGuard(full_s=0.4, quiet_s=0.15, quiet_for=requests.quiet_for)
+    g.start()
+    try:
+        busy_until = time.monotonic() + 0.5
+        while time.monotonic() < busy_until:      # a request every 10 ms: never quiet
+            requests.last = time.monotonic()
+            await asyncio.sleep(0.01)
+        assert g.stats.full_collections == 0      # due at 0.4 s, still waiting
+        give_up = time.monotonic() + 2.0
+        while g.stats.full_collections == 0 and time.monotonic() < give_up:
+            await asyncio.sleep(0.005)             # quiet now: it runs
+        assert g.stats.full_collections == 1 and g.stats.full_not_quiet == 0
+        assert g.stats.last_full_waited_s >= 0.2   # from 0.4 s to 0.5 s + quiet_s
+    finally:
+        g.stop()
+
+
+async def test_without_a_quiet_moment_it_runs_after_another_period() -> None:
+    requests = Requests()
+    g = GcGuard(full_s=0.1, quiet_s=10.0, quiet_for=requests.quiet_for)
+    g.start()
+    try:
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            requests.last = time.monotonic()
+            await asyncio.sleep(0.02)
+        assert g.stats.full_collections >= 1
+        assert g.stats.full_not_quiet == g.stats.full_collections
+        assert 0.09 <= g.stats.last_full_waited_s < 1.0   # gave up after ~full_s
+    finally:
+        g.stop()
