@@ -121,6 +121,11 @@ class Daemon:
     async def _setup(self) -> None:
         cfg, stack, parts = self.cfg, self._stack, self.parts
         name, own = self._preflight()
+        if cfg.daemon.gc_freeze:   # first: recovery indexes every adopted block
+            self.gc = GcGuard(cfg.daemon.gc_full_s, quiet_s=cfg.daemon.gc_quiet_s,
+                              quiet_for=self._quiet_for)
+            self.gc.start()
+            stack.callback(self.gc.stop)
         state = read_journal(journal_path(own)) if own is not None else None
         self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
                            slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault,
@@ -169,15 +174,14 @@ class Daemon:
         await control.start()
         self.http.prefix = control.prefix   # POST /v1/prefix (kvtier.daemon.prefix)
         await self.http.start()
-        if cfg.daemon.gc_freeze:
-            http = self.http
-            self.gc = GcGuard(cfg.daemon.gc_full_s, quiet_s=cfg.daemon.gc_quiet_s,
-                              quiet_for=lambda: time.monotonic() - max(control.last_request,
-                                                                       http.last_request))
-            self.gc.start()
-            stack.callback(self.gc.stop)
         sweeper = asyncio.ensure_future(self._sweep(store))
         stack.callback(sweeper.cancel)
+
+    def _quiet_for(self) -> float:
+        """Seconds since the last request on the control socket or the prefix endpoint."""
+        last = max(self.control.last_request if self.control is not None else 0.0,
+                   self.http.last_request if self.http is not None else 0.0)
+        return time.monotonic() - last
 
     @staticmethod
     def _make_presence(path: Path) -> PresenceFilter | None:
