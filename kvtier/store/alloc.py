@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -17,16 +18,46 @@ MAX_EVICTIONS_PER_ALLOC = 4096
 
 
 async def allocate_with_eviction(try_alloc: Callable[[], S | None], policy: EvictionPolicy,
-                                 evict: Callable[[Key], Awaitable[None]]) -> S | None:
+                                 evict: Callable[[Key], Awaitable[None]], *,
+                                 batch: int = 1) -> S | None:
     """``try_alloc()``, asking ``policy`` for a victim and ``evict``-ing it after each
     failure; None when the policy has no victim left (or the bound is reached). The caller
-    counts the failure: what it means differs per tier."""
-    for _ in range(MAX_EVICTIONS_PER_ALLOC):
+    counts the failure: what it means differs per tier.
+
+    ``batch`` > 1 (a caller that will need that many slots): up to ``batch`` victims are
+    chosen one after the other, each removed from the policy as it is chosen (as its
+    eviction would remove it, so the next is the one the policy would offer after it: a
+    leaf-first policy offers its parent), then evicted together so that their writes to
+    the next tier overlap instead of costing a round trip to an I/O thread each. An
+    ``evict`` that keeps such a victim puts it back in the policy."""
+    evicted = 0
+    while evicted < MAX_EVICTIONS_PER_ALLOC:
         got = try_alloc()
         if got is not None:
             return got
-        victim = policy.victim()
-        if victim is None:
+        victims = _victims(policy, max(1, min(batch, MAX_EVICTIONS_PER_ALLOC - evicted)))
+        if not victims:
             return None
-        await evict(victim)
+        evicted += len(victims)
+        if len(victims) == 1:
+            await evict(victims[0])
+        else:
+            await asyncio.gather(*(evict(v) for v in victims))
     return None
+
+
+def _victims(policy: EvictionPolicy, n: int) -> list[Key]:
+    """The policy's next ``n`` victims, in the order it would offer them one eviction at a
+    time; with ``n`` > 1 they leave the policy here (see ``allocate_with_eviction``)."""
+    first = policy.victim()
+    if first is None or n == 1:
+        return [] if first is None else [first]
+    out = [first]
+    policy.remove(first)
+    while len(out) < n:
+        nxt = policy.victim()
+        if nxt is None:
+            break
+        policy.remove(nxt)
+        out.append(nxt)
+    return out

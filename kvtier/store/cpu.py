@@ -83,6 +83,17 @@ class CpuResidency:
             if meta.readers == 0 and meta.in_cpu:
                 self.policy.set_pinned(meta.key, meta.cpu_pinned)
 
+    def keep(self, meta: BlockMeta, now: float) -> None:
+        """An eviction of ``meta`` was given up: it stays, pinned in the policy as long as it
+        must not go (put back first when a batch eviction took it out: kvtier.store.alloc)."""
+        if not meta.in_cpu:
+            return
+        if meta.key not in self.policy:
+            self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                               depth=meta.depth, now=now,
+                               block_tokens=self.tokens_of(meta))
+        self.policy.set_pinned(meta.key, meta.cpu_pinned)
+
     def refresh_pin(self, meta: BlockMeta) -> None:
         """Tell the policy whether ``meta`` may be evicted now (after an nvme write ends)."""
         if meta.in_cpu:
@@ -93,10 +104,11 @@ class CpuResidency:
         """A free arena slot without evicting anything (no await: a put's common case)."""
         return self.arena.alloc(nbytes)
 
-    async def alloc(self, nbytes: int) -> int | None:
-        """A free arena slot, evicting by policy when needed; None if nothing can go."""
+    async def alloc(self, nbytes: int, *, batch: int = 1) -> int | None:
+        """A free arena slot, evicting by policy when needed (``batch`` victims at a time:
+        see ``allocate_with_eviction``); None if nothing can go."""
         off = await allocate_with_eviction(lambda: self.arena.alloc(nbytes), self.policy,
-                                           self.on_victim)
+                                           self.on_victim, batch=batch)
         if off is None:
             self.counters.allocation_failures += 1
         return off

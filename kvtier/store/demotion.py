@@ -52,11 +52,12 @@ class Demoter:
             self.cpu.policy.remove(key)
             return
         if meta.cpu_pinned:  # the policy should not offer it; keep it out of its queue
-            self.cpu.policy.set_pinned(key, True)
+            self.cpu.keep(meta, self.clock())
             return
         if not meta.in_nvme and self.nvme is not None and self.admit(meta, TierName.NVME):
             await self.persist(meta)
         if meta.readers or meta.cpu_state is not SlotState.READY:
+            self.cpu.keep(meta, self.clock())
             return  # re-pinned while we were writing
         if meta.prefetched:
             self.prefetch.wasted += 1
