@@ -12,6 +12,7 @@ from kvtier.errors import CapacityError
 from kvtier.index import BlockIndex, BlockMeta, SlotState
 from kvtier.leases import LeaseKind
 from kvtier.policy.base import LookupObserver
+from kvtier.store.alloc import EVICT_BATCH
 from kvtier.store.cpu import CpuResidency
 from kvtier.store.demotion import Demoter
 from kvtier.store.leasing import LeaseKeeper
@@ -22,12 +23,7 @@ from kvtier.store.transfers import Transfer, Transfers
 from kvtier.tiers.aligned import round_up
 from kvtier.tiers.base import TierName
 
-__all__ = ["EVICT_BATCH", "Writer"]
-
-# A put into a full arena evicts up to this many victims at a time: their writes to nvme
-# overlap in the tier's I/O threads. One at a time, each cost a round trip between the loop
-# and an I/O thread: spilling 64 KiB blocks ran at ~150 us a block (421 MB/s).
-EVICT_BATCH = 16
+__all__ = ["Writer"]
 
 
 @dataclass(slots=True, eq=False)

@@ -94,3 +94,4 @@ async def test_a_victim_read_while_it_is_written_stays_and_can_go_later(
     await put(store, client, chain(ARENA_BLOCKS, start=2))
     assert not store.index[old[0]].in_cpu and store.index[old[0]].in_nvme
     assert await get(store, client, old[:1]) == [payload(old[0])]
+
