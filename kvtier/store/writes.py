@@ -50,13 +50,18 @@ class Writer:
         offsets: list[int | None] = []
         index, cpu = self.index, self.cpu
         full = False  # after one failed allocation the rest would fail too: stop evicting
+        after: int | None = None   # new keys after this one (counted at the first eviction)
         for i, k in enumerate(keys):
             if full or k in index:
                 offsets.append(None)
                 continue
+            if after is not None:
+                after -= 1
             off = cpu.try_alloc(nbytes)   # the common case: room without evicting, no await
             if off is None:   # evict for the keys still to place, several at a time
-                off = await cpu.alloc(nbytes, batch=min(EVICT_BATCH, len(keys) - i))
+                if after is None:
+                    after = sum(1 for x in keys[i + 1:] if x not in index)
+                off = await cpu.alloc(nbytes, batch=min(EVICT_BATCH, after + 1))
                 if off is None or k in index:   # (stored by another put meanwhile)
                     if off is not None:
                         cpu.arena.free(off)

@@ -95,3 +95,13 @@ async def test_a_victim_read_while_it_is_written_stays_and_can_go_later(
     assert not store.index[old[0]].in_cpu and store.index[old[0]].in_nvme
     assert await get(store, client, old[:1]) == [payload(old[0])]
 
+
+
+async def test_a_put_evicts_only_for_the_keys_it_still_has_to_place(
+        store: TieredStore, nvme: NvmeTier, client: ArenaMapping) -> None:
+    stored = chain(ARENA_BLOCKS)
+    await put(store, client, stored)
+    # a put naming one new key and three stored ones: one victim, not one per key named
+    await put(store, client, chain(1, start=5) + stored[:3])
+    assert nvme.blocks == 1
+    assert sum(store.index[k].in_cpu for k in stored) == ARENA_BLOCKS - 1
