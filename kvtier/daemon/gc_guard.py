@@ -110,7 +110,7 @@ class GcGuard:
         s.last_full_found = found
         s.frozen, s.frozen_since = gc.get_freeze_count(), 0
         log.info("full garbage collection: %.3f s, %d objects frozen, %d unreachable found",
-                 s.last_full_s, gc.get_freeze_count(), found)
+                 s.last_full_s, s.frozen, found)
 
     async def _run(self) -> None:
         while True:

@@ -57,13 +57,11 @@ def _victims(policy: EvictionPolicy, n: int) -> list[Key]:
     time; with ``n`` > 1 they leave the policy here (see ``allocate_with_eviction``)."""
     first = policy.victim()
     if first is None or n == 1:
-        return [] if first is None else [first]
-    out = [first]
-    policy.remove(first)
-    while len(out) < n:
-        nxt = policy.victim()
-        if nxt is None:
-            break
-        policy.remove(nxt)
-        out.append(nxt)
+        return [first] if first is not None else []
+    out: list[Key] = []
+    key: Key | None = first
+    while key is not None:
+        policy.remove(key)
+        out.append(key)
+        key = policy.victim() if len(out) < n else None
     return out

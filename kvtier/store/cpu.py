@@ -89,9 +89,7 @@ class CpuResidency:
         if not meta.in_cpu:
             return
         if meta.key not in self.policy:
-            self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
-                               depth=meta.depth, now=now,
-                               block_tokens=self.tokens_of(meta))
+            self._enter_policy(meta, now)
         self.policy.set_pinned(meta.key, meta.cpu_pinned)
 
     def refresh_pin(self, meta: BlockMeta) -> None:
@@ -120,10 +118,13 @@ class CpuResidency:
         if self.on_ready is not None:
             self.on_ready(meta, checksum)
         self.resident += 1
-        self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
-                           depth=meta.depth, now=now, block_tokens=self.tokens_of(meta))
+        self._enter_policy(meta, now)
         if meta.cpu_pinned:
             self.policy.set_pinned(meta.key, True)
+
+    def _enter_policy(self, meta: BlockMeta, now: float) -> None:
+        self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,
+                           depth=meta.depth, now=now, block_tokens=self.tokens_of(meta))
 
     def drop(self, meta: BlockMeta, reason: EvictionReason = EvictionReason.CAPACITY) -> None:
         """Free the arena slot; an hbm copy goes with it (hbm is inclusive of cpu)."""

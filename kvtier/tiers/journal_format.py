@@ -27,7 +27,7 @@ RECORD = 128
 # | parent 16s | layout_fp u64 | seq u64 | checksum u64 | generation u64 | pad, then xxh3-64
 BODY = struct.Struct("<BBHIQQ16s16s16sQQQQ")
 GENERATION = struct.Struct("<Q")
-GENERATION_AT = struct.calcsize("<BBHIQQ16s16s16sQQQ")   # the generation field's position
+GENERATION_AT = BODY.size - GENERATION.size   # the generation is BODY's last field
 _PAD = RECORD - 8 - BODY.size
 _CHECK = struct.Struct("<Q")
 HAS_PARENT = 1
