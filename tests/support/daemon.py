@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtier.tiers.arena import journal_path, stable_arena_name
 from kvtier.tiers.journal_replay import read_journal
+from tests.support.fake_hbm import POOL_PREFIX, pool_dir
 
 SHM = Path("/dev/shm")
 
@@ -95,9 +96,11 @@ class DaemonProcess:
 
     def kill(self) -> None:
         """SIGKILL (as a crash would), then remove the arena (and journal) the dead daemon
-        left in shm, so the next start is cold."""
+        left in shm, so the next start is cold, and any fake HBM pool it made."""
         self.crash()
         if self.proc is not None:
+            for pool in pool_dir().glob(f"{POOL_PREFIX}{self.proc.pid}-*"):
+                pool.unlink(missing_ok=True)
             for arena in [*SHM.glob(f"kvtier-{os.getuid()}-{self.proc.pid}-*.arena"),
                           self.arena_path]:
                 arena.unlink(missing_ok=True)

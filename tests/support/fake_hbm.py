@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import secrets
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,10 +36,11 @@ from kvtier.tiers.hbm import HbmTier
 MAGIC = b"KVTFAKE1"
 DAEMON_PROGRAM = ("-m", "tests.support.fake_hbm_daemon")   # ``python -m ...`` like kvtier.cli
 FAKE_BUS_ID = "0000:C1:00.0"
+POOL_PREFIX = "kvtier-fakehbm-"   # + pid: a SIGKILLed daemon's pool is found and removed
 _seq = itertools.count()
 
 
-def _shm_dir() -> Path:
+def pool_dir() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
@@ -49,7 +51,10 @@ class ShmDevicePool:
     def __init__(self, size: int, device: int = 0) -> None:
         self.size = size
         self.device = device
-        self.path = _shm_dir() / f"kvtier-fakehbm-{os.getpid()}-{next(_seq)}"
+        # A random part as well: a pool file left by a SIGKILLed process whose pid is now
+        # reused must not collide with this one (O_EXCL would refuse it).
+        name = f"{POOL_PREFIX}{os.getpid()}-{next(_seq)}-{secrets.token_hex(4)}"
+        self.path = pool_dir() / name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
