@@ -14,7 +14,7 @@ from kvtier.plan.kvmath import KV_DTYPES, normalize_dtype
 from kvtier.plan.model import load_model
 from kvtier.plan.planner import Plan, PlanInput, make_plan
 from kvtier.plan.presets import preset_names
-from kvtier.plan.report import _model_line, gb, to_json
+from kvtier.plan.report import gb, model_line, to_json
 from kvtier.plan.workload import parse_context, read_trace
 
 EXIT_OK = 0
@@ -154,7 +154,7 @@ def print_plan(plan: Plan) -> None:
     out = ui.console()
     p = plan.inputs
     text = [
-        _model_line(plan),
+        model_line(plan),
         f"hardware  {p.gpus} x {p.gpu.name} ({gb(p.gpu.memory_bytes)}), TP {p.tp}, "
         f"{plan.replicas} engine instance(s), memory utilization {p.mem_util:.2f}",
         f"workload  {p.concurrency} running sequences"

@@ -1,4 +1,4 @@
-"""Render a Plan as a readable table or as a JSON-ready dict."""
+"""The plan's model line and its ``--json`` document (the tables: plan.cli.print_plan)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
 
-def _model_line(plan: Plan) -> str:
+def model_line(plan: Plan) -> str:
     m = plan.inputs.model
     if m.attention.value == "mla":
         shape = f"MLA latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}"
@@ -22,58 +22,6 @@ def _model_line(plan: Plan) -> str:
             f"{plan.params / 1e9:,.2f} B params"
             + (f" ({plan.active_params / 1e9:,.2f} B active)" if plan.active_params
                != plan.params else ""))
-
-
-def render_table(plan: Plan) -> str:
-    """The default human-readable output of ``kvtier plan``."""
-    p = plan.inputs
-    lines = [
-        _model_line(plan),
-        f"hardware  {p.gpus} x {p.gpu.name} ({gb(p.gpu.memory_bytes)}), TP {p.tp}, "
-        f"{plan.replicas} engine instance(s), memory utilization {p.mem_util:.2f}",
-        f"workload  {p.concurrency} running sequences"
-        + (f", trace {p.trace.path} ({p.trace.requests:,} requests)" if p.trace else "")
-        + (f", max output {p.max_output:,} tokens" if p.max_output else ""),
-        "",
-        f"{'weights (' + plan.weights_dtype + ')':<24} {gb(plan.weights_bytes)} total, "
-        f"{gb(plan.weights_bytes_per_gpu)} per GPU",
-        f"{'KV per token (' + p.kv_dtype + ')':<24} {plan.kv_bytes_per_token:,} B"
-        + (f" ({plan.kv_bytes_per_token_per_gpu:,} B per GPU)" if p.tp > 1 else ""),
-        f"{'HBM left for KV per GPU':<24} {gb(plan.kv_budget_bytes_per_gpu)} "
-        f"({p.mem_util:.2f} x {gb(p.gpu.memory_bytes)} - weights"
-        + (f" - reserve {gb(p.reserve_bytes)}" if p.reserve_bytes else "") + ")",
-        "",
-        "percentile   tokens/seq   KV/seq       sequences that fit in HBM",
-    ]
-    for name in ("p50", "p95", "p99"):
-        lines.append(f"{name.upper():<12} {plan.sequence_tokens[name]:>10,}   "
-                     f"{gb(plan.kv_bytes_per_sequence[name]):>11}  "
-                     f"{plan.max_sequences_in_hbm[name]:>8,}")
-    lines += [
-        "",
-        f"KV needed at P99 x {p.concurrency}: {gb(plan.kv_demand_bytes_p99)} vs "
-        f"{gb(plan.kv_pool_bytes)} of HBM KV pool; "
-        + (f"{gb(plan.spill_bytes_p99)} (whole sequences) must spill"
-           if plan.spill_bytes_p99 else "fits in HBM"),
-        "",
-        "recommended kvtier tiers (this node)",
-    ]
-    for tier in plan.tiers:
-        size = gb(tier.bytes) if tier.bytes else "off"
-        lines.append(f"  {tier.tier:<6} {size:>11}  {tier.why}")
-    s = plan.prefill_saving
-    lines += [
-        "",
-        f"prefix reuse {s['prefix_share']:.1%} of prompt tokens: prefill at P50 "
-        f"({int(s['prompt_tokens_p50']):,} tokens) {s['prefill_flops_p50'] / 1e12:,.1f} TFLOP, "
-        f"saves {s['saved_flops_p50'] / 1e12:,.1f} TFLOP "
-        f"(~{s['saved_seconds_p50'] * 1e3:,.0f} ms of {s['prefill_seconds_p50'] * 1e3:,.0f} ms "
-        "at 50% MFU)",
-        f"decode step with {plan.decode_sequences_p99:,} P99 sequences per instance in HBM: "
-        f">= {plan.decode_step_s_p99 * 1e3:,.1f} ms (weights + KV read from HBM each step)",
-    ]
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines)
 
 
 def to_json(plan: Plan) -> dict[str, Any]:
