@@ -34,6 +34,17 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+DEFAULT_TOKENS_PER_BLOCK = 256
+"""kvtier's block (one key) when none is configured: large enough that per-block work and
+the daemon's per-block memory stay small beside the bytes."""
+
+
+def default_tokens_per_block(page_tokens: int) -> int:
+    """The default block for an engine whose KV pages hold ``page_tokens``: a multiple of
+    the page, about ``DEFAULT_TOKENS_PER_BLOCK`` tokens, at least one page."""
+    return max(page_tokens, DEFAULT_TOKENS_PER_BLOCK // page_tokens * page_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Geometry of a block; ``block_bytes`` is what every tier stores per key."""
@@ -42,7 +53,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
-    tokens_per_block: int = 256
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
     kv_components: int = 2
     kv_format: str = CANONICAL_FORMAT
     # derived once (the store checks a block's fingerprint on every prefix walk)

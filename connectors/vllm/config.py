@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from kvtier.errors import ConfigError
-from kvtier.layout import CANONICAL_FORMAT, KVLayout
+from kvtier.layout import CANONICAL_FORMAT, KVLayout, default_tokens_per_block
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-DEFAULT_TOKENS_PER_BLOCK = 256
 DEFAULT_MAX_INFLIGHT_SAVE_BYTES = 256 * 2**20
 """Saves copying at once at most (per worker); beyond it a save is dropped, not waited for."""
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
@@ -134,11 +133,11 @@ class ConnectorConfig:
             raise ConfigError(f"unknown kv_connector_extra_config keys {sorted(unknown)}; "
                               f"KVTierConnector accepts {sorted(_KEYS)}")
         tpb = _positive_int(extra, "tokens_per_block",
-                            _default_tokens_per_block(block_size))
+                            default_tokens_per_block(block_size))
         if tpb % block_size:
             raise ConfigError(f"tokens_per_block={tpb} must be a multiple of vLLM's "
                               f"block_size={block_size}; use e.g. "
-                              f"{_default_tokens_per_block(block_size)}")
+                              f"{default_tokens_per_block(block_size)}")
         model_id = str(extra.get("model_id") or default_model_id)
         prefix = extra.get("namespace")
         if prefix:
@@ -221,10 +220,6 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
         kv_format=CANONICAL_FORMAT,
     )
     return layout, int(spec.block_size)
-
-
-def _default_tokens_per_block(block_size: int) -> int:
-    return max(block_size, DEFAULT_TOKENS_PER_BLOCK // block_size * block_size)
 
 
 def _positive_int(extra: dict[str, Any], key: str, default: int) -> int:
