@@ -12,7 +12,7 @@ from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GPUS, find_gpu
 from kvtier.plan.kvmath import KV_DTYPES, normalize_dtype
 from kvtier.plan.model import load_model
-from kvtier.plan.planner import Plan, PlanInput, make_plan
+from kvtier.plan.planner import DAEMON_BYTES_PER_BLOCK, Plan, PlanInput, make_plan
 from kvtier.plan.presets import preset_names
 from kvtier.plan.report import gb, model_line, to_json
 from kvtier.plan.workload import parse_context, read_trace
@@ -75,6 +75,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="tokens per hash_ids entry (default 512 Mooncake, 16 Bailian)")
     p.add_argument("--block-size", type=int, default=16,
                    help="engine KV page size in tokens (allocation granularity)")
+    p.add_argument("--tokens-per-block", type=int, default=None,
+                   help="kvtier's block in tokens, as the connector's tokens_per_block "
+                        "(default: about 256, a multiple of --block-size)")
     p.add_argument("--live-stats", default=None, metavar="URL|FILE",
                    help="a daemon's /v1/stats (URL or saved JSON): also print what other tier "
                         "sizes would hit on its live workload (adaptive policy's curve)")
@@ -116,7 +119,8 @@ def build_input(args: argparse.Namespace) -> PlanInput:
         gpus=args.gpus or args.tp, tp=args.tp, mem_util=args.mem_util,
         reserve_bytes=int(args.reserve_gb * 1e9), concurrency=args.concurrency,
         context=context, max_output=max_output, prefix_share=prefix_share,
-        block_tokens=args.block_size, params_override=args.params, trace=trace,
+        block_tokens=args.block_size, kvtier_block_tokens=args.tokens_per_block,
+        params_override=args.params, trace=trace,
     )
 
 
@@ -147,6 +151,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvtier plan: error: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
     return EXIT_OK
+
+
+def _small(n: int) -> str:
+    """Bytes in GB, or in MB under one GB (the daemon's own memory often is)."""
+    return gb(n) if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
 
 def print_plan(plan: Plan) -> None:
@@ -186,7 +195,11 @@ def print_plan(plan: Plan) -> None:
                  if plan.spill_bytes_p99 else "fits in HBM"), markup=False)
     out.print()
     out.print(ui.table(["tier", "size", "why"],
-                       [[t.tier, gb(t.bytes) if t.bytes else "off", t.why] for t in plan.tiers],
+                       [[t.tier, gb(t.bytes) if t.bytes else "off", t.why] for t in plan.tiers]
+                       + [["daemon", _small(plan.daemon_memory_bytes),
+                           f"its own memory, beside cpu.bytes: ~{DAEMON_BYTES_PER_BLOCK:,} B "
+                           f"per block, up to {plan.daemon_blocks:,} blocks of "
+                           f"{plan.kvtier_block_tokens} tokens in cpu + nvme"]],
                        title="recommended kvtier tiers (this node)", right=(1,)))
     s = plan.prefill_saving
     out.print()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvtier.layout import default_tokens_per_block
 from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GIB, GPUSpec
 from kvtier.plan.kvmath import (
@@ -29,6 +30,11 @@ from kvtier.plan.workload import ContextPercentiles, TraceSummary
 PREFILL_MFU = 0.5
 #: NVMe is sized at this multiple of the CPU tier when no trace gives the working set.
 NVME_PER_CPU = 4
+# The daemon's own memory per block it indexes (arena or nvme), in Python objects: index,
+# policies, journal record. Measured: 1.5 KB per arena block, 1.3 KB per nvme block
+# (docs/operations.md, "The daemon's own memory").
+DAEMON_BYTES_PER_BLOCK = 1536
+DAEMON_NOTE_SHARE = 0.02   # note it when it passes this share of the cpu tier
 #: Prompt tokens at P50/P95/P99 when neither --context nor --trace is given.
 DEFAULT_CONTEXT = ContextPercentiles(2048, 4096, 8192)
 
@@ -49,7 +55,8 @@ class PlanInput:
     context: ContextPercentiles = DEFAULT_CONTEXT
     max_output: int = 0
     prefix_share: float = 0.0
-    block_tokens: int = 16
+    block_tokens: int = 16  # the engine's KV page
+    kvtier_block_tokens: int | None = None  # kvtier's block (one key); None: the default
     params_override: int | None = None
     trace: TraceSummary | None = None
 
@@ -84,6 +91,9 @@ class Plan:
     kv_demand_bytes_p99: int  # concurrency x P99 sequence
     spill_bytes_p99: int  # P99 sequences beyond what HBM holds, whole sequences
     tiers: tuple[TierSize, ...]
+    kvtier_block_tokens: int  # tokens per kvtier block (one key)
+    daemon_blocks: int  # blocks of one TP rank's size the cpu and nvme tiers hold at most
+    daemon_memory_bytes: int  # the daemon's private memory for indexing them
     prefill_saving: dict[str, float]
     decode_step_s_p99: float
     decode_sequences_p99: int  # per engine instance, resident in HBM
@@ -105,6 +115,12 @@ def _validate(p: PlanInput) -> None:
         raise PlanError(f"--prefix-share must be in [0, 1], got {p.prefix_share}")
     if p.max_output < 0:
         raise PlanError(f"--max-output must not be negative, got {p.max_output}")
+    if p.block_tokens <= 0:
+        raise PlanError(f"--block-size must be positive, got {p.block_tokens}")
+    kb = p.kvtier_block_tokens
+    if kb is not None and (kb <= 0 or kb % p.block_tokens):
+        raise PlanError(f"--tokens-per-block {kb} must be a positive multiple of --block-size "
+                        f"{p.block_tokens} (the connector stores whole engine pages)")
     check_tensor_parallel(p.model, p.tp)
 
 
@@ -160,6 +176,15 @@ def make_plan(p: PlanInput) -> Plan:
     demand = p.concurrency * seq_bytes["p99"]
     spill = max(0, per_replica - fits_one["p99"]) * seq_bytes["p99"] * replicas
     tiers = _tiers(p, spill, pool * replicas, per_token)
+    kvtier_block = p.kvtier_block_tokens or default_tokens_per_block(p.block_tokens)
+    daemon_blocks, daemon_memory = _daemon_memory(tiers, kvtier_block * per_token_gpu)
+    cpu_bytes = next(t.bytes for t in tiers if t.tier == "cpu")
+    if cpu_bytes and daemon_memory > DAEMON_NOTE_SHARE * cpu_bytes:
+        notes.append(f"kvtier blocks of {kvtier_block} tokens are "
+                     f"{kvtier_block * per_token_gpu:,} B per rank: the daemon's own memory for "
+                     f"{daemon_blocks:,} blocks ({daemon_memory / 1e9:.1f} GB) is "
+                     f"{daemon_memory / cpu_bytes:.0%} of the cpu tier; budget it beside "
+                     "cpu.bytes, or use more tokens per block")
     saving = _prefill_saving(p, active, seq_tokens["p50"])
     resident = min(per_replica, fits_one["p99"])  # sequences decoding from HBM
     kv_read = resident * seq_bytes["p99"] * share  # per GPU
@@ -171,7 +196,8 @@ def make_plan(p: PlanInput) -> Plan:
         sequence_tokens=seq_tokens, kv_bytes_per_sequence=seq_bytes,
         kv_budget_bytes_per_gpu=budget, max_sequences_in_hbm=fits,
         kv_pool_bytes=pool * replicas, kv_demand_bytes_p99=demand, spill_bytes_p99=spill,
-        tiers=tiers,
+        tiers=tiers, kvtier_block_tokens=kvtier_block, daemon_blocks=daemon_blocks,
+        daemon_memory_bytes=daemon_memory,
         prefill_saving=saving, decode_step_s_p99=decode_s,
         decode_sequences_p99=resident, notes=tuple(notes),
     )
@@ -203,6 +229,14 @@ def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int) -> tuple[Tie
     else:
         tiers.append(TierSize("redis", 0, "not needed: one engine instance"))
     return tuple(tiers)
+
+
+def _daemon_memory(tiers: tuple[TierSize, ...], block_bytes: int) -> tuple[int, int]:
+    """Blocks the daemon indexes when its cpu and nvme tiers are full (a block in both
+    counted twice: an upper bound), and the private memory that takes."""
+    held = sum(t.bytes for t in tiers if t.tier in ("cpu", "nvme"))
+    blocks = math.ceil(held / block_bytes) if block_bytes else 0
+    return blocks, blocks * DAEMON_BYTES_PER_BLOCK
 
 
 def _prefill_saving(p: PlanInput, active_params: int, p50_tokens: int) -> dict[str, float]:

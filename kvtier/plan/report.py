@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.plan.planner import Plan
+from kvtier.plan.planner import DAEMON_BYTES_PER_BLOCK, Plan
 
 
 def gb(n: float) -> str:
@@ -56,6 +56,9 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "kv_demand_bytes_p99": plan.kv_demand_bytes_p99,
         "spill_bytes_p99": plan.spill_bytes_p99,
         "tiers": {t.tier: {"bytes": t.bytes, "why": t.why} for t in plan.tiers},
+        "daemon_memory": {"bytes": plan.daemon_memory_bytes, "blocks": plan.daemon_blocks,
+                          "block_tokens": plan.kvtier_block_tokens,
+                          "bytes_per_block": DAEMON_BYTES_PER_BLOCK},
         "prefill_saving": plan.prefill_saving,
         "decode_step_seconds_p99": plan.decode_step_s_p99,
         "decode_sequences_p99": plan.decode_sequences_p99,

@@ -74,6 +74,45 @@ def test_replicas_multiply_what_fits(capsys: pytest.CaptureFixture[str]) -> None
     assert two["tiers"]["redis"]["bytes"] > 0  # shared across the two instances
 
 
+def test_the_daemon_s_own_memory_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
+    # llama-3-8b: 131,072 B per token; kvtier's default block of 256 tokens is 32 MiB per
+    # rank at TP 1, half that at TP 2. Every block the cpu and nvme tiers can hold: 1,536 B.
+    counted = {}
+    for tp, block in ((1, 256 * 131_072), (2, 256 * 65_536)):
+        doc = plan_json(capsys, "--model", "llama-3-8b", "--tp", str(tp), "--gpus", str(tp))
+        held = doc["tiers"]["cpu"]["bytes"] + doc["tiers"]["nvme"]["bytes"]
+        blocks = -(-held // block)
+        assert doc["daemon_memory"] == {"blocks": blocks, "bytes": blocks * 1536,
+                                        "block_tokens": 256, "bytes_per_block": 1536}
+        assert not any("daemon's own memory" in n for n in doc["notes"])
+        counted[tp] = blocks
+    code, out, _ = plan(capsys, "--model", "llama-3-8b")
+    (row,) = [line for line in out.splitlines() if line.startswith("daemon")]
+    assert code == 0 and f"{counted[1]:,} blocks of 256 tokens" in row
+    # the connector's default is a multiple of the engine's page: 8 pages of 32 tokens
+    assert plan_json(capsys, "--model", "llama-3-8b", "--block-size", "32",
+                     "--tokens-per-block", "64")["daemon_memory"]["block_tokens"] == 64
+
+
+def test_tiny_blocks_get_a_note_about_the_daemon_s_memory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # One token per block: 131,072 B, so the index costs 1,536 / 131,072 = 1.2% of every
+    # tier byte, about 6% of the cpu tier once the nvme tier's blocks are counted too.
+    doc = plan_json(capsys, "--model", "llama-3-8b", "--block-size", "1",
+                    "--tokens-per-block", "1")
+    (note,) = [n for n in doc["notes"] if "daemon's own memory" in n]
+    cpu = doc["tiers"]["cpu"]["bytes"]
+    assert f"{doc['daemon_memory']['bytes'] / cpu:.0%}" in note
+    assert doc["daemon_memory"]["bytes"] > 0.02 * cpu
+
+
+@pytest.mark.parametrize("tokens", ["20", "0", "-16"])
+def test_tokens_per_block_must_be_whole_pages(capsys: pytest.CaptureFixture[str],
+                                              tokens: str) -> None:
+    code, _, err = plan(capsys, "--model", "llama-3-8b", "--tokens-per-block", tokens)
+    assert code != 0 and "--tokens-per-block" in err and "multiple of --block-size 16" in err
+
+
 def test_max_output_is_added_to_the_prompt(capsys: pytest.CaptureFixture[str]) -> None:
     doc = plan_json(capsys, "--model", "llama-3-8b", "--context", "1000,2000,3000",
                     "--max-output", "500")
@@ -182,3 +221,8 @@ def test_real_mooncake_trace(capsys: pytest.CaptureFixture[str]) -> None:
     capped = plan_json(capsys, "--model", "llama-3-8b", "--trace", str(MOONCAKE))
     assert capped["sequence_tokens"]["p99"] == 8192  # Llama-3's context window
 
+
+
+def test_a_page_of_no_tokens_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = plan(capsys, "--model", "llama-3-8b", "--block-size", "0")
+    assert code != 0 and "--block-size must be positive" in err
