@@ -3,7 +3,8 @@
 KV bytes = layers x tokens x KV width x bytes per element, where the KV width of a
 layer is 2 x kv_heads x head_dim for MHA/GQA/MQA (K and V, KV heads not attention
 heads) and kv_lora_rank + qk_rope_head_dim for MLA (one latent, no separate K and V).
-A sliding-window layer holds at most its window of tokens. Under tensor parallelism
+A sliding-window (or chunked) layer holds at most its window of tokens, and the linear
+attention, SSM and MLP-only layers of hybrid models hold none. Under tensor parallelism
 KV heads are split across ranks (replicated when there are fewer KV heads than ranks)
 while an MLA latent is held whole by every rank.
 """
@@ -57,8 +58,9 @@ def kv_width(model: ModelSpec) -> int:
 
 
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str) -> int:
-    """KV bytes of one token over all layers, for the whole model (all TP ranks)."""
-    return int(model.num_layers * kv_width(model) * DTYPE_BYTES[normalize_dtype(kv_dtype)])
+    """KV bytes of one token over all layers that hold KV, for the whole model (all TP
+    ranks)."""
+    return int(model.kv_layers * kv_width(model) * DTYPE_BYTES[normalize_dtype(kv_dtype)])
 
 
 def check_tensor_parallel(model: ModelSpec, tp: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.plan.errors import PlanError
+from kvtier.plan.layers import NO_KV, layer_reach
 from kvtier.plan.presets import find_preset, preset_names
 
 
@@ -41,8 +42,10 @@ class MoESpec:
 class ModelSpec:
     """The model geometry the KV and weights arithmetic reads.
 
-    ``layer_windows`` holds, per layer, the sliding-window length in tokens or ``None``
-    for full attention; a windowed layer never holds more than its window of KV.
+    ``layer_windows`` holds, per layer, how many tokens of KV it keeps at most: ``None``
+    for full attention, a window (sliding or chunked attention), or ``NO_KV`` (0) for a
+    layer without attention KV (kvtier.plan.layers); ``state_layers`` of them carry a
+    fixed-size recurrent state per sequence instead (linear attention, SSM, convolution).
     """
 
     name: str
@@ -67,11 +70,17 @@ class ModelSpec:
     moe: MoESpec | None = None
     attention_bias: bool = False
     quantization: str | None = None
+    state_layers: int = 0
 
     @property
     def windowed_layers(self) -> int:
-        """How many layers use a sliding window."""
-        return sum(1 for w in self.layer_windows if w is not None)
+        """How many layers keep a bounded window of KV (sliding or chunked attention)."""
+        return sum(1 for w in self.layer_windows if w is not None and w != NO_KV)
+
+    @property
+    def kv_layers(self) -> int:
+        """How many layers hold attention KV at all."""
+        return sum(1 for w in self.layer_windows if w != NO_KV)
 
 
 def _require_int(cfg: dict[str, Any], key: str, source: str) -> int:
@@ -87,32 +96,6 @@ def _opt_int(cfg: dict[str, Any], key: str, default: int = 0) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     return default
-
-
-def _layer_windows(cfg: dict[str, Any], layers: int) -> tuple[int | None, ...]:
-    """Per-layer sliding windows, following each architecture's own convention."""
-    window = cfg.get("sliding_window")
-    window = window if isinstance(window, int) and window > 0 else None
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and len(types) == layers:
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    model_type = str(cfg.get("model_type", ""))
-    if window is None:
-        return (None,) * layers
-    if model_type == "gemma2":
-        # Gemma 2 alternates: even layers local (sliding), odd layers global.
-        return tuple(window if i % 2 == 0 else None for i in range(layers))
-    if model_type in ("gemma3", "gemma3_text"):
-        pattern = _opt_int(cfg, "sliding_window_pattern", 6)
-        return tuple(None if (i + 1) % pattern == 0 else window for i in range(layers))
-    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
-        if not cfg.get("use_sliding_window", False):
-            return (None,) * layers
-        first = _opt_int(cfg, "max_window_layers", layers)
-        return tuple(window if i >= first else None for i in range(layers))
-    if window >= _opt_int(cfg, "max_position_embeddings", 1 << 62):
-        return (None,) * layers
-    return (window,) * layers
 
 
 def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
@@ -155,6 +138,10 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
                                          _require_int(cfg, "intermediate_size", source)),
             dense_layers=_opt_int(cfg, "first_k_dense_replace"),
         )
+    reach = layer_reach(cfg, layers, source)
+    if reach.reach.count(NO_KV) == layers:
+        raise PlanError(f"{source}: no layer holds attention KV (every layer is linear "
+                        "attention, SSM, convolution or MLP): there is no KV to plan")
     quant = cfg.get("quantization_config")
     quant_method = str(quant.get("quant_method")) if isinstance(quant, dict) else None
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
@@ -172,7 +159,8 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         torch_dtype=dtype,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention=attention,
-        layer_windows=_layer_windows(cfg, layers),
+        layer_windows=reach.reach,
+        state_layers=reach.state_layers,
         kv_lora_rank=kv_lora,
         qk_rope_head_dim=_opt_int(cfg, "qk_rope_head_dim"),
         q_lora_rank=_opt_int(cfg, "q_lora_rank"),

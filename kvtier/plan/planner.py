@@ -160,8 +160,11 @@ def make_plan(p: PlanInput) -> Plan:
     seq_bytes = {k: kv_bytes_per_sequence(m, p.kv_dtype, t, p.block_tokens)
                  for k, t in seq_tokens.items()}
     if m.windowed_layers:
-        notes.append(f"{m.windowed_layers} of {m.num_layers} layers use a sliding window of "
-                     f"{max(w for w in m.layer_windows if w):,} tokens: their KV stops growing")
+        notes.append(f"{m.windowed_layers} of {m.num_layers} layers use a sliding or chunked "
+                     f"window of {max(w for w in m.layer_windows if w):,} tokens: their KV "
+                     "stops growing")
+    if m.kv_layers < m.num_layers:
+        notes.append(_hybrid_note(m))
 
     budget = int(p.gpu.memory_bytes * p.mem_util) - weights_gpu - p.reserve_bytes
     if budget <= 0:
@@ -229,6 +232,17 @@ def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int) -> tuple[Tie
     else:
         tiers.append(TierSize("redis", 0, "not needed: one engine instance"))
     return tuple(tiers)
+
+
+def _hybrid_note(m: ModelSpec) -> str:
+    """What a hybrid model's layers without KV mean for the plan."""
+    no_kv = m.num_layers - m.kv_layers
+    state = (f"; {m.state_layers} carry a fixed-size recurrent state per sequence (linear "
+             "attention, SSM or convolution) that the engine keeps in HBM beside the KV: not "
+             "counted here, and not stored by kvtier" if m.state_layers else "")
+    return (f"hybrid model: only {m.kv_layers} of {m.num_layers} layers hold attention KV, "
+            f"{no_kv} hold none{state}. Weights are counted as if every layer were "
+            "attention + MLP: pass --params for the exact count")
 
 
 def _daemon_memory(tiers: tuple[TierSize, ...], block_bytes: int) -> tuple[int, int]:

@@ -18,7 +18,9 @@ def model_line(plan: Plan) -> str:
         shape = f"MLA latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}"
     else:
         shape = f"{m.attention.value.upper()} {m.num_kv_heads} KV heads x {m.head_dim}"
-    return (f"model     {m.name}: {m.num_layers} layers, {shape}, "
+    layers = (f"{m.num_layers} layers" if m.kv_layers == m.num_layers
+              else f"{m.num_layers} layers ({m.kv_layers} with KV)")
+    return (f"model     {m.name}: {layers}, {shape}, "
             f"{plan.params / 1e9:,.2f} B params"
             + (f" ({plan.active_params / 1e9:,.2f} B active)" if plan.active_params
                != plan.params else ""))
@@ -33,7 +35,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "name": m.name, "attention": m.attention.value, "layers": m.num_layers,
             "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
             "kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim,
-            "sliding_window_layers": m.windowed_layers, "max_context": m.max_context,
+            "sliding_window_layers": m.windowed_layers, "kv_layers": m.kv_layers,
+            "state_layers": m.state_layers, "max_context": m.max_context,
             "params": plan.params, "active_params": plan.active_params,
         },
         "hardware": {"gpu": p.gpu.name, "gpu_memory_bytes": p.gpu.memory_bytes,
