@@ -165,6 +165,10 @@ def make_plan(p: PlanInput) -> Plan:
                      "stops growing")
     if m.kv_layers < m.num_layers:
         notes.append(_hybrid_note(m))
+    if m.windowed_layers or m.kv_layers < m.num_layers:
+        notes.append("kvtier's vLLM connector takes one full-attention KV cache group only: "
+                     "it refuses this model's windowed or hybrid layers at start, so the tier "
+                     "sizes above assume an engine that offloads them")
 
     budget = int(p.gpu.memory_bytes * p.mem_util) - weights_gpu - p.reserve_bytes
     if budget <= 0:

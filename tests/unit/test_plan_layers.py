@@ -120,3 +120,6 @@ def test_the_plan_of_a_hybrid_model_says_what_it_left_out(
     assert (doc["model"]["kv_layers"], doc["model"]["state_layers"]) == (12, 36)
     (note,) = [n for n in doc["notes"] if n.startswith("hybrid model")]
     assert "only 12 of 48 layers hold attention KV" in note and "--params" in note
+    assert any("connector takes one full-attention KV cache group" in n for n in doc["notes"])
+    full = plan_json(capsys, "--model", "llama-3-8b")
+    assert not any("connector" in n or "hybrid" in n for n in full["notes"])
