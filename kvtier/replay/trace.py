@@ -1,4 +1,5 @@
-"""Trace readers: Mooncake JSONL and Alibaba Bailian JSONL into one request record.
+"""Trace readers: Mooncake JSONL and Alibaba Bailian JSONL (plain, or gzip/bzip2/xz
+compressed) into one request record.
 
 Both formats carry per-request ``hash_ids``: prefix-chained block ids, so equal ids at the
 same position mean a shared prefix. They differ in time unit and block size:
@@ -12,11 +13,15 @@ same position mean a shared prefix. They differ in time unit and block size:
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TextIO
 
 from kvtier.errors import KVTierError
 
@@ -139,6 +144,24 @@ def parse_lines(
         yield _parse(record, fmt, where)
 
 
+_COMPRESSED = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.open))
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _open_text(path: Path) -> TextIO:
+    """The trace as text lines, decompressed when it is gzip, bzip2 or xz (by its magic
+    bytes, whatever its name): published traces are often shipped compressed."""
+    with path.open("rb") as raw:
+        head = raw.read(6)
+    if head.startswith(_ZSTD_MAGIC):
+        raise TraceError(f"trace {path} is zstd-compressed: decompress it first "
+                         "(zstd -d), or recompress it with gzip, bzip2 or xz")
+    for magic, opener in _COMPRESSED:
+        if head.startswith(magic):
+            return opener(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
 def load_trace(
     path: str | Path, *, fmt: TraceFormat = TraceFormat.AUTO, block_tokens: int | None = None
 ) -> Trace:
@@ -149,7 +172,7 @@ def load_trace(
     """
     path = Path(path)
     try:
-        with path.open(encoding="utf-8") as fh:
+        with _open_text(path) as fh:
             first = ""
             for first in fh:
                 if first.strip():
@@ -161,8 +184,13 @@ def load_trace(
                 except (json.JSONDecodeError, AttributeError, TypeError):
                     fmt = TraceFormat.MOONCAKE
             requests = list(parse_lines(fh, fmt=fmt, source=str(path)))
-    except OSError as exc:
-        raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"trace {path} is not UTF-8 JSONL text (a compressed trace must be "
+                         "gzip, bzip2 or xz)") from None
+    except (OSError, EOFError, lzma.LZMAError) as exc:  # gzip.BadGzipFile is an OSError
+        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}"
+                         if isinstance(exc, OSError) else
+                         f"cannot read trace {path}: {exc}") from None
     if not requests:
         raise TraceError(f"trace {path} holds no requests")
     if fmt is TraceFormat.AUTO:

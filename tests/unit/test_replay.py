@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +63,30 @@ def test_reader_errors_say_where(tmp_path: Path) -> None:
         load_trace(bad)
     with pytest.raises(TraceError, match="cannot read"):
         load_trace(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, bz2.compress, lzma.compress])
+def test_compressed_traces_read_like_plain_ones(tmp_path: Path, compress: Any) -> None:
+    for name in ("mooncake_small.jsonl", "bailian_small.jsonl"):
+        plain = load_trace(FIXTURES / name)
+        packed = tmp_path / f"{name}.any-suffix"   # told apart by magic bytes, not by name
+        packed.write_bytes(compress((FIXTURES / name).read_bytes()))
+        assert load_trace(packed) == plain
+
+
+MOONCAKE_LINES = (FIXTURES / "mooncake_small.jsonl").read_bytes()
+
+
+def test_unreadable_bytes_are_a_trace_error(tmp_path: Path) -> None:
+    cases = {"binary.jsonl": b"\xff\xfe\x00garbage\n",
+             "truncated.jsonl.gz": gzip.compress(MOONCAKE_LINES)[:-12],   # no end marker
+             "trace.jsonl.zst": b"\x28\xb5\x2f\xfd\x00\x00"}
+    words = {"binary.jsonl": "not UTF-8 JSONL", "truncated.jsonl.gz": "cannot read trace",
+             "trace.jsonl.zst": "zstd-compressed"}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(TraceError, match=words[name]):
+            load_trace(tmp_path / name)
 
 
 def test_prefix_semantics_and_token_counting() -> None:
