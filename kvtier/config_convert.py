@@ -161,9 +161,14 @@ def _lookup(tree: type, section: str, name: str, source: str) -> Setting:
 
 def _file_layer(tree: type, path: Path) -> Iterator[tuple[Setting, Any, str]]:
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))   # TOML is UTF-8
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text: give a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}; check that it is a "
+                          "readable file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
     for section, values in data.items():

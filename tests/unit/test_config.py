@@ -184,6 +184,18 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml", env={})
 
 
+def test_unreadable_files_are_config_errors(tmp_path: Path) -> None:
+    binary = tmp_path / "kvtier.toml"
+    binary.write_bytes(b"\x1f\x8b\x08\x00\xff\xfe")   # e.g. a gzip file given by mistake
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(binary, env={})
+    with pytest.raises(ConfigError, match="check that it is a readable file"):
+        load_config(tmp_path, env={})   # a directory
+    utf8 = tmp_path / "utf8.toml"
+    utf8.write_text('[daemon]\nlog_level = "debug"  # é\n', encoding="utf-8")
+    assert load_config(utf8, env={}).daemon.log_level == "debug"
+
+
 # -- the typed tree ----------------------------------------------------------------------------
 def test_enum_settings_are_enums_equal_to_their_text() -> None:
     from kvtier.config import Eviction, LogLevel
