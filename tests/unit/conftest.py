@@ -8,6 +8,7 @@ in tests/support/store.py; importing them here registers them for every unit mod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -16,6 +17,15 @@ from typing import Any
 import pytest
 
 from tests.support.store import arena, client, clock, nvme, store  # noqa: F401
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _matplotlib_font_cache() -> None:
+    """matplotlib builds its font cache on its first import, asking fontconfig's ``fc-list``
+    when fontconfig is installed: the library's process, not the test's. Build it before
+    ``_no_processes`` refuses processes (a fresh machine has no cache yet)."""
+    with contextlib.suppress(ImportError):
+        import matplotlib.font_manager  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
