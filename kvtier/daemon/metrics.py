@@ -203,6 +203,11 @@ class Metrics:
         self.registry.register(KVTierCollector(snapshot))
         self.op_seconds = Histogram("kvtier_op_seconds", "Control-plane operation latency",
                                     ["op"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self._by_op: dict[str, Any] = {}   # op -> its labelled child (``labels`` per request
+        #                                    costs a lock and a tuple; ops are a fixed set)
 
     def observe(self, op: str, seconds: float) -> None:
-        self.op_seconds.labels(op).observe(seconds)
+        child = self._by_op.get(op)
+        if child is None:
+            child = self._by_op[op] = self.op_seconds.labels(op)
+        child.observe(seconds)

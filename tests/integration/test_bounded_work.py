@@ -250,6 +250,32 @@ def test_slow_loris_and_half_sent_frames_are_dropped(daemon_factory) -> None:
     assert st["clients"] == 0 and st["pending_request_bytes"] == 0
 
 
+def test_a_client_that_never_reads_its_replies_is_dropped(daemon_factory) -> None:
+    """Replies pile up in the daemon only when a client leaves them unread: its connection is
+    dropped after the read timeout, and everyone else is served meanwhile."""
+    d = daemon_factory(env={"KVTIER_DAEMON_READ_TIMEOUT_S": "1"}).start()
+    deaf = _raw(d)
+    deaf.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stats = pack({"id": 2, "op": "stats"})   # a few KiB of reply each
+    with contextlib.suppress(OSError):       # the daemon stops reading, then drops us
+        for _ in range(2000):
+            deaf.sendall(stats)
+    t0 = time.monotonic()
+    with connect(d.socket) as c:
+        for _ in range(5):
+            c.ping()
+        assert time.monotonic() - t0 < 1.0       # not held up by the deaf client
+    deadline = time.monotonic() + 8
+    while d.stats()["daemon"]["dropped_slow"] < 1:
+        assert time.monotonic() < deadline, "the deaf client was never dropped"
+        time.sleep(0.1)
+    assert _closed(deaf)
+    deadline = time.monotonic() + 5
+    while (st := d.stats()["daemon"])["clients"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert st["clients"] == 0 and st["dropped_slow"] == 1
+
+
 def test_partial_big_frames_hold_bounded_memory(daemon_factory) -> None:
     """20 connections each announce a 15 MiB frame and send all of it but its last byte:
     the daemon holds at most its total pending budget (64 MiB), not 300 MB, drops them all
