@@ -23,8 +23,10 @@ from kvtier.backoff import Backoff, BackoffPolicy
 from kvtier.config import RedisConfig
 from kvtier.frame import Codec
 from kvtier.layout import KVLayout
+from kvtier.tiers import redis_loopio as loopio
 from kvtier.tiers.base import TierCounters
 from kvtier.tiers.redis_client import RedisMode, parse_target
+from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_queue import DEFAULT_ELEM_BYTES, WriteOutcomes, WriteQueue
 from kvtier.tiers.redis_resp import ErrorReply, NodeAddr, ReplyError, command
 from kvtier.tiers.redis_route import Reach, Router, conn_options
@@ -132,19 +134,30 @@ class RedisLink:
 
     async def _per_server(self, rkeys: Sequence[bytes],
                           fn: Callable[[Conn, list[int]], Sequence[Any]], *,
-                          holds_buffers: bool = False) -> list[Any]:
+                          holds_buffers: bool = False,
+                          small: Callable[[list[int]], list[bytes]] | None = None
+                          ) -> list[Any]:
         """Run ``fn(conn, indexes)`` once per server holding some of ``rkeys`` (in parallel,
         in worker threads); returns one result per key: ``fn``'s, the exception that failed
-        its server (already counted), or UNSERVED."""
+        its server (already counted), or UNSERVED. ``small(indexes)``: the same exchange as
+        encoded commands with simple replies (a probe), run on the event loop instead when
+        the server has an idle plain connection (kvtier.tiers.redis_loopio)."""
         results: list[Any] = [UNSERVED] * len(rkeys)
 
         async def one(node: NodeAddr | None, idx: list[int]) -> None:
             if node is None:
                 return
             pool = self._router.pool(node)
+            conn = pool.take_idle() if small is not None else None
+            if conn is not None and not conn.plain:
+                pool.give(conn)
+                conn = None
             try:
-                replies = await self._in_thread(lambda: pool.run(lambda c: fn(c, idx)),
-                                                holds_buffers=holds_buffers)
+                if conn is not None and small is not None:
+                    replies = await _on_loop(pool, conn, small(idx))
+                else:
+                    replies = await self._in_thread(lambda: pool.run(lambda c: fn(c, idx)),
+                                                    holds_buffers=holds_buffers)
             except Exception as exc:
                 self._failed(exc, node)
                 for i in idx:
@@ -293,3 +306,15 @@ def _info_fields(reply: Any) -> dict[str, str]:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
+
+
+async def _on_loop(pool: NodePool, conn: Conn, cmds: list[bytes]) -> list[Any]:
+    """``cmds`` exchanged on the event loop over ``conn`` (taken from ``pool``): given back
+    after a clean exchange, discarded after any failure or a cancellation."""
+    try:
+        replies = await loopio.exchange(conn, cmds)
+    except BaseException:
+        pool.discard(conn)
+        raise
+    pool.give(conn)
+    return replies

@@ -52,6 +52,11 @@ class NodePool:
             self.open += 1
         return self._connect()
 
+    def take_idle(self) -> Conn | None:
+        """An idle connection, or None: never connects (for callers on the event loop)."""
+        with self._lock:
+            return self._idle.pop() if self._idle else None
+
     def try_take(self) -> Conn | None:
         """An idle connection, or a new one while fewer than ``limit`` are open; else None
         (the server's share of connections is in use: make do with those already held)."""

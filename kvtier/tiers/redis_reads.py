@@ -69,13 +69,17 @@ class RedisReads(RedisLink):
 
     async def _probe(self, rkeys: list[bytes], namespace: bytes | None) -> list[Any]:
         """EXISTS per key, or GETRANGE of the frame's namespace field when ``namespace``."""
-        def probe(conn: Conn, idx: list[int]) -> list[Any]:
-            if namespace is None:
-                return conn.simple_many([command(b"EXISTS", rkeys[i]) for i in idx])
-            lo, hi = str(NS_OFFSET).encode(), str(NS_END).encode()
-            return conn.simple_many([command(b"GETRANGE", rkeys[i], lo, hi) for i in idx])
+        lo, hi = str(NS_OFFSET).encode(), str(NS_END).encode()
 
-        return await self._per_server(rkeys, probe)
+        def cmds(idx: list[int]) -> list[bytes]:
+            if namespace is None:
+                return [command(b"EXISTS", rkeys[i]) for i in idx]
+            return [command(b"GETRANGE", rkeys[i], lo, hi) for i in idx]
+
+        def probe(conn: Conn, idx: list[int]) -> list[Any]:
+            return conn.simple_many(cmds(idx))
+
+        return await self._per_server(rkeys, probe, small=cmds)
 
     def _present(self, reply: Any, namespace: bytes | None) -> bool:
         """Whether a ``_probe`` reply says the block is there (for ``namespace``)."""

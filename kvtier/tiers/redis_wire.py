@@ -258,6 +258,19 @@ class Conn:
         self._lo += n
         return n
 
+    @property
+    def plain(self) -> bool:
+        """Whether the connection is a plain socket (not TLS, which may hold decrypted bytes
+        that polling the socket does not see)."""
+        return self._plain
+
+    def send_nowait(self, data: memoryview) -> int:
+        """Send what the socket takes now, without blocking; how many bytes it took."""
+        try:
+            return self._sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+
     def _recv_nowait(self, out: memoryview) -> int:
         try:
             n = self._sock.recv_into(out, 0, socket.MSG_DONTWAIT)

@@ -9,10 +9,7 @@ from __future__ import annotations
 import os
 import random
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,55 +17,9 @@ import pytest
 from kvtier.tiers.redis_mux import GetJob, read_jobs
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr, ProtocolError
+from tests.support.resp_peer import bulk, cuts, peer
 
 HEAD = 8   # bytes of each value handed to the placer
-
-
-def bulk(value: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(value), value)
-
-
-def cuts(data: bytes, rng: random.Random, most: int) -> list[bytes]:
-    """``data`` in pieces of 1..most bytes."""
-    out, i = [], 0
-    while i < len(data):
-        n = rng.randint(1, most)
-        out.append(data[i:i + n])
-        i += n
-    return out
-
-
-@contextmanager
-def peer(tmp_path: Path, script: Callable[[socket.socket], None]) -> Iterator[NodeAddr]:
-    """A unix socket that accepts connections and runs ``script`` on each (after reading
-    whatever the client sent first)."""
-    path = str(tmp_path / "peer.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(8)
-    stop = threading.Event()
-
-    def serve() -> None:
-        srv.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with conn:
-                conn.recv(1 << 16)   # the pipeline of GETs
-                script(conn)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield NodeAddr(path, 0, unix=True)
-    finally:
-        stop.set()
-        srv.close()
-        thread.join(5)
 
 
 class Reads:
