@@ -148,13 +148,14 @@ class RedisLink:
             if node is None:
                 return
             pool = self._router.pool(node)
-            conn = pool.take_idle() if small is not None else None
+            cmds = small(idx) if small is not None else None
+            conn = pool.take_idle() if cmds is not None else None
             if conn is not None and not conn.plain:
                 pool.give(conn)
                 conn = None
             try:
-                if conn is not None and small is not None:
-                    replies = await _on_loop(pool, conn, small(idx))
+                if conn is not None and cmds is not None:
+                    replies = await _on_loop(pool, conn, cmds)
                 else:
                     replies = await self._in_thread(lambda: pool.run(lambda c: fn(c, idx)),
                                                     holds_buffers=holds_buffers)
