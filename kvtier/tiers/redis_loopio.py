@@ -3,7 +3,7 @@
 A lookup's probe (a pipelined EXISTS or GETRANGE of a few bytes per key) moves a few KiB,
 yet through the tier's worker threads it pays two thread hand-offs: the loop wakes a
 thread, the thread wakes the loop. On a 2-core VM those wake-ups cost more than the
-exchange (32 GETRANGEs: 875 us through a thread, ~200 us on the loop, docs/redis.md).
+exchange itself (a bare pipeline of 32 GETRANGEs on the loop: ~0.2 ms; docs/redis.md).
 Here the pipeline is sent with non-blocking sends and its replies are read as they arrive
 (the loop watches the socket), so the loop never blocks and no thread is woken.
 
