@@ -148,14 +148,13 @@ class RedisLink:
             if node is None:
                 return
             pool = self._router.pool(node)
-            cmds = small(idx) if small is not None else None
-            conn = pool.take_idle() if cmds is not None else None
+            conn = pool.take_idle() if small is not None else None
             if conn is not None and not conn.plain:
                 pool.give(conn)
                 conn = None
             try:
-                if conn is not None and cmds is not None:
-                    replies = await _on_loop(pool, conn, cmds)
+                if conn is not None and small is not None:
+                    replies = await _on_loop(pool, conn, small, idx)
                 else:
                     replies = await self._in_thread(lambda: pool.run(lambda c: fn(c, idx)),
                                                     holds_buffers=holds_buffers)
@@ -309,11 +308,13 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
-async def _on_loop(pool: NodePool, conn: Conn, cmds: list[bytes]) -> list[Any]:
-    """``cmds`` exchanged on the event loop over ``conn`` (taken from ``pool``): given back
-    after a clean exchange, discarded after any failure or a cancellation."""
+async def _on_loop(pool: NodePool, conn: Conn, small: Callable[[list[int]], list[bytes]],
+                   idx: list[int]) -> list[Any]:
+    """``small(idx)`` exchanged on the event loop over ``conn`` (taken from ``pool``): given
+    back after a clean exchange, discarded after any failure (building the commands too) or
+    a cancellation. The commands are built here, so the thread path never builds them."""
     try:
-        replies = await loopio.exchange(conn, cmds)
+        replies = await loopio.exchange(conn, small(idx))
     except BaseException:
         pool.discard(conn)
         raise
