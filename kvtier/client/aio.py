@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import select
 import socket
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.client.leases import AsyncGetLease, AsyncPutLease
-from kvtier.client.ops import MAX_REPLY, LookupResult, Op, Ops, map_arena
+from kvtier.client.ops import HANGUP, MAX_REPLY, LookupResult, NoWait, Op, Ops, map_arena
 from kvtier.config import default_socket_path, trusted_daemon_uids
 from kvtier.errors import DaemonUnavailable, KVTierError, ProtocolError, RequestTimeout
 from kvtier.handshake import Hello, open_verified
@@ -82,6 +83,21 @@ class AsyncKVTierClient:
             self._pending.pop(rid, None)
         return Ops.check_reply(reply)
 
+    async def _send_nowait(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``KVTierClient._send_nowait`` over asyncio: the reply, when it comes, matches no
+        pending request and is dropped by the read loop."""
+        sock = self._writer.get_extra_info("socket")
+        if self._broken is not None or sock is None or self._reader.at_eof() or \
+                _hung_up(sock.fileno()):
+            return await self._call(req)
+        req["id"] = next(self._ids)
+        try:
+            self._writer.write(pack(req))
+            await self._writer.drain()
+        except OSError as exc:
+            raise DaemonUnavailable(f"daemon connection lost: {exc}") from None
+        return {}
+
     async def _run(self, op: Op) -> Any:
         """``KVTierClient._run`` over asyncio: the same driving of ``op``, awaiting each
         reply."""
@@ -89,7 +105,8 @@ class AsyncKVTierClient:
             req = next(op)
             while True:
                 try:
-                    reply = await self._call(req)
+                    reply = await (self._send_nowait(req.req) if isinstance(req, NoWait)
+                                   else self._call(req))
                 except KVTierError as exc:
                     req = op.throw(exc)
                 else:
@@ -204,3 +221,10 @@ def _close_opened(fut: asyncio.Future[tuple[socket.socket, Hello]]) -> None:
     sock, hello = fut.result()
     sock.close()
     hello.close_fds()
+
+
+def _hung_up(fd: int) -> bool:
+    """Whether the daemon's end of connection ``fd`` is gone (pending replies aside)."""
+    poller = select.poll()
+    poller.register(fd, HANGUP)
+    return bool(poller.poll(0))

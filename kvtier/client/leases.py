@@ -60,16 +60,17 @@ class _GetLeaseRules:
     """A get lease's state and the ops that end it (release, context exit)."""
 
     def __init__(self, ops: Ops, lease: int, views: list[Any],
-                 devices: list[str] | None = None) -> None:
+                 devices: list[str] | None = None, safe_until: float | None = None) -> None:
         self._ops, self.lease, self.views = ops, lease, views
         self.devices: list[str] = devices if devices is not None else ["cpu"] * len(views)
+        self._safe_until = safe_until   # see Ops.op_release
         self._open = True
 
     def _release_op(self, copy_s: float | None = None) -> Op:
         if not self._open:
             return done()
         self._open = False
-        return self._ops.op_release(self.lease, copy_s)
+        return self._ops.op_release(self.lease, copy_s, self._safe_until)
 
     def _exit_op(self, exc_type: Any) -> Op:
         """Release on normal exit and let its errors propagate (a reader must learn that its
@@ -131,8 +132,8 @@ class GetLease(_GetLeaseRules):
     """
 
     def __init__(self, client: KVTierClient, lease: int, views: list[Any],
-                 devices: list[str] | None = None):
-        super().__init__(client._ops, lease, views, devices)
+                 devices: list[str] | None = None, safe_until: float | None = None):
+        super().__init__(client._ops, lease, views, devices, safe_until)
         self._client = client
 
     def release(self, *, copy_s: float | None = None) -> None:
@@ -179,8 +180,8 @@ class AsyncGetLease(_GetLeaseRules):
     ``release`` raises ``LeaseExpired`` when what was read may be wrong)."""
 
     def __init__(self, client: AsyncKVTierClient, lease: int, views: list[Any],
-                 devices: list[str] | None = None):
-        super().__init__(client._ops, lease, views, devices)
+                 devices: list[str] | None = None, safe_until: float | None = None):
+        super().__init__(client._ops, lease, views, devices, safe_until)
         self._client = client
 
     async def release(self, *, copy_s: float | None = None) -> None:

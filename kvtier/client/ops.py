@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +43,28 @@ MAX_REPLY = 64 * 2**20
 PUT_BATCH = 64
 """Blocks per put round trip in ``put``: amortises the control round trip without pinning
 a large share of the arena at once."""
-Op = Generator[dict[str, Any], dict[str, Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class NoWait:
+    """A request whose reply nobody needs: the client sends it and sends the op ``{}`` at
+    once, unless its connection is already broken or hung up, when it is asked as usual
+    (and fails as usual). The reply, when it comes, is skipped like any reply not awaited."""
+
+    req: dict[str, Any]
+
+
+HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
+"""poll events of a connection whose daemon is gone (closed its end, or died): how a
+client tells, before a ``NoWait``, that the daemon holding its lease is still the one."""
+Op = Generator["dict[str, Any] | NoWait", dict[str, Any], Any]
 """A sans-I/O operation: yields requests, is sent replies (or thrown their errors), and
 returns its result."""
+RELEASE_SAFE_SHARE = 0.5
+"""A get lease's release need not wait for the daemon's word while less than this share
+of its TTL has passed since the get was asked: the daemon cannot have taken its slots back
+(the TTL runs from later than that) and, its connection still up, it has not restarted.
+Past it, the release waits and ``LeaseExpired`` tells a copy that came too late."""
 log = logging.getLogger("kvtier.client")
 
 
@@ -87,6 +108,14 @@ def check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any
         if size != nbytes:
             raise BufferSizeError(f"buffer {i} has {size} bytes; the layout's block is "
                                   f"{nbytes} bytes")
+
+
+def release_safe_until(asked: float, ttl_s: Any) -> float | None:
+    """When a get lease asked at ``asked`` (``time.monotonic()``, before the request went
+    out) stops being provably held; None when the daemon did not say its TTL."""
+    if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not ttl_s > 0:
+        return None
+    return asked + RELEASE_SAFE_SHARE * float(ttl_s)
 
 
 def done(value: Any = None) -> Op:
@@ -234,6 +263,7 @@ class Ops:
         req = self._target("get_prepare", ns, keys)
         if mapping is not None:
             req["device"] = True
+        asked = time.monotonic()
         reply = yield from self._ask(ns, req)
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
@@ -252,12 +282,21 @@ class Ops:
         except BaseException:
             yield from quietly(self.op_release(reply["lease"]))
             raise
-        return reply["lease"], views, devices
+        return reply["lease"], views, devices, release_safe_until(asked, reply.get("ttl_s"))
 
-    def op_release(self, lease: int, copy_s: float | None = None) -> Op:
+    @staticmethod
+    def op_release(lease: int, copy_s: float | None = None,
+                   safe_until: float | None = None) -> Op:
+        """End a get lease. Before ``safe_until`` (``time.monotonic()``, see
+        ``RELEASE_SAFE_SHARE``) what was read is known valid here, so the release is sent
+        without waiting for its reply (a round trip off every load); after it, or without
+        it, the release waits and its ``LeaseExpired`` reaches the caller."""
         req: dict[str, Any] = {"op": "get_release", "lease": lease}
         if copy_s is not None:
             req["copy_s"] = float(copy_s)
+        if safe_until is not None and time.monotonic() < safe_until:
+            yield NoWait(req)
+            return
         yield req
 
     def op_put(self, ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any],
@@ -290,14 +329,15 @@ class Ops:
         the copy outlived the TTL (the bytes may be another block's); a failed copy
         releases quietly and its error propagates."""
         check_buffers(ns, keys, out_buffers)
-        lease, views, _ = yield from self.op_prepare_get(ns, keys, prefer_device=False)
+        lease, views, _, safe_until = yield from self.op_prepare_get(ns, keys,
+                                                                     prefer_device=False)
         try:
             for view, out in zip(views, out_buffers, strict=False):
                 np.copyto(as_bytes(out), view)
         except BaseException:
             yield from quietly(self.op_release(lease))
             raise
-        yield from self.op_release(lease)
+        yield from self.op_release(lease, safe_until=safe_until)
         return len(views)
 
     def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.client.leases import GetLease, PutLease
-from kvtier.client.ops import MAX_REPLY, LookupResult, Op, Ops, map_arena
+from kvtier.client.ops import HANGUP, MAX_REPLY, LookupResult, NoWait, Op, Ops, map_arena
 from kvtier.config import default_socket_path, trusted_daemon_uids
 from kvtier.errors import DaemonUnavailable, KVTierError, ProtocolError, RequestTimeout
 from kvtier.handshake import Hello, handshake, open_verified
@@ -37,6 +37,8 @@ class KVTierClient:
         self._broken: KVTierError | None = None
         self._poll = select.poll()     # liveness of the connection, for leading_bound
         self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+        self._hangup = select.poll()   # the daemon gone, pending replies or not (NoWait)
+        self._hangup.register(sock, HANGUP)
         path = str(sock.getpeername())
         if hello is None:
             hello = handshake(sock, path, trusted_daemon_uids(), timeout)
@@ -77,6 +79,19 @@ class KVTierClient:
             raise self._broken from None
         return Ops.check_reply(reply)
 
+    def _send_nowait(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Send ``req`` without waiting for its reply (the next call skips it); a
+        connection already broken or hung up asks as ``_call`` does, and fails the same."""
+        if self._broken is not None or self._hangup.poll(0):
+            return self._call(req)
+        req["id"] = next(self._ids)
+        try:
+            self._sock.sendall(pack(req))
+        except OSError as exc:
+            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
+            raise self._broken from None
+        return {}
+
     def _run(self, op: Op) -> Any:
         """Drive ``op`` to its result: each request it yields is sent and its reply sent
         back in; a request's typed error is thrown into the op, which may handle it (see
@@ -85,7 +100,8 @@ class KVTierClient:
             req = next(op)
             while True:
                 try:
-                    reply = self._call(req)
+                    reply = (self._send_nowait(req.req) if isinstance(req, NoWait)
+                             else self._call(req))
                 except KVTierError as exc:
                     req = op.throw(exc)
                 else:
@@ -187,12 +203,8 @@ class KVTierClient:
             raise DaemonUnavailable(f"connection unusable after an earlier failure: "
                                     f"{self._broken}")
         (req,) = self._ops.op_report(values)
-        req["id"] = next(self._ids)
-        try:
-            self._sock.sendall(pack(req))
-        except OSError as exc:
-            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
-            raise self._broken from None
+        assert isinstance(req, dict)
+        self._send_nowait(req)
 
     def ping(self) -> None:
         self._call({"op": "ping"})

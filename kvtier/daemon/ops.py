@@ -171,13 +171,23 @@ class ControlOps:
 
     async def _get_prepare(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         """Read-locked slots; with ``device: true`` (a client that mapped the HBM pool) the
-        reply adds ``devices``, "hbm" or "cpu" per offset."""
+        reply adds ``devices``, "hbm" or "cpu" per offset. ``ttl_s``: for at least that long
+        from now the lease holds the slots while this connection stays open (a client that
+        read them well within it need not wait for the release's reply, see
+        kvtier.client.ops.op_release)."""
         ns, fp, keys = self._target(msg)
         if msg.get("device") is True:
             lease, offsets, devices = await self.store.prepare_get_device(conn.id, ns, fp, keys)
-            return {"lease": lease, "offsets": offsets, "devices": devices}
+            return {"lease": lease, "offsets": offsets, "devices": devices,
+                    "ttl_s": self._held_s()}
         lease, offsets = await self.store.prepare_get(conn.id, ns, fp, keys)
-        return {"lease": lease, "offsets": offsets}
+        return {"lease": lease, "offsets": offsets, "ttl_s": self._held_s()}
+
+    def _held_s(self) -> float:
+        """How long a lease opened now surely holds: its TTL, or less when an idle
+        connection is dropped sooner (dropping it releases the connection's leases)."""
+        idle = self.limits.idle_timeout_s
+        return min(self.store.lease_ttl_s, idle) if idle > 0 else self.store.lease_ttl_s
 
     async def _get_release(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         copy_s = msg.get("copy_s")   # optional: the client's own copy time (issue 11)

@@ -8,6 +8,7 @@ and runs the same op under the sync and the asyncio driver, which must behave id
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from kvtier.client import (
     KVTierClient,
     PutLease,
 )
-from kvtier.client.ops import Op, Ops
+from kvtier.client.ops import RELEASE_SAFE_SHARE, NoWait, Op, Ops, release_safe_until
 from kvtier.errors import BufferSizeError, DaemonUnavailable, LeaseExpired, error_from_code
 from kvtier.keys import KEY_BYTES, Namespace, block_keys
 from kvtier.layout import KVLayout
@@ -275,3 +276,16 @@ def test_get_lease_context_lets_lease_expired_through_only_on_normal_exit(
     with pytest.raises(KeyError):
         leave(fail=True)
     assert daemon.ops() == ["get_release", "get_release"]
+
+
+def test_a_release_skips_its_reply_only_within_the_safe_share_of_the_ttl() -> None:
+    now = time.monotonic()
+    assert release_safe_until(now, 30.0) == pytest.approx(now + RELEASE_SAFE_SHARE * 30.0)
+    for said in (None, 0, -1.0, True, "30"):   # an old daemon, or nonsense: always wait
+        assert release_safe_until(now, said) is None
+    (req,) = list(Ops.op_release(7, 0.25, safe_until=time.monotonic() + 60))
+    assert isinstance(req, NoWait)
+    assert req.req == {"op": "get_release", "lease": 7, "copy_s": 0.25}
+    for safe_until in (None, time.monotonic() - 1e-3):
+        (req,) = list(Ops.op_release(7, safe_until=safe_until))
+        assert req == {"op": "get_release", "lease": 7}

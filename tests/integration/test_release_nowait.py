@@ -1,0 +1,149 @@
+"""A get lease's release skips its round trip only when the read is known valid here.
+
+The daemon says, in each get_prepare reply, how long the lease surely holds (``ttl_s``); a
+client whose copy ended within half of that since it asked, on a connection its daemon has
+not hung up, sends the release and goes on (kvtier.client.ops.op_release). These tests use
+a real daemon and SIGSTOP/SIGKILL it to tell a release that waited from one that did not:
+- in time: the release returns while the daemon is stopped, and the lease is released
+  once it runs again (sync and asyncio clients); the skipped reply confuses no later call;
+- the daemon killed during the copy: the release raises, it does not pretend;
+- a copy past the safe share of the TTL: the release waits, and raises ``LeaseExpired``
+  once the daemon says the lease is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.client import connect, connect_async
+from kvtier.errors import DaemonUnavailable, KVTierError, LeaseExpired
+from kvtier.keys import block_keys
+from kvtier.layout import KVLayout
+from tests.support.daemon import DaemonProcess
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
+                  tokens_per_block=64)  # 32 KiB blocks
+N = 8
+
+
+def data(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8)
+
+
+@pytest.fixture
+def short_ttl(tmp_path: Path) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path / "kvd", env={"KVTIER_DAEMON_LEASE_TTL_S": "0.5",
+                                             "KVTIER_DAEMON_LEASE_SWEEP_S": "0.02"}).start()
+    try:
+        yield d
+    finally:
+        d.kill()
+
+
+def stopped(d: DaemonProcess) -> None:
+    assert d.proc is not None
+    os.kill(d.proc.pid, signal.SIGSTOP)
+
+
+def resumed(d: DaemonProcess) -> None:
+    assert d.proc is not None
+    os.kill(d.proc.pid, signal.SIGCONT)
+
+
+def test_a_release_in_time_returns_without_the_daemon(daemon: DaemonProcess) -> None:
+    c = connect(daemon.socket, timeout=5.0)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = block_keys(ns, np.arange(N * 64))
+    assert c.put(ns, keys, [data(i) for i in range(N)]) == N
+    outs = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in range(N)]
+    lease = c.prepare_get(ns, keys)
+    for view, out in zip(lease.views, outs, strict=True):
+        np.copyto(out, view)
+    stopped(daemon)
+    try:
+        t0 = time.monotonic()
+        lease.release()            # a waited release would block for the 5 s timeout
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        resumed(daemon)
+    st = c.stats()                 # the skipped release reply is not taken for this one
+    assert st["leases"]["active"] == 0
+    for i, out in enumerate(outs):
+        assert np.array_equal(out, data(i))
+    # get() releases the same way; later calls on the connection still pair correctly
+    again = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in range(N)]
+    assert c.get(ns, keys, again) == N
+    assert c.lookup(ns, keys).hits == N
+    assert c.stats()["leases"]["active"] == 0
+    assert all(np.array_equal(a, data(i)) for i, a in enumerate(again))
+    c.close()
+
+
+def test_an_async_release_in_time_returns_without_the_daemon(daemon: DaemonProcess) -> None:
+    async def body() -> None:
+        c = await connect_async(daemon.socket, timeout=5.0)
+        ns = await c.register_layout(LAYOUT, "m")
+        keys = block_keys(ns, np.arange(N * 64))
+        assert await c.put(ns, keys, [data(i) for i in range(N)]) == N
+        lease = await c.prepare_get(ns, keys)
+        got = [bytes(v) for v in lease.views]
+        stopped(daemon)
+        try:
+            await asyncio.wait_for(lease.release(), 1.0)
+        finally:
+            resumed(daemon)
+        assert (await c.stats())["leases"]["active"] == 0
+        assert got == [bytes(data(i)) for i in range(N)]
+        await c.close()
+
+    asyncio.run(body())
+
+
+def test_a_release_after_the_daemon_died_raises(daemon: DaemonProcess) -> None:
+    c = connect(daemon.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = block_keys(ns, np.arange(N * 64))
+    assert c.put(ns, keys, [data(i) for i in range(N)]) == N
+    lease = c.prepare_get(ns, keys)
+    _ = [bytes(v) for v in lease.views]
+    daemon.crash()                 # whoever held the lease is gone: nothing vouches for it
+    with pytest.raises(DaemonUnavailable):
+        lease.release()
+
+
+def test_a_late_release_waits_and_reports_the_expiry(short_ttl: DaemonProcess) -> None:
+    c = connect(short_ttl.socket, timeout=10.0)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = block_keys(ns, np.arange(N * 64))
+    assert c.put(ns, keys, [data(i) for i in range(N)]) == N
+    lease = c.prepare_get(ns, keys)
+    time.sleep(0.3)                # past half the 0.5 s TTL: only the daemon can tell
+    stopped(short_ttl)
+    outcome: list[BaseException | None] = []
+
+    def release() -> None:
+        try:
+            lease.release()
+            outcome.append(None)
+        except KVTierError as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=release)
+    t.start()
+    try:
+        t.join(0.5)
+        assert t.is_alive(), "a release past the safe share of the TTL did not wait"
+    finally:
+        resumed(short_ttl)
+    t.join(10.0)
+    assert len(outcome) == 1 and isinstance(outcome[0], LeaseExpired)
+    c.close()
