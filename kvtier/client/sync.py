@@ -39,6 +39,7 @@ class KVTierClient:
         self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         self._hangup = select.poll()   # the daemon gone, pending replies or not (NoWait)
         self._hangup.register(sock, HANGUP)
+        self._unanswered = 0   # replies still due to requests sent NoWait
         path = str(sock.getpeername())
         if hello is None:
             hello = handshake(sock, path, trusted_daemon_uids(), timeout)
@@ -70,6 +71,7 @@ class KVTierClient:
                 reply = unpack_body(self._recv_exact(n), MAX_REPLY)
                 if reply.get("id") in (rid, 0):
                     break
+                self._unanswered = max(0, self._unanswered - 1)   # a NoWait's, skipped
         except TimeoutError:
             self._broken = RequestTimeout(f"no reply to {req.get('op')} within "
                                           f"{self._timeout}s")
@@ -90,6 +92,7 @@ class KVTierClient:
         except OSError as exc:
             self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
             raise self._broken from None
+        self._unanswered += 1
         return {}
 
     def _run(self, op: Op) -> Any:
@@ -143,8 +146,9 @@ class KVTierClient:
         view = self._ops.presence
         if view is None or not view.exact or self._broken is not None:
             return None
-        if self._poll.poll(0):   # readable with nothing asked: the daemon hung up (or
-            return None          # wrote out of turn); the next call finds out which
+        if self._hangup.poll(0) or (self._poll.poll(0) and not self._unanswered):
+            return None   # hung up, or readable with nothing asked (the daemon wrote out of
+            #               turn): the next call finds out which
         return view.leading_bound(keys)
 
     @property
