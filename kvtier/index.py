@@ -14,7 +14,7 @@ Illegal transitions raise: a bug here would hand out wrong bytes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
@@ -97,6 +97,7 @@ class KeySet(Protocol):
     """Told of every key entering and leaving the index (kvtier.presence)."""
 
     def add(self, key: bytes) -> None: ...
+    def add_many(self, keys: Sequence[bytes]) -> None: ...
     def remove(self, key: bytes) -> None: ...
 
 
@@ -115,6 +116,13 @@ class BlockIndex(dict[bytes, BlockMeta]):
         if self.presence is not None and key not in self:
             self.presence.add(key)
         super().__setitem__(key, meta)
+
+    def add_new(self, metas: Sequence[BlockMeta]) -> None:
+        """``index[m.key] = m`` for blocks whose keys are not in the index (distinct): one
+        presence update for the batch."""
+        if self.presence is not None:
+            self.presence.add_many([m.key for m in metas])
+        self.update((m.key, m) for m in metas)   # dict's own: __setitem__ is not called
 
     def __delitem__(self, key: bytes) -> None:
         super().__delitem__(key)

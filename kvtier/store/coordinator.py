@@ -77,7 +77,7 @@ class TieredStore:
         self.commit_log = CommitLog(arena)     # journal COMMIT records (warm restart)
         self.recovery: RecoveryCounters | None = None
         self.cpu = CpuResidency(arena, self.index, make(eviction, TierName.CPU),
-                                on_ready=self.commit_log.ready, tokens_of=self.block_tokens)
+                                on_ready=self.commit_log.ready_many, tokens_of=self.block_tokens)
         self.transfers = Transfers(arena, nvme, redis, pin=self.cpu.pin, unpin=self.cpu.unpin,
                                    journal_defer=self.commit_log.defer)
         self.bandwidth = self.transfers.bandwidth  # reload rates returned with lookups

@@ -8,7 +8,7 @@ victim and hands it to ``on_victim`` (the store wires the demotion path there).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.index import BlockIndex, BlockMeta, SlotState
@@ -42,7 +42,8 @@ class CpuResidency:
     resident: int = 0
     on_victim: Callable[[Key], Awaitable[None]] = _no_eviction
     on_drop: Callable[[BlockMeta, EvictionReason], None] | None = None  # hbm inclusion
-    on_ready: Callable[[BlockMeta, int | None], None] | None = None     # the commit journal
+    # the commit journal, told of blocks made ready (with their checksums when known)
+    on_ready: Callable[[Sequence[BlockMeta], Sequence[int | None]], None] | None = None
     explain: MissLogPort | None = None
     # tokens per block of a block's namespace (the store wires its registry): the cost
     # policy prices a block's recompute by its token position, depth x tokens per block
@@ -102,6 +103,10 @@ class CpuResidency:
         """A free arena slot without evicting anything (no await: a put's common case)."""
         return self.arena.alloc(nbytes)
 
+    def try_alloc_many(self, nbytes: int, n: int) -> list[int]:
+        """Up to ``n`` free slots without evicting anything (fewer when the arena is full)."""
+        return self.arena.alloc_many(nbytes, n) if n else []
+
     async def alloc(self, nbytes: int, *, batch: int = 1) -> int | None:
         """A free arena slot, evicting by policy when needed (``batch`` victims at a time:
         see ``allocate_with_eviction``); None if nothing can go."""
@@ -114,13 +119,20 @@ class CpuResidency:
     def ready(self, meta: BlockMeta, now: float, checksum: int | None = None) -> None:
         """A slot's bytes are complete: make it readable and evictable (unless in use), and
         journal it (``checksum``: its payload's xxh3-64 when known, else hashed off-loop)."""
-        meta.set_cpu_state(SlotState.READY)
+        self.ready_many((meta,), now, (checksum,))
+
+    def ready_many(self, metas: Sequence[BlockMeta], now: float,
+                   checksums: Sequence[int | None]) -> None:
+        """``ready`` of each block (``checksums`` as long as ``metas``), journaled at once."""
+        for meta in metas:
+            meta.set_cpu_state(SlotState.READY)
         if self.on_ready is not None:
-            self.on_ready(meta, checksum)
-        self.resident += 1
-        self._enter_policy(meta, now)
-        if meta.cpu_pinned:
-            self.policy.set_pinned(meta.key, True)
+            self.on_ready(metas, checksums)
+        self.resident += len(metas)
+        for meta in metas:
+            self._enter_policy(meta, now)
+            if meta.cpu_pinned:
+                self.policy.set_pinned(meta.key, True)
 
     def _enter_policy(self, meta: BlockMeta, now: float) -> None:
         self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,

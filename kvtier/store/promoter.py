@@ -95,23 +95,27 @@ class Promoter:
         batched load; stops at the first key already indexed or without room."""
         index, layout, cpu = self.blocks.index, ns.layout, self.cpu
         loop = asyncio.get_running_loop()
-        metas: list[BlockMeta] = []
-        for i, k in enumerate(rkeys):
-            if k in index:
-                break
-            off = cpu.try_alloc(layout.block_bytes)   # no await unless it must evict
-            if off is None:
-                off = await cpu.alloc(layout.block_bytes)
-                if off is None or k in index:
-                    if off is not None:
-                        cpu.arena.free(off)
-                    break
+        digest, fp, nbytes = ns.namespace.digest, layout.fingerprint, layout.block_bytes
+
+        def meta_at(i: int, off: int) -> BlockMeta:
             depth = start + i
-            parent = chain[depth - 1] if depth > 0 else None
-            meta = BlockMeta(k, ns.namespace.digest, layout.fingerprint, layout.block_bytes,
-                             parent, depth, cpu=off, cpu_state=SlotState.LOADING,
-                             loading=loop.create_future(), prefetched=True)
-            index[k] = meta
+            return BlockMeta(rkeys[i], digest, fp, nbytes,
+                             chain[depth - 1] if depth > 0 else None, depth, cpu=off,
+                             cpu_state=SlotState.LOADING, loading=loop.create_future(),
+                             prefetched=True)
+
+        # the leading keys not indexed yet, placed without evicting in one batch (no await)
+        n = _leading_new(rkeys, index)
+        metas = [meta_at(i, off) for i, off in enumerate(cpu.try_alloc_many(nbytes, n))]
+        index.add_new(metas)
+        for i in range(len(metas), n):   # the rest, evicting for each
+            off = await cpu.alloc(nbytes)
+            if off is None or rkeys[i] in index:
+                if off is not None:
+                    cpu.arena.free(off)
+                break
+            meta = meta_at(i, off)
+            index[meta.key] = meta
             metas.append(meta)
         if metas:
             self.prefetch.issued += len(metas)
@@ -120,20 +124,20 @@ class Promoter:
     async def _load_redis(self, metas: list[BlockMeta]) -> None:
         done = await self.transfers.move(TierName.REDIS, TierName.CPU, Transfer(metas))
         n, sums = done.moved, done.checksums
-        now = self.clock()
+        # the frames' verified checksums, when known, spare the journal a hash
+        self.cpu.ready_many(metas[:n], self.clock(), [sums[i] if i < len(sums) else None
+                                                      for i in range(n)])
+        if self.forest is not None:
+            for meta in metas[:n]:
+                self.forest.add(meta.key, meta.parent)
+        for meta in metas[n:]:
+            self.prefetch.failed += 1
+            self.cpu.drop(meta)
+            self.blocks.forget_if_gone(meta)
         for i, meta in enumerate(metas):
-            ok = i < n
-            if ok:   # the frame's verified checksum, when known, spares the journal a hash
-                self.cpu.ready(meta, now, sums[i] if i < len(sums) else None)
-                if self.forest is not None:
-                    self.forest.add(meta.key, meta.parent)
-            else:
-                self.prefetch.failed += 1
-                self.cpu.drop(meta)
-                self.blocks.forget_if_gone(meta)
             fut, meta.loading = meta.loading, None
             if fut is not None and not fut.done():
-                fut.set_result(ok)
+                fut.set_result(i < n)
 
     # -- waiting ------------------------------------------------------------------------
     async def wait(self, pending: list[asyncio.Future[bool]]) -> None:
@@ -158,3 +162,13 @@ class Promoter:
         """Wait up to ``timeout`` seconds for the loads in flight (drain)."""
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=max(0.0, timeout))
+
+
+def _leading_new(keys: list[bytes], index: dict[bytes, BlockMeta]) -> int:
+    """How many leading ``keys`` are neither indexed nor repeated before."""
+    seen: set[bytes] = set()
+    for i, k in enumerate(keys):
+        if k in index or k in seen:
+            return i
+        seen.add(k)
+    return len(keys)

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,19 +105,29 @@ class CommitLog:
         self._task: asyncio.Task[None] | None = None
 
     def ready(self, meta: BlockMeta, checksum: int | None = None) -> None:
+        self.ready_many((meta,), (checksum,))
+
+    def ready_many(self, metas: Sequence[BlockMeta], checksums: Sequence[int | None]) -> None:
+        """``metas`` became ready: the known checksums recorded in one journal write, the
+        other blocks queued for hashing."""
         journal = self.arena.journal
-        if journal is None or meta.cpu is None:
+        if journal is None:
             return
-        gen = journal.generation(meta.cpu)
-        if gen is None:
-            return
-        info = CommitInfo(meta.key, meta.namespace, meta.layout_fp, meta.nbytes, meta.parent,
-                          meta.depth, meta.seq)
-        if checksum is not None:
-            journal.commit(meta.cpu, gen, info, checksum)
-            return
-        self._queue[meta.cpu] = (gen, info)
-        if self._task is None:
+        known: list[tuple[int, int, CommitInfo, int]] = []
+        for meta, checksum in zip(metas, checksums, strict=True):
+            off = meta.cpu
+            gen = None if off is None else journal.generation(off)
+            if off is None or gen is None:
+                continue
+            info = CommitInfo(meta.key, meta.namespace, meta.layout_fp, meta.nbytes,
+                              meta.parent, meta.depth, meta.seq)
+            if checksum is not None:
+                known.append((off, gen, info, checksum))
+            else:
+                self._queue[off] = (gen, info)
+        if known:
+            journal.commit_many(known)
+        if self._queue and self._task is None:
             self._task = asyncio.ensure_future(self._drain())
 
     def defer(self, meta: BlockMeta) -> Callable[[int | None], None] | None:
@@ -166,8 +176,8 @@ class CommitLog:
                 self.hashed += len(views)
                 if self.arena.journal is not journal:
                     return
-                for (off, gen, info), csum in zip(batch, sums, strict=True):
-                    journal.commit(off, gen, info, csum)   # False: freed meanwhile
+                journal.commit_many([(off, gen, info, csum) for (off, gen, info), csum
+                                     in zip(batch, sums, strict=True)])  # freed: skipped
         finally:
             self._task = None
 

@@ -23,7 +23,18 @@ from kvtier.store.transfers import Transfer, Transfers
 from kvtier.tiers.aligned import round_up
 from kvtier.tiers.base import TierName
 
-__all__ = ["Writer"]
+__all__ = ["Writer", "new_positions"]
+
+
+def new_positions(keys: list[bytes], index: BlockIndex) -> list[int]:
+    """Positions in ``keys`` of the keys to store: not in ``index``, first occurrences."""
+    seen: set[bytes] = set()
+    out = []
+    for i, k in enumerate(keys):
+        if k not in index and k not in seen:
+            seen.add(k)
+            out.append(i)
+    return out
 
 
 @dataclass(slots=True, eq=False)
@@ -46,18 +57,41 @@ class Writer:
         digest, layout_fp = ns.namespace.digest, ns.layout.fingerprint
         nbytes = ns.layout.block_bytes
         self._check_fits(nbytes, keys)
-        metas: list[BlockMeta] = []
-        offsets: list[int | None] = []
         index, cpu = self.index, self.cpu
-        full = False  # after one failed allocation the rest would fail too: stop evicting
+        offsets: list[int | None] = [None] * len(keys)
+        # the common case first: room for the new keys without evicting, no await, the
+        # slots, journal records and presence counters taken for the whole batch at once
+        fresh = new_positions(keys, index)
+        slots = cpu.try_alloc_many(nbytes, len(fresh))   # (fewer when the arena is full)
+        metas = [BlockMeta(keys[i], digest, layout_fp, nbytes, keys[i - 1] if i else parent,
+                           depth + i, cpu=off, cpu_state=SlotState.WRITING)
+                 for i, off in zip(fresh[:len(slots)], slots, strict=True)]
+        index.add_new(metas)
+        for i, off in zip(fresh, slots, strict=False):
+            offsets[i] = off
+        if len(metas) < len(fresh):
+            await self._place_evicting(keys, fresh[len(metas)], parent, depth, ns,
+                                       metas, offsets)
+        lease = self.leases.open(LeaseKind.PUT, owner, metas)
+        lease.chain = keys
+        return lease.id, offsets
+
+    async def _place_evicting(self, keys: list[bytes], start: int, parent: bytes | None,
+                              depth: int, ns: NamespaceEntry, metas: list[BlockMeta],
+                              offsets: list[int | None]) -> None:
+        """``prepare``'s slots from ``keys[start]`` on, evicting by policy to make room
+        (appended to ``metas``, set in ``offsets``)."""
+        digest, layout_fp = ns.namespace.digest, ns.layout.fingerprint
+        nbytes = ns.layout.block_bytes
+        index, cpu = self.index, self.cpu
         after: int | None = None   # new keys after this one (counted at the first eviction)
-        for i, k in enumerate(keys):
-            if full or k in index:
-                offsets.append(None)
+        for i in range(start, len(keys)):
+            k = keys[i]
+            if k in index:
                 continue
             if after is not None:
                 after -= 1
-            off = cpu.try_alloc(nbytes)   # the common case: room without evicting, no await
+            off = cpu.try_alloc(nbytes)   # (an eviction may have freed more than one)
             if off is None:   # evict for the keys still to place, several at a time
                 if after is None:
                     after = sum(1 for x in keys[i + 1:] if x not in index)
@@ -65,17 +99,14 @@ class Writer:
                 if off is None or k in index:   # (stored by another put meanwhile)
                     if off is not None:
                         cpu.arena.free(off)
-                    full = off is None
-                    offsets.append(None)
+                    if off is None:   # the rest would fail too: stop evicting
+                        return
                     continue
             meta = BlockMeta(k, digest, layout_fp, nbytes, keys[i - 1] if i else parent,
                              depth + i, cpu=off, cpu_state=SlotState.WRITING)
             index[k] = meta
             metas.append(meta)
-            offsets.append(off)
-        lease = self.leases.open(LeaseKind.PUT, owner, metas)
-        lease.chain = keys
-        return lease.id, offsets
+            offsets[i] = off
 
     def _check_fits(self, nbytes: int, keys: list[bytes]) -> None:
         """Fail fast, before evicting anything, when the new blocks could never fit."""
@@ -99,14 +130,12 @@ class Writer:
         on_stored = getattr(self.observer, "on_stored", None)
         if on_stored is not None and lease.chain:
             on_stored(lease.chain, output_tokens=output_tokens, now=now)
-        committed = []
-        for meta in lease.metas:
-            if meta.cpu_state is not SlotState.WRITING or self.index.get(meta.key) is not meta:
-                continue
-            self.cpu.ready(meta, now)
-            if self.forest is not None:
+        committed = [m for m in lease.metas
+                     if m.cpu_state is SlotState.WRITING and self.index.get(m.key) is m]
+        self.cpu.ready_many(committed, now, [None] * len(committed))
+        if self.forest is not None:
+            for meta in committed:
                 self.forest.add(meta.key, meta.parent)
-            committed.append(meta)
         self.requests.puts += 1
         self.requests.put_blocks += len(committed)
         self.cpu.counters.bytes_written += sum(m.nbytes for m in committed)

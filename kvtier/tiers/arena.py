@@ -171,6 +171,13 @@ class Arena:
             self.journal.alloc(off, nbytes)
         return off
 
+    def alloc_many(self, nbytes: int, n: int) -> list[int]:
+        """Up to ``n`` slots of ``nbytes`` (fewer when the arena is full), journaled at once."""
+        offsets = self.slots.alloc_many(nbytes, n)
+        if offsets and self.journal is not None:
+            self.journal.alloc_many(offsets, nbytes)
+        return offsets
+
     def free(self, offset: int) -> None:
         """Return a slot; a bad or repeated free raises CapacityError."""
         self.slots.free(offset)

@@ -93,6 +93,17 @@ class ArenaJournal:
         self._records[offset] = rec
         self._append(rec)
 
+    def alloc_many(self, offsets: Sequence[int], nbytes: int) -> None:
+        """``alloc`` of each of ``offsets`` (one write of the records)."""
+        recs = []
+        for offset in offsets:
+            self._gen += 1
+            rec = pack_record(RecordType.ALLOC, offset=offset, nbytes=nbytes,
+                              generation=self._gen)
+            self._records[offset] = rec
+            recs.append(rec)
+        self._append_many(recs)
+
     def free(self, offset: int) -> None:
         """Slot ``offset`` went back to the allocator."""
         if self._records.pop(offset, None) is not None:
@@ -114,6 +125,21 @@ class ArenaJournal:
                                                     generation)
         self._append(rec)
         return True
+
+    def commit_many(self, commits: Sequence[tuple[int, int, CommitInfo, int]]) -> int:
+        """``commit`` of each ``(offset, generation, info, checksum)``, the records written
+        at once; how many were recorded."""
+        recs = []
+        for offset, generation, info, checksum in commits:
+            rec = self._records.get(offset)
+            if (rec is None or rec[0] == RecordType.COMMIT
+                    or GENERATION.unpack_from(rec, GENERATION_AT)[0] != generation):
+                continue
+            rec = self._records[offset] = commit_record(
+                CommittedSlot(offset, info, checksum), generation)
+            recs.append(rec)
+        self._append_many(recs)
+        return len(recs)
 
     @property
     def live_slots(self) -> int:
@@ -154,9 +180,27 @@ class ArenaJournal:
         self.records += 1
         if self._next is not None:
             self._next.since.append(record)
-        elif (self._tail > 4 * len(self._records) + COMPACT_MIN      # mostly dead records, or
-              or 4 * self._tail > 3 * self._capacity):            # a growing arena's file
-            self._compact_aside()                                 # filling up
+        elif self._should_compact():
+            self._compact_aside()
+
+    def _should_compact(self) -> bool:
+        """Mostly dead records, or a growing arena's file filling up."""
+        return (self._tail > 4 * len(self._records) + COMPACT_MIN
+                or 4 * self._tail > 3 * self._capacity)
+
+    def _append_many(self, records: list[bytes]) -> None:
+        """``_append`` of each record; one copy into the file when they fit as they are."""
+        n = len(records)
+        if n < 2 or self._next is not None or self._tail + n > self._capacity:
+            for record in records:
+                self._append(record)
+            return
+        assert self._mm is not None
+        self._mm[self._tail * RECORD: (self._tail + n) * RECORD] = b"".join(records)
+        self._tail += n
+        self.records += n
+        if self._should_compact():
+            self._compact_aside()
 
     def settle(self) -> None:
         """Finish a compaction being written aside now, waiting for it (tests, tools)."""

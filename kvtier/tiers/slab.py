@@ -70,6 +70,36 @@ class SlabAllocator:
         fresh = self._new_unit(slot_bytes)
         return None if fresh is None else self._take(fresh)
 
+    def alloc_many(self, nbytes: int, n: int) -> list[int]:
+        """Up to ``n`` slots for ``nbytes`` each (fewer when the pool runs out), the ones
+        ``n`` calls of ``alloc`` would give, in that order: a batch pays the bookkeeping once
+        per unit, not once per slot."""
+        slot_bytes = _slot_bytes(nbytes)
+        out: list[int] = []
+        units = self._classes.get(slot_bytes, [])
+        i = 0
+        while len(out) < n:
+            if i < len(units):
+                unit = units[i]
+                i += 1
+            else:
+                fresh = self._new_unit(slot_bytes)
+                if fresh is None:
+                    break
+                unit = fresh
+                units = self._classes[slot_bytes]
+                i = len(units)
+            take = min(n - len(out), len(unit.free))
+            if take:
+                got = unit.free[len(unit.free) - take:]
+                del unit.free[len(unit.free) - take:]
+                got.reverse()   # pop order
+                out += got
+        self._allocated.update(dict.fromkeys(out, slot_bytes))
+        self.used_bytes += slot_bytes * len(out)
+        self.allocated_slots += len(out)
+        return out
+
     def free(self, offset: int) -> None:
         """Return a slot; an emptied unit gives its slabs back. Bad offsets raise."""
         slab = offset // self.slab_bytes if offset >= 0 else -1

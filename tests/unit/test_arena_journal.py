@@ -359,3 +359,63 @@ def test_stale_stable_arenas_are_kept_while_shm_has_room(shm_dir: Path, tmp_path
     assert dead.exists()
     assert remove_stale_arenas(shm_dir, need_bytes=2**62) == [dead]   # short of room
     assert not dead.exists()
+
+
+def test_batched_records_are_the_records_one_at_a_time(shm_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """alloc_many/commit_many write what alloc/commit would, in order, stale commits
+    skipped, through compactions too (a batch straddling a switch goes record by record)."""
+    monkeypatch.setattr(aj, "COMPACT_MIN", 16)
+    one = ArenaJournal(shm_dir / "one.journal", 64 * SLAB, SLAB)
+    many = ArenaJournal(shm_dir / "many.journal", 64 * SLAB, SLAB)
+    offsets = [i * PAGE for i in range(12)]
+    for round_ in range(40):
+        for off in offsets:
+            one.alloc(off, PAGE)
+        many.alloc_many(offsets, PAGE)
+        stale = offsets[3]
+        one.free(stale)
+        many.free(stale)
+        assert [one.generation(o) for o in offsets] == [many.generation(o) for o in offsets]
+        old = 0 if round_ == 0 else 1   # the freed slot's commit names a gone generation
+        commits = [(off, one.generation(off) or old, info(off // PAGE), round_)
+                   for off in offsets]
+        recorded = sum(one.commit(*c) for c in commits)   # type: ignore[arg-type]
+        assert many.commit_many(commits) == recorded == len(offsets) - 1
+        if round_ < 39:
+            for off in offsets:
+                one.free(off)
+                many.free(off)
+    one.settle()
+    many.settle()
+    a, b = read_journal(one.path), read_journal(many.path)
+    assert a is not None and b is not None and many.compactions >= 1
+    assert [(c.offset, c.info, c.checksum) for c in a.committed] == \
+        [(c.offset, c.info, c.checksum) for c in b.committed]
+    assert a.writing == b.writing == [] and (b.torn, b.inconsistent) == (0, 0)
+    assert len(b.committed) == len(offsets) - 1
+    one.close(unlink=True)
+    many.close(unlink=True)
+
+
+def test_alloc_many_gives_what_single_allocs_would() -> None:
+    sizes = [PAGE, 3 * PAGE, PAGE, 5 * PAGE]
+    one, many = SlabAllocator(40 * SLAB, SLAB), SlabAllocator(40 * SLAB, SLAB)
+    rng = np.random.default_rng(3)
+    held: list[int] = []
+    for step in range(200):
+        nbytes, n = sizes[step % len(sizes)], int(rng.integers(1, 40))
+        want = []
+        for _ in range(n):
+            off = one.alloc(nbytes)
+            if off is None:
+                break
+            want.append(off)
+        got = many.alloc_many(nbytes, n)
+        assert got == want
+        held += got
+        assert (one.used_bytes, one.allocated_slots) == (many.used_bytes, many.allocated_slots)
+        for off in [held.pop(int(rng.integers(len(held)))) for _ in range(len(held) // 2)]:
+            one.free(off)
+            many.free(off)
+    assert many.alloc_many(PAGE, 0) == []

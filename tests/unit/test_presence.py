@@ -144,3 +144,38 @@ def test_malformed_announcements_are_value_errors(tmp_path: Path) -> None:
                 {"hashes": 3}):
         with pytest.raises((ValueError, KeyError)):
             PresenceView(f.open_for_client(), bad, os.getuid())
+
+
+def test_add_many_counts_as_adds_one_at_a_time(tmp_path: Path) -> None:
+    """Repeats count, counters saturate at 255 as single adds leave them, and a batch's
+    keys are then found and removable as any."""
+    one = PresenceFilter.create(tmp_path / "one", counters_log2=10)
+    many = PresenceFilter.create(tmp_path / "many", counters_log2=10)
+    batch = keys(300, seed=5) + keys(40, seed=5)          # repeats, and collisions galore
+    hot = keys(1, seed=9) * 300                           # one key past saturation
+    for k in batch + hot:
+        one.add(k)
+    many.add_many(batch)
+    many.add_many(hot)
+    many.add_many(keys(3, seed=11))                       # a small batch: the plain loop
+    for k in keys(3, seed=11):
+        one.add(k)
+    counts = lambda f: np.frombuffer(f._mm, np.uint8, offset=HEADER_BYTES).copy()  # noqa: E731
+    assert np.array_equal(counts(one), counts(many)) and counts(many).max() == 255
+    assert all(maybe(many, k) for k in batch)
+    one.close()
+    many.close()
+    assert many._mm.closed                                # no numpy view kept it mapped
+
+
+def test_index_add_new_tells_the_filter(tmp_path: Path) -> None:
+    f = PresenceFilter.create(tmp_path / "p", counters_log2=LOG2)
+    index = BlockIndex()
+    index.presence = f
+    new = keys(20, seed=2)
+    index.add_new([BlockMeta(k, b"n" * 16, 1, 4096, None, 0) for k in new])
+    assert set(index) == set(new) and all(maybe(f, k) for k in new)
+    for k in new:
+        del index[k]
+    assert not any(maybe(f, k) for k in new)
+    f.close()
