@@ -109,6 +109,8 @@ class Promoter:
         metas = [meta_at(i, off) for i, off in enumerate(cpu.try_alloc_many(nbytes, n))]
         index.add_new(metas)
         for i in range(len(metas), n):   # the rest, evicting for each
+            if rkeys[i] in index:   # (indexed by another request during an eviction)
+                break
             off = await cpu.alloc(nbytes)
             if off is None or rkeys[i] in index:
                 if off is not None:
