@@ -117,6 +117,17 @@ class BlockIndex(dict[bytes, BlockMeta]):
             self.presence.add(key)
         super().__setitem__(key, meta)
 
+    def new_positions(self, keys: Sequence[bytes]) -> list[int]:
+        """Positions in ``keys`` of keys not in the index, first occurrences only (what a
+        batch would add)."""
+        seen: set[bytes] = set()
+        out = []
+        for i, k in enumerate(keys):
+            if k not in self and k not in seen:
+                seen.add(k)
+                out.append(i)
+        return out
+
     def add_new(self, metas: Sequence[BlockMeta]) -> None:
         """``index[m.key] = m`` for blocks whose keys are not in the index (distinct): one
         presence update for the batch."""

@@ -35,10 +35,8 @@ class KVTierClient:
         self._ids = itertools.count(2)
         self._ops = Ops(device)
         self._broken: KVTierError | None = None
-        self._poll = select.poll()     # liveness of the connection, for leading_bound
-        self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-        self._hangup = select.poll()   # the daemon gone, pending replies or not (NoWait)
-        self._hangup.register(sock, HANGUP)
+        self._poll = select.poll()     # the connection's state: readable, or hung up
+        self._poll.register(sock, select.POLLIN | HANGUP)
         self._unanswered = 0   # replies still due to requests sent NoWait
         path = str(sock.getpeername())
         if hello is None:
@@ -81,10 +79,15 @@ class KVTierClient:
             raise self._broken from None
         return Ops.check_reply(reply)
 
+    def _events(self) -> int:
+        """The connection's poll events now (0: nothing to read, not hung up)."""
+        got = self._poll.poll(0)   # (one descriptor registered)
+        return got[0][1] if got else 0
+
     def _send_nowait(self, req: dict[str, Any]) -> dict[str, Any]:
         """Send ``req`` without waiting for its reply (the next call skips it); a
         connection already broken or hung up asks as ``_call`` does, and fails the same."""
-        if self._broken is not None or self._hangup.poll(0):
+        if self._broken is not None or self._events() & HANGUP:
             return self._call(req)
         req["id"] = next(self._ids)
         try:
@@ -146,7 +149,8 @@ class KVTierClient:
         view = self._ops.presence
         if view is None or not view.exact or self._broken is not None:
             return None
-        if self._hangup.poll(0) or (self._poll.poll(0) and not self._unanswered):
+        events = self._events()
+        if events & HANGUP or (events & select.POLLIN and not self._unanswered):
             return None   # hung up, or readable with nothing asked (the daemon wrote out of
             #               turn): the next call finds out which
         return view.leading_bound(keys)

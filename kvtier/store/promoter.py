@@ -105,7 +105,8 @@ class Promoter:
                              prefetched=True)
 
         # the leading keys not indexed yet, placed without evicting in one batch (no await)
-        n = _leading_new(rkeys, index)
+        fresh = index.new_positions(rkeys)   # the leading run of them: up to a known key
+        n = next((j for j, i in enumerate(fresh) if i != j), len(fresh))
         metas = [meta_at(i, off) for i, off in enumerate(cpu.try_alloc_many(nbytes, n))]
         index.add_new(metas)
         for i in range(len(metas), n):   # the rest, evicting for each
@@ -165,12 +166,3 @@ class Promoter:
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=max(0.0, timeout))
 
-
-def _leading_new(keys: list[bytes], index: dict[bytes, BlockMeta]) -> int:
-    """How many leading ``keys`` are neither indexed nor repeated before."""
-    seen: set[bytes] = set()
-    for i, k in enumerate(keys):
-        if k in index or k in seen:
-            return i
-        seen.add(k)
-    return len(keys)

@@ -23,18 +23,7 @@ from kvtier.store.transfers import Transfer, Transfers
 from kvtier.tiers.aligned import round_up
 from kvtier.tiers.base import TierName
 
-__all__ = ["Writer", "new_positions"]
-
-
-def new_positions(keys: list[bytes], index: BlockIndex) -> list[int]:
-    """Positions in ``keys`` of the keys to store: not in ``index``, first occurrences."""
-    seen: set[bytes] = set()
-    out = []
-    for i, k in enumerate(keys):
-        if k not in index and k not in seen:
-            seen.add(k)
-            out.append(i)
-    return out
+__all__ = ["Writer"]
 
 
 @dataclass(slots=True, eq=False)
@@ -61,7 +50,7 @@ class Writer:
         offsets: list[int | None] = [None] * len(keys)
         # the common case first: room for the new keys without evicting, no await, the
         # slots, journal records and presence counters taken for the whole batch at once
-        fresh = new_positions(keys, index)
+        fresh = index.new_positions(keys)
         slots = cpu.try_alloc_many(nbytes, len(fresh))   # (fewer when the arena is full)
         metas = [BlockMeta(keys[i], digest, layout_fp, nbytes, keys[i - 1] if i else parent,
                            depth + i, cpu=off, cpu_state=SlotState.WRITING)

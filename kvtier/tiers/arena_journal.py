@@ -88,10 +88,7 @@ class ArenaJournal:
     # -- recording -------------------------------------------------------------------------
     def alloc(self, offset: int, nbytes: int) -> None:
         """Slot ``offset`` was handed out for writing ``nbytes``."""
-        self._gen += 1
-        rec = pack_record(RecordType.ALLOC, offset=offset, nbytes=nbytes, generation=self._gen)
-        self._records[offset] = rec
-        self._append(rec)
+        self.alloc_many((offset,), nbytes)
 
     def alloc_many(self, offsets: Sequence[int], nbytes: int) -> None:
         """``alloc`` of each of ``offsets`` (one write of the records)."""
@@ -117,14 +114,7 @@ class ArenaJournal:
     def commit(self, offset: int, generation: int, info: CommitInfo, checksum: int) -> bool:
         """Record that the slot holds ``info``'s block with payload ``checksum``; False (and
         nothing written) when that allocation of the slot is gone or already committed."""
-        rec = self._records.get(offset)
-        if (rec is None or rec[0] == RecordType.COMMIT
-                or GENERATION.unpack_from(rec, GENERATION_AT)[0] != generation):
-            return False
-        rec = self._records[offset] = commit_record(CommittedSlot(offset, info, checksum),
-                                                    generation)
-        self._append(rec)
-        return True
+        return self.commit_many(((offset, generation, info, checksum),)) == 1
 
     def commit_many(self, commits: Sequence[tuple[int, int, CommitInfo, int]]) -> int:
         """``commit`` of each ``(offset, generation, info, checksum)``, the records written
