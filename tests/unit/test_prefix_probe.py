@@ -62,7 +62,8 @@ requests = st.builds(lambda base, extra: {**base, **extra}, bases,
                      st.dictionaries(fields, values | st.binary(max_size=200), max_size=6))
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(msg=requests)
 def test_any_control_request_is_answered_or_typed(probe: PrefixProbe,
                                                   msg: dict[str, Any]) -> None:
@@ -73,7 +74,8 @@ def test_any_control_request_is_answered_or_typed(probe: PrefixProbe,
     assert all(r["hit_blocks"] == 0 for r in reply["results"])   # nothing is stored
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=requests,
        kind=st.sampled_from(["application/json", "application/octet-stream", "text/x"]))
 def test_any_http_body_is_answered_or_typed(probe: PrefixProbe, doc: dict[str, Any],
