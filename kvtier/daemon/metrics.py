@@ -174,7 +174,13 @@ def _explain_families(ex: dict[str, Any]) -> Iterator[Metric]:
 
 def _policy_metrics(s: dict[str, Any]) -> Iterator[Metric]:
     """Adaptive policy (issue 13): live mode, switches and miss-ratio curve per tier."""
-    tiers: dict[str, dict[str, Any]] = s.get("policy", {}).get("tiers", {})
+    policy: dict[str, Any] = s.get("policy", {})
+    if "lookups_dropped" in policy:
+        dropped = CounterMetricFamily("kvtier_policy_lookups_dropped", "Lookups the adaptive "
+                                      "policy's learning dropped unread: it fell behind")
+        dropped.add_metric([], float(policy["lookups_dropped"]))
+        yield dropped
+    tiers: dict[str, dict[str, Any]] = policy.get("tiers", {})
     if not tiers:
         return
     mrc = GaugeMetricFamily("kvtier_policy_mrc_hit_rate", "Token hit rate the tier would have "

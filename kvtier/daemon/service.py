@@ -305,6 +305,8 @@ class Daemon:
         shadows = getattr(self.store.observer, "snapshot", None)
         if callable(shadows):  # adaptive policy: mode and miss-ratio curve per tier
             out.setdefault("policy", {})["tiers"] = shadows()
+            out["policy"]["lookups_dropped"] = getattr(self.store.observer,
+                                                       "dropped_lookups", 0)
         out["connector"] = self.control.engine_summary() if self.control else {}
         if self.control is not None:
             schemes: dict[str, int] = {}

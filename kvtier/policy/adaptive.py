@@ -16,11 +16,25 @@ Wiring: :class:`ShadowObserver` feeds every request's chain to the shadows of ea
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.policy.base import EvictionPolicy, Key, register_eviction_policy
 from kvtier.policy.shadow import TierShadows
+from kvtier.policy.stats import WorkloadStats
+
+DRAIN_SLICE_S = 0.0003
+"""The deferred lookup replay's time per event-loop turn (see :class:`ShadowObserver`)."""
+DRAIN_PIECE = 8
+"""Keys of one chain counted between two looks at the clock."""
+DRAIN_GAP_S = 0.001
+"""The least time between two slices while the queue is short."""
+BUSY_QUEUED_KEYS = 1 << 13
+"""Queued keys beyond which the slices run back to back."""
+MAX_QUEUED_KEYS = 1 << 15
+"""Queued keys beyond which the oldest queued chains are dropped."""
 
 
 class AdaptivePolicy:
@@ -167,16 +181,35 @@ class ShadowObserver:
     lookup only queues its chain, and the queue is replayed into ``inner`` and the shadows
     after the reply has gone out (a store report drains it first, so ``inner`` sees every
     lookup before the store that follows it). Without it both run inline (tests, tools).
+
+    The deferred replay is the daemon's lowest priority: it runs in slices of about
+    :data:`DRAIN_SLICE_S` (a :class:`WorkloadStats` counts a long chain in pieces of
+    :data:`DRAIN_PIECE` keys), each at least :data:`DRAIN_GAP_S` after the previous one
+    (``defer_after``, the loop's ``call_later``), so a request that arrives meanwhile runs
+    its every step before the next slice; the learning of a 32K-token chain costs
+    milliseconds in a woken daemon, and a router's probe or an engine's next call should
+    not wait for it. Past :data:`BUSY_QUEUED_KEYS` queued keys the slices run back to back
+    (a share of every loop turn); past :data:`MAX_QUEUED_KEYS` the oldest queued chains are
+    dropped (``dropped_lookups``): learning that falls behind costs accuracy, never the
+    requests' time or unbounded memory.
     """
 
     def __init__(self, shadows: dict[str, TierShadows], inner: Any = None,
                  block_tokens: int = 1,
-                 defer: Callable[[Callable[[], None]], Any] | None = None) -> None:
+                 defer: Callable[[Callable[[], None]], Any] | None = None,
+                 defer_after: Callable[[float, Callable[[], None]], Any] | None = None,
+                 ) -> None:
         self.shadows = shadows
         self.inner = inner
         self.block_tokens = block_tokens
         self.defer = defer
-        self._queue: list[tuple[Sequence[Key], int, float]] = []
+        self.defer_after = defer_after
+        self.dropped_lookups = 0
+        self._ranged = isinstance(inner, WorkloadStats)
+        # [keys, hit_blocks, now, keys of it counted into inner so far]
+        self._queue: deque[list[Any]] = deque()
+        self._queued_keys = 0
+        self._scheduled = False
 
     def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float) -> None:
         if self.defer is None:
@@ -184,18 +217,57 @@ class ShadowObserver:
                 self.inner.on_lookup(keys, hit_blocks, now=now)
             self._feed(keys, now)
             return
-        if not self._queue:
-            self.defer(self.drain)
-        self._queue.append((tuple(keys), hit_blocks, now))
+        self._queue.append([tuple(keys), hit_blocks, now, 0])
+        self._queued_keys += len(keys)
+        while self._queued_keys > MAX_QUEUED_KEYS and len(self._queue) > 1:
+            dropped = self._queue.popleft()   # a chain partly counted stays partly counted
+            self._queued_keys -= len(dropped[0])
+            self.dropped_lookups += 1
+        if not self._scheduled:
+            self._schedule()
 
     def drain(self) -> None:
-        """Replay the queued lookups into ``inner`` and the shadows (in arrival order)."""
-        queue, self._queue = self._queue, []
+        """Replay every queued lookup into ``inner`` and the shadows (in arrival order)."""
+        while self._queue:
+            self._step(None)
+
+    def _schedule(self) -> None:
+        self._scheduled = True
+        if self.defer_after is not None and self._queued_keys <= BUSY_QUEUED_KEYS:
+            self.defer_after(DRAIN_GAP_S, self._drain_slice)
+        elif self.defer is not None:
+            self.defer(self._drain_slice)
+
+    def _drain_slice(self) -> None:
+        """One slice of the replay; schedules the next while any is left."""
+        self._scheduled = False
+        deadline = time.perf_counter() + DRAIN_SLICE_S
+        while self._queue:
+            self._step(DRAIN_PIECE)
+            if time.perf_counter() >= deadline:
+                break
+        if self._queue:
+            self._schedule()
+
+    def _step(self, piece: int | None) -> None:
+        """Count the next ``piece`` keys of the oldest queued chain (None: all of it);
+        the shadows take a chain whole once ``inner`` has counted all of it."""
+        head = self._queue[0]
+        keys, hit_blocks, now, done = head
+        n = len(keys)
+        stop = n if piece is None or not self._ranged else min(n, done + piece)
         inner = self.inner
-        for keys, hit_blocks, now in queue:
-            if inner is not None:
+        if inner is not None:
+            if self._ranged:
+                inner.on_lookup(keys, hit_blocks, now=now, start=done, stop=stop)
+            else:
                 inner.on_lookup(keys, hit_blocks, now=now)
-            self._feed(keys, now)
+        if stop < n:
+            head[3] = stop
+            return
+        self._queue.popleft()
+        self._queued_keys -= n
+        self._feed(keys, now)
 
     def _feed(self, keys: Sequence[Key], now: float) -> None:
         bt = self.block_tokens

@@ -44,6 +44,14 @@ def _call_soon(fn: Callable[[], None]) -> None:
         fn()
 
 
+def _call_later(delay: float, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on the event loop ``delay`` seconds from now; inline when none runs."""
+    try:
+        asyncio.get_running_loop().call_later(delay, fn)
+    except RuntimeError:
+        fn()
+
+
 def build_policies(cfg: Any) -> dict[str, Any]:
     """Keyword arguments for ``TieredStore``: eviction, policy_factory, admission,
     observer and forest."""
@@ -100,7 +108,8 @@ def build_policies(cfg: Any) -> dict[str, Any]:
         admission = TierAdmission({"nvme": WriteBudget(rate, burst_bytes=max(rate, 2**26))})
     # the shadows are fed by the observer; the store builds the tiers' policies (and so
     # fills ``shadows``) when it is constructed, before its first lookup
-    observer = (ShadowObserver(shadows, inner=stats, defer=_call_soon)
+    observer = (ShadowObserver(shadows, inner=stats, defer=_call_soon,
+                               defer_after=_call_later)
                 if name == "adaptive" else stats)
     return {"eviction": name, "policy_factory": factory, "admission": admission,
             "observer": observer, "forest": PrefixForest()}

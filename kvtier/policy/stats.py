@@ -156,13 +156,19 @@ class WorkloadStats:
         self.horizon = horizon
 
     # ---------------------------------------------------------------- observer API
-    def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float = 0.0) -> None:
-        """A request asked for the chain ``keys``; its first ``hit_blocks`` were cached."""
+    def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float = 0.0,
+                  start: int = 0, stop: int | None = None) -> None:
+        """A request asked for the chain ``keys``; its first ``hit_blocks`` were cached.
+
+        ``start``/``stop``: count only that slice of the chain (its depths unchanged), so a
+        long chain can be counted in pieces, in order, between other work."""
         n = len(keys)
         fresh = FRESH_BEHIND_HIT if hit_blocks > 0 else FRESH_NO_HIT
         length = _log_bucket(n, _LEN_B - 1)
         reference = self._reference
-        for depth, key in enumerate(keys):
+        stop = n if stop is None else min(stop, n)
+        for depth in range(start, stop):
+            key = keys[depth]
             reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
                       OUT_UNKNOWN, False)
 

@@ -75,3 +75,6 @@ def test_exported_curve_matches_a_replay_of_the_same_references(daemon_factory) 
         text = r.read().decode()
     assert 'kvtier_policy_mrc_hit_rate{scale="2",tier="cpu"}' in text
     assert f'kvtier_policy_mode{{mode="{cpu["mode"]}",tier="cpu"}} 1.0' in text
+    # every lookup was learned (a put replays the queue first): none was dropped
+    assert stats["policy"]["lookups_dropped"] == 0
+    assert "kvtier_policy_lookups_dropped_total 0.0" in text
