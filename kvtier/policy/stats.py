@@ -167,10 +167,15 @@ class WorkloadStats:
         length = _log_bucket(n, _LEN_B - 1)
         reference = self._reference
         stop = n if stop is None else min(stop, n)
+        labels = self._labels(keys, start, stop)
+        if labels is None:
+            for depth in range(start, stop):
+                reference(keys[depth], HIT if depth < hit_blocks else fresh, n - 1 - depth,
+                          length, OUT_UNKNOWN, False)
+            return
         for depth in range(start, stop):
-            key = keys[depth]
-            reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
-                      OUT_UNKNOWN, False)
+            reference(keys[depth], HIT if depth < hit_blocks else fresh, n - 1 - depth,
+                      length, OUT_UNKNOWN, False, labels[depth - start])
 
     def on_request(self, keys: Sequence[Key], hit_blocks: int, *, output_tokens: int | None,
                    now: float = 0.0) -> None:
@@ -188,9 +193,15 @@ class WorkloadStats:
         fresh = FRESH_BEHIND_HIT if hit_blocks > 0 else FRESH_NO_HIT
         length = _log_bucket(n, _LEN_B - 1)
         reference = self._reference
+        labels = self._labels(keys, 0, n)
+        if labels is None:
+            for depth, key in enumerate(keys):
+                reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
+                          out, True)
+            return
         for depth, key in enumerate(keys):
             reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
-                      out, True)
+                      out, True, labels[depth])
 
     def on_stored(
         self, keys: Sequence[Key], *, output_tokens: int | None, now: float = 0.0
@@ -232,9 +243,17 @@ class WorkloadStats:
         optimal cache of the tier's size would have hit it)."""
         return tick - last <= self.horizon
 
+    def _labels(self, keys: Sequence[Key], start: int, stop: int) -> list[bool | None] | None:
+        """The reuse labels of ``keys[start:stop]`` referenced in order from now, computed
+        at once (None at a key without a record), or None: label each as it comes. Here
+        always None (the horizon test is one comparison); ``HindsightStats`` batches."""
+        return None
+
     def _reference(
-        self, key: Key, hit: int, tail: int, length: int, out: int, stored: bool
+        self, key: Key, hit: int, tail: int, length: int, out: int, stored: bool,
+        reused: bool | None = None,
     ) -> None:
+        """Count one reference; ``reused``: its reuse label when computed ahead (_labels)."""
         hist = self._hist
         rec = hist.get(key)
         tick = self.tick
@@ -245,7 +264,8 @@ class WorkloadStats:
             rec.tried = rec.tried * fade + 1.0
             rec.reused *= fade
             rec.gaps *= fade
-            if self._reused_in_time(rec.last, tick):  # the previous reference counts
+            if self._reused_in_time(rec.last, tick) if reused is None else reused:
+                # the previous reference counts
                 rec.reused += 1.0
                 rec.gaps += gap
                 w = rec.w

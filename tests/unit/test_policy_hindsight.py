@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from kvtier.policy.adaptive import AdaptivePolicy
@@ -101,3 +102,63 @@ def test_a_deferred_observer_counts_lookups_off_the_request_path_and_before_stor
     assert stats.tick == 5 and stats.uses(1) == 2
     later[0]()  # the scheduled drain finds nothing left
     assert stats.tick == 5
+
+
+class Batched(HindsightStats):
+    """Counts the chains (or pieces) labelled at once."""
+
+    __slots__ = ("batches",)
+
+    def __init__(self, **kw: int) -> None:
+        super().__init__(**kw)
+        self.batches = 0
+
+    def _labels(self, keys: object, start: int, stop: int) -> list[bool | None] | None:
+        labels = super()._labels(keys, start, stop)  # type: ignore[arg-type]
+        self.batches += labels is not None
+        return labels
+
+
+class OneByOne(HindsightStats):
+    """Labels every reference as it comes (the path before batching)."""
+
+    __slots__ = ()
+
+    def _labels(self, keys: object, start: int, stop: int) -> None:  # type: ignore[override]
+        return None
+
+
+def _optgen_state(stats: HindsightStats) -> tuple[object, ...]:
+    recs = tuple((k, r.uses, r.cls, r.last, r.reused, r.gaps, r.tried)
+                 for k, r in stats._hist.items())
+    return (stats.tick, stats._base, stats._occ.tolist(), recs, tuple(stats._reuse),
+            tuple(stats._gap), tuple(stats._access))
+
+
+@pytest.mark.parametrize("capacity, history, universe", [
+    (4096, 1 << 16, 3000),   # room to spare: chains take the batch
+    (24, 1 << 16, 200),      # the room runs out: the batch defers to one by one
+    (64, 150, 400),          # the history drops records mid-chain
+    (16, 1 << 16, 60),       # many slides of the vector, repeats within chains
+])
+def test_optgen_labels_a_chain_at_once_exactly_as_one_by_one(
+        capacity: int, history: int, universe: int) -> None:
+    rng = np.random.default_rng(capacity + history)
+    batched = Batched(capacity_blocks=capacity, horizon=1 << 16, history=history)
+    single = OneByOne(capacity_blocks=capacity, horizon=1 << 16, history=history)
+    for i in range(400):
+        n = int(rng.integers(1, 48))
+        keys = [int(k) for k in rng.integers(0, universe, n)]
+        hits = int(rng.integers(0, n + 1))
+        if i % 3 == 0:
+            out = int(rng.integers(1, 500))
+            batched.on_request(keys, hits, output_tokens=out)
+            single.on_request(keys, hits, output_tokens=out)
+        else:
+            cut = int(rng.integers(0, n + 1))   # in two pieces, as the deferred replay does
+            batched.on_lookup(keys, hits, start=0, stop=cut)
+            batched.on_lookup(keys, hits, start=cut)
+            single.on_lookup(keys, hits)
+        assert _optgen_state(batched) == _optgen_state(single), i
+    if capacity == 4096:
+        assert batched.batches > 300   # the batch is the common path, not a corner
