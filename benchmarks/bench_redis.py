@@ -6,9 +6,11 @@ keys every round; ``--reps`` repetitions of ``--rounds`` rounds per path, the pa
 turns so that a loaded machine's noise falls on all of them; medians):
 
 - daemon: kvtier as an engine uses it. Two ``kvtier serve`` processes (write-through to the
-  server). store = ``client.put`` on daemon A until the blocks are in Redis (A's write
-  queue drained); load = ``lookup`` + ``get`` on daemon B, which never saw the blocks, so
-  every block comes from Redis (frame check included) into the engine's buffers.
+  server). store = a kv_producer engine's save on daemon A: ``prepare_put``, the copy into
+  the arena, ``commit(redis_sync_s=...)``, which answers once Redis has every block
+  (checked afterwards: the reply's ``redis_visible`` and an EXISTS of the keys); load =
+  ``lookup`` + ``get`` on daemon B, which never saw the blocks, so every block comes from
+  Redis (frame check included) into the engine's buffers.
 - tier: ``RedisTier`` in-process: ``submit`` (zero-copy, as the store does) + ``flush``;
   ``get_into`` caller buffers.
 - redis-py: plain asyncio redis-py, pipelined SET/GET of the same bytes (values as
@@ -63,6 +65,7 @@ FP = 1
 KiB, MiB = 1 << 10, 1 << 20
 # (value size, values per round): 8, 24 and 64 MiB per round
 SIZES = ((256 * KiB, 32), (3 * MiB, 8), (32 * MiB, 2))
+SYNC_S = 30.0   # a store's commit answers once its blocks are in Redis (or fails the run)
 BYTES_PER_TOKEN = 2 * 4 * 8 * 128 * 2   # K+V, 4 layers, 8 kv heads, dim 128, fp16
 DEFAULT_LMCACHE_VENV = Path(os.environ.get("KVTIER_BENCH_LMCACHE_VENV", "/work/lmcache-venv"))
 
@@ -163,37 +166,6 @@ def _nothing() -> None:
 
 # --- through the daemon ---------------------------------------------------------------------
 
-class RedisWatch:
-    """Tells when keys were SET, from Redis keyspace notifications: the store is measured
-    until its blocks are visible in Redis without polling (no CPU taken from the daemon)."""
-
-    def __init__(self, url: str) -> None:
-        self.admin = redis.Redis.from_url(url)
-        self.sub = self.admin.pubsub(ignore_subscribe_messages=True)
-        self.sub.psubscribe("__keyspace@0__:kvtier:*")
-
-    def on(self, enabled: bool) -> None:
-        """Notifications only while the daemon path runs: the other paths' SETs (the tier's
-        keys match the pattern too) neither cost the server a publish nor leave messages
-        for the daemon's next round to skip."""
-        self.admin.config_set("notify-keyspace-events", "K$" if enabled else "")
-
-    def wait_set(self, rkeys: list[bytes], timeout: float = 120.0) -> None:
-        want = set(rkeys)
-        deadline = time.monotonic() + timeout
-        while want:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{len(want)} of the daemon's writes did not reach Redis")
-            msg = self.sub.get_message(timeout=1.0)
-            if msg and msg["data"] == b"set":
-                want.discard(msg["channel"].split(b":", 1)[1])
-
-    def close(self) -> None:
-        self.sub.close()
-        self.on(False)
-        self.admin.close()
-
-
 class DaemonPair:
     """Daemon A stores (write-through to Redis), daemon B loads blocks it never saw."""
 
@@ -214,28 +186,26 @@ class DaemonPair:
         self.ca, self.cb = connect(self.nodes[0].socket), connect(self.nodes[1].socket)
         self.ns_a = self.ca.register_layout(layout, "bench")
         self.ns_b = self.cb.register_layout(layout, "bench")
-        self.watch = RedisWatch(url)
+        self.admin = redis.Redis.from_url(url)
         self.data = [kv_bytes(size, seed=i) for i in range(k)]
         self.outs = [np.empty(size, np.uint8) for _ in range(k)]
         self.round = 0
 
     def run(self, rounds: int, times: dict[str, list[float]]) -> None:
-        self.watch.on(True)
-        try:
-            self._rounds(rounds, times)
-        finally:
-            self.watch.on(False)
-
-    def _rounds(self, rounds: int, times: dict[str, list[float]]) -> None:
         for r in range(rounds + 1):
             self.round += 1
             first = self.round * self.k * self.tokens
             keys = block_keys(self.ns_a, np.arange(first, first + self.k * self.tokens))
             rkeys = [b"kvtier:" + bytes(key).hex().encode() for key in keys]
             t0 = time.perf_counter()
-            assert self.ca.put(self.ns_a, keys, self.data) == self.k
-            self.watch.wait_set(rkeys)
+            lease = self.ca.prepare_put(self.ns_a, keys)   # a kv_producer engine's save
+            for view, data in zip(lease.views, self.data, strict=True):
+                assert view is not None
+                view[:] = data
+            assert lease.commit(redis_sync_s=SYNC_S) == self.k
             t1 = time.perf_counter()
+            assert lease.redis_synced and lease.redis_visible == self.k, lease.redis_visible
+            assert self.admin.exists(*rkeys) == self.k   # Redis itself says they are there
             assert self.cb.lookup(self.ns_b, keys).hits == self.k
             assert self.cb.get(self.ns_b, keys, self.outs) == self.k
             t2 = time.perf_counter()
@@ -249,7 +219,7 @@ class DaemonPair:
     def close(self) -> None:
         self.ca.close()
         self.cb.close()
-        self.watch.close()
+        self.admin.close()
         for node in self.nodes:
             node.kill()
 
@@ -409,8 +379,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     print(f"redis-server {version} ({exe}), loopback; {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f}; {args.reps} repetitions x {args.rounds} rounds per path, "
           "paths taking turns; fresh keys each round; medians")
-    print("daemon = kvtier as an engine uses it (put on daemon A until in Redis; lookup+get "
-          "on daemon B from Redis); tier = RedisTier in-process; redis-py = plain pipelined "
+    print("daemon = kvtier as an engine uses it (a kv_producer's save on daemon A: prepare, "
+          "copy, commit answered once Redis has the blocks; lookup+get on daemon B from "
+          "Redis); tier = RedisTier in-process; redis-py = plain pipelined "
           "asyncio SET/GET; LMCache = 0.5.6 RESP L2 adapter (p50)")
     print("daemon/LMC compares like with like: a daemon load (lookup, which asks Redis, then "
           "get) against LMCache's lookup of the same keys + its load; LMCache MB/s and "
