@@ -57,10 +57,12 @@ def test_replies_cut_anywhere_come_back_exact(tmp_path: Path, seed: int) -> None
             nonlocal ticks
             while True:
                 ticks += 1
-                await asyncio.sleep(0)
+                # not sleep(0): a loop spinning on the GIL starves the peer's thread (each
+                # piece then waits a switch interval, 5 ms) past the deadline on a busy box
+                await asyncio.sleep(0.0002)
 
         task = asyncio.ensure_future(ticker())
-        conn = connect(addr)
+        conn = connect(addr, timeout_s=10.0)
         try:
             return await loopio.exchange(conn, CMDS), ticks
         finally:
