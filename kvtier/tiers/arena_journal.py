@@ -71,6 +71,7 @@ class ArenaJournal:
         self._gen = 0
         self.records = 0          # appended since start (compactions included)
         self.compactions = 0
+        self._snapshots = 0       # of _records taken (a batch's records after one are in it)
         self._mm: mmap.mmap | None = None
         self._fd = -1
         self._tail = 0
@@ -160,7 +161,10 @@ class ArenaJournal:
         or finished here holds it in its snapshot, never twice)."""
         nxt = self._next
         if nxt is not None and (nxt.done.done() or self._tail >= self._capacity):
+            taken = self._snapshots
             self._switch(nxt)   # (waits only when the old file is full)
+            if self._snapshots != taken:   # an outgrown one was rewritten: it holds record
+                return
         if self._tail >= self._capacity:
             self._rewrite()
             return
@@ -179,11 +183,20 @@ class ArenaJournal:
                 or 4 * self._tail > 3 * self._capacity)
 
     def _append_many(self, records: list[bytes]) -> None:
-        """``_append`` of each record; one copy into the file when they fit as they are."""
+        """``_append`` of each record; one copy into the file when they fit as they are.
+
+        One by one, a snapshot taken on the way (a compaction started aside, or a rewrite)
+        already holds the batch's remaining records, as ``_records`` shows all of them: they
+        then go only into the file in use while a compaction is written aside (not into its
+        ``since``), and nowhere after a rewrite, whose file is that snapshot."""
         n = len(records)
         if n < 2 or self._next is not None or self._tail + n > self._capacity:
-            for record in records:
+            for i, record in enumerate(records):
+                taken = self._snapshots
                 self._append(record)
+                if self._snapshots != taken:
+                    self._write_in_snapshot(records[i + 1:])
+                    return
             return
         assert self._mm is not None
         self._mm[self._tail * RECORD: (self._tail + n) * RECORD] = b"".join(records)
@@ -192,6 +205,17 @@ class ArenaJournal:
         if self._should_compact():
             self._compact_aside()
 
+    def _write_in_snapshot(self, rest: list[bytes]) -> None:
+        """Write records a compaction written aside already holds into the file in use (so
+        it stays whole until the switch), as room allows; none after a rewrite."""
+        if self._next is None or not rest:
+            return
+        rest = rest[:max(0, self._capacity - self._tail)]
+        assert self._mm is not None
+        self._mm[self._tail * RECORD: (self._tail + len(rest)) * RECORD] = b"".join(rest)
+        self._tail += len(rest)
+        self.records += len(rest)
+
     def settle(self) -> None:
         """Finish a compaction being written aside now, waiting for it (tests, tools)."""
         while self._next is not None:
@@ -199,6 +223,7 @@ class ArenaJournal:
 
     def _snapshot(self) -> tuple[list[bytes], int]:
         """The compacted file's records (header, one per live slot) and its capacity."""
+        self._snapshots += 1
         parts = [header_record(self.arena_size, self.slab_bytes)]
         parts += self._records.values()   # one C-level copy of O(live) references
         return parts, max(MIN_RECORDS, 2 * (4 * len(parts) + COMPACT_MIN))

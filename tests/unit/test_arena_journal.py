@@ -419,3 +419,41 @@ def test_alloc_many_gives_what_single_allocs_would() -> None:
             one.free(off)
             many.free(off)
     assert many.alloc_many(PAGE, 0) == []
+
+
+def test_a_batch_that_straddles_a_switch_and_a_new_compaction_is_written_once(
+        shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch arriving while a compaction is written aside goes record by record; when
+    the switch to the new file comes mid-batch and that file at once wants compacting
+    again, the new snapshot already holds the batch's remaining records (``_records``
+    shows the whole batch): they must not reach the next file a second time."""
+    monkeypatch.setattr(aj, "COMPACT_MIN", 16)
+    gate = threading.Event()
+    write = aj._write_file
+
+    def gated(tmp: Path, parts: list[bytes], capacity: int) -> int:
+        gate.wait(10)
+        return write(tmp, parts, capacity)
+
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    monkeypatch.setattr(aj, "_write_file", gated)   # (after the journal's first file)
+    offsets = [i * PAGE for i in range(12)]
+    j.alloc_many(offsets, PAGE)
+    spare = 40 * PAGE
+    while j._next is None:            # churn one slot until a compaction starts aside
+        j.alloc(spare, PAGE)
+        j.free(spare)
+    for _ in range(40):               # records that come while it is written: its `since`
+        j.alloc(spare, PAGE)
+        j.free(spare)
+    gate.set()
+    assert j._next is not None
+    j._next.done.result()
+    commits = [(off, j.generation(off), info(off // PAGE), 7) for off in offsets]
+    assert j.commit_many(commits) == len(offsets)   # switches, then compacts mid-batch
+    j.settle()
+    state = read_journal(j.path)
+    assert state is not None and j.compactions >= 2
+    assert (state.torn, state.inconsistent) == (0, 0)
+    assert sorted(c.offset for c in state.committed) == offsets
+    j.close(unlink=True)
