@@ -167,12 +167,7 @@ class WorkloadStats:
         length = _log_bucket(n, _LEN_B - 1)
         reference = self._reference
         stop = n if stop is None else min(stop, n)
-        labels = self._labels(keys, start, stop)
-        if labels is None:
-            for depth in range(start, stop):
-                reference(keys[depth], HIT if depth < hit_blocks else fresh, n - 1 - depth,
-                          length, OUT_UNKNOWN, False)
-            return
+        labels = self._labels(keys, start, stop) or [None] * (stop - start)
         for depth in range(start, stop):
             reference(keys[depth], HIT if depth < hit_blocks else fresh, n - 1 - depth,
                       length, OUT_UNKNOWN, False, labels[depth - start])
@@ -193,12 +188,7 @@ class WorkloadStats:
         fresh = FRESH_BEHIND_HIT if hit_blocks > 0 else FRESH_NO_HIT
         length = _log_bucket(n, _LEN_B - 1)
         reference = self._reference
-        labels = self._labels(keys, 0, n)
-        if labels is None:
-            for depth, key in enumerate(keys):
-                reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
-                          out, True)
-            return
+        labels = self._labels(keys, 0, n) or [None] * n
         for depth, key in enumerate(keys):
             reference(key, HIT if depth < hit_blocks else fresh, n - 1 - depth, length,
                       out, True, labels[depth])

@@ -198,10 +198,7 @@ class ArenaJournal:
                     self._write_in_snapshot(records[i + 1:])
                     return
             return
-        assert self._mm is not None
-        self._mm[self._tail * RECORD: (self._tail + n) * RECORD] = b"".join(records)
-        self._tail += n
-        self.records += n
+        self._write(records)
         if self._should_compact():
             self._compact_aside()
 
@@ -210,11 +207,15 @@ class ArenaJournal:
         it stays whole until the switch), as room allows; none after a rewrite."""
         if self._next is None or not rest:
             return
-        rest = rest[:max(0, self._capacity - self._tail)]
+        self._write(rest[:max(0, self._capacity - self._tail)])
+
+    def _write(self, records: list[bytes]) -> None:
+        """Copy ``records`` (which fit) into the file in use at its tail, at once."""
         assert self._mm is not None
-        self._mm[self._tail * RECORD: (self._tail + len(rest)) * RECORD] = b"".join(rest)
-        self._tail += len(rest)
-        self.records += len(rest)
+        n = len(records)
+        self._mm[self._tail * RECORD: (self._tail + n) * RECORD] = b"".join(records)
+        self._tail += n
+        self.records += n
 
     def settle(self) -> None:
         """Finish a compaction being written aside now, waiting for it (tests, tools)."""
