@@ -236,12 +236,10 @@ class DaemonPair:
                 load_s = time.perf_counter() - t2
                 assert np.array_equal(self.outs[-1], self.data[-1])
             if r > 1:  # rounds 0 and 1 warm up
-                if views:
-                    times.setdefault("views_store", []).append((t_prep - t0) + (t1 - t_copy))
-                    times.setdefault("views_load", []).append(load_s)
-                else:
-                    times.setdefault("daemon_store", []).append(t1 - t0)
-                    times.setdefault("daemon_load", []).append(load_s)
+                path = "views" if views else "daemon"
+                store_s = (t_prep - t0) + (t1 - t_copy) if views else t1 - t0
+                times.setdefault(path + "_store", []).append(store_s)
+                times.setdefault(path + "_load", []).append(load_s)
             self.cb.delete(self.ns_b, keys)  # frees both arenas' copies and the Redis keys
             self.ca.delete(self.ns_a, keys)
 
