@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 from codec_table import codec_table
 from lmcache_l2 import bench_lmcache
-from redis_faults import Faults, ServerFaults, print_faults
+from redis_faults import Faults, ServerFaults, print_faults, size_label
 
 from kvtier.client import connect
 from kvtier.config import RedisConfig
@@ -293,7 +293,7 @@ def print_table(rows: list[Row], best: bool) -> None:
     for r in rows:
         cells = " ".join(f"{r.mbs(p, best):>14.0f}" if p in r.times(best) else f"{'-':>14}"
                          for p in PATHS)
-        value = f"{r.size // MiB}Mi" if r.size >= MiB else f"{r.size // KiB}Ki"
+        value = size_label(r.size)
         print(f"{r.op:<5} {value:>7} {r.keys:>4} {cells} "
               f"{_fmt(r.ratio('daemon', 'lmcache_engine', best), 10)} "
               f"{_fmt(r.ratio('daemon', 'plain', best), 9)} "
@@ -405,13 +405,15 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     if looked:
         print("LMCache lookup of a round's keys (p50, added to its load for daemon/LMC): "
               + ", ".join(looked))
-    print_faults(faults_of, LABELS)
+    if pf.available:
+        print_faults(faults_of, LABELS)
     for note in notes:
         print(note)
     result: dict[str, object] = {"redis_version": version, "redis_allocator": allocator,
                                  "server_faults": {str(size): {name: statistics.median(v)
                                                                for name, v in f.items() if v}
-                                                   for size, f in faults_of.items()},
+                                                   for size, f in faults_of.items()}
+                                 if pf.available else None,
                                  "rounds": args.rounds,
                                  "reps": args.reps,
                                  "rows": [asdict(r) for r in rows], "notes": notes}

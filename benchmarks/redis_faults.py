@@ -8,6 +8,11 @@ from pathlib import Path
 KiB, MiB = 1 << 10, 1 << 20
 
 
+def size_label(size: int) -> str:
+    """A value size as the bench's tables print it (256Ki, 3Mi)."""
+    return f"{size // MiB}Mi" if size >= MiB else f"{size // KiB}Ki"
+
+
 class ServerFaults:
     """The redis-server's minor page faults so far (``/proc/PID/stat``), to show what each
     path's rounds cost the server's allocator: a server that gave freed memory back to the
@@ -15,7 +20,13 @@ class ServerFaults:
     per 8 MiB here) lands on whichever path comes next."""
 
     def __init__(self, pid: int | None) -> None:
-        self.path = Path(f"/proc/{pid}/stat") if pid else None
+        path = Path(f"/proc/{pid}/stat") if pid else None
+        self.path = path if path is not None and path.exists() else None
+
+    @property
+    def available(self) -> bool:
+        """Whether the counts are real (a /proc to read): else every count is 0."""
+        return self.path is not None
 
     def now(self) -> int:
         if self.path is None:
@@ -41,7 +52,7 @@ def print_faults(faults_of: dict[int, Faults], labels: dict[str, str]) -> None:
     print(f"{'value':>7} " + " ".join(f"{labels[p] + ' ' + op:>14}" for p, op in cols)
           + f" {'LMCache round':>14}")
     for size, faults in faults_of.items():
-        value = f"{size // MiB}Mi" if size >= MiB else f"{size // KiB}Ki"
+        value = size_label(size)
         cells = [faults.get(f"{p}_{op}") for p, op in cols] + [faults.get("lmcache_round")]
         print(f"{value:>7} " + " ".join(f"{statistics.median(c):>14.0f}" if c else f"{'-':>14}"
                                         for c in cells))
