@@ -140,20 +140,18 @@ class Conn:
                 self._sock.sendall(buf)
             return
         views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        if len(views) <= _IOV_MAX:
+            # first without blocking, so without arming the send timeout (a syscall): a
+            # pipeline of commands fits the socket's buffer, and a GET job is one
+            with contextlib.suppress(BlockingIOError):
+                _advance(views, self._sock.sendmsg(views, (), socket.MSG_DONTWAIT))
         while views:
             self._arm(socket.SO_SNDTIMEO)
             try:   # blocking: returns once all was queued, or short at the deadline
                 sent = self._sock.sendmsg(views[:_IOV_MAX])
             except BlockingIOError:   # SO_SNDTIMEO passed with nothing sent
                 raise self._timed_out() from None
-            while sent:
-                n = views[0].nbytes
-                if sent >= n:
-                    sent -= n
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
+            _advance(views, sent)
 
     # --- receiving ------------------------------------------------------------------------
 
@@ -400,3 +398,15 @@ class Conn:
         self.begin()
         self.send([command(b"GET", k) for k in keys])
         return [self.read_value(i, head, place) for i in range(len(keys))]
+
+
+def _advance(views: list[memoryview], sent: int) -> None:
+    """Drop the ``sent`` bytes from the front of ``views`` (in place)."""
+    while sent:
+        n = views[0].nbytes
+        if sent >= n:
+            sent -= n
+            views.pop(0)
+        else:
+            views[0] = views[0][sent:]
+            sent = 0

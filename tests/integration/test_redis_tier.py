@@ -40,8 +40,11 @@ from tests.support.redis_tier import (
     cfg_for,
     eventually,
     put_all,
+    read_exact,
     running,
 )
+
+MiB = 1 << 20
 
 
 @pytest.fixture
@@ -252,6 +255,31 @@ async def test_hung_server_times_out_and_recovers(redis_server: RedisServer) -> 
             redis_server.proc.send_signal(signal.SIGCONT)
         await eventually(lambda: tier.up)
         assert await tier.exists_prefix(keys) == 2
+
+
+async def test_large_writes_to_a_hung_server_end_at_the_op_timeout(
+        redis_server: RedisServer) -> None:
+    """Sends first try without blocking (no send timeout to arm for a pipeline that fits
+    the socket's buffer); 64 MiB of frames to a server that stopped reading do not fit, and
+    the rest of the send still ends at the op timeout: the tier goes down, not hangs, and
+    once the server is back the next writes and reads are exact."""
+    keys, data = blocks(4, size=16 * MiB, seed=3)
+    async with running(cfg_for(redis_server.url, op_timeout_s=0.3)) as tier:
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            for key, payload in zip(keys, data, strict=True):
+                tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+            await eventually(lambda: not tier.up, timeout=5.0)
+            took = time.monotonic() - t0
+            assert took < 0.3 * 4 + 2.0, f"a hung server held the writer {took:.2f} s"
+            assert "timeout" in tier.stats_extra()["last_error"].lower()
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        await eventually(lambda: tier.up)
+        await put_all(tier, keys, data)
+        await read_exact(tier, keys, data, 16 * MiB)
 
 
 async def test_unreachable_at_start_then_comes_up(tmp_path: Path) -> None:
