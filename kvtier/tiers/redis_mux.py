@@ -30,6 +30,11 @@ from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_resp import CRLF, ErrorReply, NodeAddr, Placer, ProtocolError, command
 from kvtier.tiers.redis_wire import Conn
 
+# A value body with at least this much still due is received in one go once it has all
+# arrived (``Conn.wake_at``); below it, as it comes.
+LOWAT_MIN_BYTES = 128 << 10
+LOWAT_CHUNK_BYTES = 1 << 20
+
 # Called with (index in the job, reply) as each reply is complete: the value's length
 # (its bytes are where the placer said), None for a missing key, or an error reply; and
 # once with the exception that failed the job at the first reply it did not get.
@@ -85,9 +90,13 @@ class _Stream:
                 assert dest is not None
                 while self.pos < dest.nbytes:
                     got = conn.recv_nowait(dest[self.pos:])
-                    if not got:
+                    if not got:   # wake for the whole rest of a large value at once
+                        due = dest.nbytes - self.pos
+                        conn.wake_at(min(due, LOWAT_CHUNK_BYTES) if due >= LOWAT_MIN_BYTES
+                                     else 1)
                         return False
                     self.pos += got
+                conn.wake_at(1)
                 self.dest, self.phase, self.pos = None, _Phase.TAIL, 0
             elif phase is _Phase.LINE:
                 line = conn.take_line()

@@ -49,8 +49,8 @@ _SMALL = 4096                     # reads up to this size go through the read bu
 class Conn:
     """One blocking RESP connection (see the module docstring)."""
 
-    __slots__ = ("_armed", "_buf", "_deadline", "_hi", "_lo", "_op_timeout", "_plain", "_sock",
-                 "addr")
+    __slots__ = ("_armed", "_buf", "_deadline", "_hi", "_lo", "_lowat", "_op_timeout", "_plain",
+                 "_sock", "_tcp", "addr")
 
     def __init__(self, addr: NodeAddr, opts: ConnOptions) -> None:
         self.addr = addr
@@ -68,6 +68,8 @@ class Conn:
         if opts.tls is not None:
             sock = opts.tls.wrap_socket(sock, server_hostname=opts.tls_hostname or addr.host)
         self._plain = opts.tls is None
+        self._tcp = self._plain and not addr.unix
+        self._lowat = 1
         sock.settimeout(None if self._plain else opts.op_timeout_s)  # plain: kernel timeouts
         self._sock = sock
         self._op_timeout = opts.op_timeout_s
@@ -101,6 +103,8 @@ class Conn:
         """Start one exchange: all of it (every send and read) must end within op_timeout_s."""
         self._deadline = time.monotonic() + self._op_timeout
         self._armed.clear()
+        if self._lowat != 1:   # left raised by a read that ended mid-value: wake on a byte
+            self.wake_at(1)
 
     def _arm(self, opt: int = socket.SO_RCVTIMEO) -> None:
         """Bound the next socket call (a receive, or a send with SO_SNDTIMEO) by what is
@@ -211,6 +215,18 @@ class Conn:
 
     def fileno(self) -> int:
         return self._sock.fileno()
+
+    def wake_at(self, nbytes: int) -> None:
+        """Have ``poll`` report the socket readable only once ``nbytes`` have arrived
+        (SO_RCVLOWAT; 1, the default, restores it). A value's body then comes in one
+        receive, not one per 64 KiB a Redis server writes to a client per turn of its
+        loop. The kernel caps the mark at half the largest receive buffer and reports a
+        socket whose window closed anyway, so a mark never above the bytes still due
+        cannot stall a read. Plain TCP only (a no-op elsewhere); ``begin`` puts it back
+        at 1 for the next exchange."""
+        if nbytes != self._lowat and self._tcp:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, nbytes))
+            self._lowat = max(1, nbytes)
 
     def take_line(self) -> bytes | None:
         """A reply line from the read buffer, or None when it holds no whole line yet."""

@@ -117,6 +117,25 @@ async def test_stalled_server_costs_the_timeout_and_no_stale_reply(
         assert got == 16 and [bytes(o) for o in outs] == other_data
 
 
+async def test_connections_go_back_to_the_pool_waking_on_every_byte(
+        redis_server: RedisServer) -> None:
+    """A muxed read of large values has each connection wake only once a body's rest (up
+    to a chunk) has arrived (SO_RCVLOWAT); the connections it gives back wake on every byte
+    again, so the small replies of the exchanges that reuse them come at once, not at the
+    op timeout."""
+    keys, data = blocks(16, size=3 * MiB, seed=4)
+    async with running(cfg_for(redis_server.url, op_timeout_s=5.0)) as tier:
+        await put_all(tier, keys, data)
+        for _ in range(2):
+            got, outs = await read(tier, keys, 3 * MiB)
+            assert got == 16 and [bytes(o) for o in outs] == data
+            t0 = time.monotonic()
+            for _ in range(10):
+                assert await tier.exists_prefix(keys) == 16
+            assert time.monotonic() - t0 < 2.0
+        assert tier.counters.errors == 0
+
+
 async def test_connection_dropped_mid_value(redis_server: RedisServer) -> None:
     """The server closes each connection once a reply outgrows its output buffer limit
     (mid-value): the read ends with what was verified, the tier heals on its own, and the
