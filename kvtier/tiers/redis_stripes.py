@@ -54,12 +54,21 @@ def stripe_sets(item: PendingWrite) -> tuple[list[tuple[bytes, Parts]], tuple[by
     stripe 0), which goes out only once the stripes are stored."""
     header, payload = item.parts
     view = memoryview(payload)
-    bounds = stripe_bounds(view.nbytes)
-    parts: list[tuple[bytes, Parts]] = [(part_key(item.redis_key, i), (view[lo:hi],))
-                                        for i, (lo, hi) in enumerate(bounds) if i]
-    lo, hi = bounds[0]
+    lo, hi = stripe_bounds(view.nbytes)[0]
     head: Parts = (header, view[lo:hi])
-    return parts, (item.redis_key, head)
+    return _stripes(item.redis_key, view), (item.redis_key, head)
+
+
+def raw_stripes(item: PendingWrite) -> list[tuple[bytes, Parts]]:
+    """The SETs of stripes 1.. of a striped ``item`` stored uncompressed, before it is
+    framed: they are slices of its payload (as ``stripe_sets`` will give them), so they
+    can be sent while the payload is hashed for the head."""
+    return _stripes(item.redis_key, memoryview(item.payload))
+
+
+def _stripes(rkey: bytes, payload: memoryview) -> list[tuple[bytes, Parts]]:
+    return [(part_key(rkey, i), (payload[lo:hi],))
+            for i, (lo, hi) in enumerate(stripe_bounds(payload.nbytes)) if i]
 
 
 async def fetch_striped(tier: RedisReads, rkey: bytes, header: FrameHeader,
