@@ -65,7 +65,7 @@ from lmcache_l2 import bench_lmcache
 from proc_cpu import CpuMeter, Watch, print_cpu
 from redis_faults import ServerFaults, print_faults, size_label
 
-from kvtier.config import RedisConfig
+from kvtier.config import RedisCodec, RedisConfig
 from kvtier.tiers import redis as redis_tier
 from kvtier.tiers.redis import RedisTier
 from tests.support.redis_servers import RedisServer, find_redis_server, free_port, server_version
@@ -115,10 +115,11 @@ def _batches(n: int, size: int) -> list[range]:
 async def bench_inproc(url: str, size: int, k: int, rounds: int,
                        watch: Watch) -> dict[str, list[float]]:
     """tier and redis-py, interleaved round by round (same load on both)."""
-    slots = [memoryview(kv_bytes(size, seed=i)) for i in range(k)]
+    slots = [kv_bytes(size, seed=i).data for i in range(k)]
     values = [bytes(s) for s in slots]
     outs = [memoryview(bytearray(size)) for _ in range(k)]
-    tier = RedisTier(RedisConfig(enabled=True, url=url, codec="none", write_queue_blocks=4 * k))
+    tier = RedisTier(RedisConfig(enabled=True, url=url, codec=RedisCodec.NONE,
+                                 write_queue_blocks=4 * k))
     await tier.start()
     plain = aioredis.Redis.from_url(url)
     times: dict[str, list[float]] = {p: [] for p in ("tier_store", "tier_load",
