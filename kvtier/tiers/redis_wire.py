@@ -223,10 +223,19 @@ class Conn:
         loop. The kernel caps the mark at half the largest receive buffer and reports a
         socket whose window closed anyway, so a mark never above the bytes still due
         cannot stall a read. Plain TCP only (a no-op elsewhere); ``begin`` puts it back
-        at 1 for the next exchange."""
-        if nbytes != self._lowat and self._tcp:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, nbytes))
-            self._lowat = max(1, nbytes)
+        at 1 for the next exchange. A kernel that refuses to raise the mark (a sandbox's)
+        turns it off for the connection: reads then wake as data comes, as before; one
+        that refuses to lower it again raises (the connection is then discarded)."""
+        n = max(1, nbytes)
+        if n != self._lowat and self._tcp:
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+            except OSError:
+                if n == 1:
+                    raise
+                self._tcp = False
+                return
+            self._lowat = n
 
     def take_line(self) -> bytes | None:
         """A reply line from the read buffer, or None when it holds no whole line yet."""

@@ -6,12 +6,15 @@ mid-value costs a bounded wait and never leaves a stale reply on a reused connec
 from __future__ import annotations
 
 import asyncio
+import errno
 import signal
+import socket
 import time
 
 import pytest
 
 from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_wire import Conn
 from tests.support.redis_servers import RedisServer
 from tests.support.redis_tier import (
     LAYOUT_FP,
@@ -133,6 +136,40 @@ async def test_connections_go_back_to_the_pool_waking_on_every_byte(
             for _ in range(10):
                 assert await tier.exists_prefix(keys) == 16
             assert time.monotonic() - t0 < 2.0
+        assert tier.counters.errors == 0
+
+
+class _NoLowat:
+    """A socket whose kernel refuses SO_RCVLOWAT (as some sandboxes' do)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def setsockopt(self, level: int, opt: int, *value: object) -> None:
+        if (level, opt) == (socket.SOL_SOCKET, socket.SO_RCVLOWAT):
+            raise OSError(errno.ENOPROTOOPT, "Protocol not available")
+        self._sock.setsockopt(level, opt, *value)  # type: ignore[call-overload]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+async def test_reads_are_exact_where_the_kernel_refuses_a_low_water_mark(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without SO_RCVLOWAT the muxed reader wakes as data comes, as before."""
+    init = Conn.__init__
+
+    def refusing(self: Conn, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        self._sock = _NoLowat(self._sock)  # type: ignore[assignment]
+
+    monkeypatch.setattr(Conn, "__init__", refusing)
+    keys, data = blocks(8, size=3 * MiB, seed=5)
+    async with running(cfg_for(redis_server.url, op_timeout_s=5.0)) as tier:
+        await put_all(tier, keys, data)
+        for _ in range(2):
+            got, outs = await read(tier, keys, 3 * MiB)
+            assert got == 8 and [bytes(o) for o in outs] == data
         assert tier.counters.errors == 0
 
 
