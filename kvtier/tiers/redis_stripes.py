@@ -49,26 +49,22 @@ def part_keys(rkey: bytes, header: FrameHeader) -> list[bytes]:
     return [part_key(rkey, i) for i in range(1, len(stripe_bounds(header.payload_len)))]
 
 
-def stripe_sets(item: PendingWrite) -> tuple[list[tuple[bytes, Parts]], tuple[bytes, Parts]]:
-    """The SETs of a framed striped ``item``: its stripes 1.., and its head (header and
-    stripe 0), which goes out only once the stripes are stored."""
-    header, payload = item.parts
-    view = memoryview(payload)
+def stripe_sets(rkey: bytes, body: bytes | memoryview) -> list[tuple[bytes, Parts]]:
+    """The SETs of stripes 1.. of the block at ``rkey`` whose frame body is ``body``. An
+    uncompressed block's body is its payload itself: its stripes can go out before it is
+    framed, while the payload is hashed for the head."""
+    view = memoryview(body)
+    return [(part_key(rkey, i), (view[lo:hi],))
+            for i, (lo, hi) in enumerate(stripe_bounds(view.nbytes)) if i]
+
+
+def head_parts(item: PendingWrite) -> Parts:
+    """What a framed striped ``item``'s key holds (header and stripe 0): set only once its
+    stripes are stored."""
+    header, body = item.parts
+    view = memoryview(body)
     lo, hi = stripe_bounds(view.nbytes)[0]
-    head: Parts = (header, view[lo:hi])
-    return _stripes(item.redis_key, view), (item.redis_key, head)
-
-
-def raw_stripes(item: PendingWrite) -> list[tuple[bytes, Parts]]:
-    """The SETs of stripes 1.. of a striped ``item`` stored uncompressed, before it is
-    framed: they are slices of its payload (as ``stripe_sets`` will give them), so they
-    can be sent while the payload is hashed for the head."""
-    return _stripes(item.redis_key, memoryview(item.payload))
-
-
-def _stripes(rkey: bytes, payload: memoryview) -> list[tuple[bytes, Parts]]:
-    return [(part_key(rkey, i), (payload[lo:hi],))
-            for i, (lo, hi) in enumerate(stripe_bounds(payload.nbytes)) if i]
+    return header, view[lo:hi]
 
 
 async def fetch_striped(tier: RedisReads, rkey: bytes, header: FrameHeader,

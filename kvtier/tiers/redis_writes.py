@@ -20,7 +20,7 @@ from kvtier.tiers.redis_link import log
 from kvtier.tiers.redis_queue import Borrowed, OnChecksum, PendingWrite, Release, frame_pending
 from kvtier.tiers.redis_reads import RedisReads
 from kvtier.tiers.redis_resp import ErrorReply
-from kvtier.tiers.redis_stripes import raw_stripes, stripe_sets
+from kvtier.tiers.redis_stripes import head_parts, stripe_sets
 from kvtier.tiers.redis_wire import Conn
 
 SET_BATCH_KEYS = 512              # keys per pipelined SET round trip, and about this many
@@ -168,14 +168,13 @@ class RedisWrites(RedisReads):
                     # uncompressed, stripes 1.. are the payload's own bytes: they go out
                     # while the payload is hashed for the head (2 ms per 32 MiB here)
                     stripes = [(key, it, data) for it in striped
-                               for key, data in raw_stripes(it)]
+                               for key, data in stripe_sets(it.redis_key, it.payload)]
                     early = asyncio.ensure_future(self._send_sets(stripes))
                 await framing
-                for it in striped:
-                    parts, (rkey, head) = stripe_sets(it)
-                    if early is None:
-                        sets += [(key, it, data) for key, data in parts]
-                    heads.append((rkey, it, head))
+                if early is None:   # encoded: the stripes are of the framed body
+                    sets += [(key, it, data) for it in striped
+                             for key, data in stripe_sets(it.redis_key, it.parts[1])]
+                heads = [(it.redis_key, it, head_parts(it)) for it in striped]
             result = _first_failures(sets, await self._send_sets(sets))
             if early is not None:
                 result.update(_first_failures(stripes, await early))
