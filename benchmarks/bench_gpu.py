@@ -179,7 +179,7 @@ def file_rows(nbytes: int, directory: str) -> list[Row]:
 
         def posix_read() -> None:
             with open(path, "rb", buffering=0) as f:
-                view, done = memoryview(host_np), 0
+                view, done = host_np.data, 0
                 while done < size:
                     done += f.readinto(view[done:])
             dev.copy_(host)

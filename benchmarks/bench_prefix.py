@@ -60,6 +60,8 @@ class Http:
 
     def __init__(self, url: str) -> None:
         parts = urllib.parse.urlsplit(url)
+        if parts.hostname is None:
+            raise ValueError(f"no host in the daemon's HTTP url {url!r}")
         self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
 
     def post(self, path: str, body: bytes, content_type: str) -> dict:

@@ -76,7 +76,7 @@ def main() -> int:
             note = ""
             if r.shadows:
                 sh = r.shadows[0]
-                mrc = " ".join(f"{p['scale']:g}x={p['hit_rate']:.3f}"  # type: ignore[index]
+                mrc = " ".join(f"{p['scale']:g}x={p['hit_rate']:.3f}"
                                for p in sh["mrc"])  # type: ignore[attr-defined]
                 note = f"mode {sh['mode']} ({sh['switches']} switches)  MRC {mrc}"
                 if "cost" in rates:

@@ -17,7 +17,7 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 BLOCK_SIZE = 32          # vLLM page size
 TOKENS_PER_BLOCK = 64    # kvtier block: two vLLM pages, so page<->block mapping is exercised
@@ -71,7 +71,7 @@ def kv_transfer_config(socket: Path | str, **extra: Any) -> dict[str, Any]:
 
 
 def make_llm(model: Path, transfer: dict[str, Any] | None, prefix_caching: bool = False,
-             dtype: str = "float32") -> Any:
+             dtype: Literal["float32", "float16", "bfloat16"] = "float32") -> Any:
     """An engine as the issue prescribes (float32 unless ``dtype``, block 32, eager, no
     local prefix cache unless ``prefix_caching``)."""
     from vllm import LLM
