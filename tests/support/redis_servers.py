@@ -265,8 +265,10 @@ def start_cluster(workdir: Path, masters: int = 3, *, replicas: int = 0,
     try:
         def node(name: str) -> RedisServer:
             port = free_port(cluster=True)
+            # No 5 s pause before a diskless full sync: replicas are in step at once.
             args = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", str(node_timeout_ms), *extra_args)
+                    "--cluster-node-timeout", str(node_timeout_ms),
+                    "--repl-diskless-sync-delay", "0", *extra_args)
             return RedisServer(exe, workdir / name, port, args).start()
 
         for i in range(masters):
@@ -297,11 +299,27 @@ def start_cluster(workdir: Path, masters: int = 3, *, replicas: int = 0,
                         raise
                     time.sleep(0.1)
         _wait_cluster(nodes + followers, total)
+        _wait_replication(followers)
         return LocalCluster(nodes, followers)
     except BaseException:
         for n in nodes + followers:
             n.stop()
         raise
+
+
+def _wait_replication(followers: list[RedisServer]) -> None:
+    """Wait until every replica's link to its master is up (first sync done): before that
+    a WAIT counts no replica and a killed master's replica is not fit to take over."""
+    deadline = time.monotonic() + 30
+    for follower in followers:
+        while True:
+            with contextlib.closing(follower.client()) as c:
+                info = c.info("replication")
+            if info.get("master_link_status") == "up":
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replica on port {follower.port} never synced: {info}")
+            time.sleep(0.05)
 
 
 def _wait_cluster(nodes: list[RedisServer], known: int) -> None:
