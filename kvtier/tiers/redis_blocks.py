@@ -21,7 +21,7 @@ from kvtier import codec as codecs
 from kvtier.errors import FrameError
 from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, STRIPE_BYTES, Codec, FrameHeader
 from kvtier.tiers.redis_checksum import verify
-from kvtier.tiers.redis_mux import GetJob, read_jobs
+from kvtier.tiers.redis_mux import LARGE_VALUE_BYTES, GetJob, read_jobs
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_queue import PendingWrite, frame_pending
 from kvtier.tiers.redis_resp import ErrorReply, NodeAddr, command
@@ -155,7 +155,9 @@ def read_blocks_muxed(batches: Sequence[tuple[NodeAddr, list[int]]], rkeys: Sequ
             if read.status is not ReadStatus.OK:
                 bad = min(bad, idx[i])
 
-        return GetJob(node, [rkeys[i] for i in idx], HEADER_SIZE, placed, done, idx[0])
+        large = min(place.outs[i].nbytes for i in idx) >= LARGE_VALUE_BYTES
+        return GetJob(node, [rkeys[i] for i in idx], HEADER_SIZE, placed, done, idx[0],
+                      large=large)
 
     jobs = [job(node, idx) for node, idx in batches]
     read_jobs(jobs, pool_of, width, lambda j: j.first < bad)

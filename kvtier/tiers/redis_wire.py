@@ -257,9 +257,12 @@ class Conn:
             pos += have
         return pos
 
-    def fill_nowait(self) -> bool:
-        """Receive what has arrived into the read buffer; False when nothing had."""
-        n = self._recv_nowait(self._room())
+    def fill_nowait(self, cap: int = 0) -> bool:
+        """Receive what has arrived into the read buffer, at most ``cap`` bytes when given
+        (so that a large value's body is left in the socket for ``recv_nowait`` straight
+        into its buffer); False when nothing had."""
+        room = self._room()
+        n = self._recv_nowait(room[:cap] if cap else room)
         self._hi += n
         return n > 0
 

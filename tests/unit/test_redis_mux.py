@@ -39,9 +39,11 @@ class Reads:
         self.replies.append((i, reply))
 
 
-def run(addr: NodeAddr, n_keys: int, reads: Reads, timeout_s: float = 2.0) -> GetJob:
+def run(addr: NodeAddr, n_keys: int, reads: Reads, timeout_s: float = 2.0,
+        large: bool = False) -> GetJob:
     pool = NodePool(addr, ConnOptions(connect_timeout_s=1.0, op_timeout_s=timeout_s), 2)
-    job = GetJob(addr, [b"k%d" % i for i in range(n_keys)], HEAD, reads.place, reads.done)
+    job = GetJob(addr, [b"k%d" % i for i in range(n_keys)], HEAD, reads.place, reads.done,
+                 large=large)
     try:
         read_jobs([job], lambda _a: pool, 4, lambda _j: True)
     finally:
@@ -49,8 +51,9 @@ def run(addr: NodeAddr, n_keys: int, reads: Reads, timeout_s: float = 2.0) -> Ge
     return job
 
 
-@pytest.mark.parametrize("most", [1, 3, 97, 4096])
-def test_replies_cut_anywhere_land_exactly(tmp_path: Path, most: int) -> None:
+@pytest.mark.parametrize("large", [False, True])   # True: lines and heads received apart
+@pytest.mark.parametrize("most", [1, 3, 97, 4096, 1 << 20])
+def test_replies_cut_anywhere_land_exactly(tmp_path: Path, most: int, large: bool) -> None:
     rng = random.Random(most)
     error = b"-ERR wrong kind"      # (told apart by identity: a random value may start "-")
     values = [os.urandom(3000), None, error, os.urandom(5), b"", os.urandom(70_000),
@@ -65,7 +68,7 @@ def test_replies_cut_anywhere_land_exactly(tmp_path: Path, most: int) -> None:
     # value 3 (5 bytes, shorter than HEAD) gets no buffer: the placer says "skip it"
     reads = Reads([3000 - HEAD, None, None, None, 0, 70_000 - HEAD, 0])
     with peer(tmp_path, script) as addr:
-        job = run(addr, len(values), reads)
+        job = run(addr, len(values), reads, large=large)
     assert job.error is None and job.started
     assert [i for i, _ in reads.replies] == list(range(len(values)))
     got = dict(reads.replies)
