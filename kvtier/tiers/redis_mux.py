@@ -84,15 +84,21 @@ class _Stream:
 
     def __init__(self, conn: Conn, job: GetJob) -> None:
         self.conn = conn
-        self.job = job
-        self.i = 0
-        self.phase = _Phase.LINE
-        self.n = 0
-        self.pos = 0
-        self.left = 0
         self.head = memoryview(bytearray(job.head))
         self.tail = memoryview(bytearray(2))
         self.dest: memoryview | None = None
+        self.n = 0
+        self.left = 0
+        self.reset(job)
+
+    def reset(self, job: GetJob) -> None:
+        """Read ``job`` next (its pipeline was just sent on this connection)."""
+        self.job = job
+        self.i = 0
+        self.phase = _Phase.LINE
+        self.pos = 0
+        if self.head.nbytes != job.head:
+            self.head = memoryview(bytearray(job.head))
         self.cap = max(FILL_CAP, job.head + 64) if job.large else 0
 
     def step(self) -> bool:
@@ -247,6 +253,18 @@ def read_jobs(jobs: Sequence[GetJob], pool_of: Callable[[NodeAddr], NodePool], w
                     fail(stream, exc)
                     continue
                 if finished:
+                    nxt = _next_job(stream.job.node, pending, launch)
+                    if nxt is not None:   # sent on the same connection: keep polling it
+                        try:
+                            _send(nxt, stream.conn)
+                        except Exception as exc:   # the new job's failure
+                            _failed(nxt, 0, exc)
+                            poller.unregister(fd)
+                            del active[fd]
+                            pool_of(nxt.node).discard(stream.conn)
+                            continue
+                        stream.reset(nxt)
+                        continue
                     poller.unregister(fd)
                     del active[fd]
                     pool_of(stream.job.node).give(stream.conn)
@@ -255,12 +273,28 @@ def read_jobs(jobs: Sequence[GetJob], pool_of: Callable[[NodeAddr], NodePool], w
             pool_of(stream.job.node).discard(stream.conn)
 
 
+def _next_job(node: NodeAddr, pending: list[GetJob],
+              launch: Callable[[GetJob], bool]) -> GetJob | None:
+    """The next job to start, when it is for ``node``: a stream whose job is done sends it
+    on its own connection (no hand-back to the pool and taking again, no new stream)."""
+    while pending and pending[-1].node == node:
+        job = pending.pop()
+        if launch(job):
+            job.started = True
+            return job
+    return None
+
+
+def _send(job: GetJob, conn: Conn) -> None:
+    conn.begin()
+    conn.send([command(b"GET", k) for k in job.rkeys])
+
+
 def _start(job: GetJob, pool: NodePool, conn: Conn) -> _Stream | None:
     """Send the job's pipeline on ``conn``; None (the job failed, ``conn`` discarded) when
     that fails."""
     try:
-        conn.begin()
-        conn.send([command(b"GET", k) for k in job.rkeys])
+        _send(job, conn)
     except Exception as exc:   # the job's failure, reported with it
         pool.discard(conn)
         _failed(job, 0, exc)

@@ -134,3 +134,56 @@ def test_unreachable_server_fails_the_job_without_starting_it(tmp_path: Path) ->
     job = run(NodeAddr(str(tmp_path / "nobody.sock"), 0, unix=True), 1, reads)
     assert isinstance(job.error, OSError) and job.started
     assert reads.replies == [(0, job.error)]
+
+
+def _jobs(addr: NodeAddr, reads: list[Reads]) -> list[GetJob]:
+    return [GetJob(addr, [b"k%d" % i], HEAD, r.place, r.done, i, large=True)
+            for i, r in enumerate(reads)]
+
+
+def test_a_servers_jobs_follow_each_other_on_one_connection(tmp_path: Path) -> None:
+    """A stream whose job is done sends the next job for the same server on its own
+    connection: one connection serves them all, each value lands in its own buffer."""
+    values = [os.urandom(70_000 + i) for i in range(4)]
+    accepted: list[int] = []
+
+    def script(conn: socket.socket) -> None:
+        accepted.append(1)
+        conn.sendall(bulk(values[0]))
+        for value in values[1:]:
+            if not conn.recv(1 << 16):   # the next job's GET, on this same connection
+                return
+            conn.sendall(bulk(value))
+        time.sleep(0.2)
+
+    reads = [Reads([len(v) - HEAD]) for v in values]
+    with peer(tmp_path, script) as addr:
+        pool = NodePool(addr, ConnOptions(connect_timeout_s=1.0, op_timeout_s=2.0), 2)
+        jobs = _jobs(addr, reads)
+        try:
+            read_jobs(jobs, lambda _a: pool, 1, lambda _j: True)
+        finally:
+            pool.close()
+    assert [j.error for j in jobs] == [None] * 4 and all(j.started for j in jobs)
+    assert accepted == [1]
+    for value, r in zip(values, reads, strict=True):
+        assert r.replies == [(0, len(value))] and bytes(r.bufs[0] or b"") == value[HEAD:]
+
+
+def test_a_connection_lost_between_jobs_fails_only_the_next_job(tmp_path: Path) -> None:
+    first = os.urandom(70_000)
+
+    def script(conn: socket.socket) -> None:
+        conn.sendall(bulk(first))   # then hang up before the next job's reply
+
+    reads = [Reads([70_000 - HEAD]), Reads([70_000 - HEAD])]
+    with peer(tmp_path, script) as addr:
+        pool = NodePool(addr, ConnOptions(connect_timeout_s=1.0, op_timeout_s=2.0), 2)
+        jobs = _jobs(addr, reads)
+        try:
+            read_jobs(jobs, lambda _a: pool, 1, lambda _j: True)
+        finally:
+            pool.close()
+    assert jobs[0].error is None and reads[0].replies == [(0, 70_000)]
+    assert bytes(reads[0].bufs[0] or b"") == first[HEAD:]
+    assert isinstance(jobs[1].error, OSError) and reads[1].replies == [(0, jobs[1].error)]
