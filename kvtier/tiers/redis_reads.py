@@ -136,15 +136,16 @@ class RedisReads(RedisLink):
         """Every batch's pipelines read by one worker thread, ``window`` connections at a
         time (kvtier.tiers.redis_mux): one GIL handoff per read, not one per receive."""
         rkeys = [self._rkey(k) for k in keys]
+        nodes = [self._router.node_for(k) for k in rkeys]
+        unserved = next((i for i, node in enumerate(nodes) if node is None), len(keys))
         batches: list[tuple[NodeAddr, list[int]]] = []
-        unserved = len(keys)
-        for lo, hi in bounds:
-            for node, idx in self._router.group(rkeys[lo:hi]).items():
-                if node is None:
-                    unserved = min(unserved, lo + idx[0])
-                else:
-                    batches.append((node, [lo + i for i in idx]))
-        batches = [b for b in batches if b[1][0] < unserved]
+        for lo, hi in bounds:   # each run's keys per server, in order, up to the unserved
+            per: dict[NodeAddr, list[int]] = {}
+            for i in range(lo, min(hi, unserved)):
+                node = nodes[i]
+                assert node is not None
+                per.setdefault(node, []).append(i)
+            batches += per.items()
         try:
             reads, failures = await self._in_thread(
                 lambda: read_blocks_muxed(batches, rkeys, keys, outs, namespace, layout_fp,
