@@ -13,10 +13,12 @@ thread per pipeline (kvtier.tiers.redis_reads).
 A job is one pipeline to one server. Jobs start in order, at most ``width`` at a time, each
 on its own pooled connection, as long as ``launch(job)`` agrees (a read that met a miss
 starts nothing past it); a connection whose job is done goes on with the next job when
-that is for the same server. A read's first pipeline always gets a connection; the others only
-while the server's pool has some to spare (``NodePool.limit``, ``redis.max_connections``),
-so concurrent reads share a bounded number of connections. A connection that fails or
-passes its deadline fails its job and is discarded; every other job goes on.
+that is for the same server (a read keeps the connections it holds while it has work for
+them). A read's first pipeline always gets a connection, so a concurrent read is never
+shut out; the others only while the server's pool has some to spare (``NodePool.limit``,
+``redis.max_connections``), so concurrent reads share a bounded number of connections. A
+connection that fails or passes its deadline fails its job and is discarded; every other
+job goes on.
 """
 
 from __future__ import annotations
