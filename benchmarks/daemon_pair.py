@@ -80,6 +80,7 @@ class DaemonPair:
             s2 = watch.snap(self.pids[1])
             t2 = time.perf_counter()
             assert self.cb.lookup(self.ns_b, keys).hits == self.k
+            t_lookup = time.perf_counter()
             if views:
                 got = self.cb.prepare_get(self.ns_b, keys)
                 t3 = time.perf_counter()
@@ -101,6 +102,8 @@ class DaemonPair:
                 store_s = (t_prep - t0) + (t1 - t_copy) if views else t1 - t0
                 times.setdefault(path + "_store", []).append(store_s)
                 times.setdefault(path + "_load", []).append(load_s)
+                # the lookup alone (its part of both kinds of load): B's own share
+                times.setdefault("lookup_load", []).append(t_lookup - t2)
                 # (a views round's CPU holds the copy and the read it does not time)
                 watch.record(path + "_store", s0, s1, cpu=not views)
                 watch.record(path + "_load", s2, s3, cpu=not views)
