@@ -258,15 +258,11 @@ def read_jobs(jobs: Sequence[GetJob], pool_of: Callable[[NodeAddr], NodePool], w
                 if finished:
                     nxt = _next_job(stream.job.node, pending, launch)
                     if nxt is not None:   # sent on the same connection: keep polling it
+                        stream.reset(nxt)
                         try:
                             _send(nxt, stream.conn)
-                        except Exception as exc:   # the new job's failure
-                            _failed(nxt, 0, exc)
-                            poller.unregister(fd)
-                            del active[fd]
-                            pool_of(nxt.node).discard(stream.conn)
-                            continue
-                        stream.reset(nxt)
+                        except Exception as exc:   # the new job's failure, at its first reply
+                            fail(stream, exc)
                         continue
                     poller.unregister(fd)
                     del active[fd]

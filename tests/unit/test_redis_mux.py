@@ -39,15 +39,21 @@ class Reads:
         self.replies.append((i, reply))
 
 
-def run(addr: NodeAddr, n_keys: int, reads: Reads, timeout_s: float = 2.0,
-        large: bool = False) -> GetJob:
+def read_all(addr: NodeAddr, jobs: list[GetJob], width: int = 4,
+             timeout_s: float = 2.0) -> None:
+    """``read_jobs`` of ``jobs`` over a fresh pool of connections to ``addr``."""
     pool = NodePool(addr, ConnOptions(connect_timeout_s=1.0, op_timeout_s=timeout_s), 2)
-    job = GetJob(addr, [b"k%d" % i for i in range(n_keys)], HEAD, reads.place, reads.done,
-                 large=large)
     try:
-        read_jobs([job], lambda _a: pool, 4, lambda _j: True)
+        read_jobs(jobs, lambda _a: pool, width, lambda _j: True)
     finally:
         pool.close()
+
+
+def run(addr: NodeAddr, n_keys: int, reads: Reads, timeout_s: float = 2.0,
+        large: bool = False) -> GetJob:
+    job = GetJob(addr, [b"k%d" % i for i in range(n_keys)], HEAD, reads.place, reads.done,
+                 large=large)
+    read_all(addr, [job], timeout_s=timeout_s)
     return job
 
 
@@ -158,12 +164,8 @@ def test_a_servers_jobs_follow_each_other_on_one_connection(tmp_path: Path) -> N
 
     reads = [Reads([len(v) - HEAD]) for v in values]
     with peer(tmp_path, script) as addr:
-        pool = NodePool(addr, ConnOptions(connect_timeout_s=1.0, op_timeout_s=2.0), 2)
         jobs = _jobs(addr, reads)
-        try:
-            read_jobs(jobs, lambda _a: pool, 1, lambda _j: True)
-        finally:
-            pool.close()
+        read_all(addr, jobs, width=1)
     assert [j.error for j in jobs] == [None] * 4 and all(j.started for j in jobs)
     assert accepted == [1]
     for value, r in zip(values, reads, strict=True):
@@ -178,12 +180,8 @@ def test_a_connection_lost_between_jobs_fails_only_the_next_job(tmp_path: Path) 
 
     reads = [Reads([70_000 - HEAD]), Reads([70_000 - HEAD])]
     with peer(tmp_path, script) as addr:
-        pool = NodePool(addr, ConnOptions(connect_timeout_s=1.0, op_timeout_s=2.0), 2)
         jobs = _jobs(addr, reads)
-        try:
-            read_jobs(jobs, lambda _a: pool, 1, lambda _j: True)
-        finally:
-            pool.close()
+        read_all(addr, jobs, width=1)
     assert jobs[0].error is None and reads[0].replies == [(0, 70_000)]
     assert bytes(reads[0].bufs[0] or b"") == first[HEAD:]
     assert isinstance(jobs[1].error, OSError) and reads[1].replies == [(0, jobs[1].error)]
