@@ -264,9 +264,10 @@ def _bench_size(args: argparse.Namespace, server: RedisServer, tmp: Path, size: 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
     exe = find_redis_server()
-    if args.redis_server:   # absolute: the server starts in its own working directory
+    if args.redis_server:   # absolute, not resolved: Debian's redis-server is a
+        # symlink to redis-check-rdb, which acts by the name it runs as
         given = args.redis_server
-        exe = str(given.resolve()) if given.exists() else shutil.which(str(given))
+        exe = str(given.absolute()) if given.exists() else shutil.which(str(given))
         if exe is None:
             raise SystemExit(f"--redis-server {given}: no such file, and no such program on PATH")
     if exe is None:
