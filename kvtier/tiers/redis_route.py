@@ -94,6 +94,23 @@ class Router:
             groups.setdefault(self.node_for(rkey), []).append(i)
         return groups
 
+    def redirect(self, reply: ErrorReply) -> tuple[NodeAddr, bool] | None:
+        """Where a ``MOVED slot host:port`` or ``ASK slot host:port`` reply sends a key, and
+        whether it is an ASK (the slot is being migrated: ask there behind an ASKING); None
+        for any other reply, or a server this cluster's slot map never named or that failed:
+        a redirect is only followed to a known member, never to wherever a reply says (a
+        connection sends the password first)."""
+        parts = reply.split()
+        if len(parts) != 3 or parts[0] not in ("MOVED", "ASK") or not parts[1].isdigit():
+            return None
+        host, sep, port = parts[2].rpartition(":")
+        if not (sep and host and port.isdigit()):
+            return None
+        addr = NodeAddr(host.strip("[]"), int(port))
+        if addr not in self._known or addr in self.failed:
+            return None
+        return addr, parts[0] == "ASK"
+
     def masters(self) -> list[NodeAddr]:
         """Servers that own slots (the one server outside a cluster)."""
         if not self.cluster:

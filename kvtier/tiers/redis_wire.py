@@ -15,7 +15,9 @@ with one ``recv_into(MSG_WAITALL)`` and a pipeline sent with one ``sendmsg``, in
 poll and a partial read or write per socket-buffer's worth with the GIL taken back each time
 (Python's socket timeouts make the descriptor non-blocking).
 A connection that failed in any way mid-command is closed, never reused
-(kvtier.tiers.redis_pool keeps the idle ones per server).
+(kvtier.tiers.redis_pool keeps the idle ones per server). With ``asking`` set, every command
+goes out behind an ASKING (a Redis Cluster slot being migrated: the key is asked for at the
+slot's new owner before the move is over) and its +OK is read and checked.
 """
 
 from __future__ import annotations
@@ -44,16 +46,18 @@ SEND_PIECE_BYTES = 1 << 20     # a SET pipeline is sent in pieces of about this 
 _TIMEVAL = struct.Struct("@ll")   # struct timeval for SO_RCVTIMEO / SO_SNDTIMEO
 _REARM_S = 0.02                   # a kernel timeout is set again at most this often
 _SMALL = 4096                     # reads up to this size go through the read buffer
+_ASKING = command(b"ASKING")
 
 
 class Conn:
     """One blocking RESP connection (see the module docstring)."""
 
     __slots__ = ("_armed", "_buf", "_deadline", "_hi", "_lo", "_lowat", "_op_timeout", "_plain",
-                 "_sock", "_tcp", "addr")
+                 "_sock", "_tcp", "addr", "asking")
 
     def __init__(self, addr: NodeAddr, opts: ConnOptions) -> None:
         self.addr = addr
+        self.asking = False   # send each command behind an ASKING (see the module docstring)
         if addr.unix:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(opts.connect_timeout_s)
@@ -371,11 +375,30 @@ class Conn:
 
     # --- commands -------------------------------------------------------------------------
 
+    def _ask(self, cmds: Sequence[bytes]) -> Sequence[bytes]:
+        """``cmds``, each behind an ASKING while ``asking``."""
+        return [_ASKING + c for c in cmds] if self.asking else cmds
+
+    def _asked(self) -> None:
+        """Read the +OK of the ASKING before a reply (while ``asking``)."""
+        if self.asking and (reply := self.read_reply()) != "OK":
+            raise ProtocolError(f"redis {self.addr} answered ASKING with {reply!r}")
+
+    def _replies(self, n: int) -> list[Any]:
+        """``n`` replies (each after its ASKING's +OK while ``asking``)."""
+        if not self.asking:
+            return [self.read_reply() for _ in range(n)]
+        replies = []
+        for _ in range(n):
+            self._asked()
+            replies.append(self.read_reply())
+        return replies
+
     def simple_many(self, cmds: Sequence[bytes]) -> list[Any]:
         """Send pre-encoded small commands in one write; read one reply each."""
         self.begin()
-        self.send(cmds)
-        return [self.read_reply() for _ in cmds]
+        self.send(self._ask(cmds))
+        return self._replies(len(cmds))
 
     def set_many(self, keys: Sequence[bytes],
                  parts_of: Callable[[int], Sequence[bytes | bytearray | memoryview]],
@@ -396,36 +419,43 @@ class Conn:
         for i, key in enumerate(keys):
             parts = parts_of(i)
             size = sum(memoryview(p).nbytes for p in parts)
-            bufs.append(b"%s$3\r\nSET\r\n%s%s\r\n$%d\r\n" % (argc, _bulk(key), key, size))
+            bufs.append(b"%s%s$3\r\nSET\r\n%s%s\r\n$%d\r\n" % (
+                _ASKING if self.asking else b"", argc, _bulk(key), key, size))
             bufs += parts
             bufs.append(CRLF + expiry)
             pending += size
             if pending >= SEND_PIECE_BYTES or i == len(keys) - 1:
                 self.send(bufs)
                 bufs, pending = [], 0
-        return [self.read_reply() for _ in keys]
+        return self._replies(len(keys))
 
     def getrange_into(self, key: bytes, start: int, dest: memoryview) -> int | ErrorReply | None:
         """GETRANGE of ``dest.nbytes`` bytes from ``start``, received straight into
         ``dest`` (``read_value``); the length of the reply (``dest`` is filled only when it
         is exact)."""
         self.begin()
-        self.send([command(b"GETRANGE", key, b"%d" % start,
-                           b"%d" % (start + dest.nbytes - 1))])
+        self.send(self._ask([command(b"GETRANGE", key, b"%d" % start,
+                                     b"%d" % (start + dest.nbytes - 1))]))
+        self._asked()
         return self.read_value(0, 0, lambda _i, _head, n: dest if n == dest.nbytes else None)
 
     def get_exact(self, key: bytes, dest: memoryview) -> int | ErrorReply | None:
         """GET a value received straight into ``dest``; the value's length (``dest`` is
         filled only when it is exact), None when missing."""
         self.begin()
-        self.send([command(b"GET", key)])
+        self.send(self._ask([command(b"GET", key)]))
+        self._asked()
         return self.read_value(0, 0, lambda _i, _head, n: dest if n == dest.nbytes else None)
 
     def get_many(self, keys: Sequence[bytes], head: int, place: Placer) -> list[Any]:
         """Pipelined GETs; each value lands where ``place`` says (see ``read_value``)."""
         self.begin()
-        self.send([command(b"GET", k) for k in keys])
-        return [self.read_value(i, head, place) for i in range(len(keys))]
+        self.send(self._ask([command(b"GET", k) for k in keys]))
+        values = []
+        for i in range(len(keys)):
+            self._asked()
+            values.append(self.read_value(i, head, place))
+        return values
 
 
 def _advance(views: list[memoryview], sent: int) -> None:
