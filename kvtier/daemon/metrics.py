@@ -32,6 +32,8 @@ _TIER_COUNTERS = {
     "bytes_written": ("kvtier_tier_written_bytes", "Bytes written to this tier"),
     "errors": ("kvtier_tier_errors", "I/O or connection errors of this tier"),
     "dropped_writes": ("kvtier_dropped_writes", "Pending writes dropped under backpressure"),
+    "redirects": ("kvtier_redis_redirects", "Keys asked again at the server a Redis Cluster "
+                  "MOVED or ASK named (slot moved or being migrated)"),
 }
 
 

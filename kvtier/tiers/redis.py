@@ -246,6 +246,7 @@ class RedisTier(RedisWrites):
             "consecutive_failures": self._consecutive_failures,
             "unserved_slots": self._router.unserved_slots() if self._up else 0,
             "failed_servers": sorted(str(a) for a in self._router.failed),
+            "redirects": self.redirects,
             "last_heal_s": self.last_heal_s,
             "codec": self.cfg.codec,
             "codec_current": current.name.lower(),

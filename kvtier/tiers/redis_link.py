@@ -87,6 +87,7 @@ class RedisLink:
         self._server_max = 0
         self._server_keys = 0
         self.namespace_mismatches = 0          # frames found under another namespace
+        self.redirects = 0                     # keys asked again where MOVED/ASK said
 
     def use_layouts(self, layout_of: Callable[[bytes], KVLayout | None]) -> None:
         """Where block layouts come from (the store's namespace registry, ``layout``): each
@@ -168,7 +169,51 @@ class RedisLink:
 
         groups = self._router.group(rkeys)
         await asyncio.gather(*(one(node, idx) for node, idx in groups.items()))
+        if self._cluster:
+            await self._follow_redirects(results, fn, holds_buffers)
         return results
+
+    async def _follow_redirects(self, results: list[Any],
+                                fn: Callable[[Conn, list[int]], Sequence[Any]],
+                                holds_buffers: bool) -> None:
+        """Ask once more, at the server named, for each key whose result is a MOVED or ASK
+        redirect to a known cluster member (an ASK behind an ASKING: its slot is being
+        migrated and only this exchange goes there); its result is replaced by that
+        answer. A MOVED also reloads the slot map (in the background). Results are
+        replies, or values carrying one in ``error`` (a block read's)."""
+        hops: dict[tuple[NodeAddr, bool], list[int]] = {}
+        moved = False
+        for i, result in enumerate(results):
+            reply = result if isinstance(result, ErrorReply) else getattr(result, "error", None)
+            if not isinstance(reply, ErrorReply) or reply.kind not in ("MOVED", "ASK"):
+                continue
+            moved = moved or reply.kind == "MOVED"
+            hop = self._router.redirect(reply)
+            if hop is not None:
+                hops.setdefault(hop, []).append(i)
+        if moved:
+            self._start_reconnect()
+
+        async def follow(node: NodeAddr, asking: bool, idx: list[int]) -> None:
+            def run(conn: Conn) -> Sequence[Any]:
+                conn.asking = asking
+                answer = fn(conn, idx)
+                conn.asking = False   # (a failed exchange discards the connection)
+                return answer
+
+            pool = self._router.pool(node)
+            try:
+                replies = await self._in_thread(lambda: pool.run(run),
+                                                holds_buffers=holds_buffers)
+            except Exception as exc:   # the redirect's own results stand
+                self._failed(exc, node)
+                return
+            self.redirects += len(idx)
+            for i, reply in zip(idx, replies, strict=True):
+                results[i] = reply
+
+        await asyncio.gather(*(follow(node, asking, idx)
+                               for (node, asking), idx in hops.items()))
 
     async def _monitor_loop(self) -> None:
         rounds = 0

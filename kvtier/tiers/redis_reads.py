@@ -110,25 +110,48 @@ class RedisReads(RedisLink):
         if not n or not self._up:
             self.counters.miss_blocks += n
             return 0
-        muxed = self._router.opts.tls is None and not any(ranged(o.nbytes) for o in outs[:n])
-        bounds = _batches([o.nbytes for o in outs[:n]], GET_BATCH_KEYS,
+        filled = 0
+        routed = False
+        while True:
+            reads = await self._read_run(keys[filled:n], outs[filled:n], namespace, layout_fp,
+                                         routed=routed)
+            bad: BlockRead | None = None
+            for read in reads:
+                if read.status is not ReadStatus.OK:
+                    bad = read
+                    break
+                self._count_read(read, filled, checksums)
+                filled += 1
+            if bad is not None and not routed and _redirected(bad):
+                # a cluster slot moved or is moving: the muxed reader does not follow
+                # redirects, the routed reads (a batch per server) do; the rest goes so
+                routed = True
+                continue
+            if bad is not None:
+                await self._settle_read(bad, self._rkey(keys[filled]))
+            break
+        self.counters.hit_blocks += filled
+        self.counters.miss_blocks += n - filled
+        return filled
+
+    def _count_read(self, read: BlockRead, j: int, checksums: list[int | None] | None) -> None:
+        if checksums is not None:
+            checksums[j] = read.checksum
+        self.counters.bytes_read += read.wire
+
+    async def _read_run(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                        namespace: bytes, layout_fp: int, *, routed: bool) -> list[BlockRead]:
+        """The leading reads of ``keys``, up to and with the first that is not OK: muxed
+        over plain connections, else (TLS, large blocks, or ``routed``) a worker thread
+        per batch, through ``_per_server``, which follows cluster redirects."""
+        muxed = not routed and self._router.opts.tls is None and \
+            not any(ranged(o.nbytes) for o in outs)
+        bounds = _batches([o.nbytes for o in outs], GET_BATCH_KEYS,
                           MUX_BATCH_BYTES if muxed else GET_BATCH_BYTES)
         biggest = max(sum(o.nbytes for o in outs[lo:hi]) for lo, hi in bounds)
         window = self._window(biggest)
         reader = self._read_muxed if muxed else self._read_windowed
-        reads = await reader(keys[:n], outs[:n], bounds, window, namespace, layout_fp)
-        filled = 0
-        for j, read in enumerate(reads):
-            if read.status is not ReadStatus.OK:
-                await self._settle_read(read, self._rkey(keys[j]))
-                break
-            if checksums is not None:
-                checksums[j] = read.checksum
-            filled += 1
-            self.counters.bytes_read += read.wire
-        self.counters.hit_blocks += filled
-        self.counters.miss_blocks += n - filled
-        return filled
+        return await reader(keys, outs, bounds, window, namespace, layout_fp)
 
     async def _read_muxed(self, keys: Sequence[bytes], outs: Sequence[memoryview],
                           bounds: list[tuple[int, int]], window: int, namespace: bytes,
@@ -239,6 +262,11 @@ class RedisReads(RedisLink):
         self.counters.evicted(EvictionReason.CORRUPT)
         log.warning("redis tier: corrupt frame at %r deleted (%s)", rkey, why)
         await self._per_server([rkey], lambda c, idx: c.simple_many([command(b"DEL", rkey)]))
+
+
+def _redirected(read: BlockRead) -> bool:
+    """Whether a read ended on a cluster redirect (MOVED or ASK)."""
+    return read.error is not None and read.error.kind in ("MOVED", "ASK")
 
 
 def _batches(sizes: Sequence[int], max_keys: int, max_bytes: int) -> list[tuple[int, int]]:

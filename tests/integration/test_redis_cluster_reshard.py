@@ -1,0 +1,175 @@
+"""Redis Cluster resharding under the Redis tier (3 real masters): slots moved from one
+master to another with CLUSTER SETSLOT and MIGRATE, as ``redis-cli --cluster reshard``
+does. While a slot is being migrated its moved keys answer ASK and new keys are written at
+the new owner; once it has moved, the old owner answers MOVED. The tier follows both, so
+no block misses and no write is dropped for it, every read is exact, and the slot map is
+reloaded after a MOVED. A redirect is followed only to a member of the cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr
+from kvtier.tiers.redis_route import Router
+from tests.integration.test_redis_cluster_failover import (
+    BLOCK,
+    CLUSTER_ARGS,
+    LAYOUT_FP,
+    NS,
+    make_blocks,
+    read_each,
+    running,
+    slot_of,
+)
+from tests.support.redis_servers import LocalCluster, RedisServer, _node_id, running_cluster
+
+REFRESH_BOUND_S = 10.0   # the slot map is reloaded in the background after a MOVED
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    with running_cluster(tmp_path / "cluster", 3, extra_args=CLUSTER_ARGS) as c:
+        yield c
+
+
+def rkey(key: bytes) -> bytes:
+    return b"kvtier:" + key.hex().encode()
+
+
+def keys_in_slots(slots: set[int], n: int) -> list[bytes]:
+    """``n`` fresh block keys whose Redis keys fall in ``slots``."""
+    rng = np.random.default_rng(11)
+    found: list[bytes] = []
+    for _ in itertools.count():
+        key = rng.bytes(16)
+        if slot_of(key) in slots:
+            found.append(key)
+            if len(found) == n:
+                return found
+    raise AssertionError("unreachable")
+
+
+def migrate(src: RedisServer, dst: RedisServer, keys: list[bytes]) -> None:
+    with contextlib.closing(src.client()) as c:
+        for key in keys:
+            c.execute_command("MIGRATE", "127.0.0.1", dst.port, key, 0, 5000)
+
+
+def held_while_importing(node: RedisServer, key: bytes) -> bool:
+    """Whether ``node`` holds ``key`` of a slot it is importing (asked behind an ASKING)."""
+    with contextlib.closing(node.client()) as c:
+        pipe = c.pipeline(transaction=False)
+        pipe.execute_command("ASKING")
+        pipe.execute_command("EXISTS", key)
+        return bool(pipe.execute()[1])
+
+
+async def read_chain(tier: RedisTier, keys: list[bytes], data: dict[bytes, bytes]) -> int:
+    """One get of the whole chain (the muxed reader); every block filled must be exact."""
+    outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+    got = await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP)
+    for key, out in zip(keys[:got], outs[:got], strict=True):
+        assert bytes(out) == data[key], "a read returned wrong bytes"
+    return got
+
+
+async def test_slots_moving_between_masters_are_followed_never_wrong(
+        cluster: LocalCluster) -> None:
+    keys, payloads = make_blocks(60)
+    data = dict(zip(keys, payloads, strict=True))
+    async with running(cluster.url) as tier:
+        for key, payload in data.items():
+            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+        assert await tier.flush(timeout=20)
+        assert await read_chain(tier, keys, data) == len(keys)
+
+        src = cluster.master_of_slot(slot_of(keys[0]))
+        dst = next(n for n in cluster.nodes if n is not src)
+        moving = [k for k in keys if cluster.master_of_slot(slot_of(k)) is src]
+        slots = {slot_of(k) for k in moving}
+        src_id, dst_id = _node_id(src), _node_id(dst)
+        with contextlib.closing(src.client()) as cs, contextlib.closing(dst.client()) as cd:
+            for slot in slots:
+                cd.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+                cs.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        moved_half = moving[: len(moving) // 2]
+        migrate(src, dst, [rkey(k) for k in moved_half])
+
+        # mid-migration: the moved keys answer ASK at the old owner; followed, not missed
+        assert await read_chain(tier, keys, data) == len(keys)
+        assert all(await read_each(tier, keys, data))
+        assert await tier.exists_prefix(keys, namespace=NS) == len(keys)
+        asked = tier.redirects
+        assert asked >= len(moved_half)
+        # new blocks of migrating slots are written at the new owner (ASK), none dropped
+        fresh_keys = keys_in_slots(slots, 4)
+        fresh = {k: np.random.default_rng(i).bytes(BLOCK) for i, k in enumerate(fresh_keys)}
+        for key, payload in fresh.items():
+            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+        assert await tier.flush(timeout=20)
+        assert tier.counters.dropped_writes == 0
+        assert all(held_while_importing(dst, rkey(k)) for k in fresh_keys)
+        assert all(await read_each(tier, fresh_keys, fresh))
+
+        # the migration ends: every key of the slots moves, the slots change owner
+        with contextlib.closing(src.client()) as cs:
+            for slot in slots:
+                while batch := cs.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                    migrate(src, dst, batch)
+        for node in cluster.nodes:
+            with contextlib.closing(node.client()) as c:
+                for slot in slots:
+                    c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        moved_at = time.monotonic()
+        # at once: the old owner answers MOVED, followed; nothing misses
+        assert await read_chain(tier, keys, data) == len(keys)
+        assert all(await read_each(tier, list(fresh), fresh))
+        # and the slot map is reloaded: reads stop being redirected
+        settled = None
+        while time.monotonic() - moved_at < REFRESH_BOUND_S:
+            before = tier.redirects
+            assert await read_chain(tier, keys, data) == len(keys)
+            if tier.redirects == before:
+                settled = time.monotonic() - moved_at
+                break
+            await asyncio.sleep(0.05)
+        assert settled is not None, "the slot map was not reloaded after MOVED replies"
+        print(f"\nreshard: {len(slots)} slots moved; {tier.redirects} redirects followed, "
+              f"slot map reloaded {settled:.2f} s after the move")
+
+        # writes after the move go to the new owner directly
+        more = dict(zip(*make_blocks(70), strict=True))
+        late = {k: more[k] for k in list(more)[60:]}
+        for key, payload in late.items():
+            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+        assert await tier.flush(timeout=20)
+        assert all(await read_each(tier, list(late), late))
+        stats = tier.stats_extra()
+        assert stats["redirects"] == tier.redirects and stats["unserved_slots"] == 0
+        assert tier.counters.checksum_failures == 0 and tier.counters.dropped_writes == 0
+        assert tier.counters.errors == 0, tier.last_error
+
+
+def test_a_redirect_is_followed_only_to_a_member_of_the_cluster() -> None:
+    seed = NodeAddr("127.0.0.1", 7000)
+    router = Router(seed, ConnOptions(connect_timeout_s=1.0, op_timeout_s=1.0), cluster=True,
+                    pool_size=1)
+    assert router.redirect(ErrorReply("MOVED 3999 127.0.0.1:7000")) == (seed, False)
+    assert router.redirect(ErrorReply("ASK 3999 127.0.0.1:7000")) == (seed, True)
+    for reply in ("MOVED 3999 10.9.8.7:7000",     # not a member: never connected to
+                  "ASK 3999 127.0.0.1:7001",
+                  "MOVED 3999 :7000",              # no host named
+                  "MOVED x 127.0.0.1:7000", "MOVED 3999", "ERR wrong 127.0.0.1:7000",
+                  "CLUSTERDOWN The cluster is down"):
+        assert router.redirect(ErrorReply(reply)) is None, reply
+    router.mark_failed(seed)
+    assert router.redirect(ErrorReply("MOVED 3999 127.0.0.1:7000")) is None
