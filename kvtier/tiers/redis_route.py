@@ -201,12 +201,16 @@ class Router:
             return None
         try:
             conn.begin()
-            (reply,) = conn.simple_many([command(b"CLUSTER", b"SLOTS")])
+            reply, members = conn.simple_many([command(b"CLUSTER", b"SLOTS"),
+                                               command(b"CLUSTER", b"NODES")])
         except OSError as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return None
         finally:
             conn.close()
+        if isinstance(members, bytes):   # members without slots too: a master being added
+            for member in _member_addrs(members, addr.host):   # is where a reshard's ASKs go
+                self._remember(member)
         if isinstance(reply, ErrorReply) or not isinstance(reply, list):
             self.last_error = f"redis {addr} answered CLUSTER SLOTS with {reply}"
             return None
@@ -239,3 +243,17 @@ class Router:
     def close(self) -> None:
         """Close every pooled connection (the tier is closing)."""
         self.drop_pools()
+
+
+def _member_addrs(nodes: bytes, default_host: str) -> list[NodeAddr]:
+    """The addresses of a CLUSTER NODES reply's members (``id host:port@cport[,name]
+    flags ...`` per line), but those without an address or still in a handshake."""
+    out: list[NodeAddr] = []
+    for line in nodes.decode(errors="replace").splitlines():
+        fields = line.split()
+        if len(fields) < 3 or "noaddr" in fields[2] or "handshake" in fields[2]:
+            continue
+        host, sep, port = fields[1].split("@", 1)[0].rpartition(":")
+        if sep and port.isdigit() and int(port) > 0:
+            out.append(NodeAddr(host.strip("[]") or default_host, int(port)))
+    return out

@@ -173,3 +173,37 @@ def test_a_redirect_is_followed_only_to_a_member_of_the_cluster() -> None:
         assert router.redirect(ErrorReply(reply)) is None, reply
     router.mark_failed(seed)
     assert router.redirect(ErrorReply("MOVED 3999 127.0.0.1:7000")) is None
+
+
+async def test_slots_moving_to_a_master_just_added_are_followed(cluster: LocalCluster) -> None:
+    """The usual reshard: a master is added, then slots move to it. The tier has not met it
+    (it owns no slot), so the first ASK towards it is a miss that reloads the slot map,
+    which lists the cluster's members too; from then on the moving slots are followed."""
+    keys, payloads = make_blocks(40)
+    data = dict(zip(keys, payloads, strict=True))
+    async with running(cluster.url) as tier:
+        for key, payload in data.items():
+            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+        assert await tier.flush(timeout=20)
+        new = cluster.add_master()
+        assert await read_chain(tier, keys, data) == len(keys)   # nothing to redirect yet
+
+        src = cluster.master_of_slot(slot_of(keys[0]))
+        moving = [k for k in keys if cluster.master_of_slot(slot_of(k)) is src]
+        slots = {slot_of(k) for k in moving}
+        src_id, new_id = _node_id(src), _node_id(new)
+        with contextlib.closing(src.client()) as cs, contextlib.closing(new.client()) as cn:
+            for slot in slots:
+                cn.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+                cs.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", new_id)
+        migrate(src, new, [rkey(k) for k in moving[: len(moving) // 2]])
+
+        started = time.monotonic()
+        while await read_chain(tier, keys, data) < len(keys):   # misses or exact, meanwhile
+            assert time.monotonic() - started < REFRESH_BOUND_S, \
+                "ASKs towards the new master were never followed"
+            await asyncio.sleep(0.05)
+        assert tier.redirects > 0 and tier.up
+        print(f"\nreshard to a new master: its ASKs followed "
+              f"{time.monotonic() - started:.2f} s after the first")
+        assert tier.counters.checksum_failures == 0

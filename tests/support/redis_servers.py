@@ -188,6 +188,25 @@ class LocalCluster:
 
     nodes: list[RedisServer]                       # masters, slots split evenly
     replicas: list[RedisServer] = field(default_factory=list)  # replicas[i] follows nodes[i]
+    # how its servers were started (redis-server, workdir, node timeout, extra arguments)
+    started: tuple[str, Path, int, tuple[str, ...]] | None = None
+
+    def add_master(self) -> RedisServer:
+        """Start one more cluster server and join it as a master without slots (as an
+        operator adds one before a reshard); it is appended to ``nodes``."""
+        assert self.started is not None, "a cluster assembled by start_cluster"
+        exe, workdir, node_timeout_ms, extra_args = self.started
+        new = _cluster_node(exe, workdir / f"node{len(self.all_nodes)}", node_timeout_ms,
+                            extra_args)
+        try:
+            with contextlib.closing(self.nodes[0].client()) as c:
+                c.execute_command("CLUSTER MEET", "127.0.0.1", new.port)
+            _wait_cluster([*self.all_nodes, new], len(self.all_nodes) + 1)
+        except BaseException:
+            new.stop()
+            raise
+        self.nodes.append(new)
+        return new
 
     @property
     def url(self) -> str:
@@ -264,12 +283,7 @@ def start_cluster(workdir: Path, masters: int = 3, *, replicas: int = 0,
     followers: list[RedisServer] = []
     try:
         def node(name: str) -> RedisServer:
-            port = free_port(cluster=True)
-            # No 5 s pause before a diskless full sync: replicas are in step at once.
-            args = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", str(node_timeout_ms),
-                    "--repl-diskless-sync-delay", "0", *extra_args)
-            return RedisServer(exe, workdir / name, port, args).start()
+            return _cluster_node(exe, workdir / name, node_timeout_ms, extra_args)
 
         for i in range(masters):
             nodes.append(node(f"node{i}"))
@@ -300,11 +314,21 @@ def start_cluster(workdir: Path, masters: int = 3, *, replicas: int = 0,
                     time.sleep(0.1)
         _wait_cluster(nodes + followers, total)
         _wait_replication(followers)
-        return LocalCluster(nodes, followers)
+        return LocalCluster(nodes, followers, (exe, workdir, node_timeout_ms, tuple(extra_args)))
     except BaseException:
         for n in nodes + followers:
             n.stop()
         raise
+
+
+def _cluster_node(exe: str, workdir: Path, node_timeout_ms: int,
+                  extra_args: Sequence[str]) -> RedisServer:
+    port = free_port(cluster=True)
+    # No 5 s pause before a diskless full sync: replicas are in step at once.
+    args = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+            "--cluster-node-timeout", str(node_timeout_ms),
+            "--repl-diskless-sync-delay", "0", *extra_args)
+    return RedisServer(exe, workdir, port, args).start()
 
 
 def _wait_replication(followers: list[RedisServer]) -> None:
