@@ -88,6 +88,7 @@ class RedisLink:
         self._server_keys = 0
         self.namespace_mismatches = 0          # frames found under another namespace
         self.redirects = 0                     # keys asked again where MOVED/ASK said
+        self._learning: asyncio.Future[None] | None = None   # CLUSTER NODES in flight
 
     def use_layouts(self, layout_of: Callable[[bytes], KVLayout | None]) -> None:
         """Where block layouts come from (the store's namespace registry, ``layout``): each
@@ -179,20 +180,33 @@ class RedisLink:
         """Ask once more, at the server named, for each key whose result is a MOVED or ASK
         redirect to a known cluster member (an ASK behind an ASKING: its slot is being
         migrated and only this exchange goes there); its result is replaced by that
-        answer. A MOVED also reloads the slot map (in the background). Results are
+        answer. A MOVED also reloads the slot map (in the background); a server not known
+        yet has the members listed again first (CLUSTER NODES, one round trip). Results are
         replies, or values carrying one in ``error`` (a block read's)."""
-        hops: dict[tuple[NodeAddr, bool], list[int]] = {}
-        moved = False
+        redirects: dict[int, ErrorReply] = {}
         for i, result in enumerate(results):
             reply = result if isinstance(result, ErrorReply) else getattr(result, "error", None)
-            if not isinstance(reply, ErrorReply) or reply.kind not in ("MOVED", "ASK"):
-                continue
-            moved = moved or reply.kind == "MOVED"
+            if isinstance(reply, ErrorReply) and reply.kind in ("MOVED", "ASK"):
+                redirects[i] = reply
+        if not redirects:
+            return
+        if any(r.kind == "MOVED" for r in redirects.values()):
+            self._start_reconnect()
+        if any(self._router.redirect(r) is None for r in redirects.values()):
+            # a server the tier has not met: a master just added to the cluster (one
+            # CLUSTER NODES for every exchange that meets it at once)
+            if self._learning is None or self._learning.done():
+                self._learning = asyncio.ensure_future(
+                    self._in_thread(self._router.learn_members))
+            try:
+                await asyncio.shield(self._learning)
+            except Exception as exc:   # (it catches connection errors itself)
+                self._note_error(exc)
+        hops: dict[tuple[NodeAddr, bool], list[int]] = {}
+        for i, reply in redirects.items():
             hop = self._router.redirect(reply)
             if hop is not None:
                 hops.setdefault(hop, []).append(i)
-        if moved:
-            self._start_reconnect()
 
         async def follow(node: NodeAddr, asking: bool, idx: list[int]) -> None:
             def run(conn: Conn) -> Sequence[Any]:

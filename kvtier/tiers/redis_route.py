@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ssl
 import threading
+import time
 from collections.abc import Sequence
 from enum import Enum
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.crc import key_slot
@@ -25,6 +27,7 @@ from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr, command
 from kvtier.tiers.redis_wire import Conn
 
 CLUSTER_SLOTS = 16384
+LEARN_EVERY_S = 1.0     # CLUSTER NODES asked again for an unknown server at most this often
 
 
 class Reach(str, Enum):
@@ -77,6 +80,7 @@ class Router:
         self._known: list[NodeAddr] = [seed]
         self.failed: set[NodeAddr] = set()
         self.last_error = ""
+        self._learned_at = -LEARN_EVERY_S   # when learn_members last asked
 
     # --- routing --------------------------------------------------------------------------
 
@@ -147,24 +151,46 @@ class Router:
         for pool in pools:
             pool.close()
 
-    def probe(self, addr: NodeAddr) -> bool:
-        """Whether ``addr`` answers PING on a fresh connection (``last_error`` says why not)."""
+    def _exchange(self, addr: NodeAddr, cmds: list[bytes]) -> list[Any] | None:
+        """``cmds``' replies from ``addr`` on a fresh connection, closed after; None when it
+        failed (``last_error`` says why)."""
         try:
             conn = Conn(addr, self.opts)
         except OSError as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
-            return False
+            return None
         try:
             conn.begin()
-            (reply,) = conn.simple_many([command(b"PING")])
+            return conn.simple_many(cmds)
         except OSError as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
-            return False
+            return None
         finally:
             conn.close()
-        if reply != "PONG":
-            self.last_error = f"redis {addr} answered PING with {reply}"
-        return reply == "PONG"
+
+    def probe(self, addr: NodeAddr) -> bool:
+        """Whether ``addr`` answers PING on a fresh connection (``last_error`` says why not)."""
+        replies = self._exchange(addr, [command(b"PING")])
+        if replies is None:
+            return False
+        if replies[0] != "PONG":
+            self.last_error = f"redis {addr} answered PING with {replies[0]}"
+        return replies[0] == "PONG"
+
+    def learn_members(self) -> None:
+        """Remember every member that CLUSTER NODES of the first live master lists (a
+        master just added owns no slot, so only that names it); at most once per
+        ``LEARN_EVERY_S``, however many redirects name an unknown or failed server."""
+        now = time.monotonic()
+        if now - self._learned_at < LEARN_EVERY_S:
+            return
+        self._learned_at = now
+        for addr in [n for n in self.masters() if n not in self.failed]:
+            replies = self._exchange(addr, [command(b"CLUSTER", b"NODES")])
+            if replies is not None and isinstance(replies[0], bytes):
+                for member in _member_addrs(replies[0], addr.host):
+                    self._remember(member)
+                return
 
     def refresh(self) -> Reach:
         """Reload routing and say whether every slot has a live server again.
@@ -194,20 +220,11 @@ class Router:
         return Reach.HEALED if self.unserved_slots() == 0 else Reach.PARTIAL
 
     def _fetch_slots(self, addr: NodeAddr) -> list[NodeAddr | None] | None:
-        try:
-            conn = Conn(addr, self.opts)
-        except OSError as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
+        replies = self._exchange(addr, [command(b"CLUSTER", b"SLOTS"),
+                                        command(b"CLUSTER", b"NODES")])
+        if replies is None:
             return None
-        try:
-            conn.begin()
-            reply, members = conn.simple_many([command(b"CLUSTER", b"SLOTS"),
-                                               command(b"CLUSTER", b"NODES")])
-        except OSError as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            return None
-        finally:
-            conn.close()
+        reply, members = replies
         if isinstance(members, bytes):   # members without slots too: a master being added
             for member in _member_addrs(members, addr.host):   # is where a reshard's ASKs go
                 self._remember(member)
