@@ -101,9 +101,9 @@ class Router:
     def redirect(self, reply: ErrorReply) -> tuple[NodeAddr, bool] | None:
         """Where a ``MOVED slot host:port`` or ``ASK slot host:port`` reply sends a key, and
         whether it is an ASK (the slot is being migrated: ask there behind an ASKING); None
-        for any other reply, or a server this cluster's slot map never named or that failed:
-        a redirect is only followed to a known member, never to wherever a reply says (a
-        connection sends the password first)."""
+        for any other reply, or a server not known as a member (CLUSTER SLOTS and NODES)
+        or marked failed: a redirect is only followed to a known member, never to wherever
+        a reply says (a connection sends the password first)."""
         parts = reply.split()
         if len(parts) != 3 or parts[0] not in ("MOVED", "ASK") or not parts[1].isdigit():
             return None
