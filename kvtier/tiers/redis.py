@@ -12,6 +12,8 @@ slow or gone. Everything here is built so that Redis trouble costs hits, never r
   misses, answered without waiting) and the slot map is reloaded with the same backoff
   until every slot has a live server again (a promoted replica); the tier stays up while
   any server answers. ``stats_extra()`` shows ``unserved_slots`` and ``last_heal_s``.
+  A MOVED or ASK reply (a reshard) is followed once to the member it names, behind an
+  ASKING for an ASK; ``redirects`` counts the keys asked again (docs/redis.md).
 - Block traffic goes over kvtier's own RESP connections (kvtier.tiers.redis_wire), run in
   worker threads, several in flight: a SET is sent from the caller's buffer, a GET lands
   in the caller's buffer; no Python copy of a payload either way. Every exchange is
