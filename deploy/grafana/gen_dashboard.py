@@ -85,7 +85,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             (f"sum by (tier) (increase(kvtier_dropped_writes_total{{{K}}}[{R}]))",
              "{{tier}} dropped writes"),
             (f"sum by (tier) (increase(kvtier_tier_errors_total{{{K}}}[{R}]))",
-             "{{tier}} errors")]),
+             "{{tier}} errors"),
+            (f"sum by (tier) (increase(kvtier_redis_redirects_total{{{K}}}[{R}]))",
+             "{{tier}} cluster redirects followed")]),
         ("nvme write budget", "bytes", [
             (f"kvtier_nvme_write_budget_available_bytes{{{K}}}", "available"),
             (f"kvtier_nvme_write_budget_bytes_per_second{{{K}}}", "per second"),
