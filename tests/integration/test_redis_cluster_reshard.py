@@ -20,7 +20,7 @@ import pytest
 
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr
-from kvtier.tiers.redis_route import Router
+from kvtier.tiers.redis_route import Router, _member_addrs
 from tests.integration.test_redis_cluster_failover import (
     BLOCK,
     CLUSTER_ARGS,
@@ -262,3 +262,17 @@ async def test_redis_cli_reshard_to_a_new_master_under_traffic(cluster: LocalClu
         assert await read_chain(tier, keys, data) == len(keys)
         assert await read_chain(tier, list(written), written) == len(written)
         assert tier.counters.checksum_failures == 0
+
+
+def test_cluster_nodes_members_are_parsed_with_their_addresses() -> None:
+    nodes = (b"07c3 127.0.0.1:30004@31004 slave e7d1 0 1426238317239 4 connected\n"
+             b"67ed 127.0.0.1:30002@31002,node-2.example master - 0 1426238316232 2 "
+             b"connected 5461-10922\n"
+             b"292f :30003@31003 myself,master - 0 0 3 connected 10923-16383\n"
+             b"6ec2 [::1]:30005@31005 master - 0 1426238316232 5 connected\n"
+             b"824f 127.0.0.1:0@0 master,noaddr - 1426238317741 1426238316796 0 disconnected\n"
+             b"9a1b 10.0.0.9:30006@31006 handshake - 0 0 0 connected\n"
+             b"\n")
+    assert _member_addrs(nodes, "10.1.1.1") == [
+        NodeAddr("127.0.0.1", 30004), NodeAddr("127.0.0.1", 30002),
+        NodeAddr("10.1.1.1", 30003), NodeAddr("::1", 30005)]
