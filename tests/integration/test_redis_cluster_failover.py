@@ -37,8 +37,8 @@ def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
 
 
 @contextlib.asynccontextmanager
-async def running(url: str) -> AsyncIterator[RedisTier]:
-    cfg = RedisConfig(enabled=True, url=url, connect_timeout_s=0.5, op_timeout_s=1.0)
+async def running(url: str, op_timeout_s: float = 1.0) -> AsyncIterator[RedisTier]:
+    cfg = RedisConfig(enabled=True, url=url, connect_timeout_s=0.5, op_timeout_s=op_timeout_s)
     tier = RedisTier(dataclasses.replace(cfg))
     await tier.start()
     try:

@@ -223,7 +223,7 @@ async def test_redis_cli_reshard_to_a_new_master_under_traffic(cluster: LocalClu
         pytest.skip("redis-cli not installed (Debian's redis-tools, with redis-server)")
     keys, payloads = make_blocks(200)
     data = dict(zip(keys, payloads, strict=True))
-    async with running(cluster.url) as tier:
+    async with running(cluster.url, op_timeout_s=5.0) as tier:   # (no stall of a busy CI machine)
         for i, (key, payload) in enumerate(data.items()):
             tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
             if i % 50 == 49:   # (the write-behind queue drops the oldest beyond its bound)
