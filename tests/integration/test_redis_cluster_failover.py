@@ -47,6 +47,16 @@ async def running(url: str, op_timeout_s: float = 1.0) -> AsyncIterator[RedisTie
         await tier.close()
 
 
+async def store_all(tier: RedisTier, data: dict[bytes, bytes], *, chunk: int = 50) -> None:
+    """Write every block and wait until Redis holds them: ``chunk`` at a time (the
+    write-behind queue drops the oldest beyond its bound)."""
+    items = list(data.items())
+    for lo in range(0, len(items), chunk):
+        for key, payload in items[lo:lo + chunk]:
+            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
+        assert await tier.flush(timeout=20)
+
+
 def make_blocks(n: int) -> tuple[list[bytes], list[bytes]]:
     rng = np.random.default_rng(5)
     keys = [rng.bytes(16) for _ in range(n)]
@@ -74,9 +84,7 @@ async def test_master_killed_replica_promoted_tier_heals_on_its_own(
     data = dict(zip(keys, payloads, strict=True))
     async with running(cluster.url) as tier:
         assert tier.up and tier.stats_extra()["unserved_slots"] == 0
-        for key, payload in data.items():
-            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-        assert await tier.flush(timeout=20)
+        await store_all(tier, data)
         for master in cluster.nodes:  # every write reached the replicas: reads after the
             with contextlib.closing(master.client()) as c:     # failover can be exact
                 assert c.execute_command("WAIT", 1, 5000) == 1
@@ -112,9 +120,7 @@ async def test_master_killed_replica_promoted_tier_heals_on_its_own(
         # writes go to the promoted replica too
         more, more_data = make_blocks(70)
         fresh = dict(zip(more[60:], more_data[60:], strict=True))
-        for key, payload in fresh.items():
-            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-        assert await tier.flush(timeout=20)
+        await store_all(tier, fresh)
         assert all(await read_each(tier, list(fresh), fresh))
 
 
@@ -127,9 +133,7 @@ async def test_hung_master_its_keys_miss_fast_the_rest_is_served(tmp_path: Path)
     data = dict(zip(keys, payloads, strict=True))
     with running_cluster(tmp_path / "cluster", 3, node_timeout_ms=60_000) as cluster:
         async with running(cluster.url) as tier:
-            for key, payload in data.items():
-                tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-            assert await tier.flush(timeout=20)
+            await store_all(tier, data)
             victim = cluster.master_of_slot(slot_of(keys[0]))
             lost = [k for k in keys if cluster.master_of_slot(slot_of(k)) is victim]
             kept = [k for k in keys if k not in lost]

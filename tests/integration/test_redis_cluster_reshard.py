@@ -30,6 +30,7 @@ from tests.integration.test_redis_cluster_failover import (
     read_each,
     running,
     slot_of,
+    store_all,
 )
 from tests.support.redis_servers import LocalCluster, RedisServer, _node_id, running_cluster
 
@@ -74,6 +75,21 @@ def held_while_importing(node: RedisServer, key: bytes) -> bool:
         return bool(pipe.execute()[1])
 
 
+def start_migration(cluster: LocalCluster, src: RedisServer, dst: RedisServer,
+                    keys: list[bytes]) -> tuple[list[bytes], set[int]]:
+    """Mark the slots of ``keys`` held by ``src`` migrating to ``dst`` (importing there) and
+    move the first half of those keys: (the keys of ``src``, their slots)."""
+    moving = [k for k in keys if cluster.master_of_slot(slot_of(k)) is src]
+    slots = {slot_of(k) for k in moving}
+    src_id, dst_id = _node_id(src), _node_id(dst)
+    with contextlib.closing(src.client()) as cs, contextlib.closing(dst.client()) as cd:
+        for slot in slots:
+            cd.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            cs.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    migrate(src, dst, [rkey(k) for k in moving[: len(moving) // 2]])
+    return moving, slots
+
+
 async def read_chain(tier: RedisTier, keys: list[bytes], data: dict[bytes, bytes]) -> int:
     """One get of the whole chain (the muxed reader); every block filled must be exact."""
     outs = [memoryview(bytearray(BLOCK)) for _ in keys]
@@ -88,22 +104,13 @@ async def test_slots_moving_between_masters_are_followed_never_wrong(
     keys, payloads = make_blocks(60)
     data = dict(zip(keys, payloads, strict=True))
     async with running(cluster.url) as tier:
-        for key, payload in data.items():
-            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-        assert await tier.flush(timeout=20)
+        await store_all(tier, data)
         assert await read_chain(tier, keys, data) == len(keys)
 
         src = cluster.master_of_slot(slot_of(keys[0]))
         dst = next(n for n in cluster.nodes if n is not src)
-        moving = [k for k in keys if cluster.master_of_slot(slot_of(k)) is src]
-        slots = {slot_of(k) for k in moving}
-        src_id, dst_id = _node_id(src), _node_id(dst)
-        with contextlib.closing(src.client()) as cs, contextlib.closing(dst.client()) as cd:
-            for slot in slots:
-                cd.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
-                cs.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        moving, slots = start_migration(cluster, src, dst, keys)
         moved_half = moving[: len(moving) // 2]
-        migrate(src, dst, [rkey(k) for k in moved_half])
 
         # mid-migration: the moved keys answer ASK at the old owner; followed, not missed
         assert await read_chain(tier, keys, data) == len(keys)
@@ -114,9 +121,7 @@ async def test_slots_moving_between_masters_are_followed_never_wrong(
         # new blocks of migrating slots are written at the new owner (ASK), none dropped
         fresh_keys = keys_in_slots(slots, 4)
         fresh = {k: np.random.default_rng(i).bytes(BLOCK) for i, k in enumerate(fresh_keys)}
-        for key, payload in fresh.items():
-            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-        assert await tier.flush(timeout=20)
+        await store_all(tier, fresh)
         assert tier.counters.dropped_writes == 0
         assert all(held_while_importing(dst, rkey(k)) for k in fresh_keys)
         assert all(await read_each(tier, fresh_keys, fresh))
@@ -126,6 +131,7 @@ async def test_slots_moving_between_masters_are_followed_never_wrong(
             for slot in slots:
                 while batch := cs.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
                     migrate(src, dst, batch)
+        dst_id = _node_id(dst)
         for node in cluster.nodes:
             with contextlib.closing(node.client()) as c:
                 for slot in slots:
@@ -150,9 +156,7 @@ async def test_slots_moving_between_masters_are_followed_never_wrong(
         # writes after the move go to the new owner directly
         more = dict(zip(*make_blocks(70), strict=True))
         late = {k: more[k] for k in list(more)[60:]}
-        for key, payload in late.items():
-            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-        assert await tier.flush(timeout=20)
+        await store_all(tier, late)
         assert all(await read_each(tier, list(late), late))
         stats = tier.stats_extra()
         assert stats["redirects"] == tier.redirects and stats["unserved_slots"] == 0
@@ -183,31 +187,20 @@ async def test_slots_moving_to_a_master_just_added_are_followed(cluster: LocalCl
     keys, payloads = make_blocks(40)
     data = dict(zip(keys, payloads, strict=True))
     async with running(cluster.url) as tier:
-        for key, payload in data.items():
-            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-        assert await tier.flush(timeout=20)
+        await store_all(tier, data)
         new = cluster.add_master()
         assert await read_chain(tier, keys, data) == len(keys)   # nothing to redirect yet
         assert tier.redirects == 0
 
         src = cluster.master_of_slot(slot_of(keys[0]))
-        moving = [k for k in keys if cluster.master_of_slot(slot_of(k)) is src]
-        slots = {slot_of(k) for k in moving}
-        src_id, new_id = _node_id(src), _node_id(new)
-        with contextlib.closing(src.client()) as cs, contextlib.closing(new.client()) as cn:
-            for slot in slots:
-                cn.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
-                cs.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", new_id)
-        migrate(src, new, [rkey(k) for k in moving[: len(moving) // 2]])
+        moving, slots = start_migration(cluster, src, new, keys)
 
         assert await read_chain(tier, keys, data) == len(keys)   # the first ASKs followed
         assert tier.redirects >= len(moving) // 2 and tier.up
         # and writes of new blocks of those slots land on the new master
         fresh_keys = keys_in_slots(slots, 3)
         fresh = {k: np.random.default_rng(i).bytes(BLOCK) for i, k in enumerate(fresh_keys)}
-        for key, payload in fresh.items():
-            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-        assert await tier.flush(timeout=20)
+        await store_all(tier, fresh)
         assert tier.counters.dropped_writes == 0
         assert all(held_while_importing(new, rkey(k)) for k in fresh_keys)
         assert tier.counters.checksum_failures == 0 and tier.counters.errors == 0
@@ -224,10 +217,7 @@ async def test_redis_cli_reshard_to_a_new_master_under_traffic(cluster: LocalClu
     keys, payloads = make_blocks(200)
     data = dict(zip(keys, payloads, strict=True))
     async with running(cluster.url, op_timeout_s=5.0) as tier:   # (no stall of a busy CI machine)
-        for i, (key, payload) in enumerate(data.items()):
-            tier.submit(NS, key, LAYOUT_FP, memoryview(payload))
-            if i % 50 == 49:   # (the write-behind queue drops the oldest beyond its bound)
-                assert await tier.flush(timeout=20)
+        await store_all(tier, data)
         assert tier.counters.dropped_writes == 0
         new = cluster.add_master()
         src = cluster.nodes[0]
