@@ -28,7 +28,7 @@ from kvtier.tiers.base import TierCounters
 from kvtier.tiers.redis_client import RedisMode, parse_target
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_queue import DEFAULT_ELEM_BYTES, WriteOutcomes, WriteQueue
-from kvtier.tiers.redis_resp import ErrorReply, NodeAddr, ReplyError, command
+from kvtier.tiers.redis_resp import REDIRECTS, ErrorReply, NodeAddr, ReplyError, command
 from kvtier.tiers.redis_route import Reach, Router, conn_options
 from kvtier.tiers.redis_wire import Conn
 
@@ -38,7 +38,7 @@ DOWN_AFTER_FAILURES = 3           # soft failures (timeouts, error replies) in a
 RECONNECT_BACKOFF = BackoffPolicy(base_s=0.05, cap_s=5.0)   # kvtier.backoff: x2, jitter 0.5
 HEALTH_INTERVAL_S = 1.0           # PING while idle, so `up` falls even without traffic
 STATS_EVERY = 5                   # health rounds between INFO/DBSIZE refreshes
-CLUSTER_REDIRECTS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")  # replies that mean "re-route"
+CLUSTER_REDIRECTS = (*REDIRECTS, "CLUSTERDOWN", "TRYAGAIN")  # replies that mean "re-route"
 
 T = TypeVar("T")
 UNSERVED = object()               # per-key result: no live server for the key's slot
@@ -186,13 +186,14 @@ class RedisLink:
         redirects: dict[int, ErrorReply] = {}
         for i, result in enumerate(results):
             reply = result if isinstance(result, ErrorReply) else getattr(result, "error", None)
-            if isinstance(reply, ErrorReply) and reply.kind in ("MOVED", "ASK"):
+            if isinstance(reply, ErrorReply) and reply.kind in REDIRECTS:
                 redirects[i] = reply
         if not redirects:
             return
         if any(r.kind == "MOVED" for r in redirects.values()):
             self._start_reconnect()
-        if any(self._router.redirect(r) is None for r in redirects.values()):
+        targets = {i: self._router.redirect(r) for i, r in redirects.items()}
+        if None in targets.values():
             # a server the tier has not met: a master just added to the cluster (one
             # CLUSTER NODES for every exchange that meets it at once)
             if self._learning is None or self._learning.done():
@@ -202,9 +203,10 @@ class RedisLink:
                 await asyncio.shield(self._learning)
             except Exception as exc:   # (it catches connection errors itself)
                 self._note_error(exc)
+            targets.update({i: self._router.redirect(redirects[i])
+                            for i, hop in targets.items() if hop is None})
         hops: dict[tuple[NodeAddr, bool], list[int]] = {}
-        for i, reply in redirects.items():
-            hop = self._router.redirect(reply)
+        for i, hop in targets.items():
             if hop is not None:
                 hops.setdefault(hop, []).append(i)
 

@@ -23,7 +23,7 @@ from kvtier.tiers.redis_blocks import (
 )
 from kvtier.tiers.redis_link import UNSERVED, RedisLink, _describe
 from kvtier.tiers.redis_ranged import fetch_ranged, ranged
-from kvtier.tiers.redis_resp import ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_resp import REDIRECTS, ErrorReply, NodeAddr, command
 from kvtier.tiers.redis_wire import Conn
 
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
@@ -266,7 +266,7 @@ class RedisReads(RedisLink):
 
 def _redirected(read: BlockRead) -> bool:
     """Whether a read ended on a cluster redirect (MOVED or ASK)."""
-    return read.error is not None and read.error.kind in ("MOVED", "ASK")
+    return read.error is not None and read.error.kind in REDIRECTS
 
 
 def _batches(sizes: Sequence[int], max_keys: int, max_bytes: int) -> list[tuple[int, int]]:

@@ -22,6 +22,10 @@ class ErrorReply(str):
         return self.split(" ", 1)[0]
 
 
+# Redis Cluster replies that name the server to ask instead (the tier follows them)
+REDIRECTS = ("MOVED", "ASK")
+
+
 class ReplyError(Exception):
     """An error reply seen as a failure (for counting and ``last_error``)."""
 

@@ -23,7 +23,7 @@ from redis.crc import key_slot
 from kvtier.config import RedisConfig
 from kvtier.tiers.redis_client import RedisMode, RedisTarget
 from kvtier.tiers.redis_pool import NodePool
-from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_resp import REDIRECTS, ConnOptions, ErrorReply, NodeAddr, command
 from kvtier.tiers.redis_wire import Conn
 
 CLUSTER_SLOTS = 16384
@@ -105,7 +105,7 @@ class Router:
         or marked failed: a redirect is only followed to a known member, never to wherever
         a reply says (a connection sends the password first)."""
         parts = reply.split()
-        if len(parts) != 3 or parts[0] not in ("MOVED", "ASK") or not parts[1].isdigit():
+        if len(parts) != 3 or parts[0] not in REDIRECTS or not parts[1].isdigit():
             return None
         host, sep, port = parts[2].rpartition(":")
         if not (sep and host and port.isdigit()):
