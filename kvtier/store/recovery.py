@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from kvtier.checksum import checksum as payload_checksum
 from kvtier.frame import FLAG_CHAIN, parent_tag
 from kvtier.index import BlockMeta, SlotState
 from kvtier.tiers.aligned import byte_view
@@ -43,7 +44,6 @@ from kvtier.tiers.journal_format import CommitInfo, CommittedSlot
 from kvtier.tiers.journal_replay import JournalState
 from kvtier.tiers.nvme import NvmeSlot
 from kvtier.tiers.nvme.recovery import Recovered
-from kvtier.tiers.redis_checksum import checksum as payload_checksum
 
 if TYPE_CHECKING:
     from kvtier.store.coordinator import TieredStore

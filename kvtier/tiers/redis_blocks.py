@@ -18,9 +18,9 @@ from enum import Enum
 from typing import Any
 
 from kvtier import codec as codecs
+from kvtier.checksum import verify
 from kvtier.errors import FrameError
 from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, STRIPE_BYTES, Codec, FrameHeader
-from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_mux import LARGE_VALUE_BYTES, GetJob, read_jobs
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_queue import PendingWrite, frame_pending

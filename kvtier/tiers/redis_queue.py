@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvtier import codec as codecs
+from kvtier.checksum import header_for
 from kvtier.frame import FLAG_STRIPED, STRIPED_MIN_BYTES, Codec
-from kvtier.tiers.redis_checksum import header_for
 
 Release = Callable[[], None]
 OnChecksum = Callable[[int | None], None]

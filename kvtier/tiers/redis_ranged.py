@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from kvtier.checksum import verify
 from kvtier.errors import FrameError
 from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, STRIPED_MIN_BYTES
 from kvtier.tiers.redis_blocks import (
@@ -35,7 +36,6 @@ from kvtier.tiers.redis_blocks import (
     judge_header,
     uncompressed,
 )
-from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_stripes import fetch_striped
 from kvtier.tiers.redis_wire import Conn
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtier import codec as codecs
+from kvtier.checksum import verify
 from kvtier.errors import FrameError
 from kvtier.frame import HEADER_SIZE, FrameHeader, stripe_bounds
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.redis_blocks import BlockRead, ReadStatus, header_range, uncompressed
-from kvtier.tiers.redis_checksum import verify
 from kvtier.tiers.redis_queue import PendingWrite
 from kvtier.tiers.redis_resp import ErrorReply, command
 from kvtier.tiers.redis_wire import Conn

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
+from kvtier.checksum import checksum
 from kvtier.config import RedisConfig
 from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_checksum import checksum
 
 NS = bytes(range(16))
 LAYOUT_FP = 0x5EED_C0DE_1234_5678

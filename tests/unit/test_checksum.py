@@ -1,13 +1,13 @@
-"""The Redis tier's GIL-free checksum equals the frame checksum, natively or not."""
+"""The GIL-free checksum equals the frame checksum, natively or not."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from kvtier import checksum as rc
 from kvtier.errors import ChecksumError
 from kvtier.frame import Codec, make_header, payload_checksum
-from kvtier.tiers import redis_checksum as rc
 
 
 @pytest.mark.parametrize("size", [0, 1, 95, 4096, rc.NATIVE_MIN_BYTES - 1,
