@@ -29,11 +29,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import xxhash
 
-from kvtier.checksum import checksum as payload_checksum
+from kvtier.checksum import checksums_in_background
 from kvtier.frame import FLAG_CHAIN, parent_tag
 from kvtier.index import BlockMeta, SlotState
 from kvtier.tiers.aligned import byte_view
@@ -172,7 +172,7 @@ class CommitLog:
                 batch = [(off, gen, info) for off, (gen, info) in queued.items()
                          if journal.generation(off) == gen]
                 views = [self.arena.view(off, info.nbytes) for off, _, info in batch]
-                sums = await loop.run_in_executor(None, _checksums, views)
+                sums = await loop.run_in_executor(None, checksums_in_background, views)
                 self.hashed += len(views)
                 if self.arena.journal is not journal:
                     return
@@ -180,12 +180,6 @@ class CommitLog:
                                      in zip(batch, sums, strict=True)])  # freed: skipped
         finally:
             self._task = None
-
-
-def _checksums(views: list[Any]) -> list[int]:
-    # the frame checksum's function: xxh3-64, blocks of 4 MiB and more hashed without the
-    # GIL (a 32 MiB block would otherwise stall the event loop and the Redis threads)
-    return [payload_checksum(v) for v in views]
 
 
 def _verify(arena: Arena, slots: list[CommittedSlot]) -> list[bool]:

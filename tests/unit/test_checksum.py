@@ -1,6 +1,11 @@
-"""The GIL-free checksum equals the frame checksum, natively or not."""
+"""The checksums equal the frame checksum, natively or not; background hashing of small
+blocks leaves the GIL to other threads."""
 
 from __future__ import annotations
+
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -10,14 +15,15 @@ from kvtier.errors import ChecksumError
 from kvtier.frame import Codec, make_header, payload_checksum
 
 
-@pytest.mark.parametrize("size", [0, 1, 95, 4096, rc.NATIVE_MIN_BYTES - 1,
-                                  rc.NATIVE_MIN_BYTES, 3 * 2**20 + 7])
+@pytest.mark.parametrize("size", [0, 1, 95, 4096, rc.PACKAGE_RELEASES_ABOVE,
+                                  rc.PACKAGE_RELEASES_ABOVE + 1, 3 * 2**20 + 7])
 def test_checksum_equals_frame_checksum(size: int) -> None:
     data = np.random.default_rng(size).integers(0, 256, size, np.uint8)
     want = payload_checksum(data.tobytes())
     assert rc.checksum(data.tobytes()) == want                 # bytes (read-only)
     assert rc.checksum(memoryview(bytearray(data.tobytes()))) == want  # writable slot
     assert rc.checksum(memoryview(data)) == want               # numpy-backed view
+    assert rc.checksums_in_background([data, data.tobytes(), memoryview(data)]) == [want] * 3
 
 
 def test_header_and_verify_match_frame_module() -> None:
@@ -38,3 +44,31 @@ def test_fallback_without_the_native_library(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(rc, "_XXH3", None)
     data = bytes(range(256)) * 1024
     assert not rc.native() and rc.checksum(data) == payload_checksum(data)
+    assert rc.checksums_in_background([data, data[:100]]) == [payload_checksum(data),
+                                                              payload_checksum(data[:100])]
+
+
+@pytest.mark.skipif(not rc.native(), reason="libxxhash is not installed")
+def test_background_hashing_of_small_blocks_lets_other_threads_run() -> None:
+    """With a switch interval longer than the whole job, a thread that held the GIL from
+    block to block would keep this one from waking until it was done; the library's calls
+    release it for each block, so this thread wakes many times while the blocks are
+    hashed (4096 x 64 KiB, one cache-warm buffer: ~10 ms of hashing)."""
+    block = np.random.default_rng(3).integers(0, 256, rc.PACKAGE_RELEASES_ABOVE, np.uint8)
+    blocks = [block] * 4096
+    want = payload_checksum(block)
+    got: list[list[int]] = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        worker = threading.Thread(target=lambda: got.append(rc.checksums_in_background(blocks)))
+        worker.start()
+        wakeups = 0
+        while worker.is_alive():
+            time.sleep(0.0001)   # releases the GIL; waking needs it back
+            wakeups += 1
+        worker.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert got == [[want] * 4096]
+    assert wakeups >= 5, wakeups
