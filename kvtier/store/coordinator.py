@@ -35,6 +35,7 @@ from kvtier.store.ports import ForestPort, HbmPort, MissLogPort, NvmePort, Redis
 from kvtier.store.promoter import Promoter
 from kvtier.store.reads import Reader
 from kvtier.store.recovery import CommitLog, RecoveryCounters, rebuild_nvme_only, recover
+from kvtier.store.slices import Turn
 from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, store_stats
 from kvtier.store.transfers import Transfers
 from kvtier.store.writes import Writer
@@ -259,7 +260,12 @@ class TieredStore:
         mine = [k for k in keys
                 if (m := self.index.get(k)) is not None and not self.ns.foreign(m, ns)]
         before = len(mine)
-        for k in mine:
+        turn = Turn()
+        # tail first: a chain's head deleted first drops all its descendants as orphans
+        # in one go (forget_if_gone), past any pause
+        for i, k in enumerate(reversed(mine)):
+            if turn.due(i):
+                await turn.pause()
             meta = self.index.get(k)
             if meta is None or self.blocks.in_use(meta):
                 continue

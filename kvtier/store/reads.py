@@ -18,6 +18,7 @@ from kvtier.store.leasing import LeaseKeeper
 from kvtier.store.namespaces import NamespaceEntry, NamespaceRegistry
 from kvtier.store.ports import MissLogPort, NvmePort, RedisPort
 from kvtier.store.promoter import Promoter
+from kvtier.store.slices import Turn
 from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, count_lookup
 from kvtier.tiers.base import TierName
 
@@ -69,7 +70,8 @@ class Reader:
         tiers: list[str] = []
         to_promote: list[BlockMeta] = []
         local: list[BlockMeta] = []
-        for meta in self.index.leading(keys, self._mine(ns)):
+        turn = Turn()
+        for i, meta in enumerate(self.index.leading(keys, self._mine(ns))):
             local.append(meta)
             if meta.cpu_state in (SlotState.READY, SlotState.LOADING):
                 tiers.append("cpu")
@@ -79,6 +81,8 @@ class Reader:
                 tiers.append("nvme")
                 self.nvme_policy.touch(meta.key, now=now)
                 to_promote.append(meta)
+            if turn.due(i):   # the next block is looked up after the pause; those counted
+                await turn.pause()   # may go meanwhile, as across the Redis probe below
         n_local, n_cpu, tpb = len(tiers), tiers.count("cpu"), ns.layout.tokens_per_block
         count_lookup(self.cpu.counters, None if self.nvme is None else self.nvme.counters,
                      len(keys), n_local, n_cpu, tpb)
@@ -116,7 +120,8 @@ class Reader:
         says), each read-locked once for the caller's lease."""
         pending: list[asyncio.Future[bool]] = []
         chain: list[BlockMeta] = []
-        for meta in self.index.leading(keys, self._mine(ns)):
+        turn = Turn()
+        for i, meta in enumerate(self.index.leading(keys, self._mine(ns))):
             self.cpu.pin([meta])  # pinned as it joins: the tail never evicts the head
             chain.append(meta)
             if meta.cpu_state is SlotState.NONE:
@@ -127,6 +132,8 @@ class Reader:
                 break
             if meta.loading is not None:
                 pending.append(meta.loading)
+            if turn.due(i):   # the blocks pinned so far stay; the next is looked up after
+                await turn.pause()
         if len(chain) < len(keys) and self._redis_up():
             before = len(chain)
             rkeys = keys[before:]
@@ -145,7 +152,9 @@ class Reader:
         now = self.clock()
         metas: list[BlockMeta] = []
         ready = True
-        for meta in chain:  # keep the leading ready blocks pinned; let the rest go
+        for i, meta in enumerate(chain):  # keep the leading ready blocks pinned; let the
+            if turn.due(i):                   # rest go (pinned, they stay across a pause)
+                await turn.pause()
             ready = ready and meta.in_cpu and self.index.get(meta.key) is meta
             if not ready:
                 self.cpu.unpin([meta])

@@ -18,12 +18,17 @@ from kvtier.store.demotion import Demoter
 from kvtier.store.leasing import LeaseKeeper
 from kvtier.store.namespaces import NamespaceEntry
 from kvtier.store.ports import ForestPort
+from kvtier.store.slices import Turn, slices
 from kvtier.store.stats import RequestCounters
 from kvtier.store.transfers import Transfer, Transfers
 from kvtier.tiers.aligned import round_up
 from kvtier.tiers.base import TierName
 
 __all__ = ["Writer"]
+
+# new keys placed per batch (slots, journal records, index entries, presence counters at
+# once) between two looks at the request's turn on the event loop (kvtier.store.slices)
+PREPARE_BATCH = 128
 
 
 @dataclass(slots=True, eq=False)
@@ -48,19 +53,26 @@ class Writer:
         self._check_fits(nbytes, keys)
         index, cpu = self.index, self.cpu
         offsets: list[int | None] = [None] * len(keys)
+        metas: list[BlockMeta] = []
         # the common case first: room for the new keys without evicting, no await, the
-        # slots, journal records and presence counters taken for the whole batch at once
-        fresh = index.new_positions(keys)
-        slots = cpu.try_alloc_many(nbytes, len(fresh))   # (fewer when the arena is full)
-        metas = [BlockMeta(keys[i], digest, layout_fp, nbytes, keys[i - 1] if i else parent,
-                           depth + i, cpu=off, cpu_state=SlotState.WRITING)
-                 for i, off in zip(fresh[:len(slots)], slots, strict=True)]
-        index.add_new(metas)
-        for i, off in zip(fresh, slots, strict=False):
-            offsets[i] = off
-        if len(metas) < len(fresh):
-            await self._place_evicting(keys, fresh[len(metas)], parent, depth, ns,
-                                       metas, offsets)
+        # slots, journal records and presence counters taken a batch at a time
+        turn = Turn()
+        for part in slices(index.new_positions(keys), PREPARE_BATCH):
+            if turn.over():   # (another put may have indexed some of them meanwhile)
+                await turn.pause()
+                part = [i for i in part if keys[i] not in index]
+            slots = cpu.try_alloc_many(nbytes, len(part))   # (fewer on a full arena)
+            new = [BlockMeta(keys[i], digest, layout_fp, nbytes, keys[i - 1] if i else parent,
+                             depth + i, cpu=off, cpu_state=SlotState.WRITING)
+                   for i, off in zip(part[:len(slots)], slots, strict=True)]
+            index.add_new(new)
+            metas += new
+            for i, off in zip(part, slots, strict=False):
+                offsets[i] = off
+            if len(slots) < len(part):   # the rest, evicting for room
+                await self._place_evicting(keys, part[len(slots)], parent, depth, ns,
+                                           metas, offsets)
+                break
         lease = self.leases.open(LeaseKind.PUT, owner, metas)
         lease.chain = keys
         return lease.id, offsets
@@ -119,12 +131,18 @@ class Writer:
         on_stored = getattr(self.observer, "on_stored", None)
         if on_stored is not None and lease.chain:
             on_stored(lease.chain, output_tokens=output_tokens, now=now)
-        committed = [m for m in lease.metas
+        committed: list[BlockMeta] = []
+        turn = Turn()
+        for part in slices(lease.metas):   # (a lease's slots are its own across a pause)
+            if turn.over():
+                await turn.pause()
+            ready = [m for m in part
                      if m.cpu_state is SlotState.WRITING and self.index.get(m.key) is m]
-        self.cpu.ready_many(committed, now, [None] * len(committed))
-        if self.forest is not None:
-            for meta in committed:
-                self.forest.add(meta.key, meta.parent)
+            self.cpu.ready_many(ready, now, [None] * len(ready))
+            if self.forest is not None:
+                for meta in ready:
+                    self.forest.add(meta.key, meta.parent)
+            committed += ready
         self.requests.puts += 1
         self.requests.put_blocks += len(committed)
         self.cpu.counters.bytes_written += sum(m.nbytes for m in committed)

@@ -1,0 +1,51 @@
+"""A request over thousands of blocks takes turns with the other clients (kvtier.store.slices):
+a ping sent while it runs is answered before it, not after it (a real daemon subprocess)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvtier.client import connect
+from kvtier.keys import block_keys
+from kvtier.layout import KVLayout
+
+SMALL = KVLayout(1, 1, 8, "float16", 16)   # 512-byte blocks: the per-block work dominates
+KEYS = 8192                                 # the most one request may name at the defaults
+
+
+def test_a_request_at_the_key_limit_lets_a_ping_through(daemon_factory) -> None:
+    d = daemon_factory(cpu_bytes="96MiB").start()
+    with connect(d.socket) as c, connect(d.socket) as other:
+        ns = c.register_layout(SMALL, "m")
+        keys = block_keys(ns, np.arange(KEYS * SMALL.tokens_per_block))
+        lease = c.prepare_put(ns, keys)
+        assert lease.commit() == KEYS
+        time.sleep(0.5)   # the put's own background work (journal checksums) is done
+
+        def get() -> None:
+            got = c.prepare_get(ns, keys)
+            assert len(got.views) == KEYS
+            got.release()
+
+        ops: list[tuple[str, Callable[[], object]]] = [
+            ("lookup", lambda: c.lookup(ns, keys)), ("get", get),
+            ("delete", lambda: c.delete(ns, keys))]
+        order: dict[str, list[str]] = {}
+        for name, op in ops:
+            done: list[str] = []
+            long = threading.Thread(
+                target=lambda op=op, done=done, name=name: (op(), done.append(name)))
+            start = time.perf_counter()
+            long.start()
+            time.sleep(0.003)   # the long request is sent and running in the daemon
+            other.ping()
+            done.append("ping")
+            long.join(30)
+            order[name] = done
+            print(f"{name}: {(time.perf_counter() - start) * 1e3:.0f} ms, replies {done}")
+        assert order == {name: ["ping", name] for name, _ in ops}
+        assert c.lookup(ns, keys).hits == 0   # the delete removed every block
