@@ -193,7 +193,7 @@ class ControlOps:
         copy_s = msg.get("copy_s")   # optional: the client's own copy time (issue 11)
         if not isinstance(copy_s, (int, float)) or isinstance(copy_s, bool) or copy_s < 0:
             copy_s = None
-        self.store.release_get(conn.id, req_field(msg, "lease", int), copy_s=copy_s)
+        await self.store.release_get(conn.id, req_field(msg, "lease", int), copy_s=copy_s)
         return {}
 
     async def _delete(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:

@@ -210,6 +210,8 @@ class ShadowObserver:
         self._queue: deque[list[Any]] = deque()
         self._queued_keys = 0
         self._scheduled = False
+        self._queued_chains = 0   # chains ever queued, and of them counted (or dropped):
+        self._done_chains = 0     # the queue holds the ones in between, oldest first
 
     def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float) -> None:
         if self.defer is None:
@@ -219,9 +221,11 @@ class ShadowObserver:
             return
         self._queue.append([tuple(keys), hit_blocks, now, 0])
         self._queued_keys += len(keys)
+        self._queued_chains += 1
         while self._queued_keys > MAX_QUEUED_KEYS and len(self._queue) > 1:
             dropped = self._queue.popleft()   # a chain partly counted stays partly counted
             self._queued_keys -= len(dropped[0])
+            self._done_chains += 1
             self.dropped_lookups += 1
         if not self._scheduled:
             self._schedule()
@@ -267,6 +271,7 @@ class ShadowObserver:
             return
         self._queue.popleft()
         self._queued_keys -= n
+        self._done_chains += 1
         self._feed(keys, now)
 
     def _feed(self, keys: Sequence[Key], now: float) -> None:
@@ -278,8 +283,36 @@ class ShadowObserver:
                   now: float) -> None:
         if self._queue:  # the lookups before this store count first
             self.drain()
+        self.on_stored_range(keys, output_tokens=output_tokens, now=now, start=0,
+                             stop=len(keys))
+
+    # A store report a piece at a time (kvtier.store.writes: the event loop serves other
+    # clients between pieces): the lookups queued before it, then its chain in slices.
+    def queued_through(self) -> int:
+        """A mark of the lookups queued so far (for :meth:`replay_until`)."""
+        return self._queued_chains
+
+    def replay_until(self, mark: int) -> bool:
+        """Replay the lookups queued before ``mark`` for about :data:`DRAIN_SLICE_S`; True
+        once all of them are counted (lookups queued after ``mark`` wait their turn)."""
+        deadline = time.perf_counter() + DRAIN_SLICE_S
+        while self._queue and self._done_chains < mark:
+            self._step(DRAIN_PIECE)
+            if time.perf_counter() >= deadline:
+                break
+        return not self._queue or self._done_chains >= mark
+
+    def on_stored_range(self, keys: Sequence[Key], *, output_tokens: int | None,
+                        now: float, start: int, stop: int) -> None:
+        """:meth:`on_stored` of ``keys[start:stop]`` (its depths unchanged), once the
+        lookups before the store are replayed (:meth:`replay_until`). An ``inner`` that
+        counts whole chains only gets the chain at ``start == 0``."""
         on_stored = getattr(self.inner, "on_stored", None)
-        if on_stored is not None:
+        if on_stored is None:
+            return
+        if self._ranged:
+            on_stored(keys, output_tokens=output_tokens, now=now, start=start, stop=stop)
+        elif start == 0:
             on_stored(keys, output_tokens=output_tokens, now=now)
 
     def snapshot(self) -> dict[str, dict[str, object]]:

@@ -146,6 +146,21 @@ class StoreObserver(Protocol):
     ) -> None: ...
 
 
+@runtime_checkable
+class SlicedStoreObserver(Protocol):
+    """A :class:`StoreObserver` whose store report can be made a piece at a time, so that
+    a store serving other clients between the pieces keeps the order: first every lookup
+    it had queued before the store (``replay_until(queued_through())`` until True), then
+    ``on_stored_range`` over consecutive slices of the chain."""
+
+    def queued_through(self) -> int: ...
+
+    def replay_until(self, mark: int) -> bool: ...
+
+    def on_stored_range(self, keys: Sequence[Key], *, output_tokens: int | None,
+                        now: float, start: int, stop: int) -> None: ...
+
+
 # --------------------------------------------------------------------------- registry
 
 EvictionFactory = Callable[..., EvictionPolicy]

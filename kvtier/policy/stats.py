@@ -194,7 +194,8 @@ class WorkloadStats:
                       out, True, labels[depth])
 
     def on_stored(
-        self, keys: Sequence[Key], *, output_tokens: int | None, now: float = 0.0
+        self, keys: Sequence[Key], *, output_tokens: int | None, now: float = 0.0,
+        start: int = 0, stop: int | None = None,
     ) -> None:
         """The request whose chain is ``keys`` ran and its KV is about to be stored.
 
@@ -204,13 +205,16 @@ class WorkloadStats:
         A key whose lookup was reported and not yet followed by a store only gains the
         ``output`` feature (its reference is moved to the refined class, not counted
         again); any other key counts as a new reference of unknown hit state.
+        ``start``/``stop``: only that slice of the chain (its depths unchanged), as in
+        :meth:`on_lookup`.
         """
         out = output_bucket(output_tokens)
         n = len(keys)
         length = _log_bucket(n, _LEN_B - 1)
         hist = self._hist
         access = self._access
-        for depth, key in enumerate(keys):
+        for depth in range(start, n if stop is None else min(stop, n)):
+            key = keys[depth]
             rec = hist.get(key)
             if rec is not None and not rec.stored:
                 old = rec.cls

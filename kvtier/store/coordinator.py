@@ -214,12 +214,13 @@ class TieredStore:
         """
         return await self.reader.lease_device(owner, self.ns.resolve(digest, layout_fp), keys)
 
-    def release_get(self, owner: int, lease_id: int, *, copy_s: float | None = None) -> None:
+    async def release_get(self, owner: int, lease_id: int, *,
+                          copy_s: float | None = None) -> None:
         """``copy_s``: how long the client's copy took, when it says (else the hold time
         measures the serve bandwidth)."""
         lease = self.lease_keeper.take(owner, lease_id, LeaseKind.GET)
         self.bandwidth.get_finished(lease_id, copy_s)
-        self.lease_keeper.release_get(lease)
+        await self.lease_keeper.release_get_in_turns(lease)
 
     # -- put -----------------------------------------------------------------------------
     async def prepare_put(self, owner: int, digest: bytes, layout_fp: int,
@@ -257,10 +258,14 @@ class TieredStore:
         """Remove the caller's blocks from every tier (blocks under a read lease, and blocks
         of another namespace, are skipped)."""
         ns = self.ns.resolve(digest, layout_fp)
-        mine = [k for k in keys
-                if (m := self.index.get(k)) is not None and not self.ns.foreign(m, ns)]
-        before = len(mine)
         turn = Turn()
+        mine: list[bytes] = []
+        for i, k in enumerate(keys):
+            if (m := self.index.get(k)) is not None and not self.ns.foreign(m, ns):
+                mine.append(k)
+            if turn.due(i):
+                await turn.pause()
+        before = len(mine)
         # tail first: a chain's head deleted first drops all its descendants as orphans
         # in one go (forget_if_gone), past any pause
         for i, k in enumerate(reversed(mine)):

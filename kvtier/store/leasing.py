@@ -17,9 +17,13 @@ from kvtier.store.blocks import Blocks
 from kvtier.store.cpu import CpuResidency
 from kvtier.store.hbm import HbmPlacement
 from kvtier.store.ports import MissLogPort
+from kvtier.store.slices import Turn, slices
 from kvtier.store.stats import RequestCounters
 
 __all__ = ["LeaseKeeper"]
+
+
+RELEASE_PIECE = 512   # blocks unpinned between two looks at the turn (kvtier.store.slices)
 
 
 @dataclass(slots=True, eq=False)
@@ -83,6 +87,18 @@ class LeaseKeeper:
             self.hbm.release(lease.hbm)
             lease.hbm = []
         self.cpu.unpin(lease.metas)
+
+    async def release_get_in_turns(self, lease: Lease) -> None:
+        """``release_get`` of a client's release (taken off the table already), its blocks
+        unpinned a piece at a time (kvtier.store.slices): still pinned during a pause."""
+        if lease.hbm and self.hbm is not None:
+            self.hbm.release(lease.hbm)
+            lease.hbm = []
+        turn = Turn()
+        for part in slices(lease.metas, RELEASE_PIECE):
+            if turn.over():
+                await turn.pause()
+            self.cpu.unpin(list(part))
 
     def _expire(self, lease: Lease) -> None:
         if lease.kind is LeaseKind.PUT:

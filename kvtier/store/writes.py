@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvtier.errors import CapacityError
 from kvtier.index import BlockIndex, BlockMeta, SlotState
 from kvtier.leases import LeaseKind
-from kvtier.policy.base import LookupObserver
+from kvtier.policy.base import LookupObserver, SlicedStoreObserver
 from kvtier.store.alloc import EVICT_BATCH
 from kvtier.store.cpu import CpuResidency
 from kvtier.store.demotion import Demoter
@@ -29,6 +29,8 @@ __all__ = ["Writer"]
 # new keys placed per batch (slots, journal records, index entries, presence counters at
 # once) between two looks at the request's turn on the event loop (kvtier.store.slices)
 PREPARE_BATCH = 128
+# chain keys reported stored to the workload observer between two such looks
+STORED_PIECE = 256
 
 
 @dataclass(slots=True, eq=False)
@@ -109,6 +111,25 @@ class Writer:
             metas.append(meta)
             offsets[i] = off
 
+    async def _report_stored(self, chain: list[bytes], output_tokens: int | None, now: float,
+                             turn: Turn) -> None:
+        """Tell the observer the request is stored, before its blocks are inserted: a piece
+        at a time when it can take one (the lookups it queued before, then the chain)."""
+        observer = self.observer
+        if not isinstance(observer, SlicedStoreObserver):
+            on_stored = getattr(observer, "on_stored", None)
+            if on_stored is not None:
+                on_stored(chain, output_tokens=output_tokens, now=now)
+            return
+        mark = observer.queued_through()
+        while not observer.replay_until(mark):
+            await turn.pause()
+        for lo in range(0, len(chain), STORED_PIECE):
+            if turn.over():
+                await turn.pause()
+            observer.on_stored_range(chain, output_tokens=output_tokens, now=now, start=lo,
+                                     stop=lo + STORED_PIECE)
+
     def _check_fits(self, nbytes: int, keys: list[bytes]) -> None:
         """Fail fast, before evicting anything, when the new blocks could never fit."""
         slot, size = round_up(nbytes), self.cpu.arena.size
@@ -128,11 +149,10 @@ class Writer:
         """Make the written blocks visible; how many are stored (durably, with ``durable``)."""
         lease = self.leases.take(owner, lease_id, LeaseKind.PUT)
         now = self.clock()
-        on_stored = getattr(self.observer, "on_stored", None)
-        if on_stored is not None and lease.chain:
-            on_stored(lease.chain, output_tokens=output_tokens, now=now)
-        committed: list[BlockMeta] = []
         turn = Turn()
+        if lease.chain:
+            await self._report_stored(lease.chain, output_tokens, now, turn)
+        committed: list[BlockMeta] = []
         for part in slices(lease.metas):   # (a lease's slots are its own across a pause)
             if turn.over():
                 await turn.pause()

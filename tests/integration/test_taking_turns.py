@@ -1,5 +1,7 @@
 """A request over thousands of blocks takes turns with the other clients (kvtier.store.slices):
-a ping sent while it runs is answered before it, not after it (a real daemon subprocess)."""
+a ping sent while it runs is answered before it, not after it (a real daemon subprocess).
+The put's commit reports the chain to the workload observer a piece at a time, after the
+lookups queued before it (kvtier.policy.adaptive.ShadowObserver.replay_until)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ def test_a_request_at_the_key_limit_lets_a_ping_through(daemon_factory) -> None:
     with connect(d.socket) as c, connect(d.socket) as other:
         ns = c.register_layout(SMALL, "m")
         keys = block_keys(ns, np.arange(KEYS * SMALL.tokens_per_block))
-        lease = c.prepare_put(ns, keys)
-        assert lease.commit() == KEYS
-        time.sleep(0.5)   # the put's own background work (journal checksums) is done
+        c.lookup(ns, keys)   # queued for the workload observer, replayed by the put
+
+        def put() -> None:
+            lease = c.prepare_put(ns, keys)
+            assert lease.commit() == KEYS
 
         def get() -> None:
             got = c.prepare_get(ns, keys)
@@ -32,7 +36,7 @@ def test_a_request_at_the_key_limit_lets_a_ping_through(daemon_factory) -> None:
             got.release()
 
         ops: list[tuple[str, Callable[[], object]]] = [
-            ("lookup", lambda: c.lookup(ns, keys)), ("get", get),
+            ("put", put), ("lookup", lambda: c.lookup(ns, keys)), ("get", get),
             ("delete", lambda: c.delete(ns, keys))]
         order: dict[str, list[str]] = {}
         for name, op in ops:
@@ -47,5 +51,6 @@ def test_a_request_at_the_key_limit_lets_a_ping_through(daemon_factory) -> None:
             long.join(30)
             order[name] = done
             print(f"{name}: {(time.perf_counter() - start) * 1e3:.0f} ms, replies {done}")
+            time.sleep(0.3)   # the request's own background work (journal, learning) ends
         assert order == {name: ["ping", name] for name, _ in ops}
         assert c.lookup(ns, keys).hits == 0   # the delete removed every block

@@ -115,7 +115,7 @@ async def get(store: TieredStore, client: ArenaMapping, keys: list[bytes], *,
     """prepare_get + read every leased block + release; returns the blocks' bytes."""
     lease, offsets = await store.prepare_get(owner, DIGEST, FP, keys)
     data = [bytes(client.view(off, BLOCK, writable=False)) for off in offsets]
-    store.release_get(owner, lease)
+    await store.release_get(owner, lease)
     return data
 
 

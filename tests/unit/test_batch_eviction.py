@@ -88,7 +88,7 @@ async def test_a_victim_read_while_it_is_written_stays_and_can_go_later(
     assert store.index[old[0]].in_cpu and old[0] in store.cpu.policy
     assert put_offsets.count(None) == 1
     assert bytes(client.view(offsets[0], BLOCK, writable=False)) == payload(old[0])
-    store.release_get(CLIENT, lease)
+    await store.release_get(CLIENT, lease)
     store.abort_put(OTHER_CLIENT, put_lease)
     # given back to the policy, it is evicted like any other block
     await put(store, client, chain(ARENA_BLOCKS, start=2))

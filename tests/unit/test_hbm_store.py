@@ -107,7 +107,7 @@ async def device_get(store: TieredStore, keys: list[bytes], *, owner: int = CLIE
             else bytes(store.arena.view(off, BLOCK)) for off, dev in zip(offsets, devices,
                                                                           strict=True)]
     if release:
-        store.release_get(owner, lease)
+        await store.release_get(owner, lease)
     return lease, devices, data
 
 
@@ -207,7 +207,7 @@ async def test_leased_hbm_blocks_are_never_evicted(store: TieredStore,
     assert devices == ["cpu", "cpu"] and data == [payload(k) for k in b]
     assert store.hbm is not None and store.hbm.counters.allocation_failures == 1
     assert store.hbm.counters.evictions == {}
-    store.release_get(CLIENT, lease)
+    await store.release_get(CLIENT, lease)
     assert (await device_get(store, b))[1] == ["hbm", "hbm"]   # a is evictable again
     check_invariants(store)
 
@@ -221,7 +221,7 @@ async def test_a_full_pool_serves_the_rest_from_cpu_but_still_uses_hbm_hits(
     _, devices, data = await device_get(store, keys, owner=OTHER_CLIENT)
     assert devices == ["cpu", "cpu", "hbm", "hbm"]
     assert data == [payload(k) for k in keys]
-    store.release_get(CLIENT, lease)
+    await store.release_get(CLIENT, lease)
     check_invariants(store)
 
 
@@ -272,7 +272,7 @@ async def test_delete_skips_blocks_read_from_hbm(store: TieredStore,
     lease, _, _ = await device_get(store, keys, release=False)
     assert await store.delete(DIGEST, FP, keys) == 0
     assert store.hbm is not None and store.hbm.used_bytes == BLOCK
-    store.release_get(CLIENT, lease)
+    await store.release_get(CLIENT, lease)
     assert await store.delete(DIGEST, FP, keys) == 1
     assert store.hbm.used_bytes == 0
 
@@ -367,11 +367,11 @@ async def test_random_walk_keeps_capacity_inclusion_and_bytes(
                 open_leases = [(o, lease) for o, lease in open_leases if lease in store.leases]
             elif open_leases:
                 owner, lease = open_leases.pop(rng.randrange(len(open_leases)))
-                store.release_get(owner, lease)
+                await store.release_get(owner, lease)
             check_invariants(store)
             assert hbm.used_bytes <= hbm.capacity_bytes
         for owner, lease in open_leases:
-            store.release_get(owner, lease)
+            await store.release_get(owner, lease)
         assert store.hbm_place is not None
         assert all(e.readers == 0 for e in store.hbm_place.entries.values())
         assert all(m.readers == 0 and m.cpu_state is SlotState.READY

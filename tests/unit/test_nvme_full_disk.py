@@ -244,7 +244,7 @@ async def test_store_keeps_nvme_blocks_and_serves_them_while_the_disk_is_full(
             assert result.hits == 1
             lease, offsets = await store.prepare_get(1, digest, fp, [key])
             assert bytes(client.view(offsets[0], BLOCK, writable=False)) == block_payload(key)
-            store.release_get(1, lease)
+            await store.release_get(1, lease)
         (fs / "ballast").unlink()
         await wait_until_up(nvme)
         assert tier_up().endswith(" 1.0")

@@ -8,7 +8,7 @@ import pytest
 
 import kvtier.policy.adaptive as adaptive
 from kvtier.policy.adaptive import ShadowObserver
-from kvtier.policy.base import make_eviction_policy
+from kvtier.policy.base import SlicedStoreObserver, make_eviction_policy
 from kvtier.policy.hindsight import HindsightStats
 from kvtier.policy.shadow import TierShadows
 
@@ -60,18 +60,30 @@ def _shadows() -> TierShadows:
                        rate=1.0)
 
 
+class Pair:
+    """An inline observer and a deferred one (its slices run by ``loop``), each with its
+    own stats and shadows, fed the same lookups by the tests that compare them."""
+
+    def __init__(self) -> None:
+        self.loop = Loop()
+        self.inline_stats, self.inline_sh = _stats(), _shadows()
+        self.inline = ShadowObserver({"cpu": self.inline_sh}, inner=self.inline_stats,
+                                     block_tokens=16)
+        self.sliced_stats, self.sliced_sh = _stats(), _shadows()
+        self.sliced = ShadowObserver({"cpu": self.sliced_sh}, inner=self.sliced_stats,
+                                     block_tokens=16, defer=self.loop.call_soon,
+                                     defer_after=self.loop.call_later)
+        for keys, hits in _chains():
+            self.inline.on_lookup(keys, hits, now=0.0)
+            self.sliced.on_lookup(keys, hits, now=0.0)
+
+
 def test_a_sliced_replay_learns_exactly_what_an_inline_one_does(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(adaptive, "DRAIN_SLICE_S", 0.0)  # one piece per slice
-    inline_stats, inline_sh = _stats(), _shadows()
-    inline = ShadowObserver({"cpu": inline_sh}, inner=inline_stats, block_tokens=16)
-    loop = Loop()
-    sliced_stats, sliced_sh = _stats(), _shadows()
-    sliced = ShadowObserver({"cpu": sliced_sh}, inner=sliced_stats, block_tokens=16,
-                            defer=loop.call_soon, defer_after=loop.call_later)
-    for keys, hits in _chains():
-        inline.on_lookup(keys, hits, now=0.0)
-        sliced.on_lookup(keys, hits, now=0.0)
+    p = Pair()
+    loop, inline, inline_stats, inline_sh = p.loop, p.inline, p.inline_stats, p.inline_sh
+    sliced, sliced_stats, sliced_sh = p.sliced, p.sliced_stats, p.sliced_sh
     assert sliced_stats.tick == 0  # nothing learned on the request path
     slices = 0
     while loop.run_one():
@@ -128,3 +140,33 @@ def test_a_store_and_a_snapshot_still_count_every_queued_lookup_first() -> None:
     while loop.run_one():  # the scheduled slices find nothing left
         pass
     assert stats.tick == 60
+
+
+def test_a_store_report_in_pieces_learns_exactly_what_one_report_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's sliced report (kvtier.store.writes): the lookups queued before it
+    replayed a slice at a time up to their mark, then the chain in ranges. Same state as
+    one ``on_stored``; the lookups queued after the mark stay queued."""
+    monkeypatch.setattr(adaptive, "DRAIN_SLICE_S", 0.0)  # one piece per slice
+    p = Pair()
+    whole, whole_stats, whole_sh = p.inline, p.inline_stats, p.inline_sh
+    sliced, sliced_stats, sliced_sh = p.sliced, p.sliced_stats, p.sliced_sh
+    assert isinstance(sliced, SlicedStoreObserver)
+    stored = list(range(60)) + list(range(3000, 3100))
+    whole.on_stored(stored, output_tokens=40, now=0.0)
+    mark = sliced.queued_through()
+    sliced.on_lookup(list(range(5000, 5010)), 0, now=0.0)   # after the mark
+    turns = 0
+    while not sliced.replay_until(mark):
+        turns += 1
+    assert turns >= sum(len(k) for k, _ in _chains()) // adaptive.DRAIN_PIECE - 1
+    for lo in range(0, len(stored), 64):
+        sliced.on_stored_range(stored, output_tokens=40, now=0.0, start=lo, stop=lo + 64)
+    assert _state(sliced_stats) == _state(whole_stats)
+    assert [sliced_stats.reuse_estimate(k) for k in stored] == \
+        [whole_stats.reuse_estimate(k) for k in stored]
+    assert sliced_stats.uses(5000) == 0   # queued after the mark: not replayed yet
+    whole.on_lookup(list(range(5000, 5010)), 0, now=0.0)
+    sliced.drain()
+    assert _state(sliced_stats) == _state(whole_stats)
+    assert sliced_sh.references == whole_sh.references

@@ -127,7 +127,7 @@ async def test_expired_get_lease_unpins_its_blocks(store: TieredStore, client: A
     assert store.expire_leases() == 1
     assert all(store.index[k].readers == 0 for k in held)
     with pytest.raises(LeaseError):
-        store.release_get(CLIENT, lease)
+        await store.release_get(CLIENT, lease)
     assert await put(store, client, chain(1, start=9)) != [None]  # something could be evicted
 
 
@@ -138,7 +138,7 @@ async def test_a_lease_belongs_to_its_owner_and_kind(store: TieredStore,
     with pytest.raises(LeaseError):
         await store.commit_put(OTHER_CLIENT, lease)
     with pytest.raises(LeaseError):
-        store.release_get(CLIENT, lease)
+        await store.release_get(CLIENT, lease)
     with pytest.raises(LeaseError):
         await store.commit_put(CLIENT, lease + 100)
     assert await store.commit_put(CLIENT, lease) == 1  # still valid for its owner
@@ -160,7 +160,7 @@ async def test_release_owner_aborts_puts_and_releases_reads(
     assert await store.commit_put(OTHER_CLIENT, other_lease) == 1
     assert store.release_owner(CLIENT) == 0
     with pytest.raises(LeaseError):
-        store.release_get(CLIENT, get_lease)
+        await store.release_get(CLIENT, get_lease)
 
 
 # -- eviction and promotion ------------------------------------------------------------------
@@ -212,7 +212,7 @@ async def test_read_leased_blocks_are_never_evicted(store: TieredStore,
     assert await put(store, client, chain(1, start=7)) == [None]
     assert store.cpu.counters.allocation_failures == 1
     assert all(store.index[k].in_cpu for k in held)
-    store.release_get(CLIENT, lease)
+    await store.release_get(CLIENT, lease)
     assert await put(store, client, chain(1, start=7)) != [None]
 
 
@@ -252,7 +252,7 @@ async def test_delete_skips_blocks_in_use(store: TieredStore, client: ArenaMappi
     assert await store.delete(DIGEST, FP, read + writing) == 0
     assert store.index[read[0]].in_cpu
     assert store.index[writing[0]].cpu_state is SlotState.WRITING
-    store.release_get(CLIENT, lease)
+    await store.release_get(CLIENT, lease)
     assert await store.delete(DIGEST, FP, read) == 1
 
 

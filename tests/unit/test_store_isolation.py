@@ -87,10 +87,10 @@ async def test_a_release_past_the_deadline_says_the_bytes_may_be_wrong(
     swept, _ = await store.prepare_get(CLIENT, DIGEST, FP, keys)
     clock.advance(TTL)
     with pytest.raises(LeaseExpired, match="must be discarded"):
-        store.release_get(CLIENT, before)           # past the deadline, not swept yet
+        await store.release_get(CLIENT, before)           # past the deadline, not swept yet
     assert store.expire_leases() == 1
     with pytest.raises(LeaseExpired):
-        store.release_get(CLIENT, swept)            # swept
+        await store.release_get(CLIENT, swept)            # swept
     assert all(store.index[k].readers == 0 for k in keys)
     assert store.quarantine.slots == 0              # reads quarantine nothing
     assert store.requests.lease_expired == 2
@@ -128,7 +128,7 @@ async def test_stolen_keys_of_another_namespace_are_misses_and_never_deleted(
     assert (await store.lookup(t_digest, FP, keys)).hits == 0
     lease, offsets = await store.prepare_get(OTHER_CLIENT, t_digest, FP, keys)
     assert offsets == []
-    store.release_get(OTHER_CLIENT, lease)
+    await store.release_get(OTHER_CLIENT, lease)
     assert await store.delete(t_digest, FP, keys) == 0
     assert store.requests.namespace_mismatch == 1 + 1 + 3  # lookup and get stop at the first
     assert await get(store, client, keys) == [payload(k) for k in keys]
@@ -147,7 +147,7 @@ async def test_a_larger_block_size_never_reads_a_smaller_block(
     assert (await store.lookup(ns.digest, big.fingerprint, keys)).hits == 0
     lease, offsets = await store.prepare_get(CLIENT, ns.digest, big.fingerprint, keys)
     assert offsets == []
-    store.release_get(CLIENT, lease)
+    await store.release_get(CLIENT, lease)
     assert store.requests.namespace_mismatch == 2
     # a block of the caller's namespace whose recorded size is not the layout's is a miss
     store.index[keys[0]].nbytes = BLOCK // 2

@@ -58,7 +58,7 @@ def min_turns() -> int:
     return N // slices.CHECK_EVERY // 2
 
 
-async def test_lookup_get_and_delete_of_a_long_chain_take_turns(
+async def test_lookup_get_release_and_delete_of_a_long_chain_take_turns(
         store: TieredStore, client: ArenaMapping, arena: Arena) -> None:
     keys = chain(N)
     await put(store, client, keys)
@@ -68,7 +68,8 @@ async def test_lookup_get_and_delete_of_a_long_chain_take_turns(
     assert len(offsets) == N and turns >= min_turns()
     for key, off in zip(keys[::97], offsets[::97], strict=True):
         assert bytes(client.view(off, BLOCK, writable=False)) == payload(key)
-    store.release_get(CLIENT, lease)
+    _, turns = await interleaved(store.release_get(CLIENT, lease))
+    assert turns >= 1 and all(store.index[k].readers == 0 for k in keys)
     deleted, turns = await interleaved(store.delete(DIGEST, FP, keys))
     assert deleted == N and turns >= min_turns()
     assert not any(k in store.index for k in keys)
@@ -109,7 +110,7 @@ async def test_overlapping_puts_that_pause_place_each_block_once(
     assert len(offsets) == len(b)
     for key, off in zip(b, offsets, strict=True):
         assert bytes(client.view(off, BLOCK, writable=False)) == payload(key)
-    store.release_get(CLIENT, lease)
+    await store.release_get(CLIENT, lease)
 
 
 async def test_delete_that_pauses_skips_blocks_read_meanwhile(
@@ -126,4 +127,4 @@ async def test_delete_that_pauses_skips_blocks_read_meanwhile(
     assert len(offsets) == 8 and deleted == N - 8
     for key, off in zip(keys[:8], offsets, strict=True):
         assert bytes(client.view(off, BLOCK, writable=False)) == payload(key)
-    store.release_get(OTHER_CLIENT, lease)
+    await store.release_get(OTHER_CLIENT, lease)
