@@ -4,7 +4,7 @@ A request may name up to ``max_context_tokens / tokens_per_block`` keys (8192 at
 defaults and 16 tokens per block), and the store spends 1-8 us of Python per block on a
 lookup, get, commit or delete: one such request held the event loop, and with it every
 other client, for 20-100 ms (benchmarks/bench_neighbors.py: another client's ping waited
-up to 100 ms, p99 85 ms; 14-19 ms, p99 6-8 ms, with turns). A loop over blocks takes
+up to 100 ms, p99 85 ms; 13-15 ms, p99 7-8.5 ms, with turns). A loop over blocks takes
 turns instead: every ``CHECK_EVERY`` blocks it looks at the time, and once ``SLICE_S`` has
 passed since its turn began it lets the event loop serve whatever is ready
 (``asyncio.sleep(0)``) before going on. A request shorter than a slice never pauses, so

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 import pytest
@@ -17,6 +18,7 @@ from kvtier.policy.shadow import (
     MRC_SCALES,
     ShadowCache,
     TierShadows,
+    digest_hashes,
     key_hash,
     sampling_rate,
 )
@@ -72,6 +74,23 @@ def test_key_hash_is_stable_and_uniform() -> None:
     n = 20_000
     under = sum(key_hash(i) < (1 << 24) // 10 for i in range(n))
     assert abs(under / n - 0.1) < 0.01  # sequential ids sample at the rate
+
+
+def test_a_chain_of_digests_is_hashed_at_once_as_key_by_key() -> None:
+    """The daemon's 16-byte keys take the numpy path (digest_hashes); the same hashes and
+    the same sampled sub-chain as key_hash, one key at a time; other chains do not."""
+    rng = random.Random(7)
+    digests = [rng.randbytes(16) for _ in range(5000)]
+    hashes = digest_hashes(digests)
+    assert hashes is not None and hashes.tolist() == [key_hash(k) for k in digests]
+    shadows = TierShadows(make_eviction_policy, capacity_blocks=64, modes=("lru",), rate=0.1)
+    sampled = shadows.sample(digests, lambda d: 16)
+    th = int(0.1 * (1 << 24))
+    assert sampled == [(k, d, 16) for d, k in enumerate(digests) if key_hash(k) < th]
+    assert 350 < len(sampled) < 650
+    assert digest_hashes(list(range(5000))) is None                 # replay's int keys
+    assert digest_hashes([*digests[:99], b"\x00" * 8, b"\x00" * 24]) is None
+    assert digest_hashes(digests[:10]) is None                      # short: key by key
 
 
 def test_sampling_rate_follows_capacity_within_bounds() -> None:
