@@ -70,6 +70,11 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
              f"[{R}])))", "{{op}} P50"),
             (f"histogram_quantile(0.99, sum by (op, le) (rate(kvtier_op_seconds_bucket{{{K}}}"
              f"[{R}])))", "{{op}} P99")]),
+        ("Event loop lag P50 / P99 (every client waits this long)", "s", [
+            (f"histogram_quantile(0.5, sum by (instance, le) (rate("
+             f"kvtier_event_loop_lag_seconds_bucket{{{K}}}[{R}])))", "{{instance}} P50"),
+            (f"histogram_quantile(0.99, sum by (instance, le) (rate("
+             f"kvtier_event_loop_lag_seconds_bucket{{{K}}}[{R}])))", "{{instance}} P99")]),
         ("Evictions /s by reason", "ops", [
             (f"sum by (tier, reason) (rate(kvtier_evictions_total{{{K}}}[{R}]))",
              "{{tier}} {{reason}}")]),

@@ -114,6 +114,11 @@ CASES = [
                {"0.005": "0+10x20", "0.025": "0+50x20", "+Inf": "0+100x20"}),
          _hist("kvtier_op_seconds", f'{INST},op="lookup"',
                {"0.005": "0+100x20", "0.025": "0+100x20", "+Inf": "0+100x20"})),
+    Case("KVTierEventLoopStalls", 15, {"instance": "n1"},
+         _hist("kvtier_event_loop_lag_seconds", INST,
+               {"0.002": "0+900x20", "0.05": "0+960x20", "+Inf": "0+1200x20"}),
+         _hist("kvtier_event_loop_lag_seconds", INST,
+               {"0.002": "0+1195x20", "0.05": "0+1200x20", "+Inf": "0+1200x20"})),
 ]
 
 

@@ -21,6 +21,9 @@ from kvtier.daemon.ops import CONNECTOR_COUNTERS
 _LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
                     0.25, 0.5, 1.0, 2.5)
 
+# an idle loop on uvloop reads 0-1 ms (millisecond timers)
+_LAG_BUCKETS = (1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+
 _TIER_COUNTERS = {
     "hit_blocks": ("kvtier_hit_blocks", "Blocks found in this tier at lookup"),
     "miss_blocks": ("kvtier_miss_blocks", "Lookups that reached this tier and missed"),
@@ -213,6 +216,10 @@ class Metrics:
                                     ["op"], registry=self.registry, buckets=_LATENCY_BUCKETS)
         self._by_op: dict[str, Any] = {}   # op -> its labelled child (``labels`` per request
         #                                    costs a lock and a tuple; ops are a fixed set)
+        self.loop_lag = Histogram("kvtier_event_loop_lag_seconds",
+                                  "How late the event loop ran a timer: how long it served "
+                                  "no client (kvtier.daemon.loop_lag)", registry=self.registry,
+                                  buckets=_LAG_BUCKETS)
 
     def observe(self, op: str, seconds: float) -> None:
         child = self._by_op.get(op)

@@ -32,6 +32,7 @@ from kvtier.daemon.control import ControlServer
 from kvtier.daemon.gc_guard import GcGuard
 from kvtier.daemon.http import HttpServer, bind_http
 from kvtier.daemon.limits import Limits
+from kvtier.daemon.loop_lag import LoopLag
 from kvtier.daemon.metrics import Metrics, admission_stats
 from kvtier.daemon.parts import DaemonParts
 from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_error
@@ -76,6 +77,7 @@ class Daemon:
         self.metrics: Metrics | None = None
         self.explain: MissLog | None = None
         self.gc: GcGuard | None = None
+        self.loop_lag: LoopLag | None = None
         self.rebuilt_blocks = 0
         self.adopted_blocks = 0
         self._stop = asyncio.Event()
@@ -176,6 +178,9 @@ class Daemon:
         await self.http.start()
         sweeper = asyncio.ensure_future(self._sweep(store))
         stack.callback(sweeper.cancel)
+        self.loop_lag = LoopLag(self.metrics.loop_lag.observe)
+        self.loop_lag.start()
+        stack.callback(self.loop_lag.stop)
 
     def _quiet_for(self) -> float:
         """Seconds since the last request on the control socket or the prefix endpoint."""
@@ -301,6 +306,8 @@ class Daemon:
             out["daemon"].update(self.control.limit_stats())
         if self.gc is not None:
             out["daemon"]["gc"] = self.gc.as_dict()
+        if self.loop_lag is not None:
+            out["daemon"]["loop"] = self.loop_lag.stats()
         out.update(self.store.stats())   # tiers.hbm first when the daemon has a pool
         shadows = getattr(self.store.observer, "snapshot", None)
         if callable(shadows):  # adaptive policy: mode and miss-ratio curve per tier

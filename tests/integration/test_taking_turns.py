@@ -54,3 +54,5 @@ def test_a_request_at_the_key_limit_lets_a_ping_through(daemon_factory) -> None:
             time.sleep(0.3)   # the request's own background work (journal, learning) ends
         assert order == {name: ["ping", name] for name, _ in ops}
         assert c.lookup(ns, keys).hits == 0   # the delete removed every block
+    loop = d.stats()["daemon"]["loop"]   # the lag monitor ran all along (its histogram:
+    assert loop["lag_ticks"] > 0 and loop["lag_worst_s"] >= 0.0   # test_prometheus_dashboard)
