@@ -142,9 +142,11 @@ def stripe_bounds(payload_len: int) -> list[tuple[int, int]]:
 
 def make_header(namespace: bytes, key: bytes, layout_fp: int, payload: bytes | memoryview,
                 raw_len: int | None = None, codec: Codec = Codec.NONE,
-                seq: int = 0, chain: tuple[bytes | None] | None = None) -> FrameHeader:
+                seq: int = 0, chain: tuple[bytes | None] | None = None,
+                checksum: int | None = None) -> FrameHeader:
     """Header for ``payload`` (already encoded with ``codec``); ``chain`` = ``(parent key or
-    None,)`` records the block's chain position (see FLAG_CHAIN)."""
+    None,)`` records the block's chain position (see FLAG_CHAIN); ``checksum``: the
+    payload's ``payload_checksum`` when the caller hashed it already (elsewhere)."""
     flags = parent = 0
     if chain is not None:
         flags = FLAG_CHAIN
@@ -153,7 +155,8 @@ def make_header(namespace: bytes, key: bytes, layout_fp: int, payload: bytes | m
             parent = parent_tag(chain[0])
     return FrameHeader(namespace, key, layout_fp, len(payload),
                        len(payload) if raw_len is None else raw_len,
-                       payload_checksum(payload), codec, seq, flags, parent)
+                       payload_checksum(payload) if checksum is None else checksum, codec, seq,
+                       flags, parent)
 
 
 def encode_frame(header: FrameHeader, payload: bytes | memoryview) -> bytes:
