@@ -143,7 +143,9 @@ def render_stats(s: dict[str, Any]) -> str:
     lines = [f"kvtier {d.get('version', '?')} pid {d.get('pid', '?')}  up "
              f"{d.get('uptime_s', 0):.0f}s  clients {d.get('clients', 0)}  "
              f"prefix hit rate {100 * r.get('prefix_hit_rate', 0):.1f}% "
-             f"({r.get('hit_blocks', 0)}/{r.get('lookup_blocks', 0)} blocks)"]
+             f"({r.get('hit_blocks', 0)}/{r.get('lookup_blocks', 0)} blocks)"
+             + (f"  event loop worst lag {1e3 * d['loop']['lag_worst_s']:.0f} ms"
+                if "loop" in d else "")]
     cols = ("tier", "up", "backend", "capacity", "used", "blocks", "hit blk", "miss",
             "hit tok", "evicted", "alloc fail", "cksum fail", "read", "written", "errors")
     rows = []

@@ -24,3 +24,11 @@ async def test_a_held_loop_is_measured_as_lag() -> None:
     ticks = lag.ticks
     await asyncio.sleep(0.02)
     assert lag.ticks == ticks   # stopped: no more measurements
+
+
+def test_kvtier_stats_shows_the_worst_lag_when_the_daemon_reports_it() -> None:
+    from kvtier.cli import render_stats
+
+    head = render_stats({"daemon": {"loop": {"lag_worst_s": 0.0123, "lag_ticks": 9}}})
+    assert "event loop worst lag 12 ms" in head.splitlines()[0]
+    assert "event loop" not in render_stats({"daemon": {}})   # an older daemon
