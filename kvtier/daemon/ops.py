@@ -151,9 +151,11 @@ class ControlOps:
                   else (lease.metas[0].namespace if lease.metas else None, list(lease.chain),
                         list(lease.metas)))
         began = time.monotonic()
+        # a synchronous commit waits for room in the Redis write queue (up to its bound)
+        wait_s = float(sync_s) if sync_s is not None and target is not None else None
         stored = await self.store.commit_put(conn.id, lease_id,
                                              durable=bool(msg.get("durable", False)),
-                                             output_tokens=out)
+                                             output_tokens=out, redis_wait_s=wait_s)
         if sync_s is None or target is None:
             return {"stored": stored}
         digest, chain, fresh = target

@@ -235,14 +235,16 @@ class TieredStore:
                                          parent, depth)
 
     async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False,
-                         output_tokens: int | None = None) -> int:
+                         output_tokens: int | None = None,
+                         redis_wait_s: float | None = None) -> int:
         """Make the written blocks visible; ``durable`` also writes them to nvme first.
 
         ``output_tokens`` (what the engine generated after this prompt, when known) feeds
-        the workload observer: reuse is learned per class of request.
+        the workload observer: reuse is learned per class of request. ``redis_wait_s``: a
+        synchronous write-through's bound on waiting for room in the Redis write queue.
         """
         return await self.writer.commit(owner, lease_id, durable=durable,
-                                        output_tokens=output_tokens)
+                                        output_tokens=output_tokens, redis_wait_s=redis_wait_s)
 
     def abort_put(self, owner: int, lease_id: int) -> None:
         """Drop a put; past its deadline this is a quiet no-op (nothing was stored, which is

@@ -5,6 +5,7 @@ before answering: what a caller needs to survive a daemon crash)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ __all__ = ["Writer"]
 PREPARE_BATCH = 128
 # chain keys reported stored to the workload observer between two such looks
 STORED_PIECE = 256
+# committed blocks queued for Redis (write-through) between two such looks
+WRITE_THROUGH_PIECE = 128
 
 
 @dataclass(slots=True, eq=False)
@@ -130,6 +133,45 @@ class Writer:
             observer.on_stored_range(chain, output_tokens=output_tokens, now=now, start=lo,
                                      stop=lo + STORED_PIECE)
 
+    async def _write_through(self, metas: list[BlockMeta], turn: Turn,
+                             wait_s: float | None) -> None:
+        """Queue ``metas`` for Redis a piece at a time. The write queue holds
+        ``redis.write_queue_blocks`` and drops its oldest when full: a synchronous commit
+        (``wait_s``) waits for room before each piece instead (up to ``wait_s`` in all),
+        its blocks pinned until queued, so that a chain longer than the queue does not
+        push its own head out (it was: a 300-block chain, visible 0 of 300)."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        redis = self.transfers.redis
+        pinned = queued = 0   # metas[:pinned] pinned here; metas[:queued] queued (unpinned)
+        try:
+            while deadline is not None and pinned < len(metas):   # none evicted before its
+                if turn.over():                                     # turn to be queued
+                    await turn.pause()
+                chunk = metas[pinned: pinned + 4 * WRITE_THROUGH_PIECE]
+                self.transfers.pin(chunk)
+                pinned += len(chunk)
+            while queued < len(metas):
+                if turn.over():
+                    await turn.pause()
+                take = min(WRITE_THROUGH_PIECE, len(metas) - queued)
+                if deadline is not None and redis is not None:
+                    # no more than the queue has room for (when it has none by the
+                    # deadline, or Redis is down, the piece goes as it would have)
+                    free = await redis.room(take, deadline - time.monotonic())
+                    take = min(take, free) if free else take
+                part = metas[queued: queued + take]
+                # (unpinned, a block committed before a pause may have been evicted since)
+                live = [m for m in part if m.in_cpu and self.index.get(m.key) is m]
+                if live:
+                    await self.transfers.move(TierName.CPU, TierName.REDIS, Transfer(live))
+                queued += len(part)
+                if pinned:
+                    self.transfers.unpin(part)
+        except BaseException:
+            if pinned > queued:
+                self.transfers.unpin(metas[queued:pinned])
+            raise
+
     def _check_fits(self, nbytes: int, keys: list[bytes]) -> None:
         """Fail fast, before evicting anything, when the new blocks could never fit."""
         slot, size = round_up(nbytes), self.cpu.arena.size
@@ -145,8 +187,10 @@ class Writer:
                                     "blocks per request")
 
     async def commit(self, owner: int, lease_id: int, *, durable: bool,
-                     output_tokens: int | None) -> int:
-        """Make the written blocks visible; how many are stored (durably, with ``durable``)."""
+                     output_tokens: int | None, redis_wait_s: float | None = None) -> int:
+        """Make the written blocks visible; how many are stored (durably, with ``durable``).
+        ``redis_wait_s``: a synchronous write-through (kvtier.daemon.redis_sync) may wait
+        that long in all for room in the Redis write queue rather than drop blocks."""
         lease = self.leases.take(owner, lease_id, LeaseKind.PUT)
         now = self.clock()
         turn = Turn()
@@ -167,7 +211,7 @@ class Writer:
         self.requests.put_blocks += len(committed)
         self.cpu.counters.bytes_written += sum(m.nbytes for m in committed)
         if self.redis_write_through and committed:
-            await self.transfers.move(TierName.CPU, TierName.REDIS, Transfer(committed))
+            await self._write_through(committed, turn, redis_wait_s)
         if durable and self.nvme_present:
             results = await asyncio.gather(*(self.demoter.persist(m, sync=True)
                                              for m in committed))

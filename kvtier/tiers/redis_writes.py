@@ -56,6 +56,27 @@ class RedisWrites(RedisReads):
                 await asyncio.wait_for(self._progress.wait(), wait)
         return True
 
+    async def room(self, n: int, timeout: float) -> int:
+        """Wait until the write queue has room for ``n`` more writes (at most its capacity)
+        without pushing out a queued one, or ``timeout`` seconds passed; the room it has
+        then (0 while the tier is down or closed). A synchronous write-through queues a
+        chain no faster than this, so that a chain longer than the queue does not push
+        its own head out of it."""
+        queue = self._queue
+        want = min(n, queue.capacity)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, timeout)
+        while queue.capacity - len(queue) < want:
+            left = deadline - loop.time()
+            if not self._up or self._closed or left <= 0:
+                break
+            self._progress.clear()   # set when a batch is taken off the queue, and over
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), min(left, 0.1))
+        if not self._up or self._closed:
+            return 0
+        return max(0, queue.capacity - len(queue))
+
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
                seq: int = 0, release: Release | None = None,
                elem_bytes: int | None = None, on_checksum: OnChecksum | None = None) -> None:
@@ -150,6 +171,7 @@ class RedisWrites(RedisReads):
             if not batch:
                 self._inflight.release()
                 continue
+            self._progress.set()   # room in the queue (``room``)
             self._writing += 1
             self._spawn(self._write_batch(batch))
 

@@ -69,6 +69,25 @@ def test_synced_commit_is_visible_to_another_node_at_once(
     cb.close()
 
 
+def test_a_synced_chain_longer_than_the_write_queue_keeps_its_head(
+        redis_server: RedisServer, daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """The write queue holds ``redis.write_queue_blocks`` and drops its oldest when full; a
+    synchronous write-through of a longer chain waits for room instead (before: a
+    300-block chain, visible 0 of 300), while a plain write-through still drops."""
+    env = {"KVTIER_REDIS_WRITE_THROUGH": "true", "KVTIER_REDIS_WRITE_QUEUE_BLOCKS": "16"}
+    a = daemon_factory("a", extra_args=["--redis-url", redis_server.url], env=env).start()
+    with connect(a.socket) as ca:
+        ns = ca.register_layout(LAYOUT, "m")
+        keys = block_keys(ns, np.arange(200 * 64))
+        assert write(ca, ns, keys, 10.0)[:3] == (200, 200, True)
+        assert redis_server.client().dbsize() == 200
+        assert a.stats()["tiers"]["redis"]["dropped_writes"] == 0
+        assert sync_stats(a)["gave_up"] == 0
+        more = block_keys(ns, np.arange(200 * 64, 400 * 64))
+        assert write(ca, ns, more, None)[0] == 200   # write-behind semantics: may drop
+        assert ca.lookup(ns, keys + more, prefetch=False).hits == 400   # (all local)
+
+
 def test_blocks_stored_before_are_sent_too(redis_server: RedisServer,
                                           node: Callable[..., DaemonProcess]) -> None:
     a = node("a", write_through=False)
