@@ -83,22 +83,23 @@ class LeaseKeeper:
                 self.blocks.forget_if_gone(meta)
 
     def release_get(self, lease: Lease) -> None:
-        if lease.hbm and self.hbm is not None:
-            self.hbm.release(lease.hbm)
-            lease.hbm = []
+        self._release_hbm(lease)
         self.cpu.unpin(lease.metas)
 
     async def release_get_in_turns(self, lease: Lease) -> None:
         """``release_get`` of a client's release (taken off the table already), its blocks
         unpinned a piece at a time (kvtier.store.slices): still pinned during a pause."""
-        if lease.hbm and self.hbm is not None:
-            self.hbm.release(lease.hbm)
-            lease.hbm = []
+        self._release_hbm(lease)
         turn = Turn()
         for part in slices(lease.metas, RELEASE_PIECE):
             if turn.over():
                 await turn.pause()
             self.cpu.unpin(list(part))
+
+    def _release_hbm(self, lease: Lease) -> None:
+        if lease.hbm and self.hbm is not None:
+            self.hbm.release(lease.hbm)
+            lease.hbm = []
 
     def _expire(self, lease: Lease) -> None:
         if lease.kind is LeaseKind.PUT:

@@ -35,7 +35,6 @@ class Turn:
     """One request's turn on the event loop; ``due(i)`` at block ``i`` says when to pause."""
 
     ends: float = field(init=False)
-    pauses: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.ends = time.perf_counter() + SLICE_S
@@ -50,7 +49,6 @@ class Turn:
 
     async def pause(self) -> None:
         """Let the event loop run what is ready, then start a new turn."""
-        self.pauses += 1
         await asyncio.sleep(0)
         self.ends = time.perf_counter() + SLICE_S
 

@@ -63,6 +63,12 @@ def make_blocks(n: int) -> tuple[list[bytes], list[bytes]]:
     return keys, [rng.standard_normal(BLOCK // 2).astype(np.float16).tobytes() for _ in keys]
 
 
+def blocks_by_key(n: int) -> tuple[list[bytes], dict[bytes, bytes]]:
+    """``make_blocks(n)``: the keys, and each key's payload."""
+    keys, payloads = make_blocks(n)
+    return keys, dict(zip(keys, payloads, strict=True))
+
+
 def slot_of(key: bytes) -> int:
     return key_slot(b"kvtier:" + key.hex().encode())
 
@@ -80,8 +86,7 @@ async def read_each(tier: RedisTier, keys: list[bytes], data: dict[bytes, bytes]
 
 async def test_master_killed_replica_promoted_tier_heals_on_its_own(
         cluster: LocalCluster) -> None:
-    keys, payloads = make_blocks(60)
-    data = dict(zip(keys, payloads, strict=True))
+    keys, data = blocks_by_key(60)
     async with running(cluster.url) as tier:
         assert tier.up and tier.stats_extra()["unserved_slots"] == 0
         await store_all(tier, data)
@@ -129,8 +134,7 @@ async def test_hung_master_its_keys_miss_fast_the_rest_is_served(tmp_path: Path)
     answered without a connection attempt once it failed one bounded wait, a mixed batch
     stops exactly at the first of them, the stats name the server and the unserved slots,
     and once it answers again the tier routes to it again on its own."""
-    keys, payloads = make_blocks(40)
-    data = dict(zip(keys, payloads, strict=True))
+    keys, data = blocks_by_key(40)
     with running_cluster(tmp_path / "cluster", 3, node_timeout_ms=60_000) as cluster:
         async with running(cluster.url) as tier:
             await store_all(tier, data)

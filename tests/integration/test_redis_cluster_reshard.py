@@ -26,6 +26,7 @@ from tests.integration.test_redis_cluster_failover import (
     CLUSTER_ARGS,
     LAYOUT_FP,
     NS,
+    blocks_by_key,
     make_blocks,
     read_each,
     running,
@@ -101,8 +102,7 @@ async def read_chain(tier: RedisTier, keys: list[bytes], data: dict[bytes, bytes
 
 async def test_slots_moving_between_masters_are_followed_never_wrong(
         cluster: LocalCluster) -> None:
-    keys, payloads = make_blocks(60)
-    data = dict(zip(keys, payloads, strict=True))
+    keys, data = blocks_by_key(60)
     async with running(cluster.url) as tier:
         await store_all(tier, data)
         assert await read_chain(tier, keys, data) == len(keys)
@@ -154,7 +154,7 @@ async def test_slots_moving_between_masters_are_followed_never_wrong(
               f"slot map reloaded {settled:.2f} s after the move")
 
         # writes after the move go to the new owner directly
-        more = dict(zip(*make_blocks(70), strict=True))
+        more = blocks_by_key(70)[1]
         late = {k: more[k] for k in list(more)[60:]}
         await store_all(tier, late)
         assert all(await read_each(tier, list(late), late))
@@ -184,8 +184,7 @@ async def test_slots_moving_to_a_master_just_added_are_followed(cluster: LocalCl
     """The usual reshard: a master is added, then slots move to it. The tier has not met it
     (it owns no slot, so no slot map named it): the first ASK towards it has the members
     listed again (CLUSTER NODES), and from then on it is followed like any other."""
-    keys, payloads = make_blocks(40)
-    data = dict(zip(keys, payloads, strict=True))
+    keys, data = blocks_by_key(40)
     async with running(cluster.url) as tier:
         await store_all(tier, data)
         new = cluster.add_master()
@@ -214,8 +213,7 @@ async def test_redis_cli_reshard_to_a_new_master_under_traffic(cluster: LocalClu
     cli = shutil.which("redis-cli")
     if cli is None:
         pytest.skip("redis-cli not installed (Debian's redis-tools, with redis-server)")
-    keys, payloads = make_blocks(200)
-    data = dict(zip(keys, payloads, strict=True))
+    keys, data = blocks_by_key(200)
     async with running(cluster.url, op_timeout_s=5.0) as tier:   # (no stall of a busy CI machine)
         await store_all(tier, data)
         assert tier.counters.dropped_writes == 0
