@@ -27,6 +27,7 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 CANONICAL_FORMAT = "layer_kv_token_head_dim"
+MAX_DIM = 1 << 31   # each dimension is below this (a block's bytes are bounded elsewhere)
 
 
 def _is_int(value: object) -> bool:
@@ -63,8 +64,9 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block"):
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
-                raise LayoutMismatch(f"KVLayout.{name} must be a positive int, got {value!r}")
+            if not _is_int(value) or not 0 < value < MAX_DIM:   # (msgpack packs < 2**64)
+                raise LayoutMismatch(f"KVLayout.{name} must be a positive int below 2**31, "
+                                     f"got {value!r}")
         # 2.0 == 2 but packs differently: equal layouts with different fingerprints.
         if not _is_int(self.kv_components) or self.kv_components not in (1, 2):
             raise LayoutMismatch(f"kv_components must be 1 (MLA latent) or 2 (K and V), "

@@ -58,6 +58,9 @@ from kvtier.policy.base import Key, register_eviction_policy
 from kvtier.policy.costmodel import BlockCosts
 from kvtier.policy.stats import WorkloadStats
 
+# (depth, block bytes, tokens) values memoised at most: a client picks depths and layouts
+SAVED_MEMO_MAX = 1 << 16
+
 
 class _Entry:
     """One resident block (a plain slotted class: mutable, no dataclass overhead)."""
@@ -136,6 +139,8 @@ class CostPolicy:
             if self._reload_bw is not None:
                 saved -= costs.reload_s(nbytes, self._reload_bw)
             saved = max(saved, 0.0) / max(nbytes, 1)
+            if len(self._saved) >= SAVED_MEMO_MAX:   # clients pick depths and layouts
+                self._saved.clear()
             self._saved[memo_key] = saved
         return saved
 

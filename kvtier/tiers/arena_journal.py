@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import secrets
+import struct
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ class ArenaJournal:
         self._gen = 0
         self.records = 0          # appended since start (compactions included)
         self.compactions = 0
+        self.unencodable = 0      # commit records skipped: a field beyond the format
         self._snapshots = 0       # of _records taken (a batch's records after one are in it)
         self._mm: mmap.mmap | None = None
         self._fd = -1
@@ -119,15 +121,22 @@ class ArenaJournal:
 
     def commit_many(self, commits: Sequence[tuple[int, int, CommitInfo, int]]) -> int:
         """``commit`` of each ``(offset, generation, info, checksum)``, the records written
-        at once; how many were recorded."""
+        at once; how many were recorded. A record that cannot be encoded (a field out of
+        the format's range) is skipped and logged: the block is then not adopted after a
+        crash, and the batch's other records are written all the same."""
         recs = []
         for offset, generation, info, checksum in commits:
             rec = self._records.get(offset)
             if (rec is None or rec[0] == RecordType.COMMIT
                     or GENERATION.unpack_from(rec, GENERATION_AT)[0] != generation):
                 continue
-            rec = self._records[offset] = commit_record(
-                CommittedSlot(offset, info, checksum), generation)
+            try:
+                new = commit_record(CommittedSlot(offset, info, checksum), generation)
+            except (struct.error, OverflowError, ValueError) as exc:
+                self.unencodable += 1
+                log.warning("arena journal: block %s not journaled (%s)", info.key.hex(), exc)
+                continue
+            rec = self._records[offset] = new
             recs.append(rec)
         self._append_many(recs)
         return len(recs)

@@ -457,3 +457,19 @@ def test_a_batch_that_straddles_a_switch_and_a_new_compaction_is_written_once(
     assert (state.torn, state.inconsistent) == (0, 0)
     assert sorted(c.offset for c in state.committed) == offsets
     j.close(unlink=True)
+
+
+def test_a_record_beyond_the_format_is_skipped_not_the_batch(shm_dir: Path) -> None:
+    """One commit whose fields do not fit the record (a depth of 2**32) must not cost the
+    batch's other blocks their records (they would not be adopted after a crash)."""
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    offsets = [i * PAGE for i in range(4)]
+    j.alloc_many(offsets, PAGE)
+    bad = CommitInfo(b"b" * 16, b"n" * 16, 7, PAGE, b"p" * 16, 2**32, 9)
+    commits = [(off, j.generation(off) or 0, bad if i == 1 else info(i), i)
+               for i, off in enumerate(offsets)]
+    assert j.commit_many(commits) == 3 and j.unencodable == 1   # type: ignore[arg-type]
+    j.settle()
+    replay = read_journal(j.path)
+    assert replay is not None
+    assert sorted(c.offset for c in replay.committed) == [offsets[0], offsets[2], offsets[3]]

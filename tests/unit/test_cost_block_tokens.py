@@ -123,3 +123,15 @@ async def test_blocks_demoted_to_nvme_keep_their_namespace_tokens_per_block(
         await put(store, client, [k], owner=CLIENT)
     assert made[TierName.NVME].block_tokens == [LAYOUT.tokens_per_block] * 2
     await store.drain(clock() + 5)
+
+
+def test_the_saved_seconds_memo_stays_bounded(monkeypatch: Any) -> None:
+    """Clients choose depths and layouts: the memo of per-depth savings never grows past
+    its bound however many distinct ones arrive."""
+    import kvtier.policy.cost as cost
+
+    monkeypatch.setattr(cost, "SAVED_MEMO_MAX", 64)
+    pol = CostPolicy(costs=BlockCosts(block_tokens=16, block_bytes=16 * BYTES_PER_TOKEN))
+    values = [pol._saved_per_byte(depth, 4096, 16) for depth in range(1000)]
+    assert len(pol._saved) <= 64
+    assert pol._saved_per_byte(999, 4096, 16) == values[999]   # recomputed alike

@@ -112,3 +112,15 @@ def test_layout_mismatch_message_names_the_field() -> None:
         KVLayout.from_dict(with_fields(head_dim=0))
     with pytest.raises(LayoutMismatch, match="float64"):
         KVLayout.from_dict(with_fields(dtype="float64"))
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim",
+                                   "tokens_per_block"])
+def test_absurd_dimensions_are_a_typed_error(field: str) -> None:
+    """A dimension from a socket or an HTTP body of 2**31 or more (2**80 once made msgpack
+    fail while fingerprinting) is LayoutMismatch, not an OverflowError."""
+    data = {**KVLayout(2, 2, 32, "float16", 64).to_dict(), field: 2**80}
+    with pytest.raises(LayoutMismatch):
+        KVLayout.from_dict(data)
+    with pytest.raises(LayoutMismatch):
+        KVLayout.from_dict({**data, field: 2**31})
