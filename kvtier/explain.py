@@ -153,7 +153,8 @@ class MissLog:
         ``namespaces`` maps a digest to what is known about it (model_id, salt_id,
         tp_rank): it names the namespace and backs the never-stored hint. A tenant's
         cache_salt itself is never shown (the endpoint has no auth): only ``salt_id``, a
-        short hash that tells tenants apart.
+        short hash that tells tenants apart. Nor is the digest: ``namespace`` is
+        :func:`namespace_id`, which tells namespaces apart but names none in a request.
         """
         names = namespaces or {}
         out: list[dict[str, Any]] = []
@@ -167,7 +168,8 @@ class MissLog:
                 continue
             ns = names.get(digest, {})
             item: dict[str, Any] = {
-                "at": round(at, 3), "namespace": digest.hex(), "model_id": ns.get("model_id"),
+                "at": round(at, 3), "namespace": namespace_id(digest),
+                "model_id": ns.get("model_id"),
                 "salt_id": ns.get("salt_id"), "tp_rank": ns.get("tp_rank"), "blocks": n,
                 "hits": {"cpu": cpu, "nvme": nvme, "redis": redis},
                 "hit_blocks": cpu + nvme + redis,
@@ -194,6 +196,14 @@ class MissLog:
         """The /v1/stats section: first-miss reason counts and the records' fill."""
         return {"first_miss": dict(self._first_miss), "ring": len(self._ring),
                 "ring_size": self._ring.maxlen, "removals": len(self._removals)}
+
+
+def namespace_id(digest: bytes) -> str:
+    """A stable public id of a namespace (16 hex digits of a hash of its digest): what
+    operators read, never the digest, which a client could otherwise name."""
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(b"kvtier-namespace-id:" + digest)
 
 
 def salt_id(cache_salt: str | None) -> str | None:

@@ -7,6 +7,7 @@ fields; a typed KVTierError becomes a typed error reply in ``ControlServer._disp
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ CONNECTOR_COUNTERS = ("skipped_slower_than_recompute", "skipped_tokens_slower_th
 """Counters the vLLM connector reports through ``report_engine`` (issue 11)."""
 _MAX_NAME = 1024  # model_id and cache_salt characters: namespaces retain them
 _MAX_TP = 1 << 16
+# namespaces one connection may name at once (an engine uses one per layout and tp rank;
+# beyond this the oldest is forgotten and the client registers it again, transparently)
+MAX_CONN_NAMESPACES = 256
 
 
 @dataclass(slots=True)
@@ -41,6 +45,15 @@ class Connection:
     client: str = ""
     key_scheme: str = ""   # the client's key function version (kvtier.keys.KEY_SCHEME)
     engine: dict[str, float] = field(default_factory=dict)
+    # digests this connection registered (with their salts): the only ones it may name
+    namespaces: dict[bytes, None] = field(default_factory=dict)
+
+    def registered(self, digest: bytes) -> None:
+        """Remember that this connection registered ``digest`` (bounded, oldest first)."""
+        self.namespaces.pop(digest, None)
+        self.namespaces[digest] = None
+        while len(self.namespaces) > MAX_CONN_NAMESPACES:
+            del self.namespaces[next(iter(self.namespaces))]
 
 
 Handler = Callable[["Connection", dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -76,13 +89,18 @@ class ControlOps:
     async def _ping(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         return {}
 
-    def _target(self, msg: dict[str, Any]) -> tuple[bytes, int, list[bytes]]:
+    def _target(self, conn: Connection, msg: dict[str, Any]
+                ) -> tuple[bytes, int, list[bytes]]:
         """Namespace, layout fingerprint and keys of a request; the key count is checked
-        against the namespace's limit on the raw blob, before any key object exists."""
+        against the namespace's limit on the raw blob, before any key object exists.
+
+        A connection names only namespaces it registered itself: a digest is shown in
+        places (logs, stats of other tools) and is no proof of knowing the namespace's
+        ``cache_salt``; the client registers again on UnknownNamespace, transparently."""
         ns = req_field(msg, "ns", bytes)
         fp = req_field(msg, "layout_fp", int)
         blob = req_field(msg, "keys", bytes)
-        layout = self.store.touch_namespace(ns)
+        layout = self.store.touch_namespace(ns) if ns in conn.namespaces else None
         if layout is None:
             raise UnknownNamespace("namespace not registered with this daemon: call "
                                    "register_layout first (the daemon may have restarted or "
@@ -110,11 +128,12 @@ class ControlOps:
         tp_size = optional_int(msg, "tp_size", 1, 1, _MAX_TP)
         tp_rank = optional_int(msg, "tp_rank", 0, 0, tp_size - 1)
         ns = self.store.register_namespace(layout, model_id, tp_rank, tp_size, salt)
+        conn.registered(ns.digest)
         return {"ns": ns.digest, "layout_fp": layout.fingerprint,
                 "block_bytes": layout.block_bytes}
 
     async def _lookup(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        ns, fp, keys = self._target(msg)
+        ns, fp, keys = self._target(conn, msg)
         res = await self.store.lookup(ns, fp, keys, prefetch=bool(msg.get("prefetch", True)))
         reply: dict[str, Any] = {"hits": res.hits, "tiers": res.tiers}
         bandwidth = getattr(self.store, "bandwidth", None)
@@ -123,13 +142,21 @@ class ControlOps:
         return reply
 
     async def _put_prepare(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        ns, fp, keys = self._target(msg)
+        ns, fp, keys = self._target(conn, msg)
         parent = msg.get("parent")
         if parent is not None and not (isinstance(parent, bytes) and len(parent) == 16):
             raise ProtocolError("parent must be a 16-byte key or nil")
         depth = msg.get("depth", 0)
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise ProtocolError("depth must be a non-negative int")
+        layout = self.store.touch_namespace(ns)
+        assert layout is not None   # (checked by _target)
+        tpb = layout.tokens_per_block
+        if depth + len(keys) > self.limits.max_keys(tpb):   # a position in a context
+            raise LimitExceeded(
+                f"blocks {depth}..{depth + len(keys) - 1} of a chain: this namespace "
+                f"allows {self.limits.max_keys(tpb)} ({self.limits.max_context_tokens} "
+                f"tokens, daemon.max_context_tokens, in blocks of {tpb})")
         lease, offsets = await self.store.prepare_put(conn.id, ns, fp, keys, parent=parent,
                                                       depth=depth)
         return {"lease": lease, "offsets": offsets}
@@ -177,7 +204,7 @@ class ControlOps:
         from now the lease holds the slots while this connection stays open (a client that
         read them well within it need not wait for the release's reply, see
         kvtier.client.ops.op_release)."""
-        ns, fp, keys = self._target(msg)
+        ns, fp, keys = self._target(conn, msg)
         if msg.get("device") is True:
             lease, offsets, devices = await self.store.prepare_get_device(conn.id, ns, fp, keys)
             return {"lease": lease, "offsets": offsets, "devices": devices,
@@ -199,7 +226,7 @@ class ControlOps:
         return {}
 
     async def _delete(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        ns, fp, keys = self._target(msg)
+        ns, fp, keys = self._target(conn, msg)
         return {"deleted": await self.store.delete(ns, fp, keys)}
 
     async def _stats(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
@@ -209,15 +236,16 @@ class ControlOps:
         allowed = ("running", "waiting", "preemptions", "context_tokens_p50",
                    "context_tokens_p99", "requests_finished", "load_errors",
                    *CONNECTOR_COUNTERS)
-        for name in allowed:
+        for name in allowed:   # finite numbers only: /v1/stats stays valid JSON
             value = msg.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                    math.isfinite(value) and abs(value) < 1e18:
                 conn.engine[name] = float(value)
         return {}
 
     async def _prefix_locality(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         """Leading tokens cached here (by tier) and in Redis; read-only (kvtier.prefix)."""
-        return await self.prefix.from_control(msg)
+        return await self.prefix.from_control(msg, conn.namespaces)
 
     def engine_summary(self) -> dict[str, float]:
         """Connector-side gauges summed over connected engines."""

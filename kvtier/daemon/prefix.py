@@ -20,7 +20,7 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,19 +125,27 @@ class PrefixProbe:
             raise ProtocolError(f"token ids: {exc}") from None
 
     # -- namespaces ----------------------------------------------------------------------
-    def namespace(self, spec: Mapping[str, Any]) -> Namespace:
+    def namespace(self, spec: Mapping[str, Any],
+                  known: Container[bytes] = ()) -> Namespace:
         """The namespace a request names: ``namespace`` (the registered digest, bytes or
         hex), or ``model_id`` with ``tp_rank``/``tp_size``/``cache_salt`` and either a
         ``layout`` (hashed here, registered or not) or none (then the one namespace
-        registered with those fields)."""
+        registered with those fields).
+
+        A digest names a namespace with a ``cache_salt`` only when it is in ``known`` (the
+        caller registered it, with the salt): a digest alone proves nothing, and a probe
+        would tell whether a tenant's prompt is cached. Elsewhere the salt is asked for."""
         raw = spec.get("namespace")
         if raw is not None:
             digest = _digest(raw)
             entry = self.store.namespaces.get(digest)
+            if entry is not None and entry.namespace.cache_salt is not None and \
+                    digest not in known:
+                entry = None
             if entry is None:
-                raise UnknownNamespace("namespace not registered with this daemon: name it by "
-                                       "model_id and layout instead (no engine of it has "
-                                       "connected since the daemon started)")
+                raise UnknownNamespace("namespace not registered with this daemon, or salted: "
+                                       "name it by model_id, layout and cache_salt instead "
+                                       "(a digest names only a namespace without a salt)")
             return entry.namespace
         model_id = spec.get("model_id")
         if not isinstance(model_id, str) or not model_id or len(model_id) > _MAX_NAME:
@@ -195,14 +203,15 @@ class PrefixProbe:
                                 f"({BATCH_CONTEXTS} x daemon.max_context_tokens): split it")
 
     # -- the control op ------------------------------------------------------------------
-    async def from_control(self, msg: dict[str, Any]) -> dict[str, Any]:
+    async def from_control(self, msg: dict[str, Any],
+                           known: Container[bytes] = ()) -> dict[str, Any]:
         """``prefix_locality``: ``ns`` (digest) or the namespace fields; ``tokens`` (u4
         little-endian bytes) or ``keys`` (16-byte keys, concatenated); ``lengths`` (tokens
         or keys per prompt) makes a batch; ``redis`` (default true). Answers ``results``."""
         spec = {k: msg[k] for k in _NS_FIELDS if k in msg}
         if "ns" in msg:
             spec["namespace"] = msg["ns"]
-        ns = self.namespace(spec)
+        ns = self.namespace(spec, known)
         prompts = _split(msg.get("tokens"), msg.get("keys"), msg.get("lengths"))
         items = [(ns, p) for p in prompts]
         self._check_batch(items)

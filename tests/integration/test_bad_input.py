@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -22,6 +24,7 @@ from kvtier.errors import (
     HandshakeError,
     LayoutMismatch,
     LeaseError,
+    LimitExceeded,
     ProtocolError,
     UnknownNamespace,
 )
@@ -29,13 +32,15 @@ from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, pack, unpack_body
 from tests.support.daemon import DaemonProcess
+from tests.support.raw import register
 
 LAYOUT = KVLayout(2, 2, 32, "float16", 64)
 
 
-def _stored(daemon: DaemonProcess) -> tuple[Namespace, list[bytes], list[np.ndarray]]:
+def _stored(daemon: DaemonProcess, salt: str | None = None
+            ) -> tuple[Namespace, list[bytes], list[np.ndarray]]:
     c = connect(daemon.socket)
-    ns = c.register_layout(LAYOUT, "m")
+    ns = c.register_layout(LAYOUT, "m", cache_salt=salt)
     keys = block_keys(ns, np.arange(64 * 4))
     bufs = [np.full(LAYOUT.block_bytes, i + 1, np.uint8) for i in range(4)]
     assert c.put(ns, keys, bufs) == 4
@@ -69,9 +74,8 @@ def _reply(s: socket.socket) -> dict:
 
 def test_layout_not_matching_namespace(daemon: DaemonProcess) -> None:
     ns, keys, bufs = _stored(daemon)
-    c = connect(daemon.socket)
-    c.register_layout(LAYOUT, "m")
     s = _raw(daemon)
+    register(s, ns)
     other = KVLayout(2, 2, 32, "float32", 64)
     s.sendall(pack({"id": 2, "op": "lookup", "ns": ns.digest, "layout_fp": other.fingerprint,
                     "keys": b"".join(keys)}))
@@ -97,6 +101,40 @@ def test_unregistered_namespace_and_unknown_keys(daemon: DaemonProcess) -> None:
     assert c.lookup(ns2, unknown).hits == 0
     assert c.get(ns2, unknown, [np.zeros(LAYOUT.block_bytes, np.uint8)] * 3) == 0
     assert c.delete(ns2, unknown) == 0
+    _still_intact(daemon, ns, keys, bufs)
+
+
+def test_a_digest_is_no_permission_on_another_connection(daemon: DaemonProcess) -> None:
+    """A connection names only namespaces it registered: a salted tenant's digest, learned
+    somehow, neither reads, writes, probes nor deletes its blocks."""
+    ns, keys, bufs = _stored(daemon, salt="tenant-a")   # by another connection
+    s = _raw(daemon)
+    for i, op in enumerate(["lookup", "get_prepare", "put_prepare", "delete",
+                            "prefix_locality"]):
+        s.sendall(pack({"id": 10 + i, "op": op, "ns": ns.digest,
+                        "layout_fp": LAYOUT.fingerprint, "keys": b"".join(keys)}))
+        r = _reply(s)
+        assert not r["ok"] and r["code"] == UnknownNamespace.code, (op, r)
+    _still_intact(daemon, ns, keys, bufs)
+
+
+def test_absurd_depths_and_engine_numbers_are_refused(daemon: DaemonProcess) -> None:
+    ns, keys, bufs = _stored(daemon)
+    s = _raw(daemon)
+    register(s, ns)
+    fresh = block_keys(ns, np.arange(64 * 2) + 10**6)
+    for depth in (2**32, 2**63 - 1, 2**17 // 64 - 1):   # a chain's position is bounded
+        s.sendall(pack({"id": 3, "op": "put_prepare", "ns": ns.digest, "depth": depth,
+                        "layout_fp": LAYOUT.fingerprint, "keys": b"".join(fresh)}))
+        r = _reply(s)
+        assert not r["ok"] and r["code"] == LimitExceeded.code, r
+    s.sendall(pack({"id": 4, "op": "report_engine", "running": float("nan"),
+                    "waiting": float("inf"), "preemptions": 3}))
+    assert _reply(s)["ok"]
+    with urllib.request.urlopen(daemon.http_url + "/v1/stats", timeout=5) as resp:
+        text = resp.read().decode()
+    doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in /v1/stats"))
+    assert doc["connector"]["preemptions"] == 3   # the finite number was taken
     _still_intact(daemon, ns, keys, bufs)
 
 

@@ -30,6 +30,7 @@ from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, pack, unpack_body
 from tests.support.daemon import DaemonProcess
+from tests.support.raw import register
 
 LAYOUT = KVLayout(2, 2, 32, "float16", 64)   # 32 KiB blocks of 64 tokens
 MIB = 2**20
@@ -131,6 +132,7 @@ def test_million_key_lookup_and_put_are_refused_while_others_are_served(
     time.sleep(1.5)                   # the child starts and pings a while: the baseline
     rss0 = _rss(pid)
     s = _raw(daemon)
+    register(s, ns)
     windows: list[tuple[float, float]] = []
     try:
         for i, op in enumerate(["lookup", "put_prepare", "get_prepare", "delete"] * 2):

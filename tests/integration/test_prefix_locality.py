@@ -207,3 +207,28 @@ def test_second_node_sees_the_first_nodes_blocks_in_redis(
     assert PrefixLocality.from_dict(down.to_dict()) == down
     ca.close()
     cb.close()
+
+
+def test_a_salted_namespace_is_not_named_by_its_digest_alone(daemon: DaemonProcess) -> None:
+    """A digest is shown in places and proves nothing: /v1/prefix names a salted
+    namespace by its salt only, and /v1/lookups/recent shows no digest."""
+    c = connect(daemon.socket)
+    ns = c.register_layout(LAYOUT, "m", cache_salt="tenant-a")
+    toks = prompts()["full"]
+    keys = block_keys(ns, toks)
+    assert c.put(ns, keys[:3], [content(k) for k in keys[:3]]) == 3
+    assert c.lookup(ns, keys).hits == 3
+    with urllib.request.urlopen(daemon.http_url + "/v1/lookups/recent", timeout=10) as r:
+        recent = r.read().decode()
+    assert ns.digest.hex() not in recent and "tenant-a" not in recent
+    status, reply = post_json(daemon, {"namespace": ns.digest.hex(), "token_ids": toks.tolist()})
+    assert status == 404 and reply["code"] == "unknown_namespace"
+    salted = {"model_id": "m", "layout": LAYOUT.to_dict(), "cache_salt": "tenant-a"}
+    status, reply = post_json(daemon, {**salted, "token_ids": toks.tolist()})
+    assert status == 200 and reply["hit_blocks"] == 3
+    # over the socket, the connection that registered it may name it by its digest
+    assert c.prefix_locality(ns, toks).hit_blocks == 3
+    # absurd layout numbers are a typed refusal, not a server error
+    huge = {**salted, "layout": {**LAYOUT.to_dict(), "num_layers": 2**80}, "token_ids": [1]}
+    assert post_json(daemon, huge)[0] == 400
+    c.close()

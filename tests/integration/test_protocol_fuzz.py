@@ -137,8 +137,10 @@ class Conn:
         s.settimeout(REPLY_TIMEOUT)
         s.connect(str(self.daemon.socket))
         self.sock = s
-        if hello:
+        if hello:   # and the target's namespace: a connection names only those it registered
             assert self.call(pack({"id": 1, "op": "hello", "version": 1}))["ok"]
+            assert self.call(pack({"id": 2, "op": "register_layout",
+                                   "layout": LAYOUT.to_dict(), "model_id": "fuzz"}))["ok"]
         return s
 
     def close(self) -> None:
