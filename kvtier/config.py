@@ -176,6 +176,11 @@ class DaemonConfig:
     read_timeout_s: Seconds = 10.0        # a started frame (or the hello) must arrive within
     max_connections: AtLeastOne = 1024    # beyond: a typed refusal ("overloaded"), then close
     max_namespaces: AtLeastOne = 4096     # registrations beyond evict the least recently used
+    client_put_share: Fraction = 0.5      # of the arena, one client process may hold in open
+    #                                       puts and quarantine (0 or 1: no bound); beyond
+    #                                       it a put is granted fewer slots
+    dropped_writer_hold_s: Seconds = 3600.0   # a dropped client's leased slots, when its pid
+    #                                       is unknown, stay quarantined this long
     listen_backlog: AtLeastOne = 4096     # connect bursts queue here (capped by somaxconn)
     gc_freeze: bool = True                # freeze long-lived objects, so Python's collector
     #                                       does not walk every block (kvtier.daemon.gc_guard)

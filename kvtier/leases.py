@@ -11,6 +11,9 @@ Expiry must never produce wrong bytes, because the client still maps the slots:
 - a put lease's slots are *quarantined*: out of the index, but not returned to the
   allocator until the owning connection closes, so a slow writer that keeps writing into
   them never touches another client's blocks. Its commit fails with ``LeaseExpired``.
+  When the daemon closes the connection itself (idle, not reading its replies, a broken
+  limit), that proves nothing about the writer: its slots stay quarantined until its
+  process exits (``kvtier.daemon.exits``).
 The table remembers which ids expired per connection (bounded), so that a late commit or
 release gets ``LeaseExpired`` rather than "unknown lease".
 """
@@ -47,6 +50,7 @@ class Lease:
     deadline: float
     chain: list[bytes] = field(default_factory=list)  # a put's whole key chain
     hbm: list[Any] = field(default_factory=list)      # hbm read-locks of a device get
+    nbytes: int = 0                                    # a put's slot bytes (at open)
 
 
 class LeaseTable(dict[int, Lease]):
@@ -58,11 +62,28 @@ class LeaseTable(dict[int, Lease]):
         self.clock = clock
         self._ids = itertools.count(1)
         self._expired: dict[int, dict[int, LeaseKind]] = {}  # owner -> expired ids (ordered)
+        self._put_bytes: dict[int, int] = {}   # owner -> bytes of its open put leases
 
     def open(self, kind: LeaseKind, owner: int, metas: list[BlockMeta]) -> Lease:
         lease = Lease(next(self._ids), kind, owner, metas, self.clock() + self.ttl_s)
+        if kind is LeaseKind.PUT:
+            lease.nbytes = sum(meta.nbytes for meta in metas)
+            self._put_bytes[owner] = self._put_bytes.get(owner, 0) + lease.nbytes
         self[lease.id] = lease
         return lease
+
+    def put_bytes(self, owner: int) -> int:
+        """Bytes of the put leases ``owner`` holds open."""
+        return self._put_bytes.get(owner, 0)
+
+    def _forget(self, lease: Lease) -> None:
+        del self[lease.id]
+        if lease.nbytes:
+            left = self._put_bytes.get(lease.owner, 0) - lease.nbytes
+            if left > 0:
+                self._put_bytes[lease.owner] = left
+            else:
+                self._put_bytes.pop(lease.owner, None)
 
     def take(self, owner: int, lease_id: int, kind: LeaseKind) -> Lease:
         """Remove and return a lease this owner holds.
@@ -79,7 +100,7 @@ class LeaseTable(dict[int, Lease]):
                 raise expired_error(kind, lease_id, self.ttl_s)
             raise LeaseError(f"{kind.value} lease {lease_id} was never handed to this "
                              "connection, or was already used or expired")
-        del self[lease_id]
+        self._forget(lease)
         return lease
 
     def take_expired(self) -> list[Lease]:
@@ -101,7 +122,7 @@ class LeaseTable(dict[int, Lease]):
     def _take_where(self, pred: Callable[[Lease], bool]) -> list[Lease]:
         out = [lease for lease in self.values() if pred(lease)]
         for lease in out:
-            del self[lease.id]
+            self._forget(lease)
         return out
 
 
@@ -137,8 +158,12 @@ class Quarantine:
         self.slots += 1
         self.total_slots += 1
 
+    def owner_bytes(self, owner: int) -> int:
+        """Bytes held for ``owner``."""
+        return sum(n for _, n in self.by_owner.get(owner, ()))
+
     def take_owner(self, owner: int) -> list[int]:
-        """The offsets held for ``owner`` (now safe to free: its connection closed)."""
+        """The offsets held for ``owner`` (now safe to free: it can no longer write)."""
         held = self.by_owner.pop(owner, [])
         self.bytes -= sum(n for _, n in held)
         self.slots -= len(held)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.daemon.exits import ExitWatcher
 from kvtier.daemon.greeting import Greeter
 from kvtier.daemon.limits import (
     STREAM_LIMIT,
@@ -79,6 +80,8 @@ class ControlServer(ControlOps):
         self.observe = observe
         self.last_request = 0.0     # time.monotonic() of the last request (GcGuard)
         self.connections: dict[int, Connection] = {}
+        self.orphans: dict[int, int] = {}
+        self.exits = ExitWatcher(self.limits.dropped_writer_hold_s)
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
@@ -123,6 +126,7 @@ class ControlServer(ControlOps):
             _done, pending = await asyncio.wait(list(self._handlers), timeout=timeout)
             for t in pending:
                 t.cancel()
+        self.exits.close()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
 
@@ -151,15 +155,31 @@ class ControlServer(ControlOps):
             try:
                 await self._converse(conn, reader, writer)
             finally:
-                released = self.store.release_owner(conn.id)
-                if released:
-                    log.info("client %s (pid %s) left with %d open leases: released", conn.id,
-                             conn.pid, released)
-                self.connections.pop(conn.id, None)
+                self._release(conn)
         finally:
             writer.close()
             if task is not None:
                 self._handlers.discard(task)
+
+    def _release(self, conn: Connection) -> None:
+        """Take back a closed connection's leases. When the daemon closed it, the client
+        may still be writing into its put slots: they stay quarantined until its process
+        exits (kvtier.daemon.exits), counted against that process meanwhile."""
+        released = self.store.release_owner(conn.id, may_write=conn.dropped)
+        if released:
+            log.info("client %s (pid %s) left with %d open leases: released", conn.id,
+                     conn.pid, released)
+        self.connections.pop(conn.id, None)
+        if conn.dropped and self.store.held_put_bytes(conn.id):
+            log.info("client %s (pid %s) was dropped while it held slots for writing: they "
+                     "stay quarantined until its process exits", conn.id, conn.pid)
+            self.orphans[conn.id] = conn.process
+
+            def exited(owner: int = conn.id) -> None:
+                self.orphans.pop(owner, None)
+                self.store.free_quarantine(owner)
+
+            self.exits.watch(conn.pid, exited)
 
     async def _converse(self, conn: Connection, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
@@ -178,8 +198,10 @@ class ControlServer(ControlOps):
         try:
             await self.greeter.greet(conn, functools.partial(self._read, reader), writer)
             while True:
-                frame = await read_request(reader, self.limits, self.pending, self.counters,
-                                           held, busy=lambda: bool(tasks))
+                # not idle while it holds slots for writing: dropping it would not stop it
+                frame = await read_request(
+                    reader, self.limits, self.pending, self.counters, held,
+                    busy=lambda: bool(tasks) or self.store.held_put_bytes(conn.id) > 0)
                 if frame is None:
                     break
                 msg, n = frame
@@ -188,6 +210,7 @@ class ControlServer(ControlOps):
                 tasks.add(t)
                 t.add_done_callback(functools.partial(done, n=n))
         except KVTierError as exc:  # a bad frame, a broken limit: answer, then close
+            conn.dropped = True
             if isinstance(exc, ProtocolError):
                 self.protocol_errors += 1
             self._count(exc.code)
@@ -197,6 +220,7 @@ class ControlServer(ControlOps):
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         except Exception as exc:  # a bug here must not leave the client waiting for nothing
+            conn.dropped = True
             log.exception("connection of client %s failed", conn.id)
             self._count("internal")
             await self._send_error(writer, write_lock, "internal",
@@ -289,6 +313,7 @@ class ControlServer(ControlOps):
         except TimeoutError:  # replies pile up unread: the client is stuck or hostile
             self.counters.dropped_slow += 1
             log.warning("client %s does not read its replies: dropping it", conn.id)
+            conn.dropped = True
             writer.transport.abort()
         except (ConnectionError, RuntimeError):
             pass
@@ -298,6 +323,7 @@ class ControlServer(ControlOps):
         c = self.counters
         return {"errors": dict(c.errors), "refused_connections": c.refused_connections,
                 "dropped_idle": c.dropped_idle, "dropped_slow": c.dropped_slow,
+                "capped_puts": c.capped_puts, "dropped_writers": len(self.orphans),
                 "pending_request_bytes": self.pending.used,
                 "namespaces_evicted": self.store.namespaces_evicted,
                 "redis_sync": self.redis_sync.stats()}

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.daemon.limits import Limits
+from kvtier.daemon.limits import LimitCounters, Limits
 from kvtier.daemon.prefix import PrefixProbe
 from kvtier.daemon.redis_sync import RedisSync
 from kvtier.errors import LayoutMismatch, LimitExceeded, ProtocolError, UnknownNamespace
@@ -47,6 +47,12 @@ class Connection:
     engine: dict[str, float] = field(default_factory=dict)
     # digests this connection registered (with their salts): the only ones it may name
     namespaces: dict[bytes, None] = field(default_factory=dict)
+    dropped: bool = False   # the daemon closed it: the client may still be writing
+
+    @property
+    def process(self) -> int:
+        """Who holds this connection's puts to account: its pid (or itself when unknown)."""
+        return self.pid if self.pid > 0 else -self.id
 
     def registered(self, digest: bytes) -> None:
         """Remember that this connection registered ``digest`` (bounded, oldest first)."""
@@ -68,6 +74,8 @@ class ControlOps:
     redis_sync: RedisSync
     stats_provider: Callable[[], dict[str, Any]]
     connections: dict[int, Connection]
+    orphans: dict[int, int]   # closed connection -> its process, while slots stay quarantined
+    counters: LimitCounters
 
     def op_table(self) -> dict[str, Handler]:
         """Op name -> handler (the names are ``kvtier.protocol.OPS`` minus ``hello``)."""
@@ -157,9 +165,27 @@ class ControlOps:
                 f"blocks {depth}..{depth + len(keys) - 1} of a chain: this namespace "
                 f"allows {self.limits.max_keys(tpb)} ({self.limits.max_context_tokens} "
                 f"tokens, daemon.max_context_tokens, in blocks of {tpb})")
+        max_new = self._put_room(conn) // layout.block_bytes
+        if max_new < len(keys):   # (some keys may be stored already and need no room)
+            self.counters.capped_puts += 1
         lease, offsets = await self.store.prepare_put(conn.id, ns, fp, keys, parent=parent,
-                                                      depth=depth)
+                                                      depth=depth, max_new=max_new)
         return {"lease": lease, "offsets": offsets}
+
+    def _put_room(self, conn: Connection) -> int:
+        """Arena bytes ``conn``'s process may still take for writing: one client process
+        holds at most ``limits.client_put_bytes`` in open puts and quarantine, so that
+        neither a greedy nor a stalled client can take the arena from the others."""
+        cap = self.limits.client_put_bytes
+        if cap <= 0:
+            return 1 << 62
+        held = sum(self.store.held_put_bytes(owner) for owner in self.owners_of(conn.process))
+        return max(0, cap - held)
+
+    def owners_of(self, process: int) -> list[int]:
+        """The connections (open, or closed with slots still quarantined) of a process."""
+        return [c.id for c in self.connections.values() if c.process == process] + \
+            [owner for owner, p in self.orphans.items() if p == process]
 
     async def _put_commit(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         """``redis_sync_s`` (optional): answer only once the put's whole chain is in Redis,

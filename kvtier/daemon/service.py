@@ -166,7 +166,8 @@ class Daemon:
             max_inflight=cfg.daemon.max_inflight_per_conn, arena_path=str(self.arena.path),
             arena_size=self.arena.size, observe=self.metrics.observe,
             hbm=self.hbm.handshake_info() if self.hbm is not None else None,
-            open_arena=self.arena.open_for_client, limits=Limits.from_config(cfg.daemon))
+            open_arena=self.arena.open_for_client,
+            limits=Limits.from_config(cfg.daemon, self.arena.size))
         control.stats_provider = self.stats
         # a "no" from the filter is final only without a Redis tier to look further in
         if presence is not None:

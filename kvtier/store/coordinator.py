@@ -225,14 +225,16 @@ class TieredStore:
     # -- put -----------------------------------------------------------------------------
     async def prepare_put(self, owner: int, digest: bytes, layout_fp: int,
                           keys: list[bytes], *, parent: bytes | None = None,
-                          depth: int = 0) -> tuple[int, list[int | None]]:
+                          depth: int = 0, max_new: int | None = None
+                          ) -> tuple[int, list[int | None]]:
         """Write-locked arena slots for the keys not stored yet (None: skip this key).
 
         ``keys`` is a piece of a prefix chain: ``parent`` is the key before ``keys[0]``
         and ``depth`` its 0-based position in the chain (0 and None for a whole prompt).
+        ``max_new``: slots given at most (the leading new keys get them).
         """
         return await self.writer.prepare(owner, self.ns.resolve(digest, layout_fp), keys,
-                                         parent, depth)
+                                         parent, depth, max_new=max_new)
 
     async def commit_put(self, owner: int, lease_id: int, *, durable: bool = False,
                          output_tokens: int | None = None,
@@ -290,10 +292,19 @@ class TieredStore:
         get leases are released, put leases' slots are quarantined."""
         return self.lease_keeper.expire()
 
-    def release_owner(self, owner: int) -> int:
-        """A client connection closed: abort its puts, release its reads, free its
-        quarantined slots (it can no longer write into them)."""
-        return self.lease_keeper.release_owner(owner)
+    def release_owner(self, owner: int, *, may_write: bool = False) -> int:
+        """A client connection closed: release its reads; abort its puts and free its
+        quarantined slots (it can no longer write into them), or with ``may_write`` (the
+        daemon closed it) quarantine its puts' slots until ``free_quarantine``."""
+        return self.lease_keeper.release_owner(owner, may_write=may_write)
+
+    def free_quarantine(self, owner: int) -> int:
+        """``owner`` can no longer write (its process exited): free its quarantine."""
+        return self.lease_keeper.free_quarantine(owner)
+
+    def held_put_bytes(self, owner: int) -> int:
+        """Arena bytes ``owner`` holds for writing (open put leases, quarantine)."""
+        return self.lease_keeper.held_put_bytes(owner)
 
     # -- shutdown ------------------------------------------------------------------------
     async def drain(self, deadline: float) -> int:

@@ -2,7 +2,8 @@
 
 A crashed or stalled client never pins arena memory: get leases past their deadline are
 released; put leases' slots are quarantined until the owner's connection closes (it may
-still be writing into them), see ``kvtier.leases``.
+still be writing into them), or its process exits when the daemon closed the connection,
+see ``kvtier.leases``.
 """
 
 from __future__ import annotations
@@ -60,19 +61,34 @@ class LeaseKeeper:
         self.requests.lease_expired += len(expired)
         return len(expired)
 
-    def release_owner(self, owner: int) -> int:
-        """A client connection closed: abort its puts, release its reads, free its
-        quarantined slots (it can no longer write into them)."""
+    def release_owner(self, owner: int, *, may_write: bool = False) -> int:
+        """A client connection closed: release its reads; abort its puts and free its
+        quarantined slots, it can no longer write into them. ``may_write``: the daemon
+        closed it, so the client may still be writing: its puts' slots join its quarantine
+        instead, kept until ``free_quarantine`` (its process exited)."""
         mine = self.leases.take_owner(owner)
         for lease in mine:
             self.bandwidth.get_abandoned(lease.id)
-            if lease.kind is LeaseKind.PUT:
-                self.abort_put(lease)
-            else:
+            if lease.kind is LeaseKind.GET:
                 self.release_get(lease)
-        for off in self.quarantine.take_owner(owner):
-            self.cpu.arena.free(off)
+            elif may_write:
+                self._quarantine_put(lease)
+            else:
+                self.abort_put(lease)
+        if not may_write:
+            self.free_quarantine(owner)
         return len(mine)
+
+    def free_quarantine(self, owner: int) -> int:
+        """Return ``owner``'s quarantined slots to the allocator; how many."""
+        offsets = self.quarantine.take_owner(owner)
+        for off in offsets:
+            self.cpu.arena.free(off)
+        return len(offsets)
+
+    def held_put_bytes(self, owner: int) -> int:
+        """Arena bytes ``owner`` holds for writing: open put leases and quarantine."""
+        return self.leases.put_bytes(owner) + self.quarantine.owner_bytes(owner)
 
     def abort_put(self, lease: Lease) -> None:
         for meta in lease.metas:
@@ -108,8 +124,8 @@ class LeaseKeeper:
             self.release_get(lease)
 
     def _quarantine_put(self, lease: Lease) -> None:
-        """Forget an expired put's blocks but keep their slots allocated (quarantined) until
-        the owner's connection closes: it may still be writing into them."""
+        """Forget a put's blocks but keep their slots allocated (quarantined) until its
+        owner can no longer write into them."""
         for meta in lease.metas:
             if meta.cpu_state is not SlotState.WRITING or meta.cpu is None:
                 continue

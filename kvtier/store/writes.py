@@ -51,18 +51,25 @@ class Writer:
     nvme_present: bool = False
 
     async def prepare(self, owner: int, ns: NamespaceEntry, keys: list[bytes],
-                      parent: bytes | None, depth: int) -> tuple[int, list[int | None]]:
-        """Write-locked arena slots for the keys not stored yet (None: skip this key)."""
+                      parent: bytes | None, depth: int, *, max_new: int | None = None
+                      ) -> tuple[int, list[int | None]]:
+        """Write-locked arena slots for the keys not stored yet (None: skip this key), for
+        at most ``max_new`` of them (the leading ones)."""
         digest, layout_fp = ns.namespace.digest, ns.layout.fingerprint
         nbytes = ns.layout.block_bytes
         self._check_fits(nbytes, keys)
         index, cpu = self.index, self.cpu
         offsets: list[int | None] = [None] * len(keys)
         metas: list[BlockMeta] = []
+        fresh = index.new_positions(keys)
+        end = len(keys)   # keys from here on get no slot
+        if max_new is not None and len(fresh) > max_new:
+            end = fresh[max_new]
+            fresh = fresh[:max_new]
         # the common case first: room for the new keys without evicting, no await, the
         # slots, journal records and presence counters taken a batch at a time
         turn = Turn()
-        for part in slices(index.new_positions(keys), PREPARE_BATCH):
+        for part in slices(fresh, PREPARE_BATCH):
             if turn.over():   # (another put may have indexed some of them meanwhile)
                 await turn.pause()
                 part = [i for i in part if keys[i] not in index]
@@ -75,23 +82,23 @@ class Writer:
             for i, off in zip(part, slots, strict=False):
                 offsets[i] = off
             if len(slots) < len(part):   # the rest, evicting for room
-                await self._place_evicting(keys, part[len(slots)], parent, depth, ns,
+                await self._place_evicting(keys, part[len(slots)], end, parent, depth, ns,
                                            metas, offsets)
                 break
         lease = self.leases.open(LeaseKind.PUT, owner, metas)
         lease.chain = keys
         return lease.id, offsets
 
-    async def _place_evicting(self, keys: list[bytes], start: int, parent: bytes | None,
-                              depth: int, ns: NamespaceEntry, metas: list[BlockMeta],
-                              offsets: list[int | None]) -> None:
-        """``prepare``'s slots from ``keys[start]`` on, evicting by policy to make room
+    async def _place_evicting(self, keys: list[bytes], start: int, end: int,
+                              parent: bytes | None, depth: int, ns: NamespaceEntry,
+                              metas: list[BlockMeta], offsets: list[int | None]) -> None:
+        """``prepare``'s slots for ``keys[start:end]``, evicting by policy to make room
         (appended to ``metas``, set in ``offsets``)."""
         digest, layout_fp = ns.namespace.digest, ns.layout.fingerprint
         nbytes = ns.layout.block_bytes
         index, cpu = self.index, self.cpu
         after: int | None = None   # new keys after this one (counted at the first eviction)
-        for i in range(start, len(keys)):
+        for i in range(start, end):
             k = keys[i]
             if k in index:
                 continue
@@ -100,7 +107,7 @@ class Writer:
             off = cpu.try_alloc(nbytes)   # (an eviction may have freed more than one)
             if off is None:   # evict for the keys still to place, several at a time
                 if after is None:
-                    after = sum(1 for x in keys[i + 1:] if x not in index)
+                    after = sum(1 for x in keys[i + 1:end] if x not in index)
                 off = await cpu.alloc(nbytes, batch=min(EVICT_BATCH, after + 1))
                 if off is None or k in index:   # (stored by another put meanwhile)
                     if off is not None:
