@@ -17,7 +17,10 @@ Wire format of an encoded payload (the frame header carries the codec id and ``r
   decodable without knowing the layout that produced it.
 
 Codecs never raise for bad input with a generic exception: decoding errors become
-``FrameError`` so the caller treats them like any other failed frame (a miss).
+``FrameError`` so the caller treats them like any other failed frame (a miss). A payload
+is never decoded into more memory than its ``raw_len`` calls for: ``max_encoded_len`` says
+how long a payload can be, and a zstd plane that declares another size than its plane's
+is refused before it is decompressed (a few KiB can declare GiBs).
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ except ImportError:  # pragma: no cover
     _zstd = None  # type: ignore[assignment]
 
 ZSTD_LEVEL = 1  # level 1: ~all of zstd's gain on KV planes at several hundred MB/s
+# The largest window a zstd plane may ask the decoder for. kvtier writes each plane in one
+# call, so zstd sizes the window to the plane (at most 512 KiB at level 1); 8 MiB admits
+# any level up to 19.
+ZSTD_MAX_WINDOW = 8 << 20
 _MAX_ELEM_BYTES = 8
 
 _CONFIG_NAMES: dict[str, Codec | None] = {
@@ -85,6 +92,20 @@ _RAW, _PACKED = 0, 1
 _MIN_PLANE_GAIN = 0.02         # keep a plane compressed only if it saves at least 2%
 
 
+def max_encoded_len(codec: Codec, raw_len: int) -> int:
+    """The longest payload kvtier writes with ``codec`` for ``raw_len`` bytes: a frame that
+    claims a longer one is corrupt, and a reader refuses it before allocating a buffer of
+    the length it claims. LZ4: ``LZ4_compressBound``. Shuffled: the element width, one
+    plane table entry per plane (at most ``_MAX_ELEM_BYTES``), then planes that are never
+    longer than stored raw (a plane stays compressed only when that saves
+    ``_MIN_PLANE_GAIN``), then the tail."""
+    if codec is Codec.NONE:
+        return raw_len
+    if codec is Codec.LZ4:
+        return raw_len + raw_len // 255 + 16
+    return 1 + _MAX_ELEM_BYTES * _PLANE.size + raw_len
+
+
 def split_planes(data: memoryview | bytes, elem_bytes: int) -> tuple[list[np.ndarray], bytes]:
     """Byte planes of ``data`` (plane j = byte j of every element) and the leftover tail."""
     raw = np.frombuffer(data, dtype=np.uint8)
@@ -102,6 +123,11 @@ def _compress(codec: Codec, plane: np.ndarray) -> bytes:
 def _decompress(codec: Codec, blob: memoryview, size: int) -> bytes:
     if codec is Codec.SHUFFLE_LZ4:
         return _lz4.decompress(blob, uncompressed_size=size)
+    # python-zstandard allocates what a frame declares and ignores max_output_size then:
+    # a declared size other than the plane's is refused first (kvtier writes none, -1)
+    declared = _zstd.frame_content_size(blob)
+    if declared not in (-1, size):
+        raise FrameError(f"zstd plane declares {declared} bytes, expected {size}")
     return _zstd_d().decompress(blob, max_output_size=size)
 
 
@@ -164,7 +190,7 @@ def _zstd_c() -> _zstd.ZstdCompressor:
 def _zstd_d() -> _zstd.ZstdDecompressor:
     ctx: _zstd.ZstdDecompressor | None = getattr(_local, "zd", None)
     if ctx is None:
-        ctx = _local.zd = _zstd.ZstdDecompressor()
+        ctx = _local.zd = _zstd.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
     return ctx
 
 

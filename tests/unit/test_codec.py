@@ -3,8 +3,12 @@ buffer, corrupt payloads as FrameError, and AutoCodec keeping a codec only while
 
 from __future__ import annotations
 
+import struct
+import tracemalloc
+
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -124,3 +128,76 @@ def test_auto_drops_between_samples_when_gain_fades() -> None:
     for _ in range(10):
         auto.encode(noise)
     assert auto.current is Codec.NONE and auto.samples == 1
+
+
+# --- hostile payloads: never decoded into more than their block -------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=0, max_size=5000), elem_bytes=st.integers(1, 8),
+       codec=st.sampled_from(USABLE))
+def test_max_encoded_len_bounds_what_kvtier_writes(data: bytes, elem_bytes: int,
+                                                    codec: Codec) -> None:
+    """Readers refuse a frame whose payload is longer than ``max_encoded_len``: kvtier's
+    own payloads, of any bytes, never are (noise included, where lz4 expands)."""
+    enc = codecs.encode(codec, memoryview(data), elem_bytes)
+    assert len(enc) <= codecs.max_encoded_len(codec, len(data))
+
+
+def zstd_plane_payload(blob: bytes, count: int) -> bytes:
+    """A SHUFFLE_ZSTD payload of 2-byte elements: plane 0 the zstd ``blob`` (``count``
+    bytes once decoded), plane 1 stored raw."""
+    return (bytes([2]) + struct.pack("<BI", 1, len(blob)) + struct.pack("<BI", 0, count)
+            + blob + bytes(count))
+
+
+@pytest.mark.skipif(not codecs.available(Codec.SHUFFLE_ZSTD), reason="zstandard not installed")
+def test_kvtier_zstd_planes_declare_no_size_and_a_small_window() -> None:
+    """What the reader's checks admit: kvtier's writer declares no content size (-1) and
+    a window within ``ZSTD_MAX_WINDOW``."""
+    data = kv_like(1 << 22, "bf16")   # 8 MiB: planes of 4 MiB
+    enc = codecs.encode(Codec.SHUFFLE_ZSTD, data)
+    sizes = [struct.unpack_from("<BI", enc, 1 + 5 * j) for j in range(2)]
+    pos = 11
+    for mode, size in sizes:
+        if mode == 1:
+            params = zstandard.get_frame_parameters(enc[pos:pos + size])
+            assert zstandard.frame_content_size(enc[pos:pos + size]) == -1
+            assert params.window_size <= codecs.ZSTD_MAX_WINDOW
+        pos += size
+    assert any(mode == 1 for mode, _ in sizes)
+    assert codecs.decode(Codec.SHUFFLE_ZSTD, enc, len(data)) == data
+
+
+@pytest.mark.skipif(not codecs.available(Codec.SHUFFLE_ZSTD), reason="zstandard not installed")
+def test_a_zstd_plane_declaring_another_size_is_refused_before_it_is_decoded() -> None:
+    """A zip bomb: a 1 KiB zstd plane that declares 32 MiB (python-zstandard allocates a
+    declared size whatever max_output_size says). Refused with no allocation of it."""
+    count = 32 << 10
+    bomb = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(bytes(32 << 20))
+    payload = zstd_plane_payload(bomb, count)
+    out = memoryview(bytearray(2 * count))
+    tracemalloc.start()
+    try:
+        with pytest.raises(FrameError, match="declares"):
+            codecs.decode(Codec.SHUFFLE_ZSTD, payload, 2 * count, out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    # the same plane declaring its true size decodes
+    plane = np.random.default_rng(4).integers(0, 4, count, dtype=np.uint8).tobytes()
+    honest = zstandard.ZstdCompressor(write_content_size=True).compress(plane)
+    got = codecs.decode(Codec.SHUFFLE_ZSTD, zstd_plane_payload(honest, count), 2 * count)
+    assert got[0::2] == plane and got[1::2] == bytes(count)
+
+
+@pytest.mark.skipif(not codecs.available(Codec.SHUFFLE_ZSTD), reason="zstandard not installed")
+def test_a_zstd_plane_asking_for_a_window_beyond_the_bound_is_refused() -> None:
+    count = 4096
+    params = zstandard.ZstdCompressionParameters.from_level(
+        1, window_log=27, write_content_size=False)
+    stream = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    blob = stream.compress(bytes(count)) + stream.flush()   # no size known: window 2**27
+    assert zstandard.get_frame_parameters(blob).window_size > codecs.ZSTD_MAX_WINDOW
+    with pytest.raises(FrameError):
+        codecs.decode(Codec.SHUFFLE_ZSTD, zstd_plane_payload(blob, count), 2 * count)
