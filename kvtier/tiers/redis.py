@@ -56,7 +56,7 @@ from typing import Any
 
 from kvtier import codec as codecs
 from kvtier.errors import FrameError
-from kvtier.frame import FLAG_STRIPED, FrameHeader
+from kvtier.frame import FrameHeader
 from kvtier.tiers.base import EvictionReason, TierName
 from kvtier.tiers.redis_blocks import header_range
 from kvtier.tiers.redis_link import (
@@ -78,7 +78,7 @@ from kvtier.tiers.redis_reads import (
 )
 from kvtier.tiers.redis_resp import ErrorReply, command
 from kvtier.tiers.redis_route import Reach
-from kvtier.tiers.redis_stripes import part_keys
+from kvtier.tiers.redis_stripes import owned_part_keys
 from kvtier.tiers.redis_wire import Conn
 from kvtier.tiers.redis_writes import SET_BATCH_BYTES, SET_BATCH_KEYS, RedisWrites
 
@@ -199,6 +199,8 @@ class RedisTier(RedisWrites):
 
         With ``namespace``, only frames of that namespace are deleted (checked first with
         GETRANGE; another namespace's frame is counted in ``namespace_mismatches`` and kept).
+        A striped block's stripes go with its head only when the head's header is sound
+        (``redis_stripes.owned_part_keys``): a corrupt one never names thousands of keys.
         """
         n = 0
         for lo in range(0, len(keys), DELETE_CHUNK):   # each chunk's work on the loop stays
@@ -209,7 +211,7 @@ class RedisTier(RedisWrites):
 
     async def _delete_some(self, keys: Sequence[bytes], namespace: bytes | None) -> int:
         rkeys = [self._rkey(k) for k in keys]
-        stripes: list[bytes] = []   # of striped blocks (their headers say how many)
+        stripes: list[bytes] = []   # of striped blocks (their sound headers say how many)
         heads = await self._per_server(rkeys, lambda conn, idx: conn.simple_many(
             [header_range(rkeys[i]) for i in idx]))
         if any(isinstance(r, ErrorReply) for r in heads):
@@ -224,8 +226,8 @@ class RedisTier(RedisWrites):
             with contextlib.suppress(FrameError):
                 if isinstance(head, bytes) and head:
                     header = FrameHeader.unpack(head)
-                    if header.flags & FLAG_STRIPED:
-                        stripes += part_keys(rkey, header)
+                    stripes += owned_part_keys(rkey, header,
+                                               self._block_bytes_for(header.namespace))
         if not mine:
             return 0
         rkeys, every = mine, mine + stripes
@@ -263,4 +265,5 @@ class RedisTier(RedisWrites):
             "codec_ratio": self._frames_raw / self._frames_wire if self._frames_wire else 1.0,
             "last_error": self.last_error,
             "namespace_mismatches": self.namespace_mismatches,
+            "protocol_errors": self._router.protocol_errors,
         }

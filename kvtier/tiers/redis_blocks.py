@@ -1,10 +1,12 @@
 """Moving framed blocks over one RESP connection (runs in the Redis tier's worker threads).
 
 Reads: a GET's first HEADER_SIZE bytes are read and checked (magic, namespace, key, layout
-fingerprint, header checksum) before anything else; an uncompressed payload is then
-received straight into the caller's buffer and its checksum verified there. A payload that
-fails its checksum is scrubbed (zeroed) so that nothing unverified stays in a caller's
-buffer. Compressed payloads go to a scratch buffer and are decoded into the caller's.
+fingerprint, header checksum, a payload length its codec can produce) before anything
+else; an uncompressed payload is then received straight into the caller's buffer and its
+checksum verified there. Compressed payloads go to a scratch buffer (at most
+``codec.max_encoded_len`` of the block) and are decoded into the caller's. A payload that
+fails its checksum or does not decode is scrubbed (the block zeroed) so that nothing
+unverified or half decoded stays in a caller's buffer.
 
 Writes: each block is framed where it lies (one checksum for NONE) and sent as two buffers,
 header and payload, with no copy in Python.
@@ -104,12 +106,24 @@ def judge_header(head: bytes, key: bytes, out_bytes: int, namespace: bytes, layo
         if n is not None and here != n - HEADER_SIZE:
             raise FrameError(f"frame says {here} payload bytes, value "
                              f"holds {n - HEADER_SIZE}")
+        if not lengths_sound(header):   # before any buffer of payload_len is made
+            raise FrameError(f"a {header.codec.name} payload of {header.payload_len} bytes "
+                             f"cannot encode {header.raw_len}")
     except FrameError as exc:
         return BlockRead(ReadStatus.CORRUPT, wire, str(exc))
     if header.raw_len != out_bytes:  # the caller's buffer, not the frame, is wrong
         return BlockRead(ReadStatus.NOFIT, wire, (
             f"block of {header.raw_len} bytes does not match the {out_bytes}-byte buffer"))
     return header
+
+
+def lengths_sound(header: FrameHeader) -> bool:
+    """Whether the header's ``payload_len`` is one its codec can produce from its
+    ``raw_len`` (equal when uncompressed): a reader allocates, receives and a delete
+    expands stripes by ``payload_len``, so a corrupt or planted header must not set it."""
+    if header.codec is Codec.NONE:
+        return header.payload_len == header.raw_len
+    return header.payload_len <= codecs.max_encoded_len(header.codec, header.raw_len)
 
 
 def header_range(rkey: bytes) -> bytes:
@@ -193,9 +207,8 @@ def _finish(place: _Placer, i: int, wire: int) -> BlockRead:
         verify(header, payload)
         if scratch is not None:
             codecs.decode(header.codec, scratch, header.raw_len, out)
-    except FrameError as exc:
-        if scratch is None:
-            out[:header.raw_len] = bytes(header.raw_len)  # never leave unverified bytes
+    except FrameError as exc:   # never leave unverified or partly decoded bytes
+        out[:header.raw_len] = bytes(header.raw_len)
         return BlockRead(ReadStatus.CORRUPT, wire, str(exc))
     # uncompressed: the checksum just verified is the block's own (the journal reuses it)
     return BlockRead(ReadStatus.OK, wire, checksum=header.checksum if scratch is None else None)

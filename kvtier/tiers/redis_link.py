@@ -30,7 +30,7 @@ from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_queue import DEFAULT_ELEM_BYTES, WriteOutcomes, WriteQueue
 from kvtier.tiers.redis_resp import REDIRECTS, ErrorReply, NodeAddr, ReplyError, command
 from kvtier.tiers.redis_route import Reach, Router, conn_options
-from kvtier.tiers.redis_wire import Conn
+from kvtier.tiers.redis_wire import LARGE_REPLY_BYTES, Conn
 
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
 
@@ -100,6 +100,11 @@ class RedisLink:
         """The element width of ``namespace``'s layout, or the fallback when unknown."""
         layout = self._layout_of(namespace) if self._layout_of is not None else None
         return layout.element_bytes if layout is not None else self._elem_bytes
+
+    def _block_bytes_for(self, namespace: bytes) -> int | None:
+        """The block size of ``namespace``'s layout, or None when unknown."""
+        layout = self._layout_of(namespace) if self._layout_of is not None else None
+        return layout.block_bytes if layout is not None else None
 
     def _rkey(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
@@ -250,7 +255,8 @@ class RedisLink:
         async def ask(node: NodeAddr) -> list[Any] | None:
             pool = self._router.pool(node)
             try:
-                return await self._in_thread(lambda: pool.run(lambda c: c.simple_many(cmds)))
+                return await self._in_thread(lambda: pool.run(
+                    lambda c: c.simple_many(cmds, LARGE_REPLY_BYTES)))
             except Exception as exc:
                 self._failed(exc, node)
                 return None
@@ -372,8 +378,9 @@ def _describe(exc: BaseException) -> str:
 async def _on_loop(pool: NodePool, conn: Conn, small: Callable[[list[int]], list[bytes]],
                    idx: list[int]) -> list[Any]:
     """``small(idx)`` exchanged on the event loop over ``conn`` (taken from ``pool``): given
-    back after a clean exchange, discarded after any failure (building the commands too) or
-    a cancellation. The commands are built here, so the thread path never builds them."""
+    back after a clean exchange (the pool drops one holding bytes past its replies),
+    discarded after any failure (building the commands too) or a cancellation. The
+    commands are built here, so the thread path never builds them."""
     try:
         replies = await loopio.exchange(conn, small(idx))
     except BaseException:

@@ -14,8 +14,9 @@ A job is one pipeline to one server. Jobs start in order, at most ``width`` at a
 on its own pooled connection, as long as ``launch(job)`` agrees (a read that met a miss
 starts nothing past it); a connection whose job is done goes on with the next job when
 that is for the same server (a read keeps the connections it holds while it has work for
-them). A read's first pipeline always gets a connection, so a concurrent read is never
-shut out; the others only while the server's pool has some to spare (``NodePool.limit``,
+them), unless it received more than its job's replies (then the pool discards it). A
+read's first pipeline always gets a connection, so a concurrent read is never shut out;
+the others only while the server's pool has some to spare (``NodePool.limit``,
 ``redis.max_connections``), so concurrent reads share a bounded number of connections. A
 connection that fails or passes its deadline fails its job and is discarded; every other
 job goes on.
@@ -256,7 +257,10 @@ def read_jobs(jobs: Sequence[GetJob], pool_of: Callable[[NodeAddr], NodePool], w
                     fail(stream, exc)
                     continue
                 if finished:
-                    nxt = _next_job(stream.job.node, pending, launch)
+                    # bytes past the job's replies (a server out of step): the connection
+                    # goes back to the pool, which discards it, never on to the next job
+                    nxt = (None if stream.conn.buffered() else
+                           _next_job(stream.job.node, pending, launch))
                     if nxt is not None:   # sent on the same connection: keep polling it
                         stream.reset(nxt)
                         try:

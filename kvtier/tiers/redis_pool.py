@@ -1,7 +1,9 @@
 """Redis connections per server (``NodePool``), shared by the tier's worker threads.
 
 A connection is taken for one exchange and given back after it; one that failed in any way
-is discarded (closed, never reused: kvtier.tiers.redis_wire says why). ``limit`` bounds the
+is discarded (closed, never reused: kvtier.tiers.redis_wire says why), and so is one given
+back with bytes still buffered past its replies: a server out of step (an extra reply)
+would have its next exchange take those bytes for its own replies. ``limit`` bounds the
 connections one server gets from the reads that fan out (kvtier.tiers.redis_mux asks with
 ``try_take`` for every pipeline after its first); one exchange per worker thread (``take``)
 always gets a connection, as before, so a busy read never starves a write or a health PING.
@@ -21,12 +23,14 @@ from kvtier.tiers.redis_wire import Conn
 class NodePool:
     """Connections to one server: counted, at most ``limit`` idle kept; thread-safe."""
 
-    __slots__ = ("_closed", "_idle", "_lock", "addr", "limit", "open", "opts")
+    __slots__ = ("_closed", "_idle", "_lock", "addr", "limit", "on_stray", "open", "opts")
 
-    def __init__(self, addr: NodeAddr, opts: ConnOptions, limit: int) -> None:
+    def __init__(self, addr: NodeAddr, opts: ConnOptions, limit: int,
+                 on_stray: Callable[[NodeAddr], None] | None = None) -> None:
         self.addr = addr
         self.opts = opts
         self.limit = max(1, limit)
+        self.on_stray = on_stray      # told of each connection dropped out of step (give)
         self.open = 0                 # connections made and not yet closed (idle or taken)
         self._idle: list[Conn] = []
         self._lock = threading.Lock()
@@ -77,7 +81,14 @@ class NodePool:
             raise
 
     def give(self, conn: Conn) -> None:
-        """Take back a connection whose exchange ended cleanly."""
+        """Take back a connection whose exchange ended cleanly. One that still holds
+        received bytes (more than its replies) is discarded and reported to ``on_stray``
+        instead: reused, its next exchange would read them as its own replies."""
+        if conn.buffered():
+            self.discard(conn)
+            if self.on_stray is not None:
+                self.on_stray(self.addr)
+            return
         with self._lock:
             if not self._closed and len(self._idle) < self.limit:
                 self._idle.append(conn)

@@ -221,6 +221,17 @@ class RedisReads(RedisLink):
 
     async def _fetch(self, keys: Sequence[bytes], outs: Sequence[memoryview],
                      namespace: bytes, layout_fp: int) -> list[BlockRead]:
+        """One batch's reads (``_fetch_batch``). A bug or a failed allocation there ends
+        the read as an ERROR, as in ``_read_muxed``: it never reaches the caller."""
+        try:
+            return await self._fetch_batch(keys, outs, namespace, layout_fp)
+        except Exception as exc:
+            log.exception("redis tier: read failed")
+            self._note_error(exc)
+            return [BlockRead(ReadStatus.ERROR, why=_describe(exc))]
+
+    async def _fetch_batch(self, keys: Sequence[bytes], outs: Sequence[memoryview],
+                           namespace: bytes, layout_fp: int) -> list[BlockRead]:
         rkeys = [self._rkey(k) for k in keys]
         if len(keys) == 1 and ranged(outs[0].nbytes):   # a large block: in parallel ranges
             out = outs[0] if outs[0].format == "B" and outs[0].ndim == 1 else outs[0].cast("B")

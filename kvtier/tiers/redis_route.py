@@ -10,6 +10,7 @@ slots of a failed server miss in between, never the whole tier.
 
 from __future__ import annotations
 
+import logging
 import ssl
 import threading
 import time
@@ -24,7 +25,9 @@ from kvtier.config import RedisConfig
 from kvtier.tiers.redis_client import RedisMode, RedisTarget
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_resp import REDIRECTS, ConnOptions, ErrorReply, NodeAddr, command
-from kvtier.tiers.redis_wire import Conn
+from kvtier.tiers.redis_wire import LARGE_REPLY_BYTES, SMALL_REPLY_BYTES, Conn
+
+log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
 
 CLUSTER_SLOTS = 16384
 LEARN_EVERY_S = 1.0     # CLUSTER NODES asked again for an unknown server at most this often
@@ -81,6 +84,7 @@ class Router:
         self.failed: set[NodeAddr] = set()
         self.last_error = ""
         self._learned_at = -LEARN_EVERY_S   # when learn_members last asked
+        self.protocol_errors = 0   # connections dropped out of step with their server
 
     # --- routing --------------------------------------------------------------------------
 
@@ -108,9 +112,10 @@ class Router:
         if len(parts) != 3 or parts[0] not in REDIRECTS or not parts[1].isdigit():
             return None
         host, sep, port = parts[2].rpartition(":")
-        if not (sep and host and port.isdigit()):
+        number = _port(port)
+        if not (sep and host and number):
             return None
-        addr = NodeAddr(host.strip("[]"), int(port))
+        addr = NodeAddr(host.strip("[]"), number)
         if addr not in self._known or addr in self.failed:
             return None
         return addr, parts[0] == "ASK"
@@ -131,8 +136,16 @@ class Router:
         with self._lock:
             pool = self._pools.get(addr)
             if pool is None:
-                pool = self._pools[addr] = NodePool(addr, self.opts, self.pool_size)
+                pool = self._pools[addr] = NodePool(addr, self.opts, self.pool_size,
+                                                    self._out_of_step)
             return pool
+
+    def _out_of_step(self, addr: NodeAddr) -> None:
+        """A connection to ``addr`` ended an exchange with bytes past its replies (an extra
+        reply): it was discarded; counted (any worker thread)."""
+        with self._lock:
+            self.protocol_errors += 1
+        log.warning("redis tier: %s sent more than its replies; connection dropped", addr)
 
     def mark_failed(self, addr: NodeAddr) -> None:
         """Stop routing to ``addr`` until a refresh finds it alive (or gone from the map)."""
@@ -151,9 +164,10 @@ class Router:
         for pool in pools:
             pool.close()
 
-    def _exchange(self, addr: NodeAddr, cmds: list[bytes]) -> list[Any] | None:
-        """``cmds``' replies from ``addr`` on a fresh connection, closed after; None when it
-        failed (``last_error`` says why)."""
+    def _exchange(self, addr: NodeAddr, cmds: list[bytes],
+                  max_bytes: int = SMALL_REPLY_BYTES) -> list[Any] | None:
+        """``cmds``' replies (each of at most ``max_bytes``) from ``addr`` on a fresh
+        connection, closed after; None when it failed (``last_error`` says why)."""
         try:
             conn = Conn(addr, self.opts)
         except OSError as exc:
@@ -161,7 +175,7 @@ class Router:
             return None
         try:
             conn.begin()
-            return conn.simple_many(cmds)
+            return conn.simple_many(cmds, max_bytes)
         except OSError as exc:
             self.last_error = f"{type(exc).__name__}: {exc}"
             return None
@@ -186,7 +200,8 @@ class Router:
             return
         self._learned_at = now
         for addr in [n for n in self.masters() if n not in self.failed]:
-            replies = self._exchange(addr, [command(b"CLUSTER", b"NODES")])
+            replies = self._exchange(addr, [command(b"CLUSTER", b"NODES")],
+                                     LARGE_REPLY_BYTES)
             if replies is not None and isinstance(replies[0], bytes):
                 for member in _member_addrs(replies[0], addr.host):
                     self._remember(member)
@@ -221,7 +236,7 @@ class Router:
 
     def _fetch_slots(self, addr: NodeAddr) -> list[NodeAddr | None] | None:
         replies = self._exchange(addr, [command(b"CLUSTER", b"SLOTS"),
-                                        command(b"CLUSTER", b"NODES")])
+                                        command(b"CLUSTER", b"NODES")], LARGE_REPLY_BYTES)
         if replies is None:
             return None
         reply, members = replies
@@ -231,16 +246,16 @@ class Router:
         if isinstance(reply, ErrorReply) or not isinstance(reply, list):
             self.last_error = f"redis {addr} answered CLUSTER SLOTS with {reply}"
             return None
+        try:
+            ranges = _slot_ranges(reply, addr.host)
+        except ValueError as exc:   # the next candidate is asked
+            self.last_error = f"redis {addr} sent a malformed CLUSTER SLOTS reply: {exc}"
+            return None
         slots: list[NodeAddr | None] = [None] * CLUSTER_SLOTS
-        for entry in reply:
-            lo, hi, master = int(entry[0]), int(entry[1]), entry[2]
-            host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
-            node = NodeAddr(host or addr.host, int(master[1]))
-            slots[lo:hi + 1] = [node] * (hi - lo + 1)
-            for replica in entry[3:]:
-                rhost = replica[0].decode() if isinstance(replica[0], bytes) else str(replica[0])
-                self._remember(NodeAddr(rhost or addr.host, int(replica[1])))
-            self._remember(node)
+        for lo, hi, nodes in ranges:
+            slots[lo:hi + 1] = [nodes[0]] * (hi - lo + 1)
+            for node in (*nodes[1:], nodes[0]):
+                self._remember(node)
         return slots
 
     def _remember(self, addr: NodeAddr) -> None:
@@ -271,6 +286,45 @@ def _member_addrs(nodes: bytes, default_host: str) -> list[NodeAddr]:
         if len(fields) < 3 or "noaddr" in fields[2] or "handshake" in fields[2]:
             continue
         host, sep, port = fields[1].split("@", 1)[0].rpartition(":")
-        if sep and port.isdigit() and int(port) > 0:
-            out.append(NodeAddr(host.strip("[]") or default_host, int(port)))
+        number = _port(port)
+        if sep and number:
+            out.append(NodeAddr(host.strip("[]") or default_host, number))
     return out
+
+
+def _port(text: str) -> int | None:
+    """``text`` as a TCP port (1..65535), or None (``isdigit`` alone admits "²")."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    port = int(text)
+    return port if 0 < port < 65536 else None
+
+
+def _slot_ranges(reply: list[Any], default_host: str
+                 ) -> list[tuple[int, int, list[NodeAddr]]]:
+    """The ``(lo, hi, [master, *replicas])`` entries of a CLUSTER SLOTS reply. ValueError
+    for any malformed entry (not a list, slots outside 0..16383 or in the wrong order, a
+    node without a string host or a port in 1..65535): such a reply is not used at all,
+    and a range is never trusted to size the slot map."""
+    ranges: list[tuple[int, int, list[NodeAddr]]] = []
+    for entry in reply:
+        if not isinstance(entry, list) or len(entry) < 3:
+            raise ValueError(f"entry {entry!r:.80}")
+        lo, hi = entry[0], entry[1]
+        if not (isinstance(lo, int) and isinstance(hi, int)
+                and 0 <= lo <= hi < CLUSTER_SLOTS):
+            raise ValueError(f"slot range {lo!r:.40}-{hi!r:.40}")
+        ranges.append((lo, hi, [_slot_node(item, default_host) for item in entry[2:]]))
+    return ranges
+
+
+def _slot_node(item: Any, default_host: str) -> NodeAddr:
+    """A CLUSTER SLOTS node (``[host, port, ...]``; an empty or null host: the server
+    asked, as Redis documents it); ValueError when malformed."""
+    if not isinstance(item, list) or len(item) < 2:
+        raise ValueError(f"node {item!r:.80}")
+    host, port = item[0], item[1]
+    if not (host is None or isinstance(host, bytes)) or not isinstance(port, int) \
+            or not 0 < port < 65536:
+        raise ValueError(f"node {item[:2]!r:.80}")
+    return NodeAddr(host.decode() if host else default_host, port)

@@ -26,9 +26,15 @@ from typing import TYPE_CHECKING
 from kvtier import codec as codecs
 from kvtier.checksum import verify
 from kvtier.errors import FrameError
-from kvtier.frame import HEADER_SIZE, FrameHeader, stripe_bounds
+from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, FrameHeader, stripe_bounds
 from kvtier.tiers.base import EvictionReason
-from kvtier.tiers.redis_blocks import BlockRead, ReadStatus, header_range, uncompressed
+from kvtier.tiers.redis_blocks import (
+    BlockRead,
+    ReadStatus,
+    header_range,
+    lengths_sound,
+    uncompressed,
+)
 from kvtier.tiers.redis_queue import PendingWrite
 from kvtier.tiers.redis_resp import ErrorReply, command
 from kvtier.tiers.redis_wire import Conn
@@ -47,6 +53,21 @@ def part_key(rkey: bytes, i: int) -> bytes:
 def part_keys(rkey: bytes, header: FrameHeader) -> list[bytes]:
     """The keys of every stripe after the head's."""
     return [part_key(rkey, i) for i in range(1, len(stripe_bounds(header.payload_len)))]
+
+
+def owned_part_keys(rkey: bytes, header: FrameHeader, block_bytes: int | None) -> list[bytes]:
+    """The stripe keys that deleting the head at ``rkey`` takes along: those of a striped
+    header whose lengths its codec can produce (``lengths_sound``) for a block of
+    ``block_bytes`` (its namespace's layout's, when known); none otherwise, the head is
+    deleted alone. So a corrupt or planted head costs one DEL, not the 16383 a
+    ``payload_len`` of ``MAX_PAYLOAD`` would name; a sound one names at most the stripes
+    of the largest block it can hold (``FrameHeader.unpack`` refuses raw_len and
+    payload_len above ``MAX_PAYLOAD``)."""
+    if not header.flags & FLAG_STRIPED or not lengths_sound(header):
+        return []
+    if block_bytes is not None and header.raw_len != block_bytes:
+        return []
+    return part_keys(rkey, header)
 
 
 def stripe_sets(rkey: bytes, body: bytes | memoryview) -> list[tuple[bytes, Parts]]:
@@ -88,7 +109,10 @@ async def fetch_striped(tier: RedisReads, rkey: bytes, header: FrameHeader,
 async def _read_stripes(tier: RedisReads, rkey: bytes, header: FrameHeader,
                         out: memoryview) -> BlockRead:
     plain = uncompressed(header)
-    payload = out[:header.raw_len] if plain else memoryview(bytearray(header.payload_len))
+    # a compressed block's scratch (judge_header bounded its length) is made and zeroed
+    # in a worker thread: tens of MiB of memset would stall the event loop
+    payload = out[:header.raw_len] if plain else await tier._in_thread(
+        lambda: memoryview(bytearray(header.payload_len)))
 
     bounds = stripe_bounds(header.payload_len)
     keys = [rkey, *part_keys(rkey, header)]
@@ -112,18 +136,20 @@ async def _read_stripes(tier: RedisReads, rkey: bytes, header: FrameHeader,
     status, why = ReadStatus.MISSING, "a stripe is missing"
     if all(n is not None for n in got):
         status, why = ReadStatus.CORRUPT, "a stripe of another length"
+    decoding = False
     if all(n == d.nbytes for n, d in zip(got, dests, strict=True)):
         try:
             await tier._in_thread(lambda: verify(header, payload))
             if not plain:
+                decoding = True
                 await tier._in_thread(lambda: codecs.decode(header.codec, payload,
                                                             header.raw_len, out))
             return BlockRead(ReadStatus.OK, wire,
                              checksum=header.checksum if plain else None)
         except FrameError as exc:
             status, why = ReadStatus.CORRUPT, str(exc)
-    if plain:
-        payload[:] = bytes(payload.nbytes)   # never leave unverified bytes behind
+    if plain or decoding:   # never leave unverified or partly decoded bytes behind
+        out[:header.raw_len] = bytes(header.raw_len)
     return BlockRead(status, wire, why)
 
 

@@ -36,15 +36,26 @@ from kvtier.tiers.redis_socket import RedisSocket
 SEND_PIECE_BYTES = 1 << 20     # a SET pipeline is sent in pieces of about this size
 _ASKING = command(b"ASKING")
 
+# What one reply read by ``read_reply`` may hold (its bulk strings' bytes, plus
+# ``_ITEM_BYTES`` per array element): a server's announced length is checked against it
+# before anything is allocated. Small: probes, frame headers, DEL/EXISTS/SET replies.
+# Large: INFO, CLUSTER SLOTS and CLUSTER NODES, which grow with the cluster. Block
+# values never come through here (``read_value`` hands them to a placer).
+SMALL_REPLY_BYTES = 4096
+LARGE_REPLY_BYTES = 64 << 20
+MAX_REPLY_DEPTH = 8            # nested arrays (CLUSTER SLOTS uses 4)
+_ITEM_BYTES = 16               # what an array element is charged (a Python object at least)
+
 
 class Conn(RedisSocket):
     """One blocking RESP connection (see the module docstring)."""
 
-    __slots__ = ("asking",)
+    __slots__ = ("_room_left", "asking")
 
     def __init__(self, addr: NodeAddr, opts: ConnOptions) -> None:
         super().__init__(addr, opts)
         self.asking = False   # send each command behind an ASKING (see the module docstring)
+        self._room_left = 0   # what the reply being read may still hold (``read_reply``)
         try:
             self._handshake(opts)
         except BaseException:
@@ -67,27 +78,58 @@ class Conn(RedisSocket):
             if isinstance(reply, ErrorReply):
                 raise PermissionError(f"redis {self.addr} refused authentication: {reply}")
 
-    def read_reply(self) -> Any:
-        """Read one reply: bytes, int, None, ErrorReply, str (+OK) or a list of those."""
+    def read_reply(self, max_bytes: int = SMALL_REPLY_BYTES) -> Any:
+        """Read one reply: bytes, int, None, ErrorReply, str (+OK) or a list of those.
+
+        ProtocolError (the connection is then unusable) for a reply that would hold more
+        than ``max_bytes`` (see ``SMALL_REPLY_BYTES``) or nest arrays deeper than
+        ``MAX_REPLY_DEPTH``, before anything of that size is allocated: a server's
+        ``$<n>`` is not a reason to allocate n bytes."""
+        self._room_left = max_bytes
+        return self._reply(0)
+
+    def _reply(self, depth: int) -> Any:
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"+":
-            return rest.decode()
+            return rest.decode(errors="replace")
         if kind == b"-":
             return ErrorReply(rest.decode(errors="replace"))
         if kind == b":":
-            return int(rest)
+            return self._number(rest)
         if kind == b"$":
-            n = int(rest)
+            n = self._number(rest)
             if n < 0:
                 return None
+            self._take_room(n, "value")
             out = bytearray(n + 2)
             self._read_into(memoryview(out))
+            if out[n:] != CRLF:
+                raise ProtocolError(f"bulk reply from redis {self.addr} not followed by CRLF")
             return bytes(out[:n])
         if kind == b"*":
-            n = int(rest)
-            return None if n < 0 else [self.read_reply() for _ in range(n)]
+            n = self._number(rest)
+            if n < 0:
+                return None
+            if depth >= MAX_REPLY_DEPTH:
+                raise ProtocolError(f"redis {self.addr} nested arrays deeper than "
+                                    f"{MAX_REPLY_DEPTH}")
+            self._take_room(n * _ITEM_BYTES, "array")
+            return [self._reply(depth + 1) for _ in range(n)]
         raise ProtocolError(f"unexpected reply type {kind!r} from redis {self.addr}")
+
+    def _take_room(self, n: int, what: str) -> None:
+        """Charge ``n`` bytes to the reply being read (ProtocolError past its bound)."""
+        if n > self._room_left:
+            raise ProtocolError(f"redis {self.addr} announced a {what} of {n} bytes where "
+                                f"{self._room_left} at most were expected")
+        self._room_left -= n
+
+    def _number(self, text: bytes) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ProtocolError(f"redis {self.addr} sent {text[:40]!r} for a number") from None
 
     def read_value(self, index: int, head: int, place: Placer) -> int | ErrorReply | None:
         """Read one GET reply: None (missing), an ErrorReply, or the value's length.
@@ -100,7 +142,7 @@ class Conn(RedisSocket):
             return ErrorReply(line[1:].decode(errors="replace"))
         if line[:1] != b"$":
             raise ProtocolError(f"expected a bulk reply from redis {self.addr}, got {line[:1]!r}")
-        n = int(line[1:])
+        n = self._number(line[1:])
         if n < 0:
             return None
         first = bytearray(min(head, n))
@@ -130,21 +172,23 @@ class Conn(RedisSocket):
         if self.asking and (reply := self.read_reply()) != "OK":
             raise ProtocolError(f"redis {self.addr} answered ASKING with {reply!r}")
 
-    def _replies(self, n: int) -> list[Any]:
+    def _replies(self, n: int, max_bytes: int = SMALL_REPLY_BYTES) -> list[Any]:
         """``n`` replies (each after its ASKING's +OK while ``asking``)."""
         if not self.asking:
-            return [self.read_reply() for _ in range(n)]
+            return [self.read_reply(max_bytes) for _ in range(n)]
         replies = []
         for _ in range(n):
             self._asked()
-            replies.append(self.read_reply())
+            replies.append(self.read_reply(max_bytes))
         return replies
 
-    def simple_many(self, cmds: Sequence[bytes]) -> list[Any]:
-        """Send pre-encoded small commands in one write; read one reply each."""
+    def simple_many(self, cmds: Sequence[bytes],
+                    max_bytes: int = SMALL_REPLY_BYTES) -> list[Any]:
+        """Send pre-encoded small commands in one write; read one reply each, each of at
+        most ``max_bytes`` (``read_reply``; ``LARGE_REPLY_BYTES`` for INFO and CLUSTER)."""
         self.begin()
         self.send(self._ask(cmds))
-        return self._replies(len(cmds))
+        return self._replies(len(cmds), max_bytes)
 
     def set_many(self, keys: Sequence[bytes],
                  parts_of: Callable[[int], Sequence[bytes | bytearray | memoryview]],

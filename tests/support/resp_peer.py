@@ -1,13 +1,14 @@
-"""A scripted RESP peer on a unix socket, for tests of the tier's readers that need replies
-a real redis-server never sends (cut at every boundary, broken, missing)."""
+"""A scripted RESP peer on a unix (or loopback TCP) socket, for tests of the tier's readers
+that need replies a real redis-server never sends (cut at every boundary, broken, missing,
+too many)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from kvtier.tiers.redis_resp import NodeAddr
@@ -27,13 +28,59 @@ def cuts(data: bytes, rng: random.Random, most: int) -> list[bytes]:
     return out
 
 
-@contextmanager
-def peer(tmp_path: Path, script: Callable[[socket.socket], None]) -> Iterator[NodeAddr]:
-    """A unix socket that accepts connections and runs ``script`` on each (after reading
-    whatever the client sent first)."""
-    path = str(tmp_path / "peer.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
+def _command(buf: bytearray) -> tuple[list[bytes], int] | None:
+    """The first whole command (an array of bulk strings) in ``buf`` and its length."""
+    end = buf.find(b"\r\n")
+    if end < 0:
+        return None
+    argc, pos, args = int(buf[1:end]), end + 2, []
+    for _ in range(argc):
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
+            return None
+        n = int(buf[pos + 1:end])
+        if len(buf) < end + 2 + n + 2:
+            return None
+        args.append(bytes(buf[end + 2:end + 2 + n]))
+        pos = end + 2 + n + 2
+    return args, pos
+
+
+def answering(answer: Callable[[list[bytes]], bytes]) -> Callable[[socket.socket], None]:
+    """A script (for ``peer(..., read_first=False)``) that writes ``answer(command)`` for
+    each command the client sends (``[b"GET", key]``), until the client hangs up."""
+    def script(conn: socket.socket) -> None:
+        buf = bytearray()
+        while True:
+            found = _command(buf)
+            if found is None:
+                data = conn.recv(1 << 16)
+                if not data:
+                    return
+                buf += data
+                continue
+            args, used = found
+            del buf[:used]
+            conn.sendall(answer(args))
+
+    return script
+
+
+@contextlib.contextmanager
+def peer(tmp_path: Path, script: Callable[[socket.socket], None], *, name: str = "peer.sock",
+         tcp: bool = False, read_first: bool = True) -> Iterator[NodeAddr]:
+    """A socket (unix ``tmp_path/name``, or loopback TCP) that accepts connections one at
+    a time and runs ``script`` on each (after reading whatever the client sent first,
+    unless not ``read_first``)."""
+    if tcp:
+        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.bind(("127.0.0.1", 0))
+        addr = NodeAddr("127.0.0.1", srv.getsockname()[1])
+    else:
+        path = str(tmp_path / name)
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        addr = NodeAddr(path, 0, unix=True)
     srv.listen(8)
     stop = threading.Event()
 
@@ -47,13 +94,16 @@ def peer(tmp_path: Path, script: Callable[[socket.socket], None]) -> Iterator[No
             except OSError:
                 return
             with conn:
-                conn.recv(1 << 16)   # the pipeline of GETs
-                script(conn)
+                conn.settimeout(None)
+                if read_first:
+                    conn.recv(1 << 16)   # the pipeline of GETs
+                with contextlib.suppress(OSError):   # the client hung up
+                    script(conn)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        yield NodeAddr(path, 0, unix=True)
+        yield addr
     finally:
         stop.set()
         srv.close()

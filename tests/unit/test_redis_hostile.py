@@ -1,0 +1,287 @@
+"""A Redis server that misbehaves, scripted (tests/support/resp_peer.py): replies that
+announce more than a reply may hold, CLUSTER SLOTS of the wrong shape or range, and
+replies beyond those asked for. Each costs one exchange or one connection: never an
+allocation of the size announced, an exception out of the tier or its router, or a stale
+reply read as the next exchange's. (Hostile values in a real redis-server:
+tests/integration/test_redis_hostile.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.frame import FrameHeader, payload_checksum
+from kvtier.tiers.redis_mux import GetJob, read_jobs
+from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr, ProtocolError, command
+from kvtier.tiers.redis_route import Reach, Router, _member_addrs
+from kvtier.tiers.redis_wire import Conn
+from tests.support.redis_tier import LAYOUT_FP, NS, cfg_for, running
+from tests.support.resp_peer import answering, bulk, peer
+
+OPTS = ConnOptions(connect_timeout_s=1.0, op_timeout_s=1.0)
+BOUND = 1 << 20    # what a refused reply may have cost at most (48 MiB announced)
+
+
+@contextmanager
+def peak_bytes() -> Iterator[list[int]]:
+    """The peak of Python allocations (every thread) inside the block, in ``[0]``."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    got = [0]
+    try:
+        yield got
+    finally:
+        got[0] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
+
+def until_hangup(sent: bytes) -> Callable[[socket.socket], None]:
+    """A script that sends ``sent`` whatever it is asked, then waits for the hang-up."""
+    def script(sock: socket.socket) -> None:
+        sock.sendall(sent)
+        while sock.recv(1 << 16):
+            pass
+    return script
+
+
+def resp(value: Any) -> bytes:
+    """``value`` in RESP: ints, bytes (bulk), None (nil) and lists of those."""
+    if value is None:
+        return b"$-1\r\n"
+    if isinstance(value, int):
+        return b":%d\r\n" % value
+    if isinstance(value, bytes):
+        return bulk(value)
+    return b"*%d\r\n" % len(value) + b"".join(resp(v) for v in value)
+
+
+def rkey(key: bytes) -> bytes:
+    return b"kvtier:" + key.hex().encode()
+
+
+def frame(key: bytes, payload: bytes) -> bytes:
+    return FrameHeader(NS, key, LAYOUT_FP, len(payload), len(payload),
+                       payload_checksum(payload)).pack() + payload
+
+
+# --- replies larger or deeper than a reply may be (redis_wire.Conn.read_reply) -----------
+
+@pytest.mark.parametrize("sent", [
+    b"$%d\r\n" % (48 << 20),          # a 48 MiB value announced for a PING, then nothing
+    b"*%d\r\n" % (1 << 28),           # an array of 2**28 elements, then nothing
+    b"*1\r\n" * 5000,                 # arrays nested 5000 deep (RecursionError before)
+    b":12x\r\n",                      # not a number (ValueError before)
+], ids=["huge-bulk", "huge-array", "deep-arrays", "bad-number"])
+def test_a_reply_beyond_its_bounds_is_refused_before_it_is_allocated(
+        tmp_path: Path, sent: bytes) -> None:
+    with peer(tmp_path, until_hangup(sent)) as addr:
+        conn = Conn(addr, OPTS)
+        try:
+            t0 = time.monotonic()
+            with peak_bytes() as peak, pytest.raises(ProtocolError):
+                conn.simple_many([command(b"PING")])
+            assert time.monotonic() - t0 < 0.5   # refused at once, not at the deadline
+        finally:
+            conn.close()
+    assert peak[0] < BOUND
+
+
+async def test_a_ping_answered_with_a_huge_value_leaves_the_tier_down_cheaply(
+        tmp_path: Path) -> None:
+    with peer(tmp_path, until_hangup(b"$%d\r\n" % (48 << 20))) as addr:
+        t0 = time.monotonic()
+        with peak_bytes() as peak:
+            async with running(cfg_for(f"unix://{addr.host}")) as tier:
+                assert not tier.up
+                assert "ProtocolError" in tier.last_error
+                assert time.monotonic() - t0 < 0.8   # not op_timeout_s (1 s) waiting
+    assert peak[0] < BOUND
+
+
+# --- CLUSTER SLOTS of the wrong shape (redis_route.Router.refresh) ------------------------
+
+def cluster_peer(tmp_path: Path, slots: Callable[[], Any], nodes: Callable[[], bytes],
+                 name: str) -> Any:
+    def answer(cmd: list[bytes]) -> bytes:
+        if cmd == [b"CLUSTER", b"SLOTS"]:
+            return resp(slots())
+        if cmd == [b"CLUSTER", b"NODES"]:
+            return bulk(nodes())
+        return b"+PONG\r\n"
+    return peer(tmp_path, answering(answer), name=name, tcp=True, read_first=False)
+
+
+def nodes_line(addr: NodeAddr) -> bytes:
+    return b"%s %s:%d@%d master - 0 0 1 connected\n" % (
+        os.urandom(20).hex().encode(), addr.host.encode(), addr.port, addr.port + 10000)
+
+
+LOCAL = b"127.0.0.1"
+
+
+@pytest.mark.parametrize("slots", [
+    [[0, 20000, [LOCAL, 7000]]],                      # past the last slot: a longer map
+    [[9, 3, [LOCAL, 7000]]],                          # backwards
+    [[-1, 16383, [LOCAL, 7000]]],                     # below the first slot
+    [[0, 16383]],                                     # no master (IndexError before)
+    [[0, 16383, [LOCAL, 70000]]],                     # no such port
+    [[0, 16383, [LOCAL, 0]]],
+    [[0, 16383, [7, 7000]]],                          # a host that is not a string
+    [[0, 16383, [b"\xff\xfe", 7000]]],                # nor UTF-8
+    [[0, 16383, [LOCAL, 7000], [LOCAL]]],             # a replica without a port
+    [b"0-16383"],                                     # an entry that is not an array
+], ids=["past-end", "backwards", "negative", "no-master", "port-70000", "port-0",
+        "host-int", "host-binary", "bad-replica", "not-an-entry"])
+def test_a_malformed_cluster_slots_reply_is_refused_and_the_next_member_asked(
+        tmp_path: Path, slots: list[Any]) -> None:
+    """A master whose CLUSTER SLOTS turns malformed (its replica is the other member
+    known): refresh raises nothing, installs none of it, says why in ``last_error`` and
+    routes by the next member's map."""
+    addrs: dict[str, NodeAddr] = {}
+    calls: list[int] = []
+
+    def bad_slots() -> Any:
+        calls.append(1)
+        if len(calls) == 1:   # sound at first: it serves every slot, the other replicates
+            return [[0, 16383, [LOCAL, addrs["bad"].port], [LOCAL, addrs["good"].port]]]
+        return slots
+
+    with cluster_peer(tmp_path, lambda: [[0, 16383, [LOCAL, addrs["good"].port]]],
+                      lambda: nodes_line(addrs["good"]), "good.sock") as good, \
+            cluster_peer(tmp_path, bad_slots, lambda: nodes_line(addrs["bad"]),
+                         "bad.sock") as bad:
+        addrs.update(good=good, bad=bad)
+        router = Router(bad, OPTS, cluster=True, pool_size=1)
+        try:
+            assert router.refresh() is Reach.HEALED and router.masters() == [bad]
+            assert router.refresh() is Reach.HEALED
+            assert "malformed CLUSTER SLOTS" in router.last_error
+            assert router.masters() == [good]
+            assert router.node_for(rkey(os.urandom(16))) == good
+        finally:
+            router.close()
+
+
+def test_ports_in_redirects_and_member_lists_are_ascii_and_in_range() -> None:
+    """``str.isdigit`` admits "²", which ``int`` refuses (ValueError on the event loop)."""
+    router = Router(NodeAddr("127.0.0.1", 7000), OPTS, cluster=True, pool_size=1)
+    for port in ("²", "70000", "0"):
+        assert router.redirect(ErrorReply(f"MOVED 12 127.0.0.1:{port}")) is None
+        line = f"id 127.0.0.1:{port}@17000 master - 0 0 1 connected\n".encode()
+        assert _member_addrs(line, "127.0.0.1") == []
+    assert router.redirect(ErrorReply("MOVED 12 127.0.0.1:7000")) == (
+        NodeAddr("127.0.0.1", 7000), False)
+
+
+# --- replies beyond those asked for (redis_pool.NodePool.give, redis_mux reuse) -----------
+
+def test_an_extra_reply_never_reaches_the_next_get(tmp_path: Path) -> None:
+    """GET A answered twice: the muxed reader's connection is dropped (counted), so GET B
+    reads B's own reply, not A's stale one (which called the sound B corrupt and
+    deleted it)."""
+    a, b = b"A" * 16, b"B" * 16
+    payloads = {a: os.urandom(4096), b: os.urandom(4096)}
+    seen: list[list[bytes]] = []
+
+    def answer(cmd: list[bytes]) -> bytes:
+        seen.append(cmd)
+        if cmd == [b"GET", rkey(a)]:
+            return bulk(frame(a, payloads[a])) * 2          # one reply too many
+        if cmd == [b"GET", rkey(b)]:
+            return bulk(frame(b, payloads[b]))
+        return b":1\r\n" if cmd[0] == b"DEL" else b"+PONG\r\n"
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url, max_connections=1, max_inflight=1)) as tier:
+            for key in (a, b):
+                out = memoryview(bytearray(4096))
+                assert await tier.get_into([key], [out], namespace=NS,
+                                           layout_fp=LAYOUT_FP) == 1
+                assert bytes(out) == payloads[key]
+            assert tier.counters.checksum_failures == 0
+            assert tier.stats_extra()["protocol_errors"] == 1
+
+    with peer(tmp_path, answering(answer), read_first=False) as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+    assert not any(cmd[0] == b"DEL" for cmd in seen)
+
+
+def test_an_extra_reply_to_a_probe_on_the_loop_is_not_the_next_probes(
+        tmp_path: Path) -> None:
+    """A probe run on the event loop (an idle connection) answered twice: the next probe
+    does not take the extra namespace field for its own key's (a block it does not have
+    would count as present)."""
+    present, doubled, absent = os.urandom(16), os.urandom(16), os.urandom(16)
+
+    def answer(cmd: list[bytes]) -> bytes:
+        if cmd[0] != b"GETRANGE":
+            return b"+PONG\r\n"
+        if cmd[1] == rkey(absent):
+            return bulk(b"")
+        return bulk(NS) * (2 if cmd[1] == rkey(doubled) else 1)
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url)) as tier:
+            # a worker thread (no idle connection yet), then the loop on the idle one
+            assert await tier.exists_prefix([present], namespace=NS) == 1
+            assert await tier.exists_prefix([doubled], namespace=NS) == 1
+            assert await tier.exists_prefix([absent], namespace=NS) == 0
+            assert tier.stats_extra()["protocol_errors"] == 1
+
+    with peer(tmp_path, answering(answer), read_first=False) as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+
+
+def test_a_connection_with_an_extra_reply_does_not_go_on_to_the_next_job(
+        tmp_path: Path) -> None:
+    """Two jobs for one server, one connection at a time: the first job's connection
+    received a reply more than its job asked for, so the second job gets a fresh
+    connection (and its own value), not the first's leftover."""
+    first, second = os.urandom(70_000), os.urandom(70_000)
+    accepted: list[int] = []
+
+    def script(sock: socket.socket) -> None:
+        accepted.append(1)
+        if len(accepted) == 1:
+            sock.sendall(bulk(first) + bulk(b"stale reply"))
+            if not sock.recv(1 << 16):   # the next job's GET, were the connection reused
+                return
+        sock.sendall(bulk(second))
+        while sock.recv(1 << 16):
+            pass
+
+    got: list[tuple[int, bytes, object]] = []
+
+    def job(first_index: int) -> GetJob:
+        buf = memoryview(bytearray(70_000))
+
+        def place(_i: int, head: bytes, n: int) -> memoryview | None:
+            return buf[:n - len(head)] if n == 70_000 else None
+
+        def done(i: int, reply: object) -> None:
+            got.append((first_index, bytes(buf), reply))
+
+        return GetJob(NodeAddr("", 0), [b"k%d" % first_index], 0, place, done,
+                      first_index, large=True)
+
+    with peer(tmp_path, script) as addr:
+        jobs = [job(0), job(1)]
+        for j in jobs:
+            j.node = addr
+        router = Router(addr, OPTS, cluster=False, pool_size=2)   # (its pools count)
+        try:
+            read_jobs(jobs, router.pool, 1, lambda _j: True)
+        finally:
+            router.close()
+    assert [j.error for j in jobs] == [None, None]
+    assert got == [(0, first, 70_000), (1, second, 70_000)]
+    assert len(accepted) == 2 and router.protocol_errors == 1
