@@ -34,8 +34,9 @@ def block(c: int, i: int) -> np.ndarray:
 
 
 def test_concurrent_puts_reads_and_deletes_over_a_spilling_arena(tmp_path: Path) -> None:
+    # (the last put takes the whole arena from one process: no per-process share here)
     d = DaemonProcess(tmp_path / "d", cpu_bytes=f"{ARENA_BLOCKS * LAYOUT.block_bytes}",
-                      nvme_bytes="64MiB").start()
+                      nvme_bytes="64MiB", env={"KVTIER_DAEMON_CLIENT_PUT_SHARE": "1"}).start()
     errors: list[BaseException] = []
     wrong: list[tuple[int, int]] = []
     reads = [0]
