@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tracemalloc
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import zstandard
@@ -21,24 +18,13 @@ from kvtier.frame import payload_checksum as checksum
 from kvtier.layout import KVLayout
 from kvtier.tiers import redis_reads
 from kvtier.tiers.redis import RedisTier
+from tests.support.memory import peak_bytes
 from tests.support.redis_servers import RedisServer
 from tests.support.redis_tier import LAYOUT_FP, NS, blocks, cfg_for, put_all, running
 
 BLOCK = 64 << 10
 LARGE = STRIPED_MIN_BYTES            # read through a header first (ranges, stripes)
 CLAIM = 32 << 20                     # what a planted header says its payload is
-
-
-@contextmanager
-def peak_bytes() -> Iterator[list[int]]:
-    """The peak of Python allocations (every thread) inside the block, in ``[0]``."""
-    tracemalloc.start()
-    got = [0]
-    try:
-        yield got
-    finally:
-        got[0] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
 
 
 def rkey(key: bytes) -> bytes:

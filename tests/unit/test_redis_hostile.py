@@ -11,9 +11,7 @@ import asyncio
 import os
 import socket
 import time
-import tracemalloc
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +22,12 @@ from kvtier.tiers.redis_mux import GetJob, read_jobs
 from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr, ProtocolError, command
 from kvtier.tiers.redis_route import Reach, Router, _member_addrs
 from kvtier.tiers.redis_wire import Conn
+from tests.support.memory import peak_bytes
 from tests.support.redis_tier import LAYOUT_FP, NS, cfg_for, running
 from tests.support.resp_peer import answering, bulk, peer
 
 OPTS = ConnOptions(connect_timeout_s=1.0, op_timeout_s=1.0)
 BOUND = 1 << 20    # what a refused reply may have cost at most (48 MiB announced)
-
-
-@contextmanager
-def peak_bytes() -> Iterator[list[int]]:
-    """The peak of Python allocations (every thread) inside the block, in ``[0]``."""
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    got = [0]
-    try:
-        yield got
-    finally:
-        got[0] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
 
 
 def until_hangup(sent: bytes) -> Callable[[socket.socket], None]:
