@@ -1,0 +1,68 @@
+"""ExitWatcher: a callback once a process has exited, by pidfd, by polling, or after a
+grace period for a pid the daemon cannot know."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.daemon import exits
+from kvtier.daemon.exits import ExitWatcher
+
+
+def _child() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+
+
+async def _exits_fire_after_the_process(watcher: ExitWatcher) -> None:
+    child = _child()
+    fired = asyncio.Event()
+    watcher.watch(child.pid, fired.set)
+    await asyncio.sleep(0.2)
+    assert not fired.is_set() and len(watcher) == 1   # alive: nothing yet
+    assert child.stdin is not None
+    child.stdin.close()
+    await asyncio.wait_for(fired.wait(), 10)   # exited (a zombie until reaped: gone too)
+    assert len(watcher) == 0
+    child.wait()
+
+
+def test_a_pidfd_says_when_the_process_exits() -> None:
+    asyncio.run(_exits_fire_after_the_process(ExitWatcher(3600)))
+
+
+def test_without_pidfd_the_pid_is_polled(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_pidfd(pid: int) -> int:
+        raise OSError("no pidfd here")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    monkeypatch.setattr(exits, "POLL_S", 0.05)
+    asyncio.run(_exits_fire_after_the_process(ExitWatcher(3600)))
+
+
+def test_a_gone_pid_fires_at_once_and_an_unknown_one_after_the_grace() -> None:
+    async def run() -> None:
+        child = _child()
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait()   # reaped: the pid is gone
+        fired: list[str] = []
+        watcher = ExitWatcher(0.1)
+        watcher.watch(child.pid, lambda: fired.append("gone"))
+        assert fired == ["gone"]
+        watcher.watch(0, lambda: fired.append("unknown"))
+        await asyncio.sleep(0.02)
+        assert fired == ["gone"]
+        await asyncio.sleep(0.2)
+        assert fired == ["gone", "unknown"]
+        watcher.watch(0, lambda: fired.append("never"))
+        watcher.close()   # the daemon stops: nothing more is called
+        await asyncio.sleep(0.2)
+        assert fired == ["gone", "unknown"]
+
+    asyncio.run(run())
