@@ -53,12 +53,14 @@ class AsyncKVTierClient:
                     raise ProtocolError(f"reply of {n} bytes is too large")
                 reply = unpack_body(await self._reader.readexactly(n), MAX_REPLY)
                 rid = reply.get("id", 0)
+                if type(rid) is not int:
+                    raise ProtocolError(f"daemon sent a reply with id {rid!r:.20}")
                 targets = list(self._pending.values()) if rid == 0 else [
                     self._pending.get(rid)]
                 for fut in targets:
                     if fut is not None and not fut.done():
                         fut.set_result(reply)
-        except (asyncio.IncompleteReadError, ConnectionError, KVTierError) as exc:
+        except Exception as exc:   # whatever ends the reading ends the connection's use
             self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
             for fut in self._pending.values():
                 if not fut.done():

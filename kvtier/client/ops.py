@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import time
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.client.replies import lookup_hits, slot_offsets
 from kvtier.errors import (
     BufferSizeError,
     DaemonUnavailable,
@@ -82,13 +84,15 @@ class LookupResult:
     bandwidth: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_reply(cls, reply: dict[str, Any]) -> LookupResult:
-        """The one place a LookupResult is built from a ``lookup`` reply."""
+    def from_reply(cls, reply: dict[str, Any], n_keys: int) -> LookupResult:
+        """The one place a LookupResult is built from a ``lookup`` reply (about
+        ``n_keys`` keys: a count outside 0..n_keys is a ProtocolError)."""
+        hits, tiers = lookup_hits(reply, n_keys)
         bandwidth = reply.get("bandwidth")
         rates = ({str(k): float(v) for k, v in bandwidth.items()
-                  if isinstance(v, (int, float)) and v > 0}
+                  if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
                  if isinstance(bandwidth, dict) else {})
-        return cls(int(reply["hits"]), list(reply["tiers"]), rates)
+        return cls(hits, tiers, rates)
 
 
 def as_bytes(buf: Any) -> np.ndarray:
@@ -221,11 +225,11 @@ class Ops:
 
     def op_lookup(self, ns: Namespace, keys: Sequence[BlockKey], prefetch: bool) -> Op:
         if not keys:
-            return LookupResult.from_reply({"hits": 0, "tiers": []})
+            return LookupResult.from_reply({"hits": 0, "tiers": []}, 0)
         req = self._target("lookup", ns, keys)
         req["prefetch"] = prefetch
         reply = yield from self._ask(ns, req)
-        return LookupResult.from_reply(reply)
+        return LookupResult.from_reply(reply, len(keys))
 
     def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey],
                        parent: BlockKey | None, start_depth: int) -> Op:
@@ -235,8 +239,14 @@ class Ops:
         reply = yield from self._ask(ns, req)
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
+        try:
+            offsets = slot_offsets(reply.get("offsets"), len(keys), nbytes, self.arena.size,
+                                   exact=True)
+        except ProtocolError:   # nothing is written: the lease goes back at once
+            yield from quietly(self.op_abort(reply["lease"]))
+            raise
         views = [None if off is None else self.arena.view(off, nbytes, writable=True)
-                 for off in reply["offsets"]]
+                 for off in offsets]
         return reply["lease"], views
 
     def op_commit(self, lease: int, durable: bool, output_tokens: int | None) -> Op:
@@ -267,15 +277,21 @@ class Ops:
         reply = yield from self._ask(ns, req)
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
-        offsets = reply["offsets"]
-        devices = list(reply.get("devices") or ["cpu"] * len(offsets))
-        try:
+        try:   # checked before any view: a reply naming wrong slots is a ProtocolError
+            offsets = reply.get("offsets")
+            if not isinstance(offsets, list):
+                raise ProtocolError(f"get_prepare reply has offsets {offsets!r:.80}")
+            devices = list(reply.get("devices") or ["cpu"] * len(offsets))
             if len(devices) != len(offsets) or any(d not in ("cpu", "hbm") for d in devices):
-                raise ProtocolError(f"get_prepare reply has devices {devices!r} for "
+                raise ProtocolError(f"get_prepare reply has devices {devices!r:.80} for "
                                     f"{len(offsets)} offsets")
             if "hbm" in devices and mapping is None:
                 raise ProtocolError("daemon handed out hbm slots to a client that did not "
                                     "ask for them")
+            slot_offsets([off for off, dev in zip(offsets, devices, strict=True)
+                          if dev == "cpu"], len(keys), nbytes, self.arena.size, exact=False)
+            if len(offsets) > len(keys):
+                raise ProtocolError(f"daemon sent {len(offsets)} offsets for {len(keys)} keys")
             views = [self.arena.view(off, nbytes, writable=False) if dev == "cpu"
                      else mapping.view(off, nbytes)
                      for off, dev in zip(offsets, devices, strict=True)]

@@ -6,9 +6,10 @@ import contextlib
 import itertools
 import select
 import socket
+import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -60,6 +61,7 @@ class KVTierClient:
                                     f"{self._broken}")
         rid = next(self._ids)
         req["id"] = rid
+        deadline = time.monotonic() + self._timeout   # for the whole call, skips included
         try:
             self._sock.sendall(pack(req))
             while True:
@@ -67,17 +69,29 @@ class KVTierClient:
                 if n > MAX_REPLY:
                     raise ProtocolError(f"reply of {n} bytes is too large")
                 reply = unpack_body(self._recv_exact(n), MAX_REPLY)
-                if reply.get("id") in (rid, 0):
+                got = reply.get("id")
+                if type(got) is int and got in (rid, 0):
                     break
-                self._unanswered = max(0, self._unanswered - 1)   # a NoWait's, skipped
+                if not self._unanswered:   # no NoWait reply was due: out of step
+                    raise ProtocolError(f"daemon answered request {got!r:.20} while "
+                                        f"request {rid} was due")
+                self._unanswered -= 1   # a NoWait's, skipped
+                if time.monotonic() > deadline:
+                    raise TimeoutError
         except TimeoutError:
-            self._broken = RequestTimeout(f"no reply to {req.get('op')} within "
-                                          f"{self._timeout}s")
-            raise self._broken from None
+            self._fail(RequestTimeout(f"no reply to {req.get('op')} within {self._timeout}s"))
+        except ProtocolError as exc:
+            self._fail(exc)
         except OSError as exc:
-            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
-            raise self._broken from None
+            self._fail(DaemonUnavailable(f"daemon connection lost: {exc}"))
         return Ops.check_reply(reply)
+
+    def _fail(self, exc: KVTierError) -> NoReturn:
+        """The connection is out of step (a reply is late, or not the one due): raise
+        ``exc``, now and on every later call. It stays open until ``close``: the caller
+        may still be writing into a put lease's views, which a hang-up would give back."""
+        self._broken = exc
+        raise exc from None
 
     def _events(self) -> int:
         """The connection's poll events now (0: nothing to read, not hung up)."""

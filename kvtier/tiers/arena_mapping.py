@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.errors import UntrustedArena
+from kvtier.errors import ProtocolError, UntrustedArena
 from kvtier.trust import arena_problem
 
 ARENA_FIX = ("the daemon creates its arena as a 0600 file of its own user, so the process on "
@@ -95,6 +95,11 @@ class ArenaMapping:
         self.keep_mapped = False   # shared by a process's clients (and maybe CUDA-registered)
 
     def view(self, offset: int, nbytes: int, *, writable: bool) -> np.ndarray:
+        """``nbytes`` at ``offset``; ProtocolError unless that lies inside the arena (a
+        slice would quietly be shorter, or count from the end)."""
+        if type(offset) is not int or offset < 0 or offset + nbytes > self.size:
+            raise ProtocolError(f"a slot of {nbytes} bytes at {offset!r:.40} is outside the "
+                                f"arena of {self.size} bytes")
         v = self.buf[offset: offset + nbytes]
         if not writable:
             v = v.view()
