@@ -134,37 +134,51 @@ def expired_error(kind: LeaseKind, lease_id: int, ttl_s: float) -> LeaseExpired:
                             "and must be discarded; release leases sooner or raise "
                             "daemon.lease_ttl_s")
     return LeaseExpired(f"put lease {lease_id} expired (TTL {ttl_s:g} s) before commit: "
-                        "nothing was stored and its slots stay quarantined until this "
-                        "connection closes; commit sooner or raise daemon.lease_ttl_s")
+                        "nothing was stored (its slots were quarantined until this commit or "
+                        "abort); commit sooner or raise daemon.lease_ttl_s")
 
 
 @dataclass(slots=True)
 class Quarantine:
-    """Arena slots of expired put leases, held until their owner's connection closes.
+    """Arena slots of expired put leases, held until their owner says it stopped writing.
 
     The owner may still be writing into them (it maps the arena), so they must not go
-    back to the allocator while it can: the connection closing is the only proof it
-    stopped. ``bytes``/``slots`` are what the stats report.
+    back to the allocator while it can. Proof that it stopped: its late commit or abort of
+    that lease (a client sends either only once its copy is over), or its connection
+    closing. ``bytes``/``slots`` are what the stats report.
     """
 
-    by_owner: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # owner -> lease id -> the lease's (offset, slot bytes)
+    by_owner: dict[int, dict[int, list[tuple[int, int]]]] = field(default_factory=dict)
     bytes: int = 0
     slots: int = 0
     total_slots: int = 0   # quarantined since start (a counter)
 
-    def add(self, owner: int, offset: int, nbytes: int) -> None:
-        self.by_owner.setdefault(owner, []).append((offset, nbytes))
+    def add(self, owner: int, lease_id: int, offset: int, nbytes: int) -> None:
+        self.by_owner.setdefault(owner, {}).setdefault(lease_id, []).append((offset, nbytes))
         self.bytes += nbytes
         self.slots += 1
         self.total_slots += 1
 
     def owner_bytes(self, owner: int) -> int:
         """Bytes held for ``owner``."""
-        return sum(n for _, n in self.by_owner.get(owner, ()))
+        return sum(n for held in self.by_owner.get(owner, {}).values() for _, n in held)
 
     def take_owner(self, owner: int) -> list[int]:
         """The offsets held for ``owner`` (now safe to free: it can no longer write)."""
-        held = self.by_owner.pop(owner, [])
+        leases = self.by_owner.pop(owner, {})
+        return [off for held in leases.values() for off in self._taken(held)]
+
+    def take_lease(self, owner: int, lease_id: int) -> list[int]:
+        """The offsets held for one lease of ``owner`` (safe to free: it said it stopped
+        writing into them)."""
+        leases = self.by_owner.get(owner)
+        held = leases.pop(lease_id, []) if leases is not None else []
+        if leases is not None and not leases:
+            del self.by_owner[owner]
+        return self._taken(held)
+
+    def _taken(self, held: list[tuple[int, int]]) -> list[int]:
         self.bytes -= sum(n for _, n in held)
         self.slots -= len(held)
         return [off for off, _ in held]

@@ -250,7 +250,8 @@ class TieredStore:
 
     def abort_put(self, owner: int, lease_id: int) -> None:
         """Drop a put; past its deadline this is a quiet no-op (nothing was stored, which is
-        what an abort asks; the slots stay quarantined until the connection closes)."""
+        what an abort asks), and the lease's quarantined slots go back (the client stopped
+        writing into them)."""
         try:
             lease = self.lease_keeper.take(owner, lease_id, LeaseKind.PUT)
         except LeaseExpired:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.bandwidth import BandwidthTracker
+from kvtier.errors import LeaseExpired
 from kvtier.index import BlockMeta, SlotState
 from kvtier.leases import Lease, LeaseKind, LeaseTable, Quarantine, expired_error
 from kvtier.store.blocks import Blocks
@@ -44,10 +45,23 @@ class LeaseKeeper:
 
     def take(self, owner: int, lease_id: int, kind: LeaseKind) -> Lease:
         """The lease a commit/abort/release names; ``LeaseExpired`` once past its deadline,
-        whether or not the sweeper has reached it yet (the outcome never depends on it)."""
-        lease = self.leases.take(owner, lease_id, kind)
+        whether or not the sweeper has reached it yet (the outcome never depends on it).
+
+        A late commit or abort of a put is its owner saying it stopped writing into the
+        lease's slots (a client sends either only after its copy): they go back to the
+        allocator then, instead of staying quarantined until the connection closes."""
+        try:
+            lease = self.leases.take(owner, lease_id, kind)
+        except LeaseExpired:
+            if kind is LeaseKind.PUT:   # swept already: its slots are quarantined
+                for off in self.quarantine.take_lease(owner, lease_id):
+                    self.cpu.arena.free(off)
+            raise
         if lease.deadline <= self.clock():
-            self._expire(lease)
+            if kind is LeaseKind.PUT:
+                self.abort_put(lease)
+            else:
+                self.release_get(lease)
             self.requests.lease_expired += 1
             raise expired_error(kind, lease_id, self.leases.ttl_s)
         return lease
@@ -129,7 +143,7 @@ class LeaseKeeper:
         for meta in lease.metas:
             if meta.cpu_state is not SlotState.WRITING or meta.cpu is None:
                 continue
-            self.quarantine.add(lease.owner, meta.cpu,
+            self.quarantine.add(lease.owner, lease.id, meta.cpu,
                                 self.cpu.arena.slots.slot_size(meta.cpu))
             meta.cpu = None
             meta.set_cpu_state(SlotState.NONE)

@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvtier.client import connect
+from kvtier.errors import LeaseExpired
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
@@ -164,4 +166,27 @@ def test_one_process_holds_at_most_its_share_of_the_arena_for_writing(
             assert _exact(v, vns, vkeys, vdata) == 8
     finally:
         hog.close()
+        d.kill()
+
+
+def test_a_late_commit_ends_its_quarantine_and_the_process_stores_again(
+        tmp_path: Path) -> None:
+    """A writer that stalled past its lease learns it at commit; the commit says its copy
+    is over, so the slots go back then, not when the connection closes, and its
+    process's later puts are not held to a share spent on slots it no longer writes."""
+    d = _daemon(tmp_path, 16, lease_ttl_s="0.5", lease_sweep_s="0.05",
+                client_put_share="0.5")
+    try:
+        with connect(d.socket) as c:
+            ns = c.register_layout(LAYOUT, "m")
+            for r in range(2):   # two stalls, 4 blocks each: the process's whole share
+                lease = c.prepare_put(ns, block_keys(ns, np.arange(4 * 64) + 1000 * (r + 1)))
+                time.sleep(1.0)
+                with pytest.raises(LeaseExpired):
+                    lease.commit()
+            assert d.stats()["leases"]["quarantined_slots"] == 0
+            vns, vkeys, vdata = _victim_blocks(c, 4)
+            assert c.put(vns, vkeys, vdata) == 4
+            assert _exact(c, vns, vkeys, vdata) == 4
+    finally:
         d.kill()

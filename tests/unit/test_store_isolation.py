@@ -47,8 +47,8 @@ async def test_a_commit_past_the_deadline_fails_before_the_sweep_and_stores_noth
     with pytest.raises(LeaseExpired, match="nothing was stored"):
         await store.commit_put(CLIENT, lease)
     assert len(store.index) == 0 and store.requests.lease_expired == 1
-    assert store.quarantine.slots == 2 and store.arena.used_bytes == store.quarantine.bytes
-    assert store.stats()["leases"]["quarantined_bytes"] == store.quarantine.bytes
+    # the commit says the copy is over: nothing to quarantine, the slots are free again
+    assert store.quarantine.slots == 0 and store.arena.used_bytes == 0
     with pytest.raises(LeaseError):  # used once: the expiry is reported once
         await store.commit_put(CLIENT, lease)
 
@@ -96,15 +96,22 @@ async def test_a_release_past_the_deadline_says_the_bytes_may_be_wrong(
     assert store.requests.lease_expired == 2
 
 
-async def test_an_abort_past_the_deadline_is_a_quiet_no_op(
+async def test_an_abort_past_the_deadline_is_quiet_and_ends_the_quarantine(
         store: TieredStore, clock: FakeClock) -> None:
+    """A late abort (or commit) is the client saying it stopped writing into the lease's
+    slots: they go back at once, swept or not; another lease's stay quarantined."""
     late, _ = await store.prepare_put(CLIENT, DIGEST, FP, chain(1))
     swept, _ = await store.prepare_put(CLIENT, DIGEST, FP, chain(1, start=1))
+    silent, _ = await store.prepare_put(CLIENT, DIGEST, FP, chain(1, start=2))
     clock.advance(TTL)
     store.abort_put(CLIENT, late)
     store.expire_leases()
+    assert store.quarantine.slots == 2
     store.abort_put(CLIENT, swept)
-    assert len(store.index) == 0 and store.quarantine.slots == 2
+    assert len(store.index) == 0 and store.quarantine.slots == 1
+    assert store.arena.used_bytes == store.quarantine.bytes > 0   # the silent one's
+    store.release_owner(CLIENT)
+    assert store.quarantine.slots == 0 and store.arena.used_bytes == 0
 
 
 async def test_expired_ids_are_forgotten_when_the_connection_closes(
