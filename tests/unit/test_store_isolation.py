@@ -102,7 +102,7 @@ async def test_an_abort_past_the_deadline_is_quiet_and_ends_the_quarantine(
     slots: they go back at once, swept or not; another lease's stay quarantined."""
     late, _ = await store.prepare_put(CLIENT, DIGEST, FP, chain(1))
     swept, _ = await store.prepare_put(CLIENT, DIGEST, FP, chain(1, start=1))
-    silent, _ = await store.prepare_put(CLIENT, DIGEST, FP, chain(1, start=2))
+    await store.prepare_put(CLIENT, DIGEST, FP, chain(1, start=2))   # never committed
     clock.advance(TTL)
     store.abort_put(CLIENT, late)
     store.expire_leases()
