@@ -13,6 +13,10 @@ can read and write):
   as large as the daemon said (``arena_problem``), checked with fstat on the descriptor that
   is then mapped (received over the socket, or opened with O_NOFOLLOW).
 
+The daemon's data directories and files follow the same idea (``data_dir_problem``,
+``open_owned_file``): frames are checksummed, not signed, so a directory or slot file that
+another user can write lets them forge KV or have the daemon truncate a file of theirs.
+
 The ``*_problem`` helpers are pure: they take a stat result and return what is wrong, or
 None, so the rules are unit-tested without other users.
 """
@@ -116,6 +120,36 @@ def arena_problem(st: os.stat_result, size: int, owner_uid: int) -> str | None:
     return None
 
 
+def owned_dir_problem(st: os.stat_result, uid: int) -> str | None:
+    """What lets another user add or replace files in a data directory (the daemon's data
+    directory, the nvme directory), or None: it must be ours and writable by nobody else.
+    Stricter than ``shared_dir_problem``: the sticky bit does not help here, since it stops
+    others from replacing our files but not from adding new ones (a slot file, a lock)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by uid {uid} that runs this daemon"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        who = {0o022: "group and others", 0o020: "its group", 0o002: "others"}[mode & 0o022]
+        return f"is writable by {who} (mode {mode:04o})"
+    return None
+
+
+def owned_file_problem(st: os.stat_result, uid: int) -> str | None:
+    """What makes an opened daemon data file (an nvme slot file, the nvme lock) unfit, or
+    None: a regular file of our uid that neither group nor others may write (frames are
+    checksummed, not signed, so whoever can write the file can forge KV)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by uid {uid} that runs this daemon"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        return f"has mode {mode:04o}: group or others may write it"
+    return None
+
+
 def dirs_on_path(path: Path) -> list[Path]:
     """Every directory the kernel walks through to resolve ``path``, symlinks followed.
 
@@ -150,6 +184,55 @@ def dirs_on_path(path: Path) -> list[Path]:
         if current not in seen:
             seen.append(current)
     return seen
+
+
+# -- daemon side: data directories and files -------------------------------------------------
+def data_dir_problem(directory: Path, uid: int) -> tuple[Path, str] | None:
+    """The first directory on the way to ``directory`` that another user could change:
+    ``directory`` itself must pass ``owned_dir_problem``, the ones above it (symlinks
+    followed) ``shared_dir_problem`` (root's, or sticky like /tmp, are fine)."""
+    leaf = Path(os.path.realpath(directory))
+    for d in dirs_on_path(directory):
+        rule = owned_dir_problem if d == leaf else shared_dir_problem
+        problem = rule(os.stat(d), uid)
+        if problem is not None:
+            return d, problem
+    return None
+
+
+def open_owned_file(path: Path, flags: int, what: str, flag: str) -> int:
+    """Open a daemon data file without following a symlink and verify it on the descriptor
+    (``owned_file_problem``); StartupError (one line: the path, what is wrong, the fix) when
+    it is not ours alone. ``O_CREAT`` in ``flags`` creates it with mode 0600. Another user
+    who planted a symlink there must not get it truncated or written through, nor a file of
+    theirs read as frames."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:   # ELOOP (a symlink), EISDIR, EINVAL (a FIFO with O_DIRECT), ...
+        try:
+            st = os.lstat(path)
+        except OSError:
+            raise exc from None
+        problem = ("is a symbolic link" if stat.S_ISLNK(st.st_mode)
+                   else owned_file_problem(st, os.getuid()))
+        if problem is None:
+            raise
+        raise _planted(path, problem, what, flag) from exc
+    try:
+        problem = owned_file_problem(os.fstat(fd), os.getuid())
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise _planted(path, problem, what, flag)
+    return fd
+
+
+def _planted(path: Path, problem: str, what: str, flag: str) -> StartupError:
+    return StartupError(f"{what} {path} {problem}, so another user may have planted or "
+                        f"changed it; remove it (`rm {path}`; what it caches is lost) or pass "
+                        f"{flag} PATH in a directory of yours")
 
 
 # -- daemon side: the socket directory -------------------------------------------------------

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from kvtier.errors import StartupError
+from kvtier.trust import data_dir_problem
 from kvtier.units import format_bytes
 
 
@@ -29,7 +30,8 @@ def _user() -> str:
 
 
 def check_writable_dir(path: Path, what: str, flag: str) -> None:
-    """Create ``path`` (mode 0700) if missing and prove we can create files in it.
+    """Create ``path`` (mode 0700) if missing, prove we can create files in it, and that
+    no other user can (``check_owned_dir``).
 
     A probe file is created and removed: permission bits alone do not tell (a read-only
     mount, root on NFS, ACLs), and the nvme tier would otherwise fail later, mid-setup.
@@ -43,6 +45,30 @@ def check_writable_dir(path: Path, what: str, flag: str) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise StartupError(f"{what} {path} is unusable: {_why(exc, path, flag)}") from exc
+    check_owned_dir(path, what, flag)
+
+
+def check_owned_dir(path: Path, what: str, flag: str) -> None:
+    """``path`` is ours and writable by nobody else, nor is any directory above it (root's,
+    or sticky like /tmp, are fine there): whoever can add files to the nvme directory can
+    plant frames the daemon serves as KV (checksums do not say who wrote them).
+    StartupError otherwise, naming the directory and the chmod/chown that fixes it."""
+    try:
+        found = data_dir_problem(path, os.getuid())
+    except OSError as exc:
+        raise StartupError(f"{what} {path} is unusable: {_why(exc, path, flag)}") from exc
+    if found is None:
+        return
+    where, problem = found
+    if "writable by" in problem:
+        fix = f"run `chmod go-w {where}`"
+    elif where == Path(os.path.realpath(path)):
+        fix = f"run `chown {_user()} {where}` if it is yours"
+    else:
+        fix = "use a directory owned by you or root"
+    raise StartupError(f"{what} {path} is not safe: {where} {problem}, so another user could "
+                       f"plant or replace the daemon's files; {fix}, or pass {flag} PATH in "
+                       "a directory of yours")
 
 
 def _why(exc: OSError, path: Path, flag: str) -> str:

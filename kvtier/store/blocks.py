@@ -48,6 +48,7 @@ class Blocks:
         meta = self.index.get(key)
         if meta is None or self.in_use(meta):
             return  # in use: it stays until it is evicted the ordinary way
-        self.remove(meta, EvictionReason.ORPHAN)
+        # erased: a stale frame would come back at the next start once its parent is there
+        self.remove(meta, EvictionReason.ORPHAN, erase=True)
         if self.index.get(key) is meta:
             del self.index[key]

@@ -48,10 +48,12 @@ class NvmeResidency:
                            depth=meta.depth, now=now, block_tokens=self.tokens_of(meta))
 
     def drop(self, meta: BlockMeta, reason: EvictionReason, *, erase: bool = False) -> None:
-        """Free ``meta``'s frame (``erase``: an explicit delete also zeroes its header)."""
+        """Free ``meta``'s frame. ``erase`` (a frame dropped for good: deleted, orphaned) also
+        zeroes its header, off the event loop, so it does not come back after a restart; a
+        corrupt frame is always erased (else every start would index it again)."""
         if meta.nvme is None:
             return
-        self.tier.free(meta.nvme, erase=erase)
+        self.tier.free(meta.nvme, erase=erase or reason is EvictionReason.CORRUPT)
         meta.nvme = None
         meta.nvme_ready = False
         self.policy.remove(meta.key)

@@ -280,7 +280,7 @@ def _merge(store: TieredStore, entries: Recovered,
     for slot, h in entries:   # oldest first
         old = found.pop(h.key, None)
         if old is not None and old.nvme is not None and nvme is not None:
-            nvme.free(old.nvme)   # the same key under two namespaces: keep the newest
+            nvme.free(old.nvme, erase=True)   # the same key under two namespaces: the newest
         f = _Found(h.key, h.namespace, h.layout_fp, h.raw_len, h.seq, nvme=slot)
         if h.flags & FLAG_CHAIN:
             f.tag = h.chain_parent
@@ -367,7 +367,7 @@ def _reachable(found: dict[bytes, _Found]) -> dict[bytes, _Found]:
 
 def _drop_orphan(store: TieredStore, f: _Found) -> None:
     if f.nvme is not None and store.nvme is not None:
-        store.nvme.free(f.nvme)
+        store.nvme.free(f.nvme, erase=True)   # else it is back once its parent is stored again
         store.nvme.counters.evicted(EvictionReason.ORPHAN)
     if f.cpu is not None:
         store.arena.free(f.cpu)

@@ -17,7 +17,7 @@ from functools import partial
 
 from kvtier.bandwidth import BandwidthTracker
 from kvtier.errors import FrameError, KVTierError
-from kvtier.frame import Codec, make_header, payload_checksum
+from kvtier.frame import Codec, FrameHeader, make_header, payload_checksum
 from kvtier.index import BlockMeta
 from kvtier.store.ports import NvmePort, RedisPort
 from kvtier.store.stats import BytesMoved
@@ -63,6 +63,18 @@ def _nothing() -> None:
 
 
 def _no_lock(metas: list[BlockMeta]) -> None:
+    return None
+
+
+def _not_plain(header: FrameHeader, meta: BlockMeta) -> str | None:
+    """Why a verified nvme frame does not hold ``meta``'s raw bytes, or None. kvtier writes
+    nvme frames unencoded and whole (``_cpu_to_nvme``), so anything else (a codec, a payload
+    of another length) is a bad frame: its payload must never be served as the block."""
+    if header.codec is not Codec.NONE:
+        return f"encoded frame (codec {header.codec.name}); nvme frames are never encoded"
+    if header.payload_len != meta.nbytes or header.raw_len != meta.nbytes:
+        return (f"frame of {header.payload_len} bytes ({header.raw_len} raw) for a block of "
+                f"{meta.nbytes}")
     return None
 
 
@@ -145,11 +157,14 @@ class Transfers:
             log.exception("nvme read failed for %s", meta.key.hex())
             nvme.counters.errors += 1
             return TransferResult()
-        checksum = None
-        if header.codec is Codec.NONE and header.payload_len == meta.nbytes:
-            checksum = header.checksum   # the arena now holds exactly the payload
+        why = _not_plain(header, meta)
+        if why is not None:   # the arena holds something else than the block: a miss
+            nvme.counters.checksum_failures += 1
+            log.warning("dropping nvme block %s: %s", meta.key.hex(), why)
+            return TransferResult(corrupt=True)
         self._count(TierName.NVME, TierName.CPU, job.metas)
-        return TransferResult(moved=1, checksum=checksum)
+        # the arena now holds exactly the payload the frame's checksum covers
+        return TransferResult(moved=1, checksum=header.checksum)
 
     async def _redis_to_cpu(self, job: Transfer) -> TransferResult:
         metas, redis = job.metas, self.redis
@@ -195,12 +210,15 @@ class Transfers:
             buf = aligned_buffer(round_up(meta.nbytes))
             meta.nvme_busy = True
             try:
-                await nvme.read_into(meta.nvme, buf, namespace=meta.namespace,
-                                     key=meta.key, layout_fp=meta.layout_fp)
+                header = await nvme.read_into(meta.nvme, buf, namespace=meta.namespace,
+                                              key=meta.key, layout_fp=meta.layout_fp)
             except KVTierError:
                 return TransferResult()
             finally:
                 meta.nvme_busy = False
+            if _not_plain(header, meta) is not None:
+                nvme.counters.checksum_failures += 1
+                return TransferResult()
             assert self.redis is not None  # buf is ours: no copy
             self.redis.submit(meta.namespace, meta.key, meta.layout_fp, buf[: meta.nbytes],
                               seq=meta.seq, release=_nothing)

@@ -9,6 +9,7 @@ Read in this order:
   backend; ``split``: how the POSIX backend reads a large frame as concurrent pieces;
   ``kvikio_io``: the kvikio (CuFile) backend; ``backends``: which backend runs and why;
 - ``probe``: whether O_DIRECT works under the tier's directory;
+- ``lock``: one daemon per nvme directory (an flock held while the tier is open);
 - ``health``: a full or failing disk degrades the tier (writes refused, reads go on) until a
   space probe, paced by ``kvtier.backoff``, succeeds;
 - ``buffers``: aligned header pages and bounce buffers the I/O threads share.

@@ -4,8 +4,9 @@ Crash safety rests on the frame format: a frame is written with one ``pwritev(he
 payload)`` and header and payload are both checksummed, so a torn write (or a reused slot
 whose old header survived) fails verification instead of returning wrong bytes. The scan
 trusts only headers that unpack and fit their slot; payloads are verified on every read.
-Evicted slots keep their frame (still correct data that may come back after a restart); an
-explicit delete erases the header page so it cannot.
+Evicted slots keep their frame (still correct data that may come back after a restart); a
+frame dropped for good (an explicit delete, an orphan, a stale duplicate, a capacity drop at
+start) has its header page erased so it cannot.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.errors import FrameError
-from kvtier.frame import HEADER_SIZE, FrameHeader
+from kvtier.frame import HEADER_SIZE, FrameHeader, parent_tag
 from kvtier.tiers.aligned import PAGE, aligned_buffer
 from kvtier.tiers.base import EvictionReason, TierCounters
-from kvtier.tiers.nvme.buffers import scratch
+from kvtier.tiers.nvme.buffers import ZERO_PAGE, scratch
 from kvtier.tiers.nvme.slots import FILE_RE, NvmeSlot, SizeClass, SlotTable
 
 __all__ = ["Recovered", "recover"]
@@ -39,37 +40,127 @@ def recover(table: SlotTable, pool: ThreadPoolExecutor, counters: TierCounters,
     the highest ``seq`` seen on disk (0 when none).
 
     Torn or corrupt headers, and frames longer than what their file holds, are counted as
-    checksum failures and their slots freed. When a key is stored twice, only the newest copy
-    is kept. When the stored frames exceed the capacity (it was lowered), the oldest are
-    dropped (counted as capacity evictions). Files are trimmed of their free tails.
+    checksum failures and their slots freed. Only the slots that fit the capacity are read
+    (a file larger than it is cut). When a key is stored twice, only the newest copy is kept.
+    When the frames do not fit the capacity (it was lowered), the deepest are dropped first
+    (``_fit``: every kept frame's parent stays), counted as capacity evictions. Frames
+    dropped here have their header page erased (else they would come back at the next start)
+    and the files are trimmed of their free tails.
     """
     found: Recovered = []
     for path in sorted(table.root.iterdir()):
         m = FILE_RE.match(path.name)
-        if m is None or int(m.group(1)) <= 0 or int(m.group(1)) % PAGE:
+        if m is None or int(m.group(1)) % PAGE or int(m.group(1)) in table.classes:
             continue
         found.extend(_scan(table, table.open_class(int(m.group(1))), pool, counters))
     newest: dict[tuple[bytes, bytes], tuple[NvmeSlot, FrameHeader]] = {}
     max_seq = max((header.seq for _, header in found), default=0)
+    dropped: list[NvmeSlot] = []
     for slot, header in sorted(found, key=lambda item: item[1].seq):
         old = newest.get((header.namespace, header.key))
         if old is not None:
-            table.release(old[0])   # a stale copy: superseded by a later write
+            dropped.append(old[0])   # a stale copy: superseded by a later write
         newest[(header.namespace, header.key)] = (slot, header)
-    kept = sorted(newest.values(), key=lambda item: item[1].seq)
-    while table.used > table.capacity and kept:
-        table.release(kept.pop(0)[0])
+    kept, over = _fit(list(newest.values()), table.capacity)
+    for _ in over:
         counters.evicted(EvictionReason.CAPACITY)
+    dropped += [slot for slot, _ in over]
+    for slot in dropped:
+        table.release(slot)
     for cls in table.classes.values():
         table.trim(cls, lambda _slot: True)
+    _erase(table, pool, counters, dropped)
+    kept.sort(key=lambda item: item[1].seq)
     return kept, max_seq
+
+
+def _fit(frames: Recovered, capacity: int) -> tuple[Recovered, Recovered]:
+    """(kept, dropped) so that the slot files, cut after their last kept slot, fit
+    ``capacity``; all kept when they do already.
+
+    Frames are kept shallowest first (depth along the parent tags of the frames on nvme;
+    among equal depths the older first), each only if its parent on nvme was kept and the
+    files still fit: so a lowered ``nvme.bytes`` drops the deepest and newest blocks, never a
+    chain head its descendants need (dropping oldest first would orphan whole chains).
+    O(n log n).
+    """
+    span: dict[int, int] = {}
+    for slot, _ in frames:
+        span[slot.slot_bytes] = max(span.get(slot.slot_bytes, 0), slot.index + 1)
+    if sum(hw * (PAGE + sb) for sb, hw in span.items()) <= capacity:
+        return frames, []
+    by_tag = {parent_tag(header.key): i for i, (_, header) in enumerate(frames)}
+    parents = [by_tag.get(tag) if (tag := header.chain_parent) is not None else None
+               for _, header in frames]
+    depths = _depths(parents)
+    kept_flags = [False] * len(frames)
+    high: dict[int, int] = {}
+    disk = 0
+    for i in sorted(range(len(frames)), key=lambda i: (depths[i], frames[i][1].seq)):
+        slot = frames[i][0]
+        parent = parents[i]
+        top = high.get(slot.slot_bytes, 0)
+        grow = max(0, slot.index + 1 - top) * (PAGE + slot.slot_bytes)
+        if (parent is None or kept_flags[parent]) and disk + grow <= capacity:
+            kept_flags[i] = True
+            high[slot.slot_bytes] = max(top, slot.index + 1)
+            disk += grow
+    return ([f for f, k in zip(frames, kept_flags, strict=True) if k],
+            [f for f, k in zip(frames, kept_flags, strict=True) if not k])
+
+
+def _depths(parents: list[int | None]) -> list[int]:
+    """Each frame's depth below the first ancestor that is not on nvme (0: a head, or its
+    parent lives elsewhere). Iterative; a cycle of tags (corrupt) ends a walk."""
+    depth = [-1] * len(parents)
+    for start in range(len(parents)):
+        if depth[start] != -1:
+            continue
+        walk = []
+        j: int | None = start
+        while j is not None and depth[j] == -1:
+            depth[j] = -2            # on this walk: meeting it again is a cycle
+            walk.append(j)
+            j = parents[j]
+        base = depth[j] if j is not None and depth[j] >= 0 else -1
+        for k in reversed(walk):
+            base += 1
+            depth[k] = base
+    return depth
+
+
+def _erase(table: SlotTable, pool: ThreadPoolExecutor, counters: TierCounters,
+           slots: list[NvmeSlot]) -> None:
+    """Zero the header page of each dropped slot still inside its file (the trim cut the
+    rest), on the pool, so the frame cannot come back at the next start."""
+    todo = [(table.classes[s.slot_bytes], s) for s in slots
+            if s.index < table.classes[s.slot_bytes].high_water]
+    for (cls, slot), err in zip(todo, pool.map(_erase_page, todo), strict=True):
+        if err is not None:
+            counters.errors += 1
+            log.warning("nvme tier: cannot erase %s slot %d (%s): its frame may come back "
+                        "at the next start", cls.path, slot.index, err)
+
+
+def _erase_page(job: tuple[SizeClass, NvmeSlot]) -> str | None:
+    """Zero one header page; the OS error's text, or None."""
+    try:
+        os.pwritev(job[0].fd, [ZERO_PAGE], job[1].offset)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _scan(table: SlotTable, cls: SizeClass, pool: ThreadPoolExecutor,
           counters: TierCounters) -> Recovered:
-    """Classify every slot of a file from its header page; adopt and return the valid ones."""
+    """Classify the slots of a file that fit the capacity from their header pages; adopt
+    and return the valid ones (``adopt`` cuts the file after the last)."""
     size = os.fstat(cls.fd).st_size
-    high_water = -(-size // cls.stride)
+    spans = -(-size // cls.stride)
+    high_water = min(spans, table.capacity // cls.stride)
+    if high_water < spans:
+        log.warning("nvme tier: %s holds %d bytes, more than nvme.bytes (%d): the slots "
+                    "past %d are dropped unread", cls.path, size, table.capacity, high_water)
     valid: Recovered = []
     for index, raw in _read_headers(cls, size, high_water, pool):
         if not raw.strip(b"\0"):
@@ -84,7 +175,7 @@ def _scan(table: SlotTable, cls: SizeClass, pool: ThreadPoolExecutor,
             log.warning("nvme tier: dropping %s slot %d: %s", cls.path, index, exc)
             continue
         valid.append((NvmeSlot(cls.slot_bytes, index), header))
-    table.adopt(cls, size, [slot.index for slot, _ in valid])
+    table.adopt(cls, [slot.index for slot, _ in valid])
     return valid
 
 
@@ -102,11 +193,12 @@ def _read_headers(cls: SizeClass, size: int, high_water: int,
         pages = pool.map(_read_page_sync, [cls.fd] * len(offsets), offsets)
         yield from enumerate(pages)
         return
-    per_chunk = max(1, SCAN_CHUNK // stride)
+    per_chunk = max(1, min(SCAN_CHUNK // stride, high_water))
     buf = aligned_buffer(per_chunk * stride)
     for first in range(0, high_water, per_chunk):
-        got = os.preadv(cls.fd, [buf], first * stride)
-        for j in range(min(per_chunk, high_water - first)):
+        count = min(per_chunk, high_water - first)   # never past high_water
+        got = os.preadv(cls.fd, [buf[: count * stride]], first * stride)
+        for j in range(count):
             start = j * stride
             yield first + j, bytes(buf[start: min(start + HEADER_SIZE, max(got, start))])
 

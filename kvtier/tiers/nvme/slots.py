@@ -26,12 +26,13 @@ from kvtier.errors import KVTierError
 from kvtier.tiers.aligned import PAGE, round_up
 from kvtier.tiers.base import TierCounters
 from kvtier.tiers.nvme.frameio import FrameIO
+from kvtier.trust import open_owned_file
 
 __all__ = ["FILE_RE", "NvmeSlot", "SizeClass", "SlotState", "SlotTable", "slot_bytes_for"]
 
 log = logging.getLogger(__name__)
 
-FILE_RE = re.compile(r"^slots-(\d+)\.dat$")
+FILE_RE = re.compile(r"^slots-([1-9]\d*)\.dat$")   # one name per class: no leading zeros
 
 
 class SlotState(Enum):
@@ -102,10 +103,13 @@ class SlotTable:
 
     # ------------------------------------------------------------------ files
     def open_class(self, slot_bytes: int) -> SizeClass:
-        """Open (creating if needed) the file of a size class and attach it to the backend."""
+        """Open (creating if needed) the file of a size class and attach it to the backend.
+        The file must be ours alone, not a symlink (``kvtier.trust.open_owned_file``):
+        StartupError otherwise, before a byte of it is read, written or truncated."""
         path = self.root / f"slots-{slot_bytes}.dat"
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
-        cls = SizeClass(slot_bytes, path, os.open(path, flags, 0o600))
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
+        cls = SizeClass(slot_bytes, path,
+                        open_owned_file(path, flags, "nvme slot file", "--nvme-path"))
         try:
             self._io.attach(path, cls.fd)
         except BaseException:
@@ -121,10 +125,19 @@ class SlotTable:
             os.close(cls.fd)
         self.classes.clear()
 
-    def adopt(self, cls: SizeClass, size: int, stored: list[int]) -> None:
-        """Take a scanned file as it is: ``size`` bytes on disk, ``stored`` the indices whose
-        frames are valid; every other slot below the high-water mark is free."""
-        cls.high_water = -(-size // cls.stride)
+    def adopt(self, cls: SizeClass, stored: list[int]) -> None:
+        """Take a scanned file: ``stored`` the indices whose frames are valid, the file cut
+        right after the last of them (so the free list, every other index below it, grows
+        with what is stored, not with the file's size)."""
+        high_water = max(stored, default=-1) + 1
+        try:
+            if os.fstat(cls.fd).st_size > high_water * cls.stride:
+                os.ftruncate(cls.fd, high_water * cls.stride)
+        except OSError as exc:   # the slots past high_water are never read: only space is lost
+            self._counters.errors += 1
+            log.warning("nvme tier: cannot cut the empty tail of %s: %s", cls.path,
+                        exc.strerror)
+        cls.high_water = high_water
         self.disk += cls.high_water * cls.stride
         keep = set(stored)
         for index in stored:

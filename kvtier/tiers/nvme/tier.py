@@ -2,8 +2,9 @@
 
 The parts live in their own modules: slot files and allocation (``slots``), the start-up
 scan (``recovery``), the frame I/O backends behind ``FrameIO`` (``frameio``, ``split``,
-``kvikio_io``), the O_DIRECT probe (``probe``) and the write health (``health``). This class
-wires them, orders each slot's disk operations and maps OS errors to typed, counted ones.
+``kvikio_io``), the O_DIRECT probe (``probe``), the directory lock (``lock``) and the write
+health (``health``). This class wires them, orders each slot's disk operations and maps OS
+errors to typed, counted ones.
 
 Threading. Every disk access runs in a thread pool (never on the event loop). Counters and the
 slot bookkeeping are touched only from the caller's thread (the daemon's event loop), so they
@@ -31,6 +32,7 @@ from kvtier.tiers.base import TierCounters, TierName
 from kvtier.tiers.nvme.buffers import ZERO_PAGE
 from kvtier.tiers.nvme.frameio import FrameIO, PosixFrameIO
 from kvtier.tiers.nvme.health import DEFAULT_BACKOFF, WriteHealth
+from kvtier.tiers.nvme.lock import lock_nvme_dir
 from kvtier.tiers.nvme.probe import DIRECT_MODES, choose_direct
 from kvtier.tiers.nvme.recovery import Recovered, recover
 from kvtier.tiers.nvme.slots import NvmeSlot, SizeClass, SlotState, SlotTable, slot_bytes_for
@@ -95,6 +97,7 @@ class NvmeTier:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[NvmeSlot, Future[Any]] = {}  # last disk op queued per slot
         self._seq = 0
+        self._lock_fd: int | None = None   # holds the nvme directory's lock while open
 
     # ------------------------------------------------------------------ Tier protocol
     @property
@@ -159,14 +162,21 @@ class NvmeTier:
     def open(self) -> Recovered:
         """Rebuild the slot map from the files' header pages; return the stored frames, oldest
         first (by ``header.seq``), so the store can rebuild its index and LRU order
-        (``kvtier.tiers.nvme.recovery`` says what is kept and what is dropped)."""
+        (``kvtier.tiers.nvme.recovery`` says what is kept and what is dropped). Takes the
+        directory's lock first (``lock``): StartupError when another daemon holds it, or
+        when a slot file is not ours alone."""
         if self._state is not TierState.NEW:
             raise KVTierError(f"nvme tier is {self._state.value}; open() is called once")
         self.root.mkdir(parents=True, exist_ok=True)
-        self._slots.direct = choose_direct(self.root, self._direct_mode)
-        self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvtier-nvme")
-        self._health.pool = self._pool
-        kept, max_seq = recover(self._slots, self._pool, self.counters)
+        self._lock_fd = lock_nvme_dir(self.root)   # before any file is probed or scanned
+        try:
+            self._slots.direct = choose_direct(self.root, self._direct_mode)
+            self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvtier-nvme")
+            self._health.pool = self._pool
+            kept, max_seq = recover(self._slots, self._pool, self.counters)
+        except BaseException:
+            self.close()
+            raise
         self._seq = max(self._seq, max_seq)
         self._state = TierState.OPEN
         log.info("nvme tier %s: %d frames, %d of %d bytes, backend %s", self.root, len(kept),
@@ -182,6 +192,9 @@ class NvmeTier:
         self._slots.close()
         self._io.close()
         self._pending.clear()
+        if self._lock_fd is not None:   # last: the directory is free for another daemon
+            os.close(self._lock_fd)
+            self._lock_fd = None
         self._state = TierState.CLOSED
 
     def next_seq(self) -> int:
