@@ -28,18 +28,20 @@ from kvtier.client.ops import RELEASE_SAFE_SHARE, NoWait, Op, Ops, release_safe_
 from kvtier.errors import BufferSizeError, DaemonUnavailable, LeaseExpired, error_from_code
 from kvtier.keys import KEY_BYTES, Namespace, block_keys
 from kvtier.layout import KVLayout
+from kvtier.tiers.aligned import round_up
 from kvtier.tiers.arena_mapping import ArenaMapping
 from tests.support.arena import temp_arena
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
                   tokens_per_block=16)   # 256-byte blocks
 BLOCK = LAYOUT.block_bytes
+SLOT = round_up(BLOCK)   # the arena hands out whole pages
 NS = Namespace("test/ops", LAYOUT)
 Reply = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 class ScriptedDaemon:
-    """Answers requests like the daemon: slots i*BLOCK for a prepare, per-op overrides."""
+    """Answers requests like the daemon: slots i*SLOT for a prepare, per-op overrides."""
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -57,7 +59,7 @@ class ScriptedDaemon:
         if op in ("put_prepare", "get_prepare"):
             lease = len(self.sizes) + 1
             self.sizes[lease] = n = len(req["keys"]) // KEY_BYTES
-            return {"ok": True, "lease": lease, "offsets": [i * BLOCK for i in range(n)]}
+            return {"ok": True, "lease": lease, "offsets": [i * SLOT for i in range(n)]}
         if op == "put_commit":
             return {"ok": True, "stored": self.sizes[req["lease"]]}
         return {"ok": True}
@@ -147,7 +149,7 @@ def test_lease_expired_at_commit_surfaces_from_put(ops: Ops, driver: Any) -> Non
 
 def test_get_copies_then_releases(ops: Ops, driver: Any) -> None:
     daemon = ScriptedDaemon()
-    ops.arena.view(BLOCK, BLOCK, writable=True)[:] = 9
+    ops.arena.view(SLOT, BLOCK, writable=True)[:] = 9
     out = [np.zeros(BLOCK, np.uint8) for _ in range(2)]
     assert driver(daemon).run(ops.op_get(NS, keys(2), out)) == 2
     assert daemon.ops() == ["get_prepare", "get_release"]
