@@ -195,6 +195,8 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: Port = 8470                     # 0 picks a free port (printed at start)
     admin_token: str = ""
+    max_connections: AtLeastOne = 256     # beyond: a 503 and close (each request head and
+    #                                       body must arrive within daemon.read_timeout_s)
 
 
 @dataclass(slots=True)
@@ -282,13 +284,26 @@ class Config:
         return self.nvme.path or self.daemon.data_dir / "nvme"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values (paths as text, enums as their values); password masked."""
+        """Plain JSON-able values (paths as text, enums as their values); secrets masked:
+        the Redis password (also inside ``redis.url``) and the admin token."""
         from kvtier.config_convert import to_builtins
 
         out: dict[str, Any] = to_builtins(self)
         if out["redis"]["password"]:
             out["redis"]["password"] = "***"
+        out["redis"]["url"] = _masked_url(out["redis"]["url"])
+        if out["http"]["admin_token"]:
+            out["http"]["admin_token"] = "***"
         return out
+
+
+def _masked_url(url: str) -> str:
+    """``url`` with the user info of its authority masked (``redis://***@host:port/0``)."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    if not sep or "@" not in authority:
+        return url
+    return f"{scheme}://***@{authority.rsplit('@', 1)[1]}{slash}{path}"
 
 
 ENV_ALIASES = {
@@ -319,8 +334,19 @@ def validate(cfg: Config) -> None:
     its type's: kvtier.config_convert)."""
     if cfg.cpu.bytes < cfg.cpu.slab_bytes and cfg.cpu.bytes > 0:
         cfg.cpu.slab_bytes = ByteSize(max(cfg.cpu.bytes, 4096))
-    if cfg.daemon.lease_sweep_s <= 0:
-        raise ConfigError("daemon.lease_sweep_s must be > 0 (seconds between lease sweeps)")
+    if cfg.daemon.lease_sweep_s < 0.01:   # (smaller: an idle daemon spins)
+        raise ConfigError("daemon.lease_sweep_s must be >= 0.01 (seconds between lease "
+                          "sweeps)")
+    for name, value, top in (("listen_backlog", cfg.daemon.listen_backlog, 65535),
+                             ("max_connections", cfg.daemon.max_connections, 1 << 20),
+                             ("max_namespaces", cfg.daemon.max_namespaces, 1 << 24),
+                             ("max_inflight_per_conn", cfg.daemon.max_inflight_per_conn,
+                              1 << 16),
+                             ("max_frame_bytes", cfg.daemon.max_frame_bytes, 1 << 30)):
+        if value > top:
+            raise ConfigError(f"daemon.{name} must be at most {top}, got {value}")
+    if cfg.nvme.io_threads > 1024:
+        raise ConfigError(f"nvme.io_threads must be at most 1024, got {cfg.nvme.io_threads}")
     if cfg.cpu.bytes <= 0:
         raise ConfigError("cpu.bytes must be > 0: the cpu tier is the staging tier")
     if not 0 < cfg.nvme.backoff_min_s <= cfg.nvme.backoff_max_s:

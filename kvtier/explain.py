@@ -18,6 +18,8 @@ the lookup named a namespace/layout the daemon does not know.
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container
@@ -157,6 +159,9 @@ class MissLog:
         :func:`namespace_id`, which tells namespaces apart but names none in a request.
         """
         names = namespaces or {}
+        per_model: dict[Any, int] = {}   # namespaces per model (the hint's siblings), once
+        for v in names.values():
+            per_model[v.get("model_id")] = per_model.get(v.get("model_id"), 0) + 1
         out: list[dict[str, Any]] = []
         for row in reversed(self._ring):
             if len(out) >= limit:
@@ -182,7 +187,7 @@ class MissLog:
                                    "age_s": round(max(at - removal.at, 0.0), 3)}
             if code:
                 item["error"] = code
-            hint = _hint(reason, digest, ns, names)
+            hint = _hint(reason, ns, per_model)
             if self.redis_tier and removal is not None and removal.tier == "nvme" \
                     and reason is MissReason.EVICTED:
                 hint = ("evicted from nvme and handed to redis (when it was up), which no "
@@ -198,6 +203,9 @@ class MissLog:
                 "ring_size": self._ring.maxlen, "removals": len(self._removals)}
 
 
+_SALT_ID_KEY = secrets.token_bytes(16)
+
+
 def namespace_id(digest: bytes) -> str:
     """A stable public id of a namespace (16 hex digits of a hash of its digest): what
     operators read, never the digest, which a client could otherwise name."""
@@ -207,22 +215,20 @@ def namespace_id(digest: bytes) -> str:
 
 
 def salt_id(cache_salt: str | None) -> str | None:
-    """A short, stable id of a tenant's cache_salt (the salt itself stays private)."""
+    """A short id of a tenant's cache_salt, stable for this process's life: keyed with a
+    secret of the process (blake2b), so that a salt cannot be guessed offline from it."""
     if cache_salt is None:
         return None
-    import xxhash
-
-    return xxhash.xxh3_64_hexdigest(cache_salt.encode())[:8]
+    return hashlib.blake2b(cache_salt.encode(), key=_SALT_ID_KEY, digest_size=4).hexdigest()
 
 
-def _hint(reason: MissReason, digest: bytes, ns: dict[str, Any],
-          names: dict[bytes, dict[str, Any]]) -> str:
-    """One line on what to look at next (built only when the ring is read)."""
+def _hint(reason: MissReason, ns: dict[str, Any], per_model: dict[Any, int]) -> str:
+    """One line on what to look at next (built only when the ring is read; ``per_model``:
+    registered namespaces per model id, counted once per read)."""
     if reason is MissReason.NEVER_STORED and ns:
-        siblings = [v for d, v in names.items() if d != digest
-                    and v.get("model_id") == ns.get("model_id")]
-        if siblings:
-            return (f"{len(siblings)} other namespace(s) of model {ns.get('model_id')!r} are "
+        siblings = per_model.get(ns.get("model_id"), 1) - 1
+        if siblings > 0:
+            return (f"{siblings} other namespace(s) of model {ns.get('model_id')!r} are "
                     "registered (different cache_salt, tp rank or layout): keys of one never "
                     "match another")
         return "first time this prefix was asked for (or it aged out of the removal record)"

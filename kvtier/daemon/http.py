@@ -7,6 +7,7 @@ import contextlib
 import errno
 import hmac
 import json
+import logging
 import socket
 import time
 from collections.abc import Callable
@@ -15,8 +16,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvtier.daemon.http_guard import HttpGuard
+from kvtier.daemon.limits import ByteBudget
 from kvtier.daemon.metrics import Metrics
-from kvtier.daemon.prefix import PrefixProbe, http_error
+from kvtier.daemon.prefix import JSON_MAX_BYTES, PrefixProbe, http_error
 from kvtier.errors import KVTierError, StartupError
 
 _BACKLOG = 128
@@ -81,7 +84,8 @@ class HttpServer:
                  admin_token: str = "",
                  recent: Callable[[int, bool], list[dict[str, Any]]] | None = None, *,
                  sockets: list[socket.socket] | None = None,
-                 prefix: PrefixProbe | None = None) -> None:
+                 prefix: PrefixProbe | None = None, read_timeout_s: float = 10.0,
+                 max_connections: int = 256) -> None:
         self.host, self._port = host, port
         self.metrics, self.stats, self.config = metrics, stats, config
         self.admin_token = admin_token
@@ -91,10 +95,12 @@ class HttpServer:
         self._sockets = sockets or []
         self._runner: web.AppRunner | None = None
         self.port = port
+        self.guard = HttpGuard(max_connections, read_timeout_s)
 
     async def start(self) -> None:
         max_body = self.prefix.limits.max_frame if self.prefix is not None else 2**20
-        app = web.Application(client_max_size=max_body)
+        self.guard.body_budget = ByteBudget(4 * max_body)
+        app = web.Application(client_max_size=max_body, middlewares=[self.guard.middleware])
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/stats", self._stats)
         app.router.add_get("/healthz", self._health)
@@ -103,6 +109,11 @@ class HttpServer:
         app.router.add_post("/v1/prefix", self._prefix)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
+        assert self._runner.server is not None
+        self.guard.install(self._runner.server)
+        # aiohttp logs a traceback for each malformed or abandoned request: any client could
+        # flood the log; the guard's middleware logs handler failures itself
+        logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
         if not self._sockets:
             self._sockets = bind_http(self.host, self._port)
         for sock in self._sockets:
@@ -144,7 +155,9 @@ class HttpServer:
             return web.json_response({"error": "prefix locality is not served here"},
                                      status=404)
         t0 = time.perf_counter()
-        body = await request.read()
+        limit = (JSON_MAX_BYTES if request.content_type != "application/octet-stream"
+                 else self.prefix.limits.max_frame)
+        body = await self.guard.read_body(request, limit)
         try:
             reply = await self.prefix.from_http(body, request.content_type, request.query)
         except KVTierError as exc:

@@ -212,7 +212,8 @@ class PrefixProbe:
         if "ns" in msg:
             spec["namespace"] = msg["ns"]
         ns = self.namespace(spec, known)
-        prompts = _split(msg.get("tokens"), msg.get("keys"), msg.get("lengths"))
+        prompts = _split(msg.get("tokens"), msg.get("keys"), msg.get("lengths"),
+                         self.limits.max_keys(ns.layout.tokens_per_block))
         items = [(ns, p) for p in prompts]
         self._check_batch(items)
         results = await self.probe_many(items, redis=_flag(msg.get("redis", True)))
@@ -235,7 +236,8 @@ class PrefixProbe:
             lengths = None
             if "lengths" in query:
                 lengths = [_query_int("lengths", x) for x in query["lengths"].split(",")]
-            prompts = _split(None if as_keys else body, body if as_keys else None, lengths)
+            prompts = _split(None if as_keys else body, body if as_keys else None, lengths,
+                             self.limits.max_keys(ns.layout.tokens_per_block))
             items = [(ns, p) for p in prompts]
             batch = lengths is not None
             want_redis = query.get("redis", "1").lower() not in ("0", "false", "no")
@@ -303,9 +305,11 @@ def _query_int(name: str, text: str) -> int:
         raise ProtocolError(f"query parameter {name!r} must be an integer") from None
 
 
-def _split(tokens: object, keys: object, lengths: object) -> list[PromptInput]:
+def _split(tokens: object, keys: object, lengths: object,
+           max_keys: int) -> list[PromptInput]:
     """Prompts from one blob of u4 tokens or 16-byte keys, cut by ``lengths`` (a batch)
-    or whole (one prompt). The token arrays are views of the blob: nothing per token."""
+    or whole (one prompt). The token arrays are views of the blob: nothing per token; a
+    prompt of more than ``max_keys`` keys is refused before its keys are split."""
     if (tokens is None) == (keys is None):
         raise ProtocolError("send either 'tokens' (u4 little-endian bytes) or 'keys'")
     blob = tokens if tokens is not None else keys
@@ -335,6 +339,9 @@ def _split(tokens: object, keys: object, lengths: object) -> list[PromptInput]:
             out.append(PromptInput(tokens=arr[start:start + n]))
             start += n
     else:
+        if max(sizes, default=0) > max_keys:
+            raise LimitExceeded(f"{max(sizes)} keys in one prompt; this namespace allows "
+                                f"{max_keys} (daemon.max_context_tokens)")
         for n in sizes:
             piece = blob[start * KEY_BYTES:(start + n) * KEY_BYTES]
             out.append(PromptInput(keys=TieredStore.split_keys(piece)))
@@ -368,7 +375,7 @@ def _json_prompt(doc: Mapping[str, Any]) -> PromptInput:
             raw = base64.b64decode(value, validate=True)
         except (binascii.Error, ValueError):
             raise ProtocolError("'tokens_b64' is not valid base64") from None
-        return _split(raw, None, None)[0]
+        return _split(raw, None, None, 0)[0]   # (tokens: no keys to split)
     if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
         raise ProtocolError("'block_keys' must be a list of 32-hex-digit strings")
     try:

@@ -107,7 +107,9 @@ class Daemon:
         self.metrics = Metrics(self.stats)
         self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
                                cfg.to_dict, cfg.http.admin_token, recent=self.recent_lookups,
-                               sockets=bind_http(cfg.http.host, cfg.http.port))
+                               sockets=bind_http(cfg.http.host, cfg.http.port),
+                               read_timeout_s=cfg.daemon.read_timeout_s,
+                               max_connections=cfg.http.max_connections)
         self._stack.push_async_callback(self.http.stop)
         if not cfg.cpu.shm_dir.is_dir():
             raise ConfigError(f"shared-memory directory {cfg.cpu.shm_dir} does not exist: set "
@@ -326,6 +328,8 @@ class Daemon:
                                            self.cfg.nvme.write_budget_bytes_per_s)
         if self.explain is not None:
             out["explain"] = self.explain.stats()
+        if self.http is not None:
+            out["http"] = self.http.guard.stats()
         return out
 
     def recent_lookups(self, limit: int, misses_only: bool) -> list[dict[str, Any]]:

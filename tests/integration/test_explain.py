@@ -56,7 +56,9 @@ def test_explain_says_why_each_lookup_missed(tmp_path: Path) -> None:
         assert [r["reason"] for r in rows] == ["namespace_mismatch", "never_stored",
                                                "lease_lost", "evicted", "none"]
         evicted = rows[3]
-        assert evicted["model_id"] == "ops/model" and evicted["salt_id"] == salt_id("tenant-a")
+        # the daemon's own keyed id: 8 hex digits, not the unkeyed hash one could guess from
+        assert evicted["model_id"] == "ops/model" and len(evicted["salt_id"]) == 8
+        assert evicted["salt_id"] != salt_id("tenant-a")   # (this process has another key)
         assert "tenant-a" not in json.dumps(rows)   # the salt itself is never served
         assert evicted["removed"]["tier"] == "cpu" and evicted["removed"]["policy"] == "lru"
         assert (evicted["blocks"], evicted["first_miss"]) == (4, 0)

@@ -234,3 +234,24 @@ def test_toml_values_are_typed_and_text_values_read_as_people_write_them(
     cfg = load_config(path, env={"KVTIER_NVME_DIRECT": "OFF"})
     assert cfg.redis.ttl_s == 60 and cfg.redis.enabled is True
     assert cfg.cpu.bytes == 32 * MiB and cfg.nvme.direct == "off"
+
+
+@pytest.mark.parametrize("env", [
+    {"KVTIER_DAEMON_LISTEN_BACKLOG": "2147483648"},   # once an OverflowError at listen()
+    {"KVTIER_DAEMON_MAX_CONNECTIONS": str(2**63)},
+    {"KVTIER_DAEMON_MAX_FRAME_BYTES": "1e18"},
+    {"KVTIER_DAEMON_LEASE_SWEEP_S": "1e-300"},        # once an idle daemon spinning
+    {"KVTIER_NVME_IO_THREADS": "100000000"},
+])
+def test_absurd_limits_are_one_config_error(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(env)).split("_", 2)[2].lower()):
+        load_config(env=env)
+
+
+def test_to_dict_masks_the_admin_token_and_the_credentials_in_the_redis_url() -> None:
+    out = load_config(env={"KVTIER_REDIS_URL": "redis://default:hunter2@10.0.0.5:6379/0",
+                           "KVTIER_HTTP_ADMIN_TOKEN": "tok"}).to_dict()
+    assert out["redis"]["url"] == "redis://***@10.0.0.5:6379/0"
+    assert out["http"]["admin_token"] == "***"
+    plain = load_config(env={"KVTIER_REDIS_URL": "redis://10.0.0.5:6379/0"}).to_dict()
+    assert plain["redis"]["url"] == "redis://10.0.0.5:6379/0" and plain["http"]["admin_token"] == ""
