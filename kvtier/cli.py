@@ -17,15 +17,20 @@ import sys
 import time
 import traceback
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from kvtier import __version__
+from kvtier.argtypes import float_in, http_url
 from kvtier.errors import KVTierError
 from kvtier.units import format_bytes
 
 if TYPE_CHECKING:
     from kvtier.daemon.parts import DaemonParts
+
+MAX_WATCH_S = 86_400.0
+"""Longest ``kvtier stats --watch`` refresh interval: a day."""
 
 _PLUGGABLE = (
     ("kvtier.plan.cli", "plan"),
@@ -123,17 +128,25 @@ def _serve(a: argparse.Namespace) -> int:
 
 def _add_stats(sub: Any) -> None:
     p = sub.add_parser("stats", help="show per-tier capacity, use, hits and errors")
-    p.add_argument("--url", default=None,
+    p.add_argument("--url", default=None, type=http_url,
                    help="daemon HTTP base URL (default http://127.0.0.1:PORT from config)")
     p.add_argument("--config", metavar="FILE")
     p.add_argument("--json", action="store_true", help="print the /v1/stats JSON")
-    p.add_argument("--watch", type=float, metavar="N", help="refresh every N seconds")
+    p.add_argument("--watch", type=float_in(0, MAX_WATCH_S, above=True), metavar="N",
+                   help=f"refresh every N seconds (at most {MAX_WATCH_S:g})")
     p.set_defaults(func=_run_stats)
 
 
 def fetch_stats(url: str, timeout: float = 3.0) -> dict[str, Any]:
+    """The daemon's ``/v1/stats``; ValueError when the answer is not a JSON object."""
     with urllib.request.urlopen(url.rstrip("/") + "/v1/stats", timeout=timeout) as resp:
-        return json.loads(resp.read())
+        try:
+            doc = json.loads(resp.read())
+        except RecursionError:
+            raise ValueError("the answer is JSON nested too deeply") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"the answer is a JSON {type(doc).__name__}, not an object")
+    return doc
 
 
 def render_stats(s: dict[str, Any]) -> str:

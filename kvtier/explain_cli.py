@@ -18,6 +18,11 @@ from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
+from kvtier.argtypes import http_url, int_in
+
+MAX_LIMIT = 100_000
+"""Most lookups one answer holds: the daemon refuses more (HTTP 400)."""
+
 
 def add_parser(sub: Any) -> None:
     """Register ``explain`` on the ``kvtier`` command line."""
@@ -26,19 +31,29 @@ def add_parser(sub: Any) -> None:
                        "tier, and for the first missing block why it was not there: never "
                        "stored, evicted (by which policy, when), dropped by admission, "
                        "checksum failure, tier down, lease lost, namespace mismatch.")
-    p.add_argument("--url", default=None,
+    p.add_argument("--url", default=None, type=http_url,
                    help="daemon HTTP base URL (default http://127.0.0.1:PORT from config)")
     p.add_argument("--config", metavar="FILE")
-    p.add_argument("--limit", type=int, default=20, help="lookups to show (default 20)")
+    p.add_argument("--limit", type=int_in(1, MAX_LIMIT), default=20,
+                   help=f"lookups to show, 1 to {MAX_LIMIT} (default 20)")
     p.add_argument("--misses", action="store_true", help="only lookups that missed")
     p.add_argument("--json", action="store_true", help="print the endpoint's JSON")
     p.set_defaults(func=run)
 
 
 def fetch_recent(url: str, limit: int, misses: bool, timeout: float = 3.0) -> list[dict[str, Any]]:
+    """The daemon's recent lookups; ValueError when its answer is not ``{"lookups": [..]}``
+    of objects."""
     q = f"/v1/lookups/recent?limit={limit}&misses={int(misses)}"
     with urllib.request.urlopen(url.rstrip("/") + q, timeout=timeout) as resp:
-        return list(json.loads(resp.read())["lookups"])
+        try:
+            doc = json.loads(resp.read())
+        except RecursionError:
+            raise ValueError("the answer is JSON nested too deeply") from None
+    rows = doc.get("lookups") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError("the answer is not a list of lookups")
+    return rows
 
 
 def _ago(now: float, at: float) -> str:

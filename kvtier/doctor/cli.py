@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from kvtier.argtypes import float_in, int_in
 from kvtier.doctor.collect import DEFAULT_STATS_URL, Request, collect
 from kvtier.doctor.errors import DoctorError
 from kvtier.doctor.report import render_text, to_json
@@ -22,6 +23,11 @@ from kvtier.doctor.signals import derive
 EXIT_HEALTHY = 0
 EXIT_FINDINGS = 1
 EXIT_UNREADABLE = 2
+
+MAX_SAMPLES = 10_000
+"""Most live scrapes one run takes (each is kept until the diagnosis)."""
+MAX_INTERVAL_S = 86_400.0
+"""Longest wait between two scrapes: a day."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,11 +46,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "saved scrapes oldest first")
     p.add_argument("--gpu-metrics", nargs="+", metavar="URL|FILE", default=None,
                    help="DCGM exporter endpoint or saved scrapes (GPU and memory busy)")
-    p.add_argument("--samples", type=int, default=2,
-                   help="scrapes of live endpoints (2 or more for rates and trends)")
-    p.add_argument("--interval", type=float, default=None,
+    p.add_argument("--samples", type=int_in(1, MAX_SAMPLES), default=2,
+                   help="scrapes of live endpoints (2 or more for rates and trends; at most "
+                        f"{MAX_SAMPLES:,})")
+    p.add_argument("--interval", type=float_in(0, MAX_INTERVAL_S, above=True), default=None,
                    help="seconds between scrapes, or between the saved files "
-                        "(default 5, or the daemon's uptime difference for saved stats)")
+                        "(default 5, or the daemon's uptime difference for saved stats; at "
+                        f"most {MAX_INTERVAL_S:g})")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     env = p.add_argument_group("node checks (--env)")
     env.add_argument("--env", action="store_true",
@@ -114,8 +122,6 @@ def run(args: argparse.Namespace) -> int:
         samples=args.samples, interval_s=args.interval,
     )
     try:
-        if req.interval_s is not None and req.interval_s <= 0:
-            raise DoctorError(f"--interval must be positive, got {req.interval_s}")
         got = collect(req, sleep=_sleeper(show=not args.json and sys.stderr.isatty()))
         if not got.engine and not got.stats:
             raise DoctorError("no metrics to read: give --stats and/or --engine-metrics")

@@ -32,6 +32,9 @@ def read_text(ref: str, what: str) -> str:
             reason = getattr(exc, "reason", exc)
             raise DoctorError(f"cannot read {what} from {ref}: {reason} "
                               "(is the service running and the address right?)") from exc
+        except ValueError as exc:  # urllib's word for an address it cannot parse
+            raise DoctorError(f"cannot read {what} from {ref}: not a valid URL "
+                              f"({exc})") from None
     else:
         path = Path(ref)
         try:

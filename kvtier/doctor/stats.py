@@ -74,6 +74,12 @@ def parse_stats(text: str, source: str) -> KVTierStats:
     except json.JSONDecodeError as exc:
         raise DoctorError(f"{source} is not kvtier stats JSON: {exc.msg} at line "
                           f"{exc.lineno}") from exc
+    except RecursionError:
+        raise DoctorError(f"{source} is not kvtier stats: its JSON is nested too "
+                          "deeply") from None
+    except ValueError:  # json's only other refusal: an integer over the digits limit
+        raise DoctorError(f"{source} is not kvtier stats: it holds an integer too long to "
+                          "read") from None
     if not isinstance(doc, dict):
         raise DoctorError(f"{source} is not kvtier stats: expected a JSON object")
     missing = tuple(k for k in ("daemon", "tiers", "requests", "connector")

@@ -8,6 +8,7 @@ import json
 import sys
 
 from kvtier import ui
+from kvtier.argtypes import float_in, int_in
 from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GPUS, find_gpu
 from kvtier.plan.kvmath import KV_DTYPES, normalize_dtype
@@ -21,6 +22,14 @@ EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 
 
+MAX_PARAMS = 1e15
+"""Largest ``--params``: a thousand trillion."""
+MAX_GB = 1e6
+"""Largest ``--gpu-mem-gb`` and ``--reserve-gb``: a petabyte per GPU."""
+MAX_BLOCK_TOKENS = 1 << 20
+"""Largest ``--trace-block-tokens``."""
+
+
 def _count(text: str) -> int:
     """Parse a parameter count: ``14e9``, ``14B``, ``70b``, ``7.6B``, ``560M``."""
     t = text.strip().upper()
@@ -29,8 +38,9 @@ def _count(text: str) -> int:
         value = float(t[:-1] if scale != 1.0 else t) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a parameter count: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("a parameter count must be positive")
+    if not 0 < value <= MAX_PARAMS:  # NaN and infinities fail this too
+        raise argparse.ArgumentTypeError(f"a parameter count must be positive and at most "
+                                         f"{MAX_PARAMS:g}, got {text!r}")
     return int(value)
 
 
@@ -51,14 +61,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--params", type=_count, default=None,
                    help="parameter count override, e.g. 14B (default: counted from config)")
     p.add_argument("--gpu", default="h100-80gb", help=f"GPU type: {', '.join(GPUS)}")
-    p.add_argument("--gpu-mem-gb", type=float, default=None,
+    p.add_argument("--gpu-mem-gb", type=float_in(0, MAX_GB, above=True), default=None,
                    help="memory per GPU in GB (overrides the --gpu preset's)")
     p.add_argument("--gpus", type=int, default=None, help="GPUs on the node (default: --tp)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per engine")
     p.add_argument("--mem-util", type=float, default=0.9,
                    help="share of GPU memory the engine may use (vLLM "
                         "--gpu-memory-utilization)")
-    p.add_argument("--reserve-gb", type=float, default=0.0,
+    p.add_argument("--reserve-gb", type=float_in(0, MAX_GB), default=0.0,
                    help="GB per GPU kept for activations, CUDA graphs, NCCL")
     p.add_argument("--concurrency", type=int, default=32,
                    help="running sequences to serve at once, over all engine instances")
@@ -71,7 +81,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", default=None,
                    help="measure context percentiles and prefix reuse from a kvtier replay "
                         "trace (Mooncake or Bailian JSONL) instead of --context")
-    p.add_argument("--trace-block-tokens", type=int, default=None,
+    p.add_argument("--trace-block-tokens", type=int_in(1, MAX_BLOCK_TOKENS), default=None,
                    help="tokens per hash_ids entry (default 512 Mooncake, 16 Bailian)")
     p.add_argument("--block-size", type=int, default=16,
                    help="engine KV page size in tokens (allocation granularity)")
@@ -92,8 +102,6 @@ def build_input(args: argparse.Namespace) -> PlanInput:
     model = load_model(args.model)
     gpu = find_gpu(args.gpu)
     if args.gpu_mem_gb is not None:
-        if args.gpu_mem_gb <= 0:
-            raise PlanError(f"--gpu-mem-gb must be positive, got {args.gpu_mem_gb}")
         gpu = dataclasses.replace(gpu, name=f"{gpu.name} ({args.gpu_mem_gb:g} GB)",
                                   memory_bytes=int(args.gpu_mem_gb * 1e9))
     if args.kv_dtype == "auto":

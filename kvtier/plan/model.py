@@ -83,19 +83,47 @@ class ModelSpec:
         return sum(1 for w in self.layer_windows if w != NO_KV)
 
 
-def _require_int(cfg: dict[str, Any], key: str, source: str) -> int:
+MAX_LAYERS = 10_000
+"""Most layers a config may declare (the plan keeps a window per layer)."""
+MAX_DIM = 2**31
+"""Largest size, head count or vocabulary a config may declare."""
+MAX_EXPERTS = 1 << 16
+"""Most experts a config may declare (MoE models have hundreds)."""
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int_field(cfg: dict[str, Any], key: str, source: str, low: int, high: int) -> int | None:
+    """``cfg[key]``: None when absent or null, else an integer from ``low`` to ``high``
+    (PlanError naming the field otherwise: a float, a string, a bool, a negative or an
+    absurd size would make the arithmetic wrong or unbounded)."""
     value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PlanError(f"{source}: config field {key!r} must be a positive integer, "
-                        f"got {value!r}")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise PlanError(f"{source}: config field {key!r} must be an integer from {low:,} to "
+                        f"{high:,}, got {_brief(value)}")
     return value
 
 
-def _opt_int(cfg: dict[str, Any], key: str, default: int = 0) -> int:
-    value = cfg.get(key)
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    return default
+def _require_int(cfg: dict[str, Any], key: str, source: str, high: int = MAX_DIM) -> int:
+    """A field the plan cannot do without: an integer from 1 to ``high``."""
+    value = _int_field(cfg, key, source, 1, high)
+    if value is None:
+        raise PlanError(f"{source}: config field {key!r} is missing; it must be an integer "
+                        f"from 1 to {high:,}")
+    return value
+
+
+def _opt_int(cfg: dict[str, Any], key: str, source: str, default: int = 0, *, low: int = 0,
+             high: int = MAX_DIM) -> int:
+    """An optional field: ``default`` when absent, null or 0 (how real configs say "not
+    set", e.g. a dense model's ``num_local_experts``), else an integer up to ``high``;
+    ``low=1`` where 0 makes no sense (``num_key_value_heads``)."""
+    return _int_field(cfg, key, source, low, high) or default
 
 
 def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
@@ -111,12 +139,15 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         inner.setdefault("torch_dtype", cfg.get("torch_dtype"))
         cfg = inner
     source = name or str(cfg.get("_name_or_path") or "config.json")
-    layers = _require_int(cfg, "num_hidden_layers", source)
+    layers = _require_int(cfg, "num_hidden_layers", source, MAX_LAYERS)
     hidden = _require_int(cfg, "hidden_size", source)
     heads = _require_int(cfg, "num_attention_heads", source)
-    kv_heads = _opt_int(cfg, "num_key_value_heads", heads)
-    head_dim = _opt_int(cfg, "head_dim", hidden // heads)
-    kv_lora = _opt_int(cfg, "kv_lora_rank")
+    kv_heads = _opt_int(cfg, "num_key_value_heads", source, heads, low=1)
+    head_dim = _opt_int(cfg, "head_dim", source, hidden // heads, low=1)
+    if head_dim < 1:
+        raise PlanError(f"{source}: hidden_size={hidden} is smaller than "
+                        f"num_attention_heads={heads}; the config must give head_dim")
+    kv_lora = _opt_int(cfg, "kv_lora_rank", source)
     if kv_lora:
         attention = AttentionKind.MLA
     elif kv_heads == heads:
@@ -126,17 +157,19 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     if attention is not AttentionKind.MLA and heads % kv_heads:
         raise PlanError(f"{source}: num_attention_heads={heads} is not a multiple of "
                         f"num_key_value_heads={kv_heads}")
-    routed = _opt_int(cfg, "n_routed_experts") or _opt_int(cfg, "num_local_experts") \
-        or _opt_int(cfg, "num_experts")
+    routed = (_opt_int(cfg, "n_routed_experts", source, high=MAX_EXPERTS)
+              or _opt_int(cfg, "num_local_experts", source, high=MAX_EXPERTS)
+              or _opt_int(cfg, "num_experts", source, high=MAX_EXPERTS))
     moe = None
     if routed:
         moe = MoESpec(
             routed_experts=routed,
-            active_experts=_opt_int(cfg, "num_experts_per_tok", 1),
-            shared_experts=_opt_int(cfg, "n_shared_experts"),
-            expert_intermediate=_opt_int(cfg, "moe_intermediate_size",
+            active_experts=_opt_int(cfg, "num_experts_per_tok", source, 1, low=1,
+                                    high=routed),
+            shared_experts=_opt_int(cfg, "n_shared_experts", source, high=MAX_EXPERTS),
+            expert_intermediate=_opt_int(cfg, "moe_intermediate_size", source,
                                          _require_int(cfg, "intermediate_size", source)),
-            dense_layers=_opt_int(cfg, "first_k_dense_replace"),
+            dense_layers=_opt_int(cfg, "first_k_dense_replace", source, high=layers),
         )
     reach = layer_reach(cfg, layers, source)
     if reach.reach.count(NO_KV) == layers:
@@ -150,22 +183,22 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         model_type=str(cfg.get("model_type", "")),
         num_layers=layers,
         hidden_size=hidden,
-        intermediate_size=_opt_int(cfg, "intermediate_size", 4 * hidden),
+        intermediate_size=_opt_int(cfg, "intermediate_size", source, 4 * hidden),
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=_require_int(cfg, "vocab_size", source),
-        max_context=_opt_int(cfg, "max_position_embeddings", 0),
+        max_context=_opt_int(cfg, "max_position_embeddings", source),
         torch_dtype=dtype,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention=attention,
         layer_windows=reach.reach,
         state_layers=reach.state_layers,
         kv_lora_rank=kv_lora,
-        qk_rope_head_dim=_opt_int(cfg, "qk_rope_head_dim"),
-        q_lora_rank=_opt_int(cfg, "q_lora_rank"),
-        qk_nope_head_dim=_opt_int(cfg, "qk_nope_head_dim"),
-        v_head_dim=_opt_int(cfg, "v_head_dim"),
+        qk_rope_head_dim=_opt_int(cfg, "qk_rope_head_dim", source),
+        q_lora_rank=_opt_int(cfg, "q_lora_rank", source),
+        qk_nope_head_dim=_opt_int(cfg, "qk_nope_head_dim", source),
+        v_head_dim=_opt_int(cfg, "v_head_dim", source),
         moe=moe,
         attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
         quantization=quant_method,
@@ -187,4 +220,13 @@ def load_model(ref: str) -> ModelSpec:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PlanError(f"cannot read model config {path}: {exc}") from exc
+    except RecursionError:
+        raise PlanError(f"cannot read model config {path}: its JSON is nested too "
+                        "deeply") from None
+    except ValueError:  # json's only other refusal: an integer over the digits limit
+        raise PlanError(f"cannot read model config {path}: it holds an integer too long "
+                        "to read") from None
+    if not isinstance(cfg, dict):
+        raise PlanError(f"model config {path}: expected a JSON object, got a JSON "
+                        f"{type(cfg).__name__}")
     return spec_from_config(cfg, name=str(cfg.get("_name_or_path") or path))

@@ -53,16 +53,21 @@ class TraceSummary:
     reused_blocks: int  # unique blocks referenced by two or more requests
 
 
+MAX_CONTEXT = 2**31
+"""Longest ``--context`` length in tokens."""
+
+
 def parse_context(text: str) -> ContextPercentiles:
     """Parse ``--context``: one length for all percentiles, or ``P50,P95,P99``."""
     try:
         values = [int(float(v)) for v in text.replace(" ", "").split(",") if v]
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:  # not a number, NaN; an infinity
         raise PlanError(f"--context takes integers like 2048,8192,32768, got {text!r}") from exc
     if len(values) == 1:
         values *= 3
-    if len(values) != 3 or any(v <= 0 for v in values):
-        raise PlanError(f"--context takes one length or three (P50,P95,P99), got {text!r}")
+    if len(values) != 3 or any(not 0 < v <= MAX_CONTEXT for v in values):
+        raise PlanError(f"--context takes one length or three (P50,P95,P99), each from 1 to "
+                        f"{MAX_CONTEXT:,} tokens, got {text!r}")
     if not values[0] <= values[1] <= values[2]:
         raise PlanError(f"--context percentiles must not decrease: {text!r}")
     return ContextPercentiles(*values)

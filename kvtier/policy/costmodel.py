@@ -24,6 +24,13 @@ class PrefillModel:
     hidden: int = 4096
     flops_per_s: float = 4.0e14
 
+    def __post_init__(self) -> None:
+        if not self.flops_per_s > 0:  # NaN too: every cost would be NaN
+            raise ValueError(f"flops_per_s must be positive, got {self.flops_per_s}")
+        for name in ("params", "layers", "hidden"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+
     def flops(self, start: int, end: int) -> float:
         """FLOPs to prefill tokens ``[start, end)`` given the ``start`` tokens before them.
 
@@ -49,6 +56,12 @@ class BlockCosts:
     block_tokens: int = 256
     block_bytes: int = 256 * 131072
     prefill: PrefillModel = field(default_factory=PrefillModel)
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0:
+            raise ValueError(f"block_tokens must be positive, got {self.block_tokens}")
+        if self.block_bytes < 0:
+            raise ValueError(f"block_bytes must not be negative, got {self.block_bytes}")
 
     def recompute_s(self, depth: int, tokens: int | None = None, *,
                     block_tokens: int | None = None) -> float:

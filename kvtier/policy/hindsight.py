@@ -57,9 +57,10 @@ class HindsightStats(WorkloadStats):
                  prior: float = 0.5, key_strength: float = 2.0) -> None:
         super().__init__(horizon=horizon, history=history, half_life=half_life,
                          strength=strength, prior=prior, key_strength=key_strength)
-        if capacity_blocks < 0 or window_capacities <= 0:
-            raise ValueError("capacity_blocks must not be negative, window_capacities must "
-                             "be positive")
+        if capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must not be negative, got {capacity_blocks}")
+        if not window_capacities > 0:
+            raise ValueError(f"window_capacities must be positive, got {window_capacities}")
         self._window_caps = window_capacities
         self._cap = 0
         self._window = self._quantum = self._span = self._base = 0

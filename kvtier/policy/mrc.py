@@ -142,7 +142,7 @@ def load_stats(source: str, timeout: float = 3.0) -> dict[str, Any]:
                 doc = json.loads(resp.read())
         else:
             doc = json.loads(Path(source).read_text())
-    except (OSError, urllib.error.URLError, ValueError) as exc:
+    except (OSError, urllib.error.URLError, ValueError, RecursionError) as exc:
         raise LiveStatsError(f"cannot read kvtier stats from {source} ({exc}); give a "
                              "running daemon's http address or a saved /v1/stats file") from None
     if not isinstance(doc, dict):

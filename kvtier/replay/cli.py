@@ -10,9 +10,11 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvtier import ui
+from kvtier.argtypes import float_in, int_in
 from kvtier.errors import KVTierError
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondHitAdmission, WriteBudget
 from kvtier.policy.costmodel import BlockCosts, PrefillModel
@@ -25,16 +27,40 @@ POLICIES = ("lru", "lfu", "cost", "adaptive", "belady")
 CHOICES = (*POLICIES, "hindsight")  # hindsight: what adaptive starts in (not a default column)
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.40)
 DEFAULT_BW = {"hbm": 1.0e12, "cpu": 25.0e9, "nvme": 3.0e9, "redis": 1.0e9}
+MAX_BLOCKS = 1 << 48
+"""Largest ``--tier`` size in blocks."""
+MAX_DIM = 2**31
+"""Largest ``--layers``, ``--hidden``, ``--bytes-per-token``, ``--block-tokens``."""
+_BYTES_PER_S = float_in(0, above=True)
 
 
-def _kv(text: str, what: str) -> tuple[str, float]:
+def _name_value(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name:
-        raise argparse.ArgumentTypeError(f"{what} must look like NAME=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must look like NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def _tier(text: str) -> tuple[str, int]:
+    """``--tier NAME=BLOCKS``: a whole number of blocks, at least one (``2e6`` is fine)."""
+    name, value = _name_value(text)
     try:
-        return name, float(value)
+        blocks = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} {text!r}: {value!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: {value!r} is not a number") from None
+    if not (1 <= blocks <= MAX_BLOCKS and blocks.is_integer()):  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text!r}: a tier holds a whole number of blocks "
+                                         f"from 1 to {MAX_BLOCKS:,}")
+    return name, int(blocks)
+
+
+def _bandwidth(text: str) -> tuple[str, float]:
+    """``--bandwidth NAME=B/S``: a positive, finite read bandwidth."""
+    name, value = _name_value(text)
+    try:
+        return name, _BYTES_PER_S(value)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,7 +74,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("trace", help="JSONL trace file (Mooncake or Alibaba Bailian format)")
     p.add_argument("--format", choices=[f.value for f in TraceFormat], default="auto")
-    p.add_argument("--block-tokens", type=int, default=None,
+    p.add_argument("--block-tokens", type=int_in(1, MAX_DIM), default=None,
                    help="tokens per hash id (default: 512 Mooncake, 16 Bailian)")
     p.add_argument("--policy", nargs="+", choices=CHOICES, default=list(POLICIES),
                    help="policies to compare (default: all)")
@@ -56,24 +82,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="one-tier runs sized as fractions of the trace's unique blocks "
                    "(default: 0.01 0.02 0.05 0.1 0.2 0.4)")
     p.add_argument("--tier", action="append", default=[], metavar="NAME=BLOCKS",
-                   type=lambda s: _kv(s, "--tier"),
+                   type=_tier,
                    help="a tier and its size in blocks, top first (e.g. --tier cpu=2000 "
                    "--tier nvme=20000); replaces --capacity-fraction")
     p.add_argument("--bandwidth", action="append", default=[], metavar="NAME=B/S",
-                   type=lambda s: _kv(s, "--bandwidth"),
+                   type=_bandwidth,
                    help="read bandwidth of a tier toward the GPU (defaults: cpu 25e9, "
                    "nvme 3e9, redis 1e9)")
     p.add_argument("--nvme-admission", choices=["always", "second-hit"], default="always")
-    p.add_argument("--nvme-write-budget", type=float, default=None, metavar="B/S",
-                   help="token-bucket write budget of the nvme tier")
+    p.add_argument("--nvme-write-budget", type=float_in(0), default=None, metavar="B/S",
+                   help="token-bucket write budget of the nvme tier (0: no writes past the "
+                   "first)")
     p.add_argument("--prefetch", choices=[w.value for w in PrefetchWait], default="wait")
-    p.add_argument("--model-params", type=float, default=8.0e9)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--flops", type=float, default=4.0e14, help="effective prefill FLOP/s")
-    p.add_argument("--bytes-per-token", type=int, default=131072,
+    p.add_argument("--model-params", type=float_in(0, above=True), default=8.0e9)
+    p.add_argument("--layers", type=int_in(1, MAX_DIM), default=32)
+    p.add_argument("--hidden", type=int_in(1, MAX_DIM), default=4096)
+    p.add_argument("--flops", type=float_in(0, above=True), default=4.0e14,
+                   help="effective prefill FLOP/s")
+    p.add_argument("--bytes-per-token", type=int_in(1, MAX_DIM), default=131072,
                    help="KV bytes per token (default: 8B model, 8 KV heads, fp16)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=int_in(1), default=None,
+                   help="replay only the first N requests")
     p.add_argument("--json", action="store_true", help="one JSON object per line per run")
     p.add_argument("--reuse-breakdown", action="store_true",
                    help="also show the share of reuses each policy hits by reuse distance "
@@ -116,6 +145,15 @@ def _configs(args: argparse.Namespace, trace: Trace) -> list[tuple[float | None,
     }
     if args.tier and args.capacity_fraction:
         raise KVTierError("give either --tier sizes or --capacity-fraction, not both")
+    names = [name for name, _ in args.tier]
+    for name in names:
+        if names.count(name) > 1:
+            raise KVTierError(f"--tier {name}= is given {names.count(name)} times: name each "
+                              "tier once")
+    for name, _ in args.bandwidth:
+        if name not in DEFAULT_BW and name not in names:
+            raise KVTierError(f"--bandwidth {name}=: no tier is named {name!r} (known: "
+                              f"{', '.join(sorted({*DEFAULT_BW, *names}))})")
     if args.tier:
         tiers = tuple(
             TierSpec(name, int(blocks), bw.get(name, DEFAULT_BW["cpu"]))
@@ -135,6 +173,9 @@ def _configs(args: argparse.Namespace, trace: Trace) -> list[tuple[float | None,
 def run(args: argparse.Namespace) -> int:
     """Execute ``kvtier replay``; prints a table (or JSON lines) and returns the exit code."""
     try:
+        if args.plot and not Path(args.plot).parent.is_dir():  # before a long replay
+            raise KVTierError(f"--plot {args.plot}: no directory {Path(args.plot).parent} "
+                              "to write it in")
         trace = load_trace(args.trace, fmt=TraceFormat(args.format),
                            block_tokens=args.block_tokens)
         if args.limit is not None:

@@ -45,6 +45,10 @@ def plot_hit_rates(results: Sequence[ReplayResult], path: str | Path) -> Path:
     ax.legend()
     out = Path(path)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=120)
+    except OSError as exc:
+        raise KVTierError(f"cannot write plot {out}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     return out

@@ -48,6 +48,13 @@ class TierSpec:
     capacity_blocks: int
     read_bw: float
 
+    def __post_init__(self) -> None:
+        if self.capacity_blocks < 0:
+            raise ValueError(f"tier {self.name}: capacity_blocks must not be negative, got "
+                             f"{self.capacity_blocks}")
+        if not self.read_bw > 0:  # NaN too: a reload would take NaN seconds
+            raise ValueError(f"tier {self.name}: read_bw must be positive, got {self.read_bw}")
+
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:

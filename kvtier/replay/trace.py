@@ -17,6 +17,7 @@ import bz2
 import gzip
 import json
 import lzma
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -85,35 +86,57 @@ def _detect(record: dict[str, object]) -> TraceFormat:
     return TraceFormat.MOONCAKE
 
 
+MAX_TOKENS = 1 << 31
+"""Longest input or output length a record may give, in tokens."""
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _count(record: dict[str, object], name: str, where: str) -> int:
     value = record.get(name, 0)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise TraceError(f"{where}: field {name!r} must be a non-negative number, got {value!r}")
+    # NaN fails the range test; an infinity or a huge number is over MAX_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not 0 <= value <= MAX_TOKENS:
+        raise TraceError(f"{where}: field {name!r} must be a number of tokens from 0 to "
+                         f"{MAX_TOKENS:,}, got {_brief(value)}")
     return int(value)
+
+
+def _block_ids(record: dict[str, object], where: str) -> tuple[int, ...]:
+    hashes = record.get("hash_ids")
+    # bool is an int subclass, and a float id (1.5) would be truncated into another block's
+    if not isinstance(hashes, list) or not all(type(h) is int for h in hashes):
+        raise TraceError(f"{where}: field 'hash_ids' must be a list of integer block ids")
+    return tuple(hashes)
 
 
 def _parse(record: dict[str, object], fmt: TraceFormat, where: str) -> Request:
     inp = _count(record, "input_length", where)
     out = _count(record, "output_length", where)
-    hashes = record.get("hash_ids")
-    if not isinstance(hashes, list):
-        raise TraceError(f"{where}: field 'hash_ids' must be a list of block ids")
+    blocks = _block_ids(record, where)
     try:
         # a JSON value: float() raises TypeError/ValueError for the wrong ones, caught below
         ts = float(record["timestamp"])  # type: ignore[arg-type]
-        blocks = tuple(int(h) for h in hashes)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise TraceError(
             f"{where}: not a {fmt.value} trace record ({exc!r}); each line needs "
             "'timestamp', 'input_length', 'output_length' and 'hash_ids'"
         ) from None
+    if not math.isfinite(ts):
+        raise TraceError(f"{where}: field 'timestamp' must be a finite number, got "
+                         f"{_brief(record['timestamp'])}")
     if fmt is TraceFormat.MOONCAKE:
         return Request(arrival_s=ts / 1000.0, input_tokens=inp, output_tokens=out, blocks=blocks)
 
     def opt_int(name: str) -> int | None:
         value = record.get(name)
-        # a JSON value: int() raises TypeError/ValueError for the wrong ones
-        return None if value is None else int(value)  # type: ignore[call-overload]
+        if value is not None and type(value) is not int:
+            raise TraceError(f"{where}: field {name!r} must be an integer, got "
+                             f"{_brief(value)}")
+        return value
 
     parent = opt_int("parent_chat_id")
     return Request(
@@ -122,6 +145,18 @@ def _parse(record: dict[str, object], fmt: TraceFormat, where: str) -> Request:
         parent_chat_id=None if parent is None or parent < 0 else parent,
         turn=opt_int("turn"),
     )
+
+
+def _loads(line: str, where: str) -> object:
+    """One JSON value; TraceError for what json refuses, each named."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{where}: not a trace record: JSON nested too deeply") from None
+    except ValueError:  # json's only other refusal: an integer over the digits limit
+        raise TraceError(f"{where}: holds an integer too long to read") from None
 
 
 def parse_lines(
@@ -133,10 +168,7 @@ def parse_lines(
         if not line:
             continue
         where = f"{source}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+        record = _loads(line, where)
         if not isinstance(record, dict):
             raise TraceError(f"{where}: expected a JSON object per line")
         if fmt is TraceFormat.AUTO:
@@ -181,8 +213,8 @@ def load_trace(
             if fmt is TraceFormat.AUTO and first.strip():
                 try:
                     fmt = _detect(json.loads(first))
-                except (json.JSONDecodeError, AttributeError, TypeError):
-                    fmt = TraceFormat.MOONCAKE
+                except (ValueError, RecursionError, AttributeError, TypeError):
+                    fmt = TraceFormat.MOONCAKE  # parse_lines names what is wrong
             requests = list(parse_lines(fh, fmt=fmt, source=str(path)))
     except UnicodeDecodeError:
         raise TraceError(f"trace {path} is not UTF-8 JSONL text (a compressed trace must be "

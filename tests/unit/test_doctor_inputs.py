@@ -212,3 +212,17 @@ def test_missing_keys_everywhere_do_not_crash(capsys: pytest.CaptureFixture[str]
 def test_several_urls_for_one_source_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = doctor(capsys, "--stats", "http://a/v1/stats", "http://b/v1/stats")
     assert code == 2 and "one URL" in err
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ("[" * 100_000, "nested too deeply"),
+    ('{"daemon": ' * 50_000 + "{}" + "}" * 50_000, "nested too deeply"),
+    ('{"version": ' + "9" * 5000 + ', "daemon": {}}', "too long"),
+])
+def test_hostile_stats_json_is_one_line_exit_2(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path, body: str, needle: str) -> None:
+    p = tmp_path / "s.json"
+    p.write_text(body)
+    code, out, err = doctor(capsys, "--stats", str(p))
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and str(p) in err and needle in err

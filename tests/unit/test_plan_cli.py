@@ -226,3 +226,63 @@ def test_real_mooncake_trace(capsys: pytest.CaptureFixture[str]) -> None:
 def test_a_page_of_no_tokens_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = plan(capsys, "--model", "llama-3-8b", "--block-size", "0")
     assert code != 0 and "--block-size must be positive" in err
+
+
+LLAMA = json.loads((FIXTURES / "llama-3-8b" / "config.json").read_text())
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"num_hidden_layers": 10**12}, "'num_hidden_layers' must be"),
+    ({"num_hidden_layers": 10_001}, "'num_hidden_layers' must be"),
+    ({"hidden_size": 10**30}, "'hidden_size' must be"),
+    ({"vocab_size": 2**40}, "'vocab_size' must be"),
+    ({"kv_lora_rank": 10**12}, "'kv_lora_rank' must be"),
+    ({"kv_lora_rank": -512}, "'kv_lora_rank' must be"),
+    ({"num_local_experts": -1}, "'num_local_experts' must be"),
+    ({"num_local_experts": 10**12}, "'num_local_experts' must be"),
+    ({"num_local_experts": 8, "num_experts_per_tok": 0}, "'num_experts_per_tok' must be"),
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' must be"),
+    ({"num_key_value_heads": -8}, "'num_key_value_heads' must be"),
+    ({"head_dim": 1e300}, "'head_dim' must be"),
+    ({"head_dim": "128"}, "'head_dim' must be"),
+    ({"intermediate_size": True}, "'intermediate_size' must be"),
+    ({"hidden_size": 16}, "must give head_dim"),  # 32 heads: hidden // heads is 0
+])
+def test_absurd_model_config_fields_are_one_line_errors(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, fields: dict[str, object],
+        needle: str) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**LLAMA, **fields}))
+    code, out, err = plan(capsys, "--model", str(cfg))
+    assert code == 2 and out == ""
+    assert err.startswith("kvtier plan: error:") and len(err.strip().splitlines()) == 1
+    assert needle in err
+
+
+def test_unset_optional_fields_still_plan(capsys: pytest.CaptureFixture[str],
+                                          tmp_path: Path) -> None:
+    """null and 0 mean "not set" in real configs (dense Granite: num_local_experts 0)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**LLAMA, "head_dim": None, "q_lora_rank": None,
+                               "kv_lora_rank": None, "num_local_experts": 0,
+                               "n_shared_experts": 0, "sliding_window": None}))
+    doc = plan_json(capsys, "--model", str(cfg))
+    assert doc["kv_bytes_per_token"] == plan_json(capsys, "--model", "llama-3-8b")[
+        "kv_bytes_per_token"]
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ("[" * 100_000, "nested too deeply"),
+    ('{"a": ' * 50_000 + "1" + "}" * 50_000, "nested too deeply"),
+    ('{"num_hidden_layers": ' + "9" * 5000 + "}", "too long"),
+    ("[1, 2, 3]", "JSON object"),
+    ('"config"', "JSON object"),
+])
+def test_hostile_model_json_is_one_line_exit_2(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path, body: str, needle: str) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(body)
+    code, out, err = plan(capsys, "--model", str(cfg))
+    assert code == 2 and out == ""
+    assert err.startswith("kvtier plan: error:") and len(err.strip().splitlines()) == 1
+    assert needle in err and str(cfg) in err
