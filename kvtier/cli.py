@@ -21,7 +21,7 @@ import urllib.parse
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
-from kvtier import __version__
+from kvtier import __version__, jsonin
 from kvtier.argtypes import float_in, http_url
 from kvtier.errors import KVTierError
 from kvtier.units import format_bytes
@@ -140,10 +140,7 @@ def _add_stats(sub: Any) -> None:
 def fetch_stats(url: str, timeout: float = 3.0) -> dict[str, Any]:
     """The daemon's ``/v1/stats``; ValueError when the answer is not a JSON object."""
     with urllib.request.urlopen(url.rstrip("/") + "/v1/stats", timeout=timeout) as resp:
-        try:
-            doc = json.loads(resp.read())
-        except RecursionError:
-            raise ValueError("the answer is JSON nested too deeply") from None
+        doc = jsonin.loads(resp.read())   # ValueError: what is wrong with it
     if not isinstance(doc, dict):
         raise ValueError(f"the answer is a JSON {type(doc).__name__}, not an object")
     return doc

@@ -18,6 +18,7 @@ from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
+from kvtier import jsonin
 from kvtier.argtypes import http_url, int_in
 
 MAX_LIMIT = 100_000
@@ -46,10 +47,7 @@ def fetch_recent(url: str, limit: int, misses: bool, timeout: float = 3.0) -> li
     of objects."""
     q = f"/v1/lookups/recent?limit={limit}&misses={int(misses)}"
     with urllib.request.urlopen(url.rstrip("/") + q, timeout=timeout) as resp:
-        try:
-            doc = json.loads(resp.read())
-        except RecursionError:
-            raise ValueError("the answer is JSON nested too deeply") from None
+        doc = jsonin.loads(resp.read())   # ValueError: what is wrong with it
     rows = doc.get("lookups") if isinstance(doc, dict) else None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError("the answer is not a list of lookups")

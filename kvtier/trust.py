@@ -127,13 +127,7 @@ def owned_dir_problem(st: os.stat_result, uid: int) -> str | None:
     others from replacing our files but not from adding new ones (a slot file, a lock)."""
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory"
-    if st.st_uid != uid:
-        return f"is owned by uid {st.st_uid}, not by uid {uid} that runs this daemon"
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o022:
-        who = {0o022: "group and others", 0o020: "its group", 0o002: "others"}[mode & 0o022]
-        return f"is writable by {who} (mode {mode:04o})"
-    return None
+    return _not_ours_alone(st, uid)
 
 
 def owned_file_problem(st: os.stat_result, uid: int) -> str | None:
@@ -142,11 +136,17 @@ def owned_file_problem(st: os.stat_result, uid: int) -> str | None:
     checksummed, not signed, so whoever can write the file can forge KV)."""
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
+    return _not_ours_alone(st, uid)
+
+
+def _not_ours_alone(st: os.stat_result, uid: int) -> str | None:
+    """Another owner than ``uid``, or write permission for group or others, or None."""
     if st.st_uid != uid:
         return f"is owned by uid {st.st_uid}, not by uid {uid} that runs this daemon"
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
-        return f"has mode {mode:04o}: group or others may write it"
+        who = {0o022: "group and others", 0o020: "its group", 0o002: "others"}[mode & 0o022]
+        return f"is writable by {who} (mode {mode:04o})"
     return None
 
 

@@ -6,10 +6,10 @@ Every key may be missing (an older daemon, a partial snapshot): absent numbers a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier import jsonin
 from kvtier.doctor.errors import DoctorError
 
 SUPPORTED_VERSION = 1
@@ -70,16 +70,9 @@ class KVTierStats:
 def parse_stats(text: str, source: str) -> KVTierStats:
     """Parse a ``/v1/stats`` document; DoctorError only when it is not a JSON object."""
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DoctorError(f"{source} is not kvtier stats JSON: {exc.msg} at line "
-                          f"{exc.lineno}") from exc
-    except RecursionError:
-        raise DoctorError(f"{source} is not kvtier stats: its JSON is nested too "
-                          "deeply") from None
-    except ValueError:  # json's only other refusal: an integer over the digits limit
-        raise DoctorError(f"{source} is not kvtier stats: it holds an integer too long to "
-                          "read") from None
+        doc = jsonin.loads(text)
+    except ValueError as exc:
+        raise DoctorError(f"{source} is not kvtier stats JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise DoctorError(f"{source} is not kvtier stats: expected a JSON object")
     missing = tuple(k for k in ("daemon", "tiers", "requests", "connector")

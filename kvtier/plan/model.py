@@ -8,12 +8,12 @@ and enough of the architecture to count parameters.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from kvtier import jsonin
 from kvtier.plan.errors import PlanError
 from kvtier.plan.layers import NO_KV, layer_reach
 from kvtier.plan.presets import find_preset, preset_names
@@ -217,15 +217,9 @@ def load_model(ref: str) -> ModelSpec:
         raise PlanError(f"unknown model {ref!r}: not a preset and no config.json there; "
                         f"presets: {', '.join(preset_names())}")
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanError(f"cannot read model config {path}: {exc}") from exc
-    except RecursionError:
-        raise PlanError(f"cannot read model config {path}: its JSON is nested too "
-                        "deeply") from None
-    except ValueError:  # json's only other refusal: an integer over the digits limit
-        raise PlanError(f"cannot read model config {path}: it holds an integer too long "
-                        "to read") from None
+        cfg = jsonin.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:   # (UnicodeDecodeError is a ValueError)
+        raise PlanError(f"cannot read model config {path}: {exc}") from None
     if not isinstance(cfg, dict):
         raise PlanError(f"model config {path}: expected a JSON object, got a JSON "
                         f"{type(cfg).__name__}")

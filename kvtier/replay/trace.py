@@ -24,6 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TextIO
 
+from kvtier import jsonin
 from kvtier.errors import KVTierError
 
 
@@ -150,13 +151,9 @@ def _parse(record: dict[str, object], fmt: TraceFormat, where: str) -> Request:
 def _loads(line: str, where: str) -> object:
     """One JSON value; TraceError for what json refuses, each named."""
     try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not JSON ({exc.msg})") from None
-    except RecursionError:
-        raise TraceError(f"{where}: not a trace record: JSON nested too deeply") from None
-    except ValueError:  # json's only other refusal: an integer over the digits limit
-        raise TraceError(f"{where}: holds an integer too long to read") from None
+        return jsonin.loads(line)
+    except ValueError as exc:
+        raise TraceError(f"{where}: not a trace record: {exc}") from None
 
 
 def parse_lines(

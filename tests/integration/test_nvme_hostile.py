@@ -90,7 +90,7 @@ def _fifo(slot: Path, victim: Path) -> None:
 
 @pytest.mark.parametrize(("plant", "problem"), [
     pytest.param(_symlink, "is a symbolic link", id="symlink"),
-    pytest.param(_world_writable, "has mode 0666: group or others may write it", id="0666"),
+    pytest.param(_world_writable, "is writable by group and others (mode 0666)", id="0666"),
     pytest.param(_other_users, "is owned by uid 65534", id="other-uid"),
     pytest.param(_directory, "is not a regular file", id="directory"),
     pytest.param(_fifo, "is not a regular file", id="fifo"),
