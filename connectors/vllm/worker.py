@@ -18,6 +18,7 @@ that expired during the copy) are reported by page id through
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -84,6 +85,9 @@ class WorkerSide:
         self.pipeline: LayerPipeline | None = None
         self._batch: LoadBatch | None = None
         self._load_errors: set[int] = set()
+        # request -> its first kvtier block whose load failed in this step: the step's saves
+        # of that request stop before it (what was computed on those pages is not its KV)
+        self._failed_from: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._async: dict[str, Future[set[int]]] = {}
         self.ledger = SaveLedger()   # saves in flight, delayed frees, per-step reports
@@ -168,8 +172,15 @@ class WorkerSide:
 
     def _finish_loads(self) -> None:
         if self.pipeline is not None and self.pipeline.loading:
-            self._load_errors |= self.pipeline.finish_loads()
+            failed = self.pipeline.finish_loads()
+            self._load_errors |= failed
             batch = self._batch
+            if batch is not None and failed:
+                for spec in batch.specs:
+                    first = first_failed_block(spec, failed)
+                    if first is not None:
+                        self._failed_from[spec.req_id] = min(
+                            first, self._failed_from.get(spec.req_id, first))
             if batch is not None:
                 self.loaded_blocks += batch.loaded_blocks
                 self._count("loaded_blocks", batch.loaded_blocks)
@@ -204,16 +215,23 @@ class WorkerSide:
         """End of the step: join its loads, queue its saves (never wait for them; a
         producer waits for room and for its saves, see ``_wait_saves``)."""
         self._finish_loads()
+        failed_from, self._failed_from = self._failed_from, {}
         if self.pipeline is None or self.caches is None:
             return
         producer = self.config.producer
         sync_s = (min(self.config.redis_sync_timeout_s, 0.9 * self.config.timeout_s)
                   if producer else None)
         step: list[Future[bool]] = []
-        for spec in meta.saves:
+        for planned in meta.saves:
+            self.ledger.planned(planned.req_id)
+            spec = saved_before(planned, failed_from.get(planned.req_id),
+                                self.config.tokens_per_block)
+            if spec is None:   # built on pages whose load failed in this step: not its KV
+                self._count("dropped_saves", 1)
+                self.ledger.dropped(planned.save_id)
+                continue
             job = SaveRequest(spec, self.caches, lambda: self._thread_link("-save"),
                               self.tp_rank, redis_sync_s=sync_s)
-            self.ledger.planned(spec.req_id)
             fut = self.pipeline.submit_save(
                 job, job.nbytes, functools.partial(self._save_over, job))
             if fut is None and producer:   # a producer never drops a save for room
@@ -290,3 +308,25 @@ class WorkerSide:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self.link.close()
+
+
+def first_failed_block(spec: TransferSpec, failed: set[int]) -> int | None:
+    """The first kvtier block of a load ``spec`` with a page in ``failed``, or None."""
+    for i, row in enumerate(spec.pages):
+        if any(page in failed for page in row):
+            return spec.first_block + i
+    return None
+
+
+def saved_before(spec: TransferSpec, cut: int | None, tokens_per_block: int
+                 ) -> TransferSpec | None:
+    """``spec`` (a save) cut to its blocks before ``cut`` (the request's first block whose
+    load failed this step: the KV of it and of every block computed after it in this step
+    was computed on pages that did not hold the prompt's KV); None when nothing is left."""
+    if cut is None or spec.end_block <= cut:
+        return spec
+    if spec.first_block >= cut:
+        return None
+    keep = cut - spec.first_block
+    return dataclasses.replace(spec, token_ids=spec.token_ids[:cut * tokens_per_block],
+                               pages=spec.pages[:keep])

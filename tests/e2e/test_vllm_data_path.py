@@ -115,3 +115,22 @@ def test_save_decode_tokens_next_turn_loads_the_answer(
     computed = len(P_DECODE) + DECODE_TOKENS - 1     # the last answer token has no KV yet
     assert turn2[0][1] == computed // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK == 128
 
+
+
+@pytest.mark.parametrize("role", ["kv_both", "kv_producer"])
+def test_blocks_lost_between_lookup_and_load_never_become_wrong_kv(
+        run_engine: EngineRun, daemon: DaemonProcess, role: str) -> None:
+    """Blocks 1 and 2 of a prompt vanish between its lookup and its load (an eviction, a
+    restart, a corrupt frame): vLLM recomputes them, and nothing computed on the pages that
+    did not load is saved (once, the same step's save stored blocks built on them, and the
+    next full hit generated wrong tokens). Every run's tokens equal a run without kvtier."""
+    q = prompt(26 if role == "kv_both" else 27, 5 * TOKENS_PER_BLOCK + 20)
+    shares = q[:3 * TOKENS_PER_BLOCK] + prompt(28, 20)   # stores exactly blocks 0..2 of q
+    baseline = run_engine([{"prompts": [q]}], transfer=None)[0][0][0]
+    runs = run_engine([{"prompts": [shares]}, {"prompts": [q], "lose_blocks_at_load": [1, 3]},
+                       {"prompts": [q]}],
+                      transfer={**transfer(daemon, f"lost-{role}"), "kv_role": role})
+    (failed, cached_at_failure), (again, cached_again) = runs[1][0], runs[2][0]
+    assert cached_at_failure > 0           # it did load (and lose) from kvtier
+    assert failed == baseline
+    assert again == baseline and cached_again > 0

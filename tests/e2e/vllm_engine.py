@@ -124,6 +124,28 @@ def connector_counters(llm: Any) -> dict[str, Any]:
     return {**side.counters, "prefill_tokens_per_s": side.recompute.prefill_tokens_per_s}
 
 
+def lose_blocks_at_load(blocks: list[int]) -> None:
+    """Once: right after the scheduler allocates the next request that loads from kvtier,
+    delete kvtier blocks ``blocks[0]:blocks[1]`` of its prompt from the daemon, as an
+    eviction, a restart or a checksum failure between its lookup and its load would (the
+    in-process engine only)."""
+    from kvtier.connectors.vllm.scheduler import SchedulerSide
+
+    from kvtier.keys import block_keys
+
+    original = SchedulerSide.update_state_after_alloc
+
+    def hooked(self: Any, request: Any, blocks_: Any, num_external_tokens: int) -> None:
+        original(self, request, blocks_, num_external_tokens)
+        if num_external_tokens > 0:
+            setattr(SchedulerSide, "update_state_after_alloc", original)  # noqa: B010 (once)
+            ns = self.link.namespace(None, 0)
+            keys = block_keys(ns, list(request.all_token_ids))
+            self.link.call(lambda c: c.delete(ns, keys[blocks[0]:blocks[1]]), 0)
+
+    setattr(SchedulerSide, "update_state_after_alloc", hooked)  # noqa: B010 (a test hook)
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     llm = make_llm(Path(spec["model"]), spec.get("transfer"), spec.get("prefix_caching", False),
@@ -131,6 +153,8 @@ def main(spec_path: str, out_path: str) -> None:
     results: list[Any] = []
     prompts: list[list[list[int]]] = []
     for phase in spec["phases"]:
+        if "lose_blocks_at_load" in phase:
+            lose_blocks_at_load(phase["lose_blocks_at_load"])
         prompts.append(phase_prompts(phase, results, prompts))
         results.append(generate(llm, prompts[-1], phase.get("salts"),
                                 phase.get("max_tokens", MAX_TOKENS)))
