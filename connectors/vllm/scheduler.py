@@ -24,6 +24,7 @@ synchronous commit leaves the whole prompt in Redis (docs/pd-disaggregation.md).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -81,16 +82,33 @@ def request_salt(request: Request) -> str | Literal[False] | None:
     """The namespace salt of a request, or ``False`` when its KV is not a function of its
     token ids alone (multimodal inputs, prompt embeddings) and must not be cached.
 
-    A LoRA adapter changes the KV, so its name joins the tenant's ``cache_salt``.
+    A LoRA adapter changes the KV, so it joins the tenant's ``cache_salt`` (``namespace_salt``).
     """
     if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) \
             is not None:
         return False
-    salt = getattr(request, "cache_salt", None)
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        salt = f"{salt or ''}|lora:{lora.lora_name}"
-    return salt
+    adapter = None if lora is None else (str(getattr(lora, "lora_name", "")),
+                                         str(getattr(lora, "lora_path", "") or ""),
+                                         int(getattr(lora, "lora_int_id", 0) or 0))
+    return namespace_salt(getattr(request, "cache_salt", None), adapter)
+
+
+_RESERVED = "\x1f"   # opens every salt this connector derives; a tenant's is escaped
+
+
+def namespace_salt(cache_salt: str | None,
+                   adapter: tuple[str, str, int] | None) -> str | None:
+    """The namespace salt of a tenant's ``cache_salt`` and LoRA ``adapter`` (name, path,
+    id), one to one: two requests share KV only when both are equal. Without an adapter the
+    tenant's salt is kept as is (its namespace, and what it stored, stay the same), unless
+    it begins with the reserved character; with one, the pair is JSON under that character,
+    so no tenant can choose a salt that names another tenant's adapter namespace."""
+    if adapter is None:
+        if cache_salt is not None and cache_salt.startswith(_RESERVED):
+            return f"{_RESERVED}salt:{cache_salt}"
+        return cache_salt
+    return f"{_RESERVED}lora:" + json.dumps([cache_salt, *adapter], ensure_ascii=True)
 
 
 class SchedulerSide:
@@ -164,7 +182,7 @@ class SchedulerSide:
             if hits == 0:
                 break
         self.lookups += 1
-        if hits < n_blocks and self._save_in_flight(salt, tokens, hits):
+        if hits < n_blocks and self._save_in_flight(salt, tokens, max(hits, start)):
             return None, False   # the next block is being saved: ask again next step
         skipped = max(0, hits - max(usable, start))
         span = self.pages.load_span(num_computed_tokens, min(hits, usable), len(tokens))

@@ -187,8 +187,14 @@ class SaveRequest:
     def prepare(self) -> bool:
         link = self._link = self.link_of()
         ns = link.namespace(self.spec.cache_salt, self.tp_rank)
-        keys = block_keys(ns, self.spec.token_ids)[self.spec.first_block:self.spec.end_block]
-        self._lease = link.call(lambda c: c.prepare_put(ns, keys), None)
+        chain = block_keys(ns, self.spec.token_ids)
+        first = self.spec.first_block
+        keys = chain[first:self.spec.end_block]
+        # a piece of a longer chain: its parent and depth keep the chain whole for the
+        # daemon's policy (a parent outlives its children) and its bounds
+        parent = chain[first - 1] if first > 0 else None
+        self._lease = link.call(
+            lambda c: c.prepare_put(ns, keys, parent=parent, start_depth=first), None)
         if self._lease is None:
             return False
         self._todo = [(i, v) for i, v in enumerate(self._lease.views) if v is not None]

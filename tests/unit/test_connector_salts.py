@@ -1,0 +1,76 @@
+"""A request's namespace salt: its tenant's cache_salt and its LoRA adapter, one to one.
+Once the adapter's name was appended to the salt as text, so a tenant could pick a salt
+that named another tenant's adapter namespace (and fill it with base-model KV)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the connector package imports vLLM")
+
+from kvtier.connectors.vllm.scheduler import namespace_salt, request_salt
+
+
+def request(salt: str | None = None, lora: tuple[str, str, int] | None = None) -> Any:
+    adapter = None if lora is None else SimpleNamespace(
+        lora_name=lora[0], lora_path=lora[1], lora_int_id=lora[2])
+    return SimpleNamespace(cache_salt=salt, lora_request=adapter, mm_features=None,
+                           prompt_embeds=None)
+
+
+FOO = ("foo", "/adapters/foo", 1)
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (request("|lora:foo"), request(None, FOO)),           # the old text form collided
+    (request("acme|lora:foo"), request("acme", FOO)),
+    (request(None, FOO), request("", FOO)),               # no salt is not an empty salt
+    (request("t", FOO), request("t", ("foo", "/adapters/foo-v2", 1))),   # reloaded weights
+    (request("t", FOO), request("t", ("foo", "/adapters/foo", 2))),
+    (request(request_salt(request("t", FOO))), request("t", FOO)),   # a derived salt, chosen
+])
+def test_different_tenants_or_adapters_never_share_a_salt(a: Any, b: Any) -> None:
+    assert request_salt(a) != request_salt(b)
+
+
+def test_without_an_adapter_the_tenants_salt_is_kept() -> None:
+    """What engines stored before keeps its namespace."""
+    assert request_salt(request("acme")) == "acme"
+    assert request_salt(request(None)) is None
+    assert namespace_salt("\x1facme", None) != "\x1facme"   # only the reserved start changes
+    assert request_salt(request("t", FOO)) == request_salt(request("t", FOO))
+
+
+def test_a_save_that_continues_a_chain_names_its_parent_and_depth() -> None:
+    """Blocks 2..3 of a prompt whose blocks 0..1 were stored before: the put says where in
+    the chain they sit (the daemon's policy keeps a parent as long as its children)."""
+    import numpy as np
+    from kvtier.connectors.vllm.metadata import TransferSpec
+    from kvtier.connectors.vllm.transfers import SaveRequest
+
+    from kvtier.keys import Namespace, block_keys
+    from kvtier.layout import KVLayout
+
+    ns = Namespace("m", KVLayout(2, 2, 32, "float16", 16))
+    tokens = np.arange(4 * 16, dtype=np.int64)
+    asked: list[tuple[Any, ...]] = []
+
+    class Client:
+        def prepare_put(self, ns_: Any, keys: Any, *, parent: Any = None,
+                        start_depth: int = 0) -> None:
+            asked.append((list(keys), parent, start_depth))
+
+    class Link:
+        def namespace(self, salt: Any, rank: int) -> Namespace:
+            return ns
+
+        def call(self, fn: Any, default: Any) -> Any:
+            return fn(Client())
+
+    spec = TransferSpec("r", None, tokens, first_block=2, pages=[[4], [5]])
+    assert SaveRequest(spec, None, Link, 0).prepare() is False   # type: ignore[arg-type]
+    chain = block_keys(ns, tokens)
+    assert asked == [(chain[2:4], chain[1], 2)]
