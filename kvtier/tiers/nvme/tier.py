@@ -96,6 +96,7 @@ class NvmeTier:
         self._state = TierState.NEW
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[NvmeSlot, Future[Any]] = {}  # last disk op queued per slot
+        self._erasing: list[Future[Any]] = []   # erases queued and not known done
         self._seq = 0
         self._lock_fd: int | None = None   # holds the nvme directory's lock while open
 
@@ -226,7 +227,17 @@ class NvmeTier:
         if erase:
             assert self._pool is not None
             prev = self._pending.get(slot)
-            self._pending[slot] = self._pool.submit(_erase_sync, cls.fd, slot.offset, prev)
+            op = self._pending[slot] = self._pool.submit(_erase_sync, cls.fd, slot.offset, prev)
+            self._erasing = [f for f in self._erasing if not f.done()]
+            self._erasing.append(op)
+
+    async def erased(self) -> None:
+        """Wait until every erase queued so far is on disk (or failed, logged): a delete
+        answers after it, so a crash right after cannot bring the block back."""
+        todo, self._erasing = self._erasing, []
+        if todo:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in todo),
+                                 return_exceptions=True)
 
     # ------------------------------------------------------------------ I/O
     async def write(self, slot: NvmeSlot, header: FrameHeader, payload: memoryview, *,
