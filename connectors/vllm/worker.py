@@ -230,26 +230,37 @@ class WorkerSide:
                 self._count("dropped_saves", 1)
                 self.ledger.dropped(planned.save_id)
                 continue
-            job = SaveRequest(spec, self.caches, lambda: self._thread_link("-save"),
-                              self.tp_rank, redis_sync_s=sync_s)
-            fut = self.pipeline.submit_save(
-                job, job.nbytes, functools.partial(self._save_over, job))
-            if fut is None and producer:   # a producer never drops a save for room
-                self._wait_saves(self.ledger.running())
-                fut = self.pipeline.submit_save(
-                    job, job.nbytes, functools.partial(self._save_over, job))
-            if fut is not None:
-                step.append(fut)
-            if fut is None:
-                logger.debug("kvtier: save of %s dropped (%d bytes in flight)",
-                             spec.req_id, self.pipeline.inflight_bytes)
-                self._count("dropped_saves", 1)
-                self._count("dropped_save_bytes", job.nbytes)
-                self.ledger.dropped(spec.save_id)
-                continue
-            self.ledger.submitted(spec.req_id, fut)
+            # a producer's save larger than the bound on saves in flight goes in pieces
+            # that fit it (each waits for room); one piece otherwise
+            most = (max(1, self.pipeline.max_inflight_bytes // self.caches.block_bytes)
+                    if producer else len(spec.pages))
+            for piece in save_pieces(spec, most, self.config.tokens_per_block):
+                self._submit_save(piece, producer, sync_s, step)
         if producer and step:
             self._wait_saves(step)
+
+    def _submit_save(self, spec: TransferSpec, producer: bool, sync_s: float | None,
+                     step: list[Future[bool]]) -> None:
+        """Queue one save (appended to ``step``); dropped and counted when the bound on
+        saves in flight has no room for it (a producer first waits for room)."""
+        assert self.pipeline is not None and self.caches is not None
+        job = SaveRequest(spec, self.caches, lambda: self._thread_link("-save"),
+                          self.tp_rank, redis_sync_s=sync_s)
+        fut = self.pipeline.submit_save(
+            job, job.nbytes, functools.partial(self._save_over, job))
+        if fut is None and producer:   # a producer never drops a save for room
+            self._wait_saves(self.ledger.running())
+            fut = self.pipeline.submit_save(
+                job, job.nbytes, functools.partial(self._save_over, job))
+        if fut is None:
+            logger.debug("kvtier: save of %s dropped (%d bytes in flight)",
+                         spec.req_id, self.pipeline.inflight_bytes)
+            self._count("dropped_saves", 1)
+            self._count("dropped_save_bytes", job.nbytes)
+            self.ledger.dropped(spec.save_id)
+            return
+        step.append(fut)
+        self.ledger.submitted(spec.req_id, fut)
 
     def _wait_saves(self, futs: list[Future[bool]]) -> None:
         """A producer's step ends only once its saves are committed (and in Redis, or given
@@ -330,3 +341,17 @@ def saved_before(spec: TransferSpec, cut: int | None, tokens_per_block: int
     keep = cut - spec.first_block
     return dataclasses.replace(spec, token_ids=spec.token_ids[:cut * tokens_per_block],
                                pages=spec.pages[:keep])
+
+
+def save_pieces(spec: TransferSpec, most: int, tokens_per_block: int) -> list[TransferSpec]:
+    """``spec`` (a save) in pieces of at most ``most`` blocks, in chain order."""
+    if len(spec.pages) <= most:
+        return [spec]
+    out = []
+    for lo in range(0, len(spec.pages), most):
+        end = spec.first_block + min(lo + most, len(spec.pages))
+        out.append(dataclasses.replace(spec, first_block=spec.first_block + lo,
+                                       pages=spec.pages[lo:lo + most],
+                                       token_ids=spec.token_ids[:end * tokens_per_block],
+                                       skip_pages=spec.skip_pages if lo == 0 else 0))
+    return out

@@ -210,6 +210,28 @@ def test_saves_beyond_the_bound_are_dropped_and_counted(
     w.shutdown()
 
 
+def test_a_producer_save_larger_than_the_bound_goes_in_pieces(
+        daemon: DaemonProcess) -> None:
+    """A kv_producer never drops a save for room: one larger than the bound on saves in
+    flight (a long prompt of a large model) is saved in pieces that fit it, each with its
+    place in the chain. It used to be dropped, the consumer then recomputing it all."""
+    cfg = ConnectorConfig.from_extra({"socket_path": str(daemon.socket), "tokens_per_block": TPB,
+                                      "model_id": "pieces",
+                                      "max_inflight_save_bytes": LAYOUT.block_bytes},
+                                     block_size=PAGE, default_model_id="pieces",
+                                     role="kv_producer")
+    w = WorkerSide(cfg, LAYOUT, PAGE, 0, 1)
+    w.register_kv_caches(caches(12))
+    toks = tokens(12, 3)
+    save(w, "p", toks, rows(1, 3), save_id=5)   # a producer's save returns once it is over
+    meta = w.worker_meta()
+    assert meta is not None and "dropped_saves" not in meta.counters
+    reader = worker(daemon, "pieces", caches(13))
+    assert load(reader, "q", toks, rows(21, 3)) == set()   # all three blocks load
+    w.shutdown()
+    reader.shutdown()
+
+
 def test_a_lease_that_expires_during_the_load_is_a_load_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = make_daemon(tmp_path / "ttl", KVTIER_DAEMON_LEASE_TTL_S="0.2")
