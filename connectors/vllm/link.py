@@ -47,11 +47,16 @@ _RETRYABLE: tuple[type[BaseException], ...] = (DaemonUnavailable, OSError, EOFEr
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_CONNECTION_ERRORS, KVTierError)
 
 
-def _connect(socket_path: str, timeout: float, device: bool = False) -> Any:
+RECONNECT_HELLO_S = 0.25   # a live daemon greets in milliseconds, even a busy one
+
+
+def _connect(socket_path: str, timeout: float, device: bool = False,
+             hello_timeout: float | None = None) -> Any:
     """Open a client (indirection so the import happens only when a daemon is wanted)."""
     from kvtier.client import connect
 
-    return connect(socket_path=socket_path, timeout=timeout, device=device)
+    return connect(socket_path=socket_path, timeout=timeout, device=device,
+                   hello_timeout=hello_timeout)
 
 
 @dataclass(slots=True)
@@ -211,9 +216,13 @@ class DaemonLink:
         now = self.clock()
         if now < self._retry_at:
             return None
+        # a retry after a failure (the daemon may be stalled, not gone) holds the engine's
+        # thread for a short hello at most, not a whole request timeout per try
+        hello_s = (None if self._down_since is None
+                   else min(self.config.timeout_s, RECONNECT_HELLO_S))
         try:
             self._client = _connect(str(self.config.socket_path), self.config.timeout_s,
-                                    self.device)
+                                    self.device, hello_s)
             if self.on_connect is not None:
                 self.on_connect(self._client)
         except _CONNECT_ERRORS as exc:

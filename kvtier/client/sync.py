@@ -244,7 +244,8 @@ class KVTierClient:
 
 
 def connect(socket_path: str | Path | None = None, timeout: float = 5.0, *,
-            device: bool = False, trusted_uids: Collection[int] | None = None) -> KVTierClient:
+            device: bool = False, trusted_uids: Collection[int] | None = None,
+            hello_timeout: float | None = None) -> KVTierClient:
     """Connect to the node's daemon; DaemonUnavailable when none answers.
 
     The daemon must run as this process's uid or one of ``trusted_uids`` (default: the
@@ -254,10 +255,16 @@ def connect(socket_path: str | Path | None = None, timeout: float = 5.0, *,
 
     ``device=True`` (GPU engines): gets prefer device placement, so on a daemon with an HBM
     pool they may hand out device views (the pool is mapped at the first such get).
+
+    ``hello_timeout``: a shorter bound for the connect and hello alone (a caller retrying
+    a daemon that may be stalled need not wait ``timeout`` for each try); requests then
+    use ``timeout``.
     """
     path = str(socket_path or default_socket_path())
     trusted = trusted_daemon_uids() if trusted_uids is None else frozenset(trusted_uids)
-    sock, hello = open_verified(path, timeout, trusted)
+    sock, hello = open_verified(path, timeout if hello_timeout is None else hello_timeout,
+                                trusted)
+    sock.settimeout(timeout)
     try:
         return KVTierClient(sock, timeout, device=device, hello=hello)
     except BaseException:

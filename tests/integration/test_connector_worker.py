@@ -321,3 +321,53 @@ def test_a_restarted_daemon_s_arena_replaces_the_old_mapping(tmp_path: Path) -> 
         w.shutdown()
     finally:
         d.kill()
+
+
+def test_retries_against_a_stalled_daemon_hold_the_engine_briefly(
+        tmp_path: Path) -> None:
+    """A daemon stopped (SIGSTOP) still accepts connections and never greets: after the
+    first timeout, each reconnect try holds the engine's thread for a short hello, not a
+    whole request timeout (once 1 s per try here, 2 s with the defaults); once it runs
+    again, hits come back."""
+    import os
+    import signal
+
+    from kvtier.connectors.vllm.link import RECONNECT_HELLO_S, DaemonLink
+
+    from kvtier.keys import block_keys
+
+    d = make_daemon(tmp_path / "stalled")
+    cfg = ConnectorConfig.from_extra({"socket_path": str(d.socket), "tokens_per_block": TPB,
+                                      "model_id": "stall", "timeout_s": 1.0,
+                                      "reconnect_min_s": 0.05, "reconnect_max_s": 0.05},
+                                     block_size=PAGE, default_model_id="stall")
+    w = WorkerSide(cfg, LAYOUT, PAGE, 0, 1)
+    w.register_kv_caches(caches(14))
+    toks = tokens(14, 2)
+    save(w, "a", toks, rows(1, 2), save_id=1)
+    finished(w, "a")
+    link = DaemonLink(cfg, LAYOUT, name="scheduler")
+    ns = link.namespace(None, 0)
+    keys = block_keys(ns, toks)
+    assert link.lookup(ns, keys) == 2
+    assert d.proc is not None
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        assert link.lookup(ns, keys) == 0   # the first request waits its timeout
+        tries = []
+        for _ in range(3):
+            time.sleep(0.06)   # past the backoff: a reconnect try
+            t0 = time.monotonic()
+            assert link.lookup(ns, keys) == 0
+            tries.append(time.monotonic() - t0)
+        assert max(tries) < RECONNECT_HELLO_S + 0.5, tries
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + WAIT_S
+    while link.lookup(ns, keys) != 2:
+        assert time.monotonic() < deadline, "hits did not come back after SIGCONT"
+        time.sleep(0.06)
+    link.close()
+    w.shutdown()
+    d.kill()
+
