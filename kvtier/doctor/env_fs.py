@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvtier.config import Config
 from kvtier.doctor.env import Check, Host, Verdict
+from kvtier.trust import owned_dir_problem
 from kvtier.units import format_bytes
 
 
@@ -138,6 +139,7 @@ def check_data_dir(cfg: Config, host: Host) -> list[Check]:
                          "a larger drive, or lower nvme.bytes"))
     else:
         out.append(Check("data dir space", Verdict.OK, detail))
+    out.append(check_dir_owner(path, host))
     m = mount_of(str(where), host.mountinfo())
     fstype = m.fstype if m else "?"
     if fstype == "overlay":
@@ -171,6 +173,21 @@ def check_data_dir(cfg: Config, host: Host) -> list[Check]:
                          + why, "put nvme.path on ext4/xfs on the NVMe drive (not tmpfs, "
                          "overlayfs or a network file system)"))
     return out
+
+
+def check_dir_owner(path: Path, host: Host) -> Check:
+    """The nvme directory must be the daemon user's alone, as a start checks
+    (kvtier.daemon.preflight): whoever can add files there can plant frames it serves."""
+    if not host.exists(str(path)):
+        return Check("data dir owner", Verdict.OK, f"{path} does not exist yet: the daemon "
+                     "creates it 0700")
+    problem = owned_dir_problem(host.stat(str(path)), host.uid())
+    if problem is None:
+        return Check("data dir owner", Verdict.OK, f"{path} is the daemon user's alone")
+    return Check("data dir owner", Verdict.FAIL,
+                 f"{path} {problem}: another user could plant frames the daemon serves as "
+                 "KV, and the daemon refuses to start",
+                 f"chmod go-w {path} (and chown it to the daemon's user)")
 
 
 def check_socket_dir(cfg: Config, host: Host) -> Check:

@@ -255,9 +255,9 @@ def test_run_checks_exit_status_and_json(tmp_path: Path) -> None:
              fetch_stats=lambda url: {"daemon": {"key_schemes": {KEY_SCHEME: 1}}})
     checks = run_checks(cfg, h, daemon_url="http://127.0.0.1:1")
     names = [c.name for c in checks]
-    assert names == ["shm size", "data dir space", "data dir filesystem", "data dir O_DIRECT",
-                     "socket dir", "memlock", "huge pages", "numa", "gpu", "key scheme",
-                     "redis auth"]
+    assert names == ["shm size", "data dir space", "data dir owner", "data dir filesystem",
+                     "data dir O_DIRECT", "socket dir", "memlock", "huge pages", "numa", "gpu",
+                     "key scheme", "redis auth"]
     assert by_name(checks, "shm size").verdict is Verdict.FAIL
     assert exit_status(checks) == 1
     doc = to_json(checks, 1)
@@ -265,3 +265,15 @@ def test_run_checks_exit_status_and_json(tmp_path: Path) -> None:
     assert all(c.fix for c in checks if c.verdict in (Verdict.FAIL, Verdict.WARN))
     calm = [Check("a", Verdict.OK, ""), Check("b", Verdict.WARN, "", "x")]
     assert (exit_status(calm), exit_status(calm, strict=True)) == (0, 1)
+
+
+def test_a_data_dir_others_can_write_fails_as_the_daemon_would(tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    nvme.mkdir(mode=0o700)
+    checks = env_fs.check_data_dir(config(tmp_path, nvme="1MiB"), host())
+    assert by_name(checks, "data dir owner").verdict is Verdict.OK
+    nvme.chmod(0o777)
+    owner = by_name(env_fs.check_data_dir(config(tmp_path, nvme="1MiB"), host()),
+                    "data dir owner")
+    assert owner.verdict is Verdict.FAIL and "writable by group and others" in owner.detail
+    assert "chmod go-w" in owner.fix
