@@ -160,10 +160,34 @@ class DaemonLink:
             return False, None
         return False, None
 
-    def run(self, op: Callable[[Any], T]) -> tuple[bool, T | None]:
+    def run(self, op: Callable[[Any], T], client: Any) -> tuple[bool, T | None]:
         """``(True, op(client))``, or ``(False, None)`` after a failure (logged, counted):
-        for callers that must tell a failure from a default value (a lease release)."""
-        return self._run(op)
+        for an op that ends a lease opened on ``client`` (release, commit, abort), whose
+        caller must tell a failure from a default value.
+
+        Tried once, on ``client`` only: a lease lives on the connection that opened it, so
+        a fresh connection cannot end it (a retry there reported a lost get lease as
+        released, or failed again and dropped the good new connection). A ``client`` the
+        link no longer holds was closed, and its leases with it. A connection lost at once
+        (the daemon restarted) is closed without a backoff: the next call reconnects.
+        """
+        if client is None or client is not self._client:
+            self.errors += 1
+            return False, None
+        try:
+            return True, op(client)
+        except _RETRYABLE as exc:
+            self.errors += 1
+            self.close()
+            logger.info("kvtier %s: daemon connection lost (%s); reconnecting",
+                        self.name, exc)
+        except _CONNECTION_ERRORS as exc:
+            self._drop(exc)
+        except KVTierError as exc:
+            self.errors += 1
+            logger.warning("kvtier %s: daemon refused a request (%s: %s); continuing "
+                           "without it", self.name, exc.code, exc)
+        return False, None
 
     def preconnect(self) -> bool:
         """Try to connect now, quietly: a failure is neither logged nor backed off (the

@@ -247,6 +247,12 @@ class SchedulerSide:
         tokens = np.asarray(_token_ids(request)[: span.end_block * self.config.tokens_per_block],
                             dtype=np.uint32)
         spec = TransferSpec(req_id, state.salt, tokens, span.first_block, rows, span.skip_pages)
+        pages = set(spec.page_ids[spec.skip_pages:])   # fresh pages, this request's alone
+        for other in self._states.values():
+            # an older load into them is over (its request was preempted and gave them
+            # up): their load errors from now on are this request's, not that one's
+            if other.load is not None and not pages.isdisjoint(other.load.page_ids):
+                other.load = None
         state.load = spec
         if not self.config.producer:
             state.known_blocks = max(state.known_blocks, span.end_block)

@@ -56,6 +56,7 @@ class CacheSet:
 class _OpenLoad:
     spec: TransferSpec
     lease: Any = None
+    conn: Any = None          # the link's client the lease was opened on
     blocks: list[torch.Tensor] = field(default_factory=list)
     ok: bool = True
 
@@ -87,17 +88,17 @@ class LoadBatch:
                 ns = link.namespace(spec.cache_salt, self.tp_rank)
                 keys = block_keys(ns, spec.token_ids)[spec.first_block:spec.end_block]
                 prefer = self.prefer_device
-                lease = link.call(functools.partial(_prepare_get, ns, keys, prefer), None)
+                got = link.call(functools.partial(_prepare_get, ns, keys, prefer), None)
             except Exception:
                 logger.exception("kvtier: load of request %s failed; vLLM recomputes it",
                                  spec.req_id)
-                lease = None
-            if lease is None:
+                got = None
+            if got is None:
                 item.ok = False
                 continue
-            item.lease = lease
-            n = min(len(lease.views), len(spec.pages))
-            item.blocks = [as_tensor(v, readonly=True) for v in list(lease.views)[:n]]
+            item.conn, item.lease = got
+            n = min(len(item.lease.views), len(spec.pages))
+            item.blocks = [as_tensor(v, readonly=True) for v in list(item.lease.views)[:n]]
         for i, item in enumerate(self._open):
             first_overlaid = 1 if item.spec.skip_pages else 0
             self._plain.extend((i, j) for j in range(first_overlaid, len(item.blocks)))
@@ -143,7 +144,8 @@ class LoadBatch:
             if item.lease is not None:
                 assert self._link is not None
                 share = self.copy_s * len(item.blocks) / total   # this lease's copy time
-                released, _ = self._link.run(functools.partial(_release, item.lease, share))
+                released, _ = self._link.run(functools.partial(_release, item.lease, share),
+                                             item.conn)
                 if not released:   # expired or lost during the copy: not good KV
                     logger.warning("kvtier: the get lease of request %s was not released "
                                    "cleanly; its pages are recomputed", item.spec.req_id)
@@ -156,7 +158,7 @@ class LoadBatch:
         for item in self._open:
             if item.lease is not None and self._link is not None:
                 with contextlib.suppress(Exception):
-                    self._link.run(functools.partial(_release, item.lease, None))
+                    self._link.run(functools.partial(_release, item.lease, None), item.conn)
                 item.lease = None
         return {p for s in self.specs for p in s.page_ids[s.skip_pages:]}
 
@@ -175,6 +177,7 @@ class SaveRequest:
         self.tp_rank = tp_rank
         self.redis_sync_s = redis_sync_s
         self._lease: Any = None
+        self._conn: Any = None      # the link's client the lease was opened on
         self._link: DaemonLink | None = None
         self._todo: list[tuple[int, Any]] = []
         self.saved_blocks = 0
@@ -193,8 +196,12 @@ class SaveRequest:
         # a piece of a longer chain: its parent and depth keep the chain whole for the
         # daemon's policy (a parent outlives its children) and its bounds
         parent = chain[first - 1] if first > 0 else None
-        self._lease = link.call(
-            lambda c: c.prepare_put(ns, keys, parent=parent, start_depth=first), None)
+
+        def prepare_put(client: Any) -> Any:
+            self._conn = client      # the lease's connection: it alone can commit it
+            return client.prepare_put(ns, keys, parent=parent, start_depth=first)
+
+        self._lease = link.call(prepare_put, None)
         if self._lease is None:
             return False
         self._todo = [(i, v) for i, v in enumerate(self._lease.views) if v is not None]
@@ -214,9 +221,9 @@ class SaveRequest:
         lease, self._lease = self._lease, None
         sync_s = self.redis_sync_s
         if sync_s is None:
-            ok, _ = self._link.run(lambda _c: lease.commit())
+            ok, _ = self._link.run(lambda _c: lease.commit(), self._conn)
         else:
-            ok, _ = self._link.run(lambda _c: lease.commit(redis_sync_s=sync_s))
+            ok, _ = self._link.run(lambda _c: lease.commit(redis_sync_s=sync_s), self._conn)
             self.redis_synced = bool(ok and lease.redis_synced)
         if not ok:
             raise RuntimeError(f"commit of request {self.spec.req_id}'s blocks refused")
@@ -225,13 +232,14 @@ class SaveRequest:
     def abandon(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None and self._link is not None:
-            self._link.run(lambda _c: lease.abort())
+            self._link.run(lambda _c: lease.abort(), self._conn)
 
 
 def _prepare_get(ns: Namespace, keys: Sequence[BlockKey], prefer_device: bool,
-                 client: Any) -> Any:
-    """``client``'s get lease on the leading held blocks of ``keys`` (a ``DaemonLink`` op)."""
-    return client.prepare_get(ns, keys, prefer_device=prefer_device)
+                 client: Any) -> tuple[Any, Any]:
+    """``client`` and its get lease on the leading held blocks of ``keys`` (a
+    ``DaemonLink`` op)."""
+    return client, client.prepare_get(ns, keys, prefer_device=prefer_device)
 
 
 def _release(lease: Any, copy_s: float | None, _client: Any) -> None:

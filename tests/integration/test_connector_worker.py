@@ -371,3 +371,147 @@ def test_retries_against_a_stalled_daemon_hold_the_engine_briefly(
     w.shutdown()
     d.kill()
 
+
+
+def test_a_get_lease_lost_with_a_restarted_daemon_is_a_load_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon restarts while a load copies: its get lease went with the old connection,
+    so the release fails and the pages are a load error (what was read is unconfirmed).
+    The release used to be retried on a fresh connection, where the lease, already marked
+    ended, released nothing and reported success: the pages counted as good KV. The next
+    step's loads still reach the new daemon (the lost connection is not backed off)."""
+    d = make_daemon(tmp_path / "lost-get")
+    try:
+        kv = caches(15)
+        w = worker(d, "lostget", kv, reconnect_min_s=60.0, reconnect_max_s=60.0)
+        toks, src, dst = tokens(15, 2), rows(1, 2), rows(21, 2)
+        save(w, "s", toks, src, save_id=1)
+        finished(w, "s")
+        gate = gate_layer(monkeypatch, LAYERS - 1)
+        w.start_load_kv(KVTierConnectorMetadata(loads=[TransferSpec("l", None, toks, 0,
+                                                                    dst)]))
+        w.wait_for_layer_load(next(iter(w.layer_index)))   # the lease is open: copying
+        d.kill()
+        d.start()
+        gate.set()
+        for name in w.layer_index:
+            w.wait_for_layer_load(name)
+        assert w.take_load_errors() == {p for r in dst for p in r}
+        monkeypatch.undo()
+        save(w, "s2", toks, src, save_id=2)        # the saver reconnects to the new daemon
+        finished(w, "s2")
+        assert load(w, "l2", toks, rows(41, 2)) == set()   # and so does the loader
+        w.shutdown()
+    finally:
+        d.kill()
+
+
+def test_a_put_lease_lost_with_a_restarted_daemon_does_not_hold_off_later_saves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon restarts while a save copies: the commit fails on the lease's dead
+    connection. It used to be retried on a fresh connection, failed again there (the lease
+    still pointed at the dead one), and the link then closed the fresh connection and
+    backed off, so the saves of the next steps were skipped until the backoff ran out."""
+    d = make_daemon(tmp_path / "lost-put")
+    try:
+        gate, copying = threading.Event(), threading.Event()
+        original = transfers.SaveRequest.copy
+
+        def gated(self: Any, stream: Any) -> None:
+            copying.set()
+            assert gate.wait(WAIT_S)
+            original(self, stream)
+
+        monkeypatch.setattr(transfers.SaveRequest, "copy", gated)
+        kv = caches(16)
+        w = worker(d, "lostput", kv, reconnect_min_s=60.0, reconnect_max_s=60.0)
+        save(w, "warm", tokens(16, 1), rows(1, 1), save_id=1)   # the saver's connection
+        gate.set()
+        finished(w, "warm")
+        gate.clear()
+        copying.clear()
+        toks = tokens(17, 2)
+        save(w, "a", toks, rows(1, 2), save_id=2)
+        assert copying.wait(WAIT_S)        # the put lease is open: copying
+        d.kill()
+        d.start()
+        gate.set()
+        finished(w, "a")                   # its commit failed: nothing stored
+        monkeypatch.undo()
+        save(w, "b", toks, rows(1, 2), save_id=3)    # the next step's save gets through
+        finished(w, "b")
+        meta = w.worker_meta()
+        assert meta is not None and meta.counters.get("saved_blocks") == 1 + 2, meta
+        assert load(w, "l", toks, rows(21, 2)) == set()
+        w.shutdown()
+    finally:
+        d.kill()
+
+
+def test_a_failed_load_into_pages_a_preempted_request_gave_up_is_not_its_own(
+        daemon: DaemonProcess) -> None:
+    """Request A loads its prefix, is preempted, and its pages go to B, whose load into
+    them fails. Only B must forget the blocks it could not load: A's finished load, still
+    remembered, used to match B's pages too, so A forgot blocks kvtier holds and saved
+    them again once resumed (from its own pages: redundant, never wrong KV)."""
+    from types import SimpleNamespace as NS
+
+    from kvtier.connectors.vllm.scheduler import SchedulerSide
+
+    w = worker(daemon, "stale", caches(18))
+    ta, tb = tokens(18, 3), tokens(19, 3)
+    save(w, "sa", ta, rows(1, 3), save_id=1)
+    save(w, "sb", tb, rows(11, 3), save_id=2)
+    finished(w, "sa")
+    finished(w, "sb")
+    cfg = ConnectorConfig.from_extra({"socket_path": str(daemon.socket), "tokens_per_block": TPB,
+                                      "model_id": "stale"},
+                                     block_size=PAGE, default_model_id="stale")
+    sched = SchedulerSide(cfg, LAYOUT, PAGE, 1)
+
+    def request(rid: str, toks: np.ndarray) -> Any:
+        ids = [int(t) for t in toks] + [7] * 10          # 3 full blocks and a partial one
+        return NS(request_id=rid, all_token_ids=ids, num_prompt_tokens=len(ids),
+                  cache_salt=None, mm_features=None, prompt_embeds=None, lora_request=None)
+
+    def admit(req: Any, pages: list[int]) -> None:
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        assert n == 3 * TPB
+        sched.update_state_after_alloc(req, NS(get_block_ids=lambda: (pages,)), n)
+
+    def step(new: tuple[str, list[int]] | None = None, preempted: tuple[str, ...] = (),
+             resumed: tuple[str, list[int]] | None = None) -> KVTierConnectorMetadata:
+        cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                    num_computed_tokens=[])
+        scheduled = {}
+        new_reqs = []
+        if new is not None:
+            new_reqs.append(NS(req_id=new[0], block_ids=(new[1],), num_computed_tokens=3 * TPB))
+            scheduled[new[0]] = 10
+        if resumed is not None:      # recomputed from scratch: no load
+            cached = NS(req_ids=[resumed[0]], new_block_ids=[(resumed[1],)],
+                        resumed_req_ids={resumed[0]}, num_computed_tokens=[0])
+            scheduled[resumed[0]] = 3 * TPB + 10
+        return sched.build_connector_meta(NS(
+            preempted_req_ids=list(preempted), num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached))
+
+    def outcome(invalid: set[int]) -> None:
+        sched.update_connector_output(NS(kv_connector_worker_meta=None,
+                                         invalid_block_ids=invalid))
+
+    a, b = request("A", ta), request("B", tb)
+    pages = list(range(1, 8))
+    admit(a, pages)
+    assert [s.req_id for s in step(new=("A", pages)).loads] == ["A"]
+    outcome(set())                                     # A's load succeeded
+    admit(b, pages)                                    # A preempted: B gets its pages
+    assert [s.req_id for s in step(new=("B", pages), preempted=("A",)).loads] == ["B"]
+    outcome({pages[2], pages[3]})                      # B's block 1 failed to load
+    assert sched._states["B"].known_blocks == 1
+    assert sched._states["A"].known_blocks == 3        # A's blocks are still in kvtier
+    meta = step(resumed=("A", list(range(20, 27))))
+    assert [s for s in meta.saves if s.req_id == "A"] == []   # nothing saved again
+    sched.shutdown()
+    w.shutdown()
