@@ -150,15 +150,17 @@ class Writer:
         deadline = None if wait_s is None else time.monotonic() + wait_s
         redis = self.transfers.redis
         pinned = queued = 0   # metas[:pinned] pinned here; metas[:queued] queued (unpinned)
+        # no pause before the first piece: it is framed in the commit's own turn, before the
+        # journal's drain can hash its blocks (the frame's checksum is the record's)
         try:
             while deadline is not None and pinned < len(metas):   # none evicted before its
-                if turn.over():                                     # turn to be queued
+                if pinned and turn.over():                          # turn to be queued
                     await turn.pause()
                 chunk = metas[pinned: pinned + 4 * WRITE_THROUGH_PIECE]
                 self.transfers.pin(chunk)
                 pinned += len(chunk)
             while queued < len(metas):
-                if turn.over():
+                if queued and turn.over():
                     await turn.pause()
                 take = min(WRITE_THROUGH_PIECE, len(metas) - queued)
                 if deadline is not None and redis is not None:
