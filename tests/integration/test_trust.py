@@ -137,6 +137,10 @@ def test_victim_daemon_refuses_the_tmp_dir_another_user_created(
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(data, ignore_errors=True)
+        # the daemon kept its arena for a warm restart that never comes (a fresh data dir
+        # each run names a new one): the test takes it away
+        for leftover in Path("/dev/shm").glob(f"kvtier-{victim.uid}-*"):
+            leftover.unlink(missing_ok=True)
 
 
 # -- the client checks who listens before it sends anything ----------------------------------
