@@ -142,22 +142,12 @@ class DaemonLink:
             client = self._ensure()
             if client is None:
                 return False, None
-            try:
-                return True, op(client)
-            except _RETRYABLE as exc:
-                if attempt == 0 and reused:
-                    self.close()
-                    logger.info("kvtier %s: daemon connection lost (%s); reconnecting",
-                                self.name, exc)
-                    continue
-                self._drop(exc)
-            except _CONNECTION_ERRORS as exc:
-                self._drop(exc)
-            except KVTierError as exc:
-                self.errors += 1
-                logger.warning("kvtier %s: daemon refused a request (%s: %s); continuing "
-                               "without it", self.name, exc.code, exc)
-            return False, None
+            lost: list[BaseException] = []
+            outcome = self._try(op, client, lost.append if attempt == 0 and reused
+                                else self._drop)
+            if not lost:
+                return outcome
+            self._reconnect(lost[0])
         return False, None
 
     def run(self, op: Callable[[Any], T], client: Any) -> tuple[bool, T | None]:
@@ -174,13 +164,21 @@ class DaemonLink:
         if client is None or client is not self._client:
             self.errors += 1
             return False, None
+
+        def lost(exc: BaseException) -> None:
+            self.errors += 1
+            self._reconnect(exc)
+
+        return self._try(op, client, lost)
+
+    def _try(self, op: Callable[[Any], T], client: Any,
+             on_lost: Callable[[BaseException], None]) -> _Outcome[T]:
+        """One try of ``op`` on ``client``; a connection lost at once goes to ``on_lost``,
+        other connection failures back off (``_drop``), a refusal is logged."""
         try:
             return True, op(client)
         except _RETRYABLE as exc:
-            self.errors += 1
-            self.close()
-            logger.info("kvtier %s: daemon connection lost (%s); reconnecting",
-                        self.name, exc)
+            on_lost(exc)
         except _CONNECTION_ERRORS as exc:
             self._drop(exc)
         except KVTierError as exc:
@@ -188,6 +186,11 @@ class DaemonLink:
             logger.warning("kvtier %s: daemon refused a request (%s: %s); continuing "
                            "without it", self.name, exc.code, exc)
         return False, None
+
+    def _reconnect(self, exc: BaseException) -> None:
+        """The connection broke at once (the daemon restarted): close it, no backoff."""
+        self.close()
+        logger.info("kvtier %s: daemon connection lost (%s); reconnecting", self.name, exc)
 
     def preconnect(self) -> bool:
         """Try to connect now, quietly: a failure is neither logged nor backed off (the

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import select
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvtier.client.replies import lookup_hits, slot_offsets
+from kvtier.client.replies import LookupResult, slot_offsets
 from kvtier.errors import (
     BufferSizeError,
     DaemonUnavailable,
@@ -68,31 +67,6 @@ of its TTL has passed since the get was asked: the daemon cannot have taken its 
 (the TTL runs from later than that) and, its connection still up, it has not restarted.
 Past it, the release waits and ``LeaseExpired`` tells a copy that came too late."""
 log = logging.getLogger("kvtier.client")
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """``hits`` leading blocks are present; ``tiers[i]`` says where block i was found.
-
-    ``bandwidth``: bytes/s at which a block of each tier reached clients recently, as
-    measured by the daemon (empty from daemons that do not report it, and for tiers not
-    yet measured).
-    """
-
-    hits: int
-    tiers: list[str]
-    bandwidth: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def from_reply(cls, reply: dict[str, Any], n_keys: int) -> LookupResult:
-        """The one place a LookupResult is built from a ``lookup`` reply (about
-        ``n_keys`` keys: a count outside 0..n_keys is a ProtocolError)."""
-        hits, tiers = lookup_hits(reply, n_keys)
-        bandwidth = reply.get("bandwidth")
-        rates = ({str(k): float(v) for k, v in bandwidth.items()
-                  if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
-                 if isinstance(bandwidth, dict) else {})
-        return cls(hits, tiers, rates)
 
 
 def as_bytes(buf: Any) -> np.ndarray:

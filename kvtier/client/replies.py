@@ -9,7 +9,9 @@ socket must not do that: every such reply is a ``ProtocolError`` before any view
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,31 @@ def slot_offsets(offsets: Any, n_keys: int, nbytes: int, arena_size: int, *,
     if len(starts) > 1 and int(np.diff(starts).min()) < round_up(nbytes):
         raise ProtocolError("daemon sent overlapping slots")
     return offsets
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """``hits`` leading blocks are present; ``tiers[i]`` says where block i was found.
+
+    ``bandwidth``: bytes/s at which a block of each tier reached clients recently, as
+    measured by the daemon (empty from daemons that do not report it, and for tiers not
+    yet measured).
+    """
+
+    hits: int
+    tiers: list[str]
+    bandwidth: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_reply(cls, reply: dict[str, Any], n_keys: int) -> LookupResult:
+        """The one place a LookupResult is built from a ``lookup`` reply (about
+        ``n_keys`` keys: a count outside 0..n_keys is a ProtocolError)."""
+        hits, tiers = lookup_hits(reply, n_keys)
+        bandwidth = reply.get("bandwidth")
+        rates = ({str(k): float(v) for k, v in bandwidth.items()
+                  if isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
+                 if isinstance(bandwidth, dict) else {})
+        return cls(hits, tiers, rates)
 
 
 def lookup_hits(reply: dict[str, Any], n_keys: int) -> tuple[int, list[str]]:
