@@ -7,6 +7,7 @@ import argparse
 import math
 import urllib.parse
 from collections.abc import Callable
+from typing import NoReturn
 
 
 def _shown(text: str) -> str:
@@ -69,3 +70,12 @@ def http_url(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{_shown(text)} is not an http(s)://HOST[:PORT] "
                                          "address")
     return text
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage error is one line naming the command, the problem and
+    where the flags are listed, like every other start-up failure (not a page of usage
+    text before it). Subparsers inherit the class through ``add_subparsers``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")

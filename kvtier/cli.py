@@ -22,7 +22,7 @@ import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from kvtier import __version__, jsonin
-from kvtier.argtypes import float_in, http_url
+from kvtier.argtypes import OneLineParser, float_in, http_url
 from kvtier.errors import KVTierError
 from kvtier.units import format_bytes
 
@@ -216,7 +216,7 @@ def _run_stats(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered KV-cache offload "
+    parser = OneLineParser(prog="kvtier", description="Tiered KV-cache offload "
                                      "service for LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

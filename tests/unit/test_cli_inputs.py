@@ -25,13 +25,25 @@ def kvtier(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 
 
 def the_error(err: str) -> str:
-    """The one line that says what was wrong (argparse prints its usage above it)."""
+    """The one line that says what was wrong: no traceback, no usage text around it."""
     assert "Traceback" not in err
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    if lines and lines[0].startswith("usage:"):
-        lines = [ln for ln in lines if ": error: " in ln]
     assert len(lines) == 1, err
     return lines[0]
+
+
+@pytest.mark.parametrize(("argv", "needle", "where"), [
+    (["bogus"], "invalid choice: 'bogus'", "kvtier --help"),
+    (["plan"], "--model", "kvtier plan --help"),
+    (["stats", "--no-such-flag"], "--no-such-flag", "kvtier --help"),
+    (["replay", TRACE, "--policy", "lru", "--limit", "x"], "--limit", "kvtier replay --help"),
+])
+def test_a_usage_error_is_one_line_pointing_at_the_help(
+        capsys: pytest.CaptureFixture[str], argv: list[str], needle: str, where: str) -> None:
+    code, err = kvtier(capsys, *argv)
+    assert code == 2
+    line = the_error(err)
+    assert needle in line and f"(see '{where}')" in line, line
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
