@@ -26,6 +26,10 @@ from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality
 from kvtier.protocol import LENGTH, pack, unpack_body
 
+# The op that ends the lease each kind of prepare grants.
+_LEASE_ENDS = {"get_prepare": "get_release", "put_prepare": "put_abort"}
+MAX_LATE_LEASES = 256
+
 
 class AsyncKVTierClient:
     """asyncio client; several coroutines may issue requests concurrently."""
@@ -38,6 +42,7 @@ class AsyncKVTierClient:
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._reader_task: asyncio.Task[None] | None = None
         self._broken: KVTierError | None = None
+        self._late = 0   # replies awaited only to end their lease (``_end_when_granted``)
 
     async def _start(self, hello: Hello, path: str) -> None:
         """Map the arena of the handshake ``connect_async`` did, then start reading."""
@@ -73,17 +78,50 @@ class AsyncKVTierClient:
         req["id"] = rid
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        sent = False
         try:
             self._writer.write(pack(req))
+            sent = True
             await self._writer.drain()
             reply = await asyncio.wait_for(fut, self._timeout)
         except asyncio.TimeoutError:
+            self._end_when_granted(rid, req)
             raise RequestTimeout(f"no reply to {req.get('op')} within {self._timeout}s") from None
+        except asyncio.CancelledError:
+            if sent:
+                self._end_when_granted(rid, req)
+            raise
         except OSError as exc:
             raise DaemonUnavailable(f"daemon connection lost: {exc}") from None
         finally:
-            self._pending.pop(rid, None)
+            if self._pending.get(rid) is fut:
+                del self._pending[rid]
         return Ops.check_reply(reply)
+
+    def _end_when_granted(self, rid: int, req: dict[str, Any]) -> None:
+        """A lease asked for by a call that gave up waiting (cancelled, or past the timeout)
+        is ended as soon as its reply comes: its caller never learns the lease, so nobody
+        else would release the pins or abort the put before the lease's TTL. At most
+        ``MAX_LATE_LEASES`` such replies are awaited at once (past that, the TTL ends them)."""
+        end = _LEASE_ENDS.get(req.get("op", ""))
+        if end is None or self._broken is not None or self._late >= MAX_LATE_LEASES:
+            return
+        late: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._late += 1
+
+        def ended(f: asyncio.Future[dict[str, Any]]) -> None:
+            self._late -= 1
+            self._pending.pop(rid, None)
+            if f.cancelled() or f.exception() is not None or self._broken is not None:
+                return   # no lease, or the connection is gone and the daemon ends it
+            lease = f.result().get("lease")
+            if type(lease) is int:
+                with contextlib.suppress(Exception):   # its reply matches nothing: dropped
+                    self._writer.write(pack({"op": end, "lease": lease,
+                                             "id": next(self._ids)}))
+
+        late.add_done_callback(ended)
+        self._pending[rid] = late
 
     async def _send_nowait(self, req: dict[str, Any]) -> dict[str, Any]:
         """``KVTierClient._send_nowait`` over asyncio: the reply, when it comes, matches no
