@@ -282,6 +282,11 @@ class TieredStore:
             self.blocks.remove(meta, EvictionReason.DELETED, erase=True)
             self.blocks.forget_if_gone(meta)  # also drops descendants orphaned by this delete
         n = before - sum(1 for k in mine if k in self.index)
+        if self.nvme_residency is not None:   # frames the keys left on disk when evicted
+            for i, k in enumerate(keys):
+                self.nvme_residency.erase_evicted(k, ns.namespace.digest)
+                if turn.due(i):
+                    await turn.pause()
         if self.nvme is not None:   # answered once the frames are erased: a crash after the
             await self.nvme.erased()   # reply must not bring a deleted block back
         if self.redis is not None and self.redis.up:

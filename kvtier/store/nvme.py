@@ -10,7 +10,7 @@ frame I/O, health) is ``kvtier.tiers.nvme``.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.index import BlockMeta
 from kvtier.policy.base import EvictionPolicy, Key
@@ -20,11 +20,44 @@ from kvtier.store.ports import MissLogPort, NvmePort
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.nvme import NvmeSlot
 
-__all__ = ["NvmeResidency"]
+__all__ = ["EvictedFrames", "NvmeResidency"]
 
 
 async def _no_eviction(key: Key) -> None:  # until the store wires demotion
     return None
+
+
+@dataclass(slots=True)
+class EvictedFrames:
+    """Frames evicted from nvme and left on disk, by key, until their slot is handed out
+    again. Eviction does not erase (the bytes are right, and it would cost a write per
+    eviction); a delete of the key erases them, else a restart would adopt a deleted block.
+    At most one entry per free slot."""
+
+    by_slot: dict[NvmeSlot, tuple[Key, bytes]] = field(default_factory=dict)
+    by_key: dict[Key, list[NvmeSlot]] = field(default_factory=dict)
+
+    def add(self, slot: NvmeSlot, key: Key, namespace: bytes) -> None:
+        self.forget(slot)
+        self.by_slot[slot] = (key, namespace)
+        self.by_key.setdefault(key, []).append(slot)
+
+    def forget(self, slot: NvmeSlot) -> None:
+        """``slot`` holds no evicted frame any more (handed out again, or erased)."""
+        entry = self.by_slot.pop(slot, None)
+        if entry is None:
+            return
+        slots = self.by_key[entry[0]]
+        slots.remove(slot)
+        if not slots:
+            del self.by_key[entry[0]]
+
+    def take(self, key: Key, namespace: bytes) -> list[NvmeSlot]:
+        """The slots holding ``key``'s evicted frames under ``namespace``, forgotten here."""
+        out = [s for s in self.by_key.get(key, ()) if self.by_slot[s][1] == namespace]
+        for slot in out:
+            self.forget(slot)
+        return out
 
 
 @dataclass(slots=True, eq=False)
@@ -34,11 +67,20 @@ class NvmeResidency:
     on_victim: Callable[[Key], Awaitable[None]] = _no_eviction
     explain: MissLogPort | None = None
     tokens_of: Callable[[BlockMeta], int] = unknown_block_tokens   # the store wires it
+    evicted: EvictedFrames = field(default_factory=EvictedFrames)
 
     async def alloc(self, nbytes: int) -> NvmeSlot | None:
         """A reserved slot, evicting by policy when needed (the tier counts failures)."""
-        return await allocate_with_eviction(lambda: self.tier.alloc(nbytes), self.policy,
+        slot = await allocate_with_eviction(lambda: self.tier.alloc(nbytes), self.policy,
                                             self.on_victim)
+        if slot is not None:
+            self.evicted.forget(slot)
+        return slot
+
+    def erase_evicted(self, key: Key, namespace: bytes) -> int:
+        """Erase the frames ``key`` left on disk under ``namespace`` when it was evicted
+        (a delete: none of them may come back at a restart); how many were queued."""
+        return sum(self.tier.erase_free(slot) for slot in self.evicted.take(key, namespace))
 
     def stored(self, meta: BlockMeta, slot: NvmeSlot, now: float) -> None:
         """``slot`` now holds ``meta``'s complete frame."""
@@ -53,7 +95,10 @@ class NvmeResidency:
         corrupt frame is always erased (else every start would index it again)."""
         if meta.nvme is None:
             return
-        self.tier.free(meta.nvme, erase=erase or reason is EvictionReason.CORRUPT)
+        erase = erase or reason is EvictionReason.CORRUPT
+        self.tier.free(meta.nvme, erase=erase)
+        if not erase:
+            self.evicted.add(meta.nvme, meta.key, meta.namespace)
         meta.nvme = None
         meta.nvme_ready = False
         self.policy.remove(meta.key)

@@ -6,6 +6,7 @@ Time is a fake clock (leases expire when the test says so); prefetch waits for c
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,31 @@ async def test_delete_removes_blocks_from_every_tier(store: TieredStore, nvme: N
     assert (await store.lookup(DIGEST, FP, old)).hits == 0
     assert store.cpu.counters.evictions[EvictionReason.DELETED.value] == 1
     assert nvme.counters.evictions[EvictionReason.DELETED.value] == 1
+
+
+async def test_a_deleted_key_leaves_no_evicted_frame_for_a_restart(
+        store: TieredStore, nvme: NvmeTier, client: ArenaMapping, tmp_path: Path) -> None:
+    """A block evicted from nvme leaves its frame on disk (the bytes are right: no write
+    is spent on it); deleting its key later must erase that frame too, else the next start
+    adopts the deleted block again."""
+    gone, kept, evicted = chain(1, start=1), chain(1, start=2), chain(1, start=3)
+    for keys in (gone, kept, evicted):   # nvme slots 0, 1, 2
+        await put(store, client, keys, durable=True)
+    residency = store.nvme_residency
+    assert residency is not None
+    for keys in (gone, evicted):          # what eviction does: the frames stay on disk
+        residency.drop(store.index[keys[0]], EvictionReason.CAPACITY)
+        assert not store.index[keys[0]].in_nvme and store.index[keys[0]].in_cpu
+    assert await store.delete(DIGEST, FP, gone) == 1
+    await nvme.erased()
+    shutil.copytree(nvme.root, tmp_path / "restart")   # the disk as a crash now leaves it
+    again = NvmeTier(tmp_path / "restart", nvme.capacity_bytes, direct="off", io_threads=1)
+    try:
+        found = {h.key for _, h in again.open()}
+    finally:
+        again.close()
+    assert gone[0] not in found
+    assert kept[0] in found and evicted[0] in found
 
 
 async def test_delete_skips_blocks_in_use(store: TieredStore, client: ArenaMapping) -> None:

@@ -16,12 +16,13 @@ from kvtier.policy.prefetch import PrefetchWait
 from kvtier.store.alloc import MAX_EVICTIONS_PER_ALLOC, allocate_with_eviction
 from kvtier.store.blocks import Blocks
 from kvtier.store.cpu import CpuResidency
+from kvtier.store.nvme import EvictedFrames
 from kvtier.store.promoter import Promoter
 from kvtier.store.stats import PrefetchCounters
 from kvtier.store.transfers import Transfer, Transfers
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.base import TierName
-from kvtier.tiers.nvme import PAGE, NvmeTier
+from kvtier.tiers.nvme import PAGE, NvmeSlot, NvmeTier
 from tests.support.arena import temp_arena
 
 BLOCK = 4096
@@ -126,3 +127,21 @@ async def test_prefetch_wait_follows_the_policy_module(arena: Arena, policy: Pre
     loop.call_later(0.05, fut.set_result, True)
     await promoter.wait([fut])
     assert fut.done() is waits and counters.late == 1
+
+
+def test_evicted_frames_are_remembered_per_slot_and_namespace() -> None:
+    """Only a delete in the frame's own namespace takes it (knowing a key is no permission);
+    a slot handed out again, or holding a newer evicted frame, no longer names the old key."""
+    frames = EvictedFrames()
+    s0, s1, s2 = NvmeSlot(8192, 0), NvmeSlot(8192, 1), NvmeSlot(16384, 0)
+    frames.add(s0, b"k", b"ns-a")
+    frames.add(s1, b"k", b"ns-a")      # an older copy of the same key, evicted too
+    frames.add(s2, b"j", b"ns-a")
+    assert frames.take(b"k", b"ns-b") == []
+    frames.forget(s1)                  # handed out again: its frame is overwritten
+    frames.add(s2, b"x", b"ns-a")      # reused and evicted again under another key
+    assert frames.take(b"j", b"ns-a") == []
+    assert frames.take(b"k", b"ns-a") == [s0]
+    assert frames.take(b"k", b"ns-a") == []
+    assert frames.take(b"x", b"ns-a") == [s2]
+    assert not frames.by_slot and not frames.by_key

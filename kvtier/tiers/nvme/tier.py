@@ -225,11 +225,26 @@ class NvmeTier:
         cls = self._slots.check(slot, SlotState.RESERVED, SlotState.STORED)
         self._slots.release(slot)
         if erase:
-            assert self._pool is not None
-            prev = self._pending.get(slot)
-            op = self._pending[slot] = self._pool.submit(_erase_sync, cls.fd, slot.offset, prev)
-            self._erasing = [f for f in self._erasing if not f.done()]
-            self._erasing.append(op)
+            self._queue_erase(cls, slot)
+
+    def erase_free(self, slot: NvmeSlot) -> bool:
+        """Zero the header page of a free slot whose frame is still on disk (an evicted
+        frame whose key was deleted since: it must not come back at a restart), ordered
+        like ``free(erase=True)``. False, with nothing done, when the slot was handed out
+        again (its frame is or will be overwritten) or cut off its file."""
+        self._require_open()
+        cls = self._slots.classes.get(slot.slot_bytes)
+        if cls is None or not 0 <= slot.index < cls.high_water or slot.index in cls.busy:
+            return False
+        self._queue_erase(cls, slot)
+        return True
+
+    def _queue_erase(self, cls: SizeClass, slot: NvmeSlot) -> None:
+        assert self._pool is not None
+        prev = self._pending.get(slot)
+        op = self._pending[slot] = self._pool.submit(_erase_sync, cls.fd, slot.offset, prev)
+        self._erasing = [f for f in self._erasing if not f.done()]
+        self._erasing.append(op)
 
     async def erased(self) -> None:
         """Wait until every erase queued so far is on disk (or failed, logged): a delete
