@@ -50,7 +50,7 @@ class Lease:
     deadline: float
     chain: list[bytes] = field(default_factory=list)  # a put's whole key chain
     hbm: list[Any] = field(default_factory=list)      # hbm read-locks of a device get
-    nbytes: int = 0                                    # a put's slot bytes (at open)
+    nbytes: int = 0                                    # its slots' bytes (at open)
 
 
 class LeaseTable(dict[int, Lease]):
@@ -62,28 +62,35 @@ class LeaseTable(dict[int, Lease]):
         self.clock = clock
         self._ids = itertools.count(1)
         self._expired: dict[int, dict[int, LeaseKind]] = {}  # owner -> expired ids (ordered)
-        self._put_bytes: dict[int, int] = {}   # owner -> bytes of its open put leases
+        # kind -> owner -> bytes of its open leases of that kind
+        self._bytes: dict[LeaseKind, dict[int, int]] = {kind: {} for kind in LeaseKind}
 
     def open(self, kind: LeaseKind, owner: int, metas: list[BlockMeta]) -> Lease:
         lease = Lease(next(self._ids), kind, owner, metas, self.clock() + self.ttl_s)
-        if kind is LeaseKind.PUT:
-            lease.nbytes = sum(meta.nbytes for meta in metas)
-            self._put_bytes[owner] = self._put_bytes.get(owner, 0) + lease.nbytes
+        lease.nbytes = sum(meta.nbytes for meta in metas)
+        if lease.nbytes:
+            held = self._bytes[kind]
+            held[owner] = held.get(owner, 0) + lease.nbytes
         self[lease.id] = lease
         return lease
 
     def put_bytes(self, owner: int) -> int:
         """Bytes of the put leases ``owner`` holds open."""
-        return self._put_bytes.get(owner, 0)
+        return self._bytes[LeaseKind.PUT].get(owner, 0)
+
+    def get_bytes(self, owner: int) -> int:
+        """Bytes of the blocks ``owner``'s open get leases pin."""
+        return self._bytes[LeaseKind.GET].get(owner, 0)
 
     def _forget(self, lease: Lease) -> None:
         del self[lease.id]
         if lease.nbytes:
-            left = self._put_bytes.get(lease.owner, 0) - lease.nbytes
+            held = self._bytes[lease.kind]
+            left = held.get(lease.owner, 0) - lease.nbytes
             if left > 0:
-                self._put_bytes[lease.owner] = left
+                held[lease.owner] = left
             else:
-                self._put_bytes.pop(lease.owner, None)
+                held.pop(lease.owner, None)
 
     def take(self, owner: int, lease_id: int, kind: LeaseKind) -> Lease:
         """Remove and return a lease this owner holds.

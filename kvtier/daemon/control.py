@@ -323,7 +323,8 @@ class ControlServer(ControlOps):
         c = self.counters
         return {"errors": dict(c.errors), "refused_connections": c.refused_connections,
                 "dropped_idle": c.dropped_idle, "dropped_slow": c.dropped_slow,
-                "capped_puts": c.capped_puts, "dropped_writers": len(self.orphans),
+                "capped_puts": c.capped_puts, "capped_gets": c.capped_gets,
+                "dropped_writers": len(self.orphans),
                 "pending_request_bytes": self.pending.used,
                 "namespaces_evicted": self.store.namespaces_evicted,
                 "redis_sync": self.redis_sync.stats()}

@@ -51,15 +51,17 @@ class Limits:
     max_connections: int = 1024
     listen_backlog: int = 4096
     client_put_bytes: int = 0   # arena bytes one client process may hold for writing (0: all)
+    client_get_bytes: int = 0   # arena bytes one client process may pin for reading (0: all)
     dropped_writer_hold_s: float = 3600.0   # a dropped writer of unknown pid: quarantine time
 
     @classmethod
     def from_config(cls, d: DaemonConfig, arena_bytes: int = 0) -> Limits:
         """The daemon's limits; a pending-bytes setting of 0 takes the derived default."""
         frame = d.max_frame_bytes
-        share = d.client_put_share
+        put, get = d.client_put_share, d.client_get_share
         return cls(
-            client_put_bytes=int(share * arena_bytes) if 0 < share < 1 else 0,
+            client_put_bytes=int(put * arena_bytes) if 0 < put < 1 else 0,
+            client_get_bytes=int(get * arena_bytes) if 0 < get < 1 else 0,
             dropped_writer_hold_s=d.dropped_writer_hold_s,
             max_frame=frame, max_context_tokens=d.max_context_tokens,
             conn_pending_bytes=max(frame, d.max_conn_pending_bytes or frame),
@@ -116,6 +118,7 @@ class LimitCounters:
     dropped_slow: int = 0          # a frame (or the hello) not whole within read_timeout_s,
     #                                or replies left unread as long
     capped_puts: int = 0           # put_prepares asking for more than their process's room
+    capped_gets: int = 0           # get_prepares asking for more than their process may pin
 
 
 async def read_request(reader: asyncio.StreamReader, lim: Limits, pending: ByteBudget,

@@ -104,6 +104,14 @@ class KVTierCollector:
         yield CounterMetricFamily("kvtier_lease_expired", "Leases released by their deadline "
                                   "(a client hung or crashed)",
                                   value=float(req.get("lease_expired", 0)))
+        limited = CounterMetricFamily(
+            "kvtier_limited", "What the daemon's limits did to clients: connections refused "
+            "or dropped, puts and gets granted less than their process asked",
+            labels=["event"])
+        for key in ("refused_connections", "dropped_idle", "dropped_slow", "capped_puts",
+                    "capped_gets"):
+            limited.add_metric([key], float(daemon.get(key, 0)))
+        yield limited
         gcs = daemon.get("gc")
         if gcs:
             yield GaugeMetricFamily("kvtier_gc_frozen_objects", "Python objects frozen out of "

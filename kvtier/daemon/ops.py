@@ -182,6 +182,24 @@ class ControlOps:
         held = sum(self.store.held_put_bytes(owner) for owner in self.owners_of(conn.process))
         return max(0, cap - held)
 
+    def _within_get_room(self, conn: Connection, ns: bytes, fp: int,
+                         keys: list[bytes]) -> list[bytes]:
+        """The leading ``keys`` ``conn``'s process may still pin: one client process pins at
+        most ``limits.client_get_bytes`` in open get leases, so that a greedy client cannot
+        hold the arena against the others' puts and promotions (the rest of its get is a
+        miss, which an engine recomputes)."""
+        cap = self.limits.client_get_bytes
+        if cap <= 0:
+            return keys
+        held = sum(self.store.held_get_bytes(owner) for owner in self.owners_of(conn.process))
+        layout = self.store.touch_namespace(ns)
+        assert layout is not None   # (checked by _target)
+        room = max(0, cap - held) // layout.block_bytes
+        if room >= len(keys):
+            return keys
+        self.counters.capped_gets += 1
+        return keys[:room]
+
     def owners_of(self, process: int) -> list[int]:
         """The connections (open, or closed with slots still quarantined) of a process."""
         return [c.id for c in self.connections.values() if c.process == process] + \
@@ -231,6 +249,7 @@ class ControlOps:
         read them well within it need not wait for the release's reply, see
         kvtier.client.ops.op_release)."""
         ns, fp, keys = self._target(conn, msg)
+        keys = self._within_get_room(conn, ns, fp, keys)
         if msg.get("device") is True:
             lease, offsets, devices = await self.store.prepare_get_device(conn.id, ns, fp, keys)
             return {"lease": lease, "offsets": offsets, "devices": devices,

@@ -314,6 +314,10 @@ class TieredStore:
         """Arena bytes ``owner`` holds for writing (open put leases, quarantine)."""
         return self.lease_keeper.held_put_bytes(owner)
 
+    def held_get_bytes(self, owner: int) -> int:
+        """Bytes of the blocks ``owner`` pins for reading (open get leases)."""
+        return self.lease_keeper.held_get_bytes(owner)
+
     # -- shutdown ------------------------------------------------------------------------
     async def drain(self, deadline: float) -> int:
         """Finish in-flight I/O and persist cpu-only blocks to nvme until ``deadline``."""

@@ -104,6 +104,10 @@ class LeaseKeeper:
         """Arena bytes ``owner`` holds for writing: open put leases and quarantine."""
         return self.leases.put_bytes(owner) + self.quarantine.owner_bytes(owner)
 
+    def held_get_bytes(self, owner: int) -> int:
+        """Bytes of the blocks ``owner``'s open get leases pin."""
+        return self.leases.get_bytes(owner)
+
     def abort_put(self, lease: Lease) -> None:
         for meta in lease.metas:
             if meta.cpu_state is SlotState.WRITING and self.blocks.index.get(meta.key) is meta:

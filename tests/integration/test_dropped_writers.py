@@ -95,7 +95,8 @@ def _exact(c: Any, ns: Any, keys: list[bytes], data: list[np.ndarray]) -> int:
 
 
 def test_an_idle_writer_holding_quarantined_slots_is_not_dropped(tmp_path: Path) -> None:
-    d = _daemon(tmp_path, 16, lease_ttl_s="1", idle_timeout_s="2", client_put_share="1")
+    d = _daemon(tmp_path, 16, lease_ttl_s="1", idle_timeout_s="2", client_put_share="1",
+                client_get_share="1")
     try:
         w = connect(d.socket)
         ns = w.register_layout(LAYOUT, "m", cache_salt="writer")
@@ -122,7 +123,8 @@ def test_an_idle_writer_holding_quarantined_slots_is_not_dropped(tmp_path: Path)
 
 
 def test_a_dropped_writer_keeps_its_slots_until_its_process_exits(tmp_path: Path) -> None:
-    d = _daemon(tmp_path, 16, client_put_share="1")
+    d = _daemon(tmp_path, 16, client_put_share="1",
+                client_get_share="1")
     writer = Writer(d.socket, 4)
     try:
         assert writer.slots == 4

@@ -34,9 +34,11 @@ def block(c: int, i: int) -> np.ndarray:
 
 
 def test_concurrent_puts_reads_and_deletes_over_a_spilling_arena(tmp_path: Path) -> None:
-    # (the last put takes the whole arena from one process: no per-process share here)
+    # (the last put, and the reads, take the whole arena from one process: no per-process
+    # shares here)
+    no_shares = {"KVTIER_DAEMON_CLIENT_PUT_SHARE": "1", "KVTIER_DAEMON_CLIENT_GET_SHARE": "1"}
     d = DaemonProcess(tmp_path / "d", cpu_bytes=f"{ARENA_BLOCKS * LAYOUT.block_bytes}",
-                      nvme_bytes="64MiB", env={"KVTIER_DAEMON_CLIENT_PUT_SHARE": "1"}).start()
+                      nvme_bytes="64MiB", env=no_shares).start()
     errors: list[BaseException] = []
     wrong: list[tuple[int, int]] = []
     reads = [0]
