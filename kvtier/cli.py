@@ -216,8 +216,8 @@ def _run_stats(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="kvtier", description="Tiered KV-cache offload "
-                                     "service for LLM serving.")
+    parser = OneLineParser(prog="kvtier",
+                           description="Tiered KV-cache offload service for LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(sub)

@@ -182,8 +182,7 @@ class ControlOps:
         held = sum(self.store.held_put_bytes(owner) for owner in self.owners_of(conn.process))
         return max(0, cap - held)
 
-    def _within_get_room(self, conn: Connection, ns: bytes, fp: int,
-                         keys: list[bytes]) -> list[bytes]:
+    def _within_get_room(self, conn: Connection, ns: bytes, keys: list[bytes]) -> list[bytes]:
         """The leading ``keys`` ``conn``'s process may still pin: one client process pins at
         most ``limits.client_get_bytes`` in open get leases, so that a greedy client cannot
         hold the arena against the others' puts and promotions (the rest of its get is a
@@ -249,7 +248,7 @@ class ControlOps:
         read them well within it need not wait for the release's reply, see
         kvtier.client.ops.op_release)."""
         ns, fp, keys = self._target(conn, msg)
-        keys = self._within_get_room(conn, ns, fp, keys)
+        keys = self._within_get_room(conn, ns, keys)
         if msg.get("device") is True:
             lease, offsets, devices = await self.store.prepare_get_device(conn.id, ns, fp, keys)
             return {"lease": lease, "offsets": offsets, "devices": devices,

@@ -32,7 +32,7 @@ class EvictedFrames:
     """Frames evicted from nvme and left on disk, by key, until their slot is handed out
     again. Eviction does not erase (the bytes are right, and it would cost a write per
     eviction); a delete of the key erases them, else a restart would adopt a deleted block.
-    At most one entry per free slot."""
+    At most one entry per slot: a slot evicted again names its newest frame only."""
 
     by_slot: dict[NvmeSlot, tuple[Key, bytes]] = field(default_factory=dict)
     by_key: dict[Key, list[NvmeSlot]] = field(default_factory=dict)
