@@ -38,16 +38,18 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> En
 
     def run(phases: list[dict[str, Any]], transfer: dict[str, Any] | None = None,
             multiprocess: bool = False, prefix_caching: bool = False,
-            model: Path | None = None,
-            dtype: str = "float32") -> list[list[tuple[list[int], int]]]:
-        """``run.counters`` holds the connector's counters of the last in-process run;
-        ``model`` another checkpoint than the tiny Llama, ``dtype`` the engine's."""
+            model: Path | None = None, dtype: str = "float32",
+            engine_args: dict[str, Any] | None = None) -> list[list[tuple[list[int], int]]]:
+        """``run.counters`` holds the connector's counters of the last in-process run and
+        ``run.scheduler`` its scheduler's per-phase counts (``SchedulerWatch``); ``model``
+        another checkpoint than the tiny Llama, ``dtype`` the engine's, ``engine_args``
+        more ``LLM`` arguments (``make_llm``)."""
         work = tmp_path_factory.mktemp(f"engine{next(counter)}")
         spec = work / "spec.json"
         out = work / "out.json"
         spec.write_text(json.dumps({"model": str(model or tiny_model), "transfer": transfer,
                                     "phases": phases, "prefix_caching": prefix_caching,
-                                    "dtype": dtype}))
+                                    "dtype": dtype, "engine_args": engine_args}))
         env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         proc = subprocess.run([sys.executable, str(RUNNER), str(spec), str(out)], env=env,
@@ -58,6 +60,8 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> En
             f"engine process failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
         counters = out.with_name(out.name + ".connector.json")
         run.counters = json.loads(counters.read_text()) if counters.exists() else {}  # type: ignore[attr-defined]
+        watched = out.with_name(out.name + ".engine.json")
+        run.scheduler = json.loads(watched.read_text()) if watched.exists() else []  # type: ignore[attr-defined]
         return [[(list(t), int(c)) for t, c in phase] for phase in json.loads(out.read_text())]
 
     return run

@@ -8,6 +8,8 @@ As a script (``python tests/e2e/vllm_engine.py SPEC.json OUT.json``) it runs one
 and a list of phases, each a list of prompts generated together, and writes the tokens
 and ``num_cached_tokens`` of every request: this is how tests get a second engine
 process, an engine in vLLM's default multiprocess mode, and a baseline without kvtier.
+Beside them it writes the connector's counters and, per phase, what the scheduler did
+(``SchedulerWatch``: preemptions, failed loads, kvtier loads).
 """
 
 from __future__ import annotations
@@ -71,18 +73,21 @@ def kv_transfer_config(socket: Path | str, **extra: Any) -> dict[str, Any]:
 
 
 def make_llm(model: Path, transfer: dict[str, Any] | None, prefix_caching: bool = False,
-             dtype: Literal["float32", "float16", "bfloat16"] = "float32") -> Any:
+             dtype: Literal["float32", "float16", "bfloat16"] = "float32",
+             engine_args: dict[str, Any] | None = None) -> Any:
     """An engine as the issue prescribes (float32 unless ``dtype``, block 32, eager, no
-    local prefix cache unless ``prefix_caching``)."""
+    local prefix cache unless ``prefix_caching``). ``engine_args``: more ``LLM`` keyword
+    arguments, or other values of these (e.g. ``num_gpu_blocks_override``,
+    ``max_num_batched_tokens``, ``max_model_len``)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"max_model_len": 4096, **(engine_args or {})}
     if transfer is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
     return LLM(model=str(model), skip_tokenizer_init=True, dtype=dtype,
                block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=prefix_caching,
-               max_model_len=4096, seed=0, **kwargs)
+               seed=0, **kwargs)
 
 
 def generate(llm: Any, prompts: list[list[int]], salts: list[str | None] | None = None,
@@ -146,20 +151,105 @@ def lose_blocks_at_load(blocks: list[int]) -> None:
     setattr(SchedulerSide, "update_state_after_alloc", hooked)  # noqa: B010 (a test hook)
 
 
+def slow_saves(seconds: float) -> None:
+    """From now on every save of the connector waits ``seconds`` before it copies pages (a
+    saver slower than the engine's steps): saves are still running when vLLM preempts or
+    finishes their request, or looks up the blocks they hold (the in-process engine only)."""
+    import time
+
+    from kvtier.connectors.vllm.transfers import SaveRequest
+
+    original = SaveRequest.copy
+
+    def delayed(self: Any, stream: Any) -> None:
+        time.sleep(seconds)
+        original(self, stream)
+
+    setattr(SaveRequest, "copy", delayed)  # noqa: B010 (a test hook)
+
+
+class SchedulerWatch:
+    """Counts, per phase, what vLLM's scheduler did that the outputs do not show: its
+    preemptions (``Scheduler._preempt_request``: pages freed, the request recomputed from
+    its first token when it runs again), split by whether the request was still in its
+    prefill; the pages a KV connector reported as failed loads (``invalid_blocks``, vLLM
+    recomputes them); and, with kvtier's connector, the admissions for which it planned
+    a load (``loads``, ``loaded_tokens``), and its admissions of requests that had been
+    preempted (``resumed``; an asynchronous load admits twice: to load, then to run) with
+    what kvtier loaded for those. The in-process engine core only (the default
+    multiprocess one runs in another process)."""
+
+    def __init__(self) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        self.phases: list[dict[str, int]] = []
+        self._now = self._zero()
+        original = Scheduler._preempt_request
+        watch = self
+
+        def preempt(sched: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+            watch._now["preemptions"] += 1
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                watch._now["preempted_in_prefill"] += 1
+            else:
+                watch._now["preempted_in_decode"] += 1
+            original(sched, request, *args, **kwargs)
+
+        setattr(Scheduler, "_preempt_request", preempt)  # noqa: B010 (a test hook)
+        invalid = Scheduler._handle_invalid_blocks
+
+        def handle_invalid(sched: Any, invalid_block_ids: set[int], *args: Any) -> Any:
+            watch._now["invalid_blocks"] += len(invalid_block_ids)
+            return invalid(sched, invalid_block_ids, *args)
+
+        setattr(Scheduler, "_handle_invalid_blocks", handle_invalid)  # noqa: B010
+        from kvtier.connectors.vllm.scheduler import SchedulerSide
+
+        alloc = SchedulerSide.update_state_after_alloc
+
+        def after_alloc(side: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            if num_external_tokens > 0:
+                watch._now["loads"] += 1
+                watch._now["loaded_tokens"] += num_external_tokens
+            if request.num_preemptions > 0:
+                watch._now["resumed"] += 1
+                if num_external_tokens > 0:
+                    watch._now["resumed_with_load"] += 1
+                    watch._now["resumed_loaded_tokens"] += num_external_tokens
+            alloc(side, request, blocks, num_external_tokens)
+
+        setattr(SchedulerSide, "update_state_after_alloc", after_alloc)  # noqa: B010
+
+    @staticmethod
+    def _zero() -> dict[str, int]:
+        return dict.fromkeys(("preemptions", "preempted_in_prefill", "preempted_in_decode",
+                              "invalid_blocks", "loads", "loaded_tokens", "resumed",
+                              "resumed_with_load", "resumed_loaded_tokens"), 0)
+
+    def end_phase(self) -> None:
+        self.phases.append(self._now)
+        self._now = self._zero()
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    watch = SchedulerWatch()
     llm = make_llm(Path(spec["model"]), spec.get("transfer"), spec.get("prefix_caching", False),
-                   spec.get("dtype", "float32"))
+                   spec.get("dtype", "float32"), spec.get("engine_args"))
     results: list[Any] = []
     prompts: list[list[list[int]]] = []
     for phase in spec["phases"]:
         if "lose_blocks_at_load" in phase:
             lose_blocks_at_load(phase["lose_blocks_at_load"])
+        if "slow_saves_s" in phase:
+            slow_saves(phase["slow_saves_s"])
         prompts.append(phase_prompts(phase, results, prompts))
         results.append(generate(llm, prompts[-1], phase.get("salts"),
                                 phase.get("max_tokens", MAX_TOKENS)))
+        watch.end_phase()
     Path(out_path).write_text(json.dumps(results))
     Path(out_path + ".connector.json").write_text(json.dumps(connector_counters(llm)))
+    Path(out_path + ".engine.json").write_text(json.dumps(watch.phases))
     # Stop the engine-core process (multiprocess mode) before leaving; then skip vLLM's
     # slow interpreter teardown, the results are on disk.
     llm.llm_engine.engine_core.shutdown(timeout=30)
