@@ -10,12 +10,14 @@ sides derive the identical :class:`~kvtier.layout.KVLayout` and hence the same n
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from kvtier.errors import ConfigError
 from kvtier.layout import CANONICAL_FORMAT, KVLayout, default_tokens_per_block
+from kvtier.weights import WEIGHTS_MARK, fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,6 +38,7 @@ _KEYS = frozenset({
     "async_load", "timeout_s", "reconnect_min_s", "reconnect_max_s",
     "max_inflight_save_bytes", "prefill_tokens_per_s", "tier_bandwidth",
     "skip_slower_than_recompute", "device_loads", "redis_sync_timeout_s", "presence_filter",
+    "model_fingerprint",
 })
 
 
@@ -65,6 +68,11 @@ class ConnectorConfig:
     ``tokens_per_block`` must be a multiple of vLLM's ``block_size`` (a kvtier block spans
     whole engine pages). ``model_id`` defaults to vLLM's model path/name; ``namespace``
     (optional) prefixes it so two deployments of one model can be kept apart.
+    ``model_fingerprint``: ``auto`` (default) appends a fingerprint of the checkpoint's
+    files and of the compute dtype, quantization and config overrides
+    (``kvtier.weights``), so that KV of other weights under the same name is never
+    served; another string is appended instead (a version the operator manages); ``off``
+    appends nothing.
     ``save_decode_tokens`` also offloads KV of generated tokens (off by default: prompts are
     what gets reused). ``async_load`` loads in a background thread between scheduler steps
     (vLLM's ``WAITING_FOR_REMOTE_KVS`` path) instead of before the step's forward.
@@ -120,9 +128,11 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, *, block_size: int,
-                   default_model_id: str, role: str | None = None) -> ConnectorConfig:
+                   default_model_id: str, role: str | None = None,
+                   weights: Callable[[], str] | None = None) -> ConnectorConfig:
         """Validate ``kv_connector_extra_config`` (and vLLM's ``kv_role``, None meaning
-        ``kv_both``); a bad value raises ``ConfigError``."""
+        ``kv_both``); a bad value raises ``ConfigError``. ``weights`` computes the
+        checkpoint's fingerprint (``model_fingerprint = "auto"``; None: there is none)."""
         role = role or "kv_both"
         if role not in ROLES:
             raise ConfigError(f"kv_role {role!r} is not one KVTierConnector knows; use one "
@@ -142,6 +152,14 @@ class ConnectorConfig:
         prefix = extra.get("namespace")
         if prefix:
             model_id = f"{prefix}/{model_id}"
+        mode = extra.get("model_fingerprint", "auto")
+        if not isinstance(mode, str) or not mode or WEIGHTS_MARK in mode:
+            raise ConfigError(f"model_fingerprint={mode!r}: use 'auto', 'off' or a "
+                              "version string of your own")
+        mark = (weights() if weights is not None else None) if mode == "auto" else \
+            None if mode == "off" else mode
+        if mark:
+            model_id = f"{model_id}{WEIGHTS_MARK}{mark}"
         socket = extra.get("socket_path")
         min_s = _positive_float(extra, "reconnect_min_s", 0.5)
         return cls(
@@ -171,9 +189,22 @@ class ConnectorConfig:
         """Read the connector's section of a vLLM config."""
         transfer = vllm_config.kv_transfer_config
         extra = transfer.kv_connector_extra_config if transfer is not None else {}
+        model = vllm_config.model_config
         return cls.from_extra(extra, block_size=vllm_config.cache_config.block_size,
-                              default_model_id=str(vllm_config.model_config.model),
-                              role=getattr(transfer, "kv_role", None))
+                              default_model_id=str(model.model),
+                              role=getattr(transfer, "kv_role", None),
+                              weights=lambda: engine_fingerprint(model))
+
+
+def engine_fingerprint(model: Any) -> str:
+    """The weights fingerprint of a vLLM ``ModelConfig``: its checkpoint, revision, dtype,
+    quantization and ``hf_overrides`` (a callable override counts by its name)."""
+    overrides = model.hf_overrides
+    if callable(overrides):
+        overrides = {"callable": getattr(overrides, "__qualname__", type(overrides).__name__)}
+    return fingerprint(str(model.model), revision=model.revision, dtype=model.dtype,
+                       quantization=model.quantization,
+                       overrides=overrides if isinstance(overrides, Mapping) else None)
 
 
 class _AttentionSpec(Protocol):

@@ -34,6 +34,7 @@ from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality, RedisProbe
 from kvtier.protocol import optional_int
 from kvtier.store import TieredStore
+from kvtier.weights import base_model_id
 
 MAX_PROMPTS = 256
 BATCH_CONTEXTS = 4
@@ -158,19 +159,28 @@ class PrefixProbe:
         tp_size = optional_int(dict(spec), "tp_size", 1, 1, _MAX_TP)
         tp_rank = optional_int(dict(spec), "tp_rank", 0, 0, tp_size - 1)
         layout = spec.get("layout")
-        if layout is not None:
-            return Namespace(model_id, KVLayout.from_dict(layout), tp_rank, tp_size, salt)
+        # a model named without its weights fingerprint (kvtier.weights) matches the
+        # registered namespaces of any weights of it
         found = [e.namespace for e in self.store.namespaces.values()
-                 if e.namespace.model_id == model_id and e.namespace.cache_salt == salt
+                 if model_id in (e.namespace.model_id, base_model_id(e.namespace.model_id))
+                 and e.namespace.cache_salt == salt
                  and e.namespace.tp_rank == tp_rank and e.namespace.tp_size == tp_size]
+        if layout is not None:
+            spelled = Namespace(model_id, KVLayout.from_dict(layout), tp_rank, tp_size, salt)
+            found = [ns for ns in found
+                     if ns.layout.fingerprint == spelled.layout.fingerprint]
+            if not found or any(ns.digest == spelled.digest for ns in found):
+                return spelled   # probed as spelled out, registered or not
         if not found:
             raise UnknownNamespace(f"no engine serving {model_id!r} (with this tp_rank, "
                                    "tp_size and cache_salt) has registered with this daemon: "
                                    "pass its layout to probe anyway")
         if len(found) > 1:
-            tpbs = sorted(ns.layout.tokens_per_block for ns in found)
-            raise ProtocolError(f"{len(found)} layouts of {model_id!r} are registered here "
-                                f"(tokens_per_block {tpbs}): pass 'layout' or 'namespace'")
+            what = sorted(f"{ns.model_id} (tokens_per_block {ns.layout.tokens_per_block})"
+                          for ns in found)
+            raise ProtocolError(f"{len(found)} namespaces of {model_id!r} are registered "
+                                f"here ({', '.join(what)}): pass 'namespace', or the "
+                                "'model_id' and 'layout' of one")
         return found[0]
 
     # -- bounds --------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from tests.e2e.conftest import PROMPTS, max_tokens_of
 from tests.e2e.vllm_engine import (
     ENGINE_ENV,
     TOKENS_PER_BLOCK,
+    engine_model_id,
     generate,
     kv_transfer_config,
     make_llm,
@@ -80,10 +81,11 @@ def full_blocks_tokens(name: str) -> int:
     return min(n // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK, n - 1)
 
 
-def namespace(salt: str | None = None) -> Namespace:
+def namespace(model: Path, salt: str | None = None) -> Namespace:
+    """The namespace the engine of ``model`` saves under (its weights fingerprint in it)."""
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
                       tokens_per_block=TOKENS_PER_BLOCK)
-    return Namespace(MODEL_ID, layout, 0, 1, salt)
+    return Namespace(engine_model_id(MODEL_ID, model), layout, 0, 1, salt)
 
 
 def test_daemon_absent_at_start(llm: Any, daemon: DaemonProcess,
@@ -136,7 +138,7 @@ def test_cache_salts_never_share(llm: Any, live: DaemonProcess,
     assert run(llm, "salted", "bob") == (expected, full_blocks_tokens("salted"))
 
 
-def test_injected_kv_is_used(llm: Any, live: DaemonProcess,
+def test_injected_kv_is_used(llm: Any, live: DaemonProcess, tiny_model: Path,
                              baseline: dict[str, list[int]]) -> None:
     """Well-framed but wrong KV under the prompt's keys changes the output: the loaded
     KV really feeds attention. Removing it restores the baseline."""
@@ -144,7 +146,7 @@ def test_injected_kv_is_used(llm: Any, live: DaemonProcess,
 
     expected = baseline["inject"]
     assert run(llm, "inject")[0] == expected
-    ns = namespace()
+    ns = namespace(tiny_model)
     keys = block_keys(ns, PROMPTS["inject"])
     rng = np.random.default_rng(0)
     garbage = [rng.standard_normal(ns.layout.block_bytes // 4).astype(np.float32) * 3

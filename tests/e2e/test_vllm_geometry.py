@@ -15,7 +15,13 @@ from kvtier.client import connect
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from tests.e2e.conftest import EngineRun
-from tests.e2e.vllm_engine import BLOCK_SIZE, build_tiny_llama, kv_transfer_config, prompt
+from tests.e2e.vllm_engine import (
+    BLOCK_SIZE,
+    build_tiny_llama,
+    engine_model_id,
+    kv_transfer_config,
+    prompt,
+)
 from tests.support.daemon import DaemonProcess
 
 pytestmark = pytest.mark.e2e
@@ -60,7 +66,7 @@ def test_an_mqa_bf16_model_reloads_exactly_in_a_fresh_engine(
                       dtype=DTYPE, tokens_per_block=BLOCK_SIZE)
     c = connect(daemon.socket)
     try:
-        ns = c.register_layout(layout, "tiny-mqa")
+        ns = c.register_layout(layout, engine_model_id("tiny-mqa", mqa_model, DTYPE))
         for p in PROMPTS:
             keys = block_keys(ns, p)
             assert c.lookup(ns, keys, prefetch=False).hits == len(keys) == len(p) // BLOCK_SIZE

@@ -30,9 +30,9 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobin
 
 
 def build_tiny_llama(path: Path, *, layers: int = 2, kv_heads: int = 2,
-                     head_dim: int = 32) -> Path:
+                     head_dim: int = 32, seed: int = 0) -> Path:
     """A random LlamaForCausalLM (hidden 64, 4 heads; by default 2 layers, 2 KV heads,
-    head_dim 32)."""
+    head_dim 32); ``seed`` draws its weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,9 +41,17 @@ def build_tiny_llama(path: Path, *, layers: int = 2, kv_heads: int = 2,
                       num_key_value_heads=kv_heads, head_dim=head_dim,
                       max_position_embeddings=4096, initializer_range=0.3,
                       tie_word_embeddings=False)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def engine_model_id(model_id: str, model: Path, dtype: str = "float32") -> str:
+    """The model id the connector registers for ``model_id`` on an engine of ``model``
+    (its weights fingerprint appended, ``model_fingerprint = "auto"``)."""
+    from kvtier.weights import WEIGHTS_MARK, fingerprint
+
+    return f"{model_id}{WEIGHTS_MARK}{fingerprint(str(model), dtype=dtype)}"
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -232,3 +232,26 @@ def test_a_salted_namespace_is_not_named_by_its_digest_alone(daemon: DaemonProce
     huge = {**salted, "layout": {**LAYOUT.to_dict(), "num_layers": 2**80}, "token_ids": [1]}
     assert post_json(daemon, huge)[0] == 400
     c.close()
+
+
+def test_a_router_names_a_model_without_its_weights_fingerprint(daemon: DaemonProcess) -> None:
+    """The vLLM connector registers ``MODEL#w=FINGERPRINT`` (kvtier.weights); a router
+    knows the model's name only: by name, with or without the layout, it probes the
+    registered namespace. Two weights of one name registered at once are told apart."""
+    c = connect(daemon.socket)
+    ns = c.register_layout(LAYOUT, "org/model#w=00112233aabbccdd")
+    toks = prompts()["full"]
+    keys = block_keys(ns, toks)
+    assert c.put(ns, keys[:5], [content(k) for k in keys[:5]]) == 5
+    for doc in ({"model_id": "org/model"},
+                {"model_id": "org/model", "layout": LAYOUT.to_dict()},
+                {"model_id": "org/model#w=00112233aabbccdd", "layout": LAYOUT.to_dict()}):
+        status, reply = post_json(daemon, {**doc, "token_ids": toks.tolist()})
+        assert status == 200 and reply["hit_tokens"] == 5 * TPB, (doc, reply)
+    c.register_layout(LAYOUT, "org/model#w=ffffffffffffffff")   # new weights, same name
+    status, reply = post_json(daemon, {"model_id": "org/model", "token_ids": toks.tolist()})
+    assert status == 400 and "org/model#w=ffffffffffffffff" in reply["error"], reply
+    status, reply = post_json(daemon, {"model_id": "org/model#w=ffffffffffffffff",
+                                       "token_ids": toks.tolist()})
+    assert status == 200 and reply["hit_tokens"] == 0    # its blocks are not the old ones'
+    c.close()

@@ -1,0 +1,98 @@
+"""Which weights a namespace's KV came from: a short fingerprint of the checkpoint that the
+vLLM connector appends to the model id (``MODEL#w=FINGERPRINT``), so that KV computed by
+other weights under the same name (a fine-tune or a new revision deployed at the same path,
+a hub name pointing at a new commit) is a miss, never served.
+
+What goes in: the checkpoint's ``config.json`` and, for every weight file next to it, its
+name, its size and eight 64 KiB windows spread over it (a changed checkpoint changes
+tensors throughout the files, so the windows tell two apart at a cost of 512 KiB read per
+file, not the whole checkpoint); then the engine's compute dtype, quantization and config
+overrides, which change the KV without changing the files. Neither paths nor times go in:
+identical copies of a checkpoint on two nodes (prefill and decode) give the same
+fingerprint. A hub name is fingerprinted through the snapshot vLLM downloaded into the
+Hugging Face cache (its directory is named by the commit); a name with nothing cached
+is fingerprinted by name and revision only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+__all__ = ["WEIGHTS_MARK", "base_model_id", "checkpoint_files", "fingerprint"]
+
+WEIGHTS_MARK = "#w="
+"""Between a model id and its weights' fingerprint."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WINDOWS = 8
+WINDOW_BYTES = 64 << 10
+
+
+def base_model_id(model_id: str) -> str:
+    """``model_id`` without a weights fingerprint (what a router names a model by)."""
+    return model_id.split(WEIGHTS_MARK, 1)[0]
+
+
+def checkpoint_files(model: str, revision: str | None = None) -> list[Path] | None:
+    """The files that identify ``model``'s weights (config.json first, then the weight
+    files in name order), or None when there is no local checkpoint to read."""
+    path = Path(model).expanduser()
+    if path.is_file():   # a single-file checkpoint (GGUF)
+        return [path]
+    if not path.is_dir():
+        path = _cached_snapshot(model, revision) or path
+    if not path.is_dir():
+        return None
+    files = sorted(p for p in path.iterdir()
+                   if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file())
+    config = path / "config.json"
+    return ([config] if config.is_file() else []) + files
+
+
+def fingerprint(model: str, *, revision: str | None = None, dtype: object = None,
+                quantization: object = None, overrides: Mapping[str, Any] | None = None
+                ) -> str:
+    """16 hex digits naming the weights of ``model`` (a directory, a file, or a hub name)
+    and the settings that change the KV they compute (see the module docstring)."""
+    h = xxhash.xxh3_128()
+    files = checkpoint_files(model, revision)
+    if files is None:
+        h.update(f"name:{model}@{revision or ''}".encode())
+    for f in files or ():
+        _hash_file(h, f)
+    settings = [str(dtype).removeprefix("torch.") if dtype is not None else None,
+                None if quantization is None else str(quantization),
+                dict(overrides) if overrides else None]
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _hash_file(h: Any, path: Path) -> None:
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(f"{path.name}:{size}:".encode())
+        if size <= WINDOWS * WINDOW_BYTES:
+            h.update(f.read())
+            return
+        step = (size - WINDOW_BYTES) // (WINDOWS - 1)
+        for i in range(WINDOWS):
+            f.seek(i * step)
+            h.update(f.read(WINDOW_BYTES))
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The directory of ``repo_id``'s snapshot in the Hugging Face cache, if it is there."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    except Exception:   # not a repo id (a missing local path), or a malformed cache
+        return None
+    return Path(found).parent if isinstance(found, str) else None

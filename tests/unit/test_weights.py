@@ -1,0 +1,74 @@
+"""The weights fingerprint (kvtier.weights): the same checkpoint anywhere gives the same
+fingerprint, other weights or KV-changing settings another, and reading it costs a few
+windows per file, not the checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.weights import WINDOW_BYTES, WINDOWS, base_model_id, checkpoint_files, fingerprint
+
+
+def checkpoint(root: Path, seed: int = 0, size: int = 3 << 20) -> Path:
+    root.mkdir(parents=True)
+    (root / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    (root / "model-00001-of-00002.safetensors").write_bytes(data[: size // 2].tobytes())
+    (root / "model-00002-of-00002.safetensors").write_bytes(data[size // 2:].tobytes())
+    (root / "tokenizer.json").write_text("{}")          # not weights: not read
+    return root
+
+
+def test_copies_agree_and_changes_are_seen(tmp_path: Path) -> None:
+    a = checkpoint(tmp_path / "a")
+    fp = fingerprint(str(a), dtype="torch.bfloat16")
+    assert len(fp) == 16 and int(fp, 16) >= 0
+    copy = tmp_path / "elsewhere" / "b"
+    shutil.copytree(a, copy)                             # another node, another path
+    assert fingerprint(str(copy), dtype="bfloat16") == fp
+    (copy / "tokenizer.json").write_text('{"x": 1}')
+    assert fingerprint(str(copy), dtype="bfloat16") == fp
+    assert [p.name for p in checkpoint_files(str(a)) or []] == [
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    # another seed of the same architecture and sizes, another dtype, quantization or
+    # override: another fingerprint
+    other = checkpoint(tmp_path / "c", seed=1)
+    assert fingerprint(str(other), dtype="bfloat16") != fp
+    assert fingerprint(str(a), dtype="float16") != fp
+    assert fingerprint(str(a), dtype="bfloat16", quantization="fp8") != fp
+    assert fingerprint(str(a), dtype="bfloat16", overrides={"rope_theta": 1e6}) != fp
+
+
+@pytest.mark.parametrize("window", range(WINDOWS))
+def test_a_change_in_any_window_is_seen(tmp_path: Path, window: int) -> None:
+    a = checkpoint(tmp_path / "a")
+    before = fingerprint(str(a))
+    shard = a / "model-00002-of-00002.safetensors"
+    size = shard.stat().st_size
+    pos = window * ((size - WINDOW_BYTES) // (WINDOWS - 1)) + 100
+    with shard.open("r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert fingerprint(str(a)) != before
+
+
+def test_a_single_file_and_an_unknown_name(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(1000))
+    assert checkpoint_files(str(gguf)) == [gguf]
+    assert fingerprint(str(gguf)) != fingerprint(str(tmp_path / "missing.gguf"))
+    # a hub name with nothing cached: name and revision only
+    assert checkpoint_files("no-such-org/no-such-model") is None
+    assert fingerprint("no-such-org/no-such-model", revision="v1") != \
+        fingerprint("no-such-org/no-such-model", revision="v2")
+
+
+def test_base_model_id() -> None:
+    assert base_model_id("org/m#w=0011223344556677") == "org/m"
+    assert base_model_id("org/m") == "org/m"
