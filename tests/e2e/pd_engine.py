@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.e2e.vllm_engine import connector_counters, generate, make_llm
+from tests.e2e.vllm_engine import connector_counters, engine_model_id, generate, make_llm
 
 
 def probe(url: str, model_id: str, layout: dict[str, Any], tokens: list[int]) -> int:
@@ -73,7 +73,9 @@ def main(spec_path: str, out_path: str) -> None:
         took = time.perf_counter() - t0
         seen = -1
         if spec.get("probe_url"):
-            seen = probe(spec["probe_url"], str(model), spec["probe_layout"], p)
+            # the full model id: no engine registered it on the probed node yet
+            seen = probe(spec["probe_url"], engine_model_id(str(model), model),
+                         spec["probe_layout"], p)
         rows.append([tokens, cached, took, seen])
     Path(out_path).write_text(json.dumps(rows))
     Path(out_path + ".connector.json").write_text(json.dumps(connector_counters(llm)))
