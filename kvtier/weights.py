@@ -17,6 +17,7 @@ is fingerprinted by name and revision only.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import Any
 import xxhash
 
 __all__ = ["WEIGHTS_MARK", "base_model_id", "checkpoint_files", "fingerprint"]
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_MARK = "#w="
 """Between a model id and its weights' fingerprint."""
@@ -73,6 +76,17 @@ def fingerprint(model: str, *, revision: str | None = None, dtype: object = None
 
 
 def _hash_file(h: Any, path: Path) -> None:
+    """Hash ``path``'s name, size and windows; a file that cannot be read (removed or
+    unreadable since the listing) counts by its name, and never fails an engine's start."""
+    try:
+        _hash_windows(h, path)
+    except OSError as exc:
+        log.warning("weights fingerprint: %s not read (%s); counted by its name only",
+                    path, exc.strerror or exc)
+        h.update(f"{path.name}:unreadable:".encode())
+
+
+def _hash_windows(h: Any, path: Path) -> None:
     with path.open("rb") as f:
         size = os.fstat(f.fileno()).st_size
         h.update(f"{path.name}:{size}:".encode())

@@ -72,3 +72,19 @@ def test_a_single_file_and_an_unknown_name(tmp_path: Path) -> None:
 def test_base_model_id() -> None:
     assert base_model_id("org/m#w=0011223344556677") == "org/m"
     assert base_model_id("org/m") == "org/m"
+
+
+def test_an_unreadable_file_does_not_fail_the_start(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    a = checkpoint(tmp_path / "a")
+    fine = fingerprint(str(a))
+    real_open = Path.open
+
+    def refuse(self: Path, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        if self.name.startswith("model-00002"):
+            raise PermissionError(13, "Permission denied")
+        return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "open", refuse)
+    unreadable = fingerprint(str(a))
+    assert len(unreadable) == 16 and unreadable != fine
