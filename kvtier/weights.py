@@ -3,7 +3,8 @@ vLLM connector appends to the model id (``MODEL#w=FINGERPRINT``), so that KV com
 other weights under the same name (a fine-tune or a new revision deployed at the same path,
 a hub name pointing at a new commit) is a miss, never served.
 
-What goes in: the checkpoint's ``config.json`` and, for every weight file next to it, its
+What goes in: the checkpoint's ``config.json`` (a LoRA adapter's ``adapter_config.json``:
+the connector fingerprints adapters too) and, for every weight file next to it, its
 name, its size and eight 64 KiB windows spread over it (a changed checkpoint changes
 tensors throughout the files, so the windows tell two apart at a cost of 512 KiB read per
 file, not the whole checkpoint); then the engine's compute dtype, quantization and config
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 WEIGHTS_MARK = "#w="
 """Between a model id and its weights' fingerprint."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+CONFIG_FILES = ("config.json", "adapter_config.json")   # a model's, a LoRA adapter's
 WINDOWS = 8
 WINDOW_BYTES = 64 << 10
 
@@ -42,8 +44,8 @@ def base_model_id(model_id: str) -> str:
 
 
 def checkpoint_files(model: str, revision: str | None = None) -> list[Path] | None:
-    """The files that identify ``model``'s weights (config.json first, then the weight
-    files in name order), or None when there is no local checkpoint to read."""
+    """The files that identify ``model``'s weights (its config files first, then the
+    weight files in name order), or None when there is no local checkpoint to read."""
     path = Path(model).expanduser()
     if path.is_file():   # a single-file checkpoint (GGUF)
         return [path]
@@ -53,8 +55,8 @@ def checkpoint_files(model: str, revision: str | None = None) -> list[Path] | No
         return None
     files = sorted(p for p in path.iterdir()
                    if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file())
-    config = path / "config.json"
-    return ([config] if config.is_file() else []) + files
+    configs = [path / name for name in CONFIG_FILES if (path / name).is_file()]
+    return configs + files
 
 
 def fingerprint(model: str, *, revision: str | None = None, dtype: object = None,

@@ -24,11 +24,10 @@ synchronous commit leaves the whole prompt in Redis (docs/pd-disaggregation.md).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +39,7 @@ from .link import DaemonLink
 from .mapping import LoadSpan, PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
 from .recompute import RecomputeModel
+from .salts import request_salt
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -76,39 +76,6 @@ class RequestState:
     known_blocks: int = 0
     load: TransferSpec | None = None
     saved_any: bool = False
-
-
-def request_salt(request: Request) -> str | Literal[False] | None:
-    """The namespace salt of a request, or ``False`` when its KV is not a function of its
-    token ids alone (multimodal inputs, prompt embeddings) and must not be cached.
-
-    A LoRA adapter changes the KV, so it joins the tenant's ``cache_salt`` (``namespace_salt``).
-    """
-    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) \
-            is not None:
-        return False
-    lora = getattr(request, "lora_request", None)
-    adapter = None if lora is None else (str(getattr(lora, "lora_name", "")),
-                                         str(getattr(lora, "lora_path", "") or ""),
-                                         int(getattr(lora, "lora_int_id", 0) or 0))
-    return namespace_salt(getattr(request, "cache_salt", None), adapter)
-
-
-_RESERVED = "\x1f"   # opens every salt this connector derives; a tenant's is escaped
-
-
-def namespace_salt(cache_salt: str | None,
-                   adapter: tuple[str, str, int] | None) -> str | None:
-    """The namespace salt of a tenant's ``cache_salt`` and LoRA ``adapter`` (name, path,
-    id), one to one: two requests share KV only when both are equal. Without an adapter the
-    tenant's salt is kept as is (its namespace, and what it stored, stay the same), unless
-    it begins with the reserved character; with one, the pair is JSON under that character,
-    so no tenant can choose a salt that names another tenant's adapter namespace."""
-    if adapter is None:
-        if cache_salt is not None and cache_salt.startswith(_RESERVED):
-            return f"{_RESERVED}salt:{cache_salt}"
-        return cache_salt
-    return f"{_RESERVED}lora:" + json.dumps([cache_salt, *adapter], ensure_ascii=True)
 
 
 class SchedulerSide:

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector package imports vLLM")
 
-from kvtier.connectors.vllm.scheduler import namespace_salt, request_salt
+from kvtier.connectors.vllm.salts import namespace_salt, request_salt
 
 
 def request(salt: str | None = None, lora: tuple[str, str, int] | None = None) -> Any:
@@ -34,6 +34,27 @@ FOO = ("foo", "/adapters/foo", 1)
 ])
 def test_different_tenants_or_adapters_never_share_a_salt(a: Any, b: Any) -> None:
     assert request_salt(a) != request_salt(b)
+
+
+def test_an_adapter_retrained_in_place_gets_another_salt(tmp_path: Any) -> None:
+    """Same name, path and id, new weights (a new process reads them): another namespace,
+    so the old adapter's KV is never served to the new one."""
+    from kvtier.connectors.vllm import salts
+
+    adapter = tmp_path / "foo"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (adapter / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 16)
+    lora = ("foo", str(adapter), 7)
+    first = request_salt(request("t", lora))
+    assert request_salt(request("t", lora)) == first          # read once, remembered
+    (adapter / "adapter_model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 16)
+    salts._ADAPTER_FINGERPRINTS.clear()                    # a new engine process
+    retrained = request_salt(request("t", lora))
+    (adapter / "adapter_config.json").write_text('{"r": 16, "lora_alpha": 16}')
+    salts._ADAPTER_FINGERPRINTS.clear()
+    rank_changed = request_salt(request("t", lora))
+    assert len({first, retrained, rank_changed}) == 3
 
 
 def test_without_an_adapter_the_tenants_salt_is_kept() -> None:

@@ -1,0 +1,72 @@
+"""A request's namespace salt: the tenant's ``cache_salt`` and the LoRA adapter that
+computed its KV (name, path, id and a fingerprint of the adapter's weights), one to one, so
+that two requests share KV only when both match; ``False`` for a request whose KV is not a
+function of its token ids alone."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Literal
+
+from kvtier.weights import fingerprint
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["adapter_fingerprint", "namespace_salt", "request_salt"]
+
+
+def request_salt(request: Request) -> str | Literal[False] | None:
+    """The namespace salt of a request, or ``False`` when its KV is not a function of its
+    token ids alone (multimodal inputs, prompt embeddings) and must not be cached.
+
+    A LoRA adapter changes the KV, so it joins the tenant's ``cache_salt`` (``namespace_salt``).
+    """
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) \
+            is not None:
+        return False
+    lora = getattr(request, "lora_request", None)
+    adapter = None
+    if lora is not None:
+        path = str(getattr(lora, "lora_path", "") or "")
+        lora_id = int(getattr(lora, "lora_int_id", 0) or 0)
+        adapter = (str(getattr(lora, "lora_name", "")), path, lora_id,
+                   adapter_fingerprint(path, lora_id))
+    return namespace_salt(getattr(request, "cache_salt", None), adapter)
+
+
+_ADAPTER_FINGERPRINTS: dict[tuple[str, int], str] = {}
+MAX_ADAPTER_FINGERPRINTS = 4096
+
+
+def adapter_fingerprint(path: str, lora_id: int) -> str:
+    """The weights fingerprint of a LoRA adapter (``kvtier.weights``: its config and
+    sampled weight windows), read once per adapter per process: an adapter retrained and
+    deployed under the same name and path must not be served the old one's KV. (vLLM
+    itself keeps an adapter it loaded by its id until it drops it, so a process that saw
+    an adapter once goes on with what it read first, as vLLM does.)"""
+    key = (path, lora_id)
+    found = _ADAPTER_FINGERPRINTS.get(key)
+    if found is None:
+        if len(_ADAPTER_FINGERPRINTS) >= MAX_ADAPTER_FINGERPRINTS:
+            _ADAPTER_FINGERPRINTS.clear()
+        found = _ADAPTER_FINGERPRINTS[key] = fingerprint(path) if path else ""
+    return found
+
+
+_RESERVED = "\x1f"   # opens every salt this connector derives; a tenant's is escaped
+
+
+def namespace_salt(cache_salt: str | None,
+                   adapter: tuple[str, str, int, str] | None) -> str | None:
+    """The namespace salt of a tenant's ``cache_salt`` and LoRA ``adapter`` (name, path,
+    id, weights fingerprint), one to one: two requests share KV only when both are equal.
+    Without an adapter the tenant's salt is kept as is (its namespace, and what it stored,
+    stay the same), unless it begins with the reserved character; with one, the pair is
+    JSON under that character, so no tenant can choose a salt that names another tenant's
+    adapter namespace."""
+    if adapter is None:
+        if cache_salt is not None and cache_salt.startswith(_RESERVED):
+            return f"{_RESERVED}salt:{cache_salt}"
+        return cache_salt
+    return f"{_RESERVED}lora:" + json.dumps([cache_salt, *adapter], ensure_ascii=True)
