@@ -196,6 +196,19 @@ class ConnectorConfig:
                               weights=lambda: engine_fingerprint(model))
 
 
+def check_parallelism(parallel: Any) -> None:
+    """Refuse the parallel layouts the connector cannot key correctly (``ConfigError`` at
+    engine start, never wrong KV later): pipeline stages hold other layers under the same
+    layout, and context parallelism shards a page's tokens across ranks, where the page <->
+    block mapping assumes whole pages of consecutive tokens on every rank."""
+    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        raise ConfigError("KVTierConnector does not support pipeline parallelism yet")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(parallel, name, 1) or 1) > 1:
+            raise ConfigError(f"KVTierConnector does not support context parallelism yet "
+                              f"({name}={getattr(parallel, name)}); run without it")
+
+
 def engine_fingerprint(model: Any) -> str:
     """The weights fingerprint of a vLLM ``ModelConfig``: its checkpoint, revision, dtype,
     quantization and ``hf_overrides`` (a callable override counts by its name)."""

@@ -30,7 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import ConfigError
 
-from .config import ConnectorConfig, layout_from_kv_cache_config
+from .config import ConnectorConfig, check_parallelism, layout_from_kv_cache_config
 from .metadata import KVTierConnectorMetadata
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -63,8 +63,7 @@ class KVTierConnector(KVConnectorBase_V1):
             raise ConfigError("KVTierConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
         self.config = ConnectorConfig.from_vllm(vllm_config)
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size > 1:
-            raise ConfigError("KVTierConnector does not support pipeline parallelism yet")
+        check_parallelism(parallel)
         layout, block_size = layout_from_kv_cache_config(kv_cache_config,
                                                          self.config.tokens_per_block)
         tp_size = parallel.tensor_parallel_size

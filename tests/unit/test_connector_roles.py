@@ -37,3 +37,24 @@ def test_bad_sync_timeouts_are_refused(bad: dict[str, object]) -> None:
 def test_an_unknown_role_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="kv_producer"):
         config("kv_prefill")
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("pipeline_parallel_size", 2, "pipeline parallelism"),
+    ("decode_context_parallel_size", 2, "decode_context_parallel_size=2"),
+    ("prefill_context_parallel_size", 4, "prefill_context_parallel_size=4"),
+])
+def test_parallel_layouts_it_cannot_key_are_refused_at_start(field: str, value: int,
+                                                              said: str) -> None:
+    """Pipeline stages hold other layers under an identical layout, and context
+    parallelism shards a page's tokens across ranks: keyed as usual, either would load
+    another stage's or another shard's KV. The engine's start fails instead."""
+    from types import SimpleNamespace
+
+    from kvtier.connectors.vllm.config import check_parallelism
+
+    plain = {"pipeline_parallel_size": 1, "decode_context_parallel_size": 1,
+             "prefill_context_parallel_size": 1, "tensor_parallel_size": 4}
+    check_parallelism(SimpleNamespace(**plain))   # tensor parallelism alone is fine
+    with pytest.raises(ConfigError, match=said):
+        check_parallelism(SimpleNamespace(**{**plain, field: value}))
