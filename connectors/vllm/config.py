@@ -193,7 +193,8 @@ class ConnectorConfig:
         return cls.from_extra(extra, block_size=vllm_config.cache_config.block_size,
                               default_model_id=str(model.model),
                               role=getattr(transfer, "kv_role", None),
-                              weights=lambda: engine_fingerprint(model))
+                              weights=lambda: engine_fingerprint(
+                                  model, getattr(vllm_config, "speculative_config", None)))
 
 
 def check_parallelism(parallel: Any) -> None:
@@ -209,15 +210,21 @@ def check_parallelism(parallel: Any) -> None:
                               f"({name}={getattr(parallel, name)}); run without it")
 
 
-def engine_fingerprint(model: Any) -> str:
+def engine_fingerprint(model: Any, speculative: Any = None) -> str:
     """The weights fingerprint of a vLLM ``ModelConfig``: its checkpoint, revision, dtype,
-    quantization and ``hf_overrides`` (a callable override counts by its name)."""
+    quantization and ``hf_overrides`` (a callable override counts by its name); with a
+    draft model (``speculative``), its fingerprint too: a draft's layers share the engine's
+    KV pages, so its weights decide part of every block."""
     overrides = model.hf_overrides
     if callable(overrides):
         overrides = {"callable": getattr(overrides, "__qualname__", type(overrides).__name__)}
+    settings = dict(overrides) if isinstance(overrides, Mapping) else {}
+    draft = getattr(speculative, "draft_model_config", None)
+    if draft is not None and getattr(draft, "model", None):
+        settings["kvtier.draft"] = [str(getattr(speculative, "method", None)),
+                                    engine_fingerprint(draft)]
     return fingerprint(str(model.model), revision=model.revision, dtype=model.dtype,
-                       quantization=model.quantization,
-                       overrides=overrides if isinstance(overrides, Mapping) else None)
+                       quantization=model.quantization, overrides=settings or None)
 
 
 class _AttentionSpec(Protocol):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvtier.errors import ConfigError
@@ -37,3 +39,34 @@ def test_the_weights_fingerprint_is_appended_unless_turned_off() -> None:
 def test_a_bad_model_fingerprint_is_refused(bad: object) -> None:
     with pytest.raises(ConfigError, match="model_fingerprint"):
         model_id(model_fingerprint=bad)
+
+
+def test_a_draft_models_weights_count_too(tmp_path: Any) -> None:
+    """A speculative draft's layers share the engine's KV pages: other draft weights,
+    another fingerprint; the target alone fingerprints as before (no draft, no change)."""
+    from types import SimpleNamespace
+
+    from kvtier.connectors.vllm.config import engine_fingerprint
+
+    from kvtier.weights import fingerprint
+
+    def checkpoint(name: str, payload: bytes) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(payload)
+        return str(d)
+
+    def config(path: str) -> Any:
+        return SimpleNamespace(model=path, revision=None, dtype="torch.bfloat16",
+                               quantization=None, hf_overrides={})
+
+    target = config(checkpoint("target", b"t" * 4096))
+    alone = engine_fingerprint(target)
+    assert alone == fingerprint(target.model, dtype="bfloat16")
+    assert engine_fingerprint(target, SimpleNamespace(method="ngram",
+                                                      draft_model_config=None)) == alone
+    fps = {engine_fingerprint(target, SimpleNamespace(
+        method="eagle", draft_model_config=config(checkpoint(name, payload))))
+        for name, payload in (("d1", b"a" * 4096), ("d2", b"b" * 4096))}
+    assert len(fps) == 2 and alone not in fps
