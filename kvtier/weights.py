@@ -10,9 +10,10 @@ tensors throughout the files, so the windows tell two apart at a cost of 512 KiB
 file, not the whole checkpoint); then the engine's compute dtype, quantization and config
 overrides, which change the KV without changing the files. Neither paths nor times go in:
 identical copies of a checkpoint on two nodes (prefill and decode) give the same
-fingerprint. A hub name is fingerprinted through the snapshot vLLM downloaded into the
-Hugging Face cache (its directory is named by the commit); a name with nothing cached
-is fingerprinted by name and revision only.
+fingerprint. A hub name is fingerprinted by name and the commit of its snapshot in the
+Hugging Face cache (which names the files exactly, and is there as soon as vLLM fetched
+the config: the weights are downloaded later, after some of the engine's processes built
+their connector); a name with nothing cached, by name and revision.
 """
 
 from __future__ import annotations
@@ -43,14 +44,12 @@ def base_model_id(model_id: str) -> str:
     return model_id.split(WEIGHTS_MARK, 1)[0]
 
 
-def checkpoint_files(model: str, revision: str | None = None) -> list[Path] | None:
-    """The files that identify ``model``'s weights (its config files first, then the
-    weight files in name order), or None when there is no local checkpoint to read."""
+def checkpoint_files(model: str) -> list[Path] | None:
+    """The files that identify a local checkpoint's weights (its config files first, then
+    the weight files in name order), or None when ``model`` is not a local path."""
     path = Path(model).expanduser()
     if path.is_file():   # a single-file checkpoint (GGUF)
         return [path]
-    if not path.is_dir():
-        path = _cached_snapshot(model, revision) or path
     if not path.is_dir():
         return None
     files = sorted(p for p in path.iterdir()
@@ -65,9 +64,13 @@ def fingerprint(model: str, *, revision: str | None = None, dtype: object = None
     """16 hex digits naming the weights of ``model`` (a directory, a file, or a hub name)
     and the settings that change the KV they compute (see the module docstring)."""
     h = xxhash.xxh3_128()
-    files = checkpoint_files(model, revision)
+    files = checkpoint_files(model)
     if files is None:
-        h.update(f"name:{model}@{revision or ''}".encode())
+        # a hub name: its snapshot's commit names the weights exactly, and is known as soon
+        # as config.json is cached, before the weights are (the engine's workers build
+        # their connector before they download them, the scheduler after: both must agree)
+        snapshot = _cached_snapshot(model, revision)
+        h.update(f"name:{model}@{snapshot.name if snapshot else revision or ''}".encode())
     for f in files or ():
         _hash_file(h, f)
     settings = [str(dtype).removeprefix("torch.") if dtype is not None else None,

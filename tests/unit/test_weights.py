@@ -64,7 +64,7 @@ def test_a_single_file_and_an_unknown_name(tmp_path: Path) -> None:
     assert checkpoint_files(str(gguf)) == [gguf]
     assert fingerprint(str(gguf)) != fingerprint(str(tmp_path / "missing.gguf"))
     # a hub name with nothing cached: name and revision only
-    assert checkpoint_files("no-such-org/no-such-model") is None
+    assert checkpoint_files("no-such-org/no-such-model") is None   # not a local path
     assert fingerprint("no-such-org/no-such-model", revision="v1") != \
         fingerprint("no-such-org/no-such-model", revision="v2")
 
@@ -88,3 +88,30 @@ def test_an_unreadable_file_does_not_fail_the_start(tmp_path: Path,
     monkeypatch.setattr(Path, "open", refuse)
     unreadable = fingerprint(str(a))
     assert len(unreadable) == 16 and unreadable != fine
+
+
+def test_a_hub_name_is_named_by_its_cached_commit(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's workers build their connector before they download the weights, the
+    scheduler after: a hub name must fingerprint the same either way, and differ when the
+    cache's snapshot moves to another commit."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--model"
+
+    def snapshot(commit: str) -> Path:
+        d = repo / "snapshots" / commit
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        return d
+
+    first = snapshot("a" * 40)
+    before = fingerprint("org/model")
+    (first / "model.safetensors").write_bytes(b"w" * 4096)      # the weights arrive
+    assert fingerprint("org/model") == before
+    snapshot("b" * 40)                                           # a new commit
+    assert fingerprint("org/model") != before
+    assert fingerprint("org/model", revision="a" * 40) == before
