@@ -11,9 +11,8 @@ file, not the whole checkpoint); then the engine's compute dtype, quantization a
 overrides, which change the KV without changing the files. Neither paths nor times go in:
 identical copies of a checkpoint on two nodes (prefill and decode) give the same
 fingerprint. A hub name is fingerprinted by name and the commit of its snapshot in the
-Hugging Face cache (which names the files exactly, and is there as soon as vLLM fetched
-the config: the weights are downloaded later, after some of the engine's processes built
-their connector); a name with nothing cached, by name and revision.
+Hugging Face cache (a commit names its files exactly, however much of them is downloaded
+yet); a name with nothing cached, by name and revision.
 """
 
 from __future__ import annotations
@@ -66,9 +65,10 @@ def fingerprint(model: str, *, revision: str | None = None, dtype: object = None
     h = xxhash.xxh3_128()
     files = checkpoint_files(model)
     if files is None:
-        # a hub name: its snapshot's commit names the weights exactly, and is known as soon
-        # as config.json is cached, before the weights are (the engine's workers build
-        # their connector before they download them, the scheduler after: both must agree)
+        # a hub name: its snapshot's commit names the weights exactly (a snapshot never
+        # changes), whatever part of it is downloaded yet: a process that reads it while
+        # another still fills the cache (an interrupted download, a second engine starting)
+        # agrees with the others
         snapshot = _cached_snapshot(model, revision)
         h.update(f"name:{model}@{snapshot.name if snapshot else revision or ''}".encode())
     for f in files or ():

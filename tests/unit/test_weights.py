@@ -92,9 +92,9 @@ def test_an_unreadable_file_does_not_fail_the_start(tmp_path: Path,
 
 def test_a_hub_name_is_named_by_its_cached_commit(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's workers build their connector before they download the weights, the
-    scheduler after: a hub name must fingerprint the same either way, and differ when the
-    cache's snapshot moves to another commit."""
+    """A hub name fingerprints the same however much of its snapshot is downloaded (a
+    process may read it while another fills the cache), and differs when the cache's
+    snapshot moves to another commit."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
