@@ -78,18 +78,15 @@ class AsyncKVTierClient:
         req["id"] = rid
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        sent = False
         try:
-            self._writer.write(pack(req))
-            sent = True
+            self._writer.write(pack(req))   # sent before the first await: a cancel is later
             await self._writer.drain()
             reply = await asyncio.wait_for(fut, self._timeout)
         except asyncio.TimeoutError:
             self._end_when_granted(rid, req)
             raise RequestTimeout(f"no reply to {req.get('op')} within {self._timeout}s") from None
         except asyncio.CancelledError:
-            if sent:
-                self._end_when_granted(rid, req)
+            self._end_when_granted(rid, req)
             raise
         except OSError as exc:
             raise DaemonUnavailable(f"daemon connection lost: {exc}") from None

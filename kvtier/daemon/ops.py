@@ -176,28 +176,27 @@ class ControlOps:
         """Arena bytes ``conn``'s process may still take for writing: one client process
         holds at most ``limits.client_put_bytes`` in open puts and quarantine, so that
         neither a greedy nor a stalled client can take the arena from the others."""
-        cap = self.limits.client_put_bytes
-        if cap <= 0:
-            return 1 << 62
-        held = sum(self.store.held_put_bytes(owner) for owner in self.owners_of(conn.process))
-        return max(0, cap - held)
+        return self._room(conn, self.limits.client_put_bytes, self.store.held_put_bytes)
 
     def _within_get_room(self, conn: Connection, ns: bytes, keys: list[bytes]) -> list[bytes]:
         """The leading ``keys`` ``conn``'s process may still pin: one client process pins at
         most ``limits.client_get_bytes`` in open get leases, so that a greedy client cannot
         hold the arena against the others' puts and promotions (the rest of its get is a
         miss, which an engine recomputes)."""
-        cap = self.limits.client_get_bytes
-        if cap <= 0:
-            return keys
-        held = sum(self.store.held_get_bytes(owner) for owner in self.owners_of(conn.process))
+        room = self._room(conn, self.limits.client_get_bytes, self.store.held_get_bytes)
         layout = self.store.touch_namespace(ns)
         assert layout is not None   # (checked by _target)
-        room = max(0, cap - held) // layout.block_bytes
-        if room >= len(keys):
+        if room // layout.block_bytes >= len(keys):
             return keys
         self.counters.capped_gets += 1
-        return keys[:room]
+        return keys[:room // layout.block_bytes]
+
+    def _room(self, conn: Connection, cap: int, held: Callable[[int], int]) -> int:
+        """What ``conn``'s process may still hold under a per-process ``cap`` (0: none),
+        ``held(owner)`` being what each of its connections holds now."""
+        if cap <= 0:
+            return 1 << 62
+        return max(0, cap - sum(held(owner) for owner in self.owners_of(conn.process)))
 
     def owners_of(self, process: int) -> list[int]:
         """The connections (open, or closed with slots still quarantined) of a process."""
