@@ -103,7 +103,8 @@ class SchedulerSide:
         self._step_started: tuple[float, int] | None = None
         self.counters: dict[str, int] = {"skipped_slower_than_recompute": 0,
                                          "skipped_tokens_slower_than_recompute": 0,
-                                         "lookups_without_round_trip": 0}
+                                         "lookups_without_round_trip": 0,
+                                         "lookups_prefix_read_off": 0}
         self.link.preconnect()   # at engine start, not in the first request's lookup
 
     # -- lookup ----------------------------------------------------------------------
@@ -114,6 +115,11 @@ class SchedulerSide:
         asynchronously); 0 whenever the daemon is unreachable. Side-effect free for vLLM:
         it may call this again for a request it could not schedule."""
         self._spans.pop(request.request_id, None)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # prompt logprobs (or a pooling request) need every prompt token computed:
+            # vLLM drops any hit, so a lookup would only start promotions and wait on saves
+            self.counters["lookups_prefix_read_off"] += 1
+            return 0, False
         salt = request_salt(request)
         if salt is False:
             return 0, False

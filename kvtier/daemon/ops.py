@@ -28,7 +28,7 @@ CONNECTOR_COUNTERS = ("skipped_slower_than_recompute", "skipped_tokens_slower_th
                       "dropped_saves", "dropped_save_bytes", "saves_in_flight_bytes",
                       "loaded_blocks", "saved_blocks", "prefill_tokens_per_s",
                       "redis_sync_gave_up", "producer_save_waits_timed_out",
-                      "lookups_without_round_trip")
+                      "lookups_without_round_trip", "lookups_prefix_read_off")
 """Counters the vLLM connector reports through ``report_engine`` (issue 11)."""
 _MAX_NAME = 1024  # model_id and cache_salt characters: namespaces retain them
 _MAX_TP = 1 << 16

@@ -296,3 +296,54 @@ def test_new_prompts_are_answered_without_a_round_trip(llm: Any, live: DaemonPro
     ((second, cached1),) = generate(llm, [fresh])
     assert cached1 == 3 * TOKENS_PER_BLOCK and second == first
     assert side.counters["lookups_without_round_trip"] == local + 1
+
+
+def test_prompt_logprobs_request_is_not_looked_up_and_is_saved(
+        llm: Any, live: DaemonProcess) -> None:
+    """A request that asks for prompt logprobs needs every prompt token computed (vLLM
+    drops any cache hit for it): the connector does not ask the daemon, the logprobs cover
+    the whole prompt, and its KV is still saved for the next plain request."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.e2e.vllm_engine import prompt
+
+    side = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    fresh = prompt(4343, 3 * TOKENS_PER_BLOCK + 5)
+    ((plain, cached0),) = generate(llm, [fresh])                # computed, then saved
+    assert cached0 == 0
+    lookups = live.stats()["requests"]["lookups"]
+    skipped = side.counters["lookups_prefix_read_off"]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=fresh)], params, use_tqdm=False)
+    assert int(out.num_cached_tokens or 0) == 0
+    assert len(out.prompt_logprobs) == len(fresh)              # first is None, as always
+    assert all(lp for lp in out.prompt_logprobs[1:])
+    assert list(out.outputs[0].token_ids) == plain[:4]
+    assert side.counters["lookups_prefix_read_off"] == skipped + 1
+    assert live.stats()["requests"]["lookups"] == lookups       # the daemon was not asked
+    ((again, cached1),) = generate(llm, [fresh])
+    assert (again, cached1) == (plain, 3 * TOKENS_PER_BLOCK)
+
+
+def test_parallel_samples_from_loaded_kv_equal_those_from_computed_kv(
+        llm: Any, live: DaemonProcess) -> None:
+    """``n`` seeded samples of one prompt: vLLM runs them as child requests of one parent,
+    each with its own id. Loaded from kvtier, they are the samples the computed KV gave."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.e2e.vllm_engine import prompt
+
+    fresh = TokensPrompt(prompt_token_ids=prompt(4444, 3 * TOKENS_PER_BLOCK + 9))
+    params = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+
+    def samples() -> tuple[list[list[int]], int]:
+        (out,) = llm.generate([fresh], params, use_tqdm=False)
+        return [list(c.token_ids) for c in out.outputs], int(out.num_cached_tokens or 0)
+
+    computed, cached0 = samples()
+    loaded, cached1 = samples()
+    assert cached0 == 0 and cached1 == 3 * TOKENS_PER_BLOCK
+    assert len({tuple(s) for s in computed}) > 1                 # really different samples
+    assert loaded == computed
