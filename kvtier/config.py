@@ -182,6 +182,9 @@ class DaemonConfig:
     client_get_share: Fraction = 0.5      # of the arena, one client process may pin in open
     #                                       get leases (0 or 1: no bound); beyond it a get
     #                                       is granted its leading blocks only
+    max_leases_per_client: AtLeastOne = 4096   # leases one client process holds open at
+    #                                       once (each costs the daemon memory and sweep
+    #                                       work, bytes or none); beyond: LimitExceeded
     dropped_writer_hold_s: Seconds = 3600.0   # a dropped client's leased slots, when its pid
     #                                       is unknown, stay quarantined this long
     listen_backlog: AtLeastOne = 4096     # connect bursts queue here (capped by somaxconn)

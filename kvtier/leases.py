@@ -58,21 +58,40 @@ class LeaseTable(dict[int, Lease]):
 
     def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
         super().__init__()
-        self.ttl_s = ttl_s
+        self._ttl_s = ttl_s
+        # deadlines rise with ids while the TTL never shrinks: the expired leases are then
+        # the table's oldest, and a sweep stops at the first one still valid
+        self._in_deadline_order = True
         self.clock = clock
         self._ids = itertools.count(1)
         self._expired: dict[int, dict[int, LeaseKind]] = {}  # owner -> expired ids (ordered)
+        self._owned: dict[int, dict[int, None]] = {}         # owner -> its open lease ids
         # kind -> owner -> bytes of its open leases of that kind
         self._bytes: dict[LeaseKind, dict[int, int]] = {kind: {} for kind in LeaseKind}
 
+    @property
+    def ttl_s(self) -> float:
+        return self._ttl_s
+
+    @ttl_s.setter
+    def ttl_s(self, value: float) -> None:
+        if value < self._ttl_s:
+            self._in_deadline_order = False
+        self._ttl_s = value
+
     def open(self, kind: LeaseKind, owner: int, metas: list[BlockMeta]) -> Lease:
-        lease = Lease(next(self._ids), kind, owner, metas, self.clock() + self.ttl_s)
+        lease = Lease(next(self._ids), kind, owner, metas, self.clock() + self._ttl_s)
         lease.nbytes = sum(meta.nbytes for meta in metas)
         if lease.nbytes:
             held = self._bytes[kind]
             held[owner] = held.get(owner, 0) + lease.nbytes
         self[lease.id] = lease
+        self._owned.setdefault(owner, {})[lease.id] = None
         return lease
+
+    def count(self, owner: int) -> int:
+        """Leases ``owner`` holds open."""
+        return len(self._owned.get(owner, ()))
 
     def put_bytes(self, owner: int) -> int:
         """Bytes of the put leases ``owner`` holds open."""
@@ -84,6 +103,11 @@ class LeaseTable(dict[int, Lease]):
 
     def _forget(self, lease: Lease) -> None:
         del self[lease.id]
+        mine = self._owned.get(lease.owner)
+        if mine is not None:
+            mine.pop(lease.id, None)
+            if not mine:
+                del self._owned[lease.owner]
         if lease.nbytes:
             held = self._bytes[lease.kind]
             left = held.get(lease.owner, 0) - lease.nbytes
@@ -113,7 +137,16 @@ class LeaseTable(dict[int, Lease]):
     def take_expired(self) -> list[Lease]:
         """Leases past their deadline, removed and remembered as expired for their owner."""
         now = self.clock()
-        out = self._take_where(lambda lease: lease.deadline <= now)
+        if self._in_deadline_order:
+            out = []
+            for lease in self.values():   # oldest first
+                if lease.deadline > now:
+                    break
+                out.append(lease)
+            for lease in out:
+                self._forget(lease)
+        else:
+            out = self._take_where(lambda lease: lease.deadline <= now)
         for lease in out:
             mine = self._expired.setdefault(lease.owner, {})
             mine[lease.id] = lease.kind
@@ -124,7 +157,10 @@ class LeaseTable(dict[int, Lease]):
     def take_owner(self, owner: int) -> list[Lease]:
         """Every lease of a closed connection (and forget its expired ids)."""
         self._expired.pop(owner, None)
-        return self._take_where(lambda lease: lease.owner == owner)
+        out = [self[i] for i in self._owned.get(owner, ())]
+        for lease in out:
+            self._forget(lease)
+        return out
 
     def _take_where(self, pred: Callable[[Lease], bool]) -> list[Lease]:
         out = [lease for lease in self.values() if pred(lease)]

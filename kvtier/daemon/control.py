@@ -164,7 +164,10 @@ class ControlServer(ControlOps):
     def _release(self, conn: Connection) -> None:
         """Take back a closed connection's leases. When the daemon closed it, the client
         may still be writing into its put slots: they stay quarantined until its process
-        exits (kvtier.daemon.exits), counted against that process meanwhile."""
+        exits (kvtier.daemon.exits), counted against that process meanwhile. A request of
+        the connection still running (past the bounded wait for them) voids any lease it
+        opens later."""
+        conn.released = True
         released = self.store.release_owner(conn.id, may_write=conn.dropped)
         if released:
             log.info("client %s (pid %s) left with %d open leases: released", conn.id,
@@ -324,6 +327,7 @@ class ControlServer(ControlOps):
         return {"errors": dict(c.errors), "refused_connections": c.refused_connections,
                 "dropped_idle": c.dropped_idle, "dropped_slow": c.dropped_slow,
                 "capped_puts": c.capped_puts, "capped_gets": c.capped_gets,
+                "refused_leases": c.refused_leases,
                 "dropped_writers": len(self.orphans),
                 "pending_request_bytes": self.pending.used,
                 "namespaces_evicted": self.store.namespaces_evicted,

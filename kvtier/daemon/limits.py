@@ -52,6 +52,7 @@ class Limits:
     listen_backlog: int = 4096
     client_put_bytes: int = 0   # arena bytes one client process may hold for writing (0: all)
     client_get_bytes: int = 0   # arena bytes one client process may pin for reading (0: all)
+    max_leases_per_client: int = 4096   # leases one client process may hold open at once
     dropped_writer_hold_s: float = 3600.0   # a dropped writer of unknown pid: quarantine time
 
     @classmethod
@@ -63,6 +64,7 @@ class Limits:
             client_put_bytes=int(put * arena_bytes) if 0 < put < 1 else 0,
             client_get_bytes=int(get * arena_bytes) if 0 < get < 1 else 0,
             dropped_writer_hold_s=d.dropped_writer_hold_s,
+            max_leases_per_client=d.max_leases_per_client,
             max_frame=frame, max_context_tokens=d.max_context_tokens,
             conn_pending_bytes=max(frame, d.max_conn_pending_bytes or frame),
             total_pending_bytes=max(frame, d.max_total_pending_bytes or 4 * frame),
@@ -119,6 +121,7 @@ class LimitCounters:
     #                                or replies left unread as long
     capped_puts: int = 0           # put_prepares asking for more than their process's room
     capped_gets: int = 0           # get_prepares asking for more than their process may pin
+    refused_leases: int = 0        # prepares refused: their process held max_leases_per_client
 
 
 async def read_request(reader: asyncio.StreamReader, lim: Limits, pending: ByteBudget,

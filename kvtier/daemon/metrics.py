@@ -106,10 +106,10 @@ class KVTierCollector:
                                   value=float(req.get("lease_expired", 0)))
         limited = CounterMetricFamily(
             "kvtier_limited", "What the daemon's limits did to clients: connections refused "
-            "or dropped, puts and gets granted less than their process asked",
+            "or dropped, puts and gets granted less than their process asked, leases refused",
             labels=["event"])
         for key in ("refused_connections", "dropped_idle", "dropped_slow", "capped_puts",
-                    "capped_gets"):
+                    "capped_gets", "refused_leases"):
             limited.add_metric([key], float(daemon.get(key, 0)))
         yield limited
         gcs = daemon.get("gc")

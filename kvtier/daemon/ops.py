@@ -48,6 +48,7 @@ class Connection:
     # digests this connection registered (with their salts): the only ones it may name
     namespaces: dict[bytes, None] = field(default_factory=dict)
     dropped: bool = False   # the daemon closed it: the client may still be writing
+    released: bool = False  # closed and its leases taken back: a lease opened later is void
 
     @property
     def process(self) -> int:
@@ -165,11 +166,14 @@ class ControlOps:
                 f"blocks {depth}..{depth + len(keys) - 1} of a chain: this namespace "
                 f"allows {self.limits.max_keys(tpb)} ({self.limits.max_context_tokens} "
                 f"tokens, daemon.max_context_tokens, in blocks of {tpb})")
+        self._check_lease_count(conn)
         max_new = self._put_room(conn) // layout.block_bytes
         if max_new < len(keys):   # (some keys may be stored already and need no room)
             self.counters.capped_puts += 1
         lease, offsets = await self.store.prepare_put(conn.id, ns, fp, keys, parent=parent,
                                                       depth=depth, max_new=max_new)
+        if conn.released:   # closed while this ran: no client will write or commit it
+            self.store.abort_put(conn.id, lease)
         return {"lease": lease, "offsets": offsets}
 
     def _put_room(self, conn: Connection) -> int:
@@ -190,6 +194,19 @@ class ControlOps:
             return keys
         self.counters.capped_gets += 1
         return keys[:room // layout.block_bytes]
+
+    def _check_lease_count(self, conn: Connection) -> None:
+        """``LimitExceeded`` when ``conn``'s process holds ``max_leases_per_client`` leases:
+        a lease costs the daemon memory and sweep work even when it holds no block, so a
+        client that opens them without end must not grow the table (an engine holds a few
+        per request in flight)."""
+        cap = self.limits.max_leases_per_client
+        held = sum(self.store.leases.count(owner) for owner in self.owners_of(conn.process))
+        if held >= cap:
+            self.counters.refused_leases += 1
+            raise LimitExceeded(f"this client process holds {held} open leases, the daemon's "
+                                f"limit (daemon.max_leases_per_client {cap}): release or "
+                                "commit them first")
 
     def _room(self, conn: Connection, cap: int, held: Callable[[int], int]) -> int:
         """What ``conn``'s process may still hold under a per-process ``cap`` (0: none),
@@ -247,13 +264,19 @@ class ControlOps:
         read them well within it need not wait for the release's reply, see
         kvtier.client.ops.op_release)."""
         ns, fp, keys = self._target(conn, msg)
+        self._check_lease_count(conn)
         keys = self._within_get_room(conn, ns, keys)
+        reply: dict[str, Any]
         if msg.get("device") is True:
             lease, offsets, devices = await self.store.prepare_get_device(conn.id, ns, fp, keys)
-            return {"lease": lease, "offsets": offsets, "devices": devices,
-                    "ttl_s": self._held_s()}
-        lease, offsets = await self.store.prepare_get(conn.id, ns, fp, keys)
-        return {"lease": lease, "offsets": offsets, "ttl_s": self._held_s()}
+            reply = {"lease": lease, "offsets": offsets, "devices": devices}
+        else:
+            lease, offsets = await self.store.prepare_get(conn.id, ns, fp, keys)
+            reply = {"lease": lease, "offsets": offsets}
+        if conn.released:   # closed while this ran: nobody will read or release it
+            await self.store.release_get(conn.id, lease)
+        reply["ttl_s"] = self._held_s()
+        return reply
 
     def _held_s(self) -> float:
         """How long a lease opened now surely holds: its TTL, or less when an idle
