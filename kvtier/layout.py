@@ -46,6 +46,11 @@ def default_tokens_per_block(page_tokens: int) -> int:
     return max(page_tokens, DEFAULT_TOKENS_PER_BLOCK // page_tokens * page_tokens)
 
 
+MAX_KV_FORMAT = 256
+"""Characters of a layout's ``kv_format``: registered namespaces retain their layout, so
+what a client may make the daemon keep per namespace is bounded (as model ids are)."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Geometry of a block; ``block_bytes`` is what every tier stores per key."""
@@ -71,8 +76,9 @@ class KVLayout:
         if not _is_int(self.kv_components) or self.kv_components not in (1, 2):
             raise LayoutMismatch(f"kv_components must be 1 (MLA latent) or 2 (K and V), "
                                  f"got {self.kv_components!r}")
-        if not isinstance(self.kv_format, str) or not self.kv_format:
-            raise LayoutMismatch(f"kv_format must be a non-empty string, got {self.kv_format!r}")
+        if not isinstance(self.kv_format, str) or not 0 < len(self.kv_format) <= MAX_KV_FORMAT:
+            raise LayoutMismatch(f"kv_format must be a non-empty string of at most "
+                                 f"{MAX_KV_FORMAT} characters, got {self.kv_format!r:.80}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise LayoutMismatch(
                 f"unsupported KV dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")

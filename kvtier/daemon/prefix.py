@@ -29,14 +29,15 @@ import numpy as np
 from kvtier.daemon.limits import Limits
 from kvtier.errors import KVTierError, LimitExceeded, ProtocolError, UnknownNamespace
 from kvtier.index import SlotState
-from kvtier.keys import KEY_BYTES, BlockKey, Namespace, block_keys
+from kvtier.keys import KEY_BYTES, ROOT_KEY, BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality, RedisProbe
 from kvtier.protocol import optional_int
 from kvtier.store import TieredStore
-from kvtier.weights import base_model_id
+from kvtier.store.slices import Turn
 
 MAX_PROMPTS = 256
+KEY_PIECE = 512   # blocks hashed between two looks at the turn (kvtier.store.slices)
 BATCH_CONTEXTS = 4
 JSON_MAX_BYTES = 4 * 2**20
 _MAX_NAME = 1024
@@ -71,7 +72,10 @@ class PrefixProbe:
         fp, nbytes = layout.fingerprint, layout.block_bytes
         get = self.store.index.get
         n_local = n_cpu = 0
-        for k in keys:  # the walk of TieredStore.lookup, without its side effects
+        turn = Turn()
+        for i, k in enumerate(keys):  # the walk of TieredStore.lookup, without its effects
+            if turn.due(i):           # (a long prompt takes turns with the other clients)
+                await turn.pause()
             meta = get(k)
             if (meta is None or not meta.present or meta.namespace != digest
                     or meta.layout_fp != fp or meta.nbytes != nbytes):
@@ -112,18 +116,28 @@ class PrefixProbe:
     async def probe_many(self, items: list[tuple[Namespace, PromptInput]], *,
                          redis: bool = True) -> list[PrefixLocality]:
         """Probe a checked batch; the Redis probes run concurrently."""
-        keyed = [(ns, self._keys(ns, p)) for ns, p in items]
+        turn = Turn()
+        keyed = [(ns, await self._keys(ns, p, turn)) for ns, p in items]
         return list(await asyncio.gather(*(self.probe(ns, keys, redis=redis)
                                            for ns, keys in keyed)))
 
-    def _keys(self, ns: Namespace, prompt: PromptInput) -> list[BlockKey]:
+    async def _keys(self, ns: Namespace, prompt: PromptInput, turn: Turn) -> list[BlockKey]:
+        """The prompt's block keys, hashed ``KEY_PIECE`` blocks at a time between which the
+        event loop may serve others (a batch can hold several 128k-token prompts)."""
         if prompt.keys is not None:
             return prompt.keys
         assert prompt.tokens is not None
-        try:
-            return block_keys(ns, prompt.tokens)
-        except ValueError as exc:
-            raise ProtocolError(f"token ids: {exc}") from None
+        step = KEY_PIECE * ns.layout.tokens_per_block
+        keys: list[BlockKey] = []
+        for lo in range(0, max(1, len(prompt.tokens)), step):
+            if turn.over():
+                await turn.pause()
+            try:
+                keys += block_keys(ns, prompt.tokens[lo:lo + step],
+                                   parent=keys[-1] if keys else ROOT_KEY)
+            except ValueError as exc:
+                raise ProtocolError(f"token ids: {exc}") from None
+        return keys
 
     # -- namespaces ----------------------------------------------------------------------
     def namespace(self, spec: Mapping[str, Any],
@@ -161,10 +175,7 @@ class PrefixProbe:
         layout = spec.get("layout")
         # a model named without its weights fingerprint (kvtier.weights) matches the
         # registered namespaces of any weights of it
-        found = [e.namespace for e in self.store.namespaces.values()
-                 if model_id in (e.namespace.model_id, base_model_id(e.namespace.model_id))
-                 and e.namespace.cache_salt == salt
-                 and e.namespace.tp_rank == tp_rank and e.namespace.tp_size == tp_size]
+        found = self.store.namespaces_named(model_id, salt, tp_rank, tp_size)
         if layout is not None:
             spelled = Namespace(model_id, KVLayout.from_dict(layout), tp_rank, tp_size, salt)
             found = [ns for ns in found

@@ -177,6 +177,11 @@ class TieredStore:
     def namespaces_evicted(self) -> int:
         return self.ns.evicted
 
+    def namespaces_named(self, model_id: str, cache_salt: str | None, tp_rank: int,
+                         tp_size: int) -> list[Namespace]:
+        """Registered namespaces a router names by model (``NamespaceRegistry.named``)."""
+        return self.ns.named(model_id, cache_salt, tp_rank, tp_size)
+
     def register_namespace(self, layout: KVLayout, model_id: str, tp_rank: int, tp_size: int,
                            cache_salt: str | None) -> Namespace:
         return self.ns.register(layout, model_id, tp_rank, tp_size, cache_salt)

@@ -17,6 +17,7 @@ from kvtier.keys import KEY_BYTES, Namespace
 from kvtier.layout import KVLayout
 from kvtier.store.stats import RequestCounters
 from kvtier.tiers.aligned import round_up
+from kvtier.weights import base_model_id
 
 __all__ = ["NamespaceEntry", "NamespaceRegistry", "split_keys"]
 
@@ -42,6 +43,9 @@ class NamespaceRegistry:
 
     def __init__(self, requests: RequestCounters, max_namespaces: int = 4096) -> None:
         self.entries: OrderedDict[bytes, NamespaceEntry] = OrderedDict()
+        # (model id or its base, cache salt, tp rank, tp size) -> digests: a router's probe
+        # names a model, and finds its namespaces without a scan of every registered one
+        self._named: dict[tuple[str, str | None, int, int], dict[bytes, None]] = {}
         self.max_namespaces = max(1, max_namespaces)
         self.evicted = 0
         self._requests = requests
@@ -51,10 +55,25 @@ class NamespaceRegistry:
         ns = Namespace(model_id, layout, tp_rank, tp_size, cache_salt)
         self.entries[ns.digest] = NamespaceEntry(ns, layout, round_up(layout.block_bytes))
         self.entries.move_to_end(ns.digest)
+        for name in _names(ns):
+            self._named.setdefault(name, {})[ns.digest] = None
         while len(self.entries) > self.max_namespaces:
-            self.entries.popitem(last=False)
+            _digest, gone = self.entries.popitem(last=False)
+            for name in _names(gone.namespace):
+                digests = self._named.get(name)
+                if digests is not None:
+                    digests.pop(gone.namespace.digest, None)
+                    if not digests:
+                        del self._named[name]
             self.evicted += 1
         return ns
+
+    def named(self, model_id: str, cache_salt: str | None, tp_rank: int,
+              tp_size: int) -> list[Namespace]:
+        """The registered namespaces of ``model_id`` (its full id, or the base of one with a
+        weights fingerprint, ``kvtier.weights``) with this salt and tensor-parallel place."""
+        digests = self._named.get((model_id, cache_salt, tp_rank, tp_size), ())
+        return [self.entries[d].namespace for d in digests]
 
     def touch(self, digest: bytes) -> KVLayout | None:
         """The layout a registered namespace uses (marking it recently used), or None."""
@@ -94,3 +113,9 @@ class NamespaceRegistry:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def _names(ns: Namespace) -> set[tuple[str, str | None, int, int]]:
+    """The names a router may give ``ns`` by: its model id, and that id's base."""
+    return {(m, ns.cache_salt, ns.tp_rank, ns.tp_size)
+            for m in (ns.model_id, base_model_id(ns.model_id))}

@@ -106,3 +106,86 @@ def test_bounds_are_the_daemons(probe: PrefixProbe) -> None:
         run(probe.from_control({**spec, "tokens": b"", "lengths": [0] * (MAX_PROMPTS + 1)}))
     with pytest.raises(LimitExceeded):
         run(probe.from_http(b" " * (4 * 2**20 + 1), "application/json", {}))
+
+
+def test_a_long_probe_takes_turns_with_the_other_clients(arena: Arena) -> None:
+    """Hashing and walking a batch of long prompts (one token per block: 1024 keys each
+    here) gives the event loop back between pieces, as the store's own loops do; the keys
+    it computes in pieces are the chain's, so the answer is the same."""
+    fine = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
+                    tokens_per_block=1)
+    store = TieredStore(arena)
+    ns = store.register_namespace(fine, "fine", 0, 1, None)
+    probe = PrefixProbe(store, LIMITS)
+    tokens = np.arange(LIMITS.max_context_tokens, dtype="<u4")
+    ticks = 0
+
+    async def main() -> dict[str, Any]:
+        nonlocal ticks
+        stop = asyncio.Event()
+
+        async def other_client() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(other_client())
+        await asyncio.sleep(0)
+        slow = [0] * 400_000   # each piece of the work takes longer than a turn (1 ms)
+
+        def spin(*_: Any) -> None:
+            sum(slow)
+
+        import kvtier.daemon.prefix as module
+        real = module.block_keys
+
+        def slow_keys(*args: Any, **kwargs: Any) -> Any:
+            spin()
+            return real(*args, **kwargs)
+
+        module.block_keys = slow_keys   # type: ignore[assignment]
+        try:
+            before = ticks
+            reply = await probe.from_control({"model_id": "fine", "tokens": tokens.tobytes() * 4,
+                                              "lengths": [len(tokens)] * 4, "redis": False})
+            during = ticks - before
+        finally:
+            module.block_keys = real   # type: ignore[assignment]
+            stop.set()
+            await ticker
+        # a pause before each of the 8 pieces but the first (without turns, the other
+        # client ran only while the probes' tasks were scheduled: 1-2 times)
+        assert during >= 7, during
+        return reply
+
+    reply = run(main())
+    assert [r["prompt_blocks"] for r in reply["results"]] == [len(tokens)] * 4
+    whole = block_keys(ns, tokens)
+    assert run(probe.probe(ns, whole, redis=False)).to_dict() == reply["results"][0]
+
+
+def test_namespaces_are_found_by_model_name_without_a_scan(arena: Arena) -> None:
+    """A router names a model (with or without its weights fingerprint): the registry
+    indexes its namespaces by that name, and forgets them with the namespace."""
+    store = TieredStore(arena, max_namespaces=3)
+    a = store.register_namespace(LAYOUT, "llama#w=0123456789abcdef", 0, 1, None)
+    b = store.register_namespace(LAYOUT, "llama", 0, 1, "salt")
+    assert store.namespaces_named("llama", None, 0, 1) == [a]
+    assert store.namespaces_named("llama#w=0123456789abcdef", None, 0, 1) == [a]
+    assert store.namespaces_named("llama", "salt", 0, 1) == [b]
+    assert store.namespaces_named("llama", None, 1, 2) == []
+    for i in range(3):   # a is the least recently used: forgotten first
+        store.register_namespace(LAYOUT, f"other{i}", 0, 1, None)
+    assert store.namespaces_named("llama", None, 0, 1) == []
+    assert "llama" not in {n.model_id for n in store.namespaces_named("llama", "salt", 0, 1)}
+
+
+def test_a_layout_keeps_a_bounded_kv_format() -> None:
+    from kvtier.errors import LayoutMismatch
+    from kvtier.layout import MAX_KV_FORMAT
+
+    ok = dict(LAYOUT.to_dict(), kv_format="f" * MAX_KV_FORMAT)
+    assert KVLayout.from_dict(ok).kv_format == "f" * MAX_KV_FORMAT
+    with pytest.raises(LayoutMismatch, match="at most 256 characters"):
+        KVLayout.from_dict(dict(ok, kv_format="f" * (MAX_KV_FORMAT + 1)))
