@@ -130,12 +130,17 @@ class HttpGuard:
         try:
             left = self.read_timeout_s - (time.monotonic() - start)
             async with asyncio.timeout(max(left, 0.001)):
-                body = await request.content.read(limit + 1)
-                while len(body) <= limit and not request.content.at_eof():
-                    more = await request.content.read(limit + 1 - len(body))
+                first = await request.content.read(limit + 1)
+                parts, got = [first], len(first)
+                # pieces joined once at the end: appending to one bytes object copied the
+                # whole body so far per piece, quadratic in a slowly sent body
+                while got <= limit and not request.content.at_eof():
+                    more = await request.content.read(limit + 1 - got)
                     if not more:
                         break
-                    body += more
+                    parts.append(more)
+                    got += len(more)
+                body = parts[0] if len(parts) == 1 else b"".join(parts)
         except TimeoutError:
             raise web.HTTPRequestTimeout(reason=f"the body did not arrive within "
                                          f"{self.read_timeout_s:g} s") from None
