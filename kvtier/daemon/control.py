@@ -154,6 +154,10 @@ class ControlServer(ControlOps):
             self.connections[conn.id] = conn
             try:
                 await self._converse(conn, reader, writer)
+            except asyncio.CancelledError:
+                # the daemon is stopping (close_connections): not this connection's error,
+                # and asyncio's stream callback would log a cancelled handler as one
+                pass
             finally:
                 self._release(conn)
         finally:

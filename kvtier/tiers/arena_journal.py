@@ -80,6 +80,7 @@ class ArenaJournal:
         self._capacity = 0
         self._writer: ThreadPoolExecutor | None = None   # writes compacted files
         self._next: _NextFile | None = None   # a compaction being written
+        self.stopped = False   # the file could not be rewritten: removed, nothing recorded
         for offset, nbytes, commit in live:
             self._gen += 1
             self._records[offset] = (
@@ -168,6 +169,8 @@ class ArenaJournal:
     def _append(self, record: bytes) -> None:
         """Write ``record``, whose change ``_records`` already shows (so a compaction started
         or finished here holds it in its snapshot, never twice)."""
+        if self.stopped:
+            return
         nxt = self._next
         if nxt is not None and (nxt.done.done() or self._tail >= self._capacity):
             taken = self._snapshots
@@ -175,7 +178,7 @@ class ArenaJournal:
             if self._snapshots != taken:   # an outgrown one was rewritten: it holds record
                 return
         if self._tail >= self._capacity:
-            self._rewrite()
+            self._rewrite_or_stop()
             return
         assert self._mm is not None
         self._mm[self._tail * RECORD: (self._tail + 1) * RECORD] = record
@@ -199,6 +202,8 @@ class ArenaJournal:
         then go only into the file in use while a compaction is written aside (not into its
         ``since``), and nowhere after a rewrite, whose file is that snapshot."""
         n = len(records)
+        if self.stopped:
+            return
         if n < 2 or self._next is not None or self._tail + n > self._capacity:
             for i, record in enumerate(records):
                 taken = self._snapshots
@@ -258,7 +263,7 @@ class ArenaJournal:
         if nxt.records + len(nxt.since) >= nxt.capacity:   # outgrown while written
             os.close(fd)
             nxt.tmp.unlink(missing_ok=True)
-            self._rewrite()
+            self._rewrite_or_stop()
             return
         self._install(fd, nxt.tmp, nxt.capacity, nxt.records, nxt.since)
 
@@ -271,6 +276,18 @@ class ArenaJournal:
         parts, capacity = self._snapshot()
         tmp = self._tmp_path()
         self._install(_write_file(tmp, parts, capacity), tmp, capacity, len(parts), [])
+
+    def _rewrite_or_stop(self) -> None:
+        """``_rewrite`` while serving. When the file cannot be written (a full tmpfs) the
+        journal stops and its file is removed: a restart then starts the cpu tier cold
+        instead of trusting a journal that lacks this change. The request goes on."""
+        try:
+            self._rewrite()
+        except OSError as exc:
+            log.warning("cannot rewrite the arena journal %s (%s): warm restart is off "
+                        "until the daemon restarts", self.path, exc)
+            self.stopped = True
+            self.close(unlink=True)
 
     def _install(self, fd: int, tmp: Path, capacity: int, written: int,
                  since: list[bytes]) -> None:
@@ -323,6 +340,9 @@ def _write_file(tmp: Path, parts: list[bytes], capacity: int) -> int:
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, capacity * RECORD)
+        # its pages now: the file is written through a mapping, where a full tmpfs would
+        # be a SIGBUS instead of this ENOSPC
+        os.posix_fallocate(fd, 0, capacity * RECORD)
         pos = 0
         for i in range(0, len(parts), _CHUNK):
             blob = memoryview(b"".join(parts[i: i + _CHUNK]))

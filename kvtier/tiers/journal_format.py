@@ -95,9 +95,11 @@ def open_private(path: Path, flags: int) -> int:
     """Open ``path`` without following a symlink and check it is ours: a regular file of this
     uid with no group/other permission bits (another local user may pre-create names in a
     shared /dev/shm). Raises PermissionError when it is not, OSError when it cannot open."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # O_NONBLOCK: a FIFO planted under the name would block the open until a writer came
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         os.close(fd)
         raise PermissionError(f"{path} is not a private file of uid {os.getuid()}")
+    os.set_blocking(fd, True)
     return fd
