@@ -56,8 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtype", default="auto",
                    help=f"KV cache dtype: auto (the model's dtype) or {', '.join(KV_DTYPES)}")
     p.add_argument("--weights-dtype", default="auto",
-                   help="weights dtype: auto (the checkpoint's), fp32, bf16, fp16, fp8, "
-                        "int8, int4")
+                   help="weights dtype for every weight: auto (the checkpoint's, with its "
+                        "quantization_config), fp32, bf16, fp16, fp8, int8, int4")
     p.add_argument("--params", type=_count, default=None,
                    help="parameter count override, e.g. 14B (default: counted from config)")
     p.add_argument("--gpu", default="h100-80gb", help=f"GPU type: {', '.join(GPUS)}")

@@ -7,6 +7,10 @@ A sliding-window (or chunked) layer holds at most its window of tokens, and the 
 attention, SSM and MLP-only layers of hybrid models hold none. Under tensor parallelism
 KV heads are split across ranks (replicated when there are fewer KV heads than ranks)
 while an MLA latent is held whole by every rank.
+
+Weights bytes = parameters counted from the architecture, by part (embeddings, attention
+and dense MLPs, MoE experts), each part at the width the checkpoint's quantization gives
+it (kvtier.plan.quant), or every part at ``--weights-dtype``.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvtier.plan.blocks import FULL, LINEAR
 from kvtier.plan.errors import PlanError
 from kvtier.plan.model import AttentionKind, ModelSpec
+from kvtier.plan.quant import FP8_METHODS
 
 #: Bytes per element of the dtypes ``--kv-dtype`` and ``--weights-dtype`` accept.
 DTYPE_BYTES: dict[str, float] = {
@@ -40,11 +46,11 @@ def normalize_dtype(name: str) -> str:
 
 
 def serving_dtype(model: ModelSpec) -> str:
-    """The dtype an engine serves the weights in by default (vLLM's ``--dtype auto``).
+    """The dtype an engine serves the unquantized weights in (vLLM's ``--dtype auto``).
 
     fp8-quantized checkpoints stay fp8; fp32 checkpoints are served in bf16.
     """
-    if model.quantization == "fp8":
+    if model.quantization is not None and model.quantization.method in FP8_METHODS:
         return "fp8"
     dtype = normalize_dtype(model.torch_dtype) if model.torch_dtype else "bf16"
     return "bf16" if dtype == "fp32" else dtype
@@ -106,10 +112,75 @@ def kv_bytes_per_sequence(model: ModelSpec, kv_dtype: str, tokens: int,
 
 @dataclass(frozen=True, slots=True)
 class ParamCount:
-    """Parameter counts: ``total`` is stored, ``active`` is used per token (MoE)."""
+    """Parameter counts: ``total`` is stored, ``active`` is used per token (MoE).
+
+    The parts of ``total``, which quantization stores differently: ``embeddings`` (token
+    embeddings and the LM head, once when tied), ``experts`` (every MoE expert's MLP, shared
+    ones included) and ``dense`` (the rest: attention, dense MLPs, routers, norms).
+    """
 
     total: int
     active: int
+    embeddings: int
+    experts: int
+
+    @property
+    def dense(self) -> int:
+        """Attention, dense MLPs, routers and norms."""
+        return self.total - self.embeddings - self.experts
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsFormat:
+    """Bytes per parameter of each part of the weights, and what the plan calls it."""
+
+    label: str
+    embed_bytes: float
+    dense_bytes: float
+    expert_bytes: float
+
+    @property
+    def uniform(self) -> bool:
+        """Every part at the same width (no quantization, fp8, or ``--weights-dtype``)."""
+        return self.embed_bytes == self.dense_bytes == self.expert_bytes
+
+
+def _uniform(dtype: str) -> WeightsFormat:
+    size = DTYPE_BYTES[dtype]
+    return WeightsFormat(dtype, size, size, size)
+
+
+def weights_format(model: ModelSpec, dtype: str | None = None) -> WeightsFormat:
+    """How the weights are stored: ``dtype`` (``--weights-dtype``) for every part when
+    given, else the checkpoint's quantization over its dtype; PlanError for a quantization
+    the plan does not model (kvtier.plan.quant)."""
+    if dtype:
+        return _uniform(normalize_dtype(dtype))
+    base = serving_dtype(model)
+    q = model.quantization
+    if q is None or base == "fp8":
+        return _uniform(base)
+    if q.problem:
+        raise PlanError(q.problem)
+    if q.linear_bits is None and model.moe is None:
+        raise PlanError(f"{model.name}: quantization_config quant_method {q.method!r} "
+                        "quantizes MoE experts and this model has none; pass --weights-dtype")
+    size = DTYPE_BYTES[base]
+    dense = size if q.linear_bits is None else q.linear_bits / 8
+    experts = dense if q.expert_bits is None else q.expert_bits / 8
+    embed = size if q.embed_bits is None else q.embed_bits / 8
+    label = q.label if q.linear_bits is not None else f"{q.label}, {base} rest"
+    return WeightsFormat(label, embed, dense, experts)
+
+
+def weights_bytes(count: ParamCount, fmt: WeightsFormat, params: int | None = None) -> int:
+    """Bytes of the weights; ``params`` (``--params``) rescales the counted parts."""
+    params = params or count.total
+    if fmt.uniform:
+        return int(params * fmt.dense_bytes)
+    counted = (count.embeddings * fmt.embed_bytes + count.dense * fmt.dense_bytes
+               + count.experts * fmt.expert_bytes)
+    return round(counted * params / count.total)
 
 
 def _attention_params(m: ModelSpec) -> int:
@@ -130,27 +201,48 @@ def _attention_params(m: ModelSpec) -> int:
     return h * q_out + 2 * h * kv_out + q_out * h + bias
 
 
+def _mlp_params(m: ModelSpec, width: int) -> int:
+    """One MLP: gate, up and down matrices, or up and down where it is not gated."""
+    return (3 if m.gated_mlp else 2) * m.hidden_size * width
+
+
+def _block_params(m: ModelSpec) -> int:
+    """A DeciLM stack's layers, each as its block says (kvtier.plan.blocks), with the
+    norm in front of every sub-layer it keeps."""
+    h = m.hidden_size
+    attn = _attention_params(m)
+    total = 0
+    for b in m.blocks:
+        total += {FULL: attn + h, LINEAR: h * h + h}.get(b.attention, 0)
+        total += {FULL: _mlp_params(m, b.ffn_width) + h, LINEAR: h * h + h}.get(b.ffn, 0)
+    return total
+
+
 def estimate_params(model: ModelSpec) -> ParamCount:
     """Count parameters from the architecture (gated MLP, MoE experts, MLA projections).
 
     Within about 1% of the published counts for the presets; used for weights memory
-    (``total``) and prefill FLOPs (``active``, 2 FLOPs per active parameter per token).
+    (``total``, by part) and prefill FLOPs (``active``, 2 FLOPs per active parameter per
+    token). A config without ``vocab_size`` counts no embeddings.
     """
     m = model
     h = m.hidden_size
     embed = m.vocab_size * h * (1 if m.tie_embeddings else 2)
-    attn = _attention_params(m)
-    norms = 2 * h
-    dense_mlp = 3 * h * m.intermediate_size
-    total = active = embed + h  # final norm
+    dense = h  # final norm
+    experts = active_experts = 0
+    if m.blocks:
+        dense += _block_params(m)
+        return ParamCount(total=embed + dense, active=embed + dense, embeddings=embed,
+                          experts=0)
+    base = _attention_params(m) + 2 * h  # attention and two norms
+    dense_mlp = _mlp_params(m, m.intermediate_size)
     for layer in range(m.num_layers):
-        base = attn + norms
         if m.moe is None or layer < m.moe.dense_layers:
-            total += base + dense_mlp
-            active += base + dense_mlp
+            dense += base + dense_mlp
             continue
-        expert = 3 * h * m.moe.expert_intermediate
-        router = h * m.moe.routed_experts
-        total += base + router + expert * (m.moe.routed_experts + m.moe.shared_experts)
-        active += base + router + expert * (m.moe.active_experts + m.moe.shared_experts)
-    return ParamCount(total=int(total), active=int(active))
+        expert = _mlp_params(m, m.moe.expert_intermediate)
+        dense += base + h * m.moe.routed_experts  # the router
+        experts += expert * (m.moe.routed_experts + m.moe.shared_experts)
+        active_experts += expert * (m.moe.active_experts + m.moe.shared_experts)
+    return ParamCount(total=embed + dense + experts, active=embed + dense + active_experts,
+                      embeddings=embed, experts=experts)

@@ -80,16 +80,20 @@ def _types_from_fields(cfg: dict[str, Any], layers: int) -> list[str] | None:
         return ["full_attention" if i in full else "conv" for i in range(layers)]
     if _positive(cfg, "sliding_window") is None:
         return None
+    if "use_sliding_window" in cfg or model_type.startswith(("qwen2", "qwen3")):
+        # Qwen2 and every config that copies its fields (Qwen2-VL, Qwen2.5-VL, Qwen3, their
+        # MoE and text_config forms): sliding_window is only a size; use_sliding_window
+        # (default false) switches it on, for the layers from max_window_layers on. Read
+        # the switch for any model type: the size alone would plan a fraction of the KV.
+        first = _positive(cfg, "max_window_layers") or layers
+        sliding = cfg.get("use_sliding_window") is True
+        return ["sliding_attention" if sliding and i >= first else "full_attention"
+                for i in range(layers)]
     every = _positive(cfg, "sliding_window_pattern")  # Gemma 3, Cohere 2: every n-th global
     if every is None:
         every = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}.get(model_type)
     if every is not None:
         return _every(layers, every, "full_attention", "sliding_attention")
-    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
-        first = _positive(cfg, "max_window_layers") or layers
-        sliding = bool(cfg.get("use_sliding_window", False))
-        return ["sliding_attention" if sliding and i >= first else "full_attention"
-                for i in range(layers)]
     return None
 
 

@@ -3,7 +3,9 @@
 A spec is built from the fields of a Hugging Face ``config.json`` (a user's file or a
 built-in preset, which is stored in the same form), so both paths give the same numbers.
 It records the attention kind (MHA, GQA/MQA, MLA), which layers use a sliding window,
-and enough of the architecture to count parameters.
+enough of the architecture to count parameters, and how the weights are quantized.
+Older configs' own spellings (GPT-2's ``n_layer``, MPT's ``d_model``, Falcon's
+``multi_query``) are read as Transformers reads them (kvtier.plan.fields, .families).
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import jsonin
+from kvtier.plan.blocks import FULL, Block, read_blocks
 from kvtier.plan.errors import PlanError
-from kvtier.plan.layers import NO_KV, layer_reach
+from kvtier.plan.families import gated_mlp, kv_heads, mlp_width, tied_embeddings
+from kvtier.plan.fields import MAX_EXPERTS, MAX_LAYERS, key_of, opt_int, require_int
+from kvtier.plan.layers import NO_KV, LayerReach, layer_reach
 from kvtier.plan.presets import find_preset, preset_names
+from kvtier.plan.quant import Quantization, read_quantization
 
 
 class AttentionKind(str, Enum):
@@ -46,6 +52,9 @@ class ModelSpec:
     for full attention, a window (sliding or chunked attention), or ``NO_KV`` (0) for a
     layer without attention KV (kvtier.plan.layers); ``state_layers`` of them carry a
     fixed-size recurrent state per sequence instead (linear attention, SSM, convolution).
+    ``vocab_size`` is 0 when no config gives it: the KV can be planned, the weights need
+    ``--params``. ``blocks`` holds a DeciLM stack's layers (kvtier.plan.blocks), whose
+    parameters are counted per layer.
     """
 
     name: str
@@ -69,8 +78,10 @@ class ModelSpec:
     v_head_dim: int = 0
     moe: MoESpec | None = None
     attention_bias: bool = False
-    quantization: str | None = None
+    quantization: Quantization | None = None
     state_layers: int = 0
+    gated_mlp: bool = True  # gate, up and down matrices (Llama); False: up and down (GPT-2)
+    blocks: tuple[Block, ...] = ()
 
     @property
     def windowed_layers(self) -> int:
@@ -83,47 +94,18 @@ class ModelSpec:
         return sum(1 for w in self.layer_windows if w != NO_KV)
 
 
-MAX_LAYERS = 10_000
-"""Most layers a config may declare (the plan keeps a window per layer)."""
-MAX_DIM = 2**31
-"""Largest size, head count or vocabulary a config may declare."""
-MAX_EXPERTS = 1 << 16
-"""Most experts a config may declare (MoE models have hundreds)."""
-
-
-def _brief(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _int_field(cfg: dict[str, Any], key: str, source: str, low: int, high: int) -> int | None:
-    """``cfg[key]``: None when absent or null, else an integer from ``low`` to ``high``
-    (PlanError naming the field otherwise: a float, a string, a bool, a negative or an
-    absurd size would make the arithmetic wrong or unbounded)."""
-    value = cfg.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise PlanError(f"{source}: config field {key!r} must be an integer from {low:,} to "
-                        f"{high:,}, got {_brief(value)}")
-    return value
-
-
-def _require_int(cfg: dict[str, Any], key: str, source: str, high: int = MAX_DIM) -> int:
-    """A field the plan cannot do without: an integer from 1 to ``high``."""
-    value = _int_field(cfg, key, source, 1, high)
-    if value is None:
-        raise PlanError(f"{source}: config field {key!r} is missing; it must be an integer "
-                        f"from 1 to {high:,}")
-    return value
-
-
-def _opt_int(cfg: dict[str, Any], key: str, source: str, default: int = 0, *, low: int = 0,
-             high: int = MAX_DIM) -> int:
-    """An optional field: ``default`` when absent, null or 0 (how real configs say "not
-    set", e.g. a dense model's ``num_local_experts``), else an integer up to ``high``;
-    ``low=1`` where 0 makes no sense (``num_key_value_heads``)."""
-    return _int_field(cfg, key, source, low, high) or default
+def _unwrap(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields of a multimodal config (``text_config``), with what
+    only the outer config gives: the dtype, the vocabulary and the quantization."""
+    if not isinstance(cfg.get("text_config"), dict) or key_of(cfg, "num_hidden_layers") in cfg:
+        return cfg
+    inner = dict(cfg["text_config"])
+    if inner.get("torch_dtype") is None and inner.get("dtype") is None:
+        inner["torch_dtype"] = cfg.get("torch_dtype") or cfg.get("dtype")
+    for key in ("vocab_size", "quantization_config"):
+        if inner.get(key) is None:
+            inner[key] = cfg.get(key)
+    return inner
 
 
 def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
@@ -134,74 +116,74 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     """
     if not isinstance(cfg, dict):
         raise PlanError(f"{name or 'config'}: expected a JSON object, got {type(cfg).__name__}")
-    if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
-        inner = dict(cfg["text_config"])
-        inner.setdefault("torch_dtype", cfg.get("torch_dtype"))
-        cfg = inner
+    cfg = _unwrap(cfg)
     source = name or str(cfg.get("_name_or_path") or "config.json")
-    layers = _require_int(cfg, "num_hidden_layers", source, MAX_LAYERS)
-    hidden = _require_int(cfg, "hidden_size", source)
-    heads = _require_int(cfg, "num_attention_heads", source)
-    kv_heads = _opt_int(cfg, "num_key_value_heads", source, heads, low=1)
-    head_dim = _opt_int(cfg, "head_dim", source, hidden // heads, low=1)
+    layers = require_int(cfg, key_of(cfg, "num_hidden_layers"), source, MAX_LAYERS)
+    hidden = require_int(cfg, key_of(cfg, "hidden_size"), source)
+    heads = require_int(cfg, key_of(cfg, "num_attention_heads"), source)
+    stack = read_blocks(cfg, layers, heads, hidden, source)
+    kv = stack.kv_heads if stack else kv_heads(cfg, heads, source)
+    head_dim = opt_int(cfg, "head_dim", source, hidden // heads, low=1)
     if head_dim < 1:
         raise PlanError(f"{source}: hidden_size={hidden} is smaller than "
                         f"num_attention_heads={heads}; the config must give head_dim")
-    kv_lora = _opt_int(cfg, "kv_lora_rank", source)
+    kv_lora = opt_int(cfg, "kv_lora_rank", source)
     if kv_lora:
         attention = AttentionKind.MLA
-    elif kv_heads == heads:
+    elif kv == heads:
         attention = AttentionKind.MHA
     else:
         attention = AttentionKind.GQA
-    if attention is not AttentionKind.MLA and heads % kv_heads:
+    if attention is not AttentionKind.MLA and heads % kv:
         raise PlanError(f"{source}: num_attention_heads={heads} is not a multiple of "
-                        f"num_key_value_heads={kv_heads}")
-    routed = (_opt_int(cfg, "n_routed_experts", source, high=MAX_EXPERTS)
-              or _opt_int(cfg, "num_local_experts", source, high=MAX_EXPERTS)
-              or _opt_int(cfg, "num_experts", source, high=MAX_EXPERTS))
+                        f"num_key_value_heads={kv}")
+    routed = (opt_int(cfg, "n_routed_experts", source, high=MAX_EXPERTS)
+              or opt_int(cfg, "num_local_experts", source, high=MAX_EXPERTS)
+              or opt_int(cfg, "num_experts", source, high=MAX_EXPERTS))
     moe = None
     if routed:
         moe = MoESpec(
             routed_experts=routed,
-            active_experts=_opt_int(cfg, "num_experts_per_tok", source, 1, low=1,
-                                    high=routed),
-            shared_experts=_opt_int(cfg, "n_shared_experts", source, high=MAX_EXPERTS),
-            expert_intermediate=_opt_int(cfg, "moe_intermediate_size", source,
-                                         _require_int(cfg, "intermediate_size", source)),
-            dense_layers=_opt_int(cfg, "first_k_dense_replace", source, high=layers),
+            active_experts=opt_int(cfg, "num_experts_per_tok", source, 1, low=1,
+                                   high=routed),
+            shared_experts=opt_int(cfg, "n_shared_experts", source, high=MAX_EXPERTS),
+            expert_intermediate=opt_int(cfg, "moe_intermediate_size", source,
+                                        require_int(cfg, "intermediate_size", source)),
+            dense_layers=opt_int(cfg, "first_k_dense_replace", source, high=layers),
         )
-    reach = layer_reach(cfg, layers, source)
+    reach = (LayerReach(tuple(None if b.attention == FULL else NO_KV for b in stack.blocks), 0)
+             if stack else layer_reach(cfg, layers, source))
     if reach.reach.count(NO_KV) == layers:
         raise PlanError(f"{source}: no layer holds attention KV (every layer is linear "
                         "attention, SSM, convolution or MLP): there is no KV to plan")
-    quant = cfg.get("quantization_config")
-    quant_method = str(quant.get("quant_method")) if isinstance(quant, dict) else None
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    model_type = str(cfg.get("model_type", ""))
     return ModelSpec(
         name=source,
-        model_type=str(cfg.get("model_type", "")),
+        model_type=model_type,
         num_layers=layers,
         hidden_size=hidden,
-        intermediate_size=_opt_int(cfg, "intermediate_size", source, 4 * hidden),
+        intermediate_size=mlp_width(cfg, hidden, source),
         num_attention_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=kv,
         head_dim=head_dim,
-        vocab_size=_require_int(cfg, "vocab_size", source),
-        max_context=_opt_int(cfg, "max_position_embeddings", source),
+        vocab_size=opt_int(cfg, "vocab_size", source),
+        max_context=opt_int(cfg, key_of(cfg, "max_position_embeddings"), source),
         torch_dtype=dtype,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=tied_embeddings(cfg, source),
         attention=attention,
         layer_windows=reach.reach,
         state_layers=reach.state_layers,
         kv_lora_rank=kv_lora,
-        qk_rope_head_dim=_opt_int(cfg, "qk_rope_head_dim", source),
-        q_lora_rank=_opt_int(cfg, "q_lora_rank", source),
-        qk_nope_head_dim=_opt_int(cfg, "qk_nope_head_dim", source),
-        v_head_dim=_opt_int(cfg, "v_head_dim", source),
+        qk_rope_head_dim=opt_int(cfg, "qk_rope_head_dim", source),
+        q_lora_rank=opt_int(cfg, "q_lora_rank", source),
+        qk_nope_head_dim=opt_int(cfg, "qk_nope_head_dim", source),
+        v_head_dim=opt_int(cfg, "v_head_dim", source),
         moe=moe,
-        attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-        quantization=quant_method,
+        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+        quantization=read_quantization(cfg, source),
+        gated_mlp=gated_mlp(model_type),
+        blocks=stack.blocks if stack else (),
     )
 
 

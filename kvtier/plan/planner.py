@@ -14,14 +14,13 @@ from kvtier.layout import default_tokens_per_block
 from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GIB, GPUSpec
 from kvtier.plan.kvmath import (
-    DTYPE_BYTES,
     check_tensor_parallel,
     estimate_params,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
     kv_share_per_rank,
-    normalize_dtype,
-    serving_dtype,
+    weights_bytes,
+    weights_format,
 )
 from kvtier.plan.model import AttentionKind, ModelSpec
 from kvtier.plan.workload import ContextPercentiles, TraceSummary
@@ -46,7 +45,7 @@ class PlanInput:
     model: ModelSpec
     gpu: GPUSpec
     kv_dtype: str
-    weights_dtype: str | None = None  # None: the model's serving dtype
+    weights_dtype: str | None = None  # None: the checkpoint's dtype and quantization
     gpus: int = 1
     tp: int = 1
     mem_util: float = 0.9
@@ -75,7 +74,7 @@ class Plan:
     """The result: every number the table, the JSON and the plot show."""
 
     inputs: PlanInput
-    weights_dtype: str
+    weights_dtype: str  # what the weights were counted as: "bf16", "awq int4", ...
     params: int
     active_params: int
     weights_bytes: int
@@ -129,12 +128,17 @@ def make_plan(p: PlanInput) -> Plan:
     _validate(p)
     m = p.model
     notes: list[str] = []
-    weights_dtype = normalize_dtype(p.weights_dtype) if p.weights_dtype else serving_dtype(m)
+    fmt = weights_format(m, p.weights_dtype)
     counted = estimate_params(m)
+    if not m.vocab_size and p.params_override is None:
+        raise PlanError(f"{m.name}: config field 'vocab_size' is missing (text_config and "
+                        "outer config alike): the KV is planned without it, the weights' "
+                        "embeddings are not; pass --params with the model card's parameter "
+                        "count (e.g. --params 27B)")
     params = p.params_override or counted.total
     active = counted.active if p.params_override is None else int(
         p.params_override * counted.active / counted.total)
-    weights = int(params * DTYPE_BYTES[weights_dtype])
+    weights = weights_bytes(counted, fmt, params)
     weights_gpu = math.ceil(weights / p.tp)
     replicas = p.gpus // p.tp
 
@@ -165,7 +169,7 @@ def make_plan(p: PlanInput) -> Plan:
                      "stops growing")
     if m.kv_layers < m.num_layers:
         notes.append(_hybrid_note(m))
-    if m.windowed_layers or m.kv_layers < m.num_layers:
+    if m.windowed_layers or m.state_layers:
         notes.append("kvtier's vLLM connector takes one full-attention KV cache group only: "
                      "it refuses this model's windowed or hybrid layers at start, so the tier "
                      "sizes above assume an engine that offloads them")
@@ -197,7 +201,7 @@ def make_plan(p: PlanInput) -> Plan:
     kv_read = resident * seq_bytes["p99"] * share  # per GPU
     decode_s = (weights_gpu + kv_read) / p.gpu.bandwidth_bytes_s
     return Plan(
-        inputs=p, weights_dtype=weights_dtype, params=params, active_params=active,
+        inputs=p, weights_dtype=fmt.label, params=params, active_params=active,
         weights_bytes=weights, weights_bytes_per_gpu=weights_gpu, replicas=replicas,
         kv_bytes_per_token=per_token, kv_bytes_per_token_per_gpu=per_token_gpu,
         sequence_tokens=seq_tokens, kv_bytes_per_sequence=seq_bytes,
@@ -241,6 +245,10 @@ def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int) -> tuple[Tie
 def _hybrid_note(m: ModelSpec) -> str:
     """What a hybrid model's layers without KV mean for the plan."""
     no_kv = m.num_layers - m.kv_layers
+    if m.blocks:
+        return (f"only {m.kv_layers} of {m.num_layers} layers hold attention KV: block_configs "
+                f"skips attention (no_op) or replaces it with a linear layer in {no_kv}; "
+                "weights are counted block by block")
     state = (f"; {m.state_layers} carry a fixed-size recurrent state per sequence (linear "
              "attention, SSM or convolution) that the engine keeps in HBM beside the KV: not "
              "counted here, and not stored by kvtier" if m.state_layers else "")
