@@ -5,10 +5,13 @@ vLLM's v1 names come first, with the older names as fallbacks
 ``gpu_``-prefixed prefix-cache counters). DCGM exporter gauges, when present in the
 same scrape or given with ``--gpu-metrics``, tell whether the GPU is busy and on what.
 Series of several engines (data parallel) are summed; usage gauges take the maximum.
+A value doctor reads that is NaN, infinite or negative makes the scrape unreadable
+(DoctorError, exit 2), as text that is not exposition format does: it is never diagnosed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +41,8 @@ _MAX_GAUGES = frozenset(KV_USAGE)
 _MEAN_GAUGES = frozenset(GPU_UTIL + DRAM_ACTIVE + TENSOR_ACTIVE)
 _KNOWN = frozenset(KV_USAGE + RUNNING + WAITING + PREEMPTIONS + PREFIX_QUERIES + PREFIX_HITS
                    + PROMPT_TOKENS + GENERATION_TOKENS)
+_READ = _KNOWN | _MEAN_GAUGES  # the gauges and counters the patterns read
+_READ_HISTOGRAMS = frozenset(TTFT + ITL + PROMPT_LEN + OUTPUT_LEN + E2E + QUEUE_TIME)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,24 @@ class EngineSample:
         return any(name in self.values for name in _KNOWN) or bool(self.histograms)
 
 
+def _why_unparsable(exc: Exception, text: str) -> str:
+    """The parser's reason; prometheus_client raises some errors with no message."""
+    if str(exc):
+        return str(exc)
+    if text and not text.endswith("\n"):
+        return (f"a line is cut off or malformed ({type(exc).__name__}); the text ends "
+                "mid-line: was the scrape or the file truncated?")
+    return f"a line is cut off or malformed ({type(exc).__name__})"
+
+
+def _check_value(name: str, value: float, source: str) -> None:
+    """Gauges, counters and histogram samples are finite and not negative; NaN, an
+    infinity or a negative count means a broken exporter, not a state to diagnose."""
+    if not math.isfinite(value) or value < 0:
+        raise DoctorError(f"{source}: {name} is {value:g}, not a finite number >= 0: the "
+                          "exporter's value cannot be read")
+
+
 def parse_engine(text: str, source: str) -> EngineSample:
     """Parse Prometheus exposition text; DoctorError when it is not exposition format."""
     values: dict[str, float] = {}
@@ -88,10 +111,13 @@ def parse_engine(text: str, source: str) -> EngineSample:
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, TypeError, IndexError) as exc:
-        raise DoctorError(f"{source} is not Prometheus exposition text: {exc}") from exc
+        raise DoctorError(f"{source} is not Prometheus exposition text: "
+                          f"{_why_unparsable(exc, text)}") from exc
     for family in families:
         if family.type == "histogram":
             for s in family.samples:
+                if family.name in _READ_HISTOGRAMS:
+                    _check_value(s.name, s.value, source)
                 if s.name.endswith("_bucket") and "le" in s.labels:
                     series = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
                     per = buckets.setdefault(family.name, {}).setdefault(series, {})
@@ -105,6 +131,8 @@ def parse_engine(text: str, source: str) -> EngineSample:
             if s.name == CACHE_INFO or family.name == CACHE_INFO:
                 info.update(s.labels)
                 continue
+            if s.name in _READ:
+                _check_value(s.name, s.value, source)
             if s.name in _MAX_GAUGES:
                 values[s.name] = max(values.get(s.name, s.value), s.value)
             else:

@@ -226,3 +226,46 @@ def test_hostile_stats_json_is_one_line_exit_2(capsys: pytest.CaptureFixture[str
     code, out, err = doctor(capsys, "--stats", str(p))
     assert code == 2 and out == "" and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and str(p) in err and needle in err
+
+
+def test_a_scrape_cut_mid_line_says_why_it_cannot_be_read(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """prometheus_client raises a ValueError with no message on a cut-off TYPE line."""
+    cut = tmp_path / "trunc.prom"
+    cut.write_text("# TYPE vllm:num_requests_running gauge\n"
+                   'vllm:num_requests_running{engine="0"} 40.0\n'
+                   "# HELP vllm:num_requests_waiting Number of requests waiting.\n"
+                   "# TYPE vllm:num")
+    code, out, err = doctor(capsys, "--stats", str(FIXTURES / "healthy" / "stats-0.json"),
+                            "--engine-metrics", str(cut))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    reason = err.split("is not Prometheus exposition text:", 1)[1].strip()
+    assert reason.startswith("a line is cut off or malformed (ValueError)")
+    assert "ends mid-line" in reason
+
+
+@pytest.mark.parametrize(("line", "shown"), [
+    ('vllm:num_requests_running{model_name="m"} NaN', "vllm:num_requests_running is nan"),
+    ('vllm:num_requests_waiting{model_name="m"} +Inf', "vllm:num_requests_waiting is inf"),
+    ('vllm:kv_cache_usage_perc{model_name="m"} -1', "vllm:kv_cache_usage_perc is -1"),
+    ('vllm:num_preemptions_total{model_name="m"} -3', "vllm:num_preemptions_total is -3"),
+    ('vllm:time_to_first_token_seconds_bucket{le="+Inf"} NaN',
+     "vllm:time_to_first_token_seconds_bucket is nan"),
+])
+def test_non_finite_or_negative_values_are_unreadable_not_healthy(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, line: str, shown: str) -> None:
+    prom = tmp_path / "nanval.prom"
+    prom.write_text('vllm:num_requests_running{model_name="m"} 4\n'
+                    "# TYPE vllm:time_to_first_token_seconds histogram\n" + line + "\n")
+    code, out, err = doctor(capsys, "--engine-metrics", str(prom))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("kvtier doctor: could not read metrics:")
+    assert f"{prom}: {shown}, not a finite number >= 0" in err
+    code, out, _ = doctor(capsys, "--engine-metrics", str(prom), "--json")
+    assert code == 2 and json.loads(out)["status"] == "unreadable"
+
+
+def test_unread_metrics_may_be_nan() -> None:
+    """Only what doctor reads is checked: an unrelated gauge's NaN is not its business."""
+    s = parse_engine('process_cpu_seconds_total NaN\nvllm:num_requests_running 2\n', "x")
+    assert s.get(("vllm:num_requests_running",)) == 2.0
