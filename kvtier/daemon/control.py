@@ -85,6 +85,7 @@ class ControlServer(ControlOps):
         self._ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
+        self._requests: set[asyncio.Task[None]] = set()   # every connection's, in flight
         self.rejected_peers = 0
         self.protocol_errors = 0
         self.counters = LimitCounters()
@@ -121,11 +122,19 @@ class ControlServer(ControlOps):
                 await asyncio.wait_for(self._server.wait_closed(), 0.5)
 
     async def close_connections(self, timeout: float) -> None:
-        """Let in-flight requests finish (bounded), then drop connections."""
-        if self._handlers:
-            _done, pending = await asyncio.wait(list(self._handlers), timeout=timeout)
-            for t in pending:
-                t.cancel()
+        """Let in-flight requests finish, and clients holding leases commit or release
+        them (bounded by ``timeout``), then drop every connection: an idle client does
+        not hold the stop for the whole bound."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        while loop.time() < until and (self._requests or any(
+                self.store.leases.count(c.id) for c in self.connections.values())):
+            await asyncio.sleep(0.02)
+        handlers = list(self._handlers)
+        for t in handlers:
+            t.cancel()
+        if handlers:
+            await asyncio.wait(handlers, timeout=1.0)
         self.exits.close()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -198,6 +207,7 @@ class ControlServer(ControlOps):
 
         def done(t: asyncio.Task[None], n: int) -> None:
             tasks.discard(t)
+            self._requests.discard(t)
             inflight.release()
             held.release(n)
             self.pending.release(n)
@@ -215,6 +225,7 @@ class ControlServer(ControlOps):
                 await inflight.acquire()
                 t = asyncio.ensure_future(self._dispatch(conn, msg, writer, write_lock))
                 tasks.add(t)
+                self._requests.add(t)
                 t.add_done_callback(functools.partial(done, n=n))
         except KVTierError as exc:  # a bad frame, a broken limit: answer, then close
             conn.dropped = True

@@ -227,3 +227,46 @@ def test_hindsight_eviction_runs_in_the_daemon(daemon_factory) -> None:
     for k, out in zip(keys[:40], outs, strict=True):
         assert np.array_equal(out, block_bytes_for(k, LAYOUT.block_bytes))
     c.close()
+
+
+def test_a_stop_lets_a_writer_commit_and_does_not_wait_for_idle_clients(
+        tmp_path: object) -> None:
+    """SIGTERM with two clients connected: one idle, one holding a put lease it is still
+    filling. The stop waits for the lease (its commit lands and the blocks survive the
+    restart), not for the idle client (before, every connection held the stop for half of
+    drain_timeout_s: 15 s here)."""
+    import threading
+    import time
+    from pathlib import Path
+
+    d = DaemonProcess(Path(str(tmp_path)) / "kvd",
+                      extra_args=["--daemon-drain-timeout-s", "30"]).start()
+    try:
+        idle = connect(d.socket)
+        idle.register_layout(LAYOUT, "m")
+        c = connect(d.socket)
+        ns = c.register_layout(LAYOUT, "m")
+        keys = block_keys(ns, np.arange(64 * 4))
+        lease = c.prepare_put(ns, keys)
+        assert d.proc is not None
+        d.proc.send_signal(15)
+        time.sleep(0.3)                    # the stop has begun; the writer is still copying
+        for k, view in zip(keys, lease.views, strict=True):
+            view[:] = block_bytes_for(k, LAYOUT.block_bytes)
+        assert lease.commit() == 4
+        t0 = time.monotonic()
+        done = threading.Event()
+        threading.Thread(target=lambda: (d.proc.wait(30), done.set()), daemon=True).start()
+        assert done.wait(10), "the stop waited for the idle client"
+        assert d.proc.returncode == 0 and time.monotonic() - t0 < 10
+        idle.close()
+        c.close()
+        d.start()
+        with connect(d.socket) as again:
+            ns = again.register_layout(LAYOUT, "m")
+            outs = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
+            assert again.get(ns, keys, outs) == 4
+            assert all(np.array_equal(o, block_bytes_for(k, LAYOUT.block_bytes))
+                       for k, o in zip(keys, outs, strict=True))
+    finally:
+        d.kill()
