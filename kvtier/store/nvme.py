@@ -29,10 +29,11 @@ async def _no_eviction(key: Key) -> None:  # until the store wires demotion
 
 @dataclass(slots=True)
 class EvictedFrames:
-    """Frames evicted from nvme and left on disk, by key, until their slot is handed out
-    again. Eviction does not erase (the bytes are right, and it would cost a write per
-    eviction); a delete of the key erases them, else a restart would adopt a deleted block.
-    At most one entry per slot: a slot evicted again names its newest frame only."""
+    """Frames evicted from nvme and left on disk, by key, until a new frame is stored in
+    their slot (a slot handed out whose write then fails may still hold the old frame).
+    Eviction does not erase (the bytes are right, and it would cost a write per eviction);
+    a delete of the key erases them, else a restart would adopt a deleted block. At most
+    one entry per slot: a slot evicted again names its newest frame only."""
 
     by_slot: dict[NvmeSlot, tuple[Key, bytes]] = field(default_factory=dict)
     by_key: dict[Key, list[NvmeSlot]] = field(default_factory=dict)
@@ -43,7 +44,7 @@ class EvictedFrames:
         self.by_key.setdefault(key, []).append(slot)
 
     def forget(self, slot: NvmeSlot) -> None:
-        """``slot`` holds no evicted frame any more (handed out again, or erased)."""
+        """``slot`` holds no evicted frame any more (another frame stored, or erased)."""
         entry = self.by_slot.pop(slot, None)
         if entry is None:
             return
@@ -52,12 +53,9 @@ class EvictedFrames:
         if not slots:
             del self.by_key[entry[0]]
 
-    def take(self, key: Key, namespace: bytes) -> list[NvmeSlot]:
-        """The slots holding ``key``'s evicted frames under ``namespace``, forgotten here."""
-        out = [s for s in self.by_key.get(key, ()) if self.by_slot[s][1] == namespace]
-        for slot in out:
-            self.forget(slot)
-        return out
+    def of(self, key: Key, namespace: bytes) -> list[NvmeSlot]:
+        """The slots holding ``key``'s evicted frames under ``namespace``."""
+        return [s for s in self.by_key.get(key, ()) if self.by_slot[s][1] == namespace]
 
 
 @dataclass(slots=True, eq=False)
@@ -71,19 +69,23 @@ class NvmeResidency:
 
     async def alloc(self, nbytes: int) -> NvmeSlot | None:
         """A reserved slot, evicting by policy when needed (the tier counts failures)."""
-        slot = await allocate_with_eviction(lambda: self.tier.alloc(nbytes), self.policy,
+        return await allocate_with_eviction(lambda: self.tier.alloc(nbytes), self.policy,
                                             self.on_victim)
-        if slot is not None:
-            self.evicted.forget(slot)
-        return slot
 
     def erase_evicted(self, key: Key, namespace: bytes) -> int:
         """Erase the frames ``key`` left on disk under ``namespace`` when it was evicted
-        (a delete: none of them may come back at a restart); how many were queued."""
-        return sum(self.tier.erase_free(slot) for slot in self.evicted.take(key, namespace))
+        (a delete: none of them may come back at a restart); how many were queued. A slot
+        handed out again meanwhile stays named: its new frame's write may yet fail."""
+        queued = 0
+        for slot in self.evicted.of(key, namespace):
+            if self.tier.erase_free(slot):
+                self.evicted.forget(slot)
+                queued += 1
+        return queued
 
     def stored(self, meta: BlockMeta, slot: NvmeSlot, now: float) -> None:
         """``slot`` now holds ``meta``'s complete frame."""
+        self.evicted.forget(slot)
         meta.nvme = slot
         meta.nvme_ready = True
         self.policy.insert(meta.key, nbytes=meta.nbytes, parent=meta.parent,

@@ -270,6 +270,34 @@ async def test_a_deleted_key_leaves_no_evicted_frame_for_a_restart(
     assert kept[0] in found and evicted[0] in found
 
 
+async def test_an_evicted_frame_stays_named_until_a_new_frame_is_stored_in_its_slot(
+        store: TieredStore, nvme: NvmeTier, client: ArenaMapping, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot handed out again may keep its evicted frame: here the new frame's write fails
+    (ENOSPC) before it reaches the disk. The old key's delete must still erase it."""
+    gone = chain(1, start=1)
+    await put(store, client, gone, durable=True)             # nvme slot 0
+    residency = store.nvme_residency
+    assert residency is not None
+    residency.drop(store.index[gone[0]], EvictionReason.CAPACITY)   # the frame stays
+
+    async def full_disk(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(nvme, "write", full_disk)
+    await put(store, client, chain(1, start=2), durable=True)   # gets slot 0, write fails
+    monkeypatch.undo()
+    assert await store.delete(DIGEST, FP, gone) == 1
+    await nvme.erased()
+    shutil.copytree(nvme.root, tmp_path / "restart")
+    again = NvmeTier(tmp_path / "restart", nvme.capacity_bytes, direct="off", io_threads=1)
+    try:
+        found = {h.key for _, h in again.open()}
+    finally:
+        again.close()
+    assert gone[0] not in found
+
+
 async def test_delete_skips_blocks_in_use(store: TieredStore, client: ArenaMapping) -> None:
     read, writing = chain(1), chain(1, start=1)
     await put(store, client, read)

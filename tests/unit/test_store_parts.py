@@ -130,18 +130,21 @@ async def test_prefetch_wait_follows_the_policy_module(arena: Arena, policy: Pre
 
 
 def test_evicted_frames_are_remembered_per_slot_and_namespace() -> None:
-    """Only a delete in the frame's own namespace takes it (knowing a key is no permission);
-    a slot handed out again, or holding a newer evicted frame, no longer names the old key."""
+    """Only a delete in the frame's own namespace finds it (knowing a key is no permission);
+    a slot that stored a new frame, or holds a newer evicted frame, no longer names the old
+    key."""
     frames = EvictedFrames()
     s0, s1, s2 = NvmeSlot(8192, 0), NvmeSlot(8192, 1), NvmeSlot(16384, 0)
     frames.add(s0, b"k", b"ns-a")
     frames.add(s1, b"k", b"ns-a")      # an older copy of the same key, evicted too
     frames.add(s2, b"j", b"ns-a")
-    assert frames.take(b"k", b"ns-b") == []
-    frames.forget(s1)                  # handed out again: its frame is overwritten
+    assert frames.of(b"k", b"ns-b") == []
+    frames.forget(s1)                  # a new frame stored there: the old one is overwritten
     frames.add(s2, b"x", b"ns-a")      # reused and evicted again under another key
-    assert frames.take(b"j", b"ns-a") == []
-    assert frames.take(b"k", b"ns-a") == [s0]
-    assert frames.take(b"k", b"ns-a") == []
-    assert frames.take(b"x", b"ns-a") == [s2]
+    assert frames.of(b"j", b"ns-a") == []
+    assert frames.of(b"k", b"ns-a") == [s0]
+    frames.forget(s0)
+    assert frames.of(b"k", b"ns-a") == []
+    assert frames.of(b"x", b"ns-a") == [s2]
+    frames.forget(s2)
     assert not frames.by_slot and not frames.by_key
