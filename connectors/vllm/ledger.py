@@ -58,6 +58,13 @@ class SaveLedger:
         with self._lock:
             return list(self._inflight.get(req_id, ()))
 
+    def forget(self, req_id: str) -> None:
+        """``req_id`` was preempted and its saves are over: its free is no longer delayed
+        for them (the scheduler side clears ``saved_any`` in the same step)."""
+        with self._lock:
+            self._saved_reqs.discard(req_id)
+            self._inflight.pop(req_id, None)
+
     def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests vLLM finished (now or earlier) whose saves are all over: their pages
         may be freed. A finished request without saves was never delayed: not reported."""

@@ -238,6 +238,14 @@ class SchedulerSide:
         """This step's loads (planned at allocation) and saves (blocks completed by it)."""
         meta = KVTierConnectorMetadata()
         meta.preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for req_id in meta.preempted:
+            state = self._states.get(req_id)
+            if state is not None:
+                # the workers wait for its saves in this step (handle_preemptions) and
+                # forget them: its free is delayed only for saves made after it resumes.
+                # (vLLM delays the free of a request it aborts while loading for the load
+                # alone; reported sent as well, the request would be freed twice.)
+                state.saved_any = False
         self._step_started = (time.monotonic(), scheduler_output.total_num_scheduled_tokens)
         for spec in self._pending_loads:
             (meta.async_loads if self.config.async_load else meta.loads).append(spec)

@@ -288,6 +288,7 @@ class WorkerSide:
         for req_id in req_ids:
             for fut in self.ledger.of(req_id):
                 fut.result()
+            self.ledger.forget(req_id)   # (as the scheduler side does: saved_any)
 
     def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
         """(requests whose delayed free may happen now, requests whose asynchronous load

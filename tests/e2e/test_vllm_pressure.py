@@ -241,3 +241,28 @@ def test_tokens_under_preemption_equal_the_baseline(
     else:
         assert tiers["cpu"]["evictions"]["capacity"] > 0, tiers["cpu"]
         assert sum(cached[1]) > 0 and sum(cached[2]) > 0
+
+
+def test_a_request_aborted_while_it_reloads_after_a_preemption_is_freed_once(
+        run_engine: EngineRun, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two long answers under pressure: one request is preempted after its prompt was
+    saved, comes back to an asynchronous load of that KV, and is aborted while it waits.
+    vLLM delays its free for the load; the connector no longer delays it for the saves it
+    made before the preemption (both reported, vLLM freed it twice and its engine died on
+    an assertion). The engine goes on serving, with the baseline's tokens."""
+    phases = [{"prompts": [prompt(41, 300), prompt(42, 300)], "max_tokens": 150}]
+    (expected,) = run_engine(phases, transfer=None, engine_args=PRESSURE)
+    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-abort"), nvme_bytes="0")
+    d.start()
+    try:
+        transfer = kv_transfer_config(d.socket, model_id="pressure-abort", async_load=True)
+        aborting, again = run_engine([{**phases[0], "abort_reloads": True}, phases[0]],
+                                     transfer, engine_args=PRESSURE)
+    finally:
+        d.kill()
+    watched = run_engine.scheduler  # type: ignore[attr-defined]
+    assert watched[0]["resumed_with_load"] >= 1, watched
+    aborted = [i for i, (_, cached) in enumerate(aborting) if cached == -1]
+    assert aborted, aborting
+    assert all(aborting[i][0] == expected[i][0] for i in range(2) if i not in aborted)
+    assert [tokens for tokens, _ in again] == [tokens for tokens, _ in expected]

@@ -127,6 +127,37 @@ def phase_prompts(phase: dict[str, Any], results: list[Any],
     return [p + out + cont["extra"] for p, (out, _) in zip(prompts[i], results[i], strict=True)]
 
 
+def abort_reloads(llm: Any, prompts: list[list[int]],
+                  max_tokens: int) -> list[tuple[list[int], int]]:
+    """Run ``prompts`` step by step and abort every request that comes back from a
+    preemption to an asynchronous load of its own saved KV, while it waits for that load
+    (the in-process engine only); an aborted request's result is ``([], -1)``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.request import RequestStatus
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    done: dict[str, tuple[list[int], int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (list(out.outputs[0].token_ids),
+                                        int(out.num_cached_tokens or 0))
+        for req in list(scheduler.requests.values()):
+            rid = next((r for r in ids if req.request_id == r
+                        or req.request_id.startswith(f"{r}-")), None)
+            if rid is not None and req.num_preemptions > 0 and \
+                    req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                engine.abort_request([rid])
+                done[rid] = ([], -1)
+    return [done[r] for r in ids]
+
+
 def connector_counters(llm: Any) -> dict[str, Any]:
     """The scheduler-side connector's counters (in-process engine core only)."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
@@ -252,8 +283,11 @@ def main(spec_path: str, out_path: str) -> None:
         if "slow_saves_s" in phase:
             slow_saves(phase["slow_saves_s"])
         prompts.append(phase_prompts(phase, results, prompts))
-        results.append(generate(llm, prompts[-1], phase.get("salts"),
-                                phase.get("max_tokens", MAX_TOKENS)))
+        if phase.get("abort_reloads"):
+            results.append(abort_reloads(llm, prompts[-1], phase.get("max_tokens", MAX_TOKENS)))
+        else:
+            results.append(generate(llm, prompts[-1], phase.get("salts"),
+                                    phase.get("max_tokens", MAX_TOKENS)))
         watch.end_phase()
     Path(out_path).write_text(json.dumps(results))
     Path(out_path + ".connector.json").write_text(json.dumps(connector_counters(llm)))
