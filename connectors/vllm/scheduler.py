@@ -76,6 +76,7 @@ class RequestState:
     known_blocks: int = 0
     load: TransferSpec | None = None
     saved_any: bool = False
+    load_failed: bool = False   # a load of it failed: it recomputes, kvtier is not asked again
 
 
 class SchedulerSide:
@@ -122,6 +123,12 @@ class SchedulerSide:
             return 0, False
         salt = request_salt(request)
         if salt is False:
+            return 0, False
+        state = self._states.get(request.request_id)
+        if state is not None and state.load_failed:
+            # vLLM asks again after a failed load: a stalled daemon would cost this request
+            # a second timeout (another connection finds the stall anew), a lost block a
+            # second failure; recomputing is what the failure already decided
             return 0, False
         tokens = _token_ids(request)
         n_blocks = self.pages.full_blocks(len(tokens))
@@ -323,6 +330,7 @@ class SchedulerSide:
             if bad is not None:
                 state.known_blocks = min(state.known_blocks, spec.first_block + bad)
                 state.load = None
+                state.load_failed = True
 
     def _take_worker_meta(self, wmeta: KVTierWorkerMetadata) -> None:
         for save_id, n in wmeta.saves_done.items():

@@ -134,3 +134,32 @@ def test_blocks_lost_between_lookup_and_load_never_become_wrong_kv(
     assert cached_at_failure > 0           # it did load (and lose) from kvtier
     assert failed == baseline
     assert again == baseline and cached_again > 0
+
+
+def test_a_daemon_that_stops_answering_mid_load_costs_one_timeout(
+        run_engine: EngineRun, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two prompts load asynchronously; the daemon is stopped (SIGSTOP, 6 s) right after
+    the first load copied its first layer (that load has its slots leased and finishes).
+    The second load's request times out and vLLM recomputes that prompt; it asks the
+    connector again, which no longer asks the daemon for a request whose load failed (its
+    scheduler connection would have found the stall anew: a second timeout for the same
+    request). The tokens are the baseline's."""
+    qs = [prompt(29, 4 * TOKENS_PER_BLOCK + 10), prompt(30, 4 * TOKENS_PER_BLOCK + 20)]
+    baseline = [t for t, _ in run_engine([{"prompts": qs}], transfer=None)[0]]
+    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-stall"), nvme_bytes="0")
+    d.start()
+    try:
+        assert d.proc is not None
+        cfg = {**transfer(d, "stall", async_load=True, timeout_s=1.0)}
+        stored, stalled = run_engine(
+            [{"prompts": qs},
+             {"prompts": qs, "stall_daemon_at_load": {"pid": d.proc.pid, "seconds": 6.0}}],
+            cfg)
+        last = max(tmp_path_factory.getbasetemp().glob("engine*/stderr.log"),
+                   key=lambda f: f.stat().st_mtime)
+        log = last.read_text()
+    finally:
+        d.kill()
+    assert [t for t, _ in stored] == baseline and [t for t, _ in stalled] == baseline
+    assert "no reply to get_prepare within" in log, log[-3000:]
+    assert "no reply to lookup within" not in log, log[-3000:]

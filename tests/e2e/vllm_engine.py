@@ -207,6 +207,26 @@ def slow_saves(seconds: float) -> None:
     setattr(SaveRequest, "copy", delayed)  # noqa: B010 (a test hook)
 
 
+def stall_daemon_at_load(pid: int, seconds: float) -> None:
+    """Once: right after the next load copies its first layer, SIGSTOP the daemon ``pid``
+    and SIGCONT it ``seconds`` later (a daemon that stops answering mid-load)."""
+    import signal
+    import threading
+
+    from kvtier.connectors.vllm.transfers import LoadBatch
+
+    original = LoadBatch.load_layer
+
+    def load_layer(self: Any, layer: int, stream: Any) -> None:
+        original(self, layer, stream)
+        if layer == 0:
+            setattr(LoadBatch, "load_layer", original)  # noqa: B010 (once)
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(seconds, os.kill, (pid, signal.SIGCONT)).start()
+
+    setattr(LoadBatch, "load_layer", load_layer)  # noqa: B010 (a test hook)
+
+
 class SchedulerWatch:
     """Counts, per phase, what vLLM's scheduler did that the outputs do not show: its
     preemptions (``Scheduler._preempt_request``: pages freed, the request recomputed from
@@ -282,6 +302,8 @@ def main(spec_path: str, out_path: str) -> None:
             lose_blocks_at_load(phase["lose_blocks_at_load"])
         if "slow_saves_s" in phase:
             slow_saves(phase["slow_saves_s"])
+        if "stall_daemon_at_load" in phase:
+            stall_daemon_at_load(**phase["stall_daemon_at_load"])
         prompts.append(phase_prompts(phase, results, prompts))
         if phase.get("abort_reloads"):
             results.append(abort_reloads(llm, prompts[-1], phase.get("max_tokens", MAX_TOKENS)))
