@@ -140,8 +140,8 @@ def abort_reloads(llm: Any, prompts: list[list[int]],
     scheduler = engine.engine_core.engine_core.scheduler
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    for name, p in zip(ids, prompts, strict=True):
+        engine.add_request(name, TokensPrompt(prompt_token_ids=p), params)
     done: dict[str, tuple[list[int], int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
