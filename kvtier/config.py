@@ -31,7 +31,8 @@ __all__ = ["ByteSize", "Config", "ConfigError", "load_config", "parse_size"]
 Count = Annotated[int, Meta(ge=0)]            # counts, TTLs: never negative
 AtLeastOne = Annotated[int, Meta(ge=1)]
 Port = Annotated[int, Meta(ge=0, le=65535)]   # 0 picks a free port
-Seconds = Annotated[float, Meta(ge=0)]        # finite too (nan would make deadlines never fire)
+Seconds = Annotated[float, Meta(ge=0, le=10**9)]  # finite too (nan would make deadlines
+#                                                   never fire); beyond 30 years is a typo
 Number = Annotated[float, Meta(ge=0)]
 Fraction = Annotated[float, Meta(ge=0, le=1)]
 
@@ -362,6 +363,9 @@ def validate(cfg: Config) -> None:
                           "connector's step timeout)")
     if cfg.daemon.max_frame_bytes < 1:
         raise ConfigError("daemon.max_frame_bytes must be >= 1")
+    if not cfg.http.host.strip():
+        raise ConfigError("http.host is empty, which would listen on every interface: give "
+                          "an address (127.0.0.1, the default; 0.0.0.0 for every interface)")
     if cfg.daemon.read_timeout_s <= 0:
         raise ConfigError("daemon.read_timeout_s must be > 0 (a half-sent frame must not hold "
                           "a connection for ever)")

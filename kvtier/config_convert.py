@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
+import stat
 import sys
 import types
 import typing
@@ -100,8 +102,19 @@ def _dec_hook(tp: type, obj: Any) -> Any:
             return ByteSize(parse_size(obj))
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
-    if tp is Path and isinstance(obj, str | Path):
-        return Path(obj).expanduser()
+    if tp is Path:
+        if not isinstance(obj, str | Path):
+            raise ValueError(f"must be a path (a string), not {type(obj).__name__}")
+        text = str(obj)
+        if not text.strip():
+            raise ValueError("must not be empty (an empty path would mean the current "
+                             "directory)")
+        if "\0" in text:
+            raise ValueError("must not contain a NUL byte")
+        try:
+            return Path(text).expanduser()
+        except RuntimeError as exc:   # ~user with no such user, or no home directory
+            raise ValueError(str(exc)) from None
     raise NotImplementedError(f"no conversion to {tp}")
 
 
@@ -159,9 +172,34 @@ def _lookup(tree: type, section: str, name: str, source: str) -> Setting:
     return known[section][name]
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file larger than this is refused (a device or a log given by mistake)."""
+
+
+def _read_config(path: Path) -> str:
+    """A regular file of at most ``MAX_CONFIG_BYTES``, as text: a FIFO would block the
+    start, /dev/zero would read until memory runs out."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"config file {path} is not a regular file: give a TOML file")
+        data = b""
+        while len(data) <= MAX_CONFIG_BYTES:
+            piece = os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))
+            if not piece:
+                break
+            data += piece
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes: give "
+                          "a TOML file")
+    return data.decode("utf-8")   # TOML is UTF-8
+
+
 def _file_layer(tree: type, path: Path) -> Iterator[tuple[Setting, Any, str]]:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))   # TOML is UTF-8
+        data = tomllib.loads(_read_config(path))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
     except UnicodeDecodeError:

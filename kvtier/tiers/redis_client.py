@@ -42,7 +42,13 @@ class RedisTarget:
 
 def parse_target(cfg: RedisConfig) -> RedisTarget:
     """Validate ``cfg.url`` and decide single vs cluster; raises ConfigError when malformed."""
-    parts = urlsplit(cfg.url)
+    try:
+        parts = urlsplit(cfg.url)
+        port = parts.port      # (parsed lazily: a port out of range raises here)
+    except ValueError as exc:
+        raise ConfigError(f"redis.url {cfg.url!r} is malformed ({exc}): give "
+                          "redis://host:port/db, rediss://..., unix://path or "
+                          "redis+cluster://host:port") from None
     scheme = parts.scheme.lower()
     cluster = cfg.cluster
     if scheme.endswith("+cluster"):
@@ -55,7 +61,7 @@ def parse_target(cfg: RedisConfig) -> RedisTarget:
         raise ConfigError("Redis Cluster cannot be reached over a unix:// socket")
     url = parts._replace(scheme=scheme).geturl()
     host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
+    netloc = f"{host}:{port}" if port else host
     display = f"{scheme}://{netloc}{parts.path}" + (" (cluster)" if cluster else "")
     return RedisTarget(RedisMode.CLUSTER if cluster else RedisMode.SINGLE, url,
                        scheme == "rediss", display)

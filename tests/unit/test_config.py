@@ -189,7 +189,7 @@ def test_unreadable_files_are_config_errors(tmp_path: Path) -> None:
     binary.write_bytes(b"\x1f\x8b\x08\x00\xff\xfe")   # e.g. a gzip file given by mistake
     with pytest.raises(ConfigError, match="not UTF-8 text"):
         load_config(binary, env={})
-    with pytest.raises(ConfigError, match="check that it is a readable file"):
+    with pytest.raises(ConfigError, match="is not a regular file"):
         load_config(tmp_path, env={})   # a directory
     utf8 = tmp_path / "utf8.toml"
     utf8.write_text('[daemon]\nlog_level = "debug"  # é\n', encoding="utf-8")
