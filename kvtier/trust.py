@@ -24,6 +24,7 @@ None, so the rules are unit-tested without other users.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import socket
 import stat
@@ -325,8 +326,8 @@ def prepare_socket_dir(socket_path: Path, *, default_dir: Path | None) -> None:
                             "there")
     if found is not None:
         where, problem = found
-        fix = (f"run `chmod go-w {where}`" if "writable by" in problem
-               else "use a directory of yours" if "not writable" in problem
+        fix = ("use a directory of yours" if "not writable" in problem
+               else f"run `chmod go-w {where}`" if "writable by" in problem
                else "use a directory owned by you or root")
         unsafe = "not writable" not in problem
         risk = ", so another user could replace the socket" if unsafe else ""
@@ -345,6 +346,35 @@ def _socket_alive(path: Path) -> bool:
         return False
     finally:
         s.close()
+
+
+def lock_socket_path(socket_path: Path) -> int:
+    """Hold ``<socket>.lock`` (flock) for the daemon's life, so that two daemons started at
+    once on one socket cannot both pass ``claim_socket_path`` (the listener's bind replaces
+    a socket file, so the later one would take the path from the earlier). The file is
+    kept at exit: removing a lock file races with the next daemon opening it. Returns the
+    descriptor, to close at exit."""
+    lock = socket_path.with_name(socket_path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                     0o600)
+    except OSError as exc:
+        raise StartupError(f"cannot open the socket's lock file {lock}: {exc.strerror}; "
+                           "remove it or pass another --socket") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise StartupError(f"{lock} is not a regular file of uid {os.getuid()}: remove "
+                               "it or pass another --socket")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StartupError(f"another kvtier daemon is starting or serving on {socket_path} "
+                           f"(it holds {lock}); stop it or pass another --socket") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def claim_socket_path(socket_path: Path) -> None:

@@ -43,7 +43,7 @@ from kvtier.presence import PresenceFilter
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.journal_replay import read_journal
-from kvtier.trust import claim_socket_path, prepare_socket_dir
+from kvtier.trust import claim_socket_path, lock_socket_path, prepare_socket_dir
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -100,6 +100,7 @@ class Daemon:
         name and path when warm restart is on (else None)."""
         cfg = self.cfg
         prepare_socket_dir(cfg.daemon.socket, default_dir=default_runtime_dir())
+        self._stack.callback(os.close, lock_socket_path(cfg.daemon.socket))
         claim_socket_path(cfg.daemon.socket)
         check_writable_dir(cfg.daemon.data_dir, "data directory", "--data-dir")
         if cfg.nvme.enabled and cfg.nvme.bytes > 0:

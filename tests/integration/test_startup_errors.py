@@ -14,6 +14,8 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +160,7 @@ def test_socket_dir_the_daemon_cannot_write() -> None:
         line = one_line_error(run_serve(args, env=user_env(), user=user.name, python=python))
         assert (f"socket directory {run} is not usable: {run} is not writable by uid "
                 f"{user.uid}") in line and "--socket" in line
+        assert "use a directory of yours" in line and "chmod" not in line   # (it is safe)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)
@@ -234,12 +237,68 @@ def test_shm_dir_missing(tmp_path: Path) -> None:
 
 def test_config_file_that_is_a_directory(tmp_path: Path) -> None:
     line = one_line_error(run_serve([*_args(tmp_path), "--config", str(tmp_path)]))
-    assert str(tmp_path) in line and "Is a directory" in line
+    assert str(tmp_path) in line and "is not a regular file" in line
 
 
-def test_debug_shows_the_traceback(tmp_path: Path) -> None:
-    (tmp_path / "run").write_text("not a directory")
-    p = run_serve([*_args(tmp_path), "--debug"])
-    assert p.returncode == 2
-    assert "Traceback" in p.stderr
-    assert p.stderr.strip().splitlines()[-1].startswith("kvtier: socket directory")
+def test_config_file_that_is_a_fifo_or_a_device(tmp_path: Path) -> None:
+    """A FIFO blocked the start for ever, /dev/zero read until memory ran out."""
+    fifo = tmp_path / "kvtier.toml"
+    os.mkfifo(fifo)
+    for config in (fifo, Path("/dev/zero")):
+        line = one_line_error(run_serve([*_args(tmp_path), "--config", str(config)],
+                                        timeout=30))
+        assert f"config file {config} is not a regular file" in line
+
+
+@pytest.mark.parametrize(("how", "expect"), [
+    ({"toml": "[daemon]\nsocket = 5\n"}, "daemon.socket: invalid value 5 (must be a path"),
+    ({"toml": '[daemon]\ndata_dir = "/x\\u0000b"\n'}, "must not contain a NUL byte"),
+    ({"env": {"KVTIER_DATA_DIR": ""}}, "daemon.data_dir: invalid value '' (must not be empty"),
+    ({"env": {"KVTIER_HTTP_HOST": " "}}, "http.host is empty, which would listen on every"),
+    ({"args": ["--data-dir", "~kvtier-no-such-user/kv"]}, "daemon.data_dir: invalid value"),
+    ({"args": ["--redis-url", "redis://h:99999/0"]}, "redis.url 'redis://h:99999/0' is "
+                                                     "malformed (Port out of range"),
+    ({"args": ["--redis-connect-timeout-s", "1e308"]}, "redis.connect_timeout_s: invalid"),
+])
+def test_settings_that_ended_in_a_traceback_are_one_line(
+        tmp_path: Path, how: dict[str, object], expect: str) -> None:
+    args = _args(tmp_path)
+    if "toml" in how:
+        (tmp_path / "kvtier.toml").write_text(str(how["toml"]))
+        args += ["--config", str(tmp_path / "kvtier.toml")]
+    args += list(how.get("args", []))  # type: ignore[call-overload]
+    env = serve_env(dict(how.get("env", {})))  # type: ignore[call-overload]
+    assert expect in one_line_error(run_serve(args, env=env))
+
+
+def test_two_daemons_started_at_once_on_one_socket(tmp_path: Path) -> None:
+    """Both passed the socket checks before either listened (the listener replaces a
+    socket file), so both served and the one that stopped first took the other's socket
+    away. The socket's lock lets one start; the other refuses in one line."""
+    sock = tmp_path / "run" / "kvtier.sock"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--data-dir", str(tmp_path / f"d{i}"),
+         "--socket", str(sock), "--http-port", "0", "--cpu-bytes", "128MiB",
+         "--nvme-bytes", "0"],
+        env=serve_env(), cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2)   # had both passed, the second would be serving by now too
+        exited = [p for p in procs if p.poll() is not None]
+        assert len(exited) == 1, [p.returncode for p in procs]
+        (loser,) = exited
+        assert loser.stderr is not None
+        err = loser.stderr.read()
+        assert loser.returncode == 2 and "Traceback" not in err, err
+        assert ("another kvtier daemon is starting or serving on" in err
+                or "another kvtier daemon is already serving" in err), err
+        with connect(sock) as client:   # the winner still owns the socket
+            client.ping()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(30)
