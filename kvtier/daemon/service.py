@@ -22,6 +22,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -279,14 +280,7 @@ class Daemon:
         self._stop.set()
 
     async def serve_until_signal(self) -> None:
-        """Serve until SIGTERM or SIGINT; the handlers are removed at stop."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(sig, self.request_stop)
-            except (NotImplementedError, RuntimeError):
-                continue
-            self._stack.callback(loop.remove_signal_handler, sig)
+        """Serve until a stop signal (``catch_stop_signals``) or ``request_stop``."""
         await self._stop.wait()
 
     async def stop(self) -> None:
@@ -343,16 +337,42 @@ class Daemon:
         return self.explain.recent(limit, misses_only=misses_only, namespaces=names)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Each asks for the one graceful stop (SIGHUP: a closed terminal, a supervisor's stop):
+whenever it comes, during the start, while serving or during the drain, the arena, its
+journal, the presence filter and the socket are cleaned up as at any stop."""
+
+
+@contextlib.contextmanager
+def catch_stop_signals(daemon: Daemon) -> Iterator[None]:
+    """Route the stop signals to ``daemon.request_stop`` for the daemon's whole life (a
+    second signal during the drain changes nothing: the drain is bounded anyway)."""
+    loop = asyncio.get_running_loop()
+    caught = []
+    for sig in STOP_SIGNALS:
+        try:
+            loop.add_signal_handler(sig, daemon.request_stop)
+        except (NotImplementedError, RuntimeError):
+            continue
+        caught.append(sig)
+    try:
+        yield
+    finally:
+        for sig in caught:
+            loop.remove_signal_handler(sig)
+
+
 async def run_daemon(cfg: Config, *, ready: Any = None, parts: DaemonParts | None = None) -> None:
     """Start, print where to find the daemon, serve until SIGTERM/SIGINT, drain."""
     daemon = Daemon(cfg, parts)
-    try:
-        await daemon.start()
-        print(daemon.banner(), flush=True)
-        if ready is not None:
-            ready(daemon)
-        await daemon.serve_until_signal()
-        print("kvtier: draining", flush=True)
-    finally:
-        await daemon.stop()
+    with catch_stop_signals(daemon):
+        try:
+            await daemon.start()
+            print(daemon.banner(), flush=True)
+            if ready is not None:
+                ready(daemon)
+            await daemon.serve_until_signal()
+            print("kvtier: draining", flush=True)
+        finally:
+            await daemon.stop()
     print("kvtier: stopped", flush=True)

@@ -270,3 +270,53 @@ def test_a_stop_lets_a_writer_commit_and_does_not_wait_for_idle_clients(
                        for k, o in zip(keys, outs, strict=True))
     finally:
         d.kill()
+
+
+@pytest.mark.parametrize("when", ["during the start", "while serving", "during the drain"])
+def test_a_stop_signal_at_any_time_cleans_up(tmp_path: object, when: str) -> None:
+    """SIGHUP while serving, SIGTERM while the arena is being made, a second SIGTERM while
+    draining: each was the default action (the process killed, its 1 GiB arena, journal,
+    presence filter or socket left behind). Each is now the one graceful stop."""
+    import signal
+    import time
+    from pathlib import Path
+
+    from kvtier.tiers.arena import journal_path, stable_arena_name
+
+    root = Path(str(tmp_path))
+    sock, data = root / "run" / "kvtier.sock", root / "data"
+    arena = Path("/dev/shm") / stable_arena_name(data)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", "--data-dir", str(data), "--socket",
+         str(sock), "--http-port", "0", "--cpu-bytes", "1GiB", "--nvme-bytes", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        if when == "during the start":
+            deadline = time.monotonic() + 30
+            while not arena.exists() and time.monotonic() < deadline:   # being made
+                time.sleep(0.005)
+            proc.send_signal(signal.SIGTERM)
+        else:
+            while not proc.stdout.readline().strip().startswith("policy:"):
+                pass
+            if when == "while serving":
+                proc.send_signal(signal.SIGHUP)
+            else:
+                client = connect(sock)   # an idle client: the drain waits for nothing
+                client.register_layout(LAYOUT, "m")
+                proc.send_signal(signal.SIGTERM)
+                while "draining" not in proc.stdout.readline():
+                    pass
+                proc.send_signal(signal.SIGTERM)
+                client.close()
+        assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+        left = [p for p in (arena, journal_path(arena), Path(f"{arena}.presence"), sock)
+                if p.exists()]
+        assert not left, left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for p in (arena, journal_path(arena), Path(f"{arena}.presence")):
+            p.unlink(missing_ok=True)
