@@ -44,7 +44,12 @@ from kvtier.presence import PresenceFilter
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.journal_replay import read_journal
-from kvtier.trust import claim_socket_path, lock_socket_path, prepare_socket_dir
+from kvtier.trust import (
+    claim_socket_path,
+    lock_socket_path,
+    prepare_socket_dir,
+    shared_dir_problem,
+)
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -116,6 +121,11 @@ class Daemon:
         if not cfg.cpu.shm_dir.is_dir():
             raise ConfigError(f"shared-memory directory {cfg.cpu.shm_dir} does not exist: set "
                               "cpu.shm_dir to a tmpfs directory such as /dev/shm")
+        problem = shared_dir_problem(os.stat(cfg.cpu.shm_dir), os.getuid())
+        if problem is not None:   # (the arena's own files are checked as they are opened)
+            raise ConfigError(f"shared-memory directory {cfg.cpu.shm_dir} {problem}, so "
+                              "another user could remove or replace the arena: set "
+                              "cpu.shm_dir to /dev/shm or a directory of yours")
         name = stable_arena_name(cfg.daemon.data_dir) if cfg.cpu.warm_restart else None
         own = cfg.cpu.shm_dir / name if name else None
         for stale in remove_stale_arenas(cfg.cpu.shm_dir, keep=own,

@@ -235,6 +235,19 @@ def test_shm_dir_missing(tmp_path: Path) -> None:
     assert f"{tmp_path / 'no-shm'} does not exist" in line
 
 
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_shm_dir_others_can_write_without_the_sticky_bit(tmp_path: Path, mode: int) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(mode)
+    env = serve_env({"KVTIER_CPU_SHM_DIR": str(shm)})
+    line = one_line_error(run_serve(_args(tmp_path), env=env))
+    assert f"shared-memory directory {shm} is writable by" in line and "sticky" in line
+    shm.chmod(mode | 0o1000)   # as /dev/shm: others may add files, not replace ours
+    with serving(_args(tmp_path), env=env) as (_proc, socket_path), connect(socket_path):
+        pass
+
+
 def test_config_file_that_is_a_directory(tmp_path: Path) -> None:
     line = one_line_error(run_serve([*_args(tmp_path), "--config", str(tmp_path)]))
     assert str(tmp_path) in line and "is not a regular file" in line
