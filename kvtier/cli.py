@@ -16,14 +16,12 @@ import logging
 import sys
 import time
 import traceback
-import urllib.error
-import urllib.parse
-import urllib.request
 from typing import TYPE_CHECKING, Any
 
-from kvtier import __version__, jsonin
+from kvtier import __version__, httpget, jsonin
 from kvtier.argtypes import OneLineParser, float_in, http_url
 from kvtier.errors import KVTierError
+from kvtier.statsdoc import MalformedStats, check_policy, clean, number, scalar, section
 from kvtier.units import format_bytes
 
 if TYPE_CHECKING:
@@ -137,53 +135,78 @@ def _add_stats(sub: Any) -> None:
     p.set_defaults(func=_run_stats)
 
 
-def fetch_stats(url: str, timeout: float = 3.0) -> dict[str, Any]:
-    """The daemon's ``/v1/stats``; ValueError when the answer is not a JSON object."""
-    with urllib.request.urlopen(url.rstrip("/") + "/v1/stats", timeout=timeout) as resp:
-        doc = jsonin.loads(resp.read())   # ValueError: what is wrong with it
+STATS_DEADLINE_S = httpget.DEFAULT_DEADLINE_S
+"""Seconds one ``/v1/stats`` fetch may take in all (a slow or stuck peer ends in one line)."""
+
+
+def fetch_stats(url: str, timeout: float = STATS_DEADLINE_S) -> dict[str, Any]:
+    """The daemon's ``/v1/stats``, fetched within ``timeout`` seconds in all and at most
+    httpget.MAX_BODY_BYTES; httpget.FetchError when no usable reply came, ValueError when
+    the reply is not a JSON object."""
+    doc = jsonin.loads(httpget.get(url.rstrip("/") + "/v1/stats", deadline_s=timeout))
     if not isinstance(doc, dict):
         raise ValueError(f"the answer is a JSON {type(doc).__name__}, not an object")
     return doc
 
 
 def render_stats(s: dict[str, Any]) -> str:
-    """The human table of `kvtier stats`."""
-    d = s.get("daemon", {})
-    r = s.get("requests", {})
-    lines = [f"kvtier {d.get('version', '?')} pid {d.get('pid', '?')}  up "
-             f"{d.get('uptime_s', 0):.0f}s  clients {d.get('clients', 0)}  "
-             f"prefix hit rate {100 * r.get('prefix_hit_rate', 0):.1f}% "
-             f"({r.get('hit_blocks', 0)}/{r.get('lookup_blocks', 0)} blocks)"
-             + (f"  event loop worst lag {1e3 * d['loop']['lag_worst_s']:.0f} ms"
-                if "loop" in d else "")]
+    """The human table of `kvtier stats`; MalformedStats (naming the field) when a field
+    has a type it cannot show: the whole answer is refused rather than half drawn."""
+    d = section(s, "daemon")
+    r = section(s, "requests")
+    lag = ""
+    if "loop" in d:
+        worst = number(section(d, "loop", "daemon."), "lag_worst_s", "daemon.loop.")
+        lag = f"  event loop worst lag {1e3 * worst:.0f} ms"
+    lines = [f"kvtier {scalar(d, 'version', '?', 'daemon.')} pid "
+             f"{scalar(d, 'pid', '?', 'daemon.')}  up {number(d, 'uptime_s', 'daemon.'):.0f}s"
+             f"  clients {scalar(d, 'clients', '0', 'daemon.')}  prefix hit rate "
+             f"{100 * number(r, 'prefix_hit_rate', 'requests.'):.1f}% "
+             f"({scalar(r, 'hit_blocks', '0', 'requests.')}/"
+             f"{scalar(r, 'lookup_blocks', '0', 'requests.')} blocks)" + lag]
     cols = ("tier", "up", "backend", "capacity", "used", "blocks", "hit blk", "miss",
             "hit tok", "evicted", "alloc fail", "cksum fail", "read", "written", "errors")
     rows = []
-    for name, t in s.get("tiers", {}).items():
-        rows.append((name, "yes" if t.get("up") else "DOWN", str(t.get("backend", "")),
-                     format_bytes(t.get("capacity_bytes", 0)), format_bytes(t.get("used_bytes", 0)),
-                     str(t.get("blocks", 0)), str(t.get("hit_blocks", 0)),
-                     str(t.get("miss_blocks", 0)), str(t.get("hit_tokens", 0)),
-                     str(sum(t.get("evictions", {}).values())),
-                     str(t.get("allocation_failures", 0)), str(t.get("checksum_failures", 0)),
-                     format_bytes(t.get("bytes_read", 0)), format_bytes(t.get("bytes_written", 0)),
-                     str(t.get("errors", 0))))
+    for name, t in section(s, "tiers").items():
+        w = f"tiers.{clean(name)}."
+        if not isinstance(t, dict):
+            raise MalformedStats(f"tiers.{clean(name)} is not an object")
+        evictions = section(t, "evictions", w)
+        evicted = sum(number(evictions, k, w + "evictions.") for k in evictions)
+        rows.append((clean(name), "yes" if t.get("up") else "DOWN",
+                     scalar(t, "backend", "", w),
+                     format_bytes(number(t, "capacity_bytes", w)),
+                     format_bytes(number(t, "used_bytes", w)),
+                     scalar(t, "blocks", "0", w), scalar(t, "hit_blocks", "0", w),
+                     scalar(t, "miss_blocks", "0", w), scalar(t, "hit_tokens", "0", w),
+                     f"{evicted:.0f}",
+                     scalar(t, "allocation_failures", "0", w),
+                     scalar(t, "checksum_failures", "0", w),
+                     format_bytes(number(t, "bytes_read", w)),
+                     format_bytes(number(t, "bytes_written", w)),
+                     scalar(t, "errors", "0", w)))
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c)
               for i, c in enumerate(cols)]
     lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
     for row in rows:
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
-    p = s.get("prefetch", {})
+    p = section(s, "prefetch")
     if p:
-        lines.append("prefetch: " + "  ".join(f"{k} {v}" for k, v in p.items()))
-    bw = s.get("bandwidth", {})
+        lines.append("prefetch: " + "  ".join(f"{clean(k)} "
+                                              f"{scalar(p, k, '', 'prefetch.')}" for k in p))
+    bw = section(s, "bandwidth")
     if bw:
-        lines.append("bandwidth: " + "  ".join(f"{k} {format_bytes(v)}/s" for k, v in bw.items()))
-    conn = s.get("connector", {})
+        lines.append("bandwidth: " + "  ".join(
+            f"{clean(k)} {format_bytes(number(bw, k, 'bandwidth.'))}/s"
+            for k in bw))
+    conn = section(s, "connector")
     if conn.get("engines"):
-        lines.append("connector: " + "  ".join(f"{k} {v:g}" for k, v in sorted(conn.items())))
+        lines.append("connector: " + "  ".join(
+            f"{clean(k)} {number(conn, k, 'connector.'):g}"
+            for k in sorted(conn)))
     from kvtier.policy.mrc import render_table  # adaptive policy: mode and live MRC per tier
 
+    check_policy(s)
     mrc = render_table(s)
     if mrc:
         lines.append(mrc)
@@ -191,6 +214,9 @@ def render_stats(s: dict[str, Any]) -> str:
 
 
 def _run_stats(a: argparse.Namespace) -> int:
+    """Print the daemon's stats (once, or every ``--watch`` seconds). Exit status 1, with one
+    line, when no daemon answered or its answer is not kvtier stats (cut short, too slow,
+    too large, not JSON, or a field of the wrong type)."""
     url = a.url
     if url is None:
         from kvtier.config import load_config
@@ -199,17 +225,18 @@ def _run_stats(a: argparse.Namespace) -> int:
         url = f"http://{cfg.http.host}:{cfg.http.port}"
     while True:
         try:
-            s = fetch_stats(url)
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            print(f"kvtier: no daemon answered at {url} ({reason})", file=sys.stderr)
+            s = fetch_stats(url, timeout=STATS_DEADLINE_S)
+            shown = json.dumps(s, indent=2, sort_keys=True) if a.json else render_stats(s)
+        except httpget.Unreachable as exc:
+            print(f"kvtier: no daemon answered at {url} ({exc})", file=sys.stderr)
             return 1
-        if a.json:
-            print(json.dumps(s, indent=2, sort_keys=True))
-        else:
-            if a.watch:
-                print("\x1b[2J\x1b[H", end="")
-            print(render_stats(s))
+        except (httpget.FetchError, ValueError) as exc:
+            print(f"kvtier: the answer from {url}/v1/stats is not kvtier stats ({exc}); "
+                  "is --url the daemon's HTTP port?", file=sys.stderr)
+            return 1
+        if a.watch and not a.json:
+            print("\x1b[2J\x1b[H", end="")
+        print(shown)
         if not a.watch:
             return 0
         time.sleep(a.watch)

@@ -1,7 +1,8 @@
 """``kvtier explain``: recent lookups and why their first block missed.
 
 Reads the daemon's ``/v1/lookups/recent``; prints a table (rich) or, with ``--json``, the
-endpoint's JSON. Exit status: 0 shown, 2 no daemon answered.
+endpoint's JSON. Exit status: 0 shown, 2 no daemon answered or its answer is not
+recent lookups (one line saying why).
 """
 
 from __future__ import annotations
@@ -10,15 +11,13 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from kvtier import jsonin
+from kvtier import httpget, jsonin
 from kvtier.argtypes import http_url, int_in
 
 MAX_LIMIT = 100_000
@@ -42,16 +41,45 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def fetch_recent(url: str, limit: int, misses: bool, timeout: float = 3.0) -> list[dict[str, Any]]:
-    """The daemon's recent lookups; ValueError when its answer is not ``{"lookups": [..]}``
-    of objects."""
+FETCH_DEADLINE_S = httpget.DEFAULT_DEADLINE_S
+"""Seconds one fetch may take in all (a slow or stuck peer ends in one line)."""
+
+
+def fetch_recent(url: str, limit: int, misses: bool,
+                 timeout: float = FETCH_DEADLINE_S) -> list[dict[str, Any]]:
+    """The daemon's recent lookups, fetched within ``timeout`` seconds in all and at most
+    httpget.MAX_BODY_BYTES; httpget.FetchError when no usable reply came, ValueError when
+    it is not ``{"lookups": [..]}`` of objects."""
     q = f"/v1/lookups/recent?limit={limit}&misses={int(misses)}"
-    with urllib.request.urlopen(url.rstrip("/") + q, timeout=timeout) as resp:
-        doc = jsonin.loads(resp.read())   # ValueError: what is wrong with it
+    doc = jsonin.loads(httpget.get(url.rstrip("/") + q, deadline_s=timeout))
     rows = doc.get("lookups") if isinstance(doc, dict) else None
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError("the answer is not a list of lookups")
     return rows
+
+
+class MalformedLookup(ValueError):
+    """A lookup row lacks a field the table shows, or has it with the wrong type; the
+    message names the row and the field."""
+
+
+def _field(r: dict[str, Any], key: str, kinds: tuple[type, ...], where: str,
+           default: Any = ...) -> Any:
+    """``r[key]`` if it is one of ``kinds`` (a bool is none of them); ``default`` when absent
+    and one is given; MalformedLookup otherwise."""
+    if key not in r:
+        if default is ...:
+            raise MalformedLookup(f"{where} has no {key}")
+        return default
+    v = r[key]
+    if isinstance(v, bool) or not isinstance(v, kinds):
+        raise MalformedLookup(f"{where}: {key} is {json.dumps(v)[:40]} (wrong type)")
+    return v
+
+
+def _text(v: object) -> str:
+    """A peer's value made safe for one table cell: printable, at most 80 characters."""
+    return "".join(c if c.isprintable() else "?" for c in str(v)[:80])
 
 
 def _ago(now: float, at: float) -> str:
@@ -59,34 +87,64 @@ def _ago(now: float, at: float) -> str:
     return f"{s:.1f}s" if s < 120 else f"{s / 60:.0f}m"
 
 
+_NUM = (int, float)
+_VALUE = (str, int, float)
+
+
+def _cells(i: int, r: dict[str, Any], now: float) -> tuple[str, ...]:
+    """One lookup's cells (ago, model / ns, asked, cpu, nvme, redis, first miss, detail);
+    MalformedLookup when the row is not what /v1/lookups/recent sends."""
+    w = f"lookup {i}"
+    ns = (f"{_text(_field(r, 'model_id', (*_VALUE, type(None)), w, None) or '?')} "
+          f"{_text(_field(r, 'namespace', (str,), w)[:8])}")
+    if salt := _field(r, "salt_id", (*_VALUE, type(None)), w, None):
+        ns += f" salt#{_text(salt)}"
+    reason = _text(_field(r, "reason", (str,), w))
+    detail = ""
+    if "removed" in r:
+        rm = _field(r, "removed", (dict,), w)
+        policy = _field(rm, "policy", (*_VALUE, type(None)), w + " removed", None)
+        by = f" ({_text(policy)})" if policy else ""
+        age = float(_field(rm, "age_s", _NUM, w + " removed"))
+        detail = f"left {_text(_field(rm, 'tier', _VALUE, w + ' removed'))}{by} {age:.1f}s before"
+    if hint := _text(_field(r, "hint", (str, type(None)), w, None) or ""):
+        detail = f"{detail}; {hint}" if detail else hint
+    style = "green" if reason == "none" else "yellow"
+    first = ("-" if reason == "none" else
+             f"block {_text(_field(r, 'first_miss', _VALUE, w))}: {reason}")
+    h = _field(r, "hits", (dict,), w)
+    try:
+        ago = _ago(now, float(_field(r, "at", _NUM, w)))
+    except OverflowError:
+        raise MalformedLookup(f"{w}: at is out of range") from None
+    return (ago, escape(ns), _text(_field(r, "blocks", _VALUE, w)),
+            *(_text(_field(h, t, _VALUE, w + " hits")) for t in ("cpu", "nvme", "redis")),
+            f"[{style}]{escape(first)}[/{style}]", escape(detail))
+
+
 def render(rows: list[dict[str, Any]], console: Console, now: float | None = None) -> None:
-    """The human table: one row per lookup, the reason and a hint for misses."""
+    """The human table: one row per lookup, the reason and a hint for misses.
+    MalformedLookup (before anything is printed) when a row cannot be shown."""
     now = time.time() if now is None else now
+    cells = [_cells(i, r, now) for i, r in enumerate(rows, 1)]
     table = Table(title="recent lookups (newest first)", title_justify="left")
     columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("ago", "right"), ("model / ns", "left"), ("asked", "right"), ("cpu", "right"),
         ("nvme", "right"), ("redis", "right"), ("first miss", "left"), ("detail", "left"))
     for col, just in columns:
         table.add_column(col, justify=just)
-    for r in rows:
-        ns = f"{r.get('model_id') or '?'} {r['namespace'][:8]}"
-        if r.get("salt_id"):
-            ns += f" salt#{r['salt_id']}"
-        reason = r["reason"]
-        detail = ""
-        if "removed" in r:
-            rm = r["removed"]
-            by = f" ({rm['policy']})" if rm["policy"] else ""
-            detail = f"left {rm['tier']}{by} {rm['age_s']:.1f}s before"
-        if r.get("hint"):
-            detail = f"{detail}; {r['hint']}" if detail else r["hint"]
-        style = "green" if reason == "none" else "yellow"
-        first = "-" if reason == "none" else f"block {r['first_miss']}: {reason}"
-        h = r["hits"]
-        table.add_row(_ago(now, r["at"]), escape(ns), str(r["blocks"]), str(h["cpu"]),
-                      str(h["nvme"]), str(h["redis"]), f"[{style}]{first}[/{style}]",
-                      escape(detail))
+    for row in cells:
+        table.add_row(*row)
     console.print(table)
+
+
+def _fail(args: argparse.Namespace, line: str) -> int:
+    """Say why in one line (stderr, or ``{"error"}`` on stdout with --json); exit 2."""
+    if args.json:
+        print(json.dumps({"error": line}))
+    else:
+        print(f"kvtier explain: {line}", file=sys.stderr)
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,17 +155,18 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
     try:
-        rows = fetch_recent(url, args.limit, args.misses)
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
-        reason = getattr(exc, "reason", exc)
-        if args.json:
-            print(json.dumps({"error": f"no daemon answered at {url} ({reason})"}))
-        else:
-            print(f"kvtier explain: no daemon answered at {url} ({reason}); start it or "
-                  "pass --url", file=sys.stderr)
-        return 2
+        rows = fetch_recent(url, args.limit, args.misses, timeout=FETCH_DEADLINE_S)
+    except httpget.Unreachable as exc:
+        return _fail(args, f"no daemon answered at {url} ({exc}); start it or pass --url")
+    except (httpget.FetchError, ValueError) as exc:
+        return _fail(args, f"the answer from {url} is not kvtier's recent lookups ({exc}); "
+                     "is --url the daemon's HTTP port?")
     if args.json:
         print(json.dumps({"lookups": rows}, indent=2))
-    else:
+        return 0
+    try:
         render(rows, Console(width=max(Console().width, 140)))
+    except MalformedLookup as exc:
+        return _fail(args, f"the answer from {url} is not kvtier's recent lookups ({exc}); "
+                     "is --url the daemon's HTTP port?")
     return 0

@@ -8,10 +8,13 @@ from typing import Any
 
 
 def loads(text: str | bytes) -> Any:
-    """``json.loads``; ValueError whose message says what is wrong: not JSON (where), nested
-    too deeply (RecursionError in the parser), or an integer over Python's digit limit."""
+    """``json.loads``; ValueError whose message says what is wrong: not JSON (where), bytes
+    that are not UTF-8 (or UTF-16/32) text, nested too deeply (RecursionError in the
+    parser), or an integer over Python's digit limit."""
     try:
         return json.loads(text)
+    except UnicodeDecodeError:   # a ValueError too: caught before the catch-all below
+        raise ValueError("not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:

@@ -15,7 +15,6 @@ warned), 2 the configuration could not be read.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 from collections.abc import Callable
@@ -87,10 +86,14 @@ def _kvikio_mode() -> str | None:
 
 
 def _fetch_stats(url: str) -> dict[str, Any]:
-    import urllib.request
+    """The daemon's /v1/stats, bounded in time and size (httpget); httpget.FetchError or
+    ValueError when there is none or it is not a JSON object whose ``daemon`` is one."""
+    from kvtier import httpget, jsonin
 
-    with urllib.request.urlopen(url.rstrip("/") + "/v1/stats", timeout=3) as r:
-        return dict(json.loads(r.read()))
+    doc = jsonin.loads(httpget.get(url.rstrip("/") + "/v1/stats", deadline_s=3.0))
+    if not isinstance(doc, dict) or not isinstance(doc.get("daemon", {}), dict):
+        raise ValueError("the answer is not kvtier stats")
+    return doc
 
 
 @dataclass(slots=True)
@@ -121,9 +124,11 @@ def run_checks(cfg: Config, host: Host | None = None, *,
     stats: dict[str, Any] | None = None
     stats_error = "not asked (--no-daemon)"
     if daemon_url is not None:
+        from kvtier.httpget import FetchError
+
         try:
             stats = h.fetch_stats(daemon_url)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, FetchError) as exc:
             stats_error = f"no daemon answered at {daemon_url} ({getattr(exc, 'reason', exc)})"
     checks = [
         env_fs.check_shm(cfg, h),

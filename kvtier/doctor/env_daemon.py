@@ -13,7 +13,10 @@ def check_key_scheme(stats: dict[str, Any] | None, why_not: str) -> Check:
     differently never share a block (zero hits across engines), so a mismatch fails."""
     if stats is None:
         return Check("key scheme", Verdict.SKIP, why_not)
-    schemes: dict[str, int] = stats.get("daemon", {}).get("key_schemes", {})
+    schemes = stats.get("daemon", {}).get("key_schemes", {})
+    if not isinstance(schemes, dict) or not all(isinstance(n, int) for n in schemes.values()):
+        return Check("key scheme", Verdict.WARN, "the daemon's stats list its clients' key "
+                     "functions in an unknown form", "upgrade kvtier to the daemon's version")
     if not schemes:
         return Check("key scheme", Verdict.OK, f"no clients connected; this kvtier hashes "
                      f"with {KEY_SCHEME}")

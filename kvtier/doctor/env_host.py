@@ -73,7 +73,8 @@ def check_numa(host: Host, stats: dict[str, Any] | None) -> Check:
            "kvtier serve (systemd: NUMAPolicy=bind, NUMAMask=N); `nvidia-smi topo -m` shows "
            "each GPU's node")
     pid = (stats or {}).get("daemon", {}).get("pid")
-    maps = host.read_text(f"/proc/{pid}/numa_maps") if pid else None
+    known = isinstance(pid, int) and not isinstance(pid, bool) and pid > 0   # not a path
+    maps = host.read_text(f"/proc/{pid}/numa_maps") if known else None
     if not maps:
         return Check("numa", Verdict.WARN, f"{len(nodes)} NUMA nodes; where the arena lives "
                      "is unknown (start the daemon and run doctor as its user)", fix)

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtier import jsonin
 from kvtier.doctor.errors import DoctorError
+from kvtier.statsdoc import MalformedStats, check_policy
 
 SUPPORTED_VERSION = 1
 
@@ -105,4 +106,15 @@ def parse_stats(text: str, source: str) -> KVTierStats:
         context_p50=_num(doc, "connector", "context_tokens_p50"),
         context_p99=_num(doc, "connector", "context_tokens_p99"),
         missing=missing,
-        policy=doc["policy"] if isinstance(doc.get("policy"), dict) else {})
+        policy=_policy(doc))
+
+
+def _policy(doc: dict[str, Any]) -> dict[str, Any]:
+    """The ``policy`` section when the live miss-ratio curve in it is well formed, else {}
+    (the sizing notes are skipped rather than crashing on a point without a scale)."""
+    try:
+        check_policy(doc)
+    except MalformedStats:
+        return {}
+    policy = doc.get("policy", {})
+    return policy if isinstance(policy, dict) else {}

@@ -1,0 +1,68 @@
+"""Reading a ``/v1/stats`` answer for display: typed accessors that name the field whose
+type is wrong, so that ``kvtier stats`` (and doctor, for the live miss-ratio curve) refuse a
+malformed answer in one line instead of a TypeError or AttributeError deep in a format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MalformedStats(ValueError):
+    """A field of a ``/v1/stats`` answer has a type the table cannot show; the message
+    names the field (``daemon.uptime_s is a str, not a number``)."""
+
+
+def _kind(v: object) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def section(doc: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
+    """``doc[key]`` as an object ({} when absent); MalformedStats when it is another type."""
+    v = doc.get(key, {})
+    if not isinstance(v, dict):
+        raise MalformedStats(f"{where}{key} is a {_kind(v)}, not an object")
+    return v
+
+
+def number(doc: dict[str, Any], key: str, where: str = "") -> float:
+    """``doc[key]`` as a float (0 when absent); MalformedStats for a non-number, or an
+    integer too large for a float."""
+    v = doc.get(key, 0)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise MalformedStats(f"{where}{key} is a {_kind(v)}, not a number")
+    try:
+        return float(v)
+    except OverflowError:
+        raise MalformedStats(f"{where}{key} is a number too large to show") from None
+
+
+def scalar(doc: dict[str, Any], key: str, default: str, where: str = "") -> str:
+    """``doc[key]`` shown as text; MalformedStats for an object or list (not a value)."""
+    v = doc.get(key, default)
+    if isinstance(v, dict | list):
+        raise MalformedStats(f"{where}{key} is a {_kind(v)}, not a value")
+    return clean(str(v))
+
+
+def clean(text: str) -> str:
+    """A peer's text made safe for one table cell: printable, at most 80 characters."""
+    return "".join(c if c.isprintable() else "?" for c in text[:80])
+
+
+def check_policy(s: dict[str, Any]) -> None:
+    """The shape mrc.render_table reads: policy.tiers.<tier>.mrc = [{scale, hit_rate}]."""
+    tiers = section(section(s, "policy"), "tiers", "policy.")
+    for name, t in tiers.items():
+        where = f"policy.tiers.{clean(name)}"
+        if not isinstance(t, dict):
+            raise MalformedStats(f"{where} is a {_kind(t)}, not an object")
+        scalar(t, "mode", "?", where + ".")
+        scalar(t, "switches", "0", where + ".")
+        points = t.get("mrc", [])
+        if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+            raise MalformedStats(f"{where}.mrc is not a list of points")
+        for p in points:
+            for key in ("scale", "hit_rate"):
+                if key not in p:
+                    raise MalformedStats(f"{where}.mrc has a point without {key}")
+                number(p, key, where + ".mrc.")
