@@ -181,7 +181,10 @@ def _read_config(path: Path) -> str:
     start, /dev/zero would read until memory runs out."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev:
+            return ""   # /dev/null: no settings (a common way to say "defaults only")
+        if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"config file {path} is not a regular file: give a TOML file")
         data = b""
         while len(data) <= MAX_CONFIG_BYTES:

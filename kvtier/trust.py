@@ -29,7 +29,7 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,26 +355,24 @@ def lock_socket_path(socket_path: Path) -> int:
     kept at exit: removing a lock file races with the next daemon opening it. Returns the
     descriptor, to close at exit."""
     lock = socket_path.with_name(socket_path.name + ".lock")
+    fd = open_owned_file(lock, os.O_RDWR | os.O_CREAT, "socket lock file", "--socket")
+    hold_flock(fd, lambda: f"another kvtier daemon is already serving (or starting on) "
+                           f"{socket_path}: it holds {lock}; stop it or pass another --socket")
+    return fd
+
+
+def hold_flock(fd: int, busy: Callable[[], str]) -> None:
+    """Lock ``fd`` exclusively without waiting; StartupError(``busy()``, asked while the
+    descriptor is still open) when another process holds it. ``fd`` is closed on failure."""
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                     0o600)
-    except OSError as exc:
-        raise StartupError(f"cannot open the socket's lock file {lock}: {exc.strerror}; "
-                           "remove it or pass another --socket") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise StartupError(f"{lock} is not a regular file of uid {os.getuid()}: remove "
-                               "it or pass another --socket")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        why = busy()
         os.close(fd)
-        raise StartupError(f"another kvtier daemon is starting or serving on {socket_path} "
-                           f"(it holds {lock}); stop it or pass another --socket") from None
+        raise StartupError(why) from None
     except BaseException:
         os.close(fd)
         raise
-    return fd
 
 
 def claim_socket_path(socket_path: Path) -> None:

@@ -306,8 +306,8 @@ def test_two_daemons_started_at_once_on_one_socket(tmp_path: Path) -> None:
         assert loser.stderr is not None
         err = loser.stderr.read()
         assert loser.returncode == 2 and "Traceback" not in err, err
-        assert ("another kvtier daemon is starting or serving on" in err
-                or "another kvtier daemon is already serving" in err), err
+        assert f"another kvtier daemon is already serving (or starting on) {sock}" in err \
+            or f"another kvtier daemon is already serving {sock}" in err, err
         with connect(sock) as client:   # the winner still owns the socket
             client.ping()
     finally:

@@ -9,12 +9,10 @@ lock). The file holds the holder's pid, for the message a second daemon prints.
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 
-from kvtier.errors import StartupError
-from kvtier.trust import open_owned_file
+from kvtier.trust import hold_flock, open_owned_file
 
 __all__ = ["LOCK_NAME", "lock_nvme_dir"]
 
@@ -30,17 +28,9 @@ def lock_nvme_dir(root: Path) -> int:
     """
     path = root / LOCK_NAME
     fd = open_owned_file(path, os.O_RDWR | os.O_CREAT, "nvme lock file", "--nvme-path")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise StartupError(f"nvme directory {root} is in use by another kvtier daemon "
-                           f"({holder} holds the lock {path}); stop it, or pass another "
-                           "--nvme-path to this one") from None
-    except BaseException:
-        os.close(fd)
-        raise
+    hold_flock(fd, lambda: f"nvme directory {root} is in use by another kvtier daemon "
+                           f"({_holder(fd)} holds the lock {path}); stop it, or pass another "
+                           "--nvme-path to this one")
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
