@@ -245,6 +245,16 @@ async def test_delete_removes_blocks_from_every_tier(store: TieredStore, nvme: N
     assert nvme.counters.evictions[EvictionReason.DELETED.value] == 1
 
 
+def keys_after_a_crash(nvme: NvmeTier, tmp_path: Path) -> set[bytes]:
+    """The keys a restart would adopt from a copy of the nvme directory as it is now."""
+    shutil.copytree(nvme.root, tmp_path / "restart")
+    again = NvmeTier(tmp_path / "restart", nvme.capacity_bytes, direct="off", io_threads=1)
+    try:
+        return {h.key for _, h in again.open()}
+    finally:
+        again.close()
+
+
 async def test_a_deleted_key_leaves_no_evicted_frame_for_a_restart(
         store: TieredStore, nvme: NvmeTier, client: ArenaMapping, tmp_path: Path) -> None:
     """A block evicted from nvme leaves its frame on disk (the bytes are right: no write
@@ -260,12 +270,7 @@ async def test_a_deleted_key_leaves_no_evicted_frame_for_a_restart(
         assert not store.index[keys[0]].in_nvme and store.index[keys[0]].in_cpu
     assert await store.delete(DIGEST, FP, gone) == 1
     await nvme.erased()
-    shutil.copytree(nvme.root, tmp_path / "restart")   # the disk as a crash now leaves it
-    again = NvmeTier(tmp_path / "restart", nvme.capacity_bytes, direct="off", io_threads=1)
-    try:
-        found = {h.key for _, h in again.open()}
-    finally:
-        again.close()
+    found = keys_after_a_crash(nvme, tmp_path)
     assert gone[0] not in found
     assert kept[0] in found and evicted[0] in found
 
@@ -289,12 +294,7 @@ async def test_an_evicted_frame_stays_named_until_a_new_frame_is_stored_in_its_s
     monkeypatch.undo()
     assert await store.delete(DIGEST, FP, gone) == 1
     await nvme.erased()
-    shutil.copytree(nvme.root, tmp_path / "restart")
-    again = NvmeTier(tmp_path / "restart", nvme.capacity_bytes, direct="off", io_threads=1)
-    try:
-        found = {h.key for _, h in again.open()}
-    finally:
-        again.close()
+    found = keys_after_a_crash(nvme, tmp_path)
     assert gone[0] not in found
 
 
