@@ -28,7 +28,14 @@ from kvtier.tiers.base import TierCounters
 from kvtier.tiers.redis_client import RedisMode, parse_target
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_queue import DEFAULT_ELEM_BYTES, WriteOutcomes, WriteQueue
-from kvtier.tiers.redis_resp import REDIRECTS, ErrorReply, NodeAddr, ReplyError, command
+from kvtier.tiers.redis_resp import (
+    KEY_ERRORS,
+    REDIRECTS,
+    ErrorReply,
+    NodeAddr,
+    ReplyError,
+    command,
+)
 from kvtier.tiers.redis_route import Reach, Router, conn_options
 from kvtier.tiers.redis_wire import LARGE_REPLY_BYTES, Conn
 
@@ -340,6 +347,9 @@ class RedisLink:
             self._note_error(ReplyError(str(reply)))
             self._unserved_since = self._unserved_since or time.monotonic()
             self._start_reconnect()
+            return
+        if reply.kind in KEY_ERRORS:   # that key's value, not the server: counted only
+            self._note_error(ReplyError(str(reply)))
             return
         self._failed(ReplyError(str(reply)))
 

@@ -13,17 +13,21 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.errors import FrameError
+from kvtier.frame import FrameHeader
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.redis_blocks import (
     MISSING,
     BlockRead,
     ReadStatus,
+    header_range,
     read_blocks,
     read_blocks_muxed,
 )
 from kvtier.tiers.redis_link import UNSERVED, RedisLink, _describe
 from kvtier.tiers.redis_ranged import fetch_ranged, ranged
-from kvtier.tiers.redis_resp import REDIRECTS, ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_resp import KEY_ERRORS, REDIRECTS, ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_stripes import owned_part_keys
 from kvtier.tiers.redis_wire import Conn
 
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
@@ -56,9 +60,11 @@ class RedisReads(RedisLink):
             return 0
         for start in range(0, len(keys), EXISTS_BATCH):
             rkeys = [self._rkey(k) for k in keys[start:start + EXISTS_BATCH]]
-            for reply in await self._probe(rkeys, namespace):
+            for rkey, reply in zip(rkeys, await self._probe(rkeys, namespace), strict=True):
                 if isinstance(reply, ErrorReply):
                     self._error_reply(reply)
+                    if reply.kind in KEY_ERRORS:
+                        await self._drop_corrupt(rkey, str(reply))
                     return found
                 if reply is UNSERVED or isinstance(reply, BaseException) or \
                         not self._present(reply, namespace):
@@ -80,6 +86,35 @@ class RedisReads(RedisLink):
             return conn.simple_many(cmds(idx))
 
         return await self._per_server(rkeys, probe, small=cmds)
+
+    async def whole_prefix(self, keys: Sequence[bytes], *, namespace: bytes) -> int:
+        """``exists_prefix`` that also asks for every stripe of a striped block: how many
+        leading blocks a get would find whole. A probe reads heads only (a lookup's cost);
+        a synchronous commit, which promises its consumers the chain, must not count a
+        block whose stripe Redis evicted or expired (its head outlives it)."""
+        n = await self.exists_prefix(keys, namespace=namespace)
+        if not n:
+            return 0
+        rkeys = [self._rkey(k) for k in keys[:n]]
+        heads = await self._per_server(rkeys, lambda conn, idx: conn.simple_many(
+            [header_range(rkeys[i]) for i in idx]))
+        owner: list[int] = []   # block index of each stripe key
+        stripes: list[bytes] = []
+        for i, (rkey, head) in enumerate(zip(rkeys, heads, strict=True)):
+            try:
+                header = FrameHeader.unpack(bytes(head))
+            except (FrameError, TypeError, ValueError):   # gone or replaced meanwhile
+                return i
+            parts = owned_part_keys(rkey, header, self._block_bytes_for(header.namespace))
+            stripes += parts
+            owner += [i] * len(parts)
+        if stripes:
+            there = await self._per_server(stripes, lambda conn, idx: conn.simple_many(
+                [command(b"EXISTS", stripes[j]) for j in idx]))
+            missing = [owner[j] for j, r in enumerate(there) if r != 1]
+            if missing:
+                return min(missing)
+        return n
 
     def _present(self, reply: Any, namespace: bytes | None) -> bool:
         """Whether a ``_probe`` reply says the block is there (for ``namespace``)."""

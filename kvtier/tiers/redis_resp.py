@@ -24,6 +24,9 @@ class ErrorReply(str):
 
 # Redis Cluster replies that name the server to ask instead (the tier follows them)
 REDIRECTS = ("MOVED", "ASK")
+# errors about one key's value (not a string: someone else's data under the key prefix),
+# not about the server: a miss for that key, never a reason to take the tier down
+KEY_ERRORS = ("WRONGTYPE",)
 
 
 class ReplyError(Exception):

@@ -20,7 +20,7 @@ from kvtier.tiers import redis_reads
 from kvtier.tiers.redis import RedisTier
 from tests.support.memory import peak_bytes
 from tests.support.redis_servers import RedisServer
-from tests.support.redis_tier import LAYOUT_FP, NS, blocks, cfg_for, put_all, running
+from tests.support.redis_tier import LAYOUT_FP, NS, blocks, cfg_for, put_all, read_exact, running
 
 BLOCK = 64 << 10
 LARGE = STRIPED_MIN_BYTES            # read through a header first (ranges, stripes)
@@ -190,3 +190,23 @@ async def test_a_striped_payload_that_fails_half_way_through_decoding_leaves_zer
         assert await read(tier, key, out) == 0
         assert tier.counters.checksum_failures == 1 and out == bytes(LARGE)
     assert not admin.keys(b"kvtier:*")
+
+
+async def test_a_value_of_another_type_under_the_prefix_is_a_miss_not_a_down_tier(
+        redis_server: RedisServer) -> None:
+    """A list planted where a chain's first block would be: every probe of that chain met
+    WRONGTYPE, which counted as a server failure, so three probes in a row took the tier
+    down (and every other prompt's hits with it) again and again. It is a miss for that
+    key, the key is deleted as corrupt, and the tier stays up."""
+    admin = redis_server.client()
+    keys, data = blocks(4, size=4096, seed=7)
+    planted = blocks(1, size=4096, seed=8)[0][0]
+    async with running(cfg_for(redis_server.url)) as tier:
+        await put_all(tier, keys, data)
+        admin.rpush(rkey(planted), b"x")
+        for _ in range(5):
+            assert await tier.exists_prefix([planted, *keys], namespace=NS) == 0
+        assert tier.up and tier.counters.errors >= 1
+        assert not admin.exists(rkey(planted))              # deleted as corrupt
+        assert await tier.exists_prefix(keys, namespace=NS) == 4
+        await read_exact(tier, keys, data, 4096)
