@@ -135,7 +135,7 @@ class RedisSync:
         done = 0
         for stored in await tier.written(chain, since):
             if stored is None:
-                return done + int(await tier.exists_prefix(chain[done:], namespace=digest))
+                return done + int(await tier.whole_prefix(chain[done:], namespace=digest))
             if not stored:
                 return done
             done += 1

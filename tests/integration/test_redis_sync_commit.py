@@ -247,3 +247,24 @@ def test_a_slot_lost_for_good_costs_one_sync_its_bound_not_every_sync(
         reasons = sync_stats(a)["gave_up_by_reason"]
         assert reasons == {"timeout": 1, "missing": 1}, reasons
         c.close()
+
+
+def test_a_stored_block_that_lost_a_stripe_is_sent_again(
+        redis_server: RedisServer, node: Callable[..., DaemonProcess]) -> None:
+    """A synchronous commit counted a striped block Redis held only in part (a stripe
+    evicted or expired: the head outlives it) as visible: the consumer was promised a
+    chain whose first block it could not read. Such a block is sent again."""
+    big = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16",
+                   tokens_per_block=256)                     # 8 MiB blocks: striped
+    a = node("a", write_through=True)
+    admin = redis_server.client()
+    with connect(a.socket) as c:
+        ns = c.register_layout(big, "m")
+        keys = block_keys(ns, np.arange(3 * 256))
+        assert write(c, ns, keys[:2], 5.0)[:3] == (2, 2, True)
+        head = b"kvtier:" + keys[0].hex().encode()
+        stripes = admin.keys(head + b":*")
+        assert stripes                                       # the block is striped
+        admin.delete(stripes[0])                             # as an eviction would
+        assert write(c, ns, keys, 5.0)[:3] == (1, 3, True)
+        assert admin.exists(stripes[0])                      # block 0 was sent again
