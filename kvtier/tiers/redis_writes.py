@@ -19,7 +19,7 @@ from kvtier.tiers.redis_blocks import WireSet, write_blocks
 from kvtier.tiers.redis_link import log
 from kvtier.tiers.redis_queue import Borrowed, OnChecksum, PendingWrite, Release, frame_pending
 from kvtier.tiers.redis_reads import RedisReads
-from kvtier.tiers.redis_resp import ErrorReply
+from kvtier.tiers.redis_resp import ErrorReply, command
 from kvtier.tiers.redis_stripes import head_parts, stripe_sets
 from kvtier.tiers.redis_wire import Conn
 
@@ -203,6 +203,9 @@ class RedisWrites(RedisReads):
             # a head only once every stripe of its block is stored (it may have none)
             heads = [h for h in heads if result.get(id(h[1]), "OK") == "OK"]
             result.update(_first_failures(heads, await self._send_sets(heads)))
+            await self._drop_headless([key for key, it, _ in (*sets, *stripes)
+                                       if it.striped and key != it.redis_key
+                                       and result.get(id(it), "OK") != "OK"])
             ok = True
             for item in batch:
                 reply = result[id(item)]
@@ -232,6 +235,14 @@ class RedisWrites(RedisReads):
             for item in batch:
                 item.settle()
             asyncio.get_running_loop().call_soon(self._batch_over, batch)
+
+    async def _drop_headless(self, stripes: list[bytes]) -> None:
+        """Delete the stripes of blocks whose write failed (a stripe or the head refused:
+        -OOM, a timeout): no head will ever name them, and without a TTL they would hold
+        the server's memory for good. Best effort: a failure here is counted, no more."""
+        if stripes and self._up:
+            await self._per_server(stripes, lambda conn, idx: conn.simple_many(
+                [command(b"DEL", stripes[i]) for i in idx]))
 
     def _batch_over(self, batch: list[PendingWrite]) -> None:
         """The end of ``_write_batch``: buffers given back, then the batch's slot freed."""

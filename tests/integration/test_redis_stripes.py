@@ -201,3 +201,22 @@ async def test_a_stripe_that_errors_is_a_miss_that_deletes_nothing(
         assert bytes(out[0]) == bytes(SIZE)
         assert tier.counters.errors >= 1 and tier.counters.checksum_failures == 0
         assert admin.dbsize() == STRIPES
+
+
+async def test_the_stripes_of_a_block_redis_refused_are_deleted(
+        redis_server: RedisServer) -> None:
+    """A server at its maxmemory (noeviction) takes some stripes and refuses the others
+    (-OOM; 10 MiB of room: a stripe was left on 7.0): the head is never written, so no
+    read will ever name the stripes it took. They are deleted at once instead of holding
+    the server's memory for good (no TTL)."""
+    admin = redis_server.client()
+    admin.config_set("maxmemory", admin.info("memory")["used_memory"] + 10 * 2**20)
+    keys, data = blocks(1, size=SIZE, seed=31)
+    async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
+        tier.submit(NS, keys[0], LAYOUT_FP, memoryview(data[0]))
+        await tier.flush(timeout=10)
+        assert tier.counters.dropped_writes == 1
+        assert admin.dbsize() == 0
+        admin.config_set("maxmemory", 0)
+        await put_all(tier, keys, data)                     # room again: stored whole
+        await read_exact(tier, keys, data, SIZE)
