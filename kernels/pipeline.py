@@ -221,6 +221,9 @@ class LayerPipeline:
                            type(exc).__name__, exc)
             self.save_stats.failed += 1
             try:
+                # a copy enqueued before the failure may still write the put slots:
+                # they go back to the daemon only once it is over (GPU; no-op on the CPU)
+                self.streams.wait_for_saves()
                 job.abandon()
             except Exception:
                 logger.debug("kvtier: abandoning a failed save failed too", exc_info=True)

@@ -258,7 +258,10 @@ def as_tensor(view: Any, readonly: bool = False) -> torch.Tensor:
     if isinstance(view, torch.Tensor):
         return view
     if hasattr(view, "__cuda_array_interface__"):
-        return torch.as_tensor(view, device="cuda")
+        # on the view's own GPU: "cuda" alone is the calling thread's current device,
+        # and a view of a pool on another GPU would be copied there
+        index = getattr(getattr(view, "device", None), "id", None)
+        return torch.as_tensor(view, device="cuda" if index is None else f"cuda:{index}")
     if not readonly:
         return torch.from_numpy(view)
     with warnings.catch_warnings():

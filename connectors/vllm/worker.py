@@ -18,6 +18,7 @@ that expired during the copy) are reported by page id through
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -90,6 +91,7 @@ class WorkerSide:
         self._failed_from: dict[str, int] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._async: dict[str, Future[set[int]]] = {}
+        self._async_load_stream: Any = None   # the async-load thread's (GPU engines)
         self.ledger = SaveLedger()   # saves in flight, delayed frees, per-step reports
         self.loaded_blocks = 0
         self.saved_blocks = 0
@@ -107,6 +109,13 @@ class WorkerSide:
             self.arenas.adopt(client)
         except Exception:
             logger.exception("kvtier: could not share the arena mapping; continuing")
+
+    def _on_device(self, device: Any, suffix: str) -> None:
+        """A pipeline thread's first work: its current CUDA device set to the caches' (a
+        thread starts on GPU 0), then its own connection to the daemon."""
+        if device is not None:
+            torch.cuda.set_device(device)
+        self._thread_link(suffix).preconnect()
 
     def _thread_link(self, suffix: str) -> DaemonLink:
         """The calling thread's own link (a client is not thread-safe)."""
@@ -140,9 +149,11 @@ class WorkerSide:
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         self.pipeline = LayerPipeline(len(caches), caches[0].device if on_gpu else None,
                                       max_inflight_bytes=self.config.max_inflight_save_bytes)
-        # Connect (map and register the arena) off the first step's critical path.
-        self.pipeline.warm(lambda: self._thread_link("-load").preconnect(),
-                           lambda: self._thread_link("-save").preconnect())
+        # Connect (map and register the arena) off the first step's critical path, each
+        # thread's CUDA calls (cudaHostRegister among them) on the caches' device, not 0.
+        device = caches[0].device if on_gpu else None
+        self.pipeline.warm(lambda: self._on_device(device, "-load"),
+                           lambda: self._on_device(device, "-save"))
         logger.info("kvtier: %d layers, %s pages, %d tokens (%d pages, %d bytes) per block, "
                     "%s, saves in flight <= %d bytes", len(caches), paged.name,
                     self.config.tokens_per_block, self.pages.pages_per_block, nbytes,
@@ -161,7 +172,10 @@ class WorkerSide:
         for spec in meta.async_loads:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
-            self._async[spec.req_id] = self._pool.submit(self._load_whole, spec)
+            # GPU: the load waits for the compute already queued (its fresh pages may have
+            # been another request's until this step, still read by queued kernels)
+            fence = self.pipeline.streams.compute_fence() if self.pipeline else None
+            self._async[spec.req_id] = self._pool.submit(self._load_whole, spec, fence)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Wait for this layer of the step's loads only."""
@@ -186,22 +200,47 @@ class WorkerSide:
                 self._count("loaded_blocks", batch.loaded_blocks)
                 self._batch = None
 
-    def _load_whole(self, spec: TransferSpec) -> set[int]:
-        """An asynchronous load (between steps): every layer at once, on the pool thread."""
+    def _load_whole(self, spec: TransferSpec, fence: Any = None) -> set[int]:
+        """An asynchronous load (between steps): every layer at once, on the pool thread.
+        On a GPU its copies run on this thread's own stream, after ``fence`` (an event on
+        the compute stream), and are finished before the leases are released: the daemon
+        may reuse a slot the moment its lease is given back."""
         assert self.caches is not None
+        stream = self._async_stream()
         batch = LoadBatch([spec], self.caches, lambda: self._thread_link("-async"),
                           self.tp_rank, self.device_loads)
         try:
-            batch.open()
-            for layer in range(self.caches.num_layers):
-                batch.load_layer(layer, None)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if fence is not None and stream is not None:
+                    stream.wait_event(fence)
+                batch.open()
+                for layer in range(self.caches.num_layers):
+                    batch.load_layer(layer, stream)
+            if stream is not None:
+                stream.synchronize()
             failed = batch.close()
         except Exception:
             logger.exception("kvtier: load of request %s failed; vLLM recomputes it",
                              spec.req_id)
+            if stream is not None:   # nothing may still read the slots being given back
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
             failed = batch.all_pages()
         self._count("loaded_blocks", batch.loaded_blocks)
         return failed
+
+    def _async_stream(self) -> Any:
+        """The async-load thread's CUDA stream on the caches' device (None on the CPU);
+        made on first use, with that thread's current device set to the caches' (its
+        other CUDA calls would go to GPU 0)."""
+        assert self.caches is not None
+        device = self.caches.caches[0].device
+        if device.type != "cuda":
+            return None
+        if self._async_load_stream is None:
+            torch.cuda.set_device(device)
+            self._async_load_stream = torch.cuda.Stream(device=device)
+        return self._async_load_stream
 
     def take_load_errors(self) -> set[int]:
         """Pages that failed to load in this step (the step's load is joined first)."""

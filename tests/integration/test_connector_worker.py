@@ -515,3 +515,65 @@ def test_a_failed_load_into_pages_a_preempted_request_gave_up_is_not_its_own(
     assert [s for s in meta.saves if s.req_id == "A"] == []   # nothing saved again
     sched.shutdown()
     w.shutdown()
+
+
+class RecordingStream:
+    """Stands in for the async-load thread's CUDA stream (no GPU here): records what the
+    worker asks of it, so the order of the copies, the sync and the release is checked."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def wait_event(self, fence: Any) -> None:
+        self.events.append(f"wait {fence}")
+
+    def synchronize(self) -> None:
+        self.events.append("synchronize")
+
+
+def test_an_async_load_on_a_gpu_finishes_its_copies_before_it_releases_its_leases(
+        daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the copies of an asynchronous load are enqueued on a stream; the leases
+    were released right after enqueueing them, so the daemon could reuse a slot a kernel
+    was still reading. Now the load waits for the compute queued before it, and its stream
+    is synchronized before the first release (the stream seam is recorded here; the
+    tokens are still checked byte for byte on the CPU copy)."""
+    import contextlib
+
+    kv = caches(30)
+    w = worker(daemon, "async-gpu-order", kv)
+    toks, src, dst = tokens(31, 2), rows(1, 2), rows(31, 2)
+    save(w, "s", toks, src, save_id=1)
+    finished(w, "s")
+    events: list[str] = []
+    stream = RecordingStream(events)
+    monkeypatch.setattr(w, "_async_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    assert w.pipeline is not None
+    monkeypatch.setattr(w.pipeline.streams, "compute_fence", lambda: "compute-fence")
+    original_load, original_release = transfers.LoadBatch.load_layer, transfers._release
+
+    def load_layer(self: Any, layer: int, s: Any) -> None:
+        assert s is stream
+        events.append(f"load {layer}")
+        original_load(self, layer, None)   # the bytes move on the CPU as before
+
+    def release(lease: Any, copy_s: Any, client: Any) -> None:
+        events.append("release")
+        original_release(lease, copy_s, client)
+
+    monkeypatch.setattr(transfers.LoadBatch, "load_layer", load_layer)
+    monkeypatch.setattr(transfers, "_release", release)
+    w.start_load_kv(KVTierConnectorMetadata(async_loads=[TransferSpec("a", None, toks, 0,
+                                                                      dst)]))
+    deadline = time.monotonic() + WAIT_S
+    done: set[str] = set()
+    while "a" not in done:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+        done = w.get_finished(set())[1]
+    assert events == ["wait compute-fence", *(f"load {i}" for i in range(LAYERS)),
+                      "synchronize", "release"], events
+    assert w.take_load_errors() == set() and pages_equal(kv, src, dst)
+    assert daemon.stats()["requests"]["get_blocks"] >= 2
+    w.shutdown()
