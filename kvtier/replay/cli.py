@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,10 +19,16 @@ from kvtier.argtypes import float_in, int_in
 from kvtier.errors import KVTierError
 from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit, SecondHitAdmission, WriteBudget
 from kvtier.policy.costmodel import BlockCosts, PrefillModel
-from kvtier.policy.prefetch import PrefetchWait
-from kvtier.replay.report import format_mrc, format_reuse_breakdown, table_rows, to_record
+from kvtier.policy.prefetch import TIMEOUT_BASE_S, PrefetchWait
+from kvtier.replay.report import (
+    format_mrc,
+    format_reuse_breakdown,
+    fraction_label,
+    table_rows,
+    to_record,
+)
 from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
-from kvtier.replay.trace import Trace, TraceFormat, load_trace
+from kvtier.replay.trace import STDIN, Trace, TraceFormat, load_trace
 
 POLICIES = ("lru", "lfu", "cost", "adaptive", "belady")
 CHOICES = (*POLICIES, "hindsight")  # hindsight: what adaptive starts in (not a default column)
@@ -32,6 +39,9 @@ MAX_BLOCKS = 1 << 48
 MAX_DIM = 2**31
 """Largest ``--layers``, ``--hidden``, ``--bytes-per-token``, ``--block-tokens``."""
 _BYTES_PER_S = float_in(0, above=True)
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff",
+                 ".webp")
+"""What ``--plot`` may end in: formats matplotlib's savefig writes with its Agg backend."""
 
 
 def _name_value(text: str) -> tuple[str, str]:
@@ -72,7 +82,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "tier hierarchy driven by kvtier's own policies, and compare them with LRU and "
         "Belady's offline bound.",
     )
-    p.add_argument("trace", help="JSONL trace file (Mooncake or Alibaba Bailian format)")
+    p.add_argument("trace", help="JSONL trace file (Mooncake or Alibaba Bailian format; "
+                   "gzip, bzip2 or xz compressed too); - reads standard input")
     p.add_argument("--format", choices=[f.value for f in TraceFormat], default="auto")
     p.add_argument("--block-tokens", type=int_in(1, MAX_DIM), default=None,
                    help="tokens per hash id (default: 512 Mooncake, 16 Bailian)")
@@ -102,7 +113,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--bytes-per-token", type=int_in(1, MAX_DIM), default=131072,
                    help="KV bytes per token (default: 8B model, 8 KV heads, fp16)")
     p.add_argument("--limit", type=int_in(1), default=None,
-                   help="replay only the first N requests")
+                   help="replay only the N earliest requests (a trace in arrival order is "
+                   "parsed no further)")
     p.add_argument("--json", action="store_true", help="one JSON object per line per run")
     p.add_argument("--reuse-breakdown", action="store_true",
                    help="also show the share of reuses each policy hits by reuse distance "
@@ -110,7 +122,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--progress", action="store_true",
                    help="show a progress bar even when stderr is not a terminal")
     p.add_argument("--plot", metavar="FILE.png", default=None,
-                   help="draw hit rate against capacity (needs matplotlib)")
+                   help="draw hit rate against capacity fraction (needs matplotlib; .png, "
+                   ".svg, .pdf, ...; not with --tier)")
     p.set_defaults(func=run)
     return p
 
@@ -170,17 +183,56 @@ def _configs(args: argparse.Namespace, trace: Trace) -> list[tuple[float | None,
     return out
 
 
+def _check_plot(args: argparse.Namespace) -> None:
+    """Refuse a ``--plot`` that could not be written, before a replay that may take minutes
+    (matplotlib would only fail at the end, and a name without a known suffix or a directory
+    would silently become NAME.png)."""
+    if not args.plot:
+        return
+    path = Path(args.plot)
+    if args.tier:
+        raise KVTierError("--plot draws hit rate against --capacity-fraction: there is "
+                          "nothing to plot for --tier runs")
+    if path.is_dir():
+        raise KVTierError(f"--plot {args.plot} is a directory: give a file name such as "
+                          f"{path / 'hit_rates.png'}")
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise KVTierError(f"--plot {args.plot}: the name must end in one of "
+                          f"{' '.join(PLOT_SUFFIXES)}")
+    if not path.parent.is_dir():
+        raise KVTierError(f"--plot {args.plot}: no directory {path.parent} to write it in")
+
+
+def _check_finite(trace: Trace, configs: list[tuple[float | None, SimConfig]]) -> None:
+    """Refuse model inputs (``--flops``, ``--bandwidth``, ``--model-params``) so extreme
+    that a time overflows to infinity: JSON has no Infinity, and a table of inf says
+    nothing. Bound: every request prefilled from scratch and loaded from the slowest tier,
+    summed over the trace."""
+    worst_tokens = max(r.input_tokens or len(r.blocks) * trace.block_tokens
+                       for r in trace.requests)
+    for _, config in configs:
+        if config.costs is None:  # _configs always sets it
+            continue
+        slowest = min(t.read_bw for t in config.tiers)
+        worst = (config.costs.prefill.seconds(0, worst_tokens) + TIMEOUT_BASE_S
+                 + 2.0 * (worst_tokens + trace.block_tokens) * config.bytes_per_token / slowest)
+        if not math.isfinite(worst * 4.0 * (len(trace.requests) + 1)):
+            raise KVTierError(
+                f"a request's modelled time overflows ({worst:.3g} s for {worst_tokens:,} "
+                "tokens): give a realistic --flops, --model-params and --bandwidth")
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute ``kvtier replay``; prints a table (or JSON lines) and returns the exit code."""
     try:
-        if args.plot and not Path(args.plot).parent.is_dir():  # before a long replay
-            raise KVTierError(f"--plot {args.plot}: no directory {Path(args.plot).parent} "
-                              "to write it in")
+        _check_plot(args)
+        # with an explicit --block-tokens too: a block size that contradicts input_length
+        # misreads every prefix
         trace = load_trace(args.trace, fmt=TraceFormat(args.format),
-                           block_tokens=args.block_tokens)
-        if args.limit is not None:
-            trace = Trace(trace.requests[: args.limit], trace.block_tokens, trace.format)
+                           block_tokens=args.block_tokens, limit=args.limit,
+                           check_lengths=True)
         configs = _configs(args, trace)
+        _check_finite(trace, configs)
     except KVTierError as exc:
         print(f"kvtier replay: {exc}", file=sys.stderr)
         return 2
@@ -188,16 +240,22 @@ def run(args: argparse.Namespace) -> int:
     results: list[ReplayResult] = []
     for fraction, config in configs:
         for policy in args.policy:
-            label = f"{policy} " + (f"{fraction:.0%}" if fraction is not None else "tiers")
+            label = f"{policy} " + (fraction_label(fraction) if fraction is not None
+                                    else "tiers")
             with ui.progress(trace.n_references, label, enabled=show) as advance:
                 results.append(simulate(trace, policy, config, capacity_fraction=fraction,
                                         progress=advance, reuse_breakdown=args.reuse_breakdown))
     if args.json:
-        for r in results:
-            print(json.dumps(to_record(r, results)))
+        try:  # _check_finite keeps inf and NaN out; JSON has neither
+            lines = [json.dumps(to_record(r, results), allow_nan=False) for r in results]
+        except ValueError as exc:
+            print(f"kvtier replay: a result is not a finite number ({exc})", file=sys.stderr)
+            return 2
+        print("\n".join(lines))
     else:
         out = ui.console()
-        out.print(f"{args.trace}: {len(trace.requests)} requests, {trace.n_references} block "
+        name = "standard input" if args.trace == STDIN else args.trace
+        out.print(f"{name}: {len(trace.requests)} requests, {trace.n_references} block "
                   f"references, {trace.n_unique_blocks} unique blocks of {trace.block_tokens} "
                   "tokens", markup=False)
         head, rows = table_rows(results)

@@ -34,6 +34,8 @@ def plot_hit_rates(results: Sequence[ReplayResult], path: str | Path) -> Path:
     for r in results:
         if r.capacity_fraction is not None:
             series.setdefault(r.policy, []).append((r.capacity_fraction, r.token_hit_rate))
+    if not series:  # --tier runs have no capacity fraction (the CLI refuses them first)
+        raise KVTierError("--plot draws runs sized by --capacity-fraction: there are none")
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for policy, points in series.items():
         points.sort()

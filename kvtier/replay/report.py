@@ -83,9 +83,15 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f}"
 
 
+def fraction_label(fraction: float) -> str:
+    """A capacity fraction as a percentage with as many digits as it has (up to six
+    significant): 0.015 and 0.02 must not both read "2%", nor 0.004 "0%"."""
+    return f"{fraction * 100:.6g}%"
+
+
 def _capacity_label(r: ReplayResult) -> str:
     if r.capacity_fraction is not None:
-        return f"{r.capacity_fraction:.0%}"
+        return fraction_label(r.capacity_fraction)
     return "+".join(str(t.capacity_blocks) for t in r.tiers)
 
 

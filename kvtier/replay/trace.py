@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import bz2
 import gzip
-import json
+import io
 import lzma
 import math
+import re
+import sys
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, cast
 
 from kvtier import jsonin
 from kvtier.errors import KVTierError
@@ -98,11 +101,13 @@ def _brief(value: object) -> str:
 
 def _count(record: dict[str, object], name: str, where: str) -> int:
     value = record.get(name, 0)
-    # NaN fails the range test; an infinity or a huge number is over MAX_TOKENS
+    # a bool, a string or 1024.7 is no count of tokens (int() would read them as 1, or cut
+    # them); NaN and infinities are no whole number, and a huge one is over MAX_TOKENS
     if isinstance(value, bool) or not isinstance(value, int | float) \
+            or (isinstance(value, float) and not value.is_integer()) \
             or not 0 <= value <= MAX_TOKENS:
-        raise TraceError(f"{where}: field {name!r} must be a number of tokens from 0 to "
-                         f"{MAX_TOKENS:,}, got {_brief(value)}")
+        raise TraceError(f"{where}: field {name!r} must be a whole number of tokens from 0 "
+                         f"to {MAX_TOKENS:,}, got {_brief(value)}")
     return int(value)
 
 
@@ -114,21 +119,30 @@ def _block_ids(record: dict[str, object], where: str) -> tuple[int, ...]:
     return tuple(hashes)
 
 
+def _timestamp(record: dict[str, object], fmt: TraceFormat, where: str) -> float:
+    if "timestamp" not in record:
+        raise TraceError(f"{where}: not a {fmt.value} trace record (no 'timestamp'); each "
+                         "line needs 'timestamp', 'input_length', 'output_length' and "
+                         "'hash_ids'")
+    value = record["timestamp"]
+    # true would read as 1 and "12" as 12: only a JSON number is a time
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TraceError(f"{where}: field 'timestamp' must be a number, got {_brief(value)}")
+    try:
+        ts = float(value)
+    except OverflowError:
+        ts = math.inf
+    if not math.isfinite(ts):
+        raise TraceError(f"{where}: field 'timestamp' must be a finite number, got "
+                         f"{_brief(value)}")
+    return ts
+
+
 def _parse(record: dict[str, object], fmt: TraceFormat, where: str) -> Request:
     inp = _count(record, "input_length", where)
     out = _count(record, "output_length", where)
     blocks = _block_ids(record, where)
-    try:
-        # a JSON value: float() raises TypeError/ValueError for the wrong ones, caught below
-        ts = float(record["timestamp"])  # type: ignore[arg-type]
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:
-        raise TraceError(
-            f"{where}: not a {fmt.value} trace record ({exc!r}); each line needs "
-            "'timestamp', 'input_length', 'output_length' and 'hash_ids'"
-        ) from None
-    if not math.isfinite(ts):
-        raise TraceError(f"{where}: field 'timestamp' must be a finite number, got "
-                         f"{_brief(record['timestamp'])}")
+    ts = _timestamp(record, fmt, where)
     if fmt is TraceFormat.MOONCAKE:
         return Request(arrival_s=ts / 1000.0, input_tokens=inp, output_tokens=out, blocks=blocks)
 
@@ -156,79 +170,207 @@ def _loads(line: str, where: str) -> object:
         raise TraceError(f"{where}: not a trace record: {exc}") from None
 
 
-def parse_lines(
-    lines: Iterable[str], *, fmt: TraceFormat = TraceFormat.AUTO, source: str = "<trace>"
-) -> Iterator[Request]:
-    """Parse JSONL lines into requests (blank lines skipped), in file order."""
-    for lineno, line in enumerate(lines, 1):
+def _block_size(fmt: TraceFormat) -> int:
+    return BAILIAN_BLOCK_TOKENS if fmt is TraceFormat.BAILIAN else MOONCAKE_BLOCK_TOKENS
+
+
+_TS = re.compile(r'"timestamp"\s*:\s*(-?[0-9][0-9.eE+-]*)\s*[,}]')
+
+
+def _quick_timestamp(line: str) -> float | None:
+    """A line's top-level timestamp without parsing the line (None when unsure): the only
+    ``"timestamp"`` key of a line must be the record's, since a JSON string cannot hold an
+    unescaped quote."""
+    if line.count('"timestamp"') != 1:
+        return None
+    m = _TS.search(line)
+    if m is None:
+        return None
+    try:
+        return float(m.group(1))
+    except ValueError:
+        return None
+
+
+class _Reader:
+    """Parses records one line at a time and checks what a line alone cannot show.
+
+    - ``hash_ids`` must be prefix-chained: a block id names a whole prefix, so it follows the
+      same id (or opens the request) wherever it appears. A trace that reuses ids another
+      way would be replayed wrongly without a word (the prefix forest keeps one parent per
+      block), so it is refused, in one pass over a dict id -> predecessor.
+    - ``len(hash_ids) == ceil(input_length / block_tokens)``: a block per started
+      ``block_tokens`` of prompt. It holds on every line of the published Mooncake trace
+      (512) and of the Bailian samples (16); a trace read with the wrong block size breaks
+      it at once. A record without ``input_length`` is not checked (replay then counts
+      whole blocks).
+    """
+
+    def __init__(self, fmt: TraceFormat, block_tokens: int | None, source: str,
+                 check_lengths: bool) -> None:
+        self.fmt = fmt
+        self.block_tokens = block_tokens
+        self.source = source
+        self.check_lengths = check_lengths
+        self._pred: dict[int, int | None] = {}
+        self._lines: list[int] = []  # line number of each request parsed (error messages)
+        self._blocks: list[tuple[int, ...]] = []
+
+    def parse(self, lineno: int, line: str) -> Request | None:
+        """The request on one line (None for a blank one), checked against earlier lines."""
         line = line.strip()
         if not line:
-            continue
-        where = f"{source}:{lineno}"
+            return None
+        where = f"{self.source}:{lineno}"
         record = _loads(line, where)
         if not isinstance(record, dict):
             raise TraceError(f"{where}: expected a JSON object per line")
-        if fmt is TraceFormat.AUTO:
-            fmt = _detect(record)
-        yield _parse(record, fmt, where)
+        if self.fmt is TraceFormat.AUTO:
+            self.fmt = _detect(record)
+        if self.block_tokens is None:
+            self.block_tokens = _block_size(self.fmt)
+        req = _parse(record, self.fmt, where)
+        bt = self.block_tokens
+        if self.check_lengths and "input_length" in record \
+                and len(req.blocks) != -(-req.input_tokens // bt):
+            raise TraceError(
+                f"{where}: {len(req.blocks)} block ids for input_length {req.input_tokens} "
+                f"contradict {bt}-token blocks (expected {-(-req.input_tokens // bt)}): give "
+                "the trace's block size with --block-tokens, or its format with --format")
+        self._chain(req.blocks, lineno, where)
+        return req
+
+    def _chain(self, blocks: tuple[int, ...], lineno: int, where: str) -> None:
+        pred = self._pred
+        before: int | None = None
+        for h in blocks:
+            first = pred.setdefault(h, before)
+            if first != before:
+                line = next((n for n, b in zip(self._lines, self._blocks, strict=True)
+                             if h in b), lineno)
+                raise TraceError(
+                    f"{where}: block id {h} {_after(before)} here but "
+                    f"{_after(first, before)} on line {line}: hash_ids must be prefix-chained "
+                    "(equal ids at the same position mean the same prefix)")
+            before = h
+        self._lines.append(lineno)
+        self._blocks.append(blocks)
+
+    def read(self, lines: Iterable[str], limit: int | None = None) -> list[Request]:
+        """Every request of ``lines`` in file order; with ``limit``, only those that can be
+        among the ``limit`` earliest arrivals: after the first ``limit`` requests, a line
+        whose timestamp is not below theirs is skipped unparsed (a sorted trace's tail)."""
+        out: list[Request] = []
+        it = iter(enumerate(lines, 1))
+        for lineno, line in it:
+            req = self.parse(lineno, line)
+            if req is not None:
+                out.append(req)
+                if limit is not None and len(out) >= limit:
+                    break
+        else:
+            return out
+        bound = max(r.arrival_s for r in out)
+        scale = 1000.0 if self.fmt is TraceFormat.MOONCAKE else 1.0  # as _parse converts
+        for lineno, line in it:
+            ts = _quick_timestamp(line)
+            if ts is not None and ts / scale >= bound:
+                continue  # it sorts after all of the first ``limit`` requests
+            req = self.parse(lineno, line)
+            if req is not None:
+                out.append(req)
+        return out
+
+
+def _after(pred: int | None, here: int | None = None) -> str:
+    """How a block id is placed: after ``pred``, or first (``here``: the other placement,
+    so that "follows 3 here but 1 on line 1" says the verb once)."""
+    if pred is None:
+        return "opens the request"
+    return str(pred) if here is not None else f"follows {pred}"
+
+
+def parse_lines(
+    lines: Iterable[str], *, fmt: TraceFormat = TraceFormat.AUTO, source: str = "<trace>",
+    block_tokens: int | None = None, check_lengths: bool = True,
+) -> Iterator[Request]:
+    """Parse JSONL lines into requests (blank lines skipped), in file order, with the
+    checks of :class:`_Reader`."""
+    reader = _Reader(fmt, block_tokens, source, check_lengths)
+    for lineno, line in enumerate(lines, 1):
+        req = reader.parse(lineno, line)
+        if req is not None:
+            yield req
 
 
 _COMPRESSED = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.open))
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+STDIN = "-"
+"""The trace path that means standard input."""
 
 
-def _open_text(path: Path) -> TextIO:
+def _what(name: str) -> str:
+    return "standard input" if name == STDIN else f"trace {name}"
+
+
+def _open_text(path: Path, name: str) -> TextIO:
     """The trace as text lines, decompressed when it is gzip, bzip2 or xz (by its magic
-    bytes, whatever its name): published traces are often shipped compressed."""
-    with path.open("rb") as raw:
-        head = raw.read(6)
-    if head.startswith(_ZSTD_MAGIC):
-        raise TraceError(f"trace {path} is zstd-compressed: decompress it first "
-                         "(zstd -d), or recompress it with gzip, bzip2 or xz")
-    for magic, opener in _COMPRESSED:
-        if head.startswith(magic):
-            return opener(path, "rt", encoding="utf-8")
-    return path.open(encoding="utf-8")
+    bytes, whatever its name): published traces are often shipped compressed. The file is
+    opened once and never rewound, so a pipe reads as well as a file; standard input
+    (``-``) is read into memory first."""
+    raw: io.BufferedReader = (io.BufferedReader(io.BytesIO(sys.stdin.buffer.read()))
+                              if name == STDIN else path.open("rb"))
+    try:
+        head = raw.peek(6)[:6]
+        if head.startswith(_ZSTD_MAGIC):
+            raise TraceError(f"{_what(name)} is zstd-compressed: decompress it first "
+                             "(zstd -d), or recompress it with gzip, bzip2 or xz")
+        for magic, opener in _COMPRESSED:
+            if head.startswith(magic):
+                return cast(TextIO, opener(raw, "rt", encoding="utf-8"))
+        return io.TextIOWrapper(raw, encoding="utf-8")
+    except BaseException:
+        raw.close()
+        raise
 
 
 def load_trace(
-    path: str | Path, *, fmt: TraceFormat = TraceFormat.AUTO, block_tokens: int | None = None
+    path: str | Path, *, fmt: TraceFormat = TraceFormat.AUTO, block_tokens: int | None = None,
+    limit: int | None = None, check_lengths: bool | None = None,
 ) -> Trace:
-    """Read a whole trace file, sorted by arrival time (stable, so turns keep their order).
+    """Read a whole trace file (``-``: standard input), sorted by arrival time (stable, so
+    turns keep their order).
 
     ``block_tokens`` defaults to the format's published block size (Mooncake 512,
-    Bailian 16).
+    Bailian 16). ``limit``: keep only the ``limit`` earliest requests (reading a sorted
+    trace stops parsing there). ``check_lengths``: refuse a block size that contradicts
+    ``input_length`` (see :class:`_Reader`); by default only for the format's own block
+    size, since a caller's ``block_tokens`` may deliberately re-block a trace.
     """
+    name = str(path)
     path = Path(path)
-    try:
-        with _open_text(path) as fh:
-            first = ""
-            for first in fh:
-                if first.strip():
-                    break
-            fh.seek(0)
-            if fmt is TraceFormat.AUTO and first.strip():
-                try:
-                    fmt = _detect(json.loads(first))
-                except (ValueError, RecursionError, AttributeError, TypeError):
-                    fmt = TraceFormat.MOONCAKE  # parse_lines names what is wrong
-            requests = list(parse_lines(fh, fmt=fmt, source=str(path)))
-    except UnicodeDecodeError:
-        raise TraceError(f"trace {path} is not UTF-8 JSONL text (a compressed trace must be "
-                         "gzip, bzip2 or xz)") from None
-    except (OSError, EOFError, lzma.LZMAError) as exc:  # gzip.BadGzipFile is an OSError
-        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}"
-                         if isinstance(exc, OSError) else
-                         f"cannot read trace {path}: {exc}") from None
-    if not requests:
-        raise TraceError(f"trace {path} holds no requests")
-    if fmt is TraceFormat.AUTO:
-        fmt = TraceFormat.MOONCAKE
-    requests.sort(key=lambda r: r.arrival_s)
-    if block_tokens is None:
-        block_tokens = (
-            BAILIAN_BLOCK_TOKENS if fmt is TraceFormat.BAILIAN else MOONCAKE_BLOCK_TOKENS
-        )
-    if block_tokens <= 0:
+    if block_tokens is not None and block_tokens <= 0:
         raise TraceError(f"block size must be positive, got {block_tokens}")
-    return Trace(requests=tuple(requests), block_tokens=block_tokens, format=fmt)
+    what = _what(name)
+    reader = _Reader(fmt, block_tokens, "<stdin>" if name == STDIN else name,
+                     block_tokens is None if check_lengths is None else check_lengths)
+    try:
+        with _open_text(path, name) as fh:
+            requests = reader.read(fh, limit)
+    except UnicodeDecodeError:
+        raise TraceError(f"{what} is not UTF-8 JSONL text (a compressed trace must be "
+                         "gzip, bzip2 or xz)") from None
+    except (OSError, EOFError, lzma.LZMAError, zlib.error) as exc:
+        # gzip.BadGzipFile is an OSError; a corrupt deflate stream is a zlib.error
+        raise TraceError(f"cannot read {what}: {exc.strerror or exc}"
+                         if isinstance(exc, OSError) else
+                         f"cannot read {what}: damaged or truncated compressed data "
+                         f"({exc})") from None
+    if not requests:
+        raise TraceError(f"{what} holds no requests")
+    requests.sort(key=lambda r: r.arrival_s)
+    if limit is not None:
+        del requests[limit:]
+    fmt = TraceFormat.MOONCAKE if reader.fmt is TraceFormat.AUTO else reader.fmt
+    return Trace(requests=tuple(requests), block_tokens=reader.block_tokens or _block_size(fmt),
+                 format=fmt)
