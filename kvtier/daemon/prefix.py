@@ -11,32 +11,36 @@ Bounds (``kvtier.daemon.limits``): a prompt carries at most ``max_context_tokens
 (or as many keys as that makes in blocks); a batch at most ``MAX_PROMPTS`` prompts and
 ``BATCH_CONTEXTS`` times ``max_context_tokens`` tokens in all; a JSON body at most
 ``JSON_MAX_BYTES`` (the binary body: ``max_frame``). The Redis part is bounded by
-``redis.lookup_budget_s``, as a lookup's is.
+``redis.lookup_budget_s``, as a lookup's is. Reading a request's wire forms (digests,
+token blobs, JSON prompts) is ``kvtier.daemon.prefix_input``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 from collections.abc import Container, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvtier.daemon.limits import Limits
+from kvtier.daemon.prefix_input import (
+    MAX_PROMPTS,
+    PromptInput,
+    digest_of,
+    flag,
+    json_prompt,
+    query_int,
+    split_prompts,
+)
 from kvtier.errors import KVTierError, LimitExceeded, ProtocolError, UnknownNamespace
 from kvtier.index import SlotState
-from kvtier.keys import KEY_BYTES, ROOT_KEY, BlockKey, Namespace, block_keys
+from kvtier.keys import ROOT_KEY, BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality, RedisProbe
 from kvtier.protocol import optional_int
 from kvtier.store import TieredStore
 from kvtier.store.slices import Turn
 
-MAX_PROMPTS = 256
 KEY_PIECE = 512   # blocks hashed between two looks at the turn (kvtier.store.slices)
 BATCH_CONTEXTS = 4
 JSON_MAX_BYTES = 4 * 2**20
@@ -47,14 +51,6 @@ _NS_FIELDS = ("namespace", "model_id", "layout", "tp_rank", "tp_size", "cache_sa
 
 HTTP_STATUS = {UnknownNamespace.code: 404, LimitExceeded.code: 413}
 """HTTP status per error code (400 for every other KVTierError)."""
-
-
-@dataclass(frozen=True, slots=True)
-class PromptInput:
-    """One prompt of a probe, as token ids (u4) or as block keys already computed."""
-
-    tokens: np.ndarray | None = None
-    keys: list[BlockKey] | None = None
 
 
 class PrefixProbe:
@@ -152,7 +148,7 @@ class PrefixProbe:
         would tell whether a tenant's prompt is cached. Elsewhere the salt is asked for."""
         raw = spec.get("namespace")
         if raw is not None:
-            digest = _digest(raw)
+            digest = digest_of(raw)
             entry = self.store.namespaces.get(digest)
             if entry is not None and entry.namespace.cache_salt is not None and \
                     digest not in known:
@@ -233,11 +229,11 @@ class PrefixProbe:
         if "ns" in msg:
             spec["namespace"] = msg["ns"]
         ns = self.namespace(spec, known)
-        prompts = _split(msg.get("tokens"), msg.get("keys"), msg.get("lengths"),
+        prompts = split_prompts(msg.get("tokens"), msg.get("keys"), msg.get("lengths"),
                          self.limits.max_keys(ns.layout.tokens_per_block))
         items = [(ns, p) for p in prompts]
         self._check_batch(items)
-        results = await self.probe_many(items, redis=_flag(msg.get("redis", True)))
+        results = await self.probe_many(items, redis=flag(msg.get("redis", True)))
         return {"results": [r.to_dict() for r in results]}
 
     # -- HTTP ----------------------------------------------------------------------------
@@ -251,13 +247,13 @@ class PrefixProbe:
             spec: dict[str, Any] = dict(query)
             for name in ("tp_rank", "tp_size"):
                 if name in spec:
-                    spec[name] = _query_int(name, spec[name])
+                    spec[name] = query_int(name, spec[name])
             ns = self.namespace(spec)
             as_keys = query.get("input", "tokens") == "keys"
             lengths = None
             if "lengths" in query:
-                lengths = [_query_int("lengths", x) for x in query["lengths"].split(",")]
-            prompts = _split(None if as_keys else body, body if as_keys else None, lengths,
+                lengths = [query_int("lengths", x) for x in query["lengths"].split(",")]
+            prompts = split_prompts(None if as_keys else body, body if as_keys else None, lengths,
                              self.limits.max_keys(ns.layout.tokens_per_block))
             items = [(ns, p) for p in prompts]
             batch = lengths is not None
@@ -274,7 +270,7 @@ class PrefixProbe:
             if not isinstance(doc, dict):
                 raise ProtocolError("the body must be a JSON object")
             items, batch = self._json_items(doc)
-            want_redis = _flag(doc.get("redis", True))
+            want_redis = flag(doc.get("redis", True))
         else:
             raise ProtocolError(f"unsupported content type {content_type[:64]!r}: send "
                                 "application/json or application/octet-stream")
@@ -287,7 +283,7 @@ class PrefixProbe:
         top = {k: doc[k] for k in _NS_FIELDS if k in doc}
         prompts = doc.get("prompts")
         if prompts is None:
-            return [(self.namespace(top), _json_prompt(doc))], False
+            return [(self.namespace(top), json_prompt(doc))], False
         if not isinstance(prompts, list):
             raise ProtocolError("'prompts' must be a list of objects")
         if len(prompts) > MAX_PROMPTS:
@@ -298,114 +294,8 @@ class PrefixProbe:
             if not isinstance(p, dict):
                 raise ProtocolError("each of 'prompts' must be an object")
             own = {k: p[k] for k in _NS_FIELDS if k in p}
-            items.append((self.namespace({**top, **own}), _json_prompt(p)))
+            items.append((self.namespace({**top, **own}), json_prompt(p)))
         return items, True
-
-
-def _digest(raw: object) -> bytes:
-    if isinstance(raw, str):
-        try:
-            raw = bytes.fromhex(raw)
-        except ValueError:
-            raise ProtocolError("namespace must be 32 hex digits") from None
-    if not isinstance(raw, bytes) or len(raw) != 16:
-        raise ProtocolError("namespace must be a 16-byte digest (32 hex digits)")
-    return raw
-
-
-def _flag(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ProtocolError("'redis' must be true or false")
-    return value
-
-
-def _query_int(name: str, text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ProtocolError(f"query parameter {name!r} must be an integer") from None
-
-
-def _split(tokens: object, keys: object, lengths: object,
-           max_keys: int) -> list[PromptInput]:
-    """Prompts from one blob of u4 tokens or 16-byte keys, cut by ``lengths`` (a batch)
-    or whole (one prompt). The token arrays are views of the blob: nothing per token; a
-    prompt of more than ``max_keys`` keys is refused before its keys are split."""
-    if (tokens is None) == (keys is None):
-        raise ProtocolError("send either 'tokens' (u4 little-endian bytes) or 'keys'")
-    blob = tokens if tokens is not None else keys
-    if not isinstance(blob, bytes):
-        raise ProtocolError("'tokens' and 'keys' must be bytes")
-    unit = 4 if tokens is not None else KEY_BYTES
-    if len(blob) % unit:
-        raise ProtocolError(f"{len(blob)} bytes are not a whole number of {unit}-byte items")
-    count = len(blob) // unit
-    if lengths is None:
-        sizes = [count]
-    else:
-        if (not isinstance(lengths, list) or not all(type(n) is int and n >= 0
-                                                     for n in lengths)):
-            raise ProtocolError("'lengths' must be a list of non-negative ints")
-        if len(lengths) > MAX_PROMPTS:
-            raise LimitExceeded(f"{len(lengths)} prompts in one request; at most "
-                                f"{MAX_PROMPTS}: split the batch")
-        if sum(lengths) != count:
-            raise ProtocolError(f"'lengths' add up to {sum(lengths)}, the body holds {count}")
-        sizes = lengths
-    out: list[PromptInput] = []
-    start = 0
-    if tokens is not None:
-        arr = np.frombuffer(blob, dtype="<u4")
-        for n in sizes:
-            out.append(PromptInput(tokens=arr[start:start + n]))
-            start += n
-    else:
-        if max(sizes, default=0) > max_keys:
-            raise LimitExceeded(f"{max(sizes)} keys in one prompt; this namespace allows "
-                                f"{max_keys} (daemon.max_context_tokens)")
-        for n in sizes:
-            piece = blob[start * KEY_BYTES:(start + n) * KEY_BYTES]
-            out.append(PromptInput(keys=TieredStore.split_keys(piece)))
-            start += n
-    return out
-
-
-def _json_prompt(doc: Mapping[str, Any]) -> PromptInput:
-    """One prompt of a JSON body: ``token_ids`` (ints), ``tokens_b64`` (u4 little-endian,
-    base64) or ``block_keys`` (32-hex-digit keys)."""
-    given = [k for k in ("token_ids", "tokens_b64", "block_keys") if k in doc]
-    if len(given) != 1:
-        raise ProtocolError("give exactly one of 'token_ids', 'tokens_b64', 'block_keys'")
-    value = doc[given[0]]
-    if given[0] == "token_ids":
-        if not isinstance(value, list):
-            raise ProtocolError("'token_ids' must be a list of ints")
-        try:
-            arr = np.asarray(value)
-        except (ValueError, TypeError, OverflowError):
-            raise ProtocolError("'token_ids' must be a flat list of ints") from None
-        if arr.size == 0:
-            arr = np.empty(0, dtype="<u4")
-        if arr.dtype.kind not in "iu" or arr.ndim != 1:
-            raise ProtocolError("'token_ids' must be a flat list of ints")
-        return PromptInput(tokens=arr)
-    if given[0] == "tokens_b64":
-        if not isinstance(value, str):
-            raise ProtocolError("'tokens_b64' must be a base64 string")
-        try:
-            raw = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            raise ProtocolError("'tokens_b64' is not valid base64") from None
-        return _split(raw, None, None, 0)[0]   # (tokens: no keys to split)
-    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
-        raise ProtocolError("'block_keys' must be a list of 32-hex-digit strings")
-    try:
-        keys = [bytes.fromhex(k) for k in value]
-    except ValueError:
-        raise ProtocolError("'block_keys' must be 32-hex-digit strings") from None
-    if any(len(k) != KEY_BYTES for k in keys):
-        raise ProtocolError("each block key is 16 bytes (32 hex digits)")
-    return PromptInput(keys=keys)
 
 
 def http_error(exc: KVTierError) -> tuple[int, dict[str, str]]:

@@ -1,0 +1,135 @@
+"""What a prefix-locality request carries, read from its wire forms (``kvtier.daemon.prefix``):
+a namespace digest, flags, and prompts as u4 token ids or 16-byte block keys, from one
+binary blob cut by ``lengths`` or from a JSON body. Token arrays are views of the blob:
+nothing per token. Every malformed input is a ProtocolError or a LimitExceeded, never a
+crash."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import LimitExceeded, ProtocolError
+from kvtier.keys import KEY_BYTES, BlockKey
+from kvtier.store import TieredStore
+
+MAX_PROMPTS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """One prompt of a probe, as token ids (u4) or as block keys already computed."""
+
+    tokens: np.ndarray | None = None
+    keys: list[BlockKey] | None = None
+
+
+def digest_of(raw: object) -> bytes:
+    if isinstance(raw, str):
+        try:
+            raw = bytes.fromhex(raw)
+        except ValueError:
+            raise ProtocolError("namespace must be 32 hex digits") from None
+    if not isinstance(raw, bytes) or len(raw) != 16:
+        raise ProtocolError("namespace must be a 16-byte digest (32 hex digits)")
+    return raw
+
+
+def flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError("'redis' must be true or false")
+    return value
+
+
+def query_int(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ProtocolError(f"query parameter {name!r} must be an integer") from None
+
+
+def split_prompts(tokens: object, keys: object, lengths: object,
+           max_keys: int) -> list[PromptInput]:
+    """Prompts from one blob of u4 tokens or 16-byte keys, cut by ``lengths`` (a batch)
+    or whole (one prompt). The token arrays are views of the blob: nothing per token; a
+    prompt of more than ``max_keys`` keys is refused before its keys are split."""
+    if (tokens is None) == (keys is None):
+        raise ProtocolError("send either 'tokens' (u4 little-endian bytes) or 'keys'")
+    blob = tokens if tokens is not None else keys
+    if not isinstance(blob, bytes):
+        raise ProtocolError("'tokens' and 'keys' must be bytes")
+    unit = 4 if tokens is not None else KEY_BYTES
+    if len(blob) % unit:
+        raise ProtocolError(f"{len(blob)} bytes are not a whole number of {unit}-byte items")
+    count = len(blob) // unit
+    if lengths is None:
+        sizes = [count]
+    else:
+        if (not isinstance(lengths, list) or not all(type(n) is int and n >= 0
+                                                     for n in lengths)):
+            raise ProtocolError("'lengths' must be a list of non-negative ints")
+        if len(lengths) > MAX_PROMPTS:
+            raise LimitExceeded(f"{len(lengths)} prompts in one request; at most "
+                                f"{MAX_PROMPTS}: split the batch")
+        if sum(lengths) != count:
+            raise ProtocolError(f"'lengths' add up to {sum(lengths)}, the body holds {count}")
+        sizes = lengths
+    out: list[PromptInput] = []
+    start = 0
+    if tokens is not None:
+        arr = np.frombuffer(blob, dtype="<u4")
+        for n in sizes:
+            out.append(PromptInput(tokens=arr[start:start + n]))
+            start += n
+    else:
+        if max(sizes, default=0) > max_keys:
+            raise LimitExceeded(f"{max(sizes)} keys in one prompt; this namespace allows "
+                                f"{max_keys} (daemon.max_context_tokens)")
+        for n in sizes:
+            piece = blob[start * KEY_BYTES:(start + n) * KEY_BYTES]
+            out.append(PromptInput(keys=TieredStore.split_keys(piece)))
+            start += n
+    return out
+
+
+def json_prompt(doc: Mapping[str, Any]) -> PromptInput:
+    """One prompt of a JSON body: ``token_ids`` (ints), ``tokens_b64`` (u4 little-endian,
+    base64) or ``block_keys`` (32-hex-digit keys)."""
+    given = [k for k in ("token_ids", "tokens_b64", "block_keys") if k in doc]
+    if len(given) != 1:
+        raise ProtocolError("give exactly one of 'token_ids', 'tokens_b64', 'block_keys'")
+    value = doc[given[0]]
+    if given[0] == "token_ids":
+        if not isinstance(value, list):
+            raise ProtocolError("'token_ids' must be a list of ints")
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError, OverflowError):
+            raise ProtocolError("'token_ids' must be a flat list of ints") from None
+        if arr.size == 0:
+            arr = np.empty(0, dtype="<u4")
+        if arr.dtype.kind not in "iu" or arr.ndim != 1:
+            raise ProtocolError("'token_ids' must be a flat list of ints")
+        return PromptInput(tokens=arr)
+    if given[0] == "tokens_b64":
+        if not isinstance(value, str):
+            raise ProtocolError("'tokens_b64' must be a base64 string")
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError("'tokens_b64' is not valid base64") from None
+        return split_prompts(raw, None, None, 0)[0]   # (tokens: no keys to split)
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise ProtocolError("'block_keys' must be a list of 32-hex-digit strings")
+    try:
+        keys = [bytes.fromhex(k) for k in value]
+    except ValueError:
+        raise ProtocolError("'block_keys' must be 32-hex-digit strings") from None
+    if any(len(k) != KEY_BYTES for k in keys):
+        raise ProtocolError("each block key is 16 bytes (32 hex digits)")
+    return PromptInput(keys=keys)
