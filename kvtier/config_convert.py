@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import re
-import stat
 import sys
 import types
 import typing
@@ -26,6 +24,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from kvtier.errors import ConfigError
+from kvtier.files import NotRegularFile, TooLarge, read_regular
 from kvtier.units import ByteSize, parse_size
 
 if sys.version_info >= (3, 11):
@@ -177,26 +176,16 @@ MAX_CONFIG_BYTES = 1 << 20
 
 
 def _read_config(path: Path) -> str:
-    """A regular file of at most ``MAX_CONFIG_BYTES``, as text: a FIFO would block the
-    start, /dev/zero would read until memory runs out."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    """A regular file of at most ``MAX_CONFIG_BYTES`` (``kvtier.files.read_regular``), as
+    text; /dev/null is no settings (a common way to say "defaults only")."""
     try:
-        st = os.fstat(fd)
-        if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev:
-            return ""   # /dev/null: no settings (a common way to say "defaults only")
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"config file {path} is not a regular file: give a TOML file")
-        data = b""
-        while len(data) <= MAX_CONFIG_BYTES:
-            piece = os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))
-            if not piece:
-                break
-            data += piece
-    finally:
-        os.close(fd)
-    if len(data) > MAX_CONFIG_BYTES:
+        data = read_regular(path, MAX_CONFIG_BYTES, devnull_ok=True)
+    except NotRegularFile:
+        raise ConfigError(f"config file {path} is not a regular file: give a TOML file") \
+            from None
+    except TooLarge:
         raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes: give "
-                          "a TOML file")
+                          "a TOML file") from None
     return data.decode("utf-8")   # TOML is UTF-8
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import os
 import socket
-import stat
 import threading
 import urllib.parse
+
+from kvtier.files import NotRegularFile, TooLarge, read_regular
 
 MAX_BODY_BYTES = 64 << 20
 """Largest body or file read (a /v1/stats or vLLM /metrics page is tens of KB)."""
@@ -140,25 +140,13 @@ def read_file(path: str, *, max_bytes: int = MAX_BODY_BYTES) -> bytes:
     """A regular file's bytes, at most ``max_bytes``; FetchError for anything else: a FIFO
     would block forever, a device such as /dev/zero would read until memory runs out.
 
-    Opened non-blocking so that a FIFO without a writer is refused instead of waited on."""
+    (``kvtier.files.read_regular``)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_regular(path, max_bytes)
+    except NotRegularFile:
+        raise FetchError("not a regular file (a FIFO, device or directory): give a saved "
+                         "file") from None
+    except TooLarge:
+        raise FetchError(f"larger than {max_bytes >> 20} MiB") from None
     except OSError as exc:
         raise FetchError(_phrase(exc)) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FetchError("not a regular file (a FIFO, device or directory): give a saved "
-                             "file")
-        data = bytearray()
-        while len(data) <= max_bytes:
-            piece = os.read(fd, min(_CHUNK << 4, max_bytes + 1 - len(data)))
-            if not piece:
-                break
-            data += piece
-    except OSError as exc:
-        raise FetchError(_phrase(exc)) from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise FetchError(f"larger than {max_bytes >> 20} MiB")
-    return bytes(data)
