@@ -88,33 +88,39 @@ class RedisReads(RedisLink):
         return await self._per_server(rkeys, probe, small=cmds)
 
     async def whole_prefix(self, keys: Sequence[bytes], *, namespace: bytes) -> int:
-        """``exists_prefix`` that also asks for every stripe of a striped block: how many
-        leading blocks a get would find whole. A probe reads heads only (a lookup's cost);
-        a synchronous commit, which promises its consumers the chain, must not count a
-        block whose stripe Redis evicted or expired (its head outlives it)."""
-        n = await self.exists_prefix(keys, namespace=namespace)
-        if not n:
+        """How many leading blocks of ``namespace`` a get would find whole: each head's
+        header (one pipelined read), then every stripe of the striped ones. A lookup's
+        probe reads the namespace field of heads only; a synchronous commit, which promises
+        its consumers the chain, must not count a block whose stripe Redis evicted or
+        expired (its head outlives it). 0 while down; on an error, the prefix before it."""
+        if not keys or not self._up:
             return 0
-        rkeys = [self._rkey(k) for k in keys[:n]]
+        rkeys = [self._rkey(k) for k in keys]
         heads = await self._per_server(rkeys, lambda conn, idx: conn.simple_many(
             [header_range(rkeys[i]) for i in idx]))
+        found = len(rkeys)
         owner: list[int] = []   # block index of each stripe key
         stripes: list[bytes] = []
         for i, (rkey, head) in enumerate(zip(rkeys, heads, strict=True)):
+            if isinstance(head, ErrorReply):
+                self._error_reply(head)
             try:
                 header = FrameHeader.unpack(bytes(head))
-            except (FrameError, TypeError, ValueError):   # gone or replaced meanwhile
-                return i
-            parts = owned_part_keys(rkey, header, self._block_bytes_for(header.namespace))
+            except (FrameError, TypeError, ValueError):   # missing, unserved, not a frame
+                found = i
+                break
+            if header.namespace != namespace:
+                self.namespace_mismatches += 1
+                found = i
+                break
+            parts = owned_part_keys(rkey, header, self._block_bytes_for(namespace))
             stripes += parts
             owner += [i] * len(parts)
         if stripes:
             there = await self._per_server(stripes, lambda conn, idx: conn.simple_many(
                 [command(b"EXISTS", stripes[j]) for j in idx]))
-            missing = [owner[j] for j, r in enumerate(there) if r != 1]
-            if missing:
-                return min(missing)
-        return n
+            found = min([found] + [owner[j] for j, r in enumerate(there) if r != 1])
+        return found
 
     def _present(self, reply: Any, namespace: bytes | None) -> bool:
         """Whether a ``_probe`` reply says the block is there (for ``namespace``)."""
