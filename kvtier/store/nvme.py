@@ -68,9 +68,14 @@ class NvmeResidency:
     evicted: EvictedFrames = field(default_factory=EvictedFrames)
 
     async def alloc(self, nbytes: int) -> NvmeSlot | None:
-        """A reserved slot, evicting by policy when needed (the tier counts failures)."""
-        return await allocate_with_eviction(lambda: self.tier.alloc(nbytes), self.policy,
+        """A reserved slot, evicting by policy when needed; None (counted as an allocation
+        failure) when nothing can go. A full tier that evicts to make room is a cache's
+        normal state, not a failure: the alert on failures must not fire for it."""
+        slot = await allocate_with_eviction(lambda: self.tier.alloc(nbytes), self.policy,
                                             self.on_victim)
+        if slot is None:
+            self.tier.counters.allocation_failures += 1
+        return slot
 
     def erase_evicted(self, key: Key, namespace: bytes) -> int:
         """Erase the frames ``key`` left on disk under ``namespace`` when it was evicted

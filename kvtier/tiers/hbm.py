@@ -170,12 +170,10 @@ class HbmTier:
 
     # ------------------------------------------------------------------ slots
     def alloc(self, nbytes: int) -> int | None:
-        """Offset of a slot for ``nbytes`` bytes, or None (counted) when the pool is full."""
+        """Offset of a slot for ``nbytes`` bytes, or None when the pool is full (an attempt:
+        the store evicts and retries, and counts the failure if that cannot make room)."""
         self._require_open()
-        off = self.allocator.alloc(nbytes)
-        if off is None:
-            self.counters.allocation_failures += 1
-        return off
+        return self.allocator.alloc(nbytes)
 
     def free(self, offset: int) -> None:
         """Return a slot."""

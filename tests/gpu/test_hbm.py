@@ -53,7 +53,7 @@ def test_pool_slots_views_and_capacity() -> None:
         assert tier.up and tier.capacity_bytes == 16 * MiB
         offs = [tier.alloc(MiB) for _ in range(16)]
         assert None not in offs and tier.alloc(1) is None
-        assert tier.counters.allocation_failures == 1
+        assert tier.counters.allocation_failures == 0   # an attempt: the store counts
         for i, off in enumerate(offs):
             assert off is not None
             tier.view(off, MiB).fill(i)

@@ -34,6 +34,7 @@ from tests.support.store import (
     FP,
     LAYOUT,
     NAMESPACE,
+    NVME_BLOCKS,
     OTHER_CLIENT,
     TTL,
     FakeClock,
@@ -177,6 +178,20 @@ async def test_full_arena_demotes_lru_blocks_to_nvme(store: TieredStore, nvme: N
     assert store.bytes_moved[("cpu", "nvme")] == 2 * BLOCK
     result = await store.lookup(DIGEST, FP, keys, prefetch=False)
     assert (result.hits, result.tiers) == (6, ["nvme"] * 2 + ["cpu"] * ARENA_BLOCKS)
+
+
+async def test_a_full_nvme_tier_that_evicts_to_make_room_counts_no_allocation_failure(
+        store: TieredStore, nvme: NvmeTier, client: ArenaMapping) -> None:
+    """A full tier that evicts is a cache's normal state: ``allocation_failures`` (which
+    the KVTierAllocationFailures alert reads) counts only an allocation eviction could not
+    satisfy. Each tier attempt before an eviction used to count one."""
+    keys = chain(ARENA_BLOCKS + NVME_BLOCKS + 5)
+    for k in keys:
+        assert await put(store, client, [k]) != [None]
+    assert nvme.blocks == NVME_BLOCKS
+    assert nvme.counters.evictions[EvictionReason.CAPACITY.value] == 5
+    assert nvme.counters.allocation_failures == 0
+    assert store.cpu.counters.allocation_failures == 0
 
 
 async def test_lookup_promotes_nvme_blocks_back_into_the_arena(

@@ -149,12 +149,12 @@ class SlotTable:
 
     # ------------------------------------------------------------------ slots
     def alloc(self, slot_bytes: int, settled: Callable[[NvmeSlot], bool]) -> NvmeSlot | None:
-        """A reserved slot of ``slot_bytes``, or None (counted as an allocation failure) when
-        its footprint would take ``used`` or the files past capacity. ``settled(slot)`` says
+        """A reserved slot of ``slot_bytes``, or None when its footprint would take ``used``
+        or the files past capacity (an attempt: the store evicts and retries, and counts an
+        allocation failure only when eviction cannot make room). ``settled(slot)`` says
         whether a slot has no disk operation queued (only those may be trimmed away)."""
         footprint = PAGE + slot_bytes
         if self.used + footprint > self.capacity:
-            self._counters.allocation_failures += 1
             return None
         cls = self.classes.get(slot_bytes) or self.open_class(slot_bytes)
         if cls.free:
@@ -164,8 +164,7 @@ class SlotTable:
                 for other in self.classes.values():
                     self.trim(other, settled)
             if self.disk + footprint > self.capacity:
-                self._counters.allocation_failures += 1   # room is in other classes' middles
-                return None
+                return None                       # room is in other classes' middles
             index = cls.high_water
             cls.high_water += 1
             self.disk += footprint

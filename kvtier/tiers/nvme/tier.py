@@ -211,9 +211,9 @@ class NvmeTier:
         return slot_bytes_for(payload_len)
 
     def alloc(self, payload_len: int) -> NvmeSlot | None:
-        """A reserved slot for ``payload_len`` bytes, or None (counted as an allocation
-        failure) when its footprint would take ``used_bytes`` or the files past capacity; the
-        store then evicts and retries. Bookkeeping only: no frame I/O."""
+        """A reserved slot for ``payload_len`` bytes, or None when its footprint would take
+        ``used_bytes`` or the files past capacity; the store then evicts and retries (and
+        counts an allocation failure if that cannot make room). Bookkeeping only."""
         self._require_open()
         return self._slots.alloc(slot_bytes_for(payload_len), self._settled)
 
