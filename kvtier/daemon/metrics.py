@@ -147,15 +147,18 @@ class KVTierCollector:
                                         value=float(conn[key]))
 
 
-def admission_stats(admission: Any, nvme_budget_bytes_per_s: int) -> dict[str, Any]:
-    """The /v1/stats ``admission`` section: writes refused per tier, nvme budget left."""
+def admission_stats(admission: Any, nvme_budget_bytes_per_s: int,
+                    now: float) -> dict[str, Any]:
+    """The /v1/stats ``admission`` section: writes refused per tier, the nvme budget left
+    at ``now`` (the store's clock) and the bytes it refused."""
     by_tier: dict[str, Any] = getattr(admission, "_by_tier", {}) or {}
     out: dict[str, Any] = {"rejected": {t: int(getattr(p, "rejected", 0))
                                         for t, p in by_tier.items()}}
     budget = by_tier.get("nvme")
-    if budget is not None and hasattr(budget, "available_bytes"):
+    if budget is not None and hasattr(budget, "available_at"):
         out["nvme_write_budget"] = {"bytes_per_s": nvme_budget_bytes_per_s,
-                                    "available_bytes": float(budget.available_bytes)}
+                                    "available_bytes": float(budget.available_at(now)),
+                                    "refused_bytes": int(budget.refused_bytes)}
     return out
 
 
@@ -174,6 +177,10 @@ def _admission_families(adm: dict[str, Any]) -> Iterator[Metric]:
         yield GaugeMetricFamily("kvtier_nvme_write_budget_available_bytes",
                                 "Bytes the nvme write budget can admit now",
                                 value=float(budget["available_bytes"]))
+        yield CounterMetricFamily("kvtier_nvme_write_budget_refused_bytes",
+                                  "Bytes of evicted blocks the nvme write budget refused "
+                                  "(dropped instead of written)",
+                                  value=float(budget.get("refused_bytes", 0)))
 
 
 def _explain_families(ex: dict[str, Any]) -> Iterator[Metric]:

@@ -330,7 +330,8 @@ class Daemon:
                 schemes[scheme] = schemes.get(scheme, 0) + 1
             out["daemon"]["key_schemes"] = schemes
         out["admission"] = admission_stats(self.store.admission,
-                                           self.cfg.nvme.write_budget_bytes_per_s)
+                                           self.cfg.nvme.write_budget_bytes_per_s,
+                                           self.store.clock())
         if self.explain is not None:
             out["explain"] = self.explain.stats()
         if self.http is not None:

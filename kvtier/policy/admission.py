@@ -68,10 +68,12 @@ class WriteBudget:
     """A token bucket of ``bytes_per_s`` with ``burst_bytes``; optional inner policy.
 
     A write is admitted when the inner policy agrees and the bucket holds ``nbytes``; only
-    admitted writes spend budget. ``now`` must not go backward.
+    admitted writes spend budget. ``now`` must not go backward. ``rejected`` counts every
+    refusal; ``refused_bytes`` only those of the budget itself (what the write-budget alert
+    reads: the inner policy's refusals are its normal work).
     """
 
-    __slots__ = ("_burst", "_inner", "_level", "_rate", "_t", "rejected")
+    __slots__ = ("_burst", "_inner", "_level", "_rate", "_t", "refused_bytes", "rejected")
 
     def __init__(
         self, bytes_per_s: float, burst_bytes: float, *, inner: AdmissionPolicy | None = None
@@ -84,19 +86,28 @@ class WriteBudget:
         self._t: float | None = None
         self._inner = inner
         self.rejected = 0
+        self.refused_bytes = 0
 
     def admit(self, key: Key, *, tier: str, nbytes: int, now: float) -> bool:
-        if self._t is not None and now > self._t:
-            self._level = min(self._burst, self._level + (now - self._t) * self._rate)
+        self._level = self.available_at(now)
         self._t = now if self._t is None else max(self._t, now)
-        if self._level < nbytes or (
-            self._inner is not None
-            and not self._inner.admit(key, tier=tier, nbytes=nbytes, now=now)
-        ):
+        if self._level < nbytes:
+            self.rejected += 1
+            self.refused_bytes += nbytes
+            return False
+        if self._inner is not None and not self._inner.admit(key, tier=tier, nbytes=nbytes,
+                                                             now=now):
             self.rejected += 1
             return False
         self._level -= nbytes
         return True
+
+    def available_at(self, now: float) -> float:
+        """Budget it could admit at ``now`` (refilled since the last write; spends nothing):
+        what the ``available_bytes`` gauge shows, also on an idle daemon."""
+        if self._t is None or now <= self._t:
+            return self._level
+        return min(self._burst, self._level + (now - self._t) * self._rate)
 
     @property
     def available_bytes(self) -> float:

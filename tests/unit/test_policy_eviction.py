@@ -194,6 +194,22 @@ def test_write_budget_refills_with_the_fake_clock() -> None:
     assert adm.rejected == 1
 
 
+def test_write_budget_reports_the_level_refilled_to_now_and_the_bytes_it_refused() -> None:
+    adm = WriteBudget(bytes_per_s=100.0, burst_bytes=200.0)
+    assert adm.admit("a", tier="nvme", nbytes=180, now=0.0)
+    assert not adm.admit("b", tier="nvme", nbytes=50, now=0.1)      # 30 left
+    assert adm.refused_bytes == 50
+    assert adm.available_at(0.1) == pytest.approx(30.0)
+    assert adm.available_at(1.1) == pytest.approx(130.0)            # refilled, spends nothing
+    assert adm.available_at(100.0) == 200.0                         # up to the burst
+    assert adm.available_at(0.0) == pytest.approx(30.0)             # never backward
+    assert adm.admit("b", tier="nvme", nbytes=50, now=1.1)
+    assert adm.available_at(1.1) == pytest.approx(80.0)
+    inner = WriteBudget(0.0, 100.0, inner=SecondHitAdmission())
+    assert not inner.admit("x", tier="nvme", nbytes=60, now=0.0)     # the inner policy's
+    assert inner.rejected == 1 and inner.refused_bytes == 0
+
+
 def test_write_budget_with_inner_policy_spends_only_on_admitted_writes() -> None:
     adm = WriteBudget(0.0, 100.0, inner=SecondHitAdmission())
     assert not adm.admit("a", tier="nvme", nbytes=60, now=0.0)  # first sight
