@@ -1,4 +1,7 @@
-"""The eight KV failure patterns: when each one shows, and what to change.
+"""The KV failure patterns: when each one shows, and what to change.
+
+Eight are the engine's (1-8); two are kvtier's own tiers (9: a full tier pinned by
+leases, 10: a tier down), which an operator otherwise learns of from an alert only.
 
 Each rule reads Signals and returns a Finding or None. A rule fires only on its own
 signature, so one cause gives one finding: long prompts arriving (1) shows as a shift in
@@ -27,6 +30,8 @@ class Pattern(str, Enum):
     PREEMPTION = "preemption"  # 6
     AGENT_CHAIN_TTFT = "agent-chain-ttft"  # 7
     SIZED_BELOW_P99 = "sized-below-p99"  # 8
+    TIER_PINNED = "kvtier-tier-pinned"  # 9
+    TIER_DOWN = "kvtier-tier-down"  # 10
 
     @property
     def number(self) -> int:
@@ -334,9 +339,52 @@ def sized_below_p99(s: Signals, t: Thresholds) -> Finding | None:
          "give kvtier CPU/NVMe tiers for the spill plan reports, and use fp8 KV"))
 
 
+def tier_pinned(s: Signals, t: Thresholds) -> Finding | None:
+    """9: a full kvtier tier fails allocations: eviction found nothing it could free, so
+    leases pin the tier (a full tier that evicts is normal and counts no failure)."""
+    failures = _full_tier_failures(s, t)
+    if not failures or long_prompts_kv_full(s, t) is not None:
+        return None    # with the engine's long-prompt signature, pattern 1 tells the cause
+    return Finding(
+        Pattern.TIER_PINNED, "A full kvtier tier cannot take new blocks",
+        "kvtier stores fewer blocks than engines save: allocations fail on a full tier",
+        tuple(failures),
+        "eviction found no block it could free: engines hold leases on (nearly) every "
+        "block, reading them or writing them, so new saves are refused and recomputed later",
+        ("look for hung or slow engines: /v1/stats shows the open and quarantined leases "
+         "(`leases`) and the expired ones (`requests.lease_expired`); an engine must copy, "
+         "then release",
+         "lower daemon.client_get_share / client_put_share so one client cannot pin the "
+         "whole tier, or daemon.lease_ttl_s so a stuck client's leases come back sooner",
+         "enlarge the tier (kvtier plan) if the working set of in-flight requests needs it"))
+
+
+def tier_down(s: Signals, t: Thresholds) -> Finding | None:
+    """10: a kvtier tier is down: its blocks are misses and nothing is written to it."""
+    down = [x for x in s.tiers if x.up is False]
+    if not down:
+        return None
+    evidence = tuple(f"kvtier {x.name} tier is down"
+                     + (f" ({x.errors:,.0f} errors counted)" if x.errors else "")
+                     for x in down)
+    return Finding(
+        Pattern.TIER_DOWN, "A kvtier tier is down",
+        "lookups miss what the tier holds; engines recompute it",
+        evidence,
+        "the tier's backend stopped answering or refused writes: Redis unreachable, "
+        "failing over or refusing the credentials, or the nvme disk full or failing (it "
+        "comes back by itself when its probe succeeds)",
+        ("`kvtier doctor --env` checks the Redis server and the nvme path from this host",
+         "read the daemon's log for the tier's last error; `kvtier stats` shows its error "
+         "counters",
+         "for Redis: check redis.url, the credentials and the cluster's state; for nvme: "
+         "free space on the file system of nvme.path"))
+
+
 RULES: tuple[Callable[[Signals, Thresholds], Finding | None], ...] = (
     long_prompts_kv_full, decode_slows_with_context, decode_memory_bound,
     low_prefix_hit_rate, fragmentation, preemption, agent_chain_ttft, sized_below_p99,
+    tier_pinned, tier_down,
 )
 
 

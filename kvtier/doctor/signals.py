@@ -21,11 +21,14 @@ from kvtier.doctor.stats import KVTierStats
 
 @dataclass(frozen=True, slots=True)
 class TierSignal:
-    """Allocation failures of one kvtier tier in the window, and how full it is."""
+    """Allocation failures of one kvtier tier in the window, how full it is, and whether
+    it was up at the last sample (None: not reported)."""
 
     name: str
     allocation_failures: float
     used_share: float | None
+    up: bool | None = None
+    errors: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +137,13 @@ def _tiers(stats: list[KVTierStats]) -> tuple[TierSignal, ...]:
     for name, tier in stats[-1].tiers.items():
         failures = tier.allocation_failures
         if failures is None:
-            continue
-        if len(stats) >= 2:
+            failures = 0.0
+        elif len(stats) >= 2:
             before = stats[-2].tiers.get(name)
             if before is not None and before.allocation_failures is not None \
                     and failures >= before.allocation_failures:
                 failures -= before.allocation_failures
-        out.append(TierSignal(name, failures, tier.used_share))
+        out.append(TierSignal(name, failures, tier.used_share, tier.up, tier.errors))
     return tuple(out)
 
 

@@ -22,6 +22,8 @@ EXPECTED = {
     "preemption": Pattern.PREEMPTION,
     "agent_chain": Pattern.AGENT_CHAIN_TTFT,
     "undersized_p99": Pattern.SIZED_BELOW_P99,
+    "tier_pinned": Pattern.TIER_PINNED,
+    "tier_down": Pattern.TIER_DOWN,
 }
 
 
