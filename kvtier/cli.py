@@ -82,17 +82,10 @@ def _add_serve(sub: Any) -> None:
 
 
 def _serve_overrides(a: argparse.Namespace) -> dict[str, Any]:
-    """``section.field`` -> flag value (None: not given), plus what two flags imply:
-    --redis-url enables the redis tier, --nvme-bytes 0 disables the nvme tier."""
-    o: dict[str, Any] = {k[len("cfg__"):]: v for k, v in vars(a).items()
-                         if k.startswith("cfg__")}
-    if o.get("redis.url") and o.get("redis.enabled") is None:
-        o["redis.enabled"] = True
-    nvme_bytes = o.get("nvme.bytes")
-    if nvme_bytes is not None and str(nvme_bytes).strip() in ("0", "0B") \
-            and o.get("nvme.enabled") is None:
-        o["nvme.enabled"] = False
-    return o
+    """``section.field`` -> flag value (None: not given). What they imply (--redis-url
+    enables the redis tier, --nvme-bytes 0 disables nvme) is ``kvtier.config.implied``,
+    the same for the TOML file and the environment."""
+    return {k[len("cfg__"):]: v for k, v in vars(a).items() if k.startswith("cfg__")}
 
 
 def _run_serve(a: argparse.Namespace) -> int:

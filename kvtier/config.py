@@ -333,7 +333,19 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     from kvtier.config_convert import build
 
     return build(Config, path, os.environ if env is None else env, overrides or {},
-                 ENV_ALIASES, validate)
+                 ENV_ALIASES, validate, implied)
+
+
+def implied(layer: dict[str, dict[str, Any]]) -> None:
+    """What one source's settings imply within that source: a ``redis.url`` turns the
+    Redis tier on, an ``nvme.bytes`` of 0 turns the nvme tier off (unless the same source
+    sets ``enabled``). A URL in the TOML file or ``KVTIER_REDIS_URL`` alone used to leave
+    the tier off without a word; only ``--redis-url`` turned it on."""
+    redis, nvme = layer.get("redis", {}), layer.get("nvme", {})
+    if redis.get("url") and "enabled" not in redis:
+        redis["enabled"] = True
+    if "bytes" in nvme and nvme["bytes"] == 0 and "enabled" not in nvme:
+        nvme["enabled"] = False
 
 
 def validate(cfg: Config) -> None:

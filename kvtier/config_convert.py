@@ -224,14 +224,24 @@ def _env_layer(tree: type, environ: Mapping[str, str],
 
 def build(tree: type[T], path: str | Path | None, environ: Mapping[str, str],
           overrides: Mapping[str, Any], aliases: Mapping[str, tuple[str, str]],
-          validate: Callable[[T], None]) -> T:
-    """Defaults < TOML file < env < overrides (``section.field`` -> value, None = unset)."""
+          validate: Callable[[T], None],
+          imply: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> T:
+    """Defaults < TOML file < env < overrides (``section.field`` -> value, None = unset).
+
+    ``imply(layer)`` sees each source's settings (section -> field -> value) before they
+    are merged and may add what they imply within that source (a Redis URL turns the tier
+    on unless that source says otherwise), so a later source still overrides them."""
     known: type = tree
     chosen: dict[str, dict[str, Any]] = {section: {} for section in settings(known)}
 
     def take(layer: Iterator[tuple[Setting, Any, str]]) -> None:
+        got: dict[str, dict[str, Any]] = {section: {} for section in chosen}
         for s, value, source in layer:
-            chosen[s.section][s.name] = convert_value(s, value, source)
+            got[s.section][s.name] = convert_value(s, value, source)
+        if imply is not None:
+            imply(got)
+        for section, values in got.items():
+            chosen[section].update(values)
 
     if path is not None:
         take(_file_layer(tree, Path(path)))

@@ -60,10 +60,30 @@ def test_unset_flags_leave_the_lower_layers_alone() -> None:
 
 
 def test_redis_url_enables_redis_and_zero_nvme_bytes_disables_nvme() -> None:
-    o = overrides("--redis-url", "redis://h:1/0", "--nvme-bytes", "0")
-    assert o["redis.enabled"] is True and o["nvme.enabled"] is False
-    o = overrides("--redis-url", "redis://h:1/0", "--no-redis-enabled")
-    assert o["redis.enabled"] is False
+    cfg = load_config(env={}, overrides=overrides("--redis-url", "redis://h:1/0",
+                                                  "--nvme-bytes", "0"))
+    assert cfg.redis.enabled is True and cfg.nvme.enabled is False
+    cfg = load_config(env={}, overrides=overrides("--redis-url", "redis://h:1/0",
+                                                  "--no-redis-enabled"))
+    assert cfg.redis.enabled is False
+
+
+def test_a_redis_url_in_the_file_or_the_environment_enables_redis_too(
+        tmp_path: Path) -> None:
+    """Only --redis-url used to: a URL in kvtier.toml or KVTIER_REDIS_URL left the tier off
+    without a word (docs/pd-disaggregation.md gives the TOML form as the same thing)."""
+    url = "redis+cluster://h1:7000"
+    assert load_config(env={"KVTIER_REDIS_URL": url}).redis.enabled is True
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text(f'[redis]\nurl = "{url}"\n[nvme]\nbytes = 0\n')
+    cfg = load_config(toml, env={})
+    assert cfg.redis.enabled is True and not cfg.nvme.enabled
+    toml.write_text(f'[redis]\nurl = "{url}"\nenabled = false\n')
+    assert load_config(toml, env={}).redis.enabled is False       # the same source says no
+    # a later source's URL turns it on again, as the flag always did
+    assert load_config(toml, env={"KVTIER_REDIS_URL": url}).redis.enabled is True
+    assert load_config(toml, env={"KVTIER_REDIS_URL": url},
+                       overrides={"redis.enabled": False}).redis.enabled is False
 
 
 def test_flag_values_go_through_the_same_conversion(tmp_path: Path) -> None:
