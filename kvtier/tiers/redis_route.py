@@ -14,12 +14,11 @@ import logging
 import ssl
 import threading
 import time
+from binascii import crc_hqx
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
-
-from redis.crc import key_slot
 
 from kvtier.config import RedisConfig
 from kvtier.tiers.redis_client import RedisMode, RedisTarget
@@ -30,6 +29,20 @@ from kvtier.tiers.redis_wire import LARGE_REPLY_BYTES, SMALL_REPLY_BYTES, Conn
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
 
 CLUSTER_SLOTS = 16384
+
+
+def key_slot(key: bytes) -> int:
+    """The Redis Cluster hash slot of ``key``: CRC16 (XMODEM, ``binascii.crc_hqx``) of the
+    key, or of its hash tag (the first non-empty ``{...}``), mod 16384. The tier's only
+    need of redis-py was this function: with it here the tier needs no extra package."""
+    start = key.find(b"{")
+    if start != -1:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1:end]
+    return crc_hqx(key, 0) % CLUSTER_SLOTS
+
+
 LEARN_EVERY_S = 1.0     # CLUSTER NODES asked again for an unknown server at most this often
 
 

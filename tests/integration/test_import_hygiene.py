@@ -23,3 +23,17 @@ def test_import_needs_no_torch_or_cupy():
                          timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "cpu"
+
+
+def test_the_redis_tier_needs_no_redis_py() -> None:
+    """A daemon installed without the ``redis`` extra died with a traceback
+    (ModuleNotFoundError from redis.crc) as soon as redis.enabled was set: the tier's one
+    use of redis-py was the cluster hash slot, now kvtier.tiers.redis_route.key_slot."""
+    code = ("import sys; sys.modules['redis'] = None\n"
+            "from kvtier.config import Config\n"
+            "from kvtier.daemon.parts import make_redis\n"
+            "print(type(make_redis(Config())).__name__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "RedisTier"
