@@ -102,6 +102,14 @@ class DaemonUnavailable(KVTierError):
     code = "unavailable"
 
 
+class ClientForked(DaemonUnavailable):
+    """A client used in a process forked after it connected: parent and child would share
+    one connection and one request-id sequence, and read each other's replies (leases,
+    arena offsets: each other's KV). Connect again in the child."""
+
+    code = "forked"
+
+
 class RequestTimeout(KVTierError):
     """The daemon did not answer within the client's timeout."""
 

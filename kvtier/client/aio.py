@@ -16,10 +16,17 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.client import forks
 from kvtier.client.leases import AsyncGetLease, AsyncPutLease
 from kvtier.client.ops import HANGUP, MAX_REPLY, LookupResult, NoWait, Op, Ops, map_arena
 from kvtier.config import default_socket_path, trusted_daemon_uids
-from kvtier.errors import DaemonUnavailable, KVTierError, ProtocolError, RequestTimeout
+from kvtier.errors import (
+    ClientForked,
+    DaemonUnavailable,
+    KVTierError,
+    ProtocolError,
+    RequestTimeout,
+)
 from kvtier.handshake import Hello, open_verified
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
@@ -43,6 +50,11 @@ class AsyncKVTierClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._broken: KVTierError | None = None
         self._late = 0   # replies awaited only to end their lease (``_end_when_granted``)
+        self._pid = forks.track(self)   # a forked child must connect again
+
+    def _forked(self) -> None:
+        """In a forked child (kvtier.client.forks): every later call raises."""
+        self._broken = forks.forked_error(self._pid)
 
     async def _start(self, hello: Hello, path: str) -> None:
         """Map the arena of the handshake ``connect_async`` did, then start reading."""
@@ -66,7 +78,8 @@ class AsyncKVTierClient:
                     if fut is not None and not fut.done():
                         fut.set_result(reply)
         except Exception as exc:   # whatever ends the reading ends the connection's use
-            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
+            if not isinstance(self._broken, ClientForked):
+                self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
             for fut in self._pending.values():
                 if not fut.done():
                     fut.set_exception(self._broken)

@@ -13,10 +13,17 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from kvtier.client import forks
 from kvtier.client.leases import GetLease, PutLease
 from kvtier.client.ops import HANGUP, MAX_REPLY, LookupResult, NoWait, Op, Ops, map_arena
 from kvtier.config import default_socket_path, trusted_daemon_uids
-from kvtier.errors import DaemonUnavailable, KVTierError, ProtocolError, RequestTimeout
+from kvtier.errors import (
+    ClientForked,
+    DaemonUnavailable,
+    KVTierError,
+    ProtocolError,
+    RequestTimeout,
+)
 from kvtier.handshake import Hello, handshake, open_verified
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
@@ -39,6 +46,7 @@ class KVTierClient:
         self._poll = select.poll()     # the connection's state: readable, or hung up
         self._poll.register(sock, select.POLLIN | HANGUP)
         self._unanswered = 0   # replies still due to requests sent NoWait
+        self._pid = forks.track(self)   # a forked child must connect again
         path = str(sock.getpeername())
         if hello is None:
             hello = handshake(sock, path, trusted_daemon_uids(), timeout)
@@ -55,10 +63,20 @@ class KVTierClient:
             got += len(chunk)
         return b"".join(chunks)
 
+    def _forked(self) -> None:
+        """In a forked child (kvtier.client.forks): every later call raises."""
+        self._broken = forks.forked_error(self._pid)
+
+    def _unusable(self) -> DaemonUnavailable:
+        assert self._broken is not None
+        if isinstance(self._broken, ClientForked):
+            return self._broken
+        return DaemonUnavailable(f"connection unusable after an earlier failure: "
+                                 f"{self._broken}")
+
     def _call(self, req: dict[str, Any]) -> dict[str, Any]:
         if self._broken is not None:
-            raise DaemonUnavailable(f"connection unusable after an earlier failure: "
-                                    f"{self._broken}")
+            raise self._unusable()
         rid = next(self._ids)
         req["id"] = rid
         deadline = time.monotonic() + self._timeout   # for the whole call, skips included
@@ -222,8 +240,7 @@ class KVTierClient:
         """``report_engine`` without waiting for its reply (the next call skips it, as it
         skips any reply that is not its own): an engine reports from inside its step."""
         if self._broken is not None:
-            raise DaemonUnavailable(f"connection unusable after an earlier failure: "
-                                    f"{self._broken}")
+            raise self._unusable()
         (req,) = self._ops.op_report(values)
         assert isinstance(req, dict)
         self._send_nowait(req)
