@@ -27,6 +27,7 @@ from kvtier.errors import (
     DaemonUnavailable,
     HandshakeError,
     KVTierError,
+    LimitExceeded,
     ProtocolError,
     UnknownNamespace,
     error_from_code,
@@ -116,6 +117,7 @@ class Ops:
 
     def __init__(self, device: bool = False) -> None:
         self._registered: set[bytes] = set()
+        self._max_keys: dict[bytes, int] = {}    # per namespace, from its registration
         self.arena: ArenaMapping | None = None
         self.arena_path: str | None = None        # from the hello (engines share one map)
         self.device = device                      # default of prepare_get's prefer_device
@@ -185,6 +187,9 @@ class Ops:
             raise HandshakeError("daemon computed another namespace digest: client and daemon "
                                  "run incompatible kvtier versions")
         self._registered.add(ns.digest)
+        max_keys = reply.get("max_keys")
+        if type(max_keys) is int and max_keys > 0:
+            self._max_keys[ns.digest] = max_keys
         return ns
 
     @staticmethod
@@ -294,8 +299,16 @@ class Ops:
         """Store blocks in bounded batches (never pin the whole arena): prepare, one memcpy
         per block into the arena, commit. A failed copy aborts its lease and its error
         propagates; a commit past the TTL raises ``LeaseExpired`` (that batch stored
-        nothing). Returns how many blocks were stored."""
+        nothing). Returns how many blocks were stored. A chain longer than the daemon takes
+        in one context is refused whole (``LimitExceeded``) before any batch is stored,
+        as lookup, get and delete refuse it."""
         check_buffers(ns, keys, buffers)
+        yield from self._ensure(ns)
+        limit = self._max_keys.get(ns.digest)
+        if limit is not None and len(keys) > limit:
+            raise LimitExceeded(
+                f"{len(keys)} blocks in one put; the daemon takes at most {limit} of this "
+                f"namespace in one context (daemon.max_context_tokens): nothing was stored")
         stored = 0
         for i in range(0, len(keys), PUT_BATCH):
             lease, views = yield from self.op_prepare_put(

@@ -139,7 +139,8 @@ class ControlOps:
         ns = self.store.register_namespace(layout, model_id, tp_rank, tp_size, salt)
         conn.registered(ns.digest)
         return {"ns": ns.digest, "layout_fp": layout.fingerprint,
-                "block_bytes": layout.block_bytes}
+                "block_bytes": layout.block_bytes,
+                "max_keys": self.limits.max_keys(layout.tokens_per_block)}
 
     async def _lookup(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         ns, fp, keys = self._target(conn, msg)

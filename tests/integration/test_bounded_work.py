@@ -208,6 +208,23 @@ def test_allowed_requests_at_the_limit_are_served(daemon_factory) -> None:
     assert max(spans.values()) < 0.5
 
 
+def test_a_put_longer_than_a_context_is_refused_whole(daemon_factory) -> None:
+    """``put`` stores in batches: one over the key limit stored its first batches, then
+    raised, so the caller could not know what was stored. It is now refused before any
+    batch, as lookup, get and delete refuse it whole."""
+    d = daemon_factory(cpu_bytes="16MiB",
+                       env={"KVTIER_DAEMON_MAX_CONTEXT_TOKENS": "1024"}).start()
+    small = KVLayout(1, 1, 8, "float16", 16)                  # 64 keys per context
+    with connect(d.socket) as c:
+        ns = c.register_layout(small, "m")
+        keys = block_keys(ns, np.arange(100 * 16))
+        bufs = [np.full(small.block_bytes, 5, np.uint8)] * len(keys)
+        with pytest.raises(LimitExceeded, match="100 blocks in one put"):
+            c.put(ns, keys, bufs)
+        assert c.lookup(ns, keys[:64]).hits == 0              # nothing stored
+        assert c.put(ns, keys[:64], bufs[:64]) == 64          # at the limit: stored
+
+
 def test_put_that_cannot_fit_fails_fast_without_evicting(daemon_factory) -> None:
     d = daemon_factory(cpu_bytes="32MiB").start()
     ns, keys, bufs = _stored(d)
