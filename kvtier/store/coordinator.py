@@ -266,8 +266,12 @@ class TieredStore:
     # -- delete --------------------------------------------------------------------------
     async def delete(self, digest: bytes, layout_fp: int, keys: list[bytes]) -> int:
         """Remove the caller's blocks from every tier (blocks under a read lease, and blocks
-        of another namespace, are skipped)."""
+        of another namespace, are skipped). Their Redis writes still queued are dropped
+        first: a write-through pins its blocks until sent, and a delete right after a put
+        skipped all of them (and the SET, sent after the DEL, brought them back)."""
         ns = self.ns.resolve(digest, layout_fp)
+        if self.redis is not None:
+            await self.redis.forget_writes(keys, namespace=digest)
         turn = Turn()
         mine: list[bytes] = []
         for i, k in enumerate(keys):

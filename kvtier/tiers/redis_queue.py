@@ -182,6 +182,19 @@ class WriteQueue:
             batch.append(item)
         return batch
 
+    def cancel(self, rkeys: set[bytes], namespace: bytes) -> int:
+        """Drop the queued writes of ``rkeys`` under ``namespace`` (a delete: sent after
+        it, a SET would bring the block back); their buffers are released. How many."""
+        gone = [it for it in self._items if it.redis_key in rkeys and it.namespace == namespace]
+        if not gone:
+            return 0
+        dropped = {id(it) for it in gone}
+        self._items = deque(it for it in self._items if id(it) not in dropped)
+        for item in gone:
+            self.queued_bytes -= item.raw_len
+            item.done()
+        return len(gone)
+
     def drop_borrowed(self) -> int:
         """Drop the queued writes that borrow a caller's buffer (released); how many."""
         keep = deque(it for it in self._items if it.release is None)
@@ -237,6 +250,10 @@ class WriteOutcomes:
         for fut in self._waiters.pop(key, ()):
             if not fut.done():
                 fut.set_result(item.ok)
+
+    def pending(self, rkeys: Sequence[bytes]) -> list[bytes]:
+        """Those of ``rkeys`` with a write queued or being sent."""
+        return [k for k in rkeys if k in self._pending]
 
     def give_up_waiting(self) -> None:
         """The tier went down: every ``wait`` answers now (False for a write still queued,

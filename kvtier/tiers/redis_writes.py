@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -55,6 +56,21 @@ class RedisWrites(RedisReads):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._progress.wait(), wait)
         return True
+
+    async def forget_writes(self, keys: Sequence[bytes], *, namespace: bytes) -> int:
+        """Before a delete of ``keys``: their writes still queued are dropped (borrowed
+        blocks released, so the store can delete them too), and those being sent are
+        waited for (up to ``op_timeout_s``), so that the DEL comes after their SETs: a SET
+        landing after it would bring a deleted block back, for every node reading Redis.
+        Returns how many queued writes were dropped."""
+        rkeys = [self._rkey(k) for k in keys]
+        dropped = self._queue.cancel(set(rkeys), namespace)
+        sending = self._outcomes.pending(rkeys)
+        if sending and self._up:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._outcomes.wait(sending, time.monotonic()),
+                                       self.cfg.op_timeout_s)
+        return dropped
 
     async def room(self, n: int, timeout: float) -> int:
         """Wait until the write queue has room for ``n`` more writes (at most its capacity)

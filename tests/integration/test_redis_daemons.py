@@ -207,3 +207,28 @@ def test_large_blocks_cross_nodes_as_stripes_and_a_delete_takes_them_all(
     assert admin.dbsize() == 0
     ca.close()
     cb.close()
+
+
+def test_a_delete_right_after_a_write_through_put_deletes_everywhere(
+        redis_server: RedisServer, node_factory: Callable[..., DaemonProcess]) -> None:
+    """A write-through pins its blocks until their SETs are sent: a delete right after the
+    put skipped the pinned blocks (they were served after the delete was answered) and
+    its DELs went out before the queued SETs, which brought the blocks back in Redis for
+    every node. Now the delete drops the queued writes first and waits for those in
+    flight."""
+    node = node_factory("a", redis_server.url, "--cpu-bytes", "64MiB")
+    big = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16",
+                   tokens_per_block=32)                         # 256 KiB blocks
+    admin = redis_server.client()
+    with connect(node.socket) as c:
+        ns = c.register_layout(big, "model")
+        for trial in range(5):
+            keys = block_keys(ns, np.arange(32 * 32) + trial * 10**6)
+            assert c.put(ns, keys, [np.full(big.block_bytes, trial, np.uint8)] * 32) == 32
+            assert c.delete(ns, keys) == 32
+            assert c.lookup(ns, keys, prefetch=False).hits == 0
+            outs = [np.empty(big.block_bytes, np.uint8) for _ in keys]
+            assert c.get(ns, keys, outs) == 0
+        time.sleep(1.0)                     # anything still queued would have landed
+        assert admin.dbsize() == 0
+        assert c.lookup(ns, keys, prefetch=False).hits == 0
