@@ -9,6 +9,7 @@ from kvtier.errors import (
     BufferSizeError,
     CapacityError,
     ChecksumError,
+    ClientForked,
     ConfigError,
     DaemonUnavailable,
     FrameError,
@@ -51,6 +52,7 @@ STABLE_CODES: dict[type[KVTierError], str] = {
     UntrustedArena: "untrusted_arena",
     StartupError: "startup",
     LimitExceeded: "limit",
+    ClientForked: "forked",
 }
 
 
