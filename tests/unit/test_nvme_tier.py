@@ -230,7 +230,8 @@ async def test_capacity_is_hard(tmp_path: Path, direct: str) -> None:
 @given(ops=st.lists(st.tuples(st.booleans(), st.integers(1, 5 * PAGE)), min_size=1,
                     max_size=40))
 def test_capacity_holds_under_mixed_size_churn(ops: list[tuple[bool, int]]) -> None:
-    """Random alloc/free across size classes: neither used bytes nor file sizes pass the cap."""
+    """Random alloc/free across size classes: neither used bytes nor the files' disk (their
+    span less punched holes) pass the cap."""
     capacity = 10 * PAGE
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as root:
         t = NvmeTier(Path(root), capacity, direct="off")
@@ -251,7 +252,8 @@ def test_capacity_holds_under_mixed_size_churn(ops: list[tuple[bool, int]]) -> N
                 else:
                     t.free(live.pop(n % len(live)))
                 assert t.used_bytes <= capacity and t.disk_bytes <= capacity
-                assert files_bytes(Path(root)) <= capacity
+                # what the files span, less the free slots punched out of them
+                assert files_bytes(Path(root)) - t.hole_bytes == t.disk_bytes
 
         asyncio.run(run())
         t.close()
@@ -292,6 +294,45 @@ async def test_free_erase_survives_restart_and_plain_free_does_not(tier: NvmeTie
     t2.close()
     assert [h.key for _, h in found] == [key_of(2), key_of(3)]
     assert c in found
+
+
+def physical_bytes(root: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in root.glob("slots-*.dat"))
+
+
+async def test_a_new_size_class_takes_the_room_of_free_slots_in_other_files(
+        tmp_path: Path) -> None:
+    """Room freed in the middle of another class's file used to be of no use to a new
+    class (files grow at their tails), so the store evicted until a tail came free: up
+    to 4096 blocks for one 4 MiB block. Those free slots are now punched out."""
+    small_stride, big = PAGE + 4096, 64 * 1024
+    t = NvmeTier(tmp_path / "nvme", 64 * small_stride, direct="off", io_threads=1)
+    t.open()
+    rng = random.Random(12)
+    try:
+        stored = [await put(t, i, block(rng, 4000), 4000) for i in range(64)]
+        assert t.alloc(big) is None                        # full
+        for slot, _ in stored[1:40:2]:                     # 20 free slots in the middle
+            t.free(slot)
+        assert t.alloc(big) is not None                    # room enough, no eviction
+        assert t.disk_bytes <= t.capacity_bytes
+        assert physical_bytes(t.root) <= t.capacity_bytes
+        kept = [(s, h) for n, (s, h) in enumerate(stored) if not (n % 2 and n < 40)]
+        for slot, header in kept:                          # the other frames are intact
+            got = await t.read_into(slot, aligned_buffer(slot.slot_bytes), namespace=NS,
+                                    key=header.key, layout_fp=LAYOUT)
+            assert got.checksum == header.checksum
+        punched = t.stats_extra()["punched_slots"]
+        assert punched == -(-(PAGE + big) // small_stride)   # only what it needed
+    finally:
+        t.close()
+    again = NvmeTier(tmp_path / "nvme", 64 * small_stride, direct="off", io_threads=1)
+    try:   # kept frames, and the freed ones not punched (an evicted frame stays on disk)
+        found = {h.key for _, h in again.open()}
+        assert {h.key for _, h in kept} <= found
+        assert len(found) == len(kept) + 20 - punched
+    finally:
+        again.close()
 
 
 async def test_queueing_many_erases_costs_linear_bookkeeping(

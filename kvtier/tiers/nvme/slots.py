@@ -3,7 +3,10 @@
 On-disk layout. One file per size class, ``<root>/slots-<slot_bytes>.dat``. Slot ``i`` of a
 class lives at ``i * (PAGE + slot_bytes)``: a 4 KiB header page followed by the payload
 padded to ``slot_bytes``. Files grow as slots are handed out (a per-class high-water mark)
-and shrink when their top slots are free and room is needed.
+and shrink when their top slots are free and room is needed. When a class must grow and
+the room is in free slots in the middle of files, those slots' ranges are punched out
+(``kvtier.tiers.nvme.holes``): their space goes back to the file system where it lies,
+so the store evicts only what the new slot's size needs.
 
 ``SlotTable`` is bookkeeping plus the file descriptors: it never reads or writes a frame
 (that is the tier's, through its FrameIO backend). Capacity counts each slot's full
@@ -26,6 +29,7 @@ from kvtier.errors import KVTierError
 from kvtier.tiers.aligned import PAGE, round_up
 from kvtier.tiers.base import TierCounters
 from kvtier.tiers.nvme.frameio import FrameIO
+from kvtier.tiers.nvme.holes import HolesUnsupported, punch_hole
 from kvtier.trust import open_owned_file
 
 __all__ = ["FILE_RE", "NvmeSlot", "SizeClass", "SlotState", "SlotTable", "slot_bytes_for"]
@@ -77,6 +81,7 @@ class SizeClass:
     high_water: int = 0
     free: list[int] = field(default_factory=list)
     busy: dict[int, SlotState] = field(default_factory=dict)
+    holes: set[int] = field(default_factory=set)   # free slots punched out: no disk
 
     @property
     def stride(self) -> int:
@@ -87,7 +92,8 @@ class SlotTable:
     """The slot files under ``root`` and which slots are free, reserved or stored.
 
     ``used`` is the footprint of RESERVED + STORED slots, ``disk`` that of every slot below
-    the high-water marks (what the files span), ``stored`` the number of STORED slots.
+    the high-water marks but the punched ones (what the files occupy), ``stored`` the
+    number of STORED slots.
     """
 
     def __init__(self, root: Path, capacity: int, io: FrameIO, counters: TierCounters) -> None:
@@ -98,6 +104,8 @@ class SlotTable:
         self.used = 0
         self.disk = 0
         self.stored = 0
+        self.punched = 0        # slots punched out so far (room made without evicting)
+        self._holes_ok = True   # until the file system says it cannot punch
         self._io = io
         self._counters = counters
 
@@ -159,18 +167,71 @@ class SlotTable:
         cls = self.classes.get(slot_bytes) or self.open_class(slot_bytes)
         if cls.free:
             index = heapq.heappop(cls.free)
+            if index in cls.holes:                # reused: it takes disk again
+                if not self._disk_room(footprint, settled):
+                    heapq.heappush(cls.free, index)
+                    return None
+                cls.holes.discard(index)
+                self.disk += footprint
         else:
-            if self.disk + footprint > self.capacity:
-                for other in self.classes.values():
-                    self.trim(other, settled)
-            if self.disk + footprint > self.capacity:
-                return None                       # room is in other classes' middles
+            if not self._disk_room(footprint, settled):
+                return None
             index = cls.high_water
             cls.high_water += 1
             self.disk += footprint
         cls.busy[index] = SlotState.RESERVED
         self.used += footprint
         return NvmeSlot(slot_bytes, index)
+
+    def _disk_room(self, footprint: int, settled: Callable[[NvmeSlot], bool]) -> bool:
+        """Whether the files can take ``footprint`` more bytes: free tails are cut first,
+        then free slots in the files' middles punched out (``used`` fits: the caller
+        checked), never a slot with a disk operation still queued."""
+        if self.disk + footprint <= self.capacity:
+            return True
+        for cls in self.classes.values():
+            self.trim(cls, settled)
+        if self.disk + footprint > self.capacity and self._holes_ok:
+            for cls in self.classes.values():
+                self._punch(cls, self.disk + footprint - self.capacity, settled)
+                if self.disk + footprint <= self.capacity:
+                    break
+        return self.disk + footprint <= self.capacity
+
+    def _punch(self, cls: SizeClass, need: int, settled: Callable[[NvmeSlot], bool]) -> None:
+        """Punch out free slots of ``cls`` (adjacent ones in one call) until ``need`` bytes
+        of disk are given back or none is left."""
+        todo = sorted(i for i in cls.free if i not in cls.holes
+                      and settled(NvmeSlot(cls.slot_bytes, i)))
+        run: list[int] = []
+        for i in todo:
+            if need <= 0:
+                break
+            if run and i != run[-1] + 1:
+                if not self._punch_run(cls, run):
+                    return
+                run = []
+            run.append(i)
+            need -= cls.stride
+        if run:
+            self._punch_run(cls, run)
+
+    def _punch_run(self, cls: SizeClass, run: list[int]) -> bool:
+        try:
+            punch_hole(cls.fd, run[0] * cls.stride, len(run) * cls.stride)
+        except HolesUnsupported as exc:
+            self._holes_ok = False
+            log.warning("nvme tier: %s cannot punch holes (%s): a new size class may "
+                        "evict more than it needs", cls.path, exc.strerror)
+            return False
+        except OSError as exc:
+            self._counters.errors += 1
+            log.warning("nvme tier: cannot free slots of %s: %s", cls.path, exc.strerror)
+            return False
+        cls.holes.update(run)
+        self.disk -= len(run) * cls.stride
+        self.punched += len(run)
+        return True
 
     def check(self, slot: NvmeSlot, *allowed: SlotState) -> SizeClass:
         """The class of ``slot`` when the slot is in one of the ``allowed`` states, else
@@ -215,5 +276,7 @@ class SlotTable:
             return
         cls.free = [i for i in cls.free if i < top]
         heapq.heapify(cls.free)
-        self.disk -= (cls.high_water - top) * cls.stride
+        cut_holes = {i for i in cls.holes if i >= top}
+        cls.holes -= cut_holes
+        self.disk -= (cls.high_water - top - len(cut_holes)) * cls.stride
         cls.high_water = top

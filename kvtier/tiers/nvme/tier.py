@@ -117,7 +117,8 @@ class NvmeTier:
     def stats_extra(self) -> dict[str, Any]:
         """Backend and health details merged into this tier's section of /v1/stats."""
         return {"io_backend": self._io.name, "io_backend_reason": self._io.reason,
-                "direct": self._slots.direct, **self._io.stats_extra(),
+                "direct": self._slots.direct, "disk_bytes": self._slots.disk,
+                "punched_slots": self._slots.punched, **self._io.stats_extra(),
                 **self._health.stats()}
 
     @property
@@ -130,8 +131,14 @@ class NvmeTier:
 
     @property
     def disk_bytes(self) -> int:
-        """Bytes the slot files span (>= used_bytes: includes free slots below the tails)."""
+        """Bytes the slot files occupy (>= used_bytes: free slots below the tails that were
+        not punched out count)."""
         return self._slots.disk
+
+    @property
+    def hole_bytes(self) -> int:
+        """Bytes of free slots punched out of the files (spanned, not on disk)."""
+        return sum(len(c.holes) * c.stride for c in self._slots.classes.values())
 
     @property
     def blocks(self) -> int:
@@ -240,7 +247,8 @@ class NvmeTier:
         cls = self._slots.classes.get(slot.slot_bytes)
         if cls is None or not 0 <= slot.index < cls.high_water or slot.index in cls.busy:
             return False
-        self._queue_erase(cls, slot)
+        if slot.index not in cls.holes:    # a punched slot's frame is gone already
+            self._queue_erase(cls, slot)
         return True
 
     def _queue_erase(self, cls: SizeClass, slot: NvmeSlot) -> None:
