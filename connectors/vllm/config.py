@@ -194,7 +194,8 @@ class ConnectorConfig:
                               default_model_id=str(model.model),
                               role=getattr(transfer, "kv_role", None),
                               weights=lambda: engine_fingerprint(
-                                  model, getattr(vllm_config, "speculative_config", None)))
+                                  model, getattr(vllm_config, "speculative_config", None),
+                                  getattr(vllm_config, "cache_config", None)))
 
 
 def check_parallelism(parallel: Any) -> None:
@@ -210,11 +211,17 @@ def check_parallelism(parallel: Any) -> None:
                               f"({name}={getattr(parallel, name)}); run without it")
 
 
-def engine_fingerprint(model: Any, speculative: Any = None) -> str:
+def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None) -> str:
     """The weights fingerprint of a vLLM ``ModelConfig``: its checkpoint, revision, dtype,
     quantization and ``hf_overrides`` (a callable override counts by its name); with a
     draft model (``speculative``), its fingerprint too: a draft's layers share the engine's
-    KV pages, so its weights decide part of every block."""
+    KV pages, so its weights decide part of every block.
+
+    Also what else changes the KV the same weights compute (each found giving wrong tokens
+    when left out): the KV cache dtype of ``cache`` (every fp8 variant is stored as uint8,
+    so the layout cannot tell e4m3 from e5m2), a config given apart from the checkpoint
+    (``hf_config_path``), and for LongRoPE models (Phi-3/3.5, Phi-4-mini) whether
+    ``max_model_len`` selects the long factors for every token."""
     overrides = model.hf_overrides
     if callable(overrides):
         overrides = {"callable": getattr(overrides, "__qualname__", type(overrides).__name__)}
@@ -223,8 +230,34 @@ def engine_fingerprint(model: Any, speculative: Any = None) -> str:
     if draft is not None and getattr(draft, "model", None):
         settings["kvtier.draft"] = [str(getattr(speculative, "method", None)),
                                     engine_fingerprint(draft)]
+    cache_dtype = str(getattr(cache, "cache_dtype", None) or "auto")
+    if cache_dtype != "auto":
+        settings["kvtier.kv_cache_dtype"] = cache_dtype
+    config_path = getattr(model, "hf_config_path", None)
+    if config_path and str(config_path) != str(model.model):
+        settings["kvtier.hf_config"] = fingerprint(str(config_path))
+    long_rope = _long_rope(model)
+    if long_rope is not None:
+        settings["kvtier.long_rope"] = long_rope
     return fingerprint(str(model.model), revision=model.revision, dtype=model.dtype,
                        quantization=model.quantization, overrides=settings or None)
+
+
+def _long_rope(model: Any) -> bool | None:
+    """For a LongRoPE model, whether vLLM uses the long factors (``max_model_len`` beyond
+    the original context): the rotary embedding of every token, so the KV, depends on it.
+    None for any other rope."""
+    cfg = getattr(model, "hf_text_config", None)
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(params, Mapping) or \
+            params.get("rope_type", params.get("type")) != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings",
+                          getattr(cfg, "original_max_position_embeddings", None))
+    max_len = getattr(model, "max_model_len", None)
+    if not isinstance(original, int) or not isinstance(max_len, int):
+        return True   # undecidable here: its own namespace, never another's KV
+    return max_len > original
 
 
 class _AttentionSpec(Protocol):
@@ -261,7 +294,8 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
                           "attention caches (they drop old tokens)")
     head_v = getattr(spec, "head_size_v", spec.head_size)
     if head_v != spec.head_size:
-        raise ConfigError("KVTierConnector needs K and V of the same head size")
+        raise ConfigError("KVTierConnector needs K and V of the same head size: MLA latent "
+                          "caches (DeepSeek-V2/V3, Kimi) are not supported yet")
     layout = KVLayout(
         num_layers=len(groups[0].layer_names),
         num_kv_heads=int(spec.num_kv_heads),

@@ -70,3 +70,49 @@ def test_a_draft_models_weights_count_too(tmp_path: Any) -> None:
         method="eagle", draft_model_config=config(checkpoint(name, payload))))
         for name, payload in (("d1", b"a" * 4096), ("d2", b"b" * 4096))}
     assert len(fps) == 2 and alone not in fps
+
+
+def test_settings_that_change_the_kv_of_the_same_weights_count_too(tmp_path: Any) -> None:
+    """Each of these gave a fresh engine another engine's KV and wrong tokens: two fp8
+    formats (both stored as uint8), a config given apart from the checkpoint, and a
+    LongRoPE model's ``max_model_len`` (which picks the rope factors of every token)."""
+    from types import SimpleNamespace
+
+    from kvtier.connectors.vllm.config import engine_fingerprint
+
+    ckpt = tmp_path / "m"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"w" * 4096)
+
+    def config(**kw: Any) -> Any:
+        base: dict[str, Any] = dict(model=str(ckpt), revision=None, dtype="float32",
+                                    quantization=None, hf_overrides={}, max_model_len=4096,
+                                    hf_config_path=None, hf_text_config=None)
+        return SimpleNamespace(**{**base, **kw})
+
+    def cache(dtype: str) -> Any:
+        return SimpleNamespace(cache_dtype=dtype)
+
+    plain = engine_fingerprint(config())
+    assert engine_fingerprint(config(), None, cache("auto")) == plain
+    fp8 = {engine_fingerprint(config(), None, cache(d)) for d in ("fp8_e4m3", "fp8_e5m2")}
+    assert len(fp8) == 2 and plain not in fp8
+
+    other = tmp_path / "alt"
+    other.mkdir()
+    (other / "config.json").write_text('{"rope_theta": 50}')
+    alt = engine_fingerprint(config(hf_config_path=str(other)))
+    assert alt != plain
+    assert engine_fingerprint(config(hf_config_path=str(ckpt))) == plain   # its own
+
+    rope = SimpleNamespace(rope_parameters={
+        "rope_type": "longrope", "original_max_position_embeddings": 256,
+        "short_factor": [1.0], "long_factor": [4.0]})
+    short = engine_fingerprint(config(hf_text_config=rope, max_model_len=256))
+    long_ = engine_fingerprint(config(hf_text_config=rope, max_model_len=4096))
+    assert short != long_
+    assert engine_fingerprint(config(hf_text_config=rope, max_model_len=8192)) == long_
+    llama3 = SimpleNamespace(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    assert engine_fingerprint(config(hf_text_config=llama3, max_model_len=256)) == \
+        engine_fingerprint(config(hf_text_config=llama3, max_model_len=8192))
