@@ -121,6 +121,12 @@ def open_verified(path: str, timeout: float,
     sock.settimeout(timeout)
     try:
         sock.connect(path)
+    except PermissionError:
+        sock.close()
+        raise DaemonUnavailable(
+            f"cannot connect to the daemon at {path}: permission denied (the socket is "
+            "another user's: a kvtier daemon serves only its own user's processes); start "
+            "your own with `kvtier serve --socket PATH`") from None
     except OSError as exc:
         sock.close()
         raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "

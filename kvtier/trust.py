@@ -33,7 +33,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config import TRUSTED_UIDS_ENV
 from kvtier.errors import StartupError, UntrustedDaemon
 
 PRIVATE_DIR_MODE = 0o700
@@ -68,9 +67,9 @@ def check_daemon_peer(sock: socket.socket, path: str, trusted_uids: Collection[i
     if cred.uid != me and cred.uid not in trusted_uids:
         raise UntrustedDaemon(
             f"refusing the daemon at {path}: it runs as uid {cred.uid} (pid {cred.pid}), not "
-            f"as this client's uid {me}, so it could read and forge this client's KV; if uid "
-            f"{cred.uid} runs your node daemon add it to {TRUSTED_UIDS_ENV}, otherwise remove "
-            f"{path} and start your own daemon with `kvtier serve`")
+            f"as this client's uid {me}, so it could read and forge this client's KV (and a "
+            f"kvtier daemon serves only its own user's processes): remove {path} and start "
+            f"your own daemon with `kvtier serve`, or run this process as uid {cred.uid}")
     return cred
 
 

@@ -43,6 +43,7 @@ from kvtier.errors import (
     Overloaded,
     ProtocolError,
     StartupError,
+    TrustError,
 )
 from kvtier.protocol import (
     pack,
@@ -155,6 +156,7 @@ class ControlServer(ControlOps):
                 self.rejected_peers += 1
                 log.warning("rejected connection from uid %s (pid %s): not the daemon's user",
                             uid, pid)
+                await self._refuse_peer(reader, writer, uid)
                 return
             if len(self.connections) >= self.limits.max_connections:
                 await self._refuse(reader, writer)
@@ -264,6 +266,22 @@ class ControlServer(ControlOps):
             async with asyncio.timeout(min(1.0, self.limits.read_timeout_s)):
                 await writer.drain()
                 await reader.read(STREAM_LIMIT)  # the hello lands before we close: no EPIPE
+
+    async def _refuse_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           uid: int) -> None:
+        """Another user's process: told why in one typed reply (it got "connection dropped
+        during the hello" before), nothing else, then closed."""
+        with contextlib.suppress(Exception):
+            writer.write(pack({"id": 0, "ok": False, "code": TrustError.code,
+                               "error": f"the kvtier daemon at {self.socket_path} runs as uid "
+                                        f"{os.getuid()} and serves only that user's "
+                                        f"processes, not uid {uid}: run the engine as uid "
+                                        f"{os.getuid()}, or start a daemon of your own "
+                                        "(`kvtier serve --socket PATH`)"}))
+            writer.write_eof()
+            async with asyncio.timeout(min(1.0, self.limits.read_timeout_s)):
+                await writer.drain()
+                await reader.read(STREAM_LIMIT)
 
     async def _send_error(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, code: str,
                           error: str) -> None:

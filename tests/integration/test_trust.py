@@ -26,7 +26,13 @@ import numpy as np
 import pytest
 
 from kvtier.client import KVTierClient, connect, connect_async
-from kvtier.errors import DaemonUnavailable, RequestTimeout, UntrustedArena, UntrustedDaemon
+from kvtier.errors import (
+    DaemonUnavailable,
+    RequestTimeout,
+    TrustError,
+    UntrustedArena,
+    UntrustedDaemon,
+)
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, pack, unpack_body
@@ -143,6 +149,37 @@ def test_victim_daemon_refuses_the_tmp_dir_another_user_created(
             leftover.unlink(missing_ok=True)
 
 
+def test_another_users_process_is_told_why_the_daemon_refuses_it(
+        victim: OtherUser, attacker: OtherUser) -> None:
+    """A daemon serves only its own user. A process of another uid that can reach it (root
+    trusting it) got "connection dropped during the hello"; one that cannot (the socket is
+    0600) got "no kvtier daemon ... start one" though one runs. Both are told now."""
+    python = python_for(victim.name)
+    data = private_dir_of(victim, Path("/tmp"), "kvtier-victim-data-")
+    sock_dir = private_dir_of(victim, Path("/tmp"), "kvtier-victim-sock-")
+    os.chmod(sock_dir, 0o755)                      # others may reach the socket's mode
+    args = [*small_args(data), "--socket", str(sock_dir / "kvtier.sock")]
+    try:
+        with serving(args, env=user_env(), user=victim.name, python=python) as (_p, path):
+            with pytest.raises(TrustError, match=f"serves only that user's processes, not "
+                                                 f"uid {os.getuid()}"):
+                connect(path, timeout=5.0, trusted_uids=[victim.uid])
+            probe = ("import sys\nfrom kvtier.client import connect\n"
+                     "from kvtier.errors import DaemonUnavailable\n"
+                     "try:\n    connect(sys.argv[1], timeout=5.0)\n"
+                     "except DaemonUnavailable as exc:\n    print(exc)\n")
+            out = subprocess.run([python_for(attacker.name), "-c", probe, path],
+                                 user=attacker.name, env=user_env(), cwd="/",
+                                 capture_output=True, text=True, timeout=60)
+            assert "permission denied" in out.stdout and "kvtier serve" in out.stdout, (
+                out.stdout + out.stderr)
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        for leftover in Path("/dev/shm").glob(f"kvtier-{victim.uid}-*"):
+            leftover.unlink(missing_ok=True)
+
+
 # -- the client checks who listens before it sends anything ----------------------------------
 class ForeignListener:
     """``LISTENER_SOURCE`` run as ``user``: reports how many bytes a client sent."""
@@ -204,7 +241,7 @@ def test_client_refuses_a_foreign_daemon_on_the_default_path_before_sending(
     with pytest.raises(UntrustedDaemon) as err:
         _connect_either(mode, None)
     msg = str(err.value)
-    assert f"runs as uid {attacker.uid}" in msg and "KVTIER_TRUSTED_UIDS" in msg
+    assert f"runs as uid {attacker.uid}" in msg and "kvtier serve" in msg
     assert str(run_dir / "kvtier.sock") in msg
     assert foreign.received() == 0                          # not even the hello
 
