@@ -132,8 +132,9 @@ TRUSTED_UIDS_ENV = "KVTIER_TRUSTED_UIDS"
 def trusted_daemon_uids(env: Mapping[str, str] | None = None) -> frozenset[int]:
     """Uids besides the client's own whose daemon a client may talk to.
 
-    From ``KVTIER_TRUSTED_UIDS``: uids or user names separated by commas or spaces (for
-    example a ``kvtier`` system user that runs the node daemon). Empty: only our own uid.
+    From ``KVTIER_TRUSTED_UIDS``: uids or user names separated by commas or spaces. Empty:
+    only our own uid. (Trusting a uid lets the hello go out; the daemon itself serves only
+    processes of its own user and answers any other with a TrustError.)
     """
     environ = os.environ if env is None else env
     out: set[int] = set()
