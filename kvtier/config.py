@@ -153,9 +153,19 @@ def trusted_daemon_uids(env: Mapping[str, str] | None = None) -> frozenset[int]:
 
 
 def default_data_dir() -> Path:
-    """Per-user data directory for the nvme tier ($XDG_DATA_HOME/kvtier)."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "kvtier"
+    """Per-user data directory for the nvme tier: ``$XDG_DATA_HOME/kvtier`` (an absolute
+    XDG_DATA_HOME only, as the XDG spec says), else ``~/.local/share/kvtier``. ConfigError
+    when there is no home either (a container's arbitrary uid with HOME unset)."""
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "kvtier"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError):
+        raise ConfigError(f"no home directory for uid {os.getuid()} (HOME is unset and the "
+                          "uid has no passwd entry) to keep the data dir in: pass --data-dir "
+                          "PATH (daemon.data_dir, KVTIER_DATA_DIR) or set XDG_DATA_HOME") from None
+    return home / ".local" / "share" / "kvtier"
 
 
 @dataclass(slots=True)

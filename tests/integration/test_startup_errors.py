@@ -315,3 +315,23 @@ def test_two_daemons_started_at_once_on_one_socket(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.terminate()
                 p.wait(30)
+
+
+def test_a_uid_without_a_home_is_told_to_pass_a_data_dir() -> None:
+    """A container's arbitrary uid: HOME unset, no passwd entry, no --data-dir. The start
+    ended in a RuntimeError traceback ("Could not determine home directory")."""
+    python = python_for(other_user("kvtier-victim").name)
+    uid = 54321
+    try:
+        import pwd
+        pwd.getpwuid(uid)
+        pytest.skip(f"uid {uid} has a passwd entry here")
+    except KeyError:
+        pass
+    p = subprocess.run([python, "-m", "kvtier.cli", "serve", "--http-port", "0",
+                        "--cpu-bytes", "16MiB", "--nvme-bytes", "0",
+                        "--socket", "/tmp/kvtier-nohome-test.sock"],
+                       user=uid, env=user_env(), cwd="/", capture_output=True, text=True,
+                       timeout=90)
+    line = one_line_error(p)
+    assert f"no home directory for uid {uid}" in line and "--data-dir" in line

@@ -255,3 +255,28 @@ def test_to_dict_masks_the_admin_token_and_the_credentials_in_the_redis_url() ->
     assert out["http"]["admin_token"] == "***"
     plain = load_config(env={"KVTIER_REDIS_URL": "redis://10.0.0.5:6379/0"}).to_dict()
     assert plain["redis"]["url"] == "redis://10.0.0.5:6379/0" and plain["http"]["admin_token"] == ""
+
+
+def test_the_default_data_dir_takes_an_absolute_xdg_data_home_only(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kvtier.config import default_data_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_DATA_HOME", "/srv/data")
+    assert default_data_dir() == Path("/srv/data/kvtier")
+    monkeypatch.setenv("XDG_DATA_HOME", "rel/data")     # relative: ignored (XDG spec)
+    assert default_data_dir() == tmp_path / ".local" / "share" / "kvtier"
+
+
+def test_no_home_and_no_data_dir_is_one_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container's arbitrary uid with HOME unset: a traceback (Path.home's RuntimeError)
+    ended ``kvtier serve`` before."""
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    with pytest.raises(ConfigError, match="pass --data-dir PATH"):
+        load_config(env={})
+    assert load_config(env={"KVTIER_DATA_DIR": "/srv/kvtier"}).daemon.data_dir == Path(
+        "/srv/kvtier")
