@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -268,7 +268,16 @@ def main(argv: list[str] | None = None, *, parts: DaemonParts | None = None) -> 
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()   # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`kvtier plan --json | head`): no traceback; stdout goes to
+        # /dev/null so the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
     except KVTierError as exc:
         if getattr(args, "debug", False):
             traceback.print_exc()
@@ -279,5 +288,4 @@ def main(argv: list[str] | None = None, *, parts: DaemonParts | None = None) -> 
 
 
 if __name__ == "__main__":
-    with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+    sys.exit(main())

@@ -38,3 +38,19 @@ def test_kvtier_command_line_runs_plan_in_a_subprocess() -> None:
         capture_output=True, text=True, env=env, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["kv_bytes_per_token"] == 819_200
+
+
+@pytest.mark.parametrize("argv", [["plan", "--model", "llama-3-8b", "--json"],
+                                  ["doctor", *scenario_argv("long_prompts"), "--json"]],
+                         ids=["plan", "doctor"])
+def test_a_reader_that_goes_away_gets_no_traceback(argv: list[str]) -> None:
+    """`kvtier plan --json | head` ended in a BrokenPipeError traceback: the output goes
+    to a pipe whose reader is gone; the command exits 1, quietly."""
+    code = ("import os, sys\n"
+            "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+            "from kvtier.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1
