@@ -6,6 +6,7 @@ tier never needs a command outside that list (no error counted)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +20,16 @@ from tests.support.redis_servers import RedisServer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
                   tokens_per_block=64)
-# the ACL rule docs/redis.md gives operators, verbatim
+# the ACL rule docs/redis.md gives operators, verbatim (checked below); +cluster|nodes and
+# +asking, which a cluster's resharding needs, were missing from it
 ACL_RULE = ("on >s3cret resetkeys ~kvtier:* -@all +get +set +getrange +exists +del +ping "
-            "+info +dbsize +select +cluster|slots")
+            "+info +dbsize +select +cluster|slots +cluster|nodes +asking")
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "redis.md"
+
+
+def test_the_rule_is_the_one_the_docs_give() -> None:
+    documented = f"ACL SETUSER kvtier {ACL_RULE.replace('>s3cret', '>PASSWORD')}"
+    assert documented in DOCS.read_text()
 
 
 def test_a_user_limited_to_kvtier_keys_and_commands_is_enough(
