@@ -253,7 +253,7 @@ class SchedulerSide:
                 # (vLLM delays the free of a request it aborts while loading for the load
                 # alone; reported sent as well, the request would be freed twice.)
                 state.saved_any = False
-        self._step_started = (time.monotonic(), scheduler_output.total_num_scheduled_tokens)
+        started = time.monotonic()
         for spec in self._pending_loads:
             (meta.async_loads if self.config.async_load else meta.loads).append(spec)
         self._pending_loads = []
@@ -279,6 +279,12 @@ class SchedulerSide:
                 state.page_ids.extend(new_ids[0])
             self._plan_save(meta, req_id, state,
                             cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        # the step times prefill only when the workers do not wait on kvtier in it: a
+        # synchronous load, or a producer's synchronous saves (a failover's seconds read as
+        # a prefill of 361 tokens/s), would make recomputing look slower than it is
+        waits = bool(meta.loads) or (self.config.producer and bool(meta.saves))
+        self._step_started = None if waits else (
+            started, scheduler_output.total_num_scheduled_tokens)
         self._maybe_report()
         return meta
 
@@ -349,11 +355,14 @@ class SchedulerSide:
         state = self._states.pop(request.request_id, None)
         self._spans.pop(request.request_id, None)
         self._skips.pop(request.request_id, None)
+        if not self._states:   # going idle: no step follows to report the last counts
+            self._maybe_report(force=True)
         return (state is not None and state.saved_any), None
 
-    def _maybe_report(self) -> None:
+    def _maybe_report(self, *, force: bool = False) -> None:
         now = time.monotonic()
-        if now - self._last_report < REPORT_INTERVAL_S or not self.link.connected:
+        if (not force and now - self._last_report < REPORT_INTERVAL_S) or \
+                not self.link.connected:
             return
         self._last_report = now
         stale = [k for k, p in self._pending_saves.items()
@@ -364,6 +373,13 @@ class SchedulerSide:
         values.update(running=len(self._states), waiting=len(self._spans),
                       preemptions=self._preemptions,
                       prefill_tokens_per_s=round(self.recompute.prefill_tokens_per_s, 1))
+        if self._states:   # the live requests' context lengths (doctor pattern 2 reads them)
+            lengths = np.fromiter((s.request.num_tokens for s in self._states.values()),
+                                  dtype=np.int64, count=len(self._states))
+            p50, p99 = np.percentile(lengths, (50, 99))
+            values.update(context_tokens_p50=float(p50), context_tokens_p99=float(p99))
+        else:
+            values.update(context_tokens_p50=0.0, context_tokens_p99=0.0)
         # no round trip inside the engine's step: the reply is skipped by the next call
         self.link.call(lambda c: c.report_engine_nowait(**values), None)
 

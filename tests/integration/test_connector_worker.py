@@ -517,6 +517,77 @@ def test_a_failed_load_into_pages_a_preempted_request_gave_up_is_not_its_own(
     w.shutdown()
 
 
+def test_the_scheduler_times_only_steps_without_kvtier_waits_and_reports_going_idle(
+        daemon: DaemonProcess) -> None:
+    """A step with a synchronous load (or a producer's synchronous saves) timed the wait as
+    prefill, so recomputing looked slower than it is; the engine's gauges kept their last
+    value once it went idle (no step reports it), and the context-length percentiles the
+    doctor and the dashboard read were never sent."""
+    from types import SimpleNamespace as NS
+
+    from kvtier.connectors.vllm.scheduler import SchedulerSide
+
+    w = worker(daemon, "gauges", caches(21))
+    ta = tokens(21, 3)
+    save(w, "sa", ta, rows(1, 3), save_id=1)
+    finished(w, "sa")
+    cfg = ConnectorConfig.from_extra({"socket_path": str(daemon.socket), "tokens_per_block": TPB,
+                                      "model_id": "gauges"},
+                                     block_size=PAGE, default_model_id="gauges")
+    sched = SchedulerSide(cfg, LAYOUT, PAGE, 1)
+
+    def request(rid: str, toks: np.ndarray, extra: int) -> Any:
+        ids = [int(t) for t in toks] + [7] * extra
+        return NS(request_id=rid, all_token_ids=ids, num_prompt_tokens=len(ids),
+                  num_tokens=len(ids), cache_salt=None, mm_features=None,
+                  prompt_embeds=None, lora_request=None)
+
+    def step(rid: str, pages: list[int], computed: int, n: int) -> KVTierConnectorMetadata:
+        cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                    num_computed_tokens=[])
+        meta = sched.build_connector_meta(NS(
+            preempted_req_ids=[], num_scheduled_tokens={rid: n}, total_num_scheduled_tokens=n,
+            scheduled_new_reqs=[NS(req_id=rid, block_ids=(pages,),
+                                   num_computed_tokens=computed)],
+            scheduled_cached_reqs=cached))
+        sched.update_connector_output(NS(kv_connector_worker_meta=None, invalid_block_ids=set()))
+        return meta
+
+    def connector_stats() -> dict[str, Any]:
+        return daemon.stats()["connector"]
+
+    a = request("A", ta, 10)
+    n, _ = sched.get_num_new_matched_tokens(a, 0)
+    assert n == 3 * TPB
+    sched.update_state_after_alloc(a, NS(get_block_ids=lambda: (list(range(1, 8)),)), n)
+    assert step("A", list(range(1, 8)), 3 * TPB, 10).loads      # a synchronous load
+    assert sched.recompute.warmup_steps == 1                     # not timed
+    b = request("B", tokens(22, 3), 300)
+    assert sched.get_num_new_matched_tokens(b, 0)[0] == 0
+    sched.update_state_after_alloc(b, NS(get_block_ids=lambda: ([],)), 0)
+    assert not step("B", list(range(10, 26)), 0, 3 * TPB + 300).loads
+    assert sched.recompute.warmup_steps == 0                     # a clean prefill: timed
+
+    sched._maybe_report(force=True)
+    deadline = time.monotonic() + 10
+    while connector_stats().get("context_tokens_p99") is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    got = connector_stats()
+    assert got["running"] == 2
+    assert got["context_tokens_p50"] == (len(a.all_token_ids) + len(b.all_token_ids)) / 2
+    assert len(a.all_token_ids) < got["context_tokens_p99"] <= len(b.all_token_ids)
+    sched._last_report = time.monotonic()                       # within the interval ...
+    sched.request_finished(a)
+    sched.request_finished(b)                                   # ... yet idle is told at once
+    while connector_stats()["running"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert connector_stats()["context_tokens_p50"] == 0
+    sched.shutdown()
+    w.shutdown()
+
+
 class RecordingStream:
     """Stands in for the async-load thread's CUDA stream (no GPU here): records what the
     worker asks of it, so the order of the copies, the sync and the release is checked."""
