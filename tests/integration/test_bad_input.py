@@ -264,7 +264,12 @@ def _knock_as_nobody(path: str) -> str:
             else:
                 try:
                     probe.sendall(pack({"id": 1, "op": "hello", "version": 1}))
-                    os.write(wfd, b"served" if probe.recv(1) else b"closed")
+                    got = b""
+                    while chunk := probe.recv(4096):
+                        got += chunk
+                    # a typed refusal, then the end: told why, given nothing else
+                    told = got and unpack_body(got[4:], 1 << 20).get("code") == "untrusted"
+                    os.write(wfd, b"refused" if told else b"served" if got else b"closed")
                 except (BrokenPipeError, ConnectionResetError):
                     os.write(wfd, b"closed")  # the daemon hung up first
         finally:
@@ -285,7 +290,7 @@ def test_peer_uid_is_checked_even_if_the_socket_mode_is_opened() -> None:
     try:
         os.chmod(daemon.socket.parent, 0o755)
         os.chmod(daemon.socket, 0o666)  # an operator mistake: SO_PEERCRED still says no
-        assert _knock_as_nobody(str(daemon.socket)) == "closed"
+        assert _knock_as_nobody(str(daemon.socket)) == "refused"
         assert daemon.stats()["daemon"]["rejected_peers"] == 1
         connect(daemon.socket).ping()
     finally:
