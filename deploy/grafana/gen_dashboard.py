@@ -41,7 +41,8 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Preemptions", "short", [
             (f"sum by (instance) (rate(vllm:num_preemptions_total{{{V}}}[{R}]))",
              "vLLM {{instance}} /s"),
-            (f"kvtier_engine_preemptions{{{K}}}", "reported by connectors")]),
+            (f"sum by (instance) (rate(kvtier_engine_preemptions_total{{{K}}}[{R}]))",
+             "connectors {{instance}} /s")]),
         ("Context length percentiles (tokens)", "short", [
             (f"histogram_quantile(0.5, sum by (le) (rate(vllm:request_prompt_tokens_bucket"
              f"{{{V}}}[{R}])))", "vLLM prompt P50"),

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.daemon.engines import EngineReports
 from kvtier.daemon.exits import ExitWatcher
 from kvtier.daemon.greeting import Greeter
 from kvtier.daemon.limits import (
@@ -90,6 +91,7 @@ class ControlServer(ControlOps):
         self.rejected_peers = 0
         self.protocol_errors = 0
         self.counters = LimitCounters()
+        self.engines = EngineReports()
         self._ops = self.op_table()
         self.prefix = PrefixProbe(store, self.limits)   # also serves POST /v1/prefix
         self.redis_sync = RedisSync(store)              # put_commit with redis_sync_s

@@ -16,7 +16,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvtier.daemon.ops import CONNECTOR_COUNTERS
+from kvtier.daemon.engines import COUNTERS as ENGINE_COUNTERS
+from kvtier.daemon.engines import GAUGES as ENGINE_GAUGES
+from kvtier.keys import KEY_SCHEME
 
 _LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
                     0.25, 0.5, 1.0, 2.5)
@@ -129,8 +131,9 @@ class KVTierCollector:
         yield from _admission_families(s.get("admission", {}))
         yield from _explain_families(s.get("explain", {}))
         schemes = GaugeMetricFamily("kvtier_clients_by_key_scheme", "Connected clients per "
-                                    "key function version", labels=["scheme"])
-        for scheme, n in daemon.get("key_schemes", {}).items():
+                                    "key function version (any this daemon does not know: "
+                                    "other)", labels=["scheme"])
+        for scheme, n in scheme_counts(daemon.get("key_schemes", {})).items():
             schemes.add_metric([scheme], float(n))
         yield schemes
         yield GaugeMetricFamily("kvtier_leases_quarantined_bytes",
@@ -139,12 +142,28 @@ class KVTierCollector:
                                 value=float(s.get("leases", {}).get("quarantined_bytes", 0)))
         yield from _policy_metrics(s)
         conn = s.get("connector", {})
-        for key in ("running", "waiting", "preemptions", "context_tokens_p50",
-                    "context_tokens_p99", *CONNECTOR_COUNTERS):
+        for key in ENGINE_GAUGES:
             if key in conn:
                 yield GaugeMetricFamily(f"kvtier_engine_{key}",
-                                        f"Engine {key} as reported by connectors",
+                                        f"Engine {key} as connected connectors report it",
                                         value=float(conn[key]))
+        for key in ENGINE_COUNTERS:
+            if key in conn:
+                yield CounterMetricFamily(f"kvtier_engine_{key}",
+                                          f"Engine {key} reported by connectors since the "
+                                          "daemon started", value=float(conn[key]))
+
+
+def scheme_counts(schemes: dict[str, int]) -> dict[str, int]:
+    """Clients per key scheme, as labels: a scheme this daemon does not know counts as
+    ``other``. A client chooses the string (up to 64 characters), and each new one made a
+    new series for good: a client reconnecting with new strings grew Prometheus without
+    bound. ``unknown`` (a client that named none) stays."""
+    out: dict[str, int] = {}
+    for scheme, n in schemes.items():
+        label = scheme if scheme in (KEY_SCHEME, "unknown") else "other"
+        out[label] = out.get(label, 0) + n
+    return out
 
 
 def admission_stats(admission: Any, nvme_budget_bytes_per_s: int,

@@ -7,12 +7,12 @@ fields; a typed KVTierError becomes a typed error reply in ``ControlServer._disp
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.daemon.engines import EngineReports
 from kvtier.daemon.limits import LimitCounters, Limits
 from kvtier.daemon.prefix import PrefixProbe
 from kvtier.daemon.redis_sync import RedisSync
@@ -24,12 +24,6 @@ from kvtier.protocol import field as req_field
 from kvtier.protocol import optional_int
 from kvtier.store import TieredStore
 
-CONNECTOR_COUNTERS = ("skipped_slower_than_recompute", "skipped_tokens_slower_than_recompute",
-                      "dropped_saves", "dropped_save_bytes", "saves_in_flight_bytes",
-                      "loaded_blocks", "saved_blocks", "prefill_tokens_per_s",
-                      "redis_sync_gave_up", "producer_save_waits_timed_out",
-                      "lookups_without_round_trip", "lookups_prefix_read_off")
-"""Counters the vLLM connector reports through ``report_engine`` (issue 11)."""
 _MAX_NAME = 1024  # model_id and cache_salt characters: namespaces retain them
 _MAX_TP = 1 << 16
 # namespaces one connection may name at once (an engine uses one per layout and tp rank;
@@ -77,6 +71,7 @@ class ControlOps:
     connections: dict[int, Connection]
     orphans: dict[int, int]   # closed connection -> its process, while slots stay quarantined
     counters: LimitCounters
+    engines: EngineReports
 
     def op_table(self) -> dict[str, Handler]:
         """Op name -> handler (the names are ``kvtier.protocol.OPS`` minus ``hello``)."""
@@ -300,14 +295,7 @@ class ControlOps:
         return {"stats": self.stats_provider()}
 
     async def _report_engine(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        allowed = ("running", "waiting", "preemptions", "context_tokens_p50",
-                   "context_tokens_p99", "requests_finished", "load_errors",
-                   *CONNECTOR_COUNTERS)
-        for name in allowed:   # finite numbers only: /v1/stats stays valid JSON
-            value = msg.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-                    math.isfinite(value) and abs(value) < 1e18:
-                conn.engine[name] = float(value)
+        self.engines.report(conn.engine, msg)
         return {}
 
     async def _prefix_locality(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
@@ -315,15 +303,5 @@ class ControlOps:
         return await self.prefix.from_control(msg, conn.namespaces)
 
     def engine_summary(self) -> dict[str, float]:
-        """Connector-side gauges summed over connected engines."""
-        out: dict[str, float] = {"engines": 0}
-        for conn in self.connections.values():
-            if not conn.engine:
-                continue
-            out["engines"] += 1
-            for k, v in conn.engine.items():
-                if k.startswith("context_tokens"):
-                    out[k] = max(out.get(k, 0.0), v)
-                else:
-                    out[k] = out.get(k, 0.0) + v
-        return out
+        """Connected engines' gauges, and their counters' totals (kvtier.daemon.engines)."""
+        return self.engines.summary(c.engine for c in self.connections.values())

@@ -1,0 +1,38 @@
+"""Engines' reports (kvtier.daemon.engines): gauges of the live engines, counters kept as
+daemon-lifetime totals that never fall when an engine disconnects or restarts."""
+
+from __future__ import annotations
+
+from kvtier.daemon.engines import EngineReports
+from kvtier.daemon.metrics import scheme_counts
+from kvtier.keys import KEY_SCHEME
+
+
+def test_counters_add_what_they_grew_by_and_never_fall() -> None:
+    reports = EngineReports()
+    a: dict[str, float] = {}
+    b: dict[str, float] = {}
+    reports.report(a, {"loaded_blocks": 10, "running": 3, "context_tokens_p99": 900})
+    reports.report(b, {"loaded_blocks": 4, "running": 2, "context_tokens_p99": 4000})
+    reports.report(a, {"loaded_blocks": 15, "running": 1})
+    assert reports.summary([a, b]) == {"engines": 2, "running": 3.0, "loaded_blocks": 19.0,
+                                       "context_tokens_p99": 4000.0}
+    # engine b disconnects: its gauges go, its counts stay
+    assert reports.summary([a]) == {"engines": 1, "running": 1.0, "loaded_blocks": 19.0,
+                                    "context_tokens_p99": 900.0}
+    # engine a restarted (its counter starts again): all of the new count is added
+    reports.report(a, {"loaded_blocks": 2})
+    assert reports.summary([a])["loaded_blocks"] == 21.0
+
+
+def test_reports_take_finite_known_numbers_only() -> None:
+    reports = EngineReports()
+    e: dict[str, float] = {}
+    reports.report(e, {"loaded_blocks": float("nan"), "saved_blocks": True, "running": "3",
+                       "preemptions": 1e30, "unknown_name": 5, "waiting": -1})
+    assert e == {"waiting": -1.0} and reports.totals == {}
+
+
+def test_key_scheme_labels_are_bounded() -> None:
+    got = scheme_counts({KEY_SCHEME: 3, "unknown": 1, "a" * 64: 1, "evil/1": 2})
+    assert got == {KEY_SCHEME: 3, "unknown": 1, "other": 3}
