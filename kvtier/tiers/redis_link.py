@@ -62,7 +62,8 @@ class RedisLink:
         seed, opts = conn_options(cfg, self._target)
         self._cluster = self._target.mode is RedisMode.CLUSTER
         self._router = Router(seed, opts, cluster=self._cluster,
-                              pool_size=max(1, cfg.max_connections))
+                              pool_size=max(1, cfg.max_connections),
+                              seeds=[NodeAddr(h, p) for h, p in self._target.seeds])
         self._exec = ThreadPoolExecutor(max_workers=max(2, cfg.max_connections),
                                         thread_name_prefix="kvtier-redis")
         choice = codecs.from_config(cfg.codec)

@@ -85,7 +85,7 @@ class Router:
     """Key -> server routing and the per-server connection pools (thread-safe reads)."""
 
     def __init__(self, seed: NodeAddr, opts: ConnOptions, *, cluster: bool,
-                 pool_size: int) -> None:
+                 pool_size: int, seeds: Sequence[NodeAddr] = ()) -> None:
         self.cluster = cluster
         self.seed = seed
         self.opts = opts
@@ -93,7 +93,7 @@ class Router:
         self._pools: dict[NodeAddr, NodePool] = {}
         self._lock = threading.Lock()
         self._slots: list[NodeAddr | None] = [seed] * CLUSTER_SLOTS if cluster else []
-        self._known: list[NodeAddr] = [seed]
+        self._known: list[NodeAddr] = [seed, *(a for a in seeds if a != seed)]
         self.failed: set[NodeAddr] = set()
         self.last_error = ""
         self._learned_at = -LEARN_EVERY_S   # when learn_members last asked

@@ -129,6 +129,34 @@ async def test_master_killed_replica_promoted_tier_heals_on_its_own(
         assert all(await read_each(tier, list(fresh), fresh))
 
 
+async def test_a_tier_started_while_its_first_startup_node_is_dead_uses_another(
+        cluster: LocalCluster) -> None:
+    """The URL named one startup node: a daemon started while it was down kept the tier
+    down, though its replica had taken over and the cluster served every slot. A URL may
+    name several now, and any that answers gives the slot map."""
+    dead = cluster.nodes[0]
+    dead.kill()
+    deadline = time.monotonic() + HEAL_BOUND_S
+    while True:   # the replica is promoted: every slot served again
+        try:
+            if all(cluster.master_of_slot(s) is not dead for s in (0, 8000, 16383)) and \
+                    len(cluster.live_masters()) == 3:
+                break
+        except RuntimeError:
+            pass
+        assert time.monotonic() < deadline, "the replica was not promoted"
+        await asyncio.sleep(0.1)
+    live = cluster.nodes[1]
+    keys, data = blocks_by_key(30)
+    async with running(f"redis+cluster://127.0.0.1:{dead.port}") as alone:
+        assert not alone.up                          # the one named node is gone
+    url = f"redis+cluster://127.0.0.1:{dead.port},127.0.0.1:{live.port}"
+    async with running(url) as tier:
+        assert tier.up and tier.stats_extra()["unserved_slots"] == 0
+        await store_all(tier, data)
+        assert all(await read_each(tier, keys, data))
+
+
 async def test_hung_master_its_keys_miss_fast_the_rest_is_served(tmp_path: Path) -> None:
     """A master that hangs (SIGSTOP; no failover: long node timeout): its keys are misses
     answered without a connection attempt once it failed one bounded wait, a mixed batch
