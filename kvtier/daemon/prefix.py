@@ -183,8 +183,7 @@ class PrefixProbe:
                                    "tp_size and cache_salt) has registered with this daemon: "
                                    "pass its layout to probe anyway")
         if len(found) > 1:
-            what = sorted(f"{ns.model_id} (tokens_per_block {ns.layout.tokens_per_block})"
-                          for ns in found)
+            what = sorted(f"{ns.model_id} ({_layout_words(ns.layout)})" for ns in found)
             raise ProtocolError(f"{len(found)} namespaces of {model_id!r} are registered "
                                 f"here ({', '.join(what)}): pass 'namespace', or the "
                                 "'model_id' and 'layout' of one")
@@ -301,3 +300,10 @@ class PrefixProbe:
 def http_error(exc: KVTierError) -> tuple[int, dict[str, str]]:
     """Status and JSON body for a refused probe."""
     return HTTP_STATUS.get(exc.code, 400), {"error": str(exc), "code": exc.code}
+
+
+def _layout_words(layout: KVLayout) -> str:
+    """A layout as the fields a router passes, so that two of one model tell apart."""
+    return (f"num_layers {layout.num_layers}, num_kv_heads {layout.num_kv_heads}, head_dim "
+            f"{layout.head_dim}, dtype {layout.dtype}, tokens_per_block "
+            f"{layout.tokens_per_block}, kv_format {layout.kv_format}")

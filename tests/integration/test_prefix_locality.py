@@ -5,6 +5,7 @@ real Redis, and leaves no trace (no promotion, no lookup counted, nothing regist
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import time
 import urllib.error
@@ -254,4 +255,12 @@ def test_a_router_names_a_model_without_its_weights_fingerprint(daemon: DaemonPr
     status, reply = post_json(daemon, {"model_id": "org/model#w=ffffffffffffffff",
                                        "token_ids": toks.tolist()})
     assert status == 200 and reply["hit_tokens"] == 0    # its blocks are not the old ones'
+    # one model, two layouts alike but for their depth: the refusal tells them apart
+    deeper = dataclasses.replace(LAYOUT, num_layers=LAYOUT.num_layers + 1)
+    c.register_layout(deeper, "org/other")
+    c.register_layout(LAYOUT, "org/other")
+    status, reply = post_json(daemon, {"model_id": "org/other", "token_ids": toks.tolist()})
+    assert status == 400, reply
+    assert f"num_layers {LAYOUT.num_layers}," in reply["error"]
+    assert f"num_layers {deeper.num_layers}," in reply["error"]
     c.close()
