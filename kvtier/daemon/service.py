@@ -108,9 +108,6 @@ class Daemon:
         prepare_socket_dir(cfg.daemon.socket, default_dir=default_runtime_dir())
         self._stack.callback(os.close, lock_socket_path(cfg.daemon.socket))
         claim_socket_path(cfg.daemon.socket)
-        check_writable_dir(cfg.daemon.data_dir, "data directory", "--data-dir")
-        if cfg.nvme.enabled and cfg.nvme.bytes > 0:
-            check_writable_dir(cfg.nvme_path, "nvme directory", "--nvme-path")
         self.metrics = Metrics(self.stats)
         self.http = HttpServer(cfg.http.host, cfg.http.port, self.metrics, self.stats,
                                cfg.to_dict, cfg.http.admin_token, recent=self.recent_lookups,
@@ -132,6 +129,10 @@ class Daemon:
                                          need_bytes=cfg.cpu.bytes):
             log.info("removed stale arena %s", stale)
         check_shm_space(cfg.cpu.shm_dir, cfg.cpu.bytes, reusable=own)
+        # last: these create the directories, which a start refused above should not leave
+        check_writable_dir(cfg.daemon.data_dir, "data directory", "--data-dir")
+        if cfg.nvme.enabled and cfg.nvme.bytes > 0:
+            check_writable_dir(cfg.nvme_path, "nvme directory", "--nvme-path")
         return name, own
 
     async def _setup(self) -> None:

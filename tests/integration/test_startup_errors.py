@@ -223,10 +223,11 @@ def test_arena_larger_than_free_shared_memory(tmp_path: Path) -> None:
     ours = sum(p.stat().st_size for p in shm.glob(f"kvtier-{os.getuid()}-*")
                if p.is_file())
     too_big = shm_free_bytes(shm) + ours + 2**30
-    args = _args(tmp_path)
+    args = _args(tmp_path, "--nvme-bytes", "64MiB")
     args[args.index("--cpu-bytes") + 1] = str(too_big)
     line = one_line_error(run_serve(args))
     assert "but /dev/shm has only" in line and "--cpu-bytes" in line
+    assert not (tmp_path / "data").exists()    # a refused start leaves no directories
 
 
 def test_shm_dir_missing(tmp_path: Path) -> None:
