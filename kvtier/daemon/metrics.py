@@ -88,7 +88,7 @@ class KVTierCollector:
         req = s.get("requests", {})
         for key in ("lookups", "lookup_blocks", "hit_blocks", "lookup_tokens", "hit_tokens",
                     "puts", "put_blocks", "gets", "get_blocks", "deletes", "lease_expired",
-                    "namespace_mismatch", "layout_mismatch"):
+                    "namespace_mismatch", "layout_mismatch", "redis_budget_misses"):
             yield CounterMetricFamily(f"kvtier_requests_{key}", f"Connector requests: {key}",
                                       value=float(req.get(key, 0)))
         yield GaugeMetricFamily("kvtier_prefix_hit_rate", "Leading-block hit rate of lookups",
