@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import select
 import socket
+import threading
 import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ class KVTierClient:
         self._poll.register(sock, select.POLLIN | HANGUP)
         self._unanswered = 0   # replies still due to requests sent NoWait
         self._pid = forks.track(self)   # a forked child must connect again
+        self._busy = threading.Lock()   # held by the one thread talking on the socket
         path = str(sock.getpeername())
         if hello is None:
             hello = handshake(sock, path, trusted_daemon_uids(), timeout)
@@ -75,6 +77,14 @@ class KVTierClient:
                                  f"{self._broken}")
 
     def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+        if not self._busy.acquire(blocking=False):
+            raise _shared_between_threads()
+        try:
+            return self._call_alone(req)
+        finally:
+            self._busy.release()
+
+    def _call_alone(self, req: dict[str, Any]) -> dict[str, Any]:
         if self._broken is not None:
             raise self._unusable()
         rid = next(self._ids)
@@ -121,13 +131,18 @@ class KVTierClient:
         connection already broken or hung up asks as ``_call`` does, and fails the same."""
         if self._broken is not None or self._events() & HANGUP:
             return self._call(req)
-        req["id"] = next(self._ids)
+        if not self._busy.acquire(blocking=False):
+            raise _shared_between_threads()
         try:
-            self._sock.sendall(pack(req))
-        except OSError as exc:
-            self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
-            raise self._broken from None
-        self._unanswered += 1
+            req["id"] = next(self._ids)
+            try:
+                self._sock.sendall(pack(req))
+            except OSError as exc:
+                self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
+                raise self._broken from None
+            self._unanswered += 1
+        finally:
+            self._busy.release()
         return {}
 
     def _run(self, op: Op) -> Any:
@@ -258,6 +273,11 @@ class KVTierClient:
 
     def __exit__(self, *_: Any) -> None:
         self.close()
+
+
+def _shared_between_threads() -> ProtocolError:
+    return ProtocolError("a KVTierClient was called from two threads at once: it is not "
+                         "thread-safe; use one client per thread (they are cheap)")
 
 
 def connect(socket_path: str | Path | None = None, timeout: float = 5.0, *,

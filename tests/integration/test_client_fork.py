@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.client import connect, connect_async
 from kvtier.client.aio import AsyncKVTierClient
-from kvtier.errors import ClientForked
+from kvtier.errors import ClientForked, ProtocolError
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
@@ -93,3 +93,38 @@ def test_a_forked_child_cannot_use_its_parents_async_client(daemon: DaemonProces
         loop.run_until_complete(client.close())
     finally:
         loop.close()
+
+
+def test_a_sync_client_called_from_two_threads_says_so(daemon: DaemonProcess) -> None:
+    """A sync client is one thread's: a second thread calling it at once used to get a
+    confusing ProtocolError ("reply of 2242210917 bytes", "ExtraData") or interleave
+    frames; it now gets a clear one, and the client stays usable for the first."""
+    import threading
+
+    with connect(daemon.socket) as c:
+        ns = c.register_layout(LAYOUT, "thread-model")
+        keys = block_keys(ns, np.arange(4 * 16) + 5 * 10**6)
+        assert c.put(ns, keys, [np.full(LAYOUT.block_bytes, 7, np.uint8)] * 4) == 4
+        errors: list[BaseException] = []
+        wrong = 0
+
+        def hammer() -> None:
+            nonlocal wrong
+            out = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
+            for _ in range(200):
+                try:
+                    if c.get(ns, keys, out) == 4 and not all((o == 7).all() for o in out):
+                        wrong += 1
+                except Exception as exc:   # every error is checked below
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=hammer) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert wrong == 0
+        assert all(isinstance(e, ProtocolError) and "two threads" in str(e) for e in errors), \
+            {type(e).__name__: str(e) for e in errors}
+        out = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
+        assert c.get(ns, keys, out) == 4 and all((o == 7).all() for o in out)
