@@ -472,7 +472,8 @@ def test_a_failed_load_into_pages_a_preempted_request_gave_up_is_not_its_own(
     def request(rid: str, toks: np.ndarray) -> Any:
         ids = [int(t) for t in toks] + [7] * 10          # 3 full blocks and a partial one
         return NS(request_id=rid, all_token_ids=ids, num_prompt_tokens=len(ids),
-                  cache_salt=None, mm_features=None, prompt_embeds=None, lora_request=None)
+                  num_tokens=len(ids), cache_salt=None, mm_features=None,
+                  prompt_embeds=None, lora_request=None)
 
     def admit(req: Any, pages: list[int]) -> None:
         n, _ = sched.get_num_new_matched_tokens(req, 0)
