@@ -61,22 +61,34 @@ def recover(table: SlotTable, pool: ThreadPoolExecutor, counters: TierCounters,
         if old is not None:
             dropped.append(old[0])   # a stale copy: superseded by a later write
         newest[(header.namespace, header.key)] = (slot, header)
-    kept, over = _fit(list(newest.values()), table.capacity)
-    for _ in over:
-        counters.evicted(EvictionReason.CAPACITY)
-    dropped += [slot for slot, _ in over]
-    for slot in dropped:
+    # the frames' own footprints must fit (what ``used`` counts); the room between them
+    # is given back by punching the free slots (kvtier.tiers.nvme.holes): a frame written
+    # into punched room made the files span more than the capacity, and fitting their
+    # spans dropped exactly those frames at every start
+    kept, over = _fit(list(newest.values()), table.capacity, spans=False)
+    for slot in [*dropped, *(slot for slot, _ in over)]:
         table.release(slot)
     for cls in table.classes.values():
         table.trim(cls, lambda _slot: True)
-    _erase(table, pool, counters, dropped)
+    _erase(table, pool, counters, [*dropped, *(slot for slot, _ in over)])
+    if not table.fit_disk(lambda _slot: True):   # no holes here: the spans must fit
+        kept, more = _fit(kept, table.capacity, spans=True)
+        for slot, _ in more:
+            table.release(slot)
+        for cls in table.classes.values():
+            table.trim(cls, lambda _slot: True)
+        _erase(table, pool, counters, [slot for slot, _ in more])
+        over += more
+    for _ in over:
+        counters.evicted(EvictionReason.CAPACITY)
     kept.sort(key=lambda item: item[1].seq)
     return kept, max_seq
 
 
-def _fit(frames: Recovered, capacity: int) -> tuple[Recovered, Recovered]:
-    """(kept, dropped) so that the slot files, cut after their last kept slot, fit
-    ``capacity``; all kept when they do already.
+def _fit(frames: Recovered, capacity: int, *, spans: bool) -> tuple[Recovered, Recovered]:
+    """(kept, dropped) so that the kept frames' footprints fit ``capacity`` (``spans``:
+    so that the slot files, cut after their last kept slot, fit it: where holes cannot be
+    punched); all kept when they do already.
 
     Frames are kept shallowest first (depth along the parent tags of the frames on nvme;
     among equal depths the older first), each only if its parent on nvme was kept and the
@@ -87,7 +99,9 @@ def _fit(frames: Recovered, capacity: int) -> tuple[Recovered, Recovered]:
     span: dict[int, int] = {}
     for slot, _ in frames:
         span[slot.slot_bytes] = max(span.get(slot.slot_bytes, 0), slot.index + 1)
-    if sum(hw * (PAGE + sb) for sb, hw in span.items()) <= capacity:
+    total = (sum(hw * (PAGE + sb) for sb, hw in span.items()) if spans
+             else sum(PAGE + slot.slot_bytes for slot, _ in frames))
+    if total <= capacity:
         return frames, []
     by_tag = {parent_tag(header.key): i for i, (_, header) in enumerate(frames)}
     parents = [by_tag.get(tag) if (tag := header.chain_parent) is not None else None
@@ -100,7 +114,8 @@ def _fit(frames: Recovered, capacity: int) -> tuple[Recovered, Recovered]:
         slot = frames[i][0]
         parent = parents[i]
         top = high.get(slot.slot_bytes, 0)
-        grow = max(0, slot.index + 1 - top) * (PAGE + slot.slot_bytes)
+        grow = (max(0, slot.index + 1 - top) * (PAGE + slot.slot_bytes) if spans
+                else PAGE + slot.slot_bytes)
         if (parent is None or kept_flags[parent]) and disk + grow <= capacity:
             kept_flags[i] = True
             high[slot.slot_bytes] = max(top, slot.index + 1)

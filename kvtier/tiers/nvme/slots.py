@@ -183,6 +183,13 @@ class SlotTable:
         self.used += footprint
         return NvmeSlot(slot_bytes, index)
 
+    def fit_disk(self, settled: Callable[[NvmeSlot], bool]) -> bool:
+        """Bring the files within capacity (free tails cut, free slots punched out);
+        False when they cannot be (the file system has no holes). The start-up scan
+        counts every free slot below a file's tail as disk, holes included: this finds
+        out what is really free and punches it (a hole punched again stays a hole)."""
+        return self._disk_room(0, settled)
+
     def _disk_room(self, footprint: int, settled: Callable[[NvmeSlot], bool]) -> bool:
         """Whether the files can take ``footprint`` more bytes: free tails are cut first,
         then free slots in the files' middles punched out (``used`` fits: the caller
