@@ -76,6 +76,7 @@ class RedisLink:
         self._outcomes = WriteOutcomes()       # per key: is its newest write in Redis
         self._inflight = asyncio.Semaphore(max(1, cfg.write_inflight))   # SET batches
         self._writing = 0                      # SET batches in flight
+        self._sending: dict[bytes, int] = {}   # Redis key -> its writes in those batches
         self._wake = asyncio.Event()           # queue non-empty, or the tier came up
         self._progress = asyncio.Event()       # a batch finished or `up` changed
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -251,10 +251,6 @@ class WriteOutcomes:
             if not fut.done():
                 fut.set_result(item.ok)
 
-    def pending(self, rkeys: Sequence[bytes]) -> list[bytes]:
-        """Those of ``rkeys`` with a write queued or being sent."""
-        return [k for k in rkeys if k in self._pending]
-
     def give_up_waiting(self) -> None:
         """The tier went down: every ``wait`` answers now (False for a write still queued,
         which waits for the tier to come back) instead of hanging until it does."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -65,11 +64,18 @@ class RedisWrites(RedisReads):
         Returns how many queued writes were dropped."""
         rkeys = [self._rkey(k) for k in keys]
         dropped = self._queue.cancel(set(rkeys), namespace)
-        sending = self._outcomes.pending(rkeys)
-        if sending and self._up:
+        # every write being sent counts, not only a key's newest (a queued newer write of
+        # the key, just cancelled, would hide an older one in flight: its SET landed after
+        # the DEL)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.op_timeout_s
+        while self._up and any(k in self._sending for k in rkeys):
+            wait = min(0.1, deadline - loop.time())
+            if wait <= 0:
+                break
+            self._progress.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._outcomes.wait(sending, time.monotonic()),
-                                       self.cfg.op_timeout_s)
+                await asyncio.wait_for(self._progress.wait(), wait)
         return dropped
 
     async def room(self, n: int, timeout: float) -> int:
@@ -189,6 +195,8 @@ class RedisWrites(RedisReads):
                 continue
             self._progress.set()   # room in the queue (``room``)
             self._writing += 1
+            for item in batch:
+                self._sending[item.redis_key] = self._sending.get(item.redis_key, 0) + 1
             self._spawn(self._write_batch(batch))
 
     async def _write_batch(self, batch: list[PendingWrite]) -> None:
@@ -250,6 +258,10 @@ class RedisWrites(RedisReads):
             # follow in the step after it instead of delaying that answer
             for item in batch:
                 item.settle()
+                left = self._sending.pop(item.redis_key, 1) - 1
+                if left:
+                    self._sending[item.redis_key] = left
+            self._progress.set()   # (a delete waiting for these SETs: ``forget_writes``)
             asyncio.get_running_loop().call_soon(self._batch_over, batch)
 
     async def _drop_headless(self, stripes: list[bytes]) -> None:

@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -530,3 +531,26 @@ async def test_unix_socket_with_db(tmp_path: Path) -> None:
             assert db2.dbsize() == 3
     finally:
         server.stop()
+
+
+async def test_a_delete_waits_for_every_write_of_its_keys_being_sent(
+        redis_server: RedisServer) -> None:
+    """``forget_writes`` (a delete's first step) waited only for a key's newest write: with
+    a newer write of the key queued, cancelling it hid the older one in flight, whose SET
+    landed after the DEL and brought the block back (found by review)."""
+    async with running(cfg_for(redis_server.url)) as tier:
+        send = tier._send_sets
+
+        async def slow(sets: Any) -> Any:        # a SET pipeline that takes a while
+            await asyncio.sleep(0.5)
+            return await send(sets)
+
+        tier._send_sets = slow  # type: ignore[method-assign]
+        (key,), (data,) = blocks(1)
+        tier.submit(NS, key, LAYOUT_FP, memoryview(data))    # in flight ...
+        await asyncio.sleep(0.05)
+        tier.submit(NS, key, LAYOUT_FP, memoryview(data))    # ... and a newer one queued
+        assert await tier.forget_writes([key], namespace=NS) == 1
+        assert await tier.delete([key], namespace=NS) == 1
+        await asyncio.sleep(0.7)
+        assert redis_server.client().dbsize() == 0
