@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,9 @@ class SchedulerSide:
         self._pending_saves: dict[int, PendingSave] = {}
         self._next_save_id = 0
         self._step_started: tuple[float, int] | None = None
+        # names this engine in its reports: its counters are cumulative since it started,
+        # and the daemon counts them once however often the link reconnects
+        self.engine_id = uuid.uuid4().hex
         self.counters: dict[str, int] = {"skipped_slower_than_recompute": 0,
                                          "skipped_tokens_slower_than_recompute": 0,
                                          "lookups_without_round_trip": 0,
@@ -381,7 +385,8 @@ class SchedulerSide:
         else:
             values.update(context_tokens_p50=0.0, context_tokens_p99=0.0)
         # no round trip inside the engine's step: the reply is skipped by the next call
-        self.link.call(lambda c: c.report_engine_nowait(**values), None)
+        self.link.call(lambda c: c.report_engine_nowait(engine_id=self.engine_id, **values),
+                       None)
 
     def shutdown(self) -> None:
         self.link.close()

@@ -217,8 +217,9 @@ class AsyncKVTierClient:
     async def stats(self) -> dict[str, Any]:
         return await self._run(self._ops.op_stats())
 
-    async def report_engine(self, **values: float) -> None:
-        await self._run(self._ops.op_report(values))
+    async def report_engine(self, *, engine_id: str | None = None,
+                            **values: float) -> None:
+        await self._run(self._ops.op_report(values, engine_id))
 
     async def close(self) -> None:
         if self._reader_task is not None:

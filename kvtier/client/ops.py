@@ -366,8 +366,9 @@ class Ops:
         reply = yield {"op": "stats"}
         return reply["stats"]
 
-    def op_report(self, values: dict[str, float]) -> Op:
-        yield {"op": "report_engine", **values}
+    def op_report(self, values: dict[str, float], engine_id: str | None = None) -> Op:
+        yield {"op": "report_engine", **values,
+               **({"engine_id": engine_id} if engine_id else {})}
 
     @staticmethod
     def check_reply(reply: dict[str, Any]) -> dict[str, Any]:

@@ -247,16 +247,19 @@ class KVTierClient:
     def stats(self) -> dict[str, Any]:
         return self._run(self._ops.op_stats())
 
-    def report_engine(self, **values: float) -> None:
-        """Connector-side gauges (running, waiting, preemptions, context_tokens_p50/p99)."""
-        self._run(self._ops.op_report(values))
+    def report_engine(self, *, engine_id: str | None = None, **values: float) -> None:
+        """Connector-side gauges (running, waiting, context_tokens_p50/p99) and counters
+        (cumulative since the engine started; ``engine_id``, fixed for the engine's life,
+        lets the daemon count them once across reconnects)."""
+        self._run(self._ops.op_report(values, engine_id))
 
-    def report_engine_nowait(self, **values: float) -> None:
+    def report_engine_nowait(self, *, engine_id: str | None = None,
+                             **values: float) -> None:
         """``report_engine`` without waiting for its reply (the next call skips it, as it
         skips any reply that is not its own): an engine reports from inside its step."""
         if self._broken is not None:
             raise self._unusable()
-        (req,) = self._ops.op_report(values)
+        (req,) = self._ops.op_report(values, engine_id)
         assert isinstance(req, dict)
         self._send_nowait(req)
 

@@ -4,13 +4,17 @@ counters kept for the daemon's life.
 An engine reports cumulative counters (blocks loaded and saved, saves dropped,
 preemptions...). Summed over the engines connected at a scrape, they fell whenever an
 engine disconnected and were exported as gauges, so no ``rate()`` could be taken of them.
-Each report now adds what a counter grew by since that connection's last one (all of it
-after an engine restart) to a total that only grows: ``kvtier_engine_<name>_total``.
+Each report now adds what a counter grew by since that engine's last report (all of it
+after an engine restart) to a total that only grows: ``kvtier_engine_<name>_total``. An
+engine names itself (``engine_id``, fixed for its life), so a connection it opens again
+after a timeout does not count its whole history twice; one that does not is counted
+per connection.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,14 +32,24 @@ COUNTERS = ("preemptions", "requests_finished", "load_errors",
 """Cumulative per engine: kept as daemon-lifetime totals."""
 _MAXED = frozenset(("context_tokens_p50", "context_tokens_p99"))
 _LIMIT = 1e18
+MAX_ENGINES = 4096     # engines whose last counts are remembered past their connection
+MAX_ENGINE_ID = 64
 
 
 @dataclass(slots=True)
 class EngineReports:
     totals: dict[str, float] = field(default_factory=dict)
+    _last: OrderedDict[str, dict[str, float]] = field(default_factory=OrderedDict)
 
     def report(self, engine: dict[str, float], msg: Mapping[str, Any]) -> None:
         """Take one report of a connection (``engine``: what it reported last)."""
+        counted = engine
+        engine_id = msg.get("engine_id")
+        if isinstance(engine_id, str) and 0 < len(engine_id) <= MAX_ENGINE_ID:
+            counted = self._last.pop(engine_id, {})
+            self._last[engine_id] = counted          # the most recent last
+            if len(self._last) > MAX_ENGINES:
+                self._last.popitem(last=False)
         for name in (*GAUGES, *COUNTERS):   # finite numbers only: /v1/stats stays JSON
             value = msg.get(name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or \
@@ -43,9 +57,10 @@ class EngineReports:
                 continue
             value = float(value)
             if name in COUNTERS and value >= 0:
-                before = engine.get(name, 0.0)
+                before = counted.get(name, 0.0)
                 grew = value - before if value >= before else value   # a restarted engine
                 self.totals[name] = min(self.totals.get(name, 0.0) + grew, _LIMIT)
+                counted[name] = value
             engine[name] = value
 
     def summary(self, engines: Iterable[dict[str, float]]) -> dict[str, float]:

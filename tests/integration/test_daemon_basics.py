@@ -190,6 +190,27 @@ def test_keys_match_across_processes(seed: str) -> None:
     assert len(outs) == 1 and len(outs.pop().strip()) == 10 * 32
 
 
+def test_engine_counters_are_lifetime_totals_counted_once_per_engine(
+        daemon: DaemonProcess) -> None:
+    """An engine's cumulative counters: kept when its connection goes, and counted once
+    when the same engine (its ``engine_id``) reconnects; exported as counters."""
+    def metric(name: str) -> float:
+        with urllib.request.urlopen(daemon.http_url + "/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise AssertionError(f"{name} not exported")
+
+    before = metric("kvtier_engine_loaded_blocks_total") if "loaded_blocks" in \
+        daemon.stats()["connector"] else 0.0
+    with connect(daemon.socket) as c:
+        c.report_engine(engine_id="engine-a", loaded_blocks=100, running=2)
+    with connect(daemon.socket) as c:             # the link reconnected: same engine
+        c.report_engine(engine_id="engine-a", loaded_blocks=110, running=1)
+        assert daemon.stats()["connector"]["running"] == 1
+    assert metric("kvtier_engine_loaded_blocks_total") == before + 110
+
+
 def test_a_report_sent_without_waiting_lands_and_its_reply_is_skipped(
         daemon: DaemonProcess) -> None:
     """The connector reports from inside the engine's step without a round trip: the

@@ -25,6 +25,21 @@ def test_counters_add_what_they_grew_by_and_never_fall() -> None:
     assert reports.summary([a])["loaded_blocks"] == 21.0
 
 
+def test_an_engine_that_names_itself_is_counted_once_across_reconnects() -> None:
+    """The connector's link reconnects after a timeout without the engine restarting: on
+    the new connection, its cumulative counts added its whole history again (found by
+    review). With its ``engine_id`` only the growth counts."""
+    reports = EngineReports()
+    first: dict[str, float] = {}
+    reports.report(first, {"engine_id": "e1", "loaded_blocks": 100})
+    again: dict[str, float] = {}                     # a new connection, the same engine
+    reports.report(again, {"engine_id": "e1", "loaded_blocks": 110})
+    assert reports.totals["loaded_blocks"] == 110.0
+    other: dict[str, float] = {}
+    reports.report(other, {"engine_id": "e2", "loaded_blocks": 5})
+    assert reports.totals["loaded_blocks"] == 115.0
+
+
 def test_reports_take_finite_known_numbers_only() -> None:
     reports = EngineReports()
     e: dict[str, float] = {}
