@@ -347,15 +347,20 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
                  ENV_ALIASES, validate, implied)
 
 
-def implied(layer: dict[str, dict[str, Any]]) -> None:
-    """What one source's settings imply within that source: a ``redis.url`` turns the
-    Redis tier on, an ``nvme.bytes`` of 0 turns the nvme tier off (unless the same source
-    sets ``enabled``). A URL in the TOML file or ``KVTIER_REDIS_URL`` alone used to leave
-    the tier off without a word; only ``--redis-url`` turned it on."""
-    redis, nvme = layer.get("redis", {}), layer.get("nvme", {})
-    if redis.get("url") and "enabled" not in redis:
+def implied(values: dict[str, dict[str, Any]], source: dict[tuple[str, str], int]) -> None:
+    """What the settings imply: a ``redis.url`` turns the Redis tier on, an ``nvme.bytes``
+    of 0 turns the nvme tier off, unless ``enabled`` was set by a source as high (file <
+    env < flags). A URL in the TOML file or ``KVTIER_REDIS_URL`` alone used to leave the
+    tier off without a word (only ``--redis-url`` turned it on); and what a lower source
+    implied must not outlive a higher one that changed the value it came from (a file's
+    ``nvme.bytes = 0`` under ``--nvme-bytes 100GiB``)."""
+    def above(section: str, name: str) -> bool:
+        return source[(section, name)] > source.get((section, "enabled"), -1)
+
+    redis, nvme = values["redis"], values["nvme"]
+    if redis.get("url") and above("redis", "url"):
         redis["enabled"] = True
-    if "bytes" in nvme and nvme["bytes"] == 0 and "enabled" not in nvme:
+    if "bytes" in nvme and nvme["bytes"] == 0 and above("nvme", "bytes"):
         nvme["enabled"] = False
 
 

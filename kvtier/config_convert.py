@@ -225,29 +225,30 @@ def _env_layer(tree: type, environ: Mapping[str, str],
 def build(tree: type[T], path: str | Path | None, environ: Mapping[str, str],
           overrides: Mapping[str, Any], aliases: Mapping[str, tuple[str, str]],
           validate: Callable[[T], None],
-          imply: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> T:
+          imply: Callable[[dict[str, dict[str, Any]], dict[tuple[str, str], int]], None]
+          | None = None) -> T:
     """Defaults < TOML file < env < overrides (``section.field`` -> value, None = unset).
 
-    ``imply(layer)`` sees each source's settings (section -> field -> value) before they
-    are merged and may add what they imply within that source (a Redis URL turns the tier
-    on unless that source says otherwise), so a later source still overrides them."""
+    ``imply(values, source)`` sees the merged settings (section -> field -> value) and
+    which source set each (0 file, 1 env, 2 overrides) before the tree is built, and may
+    add what they imply (a Redis URL turns the tier on unless a source as high says
+    otherwise)."""
     known: type = tree
     chosen: dict[str, dict[str, Any]] = {section: {} for section in settings(known)}
+    source: dict[tuple[str, str], int] = {}
 
-    def take(layer: Iterator[tuple[Setting, Any, str]]) -> None:
-        got: dict[str, dict[str, Any]] = {section: {} for section in chosen}
-        for s, value, source in layer:
-            got[s.section][s.name] = convert_value(s, value, source)
-        if imply is not None:
-            imply(got)
-        for section, values in got.items():
-            chosen[section].update(values)
+    def take(layer: Iterator[tuple[Setting, Any, str]], rank: int) -> None:
+        for s, value, where in layer:
+            chosen[s.section][s.name] = convert_value(s, value, where)
+            source[(s.section, s.name)] = rank
 
     if path is not None:
-        take(_file_layer(tree, Path(path)))
-    take(_env_layer(tree, environ, aliases))
-    take((_lookup(tree, *dotted.partition(".")[::2], f"flag {dotted}"), value,
-          f"flag {dotted}") for dotted, value in overrides.items() if value is not None)
+        take(_file_layer(tree, Path(path)), 0)
+    take(_env_layer(tree, environ, aliases), 1)
+    take(((_lookup(tree, *dotted.partition(".")[::2], f"flag {dotted}"), value,
+           f"flag {dotted}") for dotted, value in overrides.items() if value is not None), 2)
+    if imply is not None:
+        imply(chosen, source)
     hints = typing.get_type_hints(tree)
     cfg = tree(**{section: hints[section](**values) for section, values in chosen.items()})
     validate(cfg)

@@ -86,6 +86,19 @@ def test_a_redis_url_in_the_file_or_the_environment_enables_redis_too(
                        overrides={"redis.enabled": False}).redis.enabled is False
 
 
+def test_what_a_lower_source_implied_does_not_outlive_a_higher_one(tmp_path: Path) -> None:
+    """A file's ``nvme.bytes = 0`` turned nvme off; ``--nvme-bytes 100GiB`` (or the env)
+    over it left it off, the bytes set and the tier disabled (found by review)."""
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text("[nvme]\nbytes = 0\n")
+    assert not load_config(toml, env={}).nvme.enabled
+    for cfg in (load_config(toml, env={}, overrides=overrides("--nvme-bytes", "100GiB")),
+                load_config(toml, env={"KVTIER_NVME_BYTES": "100GiB"})):
+        assert cfg.nvme.enabled and cfg.nvme.bytes == 100 * 2**30
+    toml.write_text("[nvme]\nbytes = 0\nenabled = true\n")   # said in the same source
+    assert load_config(toml, env={}).nvme.enabled
+
+
 def test_flag_values_go_through_the_same_conversion(tmp_path: Path) -> None:
     cfg = load_config(env={}, overrides=overrides("--cpu-bytes", "64MiB", "--http-port", "0",
                                                   "--eviction", "lru", "--data-dir",
