@@ -249,9 +249,11 @@ class SchedulerSide:
         """This step's loads (planned at allocation) and saves (blocks completed by it)."""
         meta = KVTierConnectorMetadata()
         meta.preempted = list(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        waits_for_saves = False   # the workers wait for a preempted request's saves
         for req_id in meta.preempted:
             state = self._states.get(req_id)
             if state is not None:
+                waits_for_saves |= state.saved_any
                 # the workers wait for its saves in this step (handle_preemptions) and
                 # forget them: its free is delayed only for saves made after it resumes.
                 # (vLLM delays the free of a request it aborts while loading for the load
@@ -286,7 +288,8 @@ class SchedulerSide:
         # the step times prefill only when the workers do not wait on kvtier in it: a
         # synchronous load, or a producer's synchronous saves (a failover's seconds read as
         # a prefill of 361 tokens/s), would make recomputing look slower than it is
-        waits = bool(meta.loads) or (self.config.producer and bool(meta.saves))
+        waits = bool(meta.loads) or waits_for_saves or (
+            self.config.producer and bool(meta.saves))
         self._step_started = None if waits else (
             started, scheduler_output.total_num_scheduled_tokens)
         self._maybe_report()

@@ -543,11 +543,13 @@ def test_the_scheduler_times_only_steps_without_kvtier_waits_and_reports_going_i
                   num_tokens=len(ids), cache_salt=None, mm_features=None,
                   prompt_embeds=None, lora_request=None)
 
-    def step(rid: str, pages: list[int], computed: int, n: int) -> KVTierConnectorMetadata:
+    def step(rid: str, pages: list[int], computed: int, n: int,
+             preempted: tuple[str, ...] = ()) -> KVTierConnectorMetadata:
         cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
                     num_computed_tokens=[])
         meta = sched.build_connector_meta(NS(
-            preempted_req_ids=[], num_scheduled_tokens={rid: n}, total_num_scheduled_tokens=n,
+            preempted_req_ids=list(preempted), num_scheduled_tokens={rid: n},
+            total_num_scheduled_tokens=n,
             scheduled_new_reqs=[NS(req_id=rid, block_ids=(pages,),
                                    num_computed_tokens=computed)],
             scheduled_cached_reqs=cached))
@@ -566,8 +568,16 @@ def test_the_scheduler_times_only_steps_without_kvtier_waits_and_reports_going_i
     b = request("B", tokens(22, 3), 300)
     assert sched.get_num_new_matched_tokens(b, 0)[0] == 0
     sched.update_state_after_alloc(b, NS(get_block_ids=lambda: ([],)), 0)
-    assert not step("B", list(range(10, 26)), 0, 3 * TPB + 300).loads
+    assert step("B", list(range(10, 26)), 0, 3 * TPB + 300).saves   # B saves its blocks
     assert sched.recompute.warmup_steps == 0                     # a clean prefill: timed
+    # a step that preempts B waits for B's saves in the workers first: not timed either
+    c = request("C", tokens(23, 3), 300)
+    assert sched.get_num_new_matched_tokens(c, 0)[0] == 0
+    sched.update_state_after_alloc(c, NS(get_block_ids=lambda: ([],)), 0)
+    measured = sched.recompute.measured_steps
+    step("C", list(range(30, 46)), 0, 3 * TPB + 300, preempted=("B",))
+    assert sched.recompute.measured_steps == measured
+    sched.request_finished(c)
 
     sched._maybe_report(force=True)
     deadline = time.monotonic() + 10
