@@ -110,5 +110,5 @@ class Demoter:
             nvme.stored(meta, slot, self.clock())
             return True
         finally:
-            meta.nvme_busy = False
+            nvme.unbusy(meta)
             self.cpu.refresh_pin(meta)

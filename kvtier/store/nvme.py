@@ -88,6 +88,14 @@ class NvmeResidency:
                 queued += 1
         return queued
 
+    def unbusy(self, meta: BlockMeta) -> None:
+        """A disk operation on ``meta``'s frame is over: it may be evicted again (an
+        eviction that met it busy pinned it in the policy, which nothing undid: the block
+        then stayed on nvme for good)."""
+        meta.nvme_busy = False
+        if meta.in_nvme and meta.key in self.policy:
+            self.policy.set_pinned(meta.key, False)
+
     def stored(self, meta: BlockMeta, slot: NvmeSlot, now: float) -> None:
         """``slot`` now holds ``meta``'s complete frame."""
         self.evicted.forget(slot)

@@ -54,15 +54,18 @@ class Promoter:
             return True
         if not meta.in_nvme or meta.nvme_busy:
             return False
+        # busy from here: the arena's eviction below may demote a block to nvme, whose own
+        # eviction must not pick this one (it was dropped from every tier while being read)
+        meta.nvme_busy = True
         off = await self.cpu.alloc(meta.nbytes)
         if off is None or meta.cpu_state is not SlotState.NONE or not meta.in_nvme:
+            self._unbusy(meta)
             if off is not None:
                 self.cpu.arena.free(off)
             return meta.cpu_state is not SlotState.NONE
         meta.cpu = off
         meta.set_cpu_state(SlotState.LOADING)
         meta.prefetched = prefetched
-        meta.nvme_busy = True
         if prefetched:
             self.prefetch.issued += 1
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -74,7 +77,7 @@ class Promoter:
         try:
             done = await self.transfers.move(TierName.NVME, TierName.CPU, Transfer([meta]))
         finally:
-            meta.nvme_busy = False
+            self._unbusy(meta)
         meta.loading = None
         ok = done.moved == 1
         if ok and meta.cpu == off:
@@ -87,6 +90,12 @@ class Promoter:
             self.blocks.forget_if_gone(meta)
         if not fut.done():
             fut.set_result(ok)
+
+    def _unbusy(self, meta: BlockMeta) -> None:
+        if self.nvme is not None:
+            self.nvme.unbusy(meta)
+        else:
+            meta.nvme_busy = False
 
     # -- redis -> cpu -------------------------------------------------------------------
     async def from_redis(self, ns: NamespaceEntry, rkeys: list[bytes], chain: list[bytes],

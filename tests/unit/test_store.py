@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -192,6 +193,48 @@ async def test_a_full_nvme_tier_that_evicts_to_make_room_counts_no_allocation_fa
     assert nvme.counters.evictions[EvictionReason.CAPACITY.value] == 5
     assert nvme.counters.allocation_failures == 0
     assert store.cpu.counters.allocation_failures == 0
+
+
+async def test_a_block_being_promoted_is_not_evicted_from_nvme_by_its_own_room(
+        store: TieredStore, nvme: NvmeTier, client: ArenaMapping) -> None:
+    """Promoting X needs an arena slot; evicting for it demotes a cpu-only block to a full
+    nvme tier, whose eviction picked X itself (the oldest there): X was gone from every
+    tier, read by nobody (found by a crash/fuzz reviewer). X is busy from the start."""
+    x = chain(1, start=500)[0]
+    assert await put(store, client, [x]) != [None]
+    for i in range(ARENA_BLOCKS + NVME_BLOCKS - 1):           # X is the oldest on nvme
+        assert await put(store, client, chain(1, start=600 + i)) != [None]
+    assert store.index[x].where == "nvme" and nvme.used_bytes == nvme.capacity_bytes
+    residency = store.nvme_residency
+    assert residency is not None
+
+    class XFirst:
+        """The nvme policy, offering X first (a choice a policy may well make)."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def victim(self) -> Any:
+            pinned = store.index[x].nvme_busy
+            return x if x in self.inner and not pinned else self.inner.victim()
+
+        def __contains__(self, key: object) -> bool:
+            return key in self.inner
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    residency.policy = XFirst(residency.policy)  # type: ignore[assignment]
+    result = await store.lookup(DIGEST, FP, [x], prefetch=True)
+    assert result.hits == 1
+    data = await get(store, client, [x])
+    assert data == [payload(x)]
+    # nvme evicted another block for the demotion, and X may be evicted again later
+    assert nvme.counters.evictions[EvictionReason.CAPACITY.value] >= 1
+    assert not store.index[x].nvme_busy
 
 
 async def test_lookup_promotes_nvme_blocks_back_into_the_arena(
