@@ -58,6 +58,13 @@ class EvictedFrames:
         return [s for s in self.by_key.get(key, ()) if self.by_slot[s][1] == namespace]
 
 
+MAX_PUNCH_ROUNDS = 8   # rounds of punching for one slot (others may take the room meanwhile)
+
+
+class _DiskShort(Exception):
+    """An allocation whose room lies in free slots of other files (punch, do not evict)."""
+
+
 @dataclass(slots=True, eq=False)
 class NvmeResidency:
     tier: NvmePort
@@ -71,10 +78,28 @@ class NvmeResidency:
         """A reserved slot, evicting by policy when needed; None (counted as an allocation
         failure) when nothing can go. A full tier that evicts to make room is a cache's
         normal state, not a failure: the alert on failures must not fire for it."""
-        slot = await allocate_with_eviction(lambda: self.tier.alloc(nbytes), self.policy,
-                                            self.on_victim)
+        tier = self.tier
+
+        def attempt() -> NvmeSlot | None:
+            slot = tier.alloc(nbytes)
+            if slot is None and tier.disk_short(nbytes):
+                raise _DiskShort   # the room is in free slots: punch them, evict nothing
+            return slot
+
+        for _ in range(MAX_PUNCH_ROUNDS):
+            try:
+                slot = await allocate_with_eviction(attempt, self.policy, self.on_victim)
+                break
+            except _DiskShort:
+                if not await tier.make_room(nbytes):
+                    break
+        else:
+            slot = None
+        if slot is None and tier.disk_short(nbytes):   # punching could not: evict for it
+            slot = await allocate_with_eviction(lambda: tier.alloc(nbytes), self.policy,
+                                                self.on_victim)
         if slot is None:
-            self.tier.counters.allocation_failures += 1
+            tier.counters.allocation_failures += 1
         return slot
 
     def erase_evicted(self, key: Key, namespace: bytes) -> int:

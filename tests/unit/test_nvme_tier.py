@@ -314,6 +314,8 @@ async def test_a_new_size_class_takes_the_room_of_free_slots_in_other_files(
         assert t.alloc(big) is None                        # full
         for slot, _ in stored[1:40:2]:                     # 20 free slots in the middle
             t.free(slot)
+        assert t.alloc(big) is None and t.disk_short(big) > 0   # alloc never punches: the
+        assert await t.make_room(big)                      # loop must not wait on it
         assert t.alloc(big) is not None                    # room enough, no eviction
         assert t.disk_bytes <= t.capacity_bytes
         assert physical_bytes(t.root) <= t.capacity_bytes
@@ -350,7 +352,11 @@ async def test_frames_written_into_punched_room_survive_a_restart(tmp_path: Path
         stored = [await put(t, i, block(rng, 4000), 4000) for i in range(64)]
         for slot, _ in stored[:62]:              # evicted: their frames stay on disk
             t.free(slot)
-        large = [await put(t, 1000 + j, block(rng, big), big) for j in range(bigs)]
+        large = []
+        for j in range(bigs):
+            if t.disk_short(big):
+                assert await t.make_room(big)
+            large.append(await put(t, 1000 + j, block(rng, big), big))
         live = {h.key for _, h in stored[62:]} | {h.key for _, h in large}
         assert t.stats_extra()["punched_slots"] > 0
     finally:

@@ -15,7 +15,7 @@ import ctypes
 import errno
 import os
 
-__all__ = ["HolesUnsupported", "punch_hole"]
+__all__ = ["HolesUnsupported", "punch_hole", "punch_run"]
 
 _PUNCH_HOLE = 0x02   # FALLOC_FL_PUNCH_HOLE (linux/falloc.h), only with:
 _KEEP_SIZE = 0x01    # FALLOC_FL_KEEP_SIZE: the file's length stays
@@ -51,3 +51,13 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     if err in (errno.EOPNOTSUPP, errno.ENOSYS):
         raise HolesUnsupported(err, os.strerror(err))
     raise OSError(err, os.strerror(err))
+
+
+def punch_run(fd: int, stride: int, run: list[int]) -> OSError | None:
+    """Punch the adjacent slots ``run`` (of ``stride`` bytes) out of ``fd``; the error, or
+    None. (Extents split on ext4 can take ms per call: run it off the event loop.)"""
+    try:
+        punch_hole(fd, run[0] * stride, len(run) * stride)
+    except OSError as exc:
+        return exc
+    return None

@@ -29,7 +29,7 @@ from kvtier.errors import KVTierError
 from kvtier.tiers.aligned import PAGE, round_up
 from kvtier.tiers.base import TierCounters
 from kvtier.tiers.nvme.frameio import FrameIO
-from kvtier.tiers.nvme.holes import HolesUnsupported, punch_hole
+from kvtier.tiers.nvme.holes import HolesUnsupported, punch_run
 from kvtier.trust import open_owned_file
 
 __all__ = ["FILE_RE", "NvmeSlot", "SizeClass", "SlotState", "SlotTable", "slot_bytes_for"]
@@ -104,7 +104,7 @@ class SlotTable:
         self.used = 0
         self.disk = 0
         self.stored = 0
-        self.punched = 0        # slots punched out so far (room made without evicting)
+        self.punched_slots = 0  # slots punched out so far (room made without evicting)
         self._holes_ok = True   # until the file system says it cannot punch
         self._io = io
         self._counters = counters
@@ -158,9 +158,10 @@ class SlotTable:
     # ------------------------------------------------------------------ slots
     def alloc(self, slot_bytes: int, settled: Callable[[NvmeSlot], bool]) -> NvmeSlot | None:
         """A reserved slot of ``slot_bytes``, or None when its footprint would take ``used``
-        or the files past capacity (an attempt: the store evicts and retries, and counts an
-        allocation failure only when eviction cannot make room). ``settled(slot)`` says
-        whether a slot has no disk operation queued (only those may be trimmed away)."""
+        or the files past capacity (an attempt: the store punches free slots out or evicts
+        and retries, and counts an allocation failure only when nothing makes room).
+        ``settled(slot)`` says whether a slot has no disk operation queued (only those may
+        be trimmed away). No disk I/O but a tail cut: punching runs in the tier's pool."""
         footprint = PAGE + slot_bytes
         if self.used + footprint > self.capacity:
             return None
@@ -183,62 +184,82 @@ class SlotTable:
         self.used += footprint
         return NvmeSlot(slot_bytes, index)
 
+    def disk_short(self, slot_bytes: int) -> int:
+        """Bytes of free slots to punch out before a ``slot_bytes`` slot fits: 0 when it
+        fits, or when ``used`` does not (only an eviction helps then), or without holes."""
+        footprint = PAGE + slot_bytes
+        if not self._holes_ok or self.used + footprint > self.capacity:
+            return 0
+        return max(0, self.disk + footprint - self.capacity)
+
     def fit_disk(self, settled: Callable[[NvmeSlot], bool]) -> bool:
-        """Bring the files within capacity (free tails cut, free slots punched out);
-        False when they cannot be (the file system has no holes). The start-up scan
-        counts every free slot below a file's tail as disk, holes included: this finds
-        out what is really free and punches it (a hole punched again stays a hole)."""
-        return self._disk_room(0, settled)
+        """Bring the files within capacity (free tails cut, free slots punched out, here:
+        the start-up scan, before any client); False when they cannot be (no holes). The
+        scan counts every free slot below a file's tail as disk, holes included: this
+        punches what is really free (a hole punched again stays a hole)."""
+        if self._disk_room(0, settled):
+            return True
+        plan = self.take_for_punch(self.disk - self.capacity, settled)
+        self.punched(plan, [punch_run(cls.fd, cls.stride, run) for cls, run in plan])
+        return self.disk <= self.capacity
 
     def _disk_room(self, footprint: int, settled: Callable[[NvmeSlot], bool]) -> bool:
-        """Whether the files can take ``footprint`` more bytes: free tails are cut first,
-        then free slots in the files' middles punched out (``used`` fits: the caller
-        checked), never a slot with a disk operation still queued."""
+        """Whether the files can take ``footprint`` more bytes, their free tails cut first
+        (never a slot with a disk operation still queued)."""
         if self.disk + footprint <= self.capacity:
             return True
         for cls in self.classes.values():
             self.trim(cls, settled)
-        if self.disk + footprint > self.capacity and self._holes_ok:
-            for cls in self.classes.values():
-                self._punch(cls, self.disk + footprint - self.capacity, settled)
-                if self.disk + footprint <= self.capacity:
-                    break
         return self.disk + footprint <= self.capacity
 
-    def _punch(self, cls: SizeClass, need: int, settled: Callable[[NvmeSlot], bool]) -> None:
-        """Punch out free slots of ``cls`` (adjacent ones in one call) until ``need`` bytes
-        of disk are given back or none is left."""
-        todo = sorted(i for i in cls.free if i not in cls.holes
-                      and settled(NvmeSlot(cls.slot_bytes, i)))
-        run: list[int] = []
-        for i in todo:
+    def take_for_punch(self, need: int, settled: Callable[[NvmeSlot], bool],
+                       ) -> list[tuple[SizeClass, list[int]]]:
+        """Free slots worth at least ``need`` bytes of disk (or all there are), as runs of
+        adjacent slots, the longest first (one call each); they leave the free lists until
+        ``punched`` gives them back, so nothing is handed out while the punch runs."""
+        if not self._holes_ok or need <= 0:
+            return []
+        runs: list[tuple[SizeClass, list[int]]] = []
+        for cls in self.classes.values():
+            todo = sorted(i for i in cls.free if i not in cls.holes
+                          and settled(NvmeSlot(cls.slot_bytes, i)))
+            for i in todo:
+                if runs and runs[-1][0] is cls and runs[-1][1][-1] == i - 1:
+                    runs[-1][1].append(i)
+                else:
+                    runs.append((cls, [i]))
+        runs.sort(key=lambda r: len(r[1]) * r[0].stride, reverse=True)
+        plan: list[tuple[SizeClass, list[int]]] = []
+        for cls, run in runs:
             if need <= 0:
                 break
-            if run and i != run[-1] + 1:
-                if not self._punch_run(cls, run):
-                    return
-                run = []
-            run.append(i)
-            need -= cls.stride
-        if run:
-            self._punch_run(cls, run)
+            plan.append((cls, run))
+            need -= len(run) * cls.stride
+        for cls in {id(c): c for c, _ in plan}.values():
+            taken = {i for c, run in plan if c is cls for i in run}
+            cls.free = [i for i in cls.free if i not in taken]
+            heapq.heapify(cls.free)
+        return plan
 
-    def _punch_run(self, cls: SizeClass, run: list[int]) -> bool:
-        try:
-            punch_hole(cls.fd, run[0] * cls.stride, len(run) * cls.stride)
-        except HolesUnsupported as exc:
-            self._holes_ok = False
-            log.warning("nvme tier: %s cannot punch holes (%s): a new size class may "
-                        "evict more than it needs", cls.path, exc.strerror)
-            return False
-        except OSError as exc:
-            self._counters.errors += 1
-            log.warning("nvme tier: cannot free slots of %s: %s", cls.path, exc.strerror)
-            return False
-        cls.holes.update(run)
-        self.disk -= len(run) * cls.stride
-        self.punched += len(run)
-        return True
+    def punched(self, plan: list[tuple[SizeClass, list[int]]],
+                outcomes: list[OSError | None]) -> None:
+        """The punches of ``take_for_punch`` are over (``outcomes``: None or the error,
+        per run): the slots go back to their free lists, holes where it succeeded."""
+        for (cls, run), err in zip(plan, outcomes, strict=True):
+            if err is None:
+                cls.holes.update(run)
+                self.disk -= len(run) * cls.stride
+                self.punched_slots += len(run)
+            elif isinstance(err, HolesUnsupported):
+                if self._holes_ok:
+                    log.warning("nvme tier: %s cannot punch holes (%s): a new size class "
+                                "may evict more than it needs", cls.path, err.strerror)
+                self._holes_ok = False
+            else:
+                self._counters.errors += 1
+                log.warning("nvme tier: cannot free slots of %s: %s", cls.path, err.strerror)
+            for i in run:
+                heapq.heappush(cls.free, i)
 
     def check(self, slot: NvmeSlot, *allowed: SlotState) -> SizeClass:
         """The class of ``slot`` when the slot is in one of the ``allowed`` states, else

@@ -32,6 +32,7 @@ from kvtier.tiers.base import TierCounters, TierName
 from kvtier.tiers.nvme.buffers import ZERO_PAGE
 from kvtier.tiers.nvme.frameio import FrameIO, PosixFrameIO
 from kvtier.tiers.nvme.health import DEFAULT_BACKOFF, WriteHealth
+from kvtier.tiers.nvme.holes import punch_run
 from kvtier.tiers.nvme.lock import lock_nvme_dir
 from kvtier.tiers.nvme.probe import DIRECT_MODES, choose_direct
 from kvtier.tiers.nvme.recovery import Recovered, recover
@@ -118,7 +119,7 @@ class NvmeTier:
         """Backend and health details merged into this tier's section of /v1/stats."""
         return {"io_backend": self._io.name, "io_backend_reason": self._io.reason,
                 "direct": self._slots.direct, "disk_bytes": self._slots.disk,
-                "punched_slots": self._slots.punched, **self._io.stats_extra(),
+                "punched_slots": self._slots.punched_slots, **self._io.stats_extra(),
                 **self._health.stats()}
 
     @property
@@ -227,6 +228,28 @@ class NvmeTier:
         counts an allocation failure if that cannot make room). Bookkeeping only."""
         self._require_open()
         return self._slots.alloc(slot_bytes_for(payload_len), self._settled)
+
+    def disk_short(self, payload_len: int) -> int:
+        """Bytes of free slots to punch out before ``payload_len`` fits (0: it fits, or
+        ``used`` does not and only an eviction helps)."""
+        self._require_open()
+        return self._slots.disk_short(slot_bytes_for(payload_len))
+
+    async def make_room(self, payload_len: int) -> bool:
+        """Punch free slots out of the files, in the pool, until ``payload_len`` fits
+        their disk (the room a new size class needs lies in other files' middles); False
+        when nothing was punched (none free, no holes here), so the store evicts. On the
+        event loop, 513 punches held every client 1.5 s on ext4 (extents split)."""
+        self._require_open()
+        assert self._pool is not None
+        plan = self._slots.take_for_punch(self.disk_short(payload_len), self._settled)
+        if not plan:
+            return False
+        jobs = [(cls.fd, cls.stride, run) for cls, run in plan]
+        outcomes = await asyncio.get_running_loop().run_in_executor(
+            self._pool, _punch_all, jobs)
+        self._slots.punched(plan, outcomes)
+        return any(err is None for err in outcomes)
 
     def free(self, slot: NvmeSlot, *, erase: bool = False) -> None:
         """Return a slot to its free list. ``erase=True`` (an explicit delete) also zeroes its
@@ -366,6 +389,10 @@ class NvmeTier:
         """No disk operation is still queued on ``slot`` (so its file range may be cut)."""
         pending = self._pending.get(slot)
         return pending is None or pending.done()
+
+
+def _punch_all(jobs: list[tuple[int, int, list[int]]]) -> list[OSError | None]:
+    return [punch_run(fd, stride, run) for fd, stride, run in jobs]
 
 
 def _erase_sync(fd: int, offset: int, prev: Future[Any] | None) -> int:
