@@ -55,7 +55,13 @@ class Demoter:
             self.cpu.keep(meta, self.clock())
             return
         if not meta.in_nvme and self.nvme is not None and self.admit(meta, TierName.NVME):
-            await self.persist(meta)
+            try:
+                await self.persist(meta)
+            except BaseException:
+                # a batch eviction took it out of the policy: back in, or it could never
+                # leave the arena again
+                self.cpu.keep(meta, self.clock())
+                raise
         if meta.readers or meta.cpu_state is not SlotState.READY:
             self.cpu.keep(meta, self.clock())
             return  # re-pinned while we were writing

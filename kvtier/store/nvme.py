@@ -86,6 +86,7 @@ class NvmeResidency:
                 raise _DiskShort   # the room is in free slots: punch them, evict nothing
             return slot
 
+        slot: NvmeSlot | None = None
         for _ in range(MAX_PUNCH_ROUNDS):
             try:
                 slot = await allocate_with_eviction(attempt, self.policy, self.on_victim)
@@ -93,8 +94,6 @@ class NvmeResidency:
             except _DiskShort:
                 if not await tier.make_room(nbytes):
                     break
-        else:
-            slot = None
         if slot is None and tier.disk_short(nbytes):   # punching could not: evict for it
             slot = await allocate_with_eviction(lambda: tier.alloc(nbytes), self.policy,
                                                 self.on_victim)

@@ -82,6 +82,8 @@ class SizeClass:
     free: list[int] = field(default_factory=list)
     busy: dict[int, SlotState] = field(default_factory=dict)
     holes: set[int] = field(default_factory=set)   # free slots punched out: no disk
+    punching: set[int] = field(default_factory=set)   # off the free list, being punched
+    erase_after: set[int] = field(default_factory=set)  # of those: erase if the punch fails
 
     @property
     def stride(self) -> int:
@@ -105,6 +107,7 @@ class SlotTable:
         self.disk = 0
         self.stored = 0
         self.punched_slots = 0  # slots punched out so far (room made without evicting)
+        self.punching_bytes = 0  # disk of the slots being punched now (given back soon)
         self._holes_ok = True   # until the file system says it cannot punch
         self._io = io
         self._counters = counters
@@ -185,8 +188,9 @@ class SlotTable:
         return NvmeSlot(slot_bytes, index)
 
     def disk_short(self, slot_bytes: int) -> int:
-        """Bytes of free slots to punch out before a ``slot_bytes`` slot fits: 0 when it
-        fits, or when ``used`` does not (only an eviction helps then), or without holes."""
+        """Bytes of disk to give back before a ``slot_bytes`` slot fits (punches in flight,
+        ``punching_bytes``, may already be giving them): 0 when it fits, or when ``used``
+        does not (only an eviction helps then), or without holes."""
         footprint = PAGE + slot_bytes
         if not self._holes_ok or self.used + footprint > self.capacity:
             return 0
@@ -200,7 +204,8 @@ class SlotTable:
         if self._disk_room(0, settled):
             return True
         plan = self.take_for_punch(self.disk - self.capacity, settled)
-        self.punched(plan, [punch_run(cls.fd, cls.stride, run) for cls, run in plan])
+        left = self.punched(plan, [punch_run(cls.fd, cls.stride, run) for cls, run in plan])
+        assert not left   # (no erase can be asked for during the scan)
         return self.disk <= self.capacity
 
     def _disk_room(self, footprint: int, settled: Callable[[NvmeSlot], bool]) -> bool:
@@ -214,9 +219,10 @@ class SlotTable:
 
     def take_for_punch(self, need: int, settled: Callable[[NvmeSlot], bool],
                        ) -> list[tuple[SizeClass, list[int]]]:
-        """Free slots worth at least ``need`` bytes of disk (or all there are), as runs of
-        adjacent slots, the longest first (one call each); they leave the free lists until
-        ``punched`` gives them back, so nothing is handed out while the punch runs."""
+        """Free slots worth ``need`` bytes of disk (or all there are), as runs of adjacent
+        slots, the longest first and the last cut to what is needed (one call each). They
+        leave the free lists until ``punched`` gives them back, so nothing is handed out
+        while the punch runs, and count in ``punching_bytes`` (``disk_short``)."""
         if not self._holes_ok or need <= 0:
             return []
         runs: list[tuple[SizeClass, list[int]]] = []
@@ -233,18 +239,24 @@ class SlotTable:
         for cls, run in runs:
             if need <= 0:
                 break
+            run = run[: -(-need // cls.stride)]
             plan.append((cls, run))
             need -= len(run) * cls.stride
         for cls in {id(c): c for c, _ in plan}.values():
             taken = {i for c, run in plan if c is cls for i in run}
             cls.free = [i for i in cls.free if i not in taken]
             heapq.heapify(cls.free)
+            cls.punching |= taken
+            self.punching_bytes += len(taken) * cls.stride
         return plan
 
     def punched(self, plan: list[tuple[SizeClass, list[int]]],
-                outcomes: list[OSError | None]) -> None:
+                outcomes: list[OSError | None]) -> list[tuple[SizeClass, NvmeSlot]]:
         """The punches of ``take_for_punch`` are over (``outcomes``: None or the error,
-        per run): the slots go back to their free lists, holes where it succeeded."""
+        per run): the slots go back to their free lists, holes where it succeeded. Returns
+        the slots of failed runs whose frames a delete asked to erase meanwhile (the punch
+        was to remove them): the caller erases them now."""
+        erase: list[tuple[SizeClass, NvmeSlot]] = []
         for (cls, run), err in zip(plan, outcomes, strict=True):
             if err is None:
                 cls.holes.update(run)
@@ -259,7 +271,14 @@ class SlotTable:
                 self._counters.errors += 1
                 log.warning("nvme tier: cannot free slots of %s: %s", cls.path, err.strerror)
             for i in run:
+                cls.punching.discard(i)
+                if i in cls.erase_after:
+                    cls.erase_after.discard(i)
+                    if err is not None:
+                        erase.append((cls, NvmeSlot(cls.slot_bytes, i)))
                 heapq.heappush(cls.free, i)
+            self.punching_bytes -= len(run) * cls.stride
+        return erase
 
     def check(self, slot: NvmeSlot, *allowed: SlotState) -> SizeClass:
         """The class of ``slot`` when the slot is in one of the ``allowed`` states, else

@@ -16,6 +16,7 @@ its thread is done with them (cancellation is re-raised afterwards, never swallo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -102,6 +103,7 @@ class NvmeTier:
         # pruned of finished erases only when it doubles: per erase, a drop of n orphans
         # cost O(n^2) done() checks, a 0.4-4 s stall of the event loop at 2047 orphans
         self._erasing_prune_at = ERASING_PRUNE_MIN
+        self._punches: set[asyncio.Future[None]] = set()   # make_room's punches in flight
         self._seq = 0
         self._lock_fd: int | None = None   # holds the nvme directory's lock while open
 
@@ -237,19 +239,38 @@ class NvmeTier:
 
     async def make_room(self, payload_len: int) -> bool:
         """Punch free slots out of the files, in the pool, until ``payload_len`` fits
-        their disk (the room a new size class needs lies in other files' middles); False
-        when nothing was punched (none free, no holes here), so the store evicts. On the
-        event loop, 513 punches held every client 1.5 s on ext4 (extents split)."""
+        their disk (the room a new size class needs lies in other files' middles), and
+        wait for the punches in flight (another allocation's included); False when none
+        runs (none free, no holes here), so the store evicts. On the event loop, 513
+        punches held every client 1.5 s on ext4 (extents split)."""
         self._require_open()
-        assert self._pool is not None
-        plan = self._slots.take_for_punch(self.disk_short(payload_len), self._settled)
-        if not plan:
+        need = self.disk_short(payload_len) - self._slots.punching_bytes
+        plan = self._slots.take_for_punch(need, self._settled)
+        if plan:   # a task of its own: a caller cancelled does not strand the slots
+            task = asyncio.ensure_future(self._punch(plan))
+            self._punches.add(task)
+            task.add_done_callback(self._punches.discard)
+        if not self._punches:
             return False
+        await asyncio.wait(list(self._punches))
+        return True
+
+    async def _punch(self, plan: list[tuple[SizeClass, list[int]]]) -> None:
+        assert self._pool is not None
         jobs = [(cls.fd, cls.stride, run) for cls, run in plan]
-        outcomes = await asyncio.get_running_loop().run_in_executor(
-            self._pool, _punch_all, jobs)
-        self._slots.punched(plan, outcomes)
-        return any(err is None for err in outcomes)
+        outcomes: list[OSError | None] = [OSError("punch not run")] * len(plan)
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, _punch_all, jobs)
+        try:
+            outcomes = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # the slots go back only once the punch is over: a write into one before it
+            # ended could be punched away
+            with contextlib.suppress(Exception):
+                outcomes = await fut
+            raise
+        finally:
+            for cls, slot in self._slots.punched(plan, outcomes):
+                self._queue_erase(cls, slot)
 
     def free(self, slot: NvmeSlot, *, erase: bool = False) -> None:
         """Return a slot to its free list. ``erase=True`` (an explicit delete) also zeroes its
@@ -270,7 +291,9 @@ class NvmeTier:
         cls = self._slots.classes.get(slot.slot_bytes)
         if cls is None or not 0 <= slot.index < cls.high_water or slot.index in cls.busy:
             return False
-        if slot.index not in cls.holes:    # a punched slot's frame is gone already
+        if slot.index in cls.punching:     # its punch removes the frame (or, failing, the
+            cls.erase_after.add(slot.index)    # erase is queued then: ``_punch``)
+        elif slot.index not in cls.holes:  # a punched slot's frame is gone already
             self._queue_erase(cls, slot)
         return True
 
