@@ -45,7 +45,9 @@ class EngineReports:
         """Take one report of a connection (``engine``: what it reported last)."""
         counted = engine
         engine_id = msg.get("engine_id")
+        named = False
         if isinstance(engine_id, str) and 0 < len(engine_id) <= MAX_ENGINE_ID:
+            named = True
             counted = self._last.pop(engine_id, {})
             self._last[engine_id] = counted          # the most recent last
             if len(self._last) > MAX_ENGINES:
@@ -58,9 +60,11 @@ class EngineReports:
             value = float(value)
             if name in COUNTERS and value >= 0:
                 before = counted.get(name, 0.0)
-                grew = value - before if value >= before else value   # a restarted engine
+                # a fall: a restarted engine, unless it is named (a new one has a new id:
+                # then it is a stale report, read late)
+                grew = value - before if value >= before else (0.0 if named else value)
                 self.totals[name] = min(self.totals.get(name, 0.0) + grew, _LIMIT)
-                counted[name] = value
+                counted[name] = max(value, before) if named else value
             engine[name] = value
 
     def summary(self, engines: Iterable[dict[str, float]]) -> dict[str, float]:

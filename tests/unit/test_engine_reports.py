@@ -38,6 +38,10 @@ def test_an_engine_that_names_itself_is_counted_once_across_reconnects() -> None
     other: dict[str, float] = {}
     reports.report(other, {"engine_id": "e2", "loaded_blocks": 5})
     assert reports.totals["loaded_blocks"] == 115.0
+    # the old connection's last report, read after the new one's: stale, not a restart
+    reports.report(first, {"engine_id": "e1", "loaded_blocks": 105})
+    reports.report(again, {"engine_id": "e1", "loaded_blocks": 120})
+    assert reports.totals["loaded_blocks"] == 125.0
 
 
 def test_reports_take_finite_known_numbers_only() -> None:
