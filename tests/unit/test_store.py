@@ -237,6 +237,25 @@ async def test_a_block_being_promoted_is_not_evicted_from_nvme_by_its_own_room(
     assert not store.index[x].nvme_busy
 
 
+async def test_a_victim_whose_demotion_fails_stays_evictable(
+        store: TieredStore, client: ArenaMapping, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch eviction takes its victims out of the policy first; one whose write to nvme
+    raised stayed in the arena but out of the policy, never evictable again."""
+    held = chain(ARENA_BLOCKS)
+    for k in held:
+        assert await put(store, client, [k]) != [None]
+
+    async def broken(self: object, meta: object, *, sync: bool = False) -> bool:
+        raise RuntimeError("nvme write path broke")
+
+    monkeypatch.setattr(type(store.demoter), "persist", broken)
+    with pytest.raises(RuntimeError):
+        await put(store, client, chain(2, start=900))   # evicts 2 at once
+    assert all(k in store.cpu.policy for k in held if store.index[k].in_cpu)
+    monkeypatch.undo()
+    assert await put(store, client, chain(2, start=900)) != [None, None]
+
+
 async def test_lookup_promotes_nvme_blocks_back_into_the_arena(
         store: TieredStore, nvme: NvmeTier, client: ArenaMapping) -> None:
     old, new = chain(2), chain(ARENA_BLOCKS, start=1)
