@@ -270,7 +270,8 @@ class NvmeTier:
             raise
         finally:
             for cls, slot in self._slots.punched(plan, outcomes):
-                self._queue_erase(cls, slot)
+                if self._pool is not None:   # (not closed meanwhile)
+                    self._queue_erase(cls, slot)
 
     def free(self, slot: NvmeSlot, *, erase: bool = False) -> None:
         """Return a slot to its free list. ``erase=True`` (an explicit delete) also zeroes its
