@@ -94,6 +94,8 @@ class NvmeResidency:
             except _DiskShort:
                 if not await tier.make_room(nbytes):
                     break
+        else:   # the last round made room: take it
+            slot = tier.alloc(nbytes)
         if slot is None and tier.disk_short(nbytes):   # punching could not: evict for it
             slot = await allocate_with_eviction(lambda: tier.alloc(nbytes), self.policy,
                                                 self.on_victim)

@@ -33,10 +33,12 @@ def key_of(i: int) -> bytes:
 
 class Full:
     """A tier full of 4 KiB frames, each in an LRU policy, with slots 10..29 freed (one
-    run of 20): room in ``used`` for two 64 KiB slots, none on disk without a punch."""
+    run of 20; ``freed`` others): room in ``used`` for two 64 KiB slots (by default), none
+    on disk without a punch."""
 
-    def __init__(self, root: Path) -> None:
-        self.tier = NvmeTier(root, N * (PAGE + 4096), direct="off", io_threads=2)
+    def __init__(self, root: Path, n: int = N, freed: range = range(10, 30)) -> None:
+        self.n, self.freed = n, freed
+        self.tier = NvmeTier(root, n * (PAGE + 4096), direct="off", io_threads=2)
         self.policy = LRUPolicy()
         self.slots: dict[bytes, NvmeSlot] = {}
         self.evicted: list[bytes] = []
@@ -44,7 +46,7 @@ class Full:
     async def fill(self) -> NvmeResidency:
         self.tier.open()
         rng = random.Random(1)
-        for i in range(N):
+        for i in range(self.n):
             slot = self.tier.alloc(SMALL)
             assert slot is not None
             buf = aligned_buffer(NvmeTier.slot_bytes_for(SMALL))
@@ -53,7 +55,7 @@ class Full:
                                                     seq=self.tier.next_seq()), buf)
             self.slots[key_of(i)] = slot
             self.policy.insert(key_of(i), nbytes=SMALL, parent=None, depth=0, now=float(i))
-        for i in range(10, 30):
+        for i in self.freed:
             self.tier.free(self.slots.pop(key_of(i)))
             self.policy.remove(key_of(i))
 
@@ -79,6 +81,58 @@ async def test_concurrent_allocations_share_a_punch_and_evict_nothing(full: Full
     assert full.evicted == []          # the second evicted every block while the first's
     assert full.tier.disk_bytes <= full.tier.capacity_bytes      # punch ran
     assert full.tier.counters.allocation_failures == 0
+
+
+async def test_a_batch_of_concurrent_allocations_shares_the_punches(tmp_path: Path) -> None:
+    """Room was made for one waiting allocation at a time: the 8th of a batch (cpu
+    evictions go 16 at a time) ran out of rounds, failed with room made, or evicted
+    every block."""
+    full = Full(tmp_path / "nvme", n=400, freed=range(100, 300))
+    try:
+        res = await full.fill()
+        slots = await asyncio.gather(*(res.alloc(BIG) for _ in range(16)))
+        assert None not in slots and len(set(slots)) == 16
+        assert full.evicted == [] and full.tier.counters.allocation_failures == 0
+        assert full.tier.disk_bytes <= full.tier.capacity_bytes
+    finally:
+        full.tier.close()
+
+
+async def test_a_free_slot_with_its_disk_is_taken_before_a_hole(full: Full) -> None:
+    """After a partial punch the lowest free slots are holes: a small slot was refused
+    (and cost a punch or an eviction) though higher free slots still had their disk."""
+    await full.fill()
+    assert await full.tier.make_room(BIG)                # punches slots 10.. (9 of them)
+    assert full.tier.alloc(BIG) is not None              # ... and takes that disk
+    assert full.tier.disk_bytes + PAGE + 4096 > full.tier.capacity_bytes
+    slot = full.tier.alloc(SMALL)                        # no disk for a hole: a whole slot
+    assert slot is not None and slot.index >= 19
+
+
+async def test_a_delete_answers_only_after_the_punch_of_its_slot(
+        full: Full, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``erased()`` (what a delete awaits before it answers) did not wait for a punch
+    in flight that was to remove the frame: a crash then brought the block back."""
+    await full.fill()
+    tier = full.tier
+    gate = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    real = nvme_holes.punch_hole
+
+    def gated(fd: int, offset: int, length: int) -> None:
+        asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(10)
+        real(fd, offset, length)
+
+    monkeypatch.setattr(nvme_holes, "punch_hole", gated)
+    room = asyncio.ensure_future(tier.make_room(BIG))
+    await asyncio.sleep(0.05)
+    assert tier.erase_free(NvmeSlot(4096, 10))
+    answered = asyncio.ensure_future(tier.erased())
+    await asyncio.sleep(0.1)
+    assert not answered.done()                           # the punch is not over yet
+    gate.set()
+    await answered
+    assert await room
 
 
 async def test_a_punch_that_fails_falls_back_to_evicting(

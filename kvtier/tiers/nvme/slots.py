@@ -174,9 +174,17 @@ class SlotTable:
             if index in cls.holes:                # reused: it takes disk again
                 if not self._disk_room(footprint, settled):
                     heapq.heappush(cls.free, index)
-                    return None
-                cls.holes.discard(index)
-                self.disk += footprint
+                    # a free slot that kept its disk needs none (the lowest is a hole
+                    # after a partial punch: refusing cost an eviction or a punch)
+                    whole = min((i for i in cls.free if i not in cls.holes), default=None)
+                    if whole is None:
+                        return None
+                    cls.free.remove(whole)
+                    heapq.heapify(cls.free)
+                    index = whole
+                else:
+                    cls.holes.discard(index)
+                    self.disk += footprint
         else:
             if not self._disk_room(footprint, settled):
                 return None

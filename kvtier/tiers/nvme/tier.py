@@ -104,6 +104,7 @@ class NvmeTier:
         # cost O(n^2) done() checks, a 0.4-4 s stall of the event loop at 2047 orphans
         self._erasing_prune_at = ERASING_PRUNE_MIN
         self._punches: set[asyncio.Future[None]] = set()   # make_room's punches in flight
+        self._wanted = 0   # bytes of disk the allocations waiting in make_room need
         self._seq = 0
         self._lock_fd: int | None = None   # holds the nvme directory's lock while open
 
@@ -244,21 +245,31 @@ class NvmeTier:
         runs (none free, no holes here), so the store evicts. On the event loop, 513
         punches held every client 1.5 s on ext4 (extents split)."""
         self._require_open()
-        need = self.disk_short(payload_len) - self._slots.punching_bytes
-        plan = self._slots.take_for_punch(need, self._settled)
-        if plan:   # a task of its own: a caller cancelled does not strand the slots
-            task = asyncio.ensure_future(self._punch(plan))
-            self._punches.add(task)
-            task.add_done_callback(self._punches.discard)
-        if not self._punches:
-            return False
-        await asyncio.wait(list(self._punches))
-        return True
+        footprint = PAGE + slot_bytes_for(payload_len)
+        # what the allocations waiting here with this one still need counts too: room
+        # made for one at a time, the 8th of a batch of evictions ran out of rounds
+        self._wanted += footprint
+        try:
+            need = (self.disk_short(payload_len) + self._wanted - footprint
+                    - self._slots.punching_bytes)
+            plan = self._slots.take_for_punch(need, self._settled)
+            if plan:   # a task of its own: a caller cancelled does not strand the slots
+                task = asyncio.ensure_future(self._punch(plan))
+                self._punches.add(task)
+                task.add_done_callback(self._punches.discard)
+            if not self._punches:
+                return False
+            await asyncio.wait(list(self._punches))
+            return True
+        finally:
+            self._wanted -= footprint
 
     async def _punch(self, plan: list[tuple[SizeClass, list[int]]]) -> None:
-        assert self._pool is not None
-        jobs = [(cls.fd, cls.stride, run) for cls, run in plan]
         outcomes: list[OSError | None] = [OSError("punch not run")] * len(plan)
+        if self._pool is None:   # closed before this task's first step
+            self._slots.punched(plan, outcomes)
+            return
+        jobs = [(cls.fd, cls.stride, run) for cls, run in plan]
         fut = asyncio.get_running_loop().run_in_executor(self._pool, _punch_all, jobs)
         try:
             outcomes = await asyncio.shield(fut)
@@ -309,7 +320,11 @@ class NvmeTier:
 
     async def erased(self) -> None:
         """Wait until every erase queued so far is on disk (or failed, logged): a delete
-        answers after it, so a crash right after cannot bring the block back."""
+        answers after it, so a crash right after cannot bring the block back. A frame in a
+        slot being punched is gone with the punch (or erased when it fails): the punches
+        in flight are waited for first."""
+        if self._punches:
+            await asyncio.wait(list(self._punches))
         todo, self._erasing = self._erasing, []
         if todo:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in todo),
