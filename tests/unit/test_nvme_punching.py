@@ -195,3 +195,43 @@ async def test_a_cancelled_caller_does_not_strand_the_slots_being_punched(
         await asyncio.sleep(0.01)
     assert tier.alloc(BIG) is not None                 # its room is there, no slot lost
     assert tier.stats_extra()["punched_slots"] > 0
+
+
+async def test_two_deletes_behind_a_punch_each_wait_for_their_own_erase(
+        full: Full, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both waited for the punch; the first to wake took every queued erase, the second
+    found none and answered with its erase not yet on disk (found by review)."""
+    import threading
+
+    from kvtier.tiers.nvme import tier as tier_module
+
+    await full.fill()
+    tier = full.tier
+    punch_gate, erase_gate = threading.Event(), threading.Event()
+    real_punch, real_erase = nvme_holes.punch_hole, tier_module._erase_sync
+
+    def gated_punch(fd: int, offset: int, length: int) -> None:
+        punch_gate.wait(10)
+        real_punch(fd, offset, length)
+
+    def gated_erase(fd: int, offset: int, prev: object) -> int:
+        erase_gate.wait(10)
+        return real_erase(fd, offset, prev)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nvme_holes, "punch_hole", gated_punch)
+    monkeypatch.setattr(tier_module, "_erase_sync", gated_erase)
+    room = asyncio.ensure_future(tier.make_room(BIG))
+    await asyncio.sleep(0.05)
+    tier.free(full.slots.pop(key_of(40)), erase=True)
+    first = asyncio.ensure_future(tier.erased())
+    await asyncio.sleep(0.01)
+    tier.free(full.slots.pop(key_of(41)), erase=True)
+    second = asyncio.ensure_future(tier.erased())
+    await asyncio.sleep(0.05)
+    punch_gate.set()
+    await asyncio.sleep(0.2)
+    assert not first.done() and not second.done()   # the erases are not on disk yet
+    erase_gate.set()
+    await first
+    await second
+    assert await room

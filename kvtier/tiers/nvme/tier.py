@@ -266,8 +266,7 @@ class NvmeTier:
 
     async def _punch(self, plan: list[tuple[SizeClass, list[int]]]) -> None:
         outcomes: list[OSError | None] = [OSError("punch not run")] * len(plan)
-        if self._pool is None:   # closed before this task's first step
-            self._slots.punched(plan, outcomes)
+        if self._pool is None:   # closed before this task's first step: nothing to undo
             return
         jobs = [(cls.fd, cls.stride, run) for cls, run in plan]
         fut = asyncio.get_running_loop().run_in_executor(self._pool, _punch_all, jobs)
@@ -325,7 +324,9 @@ class NvmeTier:
         in flight are waited for first."""
         if self._punches:
             await asyncio.wait(list(self._punches))
-        todo, self._erasing = self._erasing, []
+        # every erase not yet done, another delete's too: taking them away (as before)
+        # let a second delete that had waited answer before its own erase was on disk
+        todo = self._erasing = [f for f in self._erasing if not f.done()]
         if todo:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in todo),
                                  return_exceptions=True)
