@@ -259,27 +259,27 @@ class ControlServer(ControlOps):
             log.warning("refused %d connections so far: %d open is the limit "
                         "(daemon.max_connections)", refused,
                         self.limits.max_connections)
-        with contextlib.suppress(Exception):
-            writer.write(pack({"id": 0, "ok": False, "code": Overloaded.code,
-                               "error": f"the daemon already serves its limit of "
-                                        f"{self.limits.max_connections} connections "
-                                        "(daemon.max_connections): retry later"}))
-            writer.write_eof()
-            async with asyncio.timeout(min(1.0, self.limits.read_timeout_s)):
-                await writer.drain()
-                await reader.read(STREAM_LIMIT)  # the hello lands before we close: no EPIPE
+        await self._refuse_with(reader, writer, Overloaded.code,
+                                f"the daemon already serves its limit of "
+                                f"{self.limits.max_connections} connections "
+                                "(daemon.max_connections): retry later")
 
     async def _refuse_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            uid: int) -> None:
         """Another user's process: told why in one typed reply (it got "connection dropped
         during the hello" before), nothing else, then closed."""
+        await self._refuse_with(reader, writer, TrustError.code,
+                                f"the kvtier daemon at {self.socket_path} runs as uid "
+                                f"{os.getuid()} and serves only that user's processes, not "
+                                f"uid {uid}: run the engine as uid {os.getuid()}, or start "
+                                "a daemon of your own (`kvtier serve --socket PATH`)")
+
+    async def _refuse_with(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           code: str, error: str) -> None:
+        """One typed reply to a connection the daemon will not serve, then the end; what
+        the client sent is read first (the hello lands before we close: no EPIPE)."""
         with contextlib.suppress(Exception):
-            writer.write(pack({"id": 0, "ok": False, "code": TrustError.code,
-                               "error": f"the kvtier daemon at {self.socket_path} runs as uid "
-                                        f"{os.getuid()} and serves only that user's "
-                                        f"processes, not uid {uid}: run the engine as uid "
-                                        f"{os.getuid()}, or start a daemon of your own "
-                                        "(`kvtier serve --socket PATH`)"}))
+            writer.write(pack({"id": 0, "ok": False, "code": code, "error": error}))
             writer.write_eof()
             async with asyncio.timeout(min(1.0, self.limits.read_timeout_s)):
                 await writer.drain()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -34,6 +34,9 @@ SET_BATCH_BYTES = 32 << 20        # bytes: what was queued goes out as one pipel
                                   # is 32 ms)
 
 
+PROGRESS_POLL_S = 0.1   # longest wait between looks at the write queue's state
+
+
 class RedisWrites(RedisReads):
     """Writes of the Redis tier: ``submit``, ``written``, ``flush`` (base of ``RedisTier``)."""
 
@@ -43,18 +46,7 @@ class RedisWrites(RedisReads):
         Returns at once (False) while the tier is down: nothing can drain until it is
         back, and a SIGTERM drain must not hang on a dead Redis.
         """
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while len(self._queue) or self._writing:
-            if not self._up or self._closed:
-                return False
-            wait = 0.1 if deadline is None else min(0.1, deadline - loop.time())
-            if wait <= 0:
-                return False
-            self._progress.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), wait)
-        return True
+        return await self._until(lambda: not (len(self._queue) or self._writing), timeout)
 
     async def forget_writes(self, keys: Sequence[bytes], *, namespace: bytes) -> int:
         """Before a delete of ``keys``: their writes still queued are dropped (borrowed
@@ -67,15 +59,8 @@ class RedisWrites(RedisReads):
         # every write being sent counts, not only a key's newest (a queued newer write of
         # the key, just cancelled, would hide an older one in flight: its SET landed after
         # the DEL)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.op_timeout_s
-        while self._up and any(k in self._sending for k in rkeys):
-            wait = min(0.1, deadline - loop.time())
-            if wait <= 0:
-                break
-            self._progress.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), wait)
+        await self._until(lambda: not any(k in self._sending for k in rkeys),
+                          self.cfg.op_timeout_s)
         return dropped
 
     async def room(self, n: int, timeout: float) -> int:
@@ -86,18 +71,28 @@ class RedisWrites(RedisReads):
         its own head out of it."""
         queue = self._queue
         want = min(n, queue.capacity)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(0.0, timeout)
-        while queue.capacity - len(queue) < want:
-            left = deadline - loop.time()
-            if not self._up or self._closed or left <= 0:
-                break
-            self._progress.clear()   # set when a batch is taken off the queue, and over
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), min(left, 0.1))
+        await self._until(lambda: queue.capacity - len(queue) >= want, max(0.0, timeout))
         if not self._up or self._closed:
             return 0
         return max(0, queue.capacity - len(queue))
+
+    async def _until(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``done()``, woken by ``_progress`` (set when a batch is taken off the
+        queue, and when it is over) or every ``PROGRESS_POLL_S``; False when the tier is
+        down or closed, or ``timeout`` passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not done():
+            if not self._up or self._closed:
+                return False
+            wait = PROGRESS_POLL_S if deadline is None else min(PROGRESS_POLL_S,
+                                                                 deadline - loop.time())
+            if wait <= 0:
+                return False
+            self._progress.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), wait)
+        return True
 
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
                seq: int = 0, release: Release | None = None,

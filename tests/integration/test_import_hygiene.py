@@ -7,6 +7,14 @@ import subprocess
 import sys
 
 
+def fresh_python(code: str) -> str:
+    """``code``'s output in a fresh interpreter; it must exit 0."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
 def test_no_gpu_library_is_imported_at_module_top() -> None:
     code = ("import sys, kvtier.tiers.nvme.backends, kvtier.tiers.nvme.kvikio_io, "
             "kvtier.tiers.hbm, kvtier.tiers.nvme, kvtier.daemon.service\n"
@@ -19,10 +27,7 @@ def test_import_needs_no_torch_or_cupy():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['cupy'] = None; "
             "import kvtier.kernels, kvtier.kernels.cuda, kvtier.kernels.cuda_stream; "
             "print(kvtier.kernels.PagedLayout.CPU.value)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "cpu"
+    assert fresh_python(code) == "cpu"
 
 
 def test_the_redis_tier_needs_no_redis_py() -> None:
@@ -33,7 +38,4 @@ def test_the_redis_tier_needs_no_redis_py() -> None:
             "from kvtier.config import Config\n"
             "from kvtier.daemon.parts import make_redis\n"
             "print(type(make_redis(Config())).__name__)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "RedisTier"
+    assert fresh_python(code) == "RedisTier"
