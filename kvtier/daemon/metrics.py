@@ -40,6 +40,9 @@ _TIER_COUNTERS = {
     "redirects": ("kvtier_redis_redirects", "Keys asked again at the server a Redis Cluster "
                   "MOVED or ASK named (slot moved or being migrated)"),
 }
+# counters only some tiers have: a tier that does not report one gets no series for it
+# (a Redis redirect count of 0 for the cpu tier would read as "no reshard seen")
+_TIER_OWN = frozenset({"redirects"})
 
 
 class KVTierCollector:
@@ -74,7 +77,8 @@ class KVTierCollector:
             for key, fam in gauges.items():
                 fam.add_metric([name], float(t.get(key, 0)))
             for key, counter in counters.items():
-                counter.add_metric([name], float(t.get(key, 0)))
+                if key in t or key not in _TIER_OWN:
+                    counter.add_metric([name], float(t.get(key, 0)))
             for reason, n in t.get("evictions", {}).items():
                 evictions.add_metric([name, reason], float(n))
         yield from gauges.values()
@@ -87,7 +91,7 @@ class KVTierCollector:
         yield moved
         req = s.get("requests", {})
         for key in ("lookups", "lookup_blocks", "hit_blocks", "lookup_tokens", "hit_tokens",
-                    "puts", "put_blocks", "gets", "get_blocks", "deletes", "lease_expired",
+                    "puts", "put_blocks", "gets", "get_blocks", "deletes",
                     "namespace_mismatch", "layout_mismatch", "redis_budget_misses"):
             yield CounterMetricFamily(f"kvtier_requests_{key}", f"Connector requests: {key}",
                                       value=float(req.get(key, 0)))
