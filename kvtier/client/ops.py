@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import select
 import time
 from collections.abc import Generator, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.client.hello import mapped
 from kvtier.client.replies import LookupResult, slot_offsets
 from kvtier.errors import (
     BufferSizeError,
@@ -37,7 +37,6 @@ from kvtier.keys import BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality
 from kvtier.presence import PresenceView
-from kvtier.protocol import PROTOCOL_VERSION
 from kvtier.tiers.arena_mapping import ArenaMapping
 
 MAX_REPLY = 64 * 2**20
@@ -384,35 +383,10 @@ class Ops:
 
     def on_hello(self, reply: dict[str, Any], arena_fd: int | None = None,
                  daemon_uid: int | None = None, presence_fd: int | None = None) -> None:
-        """Map the arena the hello announced (``arena_fd`` when the daemon passed one, taken
-        over here) as a file of ``daemon_uid`` (default: ours); keep the HBM pool info; map
-        the presence filter (``presence_fd``, taken over) when the daemon passed one."""
-        try:
-            if reply.get("version") != PROTOCOL_VERSION:
-                raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
-                                     f"{PROTOCOL_VERSION}")
-            arena = reply.get("arena")
-            if not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
-                    and isinstance(arena.get("size"), int)):
-                raise ProtocolError(f"hello reply has no valid arena: {arena!r}")
-        except BaseException:
-            for fd in (arena_fd, presence_fd):
-                if fd is not None:
-                    os.close(fd)
-            raise
-        try:
-            self.arena = ArenaMapping(arena["path"], int(arena["size"]), fd=arena_fd,
-                                      owner_uid=daemon_uid)
-        except BaseException:
-            if presence_fd is not None:
-                os.close(presence_fd)
-            raise
-        if presence_fd is not None:
-            self.presence = open_presence(presence_fd, reply.get("presence"),
-                                          os.getuid() if daemon_uid is None else daemon_uid)
-        self.arena_path = str(arena["path"])
-        hbm = reply.get("hbm")
-        self.hbm_info = hbm if isinstance(hbm, dict) and hbm.get("handle") else None
+        """Take what the hello announced (kvtier.client.hello.mapped)."""
+        m = mapped(reply, arena_fd, daemon_uid, presence_fd)
+        self.arena, self.presence, self.arena_path, self.hbm_info = (
+            m.arena, m.presence, m.arena_path, m.hbm_info)
 
 
 def map_arena(ops: Ops, hello: Hello, path: str) -> None:
@@ -422,18 +396,3 @@ def map_arena(ops: Ops, hello: Hello, path: str) -> None:
         ops.on_hello(hello.reply, hello.arena_fd, hello.peer.uid, hello.presence_fd)
     except OSError as exc:
         raise DaemonUnavailable(f"cannot map the arena of the daemon at {path}: {exc}") from None
-
-
-def open_presence(fd: int, announced: Any, daemon_uid: int) -> PresenceView | None:
-    """The daemon's presence filter as a read-only view, or None (logged) when it is not
-    what the daemon announced: the filter only spares round trips, so a client works
-    without it (``fd`` is taken over either way)."""
-    if not isinstance(announced, dict):
-        os.close(fd)
-        log.warning("not using the daemon's presence filter: announced as %r", announced)
-        return None
-    try:
-        return PresenceView(fd, announced, daemon_uid)   # closes fd whatever happens
-    except (KVTierError, OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("not using the daemon's presence filter: %s", exc)
-        return None

@@ -1,0 +1,81 @@
+"""What a client maps from the daemon's hello: the arena and the presence filter.
+
+The hello reply announces the arena (path and size) and, when the daemon passed them, the
+descriptors of the arena and of its presence filter; the HBM pool's info rides along. This
+module checks the announcement and maps them; ``Ops.on_hello`` keeps the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import HandshakeError, KVTierError, ProtocolError
+from kvtier.presence import PresenceView
+from kvtier.protocol import PROTOCOL_VERSION
+from kvtier.tiers.arena_mapping import ArenaMapping
+
+log = logging.getLogger("kvtier.client")
+
+
+@dataclass(frozen=True, slots=True)
+class Mapped:
+    """The arena mapped, the presence filter (None when absent or unusable), the arena's
+    path (engines share one map) and the HBM pool's info (None without one)."""
+
+    arena: ArenaMapping
+    presence: PresenceView | None
+    arena_path: str
+    hbm_info: dict[str, Any] | None
+
+
+def mapped(reply: dict[str, Any], arena_fd: int | None = None,
+           daemon_uid: int | None = None, presence_fd: int | None = None) -> Mapped:
+    """Map the arena the hello announced (``arena_fd`` when the daemon passed one, taken
+    over here) as a file of ``daemon_uid`` (default: ours), and the presence filter
+    (``presence_fd``, taken over) when the daemon passed one. Both descriptors are closed
+    when this raises."""
+    try:
+        if reply.get("version") != PROTOCOL_VERSION:
+            raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
+                                 f"{PROTOCOL_VERSION}")
+        arena = reply.get("arena")
+        if not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
+                and isinstance(arena.get("size"), int)):
+            raise ProtocolError(f"hello reply has no valid arena: {arena!r}")
+    except BaseException:
+        for fd in (arena_fd, presence_fd):
+            if fd is not None:
+                os.close(fd)
+        raise
+    try:
+        mapping = ArenaMapping(arena["path"], int(arena["size"]), fd=arena_fd,
+                               owner_uid=daemon_uid)
+    except BaseException:
+        if presence_fd is not None:
+            os.close(presence_fd)
+        raise
+    presence = None
+    if presence_fd is not None:
+        presence = open_presence(presence_fd, reply.get("presence"),
+                                 os.getuid() if daemon_uid is None else daemon_uid)
+    hbm = reply.get("hbm")
+    return Mapped(mapping, presence, str(arena["path"]),
+                  hbm if isinstance(hbm, dict) and hbm.get("handle") else None)
+
+
+def open_presence(fd: int, announced: Any, daemon_uid: int) -> PresenceView | None:
+    """The daemon's presence filter as a read-only view, or None (logged) when it is not
+    what the daemon announced: the filter only spares round trips, so a client works
+    without it (``fd`` is taken over either way)."""
+    if not isinstance(announced, dict):
+        os.close(fd)
+        log.warning("not using the daemon's presence filter: announced as %r", announced)
+        return None
+    try:
+        return PresenceView(fd, announced, daemon_uid)   # closes fd whatever happens
+    except (KVTierError, OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("not using the daemon's presence filter: %s", exc)
+        return None
