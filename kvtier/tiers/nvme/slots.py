@@ -175,10 +175,11 @@ class SlotTable:
                 if not self._disk_room(footprint, settled):
                     heapq.heappush(cls.free, index)
                     # a free slot that kept its disk needs none (the lowest is a hole
-                    # after a partial punch: refusing cost an eviction or a punch)
-                    whole = min((i for i in cls.free if i not in cls.holes), default=None)
-                    if whole is None:
+                    # after a partial punch: refusing cost an eviction or a punch); holes
+                    # are all free, so none is left when they are as many as the free slots
+                    if len(cls.free) <= len(cls.holes):
                         return None
+                    whole = next(i for i in cls.free if i not in cls.holes)
                     cls.free.remove(whole)
                     heapq.heapify(cls.free)
                     index = whole
