@@ -78,8 +78,10 @@ def _mpt_kv_heads(cfg: dict[str, Any], heads: int, source: str) -> int:
 def mlp_width(cfg: dict[str, Any], hidden: int, source: str) -> int:
     """The dense MLP's inner width: ``intermediate_size``, or Falcon's ``ffn_hidden_size``,
     GPT-2's ``n_inner``, OPT's ``ffn_dim``, MPT's ``expansion_ratio`` x ``d_model``; else
-    4 x hidden (every one of those configs' default)."""
-    for key in ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim"):
+    4 x hidden (every one of those configs' default). Llama-4's ``intermediate_size_mlp``
+    comes first: its dense layers' width, where ``intermediate_size`` is the experts'."""
+    for key in ("intermediate_size_mlp", "intermediate_size", "ffn_hidden_size", "n_inner",
+                "ffn_dim"):
         width = opt_int(cfg, key, source)
         if width:
             return width

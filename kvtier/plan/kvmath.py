@@ -2,7 +2,9 @@
 
 KV bytes = layers x tokens x KV width x bytes per element, where the KV width of a
 layer is 2 x kv_heads x head_dim for MHA/GQA/MQA (K and V, KV heads not attention
-heads) and kv_lora_rank + qk_rope_head_dim for MLA (one latent, no separate K and V).
+heads) and kv_lora_rank + qk_rope_head_dim for MLA (one latent, no separate K and V),
+plus, with DeepSeek-V3.2's sparse attention, the indexer's fp8 key and scales
+(kvtier.plan.indexer), which do not follow ``--kv-dtype``.
 A sliding-window (or chunked) layer holds at most its window of tokens, and the linear
 attention, SSM and MLP-only layers of hybrid models hold none. Under tensor parallelism
 KV heads are split across ranks (replicated when there are fewer KV heads than ranks)
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from kvtier.plan.blocks import FULL, LINEAR
 from kvtier.plan.errors import PlanError
+from kvtier.plan.indexer import indexer_bytes
 from kvtier.plan.model import AttentionKind, ModelSpec
 from kvtier.plan.quant import FP8_METHODS
 
@@ -65,8 +68,9 @@ def kv_width(model: ModelSpec) -> int:
 
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str) -> int:
     """KV bytes of one token over all layers that hold KV, for the whole model (all TP
-    ranks)."""
-    return int(model.kv_layers * kv_width(model) * DTYPE_BYTES[normalize_dtype(kv_dtype)])
+    ranks), with a sparse-attention indexer's keys where layers keep them."""
+    return int(model.kv_layers * kv_width(model) * DTYPE_BYTES[normalize_dtype(kv_dtype)]
+               + sum(model.indexer_layers) * indexer_bytes(model.index_head_dim))
 
 
 def check_tensor_parallel(model: ModelSpec, tp: int) -> None:
@@ -103,10 +107,13 @@ def kv_bytes_per_sequence(model: ModelSpec, kv_dtype: str, tokens: int,
     if tokens < 0:
         raise PlanError(f"a sequence cannot have {tokens} tokens")
     per_layer = kv_width(model) * DTYPE_BYTES[normalize_dtype(kv_dtype)]
+    indexer = indexer_bytes(model.index_head_dim)
     total = 0.0
-    for window in model.layer_windows:
-        held = tokens if window is None else min(tokens, window)
-        total += round_to_block(held, block_tokens) * per_layer
+    for layer, window in enumerate(model.layer_windows):
+        held = round_to_block(tokens if window is None else min(tokens, window), block_tokens)
+        total += held * per_layer
+        if layer < len(model.indexer_layers) and model.indexer_layers[layer]:
+            total += held * indexer
     return int(total)
 
 
@@ -237,12 +244,13 @@ def estimate_params(model: ModelSpec) -> ParamCount:
     base = _attention_params(m) + 2 * h  # attention and two norms
     dense_mlp = _mlp_params(m, m.intermediate_size)
     for layer in range(m.num_layers):
-        if m.moe is None or layer < m.moe.dense_layers:
+        if m.moe is None or not m.moe.moe_layers[layer]:
             dense += base + dense_mlp
             continue
         expert = _mlp_params(m, m.moe.expert_intermediate)
+        shared = _mlp_params(m, m.moe.shared_intermediate)
         dense += base + h * m.moe.routed_experts  # the router
-        experts += expert * (m.moe.routed_experts + m.moe.shared_experts)
-        active_experts += expert * (m.moe.active_experts + m.moe.shared_experts)
+        experts += expert * m.moe.routed_experts + shared
+        active_experts += expert * m.moe.active_experts + shared
     return ParamCount(total=embed + dense + experts, active=embed + dense + active_experts,
                       embeddings=embed, experts=experts)

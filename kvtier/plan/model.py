@@ -19,8 +19,10 @@ from kvtier import jsonin
 from kvtier.plan.blocks import FULL, Block, read_blocks
 from kvtier.plan.errors import PlanError
 from kvtier.plan.families import gated_mlp, kv_heads, mlp_width, tied_embeddings
-from kvtier.plan.fields import MAX_EXPERTS, MAX_LAYERS, key_of, opt_int, require_int
+from kvtier.plan.fields import MAX_LAYERS, key_of, opt_int, require_int
+from kvtier.plan.indexer import index_head_dim, indexer_layers
 from kvtier.plan.layers import NO_KV, LayerReach, layer_reach
+from kvtier.plan.moe import MoESpec, read_moe
 from kvtier.plan.presets import find_preset, preset_names
 from kvtier.plan.quant import Quantization, read_quantization
 
@@ -34,17 +36,6 @@ class AttentionKind(str, Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class MoESpec:
-    """Mixture-of-experts shape; ``dense_layers`` lead with a plain MLP (DeepSeek)."""
-
-    routed_experts: int
-    active_experts: int
-    shared_experts: int
-    expert_intermediate: int
-    dense_layers: int
-
-
-@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """The model geometry the KV and weights arithmetic reads.
 
@@ -54,7 +45,8 @@ class ModelSpec:
     fixed-size recurrent state per sequence instead (linear attention, SSM, convolution).
     ``vocab_size`` is 0 when no config gives it: the KV can be planned, the weights need
     ``--params``. ``blocks`` holds a DeciLM stack's layers (kvtier.plan.blocks), whose
-    parameters are counted per layer.
+    parameters are counted per layer. ``indexer_layers`` mark the layers that also keep a
+    sparse-attention indexer's key cache (DeepSeek-V3.2, kvtier.plan.indexer).
     """
 
     name: str
@@ -82,6 +74,8 @@ class ModelSpec:
     state_layers: int = 0
     gated_mlp: bool = True  # gate, up and down matrices (Llama); False: up and down (GPT-2)
     blocks: tuple[Block, ...] = ()
+    index_head_dim: int = 0  # DeepSeek-V3.2's indexer key (kvtier.plan.indexer); 0: none
+    indexer_layers: tuple[bool, ...] = ()  # per layer, whether it holds an indexer cache
 
     @property
     def windowed_layers(self) -> int:
@@ -137,20 +131,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     if attention is not AttentionKind.MLA and heads % kv:
         raise PlanError(f"{source}: num_attention_heads={heads} is not a multiple of "
                         f"num_key_value_heads={kv}")
-    routed = (opt_int(cfg, "n_routed_experts", source, high=MAX_EXPERTS)
-              or opt_int(cfg, "num_local_experts", source, high=MAX_EXPERTS)
-              or opt_int(cfg, "num_experts", source, high=MAX_EXPERTS))
-    moe = None
-    if routed:
-        moe = MoESpec(
-            routed_experts=routed,
-            active_experts=opt_int(cfg, "num_experts_per_tok", source, 1, low=1,
-                                   high=routed),
-            shared_experts=opt_int(cfg, "n_shared_experts", source, high=MAX_EXPERTS),
-            expert_intermediate=opt_int(cfg, "moe_intermediate_size", source,
-                                        require_int(cfg, "intermediate_size", source)),
-            dense_layers=opt_int(cfg, "first_k_dense_replace", source, high=layers),
-        )
+    moe = read_moe(cfg, layers, source)
     reach = (LayerReach(tuple(None if b.attention == FULL else NO_KV for b in stack.blocks), 0)
              if stack else layer_reach(cfg, layers, source))
     if reach.reach.count(NO_KV) == layers:
@@ -184,6 +165,8 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         quantization=read_quantization(cfg, source),
         gated_mlp=gated_mlp(model_type),
         blocks=stack.blocks if stack else (),
+        index_head_dim=index_head_dim(cfg, source),
+        indexer_layers=indexer_layers(cfg, layers, source),
     )
 
 

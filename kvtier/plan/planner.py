@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvtier.layout import default_tokens_per_block
 from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GIB, GPUSpec
+from kvtier.plan.indexer import indexer_bytes
 from kvtier.plan.kvmath import (
     check_tensor_parallel,
     estimate_params,
@@ -89,7 +90,8 @@ class Plan:
     kv_pool_bytes: int  # HBM KV pools of all instances, counted once per token (not per rank)
     kv_demand_bytes_p99: int  # concurrency x P99 sequence
     spill_bytes_p99: int  # P99 sequences beyond what HBM holds, whole sequences
-    tiers: tuple[TierSize, ...]
+    tiers: tuple[TierSize, ...]  # physical bytes: ``stored_copies`` copies of the KV
+    stored_copies: int  # copies of each token's KV the TP ranks store (replicated heads)
     kvtier_block_tokens: int  # tokens per kvtier block (one key)
     daemon_blocks: int  # blocks of one TP rank's size the cpu and nvme tiers hold at most
     daemon_memory_bytes: int  # the daemon's private memory for indexing them
@@ -104,6 +106,7 @@ def _round_up_gib(n: float) -> int:
 
 
 def _validate(p: PlanInput) -> None:
+    check_tensor_parallel(p.model, p.tp)  # first: it rejects --tp 0 before it divides --gpus
     if p.gpus <= 0 or p.gpus % p.tp:
         raise PlanError(f"--gpus {p.gpus} must be a positive multiple of --tp {p.tp}")
     if not 0.0 < p.mem_util <= 1.0:
@@ -120,7 +123,6 @@ def _validate(p: PlanInput) -> None:
     if kb is not None and (kb <= 0 or kb % p.block_tokens):
         raise PlanError(f"--tokens-per-block {kb} must be a positive multiple of --block-size "
                         f"{p.block_tokens} (the connector stores whole engine pages)")
-    check_tensor_parallel(p.model, p.tp)
 
 
 def make_plan(p: PlanInput) -> Plan:
@@ -145,14 +147,26 @@ def make_plan(p: PlanInput) -> Plan:
     per_token = kv_bytes_per_token(m, p.kv_dtype)
     share = kv_share_per_rank(m, p.tp)
     per_token_gpu = int(per_token * share)
-    copies = share * p.tp  # how many times the TP group stores each KV byte
-    if copies > 1.0 and m.attention is AttentionKind.MLA:
+    copies = round(share * p.tp)  # how many times the TP group stores each KV byte
+    # what the tiers store of each token: a rank's copy of replicated heads is saved under
+    # its own namespace; identical MLA latents would be offloaded once (kvtier's connector
+    # refuses MLA caches today, so that is an assumption about the engine, said below)
+    stored = 1 if m.attention is AttentionKind.MLA else copies
+    if copies > 1 and m.attention is AttentionKind.MLA:
         notes.append(f"MLA: each of the {p.tp} TP ranks holds the whole latent, so the TP "
-                     f"group stores {copies:.0f} copies of every token's KV")
-    elif copies > 1.0:
+                     f"group stores {copies} copies of every token's KV in HBM")
+    elif copies > 1:
         notes.append(f"{m.num_kv_heads} KV heads over TP {p.tp}: ranks hold copies "
-                     f"({copies:.0f}x the model's KV per token across the TP group)")
+                     f"({copies}x the model's KV per token across the TP group), in HBM and "
+                     "in kvtier's tiers (sized for all of them)")
+    if m.attention is AttentionKind.MLA:
+        notes.append("kvtier's vLLM connector refuses MLA latent caches at start: the tier "
+                     "sizes assume an engine that offloads one copy of the latent")
 
+    if any(m.indexer_layers):
+        notes.append(f"sparse attention: {sum(m.indexer_layers)} layers also keep the indexer's "
+                     f"keys, {indexer_bytes(m.index_head_dim)} B per token per layer (fp8 and "
+                     "scales whatever --kv-dtype), counted in the KV above")
     seq_tokens: dict[str, int] = {}
     for name, ctx in p.context.items():
         tokens = ctx + p.max_output
@@ -176,9 +190,7 @@ def make_plan(p: PlanInput) -> Plan:
 
     budget = int(p.gpu.memory_bytes * p.mem_util) - weights_gpu - p.reserve_bytes
     if budget <= 0:
-        need = math.ceil(weights / (p.gpu.memory_bytes * p.mem_util - p.reserve_bytes))
-        notes.append(f"weights do not fit: {weights_gpu / 1e9:.1f} GB per GPU at TP {p.tp}; "
-                     f"use TP >= {need} or a smaller weights dtype")
+        notes.append(_weights_note(p, weights, weights_gpu))
     pool = int(max(budget, 0) / share)  # one instance's HBM KV pool, in model KV bytes
     fits_one = {k: pool // b if b else 0 for k, b in seq_bytes.items()}
     fits = {k: n * replicas for k, n in fits_one.items()}
@@ -186,7 +198,7 @@ def make_plan(p: PlanInput) -> Plan:
     per_replica = math.ceil(p.concurrency / replicas)
     demand = p.concurrency * seq_bytes["p99"]
     spill = max(0, per_replica - fits_one["p99"]) * seq_bytes["p99"] * replicas
-    tiers = _tiers(p, spill, pool * replicas, per_token)
+    tiers = _tiers(p, spill, pool * replicas, per_token, stored)
     kvtier_block = p.kvtier_block_tokens or default_tokens_per_block(p.block_tokens)
     daemon_blocks, daemon_memory = _daemon_memory(tiers, kvtier_block * per_token_gpu)
     cpu_bytes = next(t.bytes for t in tiers if t.tier == "cpu")
@@ -207,24 +219,35 @@ def make_plan(p: PlanInput) -> Plan:
         sequence_tokens=seq_tokens, kv_bytes_per_sequence=seq_bytes,
         kv_budget_bytes_per_gpu=budget, max_sequences_in_hbm=fits,
         kv_pool_bytes=pool * replicas, kv_demand_bytes_p99=demand, spill_bytes_p99=spill,
-        tiers=tiers, kvtier_block_tokens=kvtier_block, daemon_blocks=daemon_blocks,
+        tiers=tiers, stored_copies=stored, kvtier_block_tokens=kvtier_block,
+        daemon_blocks=daemon_blocks,
         daemon_memory_bytes=daemon_memory,
         prefill_saving=saving, decode_step_s_p99=decode_s,
         decode_sequences_p99=resident, notes=tuple(notes),
     )
 
 
-def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int) -> tuple[TierSize, ...]:
-    """kvtier tier sizes for the node: CPU catches spill and HBM evictions, NVMe the rest."""
-    cpu = _round_up_gib(spill + hbm_pool)
-    cpu_why = (f"P99 spill {spill / 1e9:.1f} GB + one HBM KV pool "
+def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int,
+           copies: int) -> tuple[TierSize, ...]:
+    """kvtier tier sizes for the node: CPU catches spill and HBM evictions, NVMe the rest.
+
+    ``spill``, ``hbm_pool`` and ``per_token`` count each token's KV once; the connector
+    stores each TP rank's KV under its own namespace, so where ranks hold copies of KV heads
+    the tiers hold ``copies`` of it: the sizes are those bytes.
+    """
+    times = f" x {copies} copies (one per TP rank that holds it)" if copies > 1 else ""
+    cpu = _round_up_gib((spill + hbm_pool) * copies)
+    cpu_why = (f"(P99 spill {spill / 1e9:.1f} GB + one HBM KV pool "
+               f"({hbm_pool / 1e9:.1f} GB) for prefixes evicted from the GPU){times}"
+               if copies > 1 else
+               f"P99 spill {spill / 1e9:.1f} GB + one HBM KV pool "
                f"({hbm_pool / 1e9:.1f} GB) for prefixes evicted from the GPU")
     tr = p.trace
     if tr is not None:
-        working = tr.reused_blocks * tr.block_tokens * per_token
+        working = tr.reused_blocks * tr.block_tokens * per_token * copies
         nvme = _round_up_gib(max(working, cpu))
         nvme_why = (f"every reused prefix in the trace: {tr.reused_blocks:,} blocks x "
-                    f"{tr.block_tokens} tokens = {working / 1e9:.1f} GB"
+                    f"{tr.block_tokens} tokens{times} = {working / 1e9:,.1f} GB"
                     + ("" if working >= cpu else "; at least the CPU tier, to take its "
                        "evictions"))
     else:
@@ -240,6 +263,28 @@ def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int) -> tuple[Tie
     else:
         tiers.append(TierSize("redis", 0, "not needed: one engine instance"))
     return tuple(tiers)
+
+
+def _weights_note(p: PlanInput, weights: int, weights_gpu: int) -> str:
+    """Weights that do not fit: the smallest TP that holds them and shards the heads."""
+    room = p.gpu.memory_bytes * p.mem_util - p.reserve_bytes
+    need = max(1, math.ceil(weights / room)) if room > 0 else None
+    fit = None if need is None else next(
+        (t for t in range(need, p.model.num_attention_heads + 1) if _shards(p.model, t)), None)
+    advice = (f"use TP {fit} (the smallest TP that holds them and shards the heads) or a "
+              "smaller weights dtype" if fit is not None else
+              "no TP that shards the heads holds them; use a smaller weights dtype or GPU "
+              "with more memory")
+    return f"weights do not fit: {weights_gpu / 1e9:.1f} GB per GPU at TP {p.tp}; {advice}"
+
+
+def _shards(m: ModelSpec, tp: int) -> bool:
+    """Whether an engine can shard this model's heads over ``tp`` ranks."""
+    try:
+        check_tensor_parallel(m, tp)
+    except PlanError:
+        return False
+    return True
 
 
 def _hybrid_note(m: ModelSpec) -> str:

@@ -74,6 +74,28 @@ def test_replicas_multiply_what_fits(capsys: pytest.CaptureFixture[str]) -> None
     assert two["tiers"]["redis"]["bytes"] > 0  # shared across the two instances
 
 
+def test_tiers_hold_every_tp_rank_s_copy_of_replicated_kv_heads(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # llama-3-8b's 8 KV heads over TP 16: two ranks hold each head, and the connector stores
+    # each rank's KV under its own namespace, so the tiers hold two copies of every token.
+    gib = 1 << 30
+    trace = str(FIXTURES.parent / "traces" / "mooncake_small.jsonl")
+    for tp, copies in (("8", 1), ("16", 2)):
+        doc = plan_json(capsys, "--model", "llama-3-8b", "--gpus", tp, "--tp", tp,
+                        "--concurrency", "256", "--context", "8192,16384,32768")
+        assert doc["stored_copies"] == copies
+        one_copy = doc["spill_bytes_p99"] + doc["kv_pool_bytes"]
+        assert doc["tiers"]["cpu"]["bytes"] == -(-one_copy * copies // gib) * gib
+        assert doc["tiers"]["nvme"]["bytes"] == 4 * doc["tiers"]["cpu"]["bytes"]
+    assert "x 2 copies" in doc["tiers"]["cpu"]["why"]
+    assert any("kvtier's tiers" in n for n in doc["notes"])
+    # The trace's reused prefixes: 5 blocks x 512 tokens x 131,072 B = 0.34 GB per copy.
+    one, two = (plan_json(capsys, "--model", "llama-3-8b", "--gpus", tp, "--tp", tp,
+                          "--trace", trace)["tiers"]["nvme"]["why"] for tp in ("8", "16"))
+    assert "5 blocks x 512 tokens = 0.3 GB" in one
+    assert "5 blocks x 512 tokens x 2 copies (one per TP rank that holds it) = 0.7 GB" in two
+
+
 def test_the_daemon_s_own_memory_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     # llama-3-8b: 131,072 B per token; kvtier's default block of 256 tokens is 32 MiB per
     # rank at TP 1, half that at TP 2. Every block the cpu and nvme tiers can hold: 1,536 B.
@@ -159,6 +181,8 @@ def test_trace_and_max_output_exclude_each_other(capsys: pytest.CaptureFixture[s
     (["--model", "llama-3-8b", "--kv-dtype", "int4"], "--kv-dtype"),
     (["--model", "llama-3-8b", "--tp", "3"], "--tp 3"),
     (["--model", "llama-3-8b", "--gpus", "3", "--tp", "2"], "multiple of --tp"),
+    (["--model", "llama-3-8b", "--gpus", "4", "--tp", "0"], "--tp must be positive"),
+    (["--model", "llama-3-8b", "--gpus", "1", "--tp", "-4"], "--tp must be positive"),
     (["--model", "llama-3-8b", "--context", "8k"], "--context"),
     (["--model", "llama-3-8b", "--context", "4096,2048,8192"], "must not decrease"),
     (["--model", "llama-3-8b", "--gpu", "tpu-v5"], "unknown GPU"),
@@ -190,6 +214,8 @@ def test_mla_under_tp_notes_the_replicated_latent(capsys: pytest.CaptureFixture[
     assert doc["kv_bytes_per_token_per_gpu"] == 70_272
     assert doc["weights_dtype"] == "fp8"
     assert any("MLA" in n for n in doc["notes"])
+    # every rank holds the whole latent in HBM; an engine offloading it saves one copy
+    assert doc["stored_copies"] == 1
 
 
 def test_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from kvtier.plan.kvmath import (
     serving_dtype,
 )
 from kvtier.plan.model import AttentionKind, load_model, spec_from_config
-from kvtier.plan.presets import preset_names
+from kvtier.plan.presets import find_preset, preset_names
 
 # Exact parameter counts published with the checkpoints (model cards / safetensors index).
 PUBLISHED_PARAMS = {
@@ -134,3 +134,31 @@ def test_bad_config_fields_name_the_field() -> None:
     with pytest.raises(PlanError, match="not a multiple"):
         spec_from_config({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 6,
                           "num_key_value_heads": 4, "vocab_size": 10})
+
+
+def _v32(**extra: object) -> dict[str, object]:
+    """DeepSeek-V3.2: V3's geometry plus the sparse-attention indexer's fields."""
+    cfg: dict[str, object] = dict(find_preset("deepseek-v3") or {})
+    cfg.update(model_type="deepseek_v32", index_topk=2048, index_head_dim=128,
+               index_n_heads=64, **extra)
+    return cfg
+
+
+def test_sparse_attention_adds_the_indexer_key_cache_as_vllm_sizes_it() -> None:
+    m = spec_from_config(_v32())
+    # vLLM: MLA latent 576 x bf16 = 1,152 B, indexer 128 fp8 + 128 // 128 x 4 B scale = 132 B
+    assert kv_bytes_per_token(m, "bf16") == 61 * (1152 + 132) == 78_324
+    assert kv_bytes_per_token(m, "fp8") == 61 * (576 + 132)  # the indexer stays fp8 + scale
+    assert kv_bytes_per_sequence(m, "bf16", 17) == 32 * 78_324  # whole 16-token pages
+    assert kv_share_per_rank(m, 8) == 1.0  # every rank holds the latent and the indexer keys
+
+
+def test_indexer_skips_layers_as_its_frequency_or_pattern_says() -> None:
+    # vLLM: layer i skips unless max(i - offset + 1, 0) % index_topk_freq == 0 (offset 2)
+    thinned = spec_from_config(_v32(index_topk_freq=4))
+    assert [i for i, kept in enumerate(thinned.indexer_layers) if kept][:4] == [0, 1, 5, 9]
+    patterned = spec_from_config(_v32(index_topk_pattern="FS" * 30 + "F"))
+    assert sum(patterned.indexer_layers) == 31
+    assert kv_bytes_per_token(patterned, "bf16") == 61 * 1152 + 31 * 132
+    with pytest.raises(PlanError, match="index_head_dim"):
+        spec_from_config({k: v for k, v in _v32().items() if k != "index_head_dim"})

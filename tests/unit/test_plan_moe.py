@@ -1,0 +1,94 @@
+"""``kvtier plan``'s MoE parameter count: which layers are MoE, and shared experts.
+
+Expected totals are Transformers' own count of the same config (``numel`` of every
+parameter of ``AutoModelForCausalLM.from_config`` on the meta device).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvtier.plan import PlanError
+from kvtier.plan.kvmath import estimate_params
+from kvtier.plan.model import spec_from_config
+from tests.unit.test_plan_cli import plan_json
+
+_LLAMA4: dict[str, Any] = {
+    "model_type": "llama4_text", "num_hidden_layers": 48, "hidden_size": 5120,
+    "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_experts_per_tok": 1,
+    "vocab_size": 202048, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+# Llama-4-Maverick-17B-128E: MoE on every 2nd layer, dense MLP of intermediate_size_mlp on
+# the others, one shared expert of intermediate_size in each MoE layer.
+MAVERICK = {**_LLAMA4, "num_local_experts": 128, "interleave_moe_layer_step": 2}
+SCOUT = {**_LLAMA4, "num_local_experts": 16, "interleave_moe_layer_step": 1}
+# Qwen1.5-MoE-A2.7B: 60 routed experts of 1408 and one shared expert of 5632.
+QWEN15_MOE = {
+    "model_type": "qwen2_moe", "num_hidden_layers": 24, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 5632,
+    "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "vocab_size": 151936, "tie_word_embeddings": False,
+}
+
+
+def test_llama4_maverick_counts_dense_layers_and_the_shared_expert() -> None:
+    counted = estimate_params(spec_from_config(MAVERICK))
+    assert counted.total == 400_711_848_960  # Transformers: 400.7 B, not 778 B
+    assert counted.active / 1e9 == pytest.approx(17, rel=0.02)  # "17B active"
+    listed = {**MAVERICK, "moe_layers": list(range(1, 48, 2))}
+    assert estimate_params(spec_from_config(listed)) == counted
+    assert spec_from_config(MAVERICK).moe is not None
+    assert spec_from_config(MAVERICK).moe.dense_layers == 24  # type: ignore[union-attr]
+
+
+def test_llama4_scout_keeps_its_implicit_shared_expert() -> None:
+    counted = estimate_params(spec_from_config(SCOUT))
+    assert counted.total == 107_769_861_120
+    shared = 48 * 3 * 5120 * 8192
+    routed_active = 48 * 3 * 5120 * 8192  # one routed expert per token
+    assert counted.active - (counted.total - counted.experts) == shared + routed_active
+
+
+def test_qwen_moe_counts_its_shared_expert() -> None:
+    counted = estimate_params(spec_from_config(QWEN15_MOE))
+    # Transformers: 14,315,784,192; the rest is the shared expert's gate and the QKV bias.
+    assert counted.total == pytest.approx(14_315_784_192, rel=1e-4)
+    assert counted.active / 1e9 == pytest.approx(2.7, rel=0.02)  # "A2.7B"
+    shared = 24 * 3 * 2048 * 5632
+    assert counted.experts == 24 * 60 * 3 * 2048 * 1408 + shared
+
+
+@pytest.mark.parametrize("extra", [{"n_shared_experts": 2}, {"num_shared_experts": 2},
+                                   {"moe_num_shared_experts": 2}])
+def test_a_count_of_shared_experts_is_expert_wide(extra: dict[str, Any]) -> None:
+    cfg = {k: v for k, v in QWEN15_MOE.items() if k != "shared_expert_intermediate_size"}
+    counted = estimate_params(spec_from_config({**cfg, **extra}))
+    assert counted.experts == 24 * (60 + 2) * 3 * 2048 * 1408
+
+
+def test_sparse_step_and_mlp_only_layers_leave_dense_layers() -> None:
+    cfg = {**QWEN15_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [1]}
+    moe = spec_from_config(cfg).moe
+    assert moe is not None
+    assert [i for i, sparse in enumerate(moe.moe_layers) if sparse] == list(range(3, 24, 2))
+    typed = {**QWEN15_MOE, "mlp_layer_types": ["dense"] * 4 + ["sparse"] * 20}
+    assert spec_from_config(typed).moe.dense_layers == 4  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("bad", [{"moe_layers": [1, 99]}, {"mlp_only_layers": "all"},
+                                 {"mlp_layer_types": ["dense"]}])
+def test_malformed_moe_layer_fields_name_the_field(bad: dict[str, Any]) -> None:
+    with pytest.raises(PlanError, match=next(iter(bad))):
+        spec_from_config({**MAVERICK, **bad})
+
+
+def test_weights_advice_names_a_tp_that_shards_the_heads(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # 141 GB of weights over 21.6 GB per L4: 7 GPUs' worth, but 7 does not divide 64 heads.
+    doc = plan_json(capsys, "--model", "llama-3-70b", "--gpu", "l4")
+    note = next(n for n in doc["notes"] if "weights do not fit" in n)
+    assert "use TP 8 " in note and "TP >= 7" not in note
