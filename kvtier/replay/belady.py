@@ -4,6 +4,12 @@ Only the simulator can run it, because it needs the future: before every ``inser
 ``touch`` the simulator sets :attr:`BeladyPolicy.next_use` to the reference index at which
 the block is used next (``inf`` if never). With insert-then-evict, the just-inserted block
 is a candidate too, so a block nobody will ask for again bypasses the cache.
+
+It maximises block hits, not tokens saved: every block counts one hit whatever it holds,
+so a policy that keeps full blocks over a request's short last block can save more tokens
+(kvtier.replay.report compares with Belady on block hits only). With one tier and blocks
+that keep their prefix (chained hash ids) it is a bound on block hits: a block's parent is
+always used before it, so MIN evicts the child first and never strands a prefix.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from kvtier.policy.base import Key
 
 
 class BeladyPolicy:
-    """Offline eviction bound over the EvictionPolicy protocol (replay only).
+    """Offline optimum of block hits over the EvictionPolicy protocol (replay only).
 
     Max-heap on next use with lazy invalidation; pins are honoured like everywhere else.
     """
