@@ -40,6 +40,11 @@ class TransferSpec:
     pages: list[list[int]]
     skip_pages: int = 0
     save_id: int = -1
+    # a save's (block, page) pairs: the pages of its request's blocks up to its end that
+    # a load of this step fills, the request's own load or another's that vLLM's prefix
+    # cache shares with it; blocks from the first one whose page fails to load on were
+    # computed on pages that do not hold the prompt's KV (connectors/vllm/worker.py)
+    loaded_pages: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def end_block(self) -> int:

@@ -254,6 +254,7 @@ class SchedulerSide:
             state = self._states.get(req_id)
             if state is not None:
                 waits_for_saves |= state.saved_any
+                state.page_ids = []   # given up: vLLM may hand them to others this step
                 # the workers wait for its saves in this step (handle_preemptions) and
                 # forget them: its free is delayed only for saves made after it resumes.
                 # (vLLM delays the free of a request it aborts while loading for the load
@@ -285,6 +286,8 @@ class SchedulerSide:
                 state.page_ids.extend(new_ids[0])
             self._plan_save(meta, req_id, state,
                             cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        if meta.loads and meta.saves:
+            self._mark_loaded_pages(meta)
         # the step times prefill only when the workers do not wait on kvtier in it: a
         # synchronous load, or a producer's synchronous saves (a failover's seconds read as
         # a prefill of 361 tokens/s), would make recomputing look slower than it is
@@ -294,6 +297,20 @@ class SchedulerSide:
             started, scheduler_output.total_num_scheduled_tokens)
         self._maybe_report()
         return meta
+
+    def _mark_loaded_pages(self, meta: KVTierConnectorMetadata) -> None:
+        """Name, in each save, the pages of its request up to the save's end that this
+        step's loads fill. vLLM's prefix cache hands pages still being loaded for one
+        request to another scheduled in the same step; when that load fails, vLLM
+        recomputes both, and the workers must not save what either computed on them."""
+        loading = {p for spec in meta.loads for p in spec.page_ids[spec.skip_pages:]}
+        ppb = self.pages.pages_per_block
+        for save in meta.saves:
+            state = self._states.get(save.req_id)
+            if state is not None:
+                save.loaded_pages = [
+                    (i // ppb, p) for i, p in
+                    enumerate(state.page_ids[:save.end_block * ppb]) if p in loading]
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, state: RequestState,
                    computed_after_step: int) -> None:
@@ -336,6 +353,11 @@ class SchedulerSide:
         if not invalid:
             return
         for state in self._states.values():
+            # a request holding a failed page (its own load's, or one vLLM's prefix cache
+            # shared with it) recomputes from there: its saves of those blocks were dropped
+            bad = self.pages.first_invalid_block(state.page_ids, invalid)
+            if bad is not None:
+                state.known_blocks = min(state.known_blocks, bad)
             spec = state.load
             if spec is None:
                 continue

@@ -86,9 +86,10 @@ class WorkerSide:
         self.pipeline: LayerPipeline | None = None
         self._batch: LoadBatch | None = None
         self._load_errors: set[int] = set()
-        # request -> its first kvtier block whose load failed in this step: the step's saves
-        # of that request stop before it (what was computed on those pages is not its KV)
-        self._failed_from: dict[str, int] = {}
+        # pages whose load failed in this step: each of the step's saves stops before its
+        # first block holding one (``TransferSpec.loaded_pages``): what was computed on
+        # those pages is not the prompt's KV, whichever request computed it
+        self._step_failed: set[int] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._async: dict[str, Future[set[int]]] = {}
         self._async_load_stream: Any = None   # the async-load thread's (GPU engines)
@@ -188,13 +189,8 @@ class WorkerSide:
         if self.pipeline is not None and self.pipeline.loading:
             failed = self.pipeline.finish_loads()
             self._load_errors |= failed
+            self._step_failed |= failed
             batch = self._batch
-            if batch is not None and failed:
-                for spec in batch.specs:
-                    first = first_failed_block(spec, failed)
-                    if first is not None:
-                        self._failed_from[spec.req_id] = min(
-                            first, self._failed_from.get(spec.req_id, first))
             if batch is not None:
                 self.loaded_blocks += batch.loaded_blocks
                 self._count("loaded_blocks", batch.loaded_blocks)
@@ -254,7 +250,7 @@ class WorkerSide:
         """End of the step: join its loads, queue its saves (never wait for them; a
         producer waits for room and for its saves, see ``_wait_saves``)."""
         self._finish_loads()
-        failed_from, self._failed_from = self._failed_from, {}
+        failed, self._step_failed = self._step_failed, set()
         if self.pipeline is None or self.caches is None:
             return
         producer = self.config.producer
@@ -263,7 +259,7 @@ class WorkerSide:
         step: list[Future[bool]] = []
         for planned in meta.saves:
             self.ledger.planned(planned.req_id)
-            spec = saved_before(planned, failed_from.get(planned.req_id),
+            spec = saved_before(planned, first_failed_block(planned, failed),
                                 self.config.tokens_per_block)
             if spec is None:   # built on pages whose load failed in this step: not its KV
                 self._count("dropped_saves", 1)
@@ -361,19 +357,20 @@ class WorkerSide:
         self.link.close()
 
 
-def first_failed_block(spec: TransferSpec, failed: set[int]) -> int | None:
-    """The first kvtier block of a load ``spec`` with a page in ``failed``, or None."""
-    for i, row in enumerate(spec.pages):
-        if any(page in failed for page in row):
-            return spec.first_block + i
-    return None
+def first_failed_block(save: TransferSpec, failed: set[int]) -> int | None:
+    """The first block of a ``save``'s request, up to the save's end, that holds a page
+    whose load failed (``failed``, this step's), or None."""
+    if not failed:
+        return None
+    return min((block for block, page in save.loaded_pages if page in failed), default=None)
 
 
 def saved_before(spec: TransferSpec, cut: int | None, tokens_per_block: int
                  ) -> TransferSpec | None:
-    """``spec`` (a save) cut to its blocks before ``cut`` (the request's first block whose
-    load failed this step: the KV of it and of every block computed after it in this step
-    was computed on pages that did not hold the prompt's KV); None when nothing is left."""
+    """``spec`` (a save) cut to its blocks before ``cut`` (the request's first block with a
+    page whose load failed this step: the KV of it and of every block computed after it in
+    this step was computed on pages that did not hold the prompt's KV); None when nothing
+    is left."""
     if cut is None or spec.end_block <= cut:
         return spec
     if spec.first_block >= cut:

@@ -29,6 +29,9 @@ P_OVERLAY = prompt(23, 300)
 P_LOCAL = P_OVERLAY[:BLOCK_SIZE + 8]          # one full page of P_OVERLAY, then 8 tokens
 P_DECODE = prompt(24, 100)                    # 1 prompt block; prompt + answer span 2
 NEXT_TURN = prompt(25, 30)
+P_SHARED = prompt(29, 2 * TOKENS_PER_BLOCK)    # a prefix of 2 kvtier blocks, and two prompts
+P_SHARED_A = P_SHARED + prompt(30, 40)         # on it: A loads it, B (3 full blocks) takes
+P_SHARED_B = P_SHARED + prompt(31, 100)        # A's pages from vLLM's prefix cache
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +46,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 def expected(run_engine: EngineRun) -> dict[str, Any]:
     """Tokens without kvtier: the single prompts, and the decode conversation's two turns."""
     singles, decode_turn1, decode_turn2 = run_engine(
-        [{"prompts": [P_BOUND, P_SLOW, P_OVERLAY, P_LOCAL]},
+        [{"prompts": [P_BOUND, P_SLOW, P_OVERLAY, P_LOCAL, P_SHARED_A, P_SHARED_B]},
          {"prompts": [P_DECODE], "max_tokens": DECODE_TOKENS},
          {"continue": {"phase": 1, "extra": NEXT_TURN}}], transfer=None)
-    names = ("bound", "slow", "overlay", "local")
+    names = ("bound", "slow", "overlay", "local", "shared_a", "shared_b")
     out: dict[str, Any] = {n: t for n, (t, _) in zip(names, singles, strict=True)}
     out["decode1"], out["decode2"] = decode_turn1[0][0], decode_turn2[0][0]
     return out
@@ -134,6 +137,25 @@ def test_blocks_lost_between_lookup_and_load_never_become_wrong_kv(
     assert cached_at_failure > 0           # it did load (and lose) from kvtier
     assert failed == baseline
     assert again == baseline and cached_again > 0
+
+
+def test_a_failed_load_shared_through_vllms_prefix_cache_is_not_saved(
+        run_engine: EngineRun, daemon: DaemonProcess, expected: dict[str, Any]) -> None:
+    """A and B share a prefix that kvtier holds; in one batch of an engine with vLLM's prefix
+    cache, A loads it and B takes A's pages as a local hit; the prefix's blocks vanish
+    before the load. vLLM recomputes both; B's save of that step, built on the pages that
+    did not load, used to be stored, and a fresh engine then loaded it and generated wrong
+    tokens from the first one on (tests/integration/test_connector_shared_pages.py)."""
+    cfg = transfer(daemon, "shared-failed")
+    run_engine([{"prompts": [P_SHARED + prompt(32, 30)], "max_tokens": 2}], cfg)
+    ((a, _), (b, _)), = run_engine(
+        [{"prompts": [P_SHARED_A, P_SHARED_B], "lose_blocks_at_load": [0, 2]}], cfg,
+        prefix_caching=True)
+    assert (a, b) == (expected["shared_a"], expected["shared_b"])
+    (b_again,), (a_again,) = run_engine([{"prompts": [P_SHARED_B]}, {"prompts": [P_SHARED_A]}],
+                                        cfg)
+    assert b_again[0] == expected["shared_b"] and a_again[0] == expected["shared_a"]
+    assert b_again[1] > 0 and a_again[1] > 0     # both loaded what kvtier holds
 
 
 def test_a_daemon_that_stops_answering_mid_load_costs_one_timeout(

@@ -1,0 +1,122 @@
+"""A load that fails on pages vLLM's prefix cache shared with another request (scheduler and
+worker sides driven directly, against a real daemon and real CPU KV caches).
+
+vLLM caches a synchronously loaded request's pages as soon as it allocates them, so a second
+request scheduled in the same step can take them as its own prefix hit. When the load
+fails, vLLM recomputes both; what the second request computed on those pages in that step
+is not its KV and must not be saved (it once was: a later engine loaded it and generated
+wrong tokens from the first one on).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace as NS
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="the connector package imports vLLM")
+torch = pytest.importorskip("torch")
+
+from kvtier.connectors.vllm.config import ConnectorConfig  # noqa: E402
+from kvtier.connectors.vllm.metadata import (  # noqa: E402
+    KVTierConnectorMetadata,
+    TransferSpec,
+)
+from kvtier.connectors.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvtier.connectors.vllm.worker import WorkerSide  # noqa: E402
+
+from kvtier.keys import block_keys  # noqa: E402
+from kvtier.layout import KVLayout  # noqa: E402
+from tests.support.daemon import DaemonProcess  # noqa: E402
+
+LAYERS, PAGE, TPB, HEADS, HEAD_DIM, NUM_PAGES = 2, 32, 64, 2, 32, 32
+LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype="float32",
+                  tokens_per_block=TPB)
+MODEL = "shared-pages"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path_factory.mktemp("shared-pages"), cpu_bytes="32MiB").start()
+    yield d
+    d.kill()
+
+
+def config(d: DaemonProcess) -> ConnectorConfig:
+    return ConnectorConfig.from_extra({"socket_path": str(d.socket), "tokens_per_block": TPB,
+                                       "model_id": MODEL}, block_size=PAGE,
+                                      default_model_id=MODEL)
+
+
+def request(rid: str, ids: list[int]) -> Any:
+    return NS(request_id=rid, all_token_ids=ids, num_prompt_tokens=len(ids),
+              num_tokens=len(ids), cache_salt=None, mm_features=None, prompt_embeds=None,
+              lora_request=None)
+
+
+def test_a_save_built_on_pages_another_request_failed_to_load_is_dropped(
+        daemon: DaemonProcess) -> None:
+    rng = np.random.default_rng(5)
+    x = [int(t) for t in rng.integers(1, 30000, 2 * TPB)]          # 2 kvtier blocks
+    a_ids = x + [int(t) for t in rng.integers(1, 30000, 40)]        # A: X + 40 tokens
+    b_ids = x + [int(t) for t in rng.integers(1, 30000, 100)]       # B: X + 100: 3 blocks
+    g = torch.Generator().manual_seed(5)
+    kv = {f"model.layers.{i}.self_attn": torch.randn(NUM_PAGES, HEADS, PAGE, 2 * HEAD_DIM,
+                                                     generator=g) for i in range(LAYERS)}
+    w = WorkerSide(config(daemon), LAYOUT, PAGE, 0, 1)
+    w.register_kv_caches(kv)
+    sched = SchedulerSide(config(daemon), LAYOUT, PAGE, 1)
+    try:
+        # an earlier engine stored X
+        w.save(KVTierConnectorMetadata(saves=[TransferSpec(
+            "x", None, np.asarray(x, dtype=np.uint32), 0, [[1, 2], [3, 4]], save_id=1)]))
+        deadline = time.monotonic() + 30
+        while "x" not in w.get_finished({"x"})[0]:      # its save is over
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        ns = sched.link.namespace(None, 0)
+        keys = block_keys(ns, b_ids)
+        assert sched.link.call(lambda c: c.lookup(ns, keys[:2]), 0).hits == 2
+        a, b = request("A", a_ids), request("B", b_ids)
+        # A: kvtier holds its 2 leading blocks; vLLM loads them into pages 5..8 ...
+        n, _ = sched.get_num_new_matched_tokens(a, 0)
+        assert n == 2 * TPB
+        a_pages = [5, 6, 7, 8, 9, 10]
+        sched.update_state_after_alloc(a, NS(get_block_ids=lambda: (a_pages,)), n)
+        # ... which vanish before the load (an eviction, a restart, a bad frame)
+        sched.link.call(lambda c: c.delete(ns, keys[:2]), 0)
+        # B, scheduled in the same step, gets pages 5..8 from vLLM's prefix cache
+        n, _ = sched.get_num_new_matched_tokens(b, 2 * TPB)
+        assert n == 0
+        b_pages = [5, 6, 7, 8, 11, 12, 13, 14]
+        sched.update_state_after_alloc(b, NS(get_block_ids=lambda: (b_pages,)), 0)
+        meta = sched.build_connector_meta(NS(
+            preempted_req_ids=[], num_scheduled_tokens={"A": 40, "B": 100},
+            total_num_scheduled_tokens=140,
+            scheduled_new_reqs=[NS(req_id="A", block_ids=(a_pages,), num_computed_tokens=128),
+                                NS(req_id="B", block_ids=(b_pages,), num_computed_tokens=128)],
+            scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                     num_computed_tokens=[])))
+        assert [s.req_id for s in meta.loads] == ["A"]
+        (save,) = meta.saves
+        assert (save.req_id, save.first_block, save.end_block) == ("B", 0, 3)
+        assert save.loaded_pages == [(0, 5), (0, 6), (1, 7), (1, 8)]
+        # the worker runs the step: A's load fails, B's save must not be stored
+        w.start_load_kv(meta)
+        for name in w.layer_index:
+            w.wait_for_layer_load(name)
+        w.save(meta)
+        failed = w.take_load_errors()
+        assert {5, 6, 7, 8} <= failed
+        assert w.worker_meta().counters.get("dropped_saves") == 1
+        sched.update_connector_output(NS(kv_connector_worker_meta=None,
+                                         invalid_block_ids=failed))
+        assert sched._states["B"].known_blocks == 0     # saved again once recomputed
+        assert sched.link.call(lambda c: c.lookup(ns, keys[:3]), 0).hits == 0
+    finally:
+        sched.shutdown()
+        w.shutdown()
