@@ -13,7 +13,7 @@ Saves run after their step, off the critical path: a request that had any save g
 ``delay_free=True`` from ``request_finished`` and the workers report it in
 ``finished_sending`` once its saves are over. Saves not yet over are remembered (workers
 acknowledge them in their per-step metadata); a lookup whose next block is being saved
-answers "not yet" (``None``) rather than miss it, for ``PENDING_SAVE_WAIT_S`` at most.
+answers "not yet" (``None``) rather than miss it, for a bounded time (:mod:`.pending`).
 Of the matched blocks, only those faster to reload than to recompute are loaded
 (:mod:`.recompute`).
 
@@ -39,6 +39,7 @@ from .config import ConnectorConfig
 from .link import DaemonLink
 from .mapping import LoadSpan, PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
+from .pending import PendingSaves
 from .recompute import RecomputeModel
 from .salts import request_salt
 
@@ -51,20 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvtier.connectors.vllm")
 
 REPORT_INTERVAL_S = 1.0
-PENDING_SAVE_WAIT_S = 2.0
-"""A lookup waits at most this long for a save of its next block to land."""
-
-
-@dataclass(slots=True)
-class PendingSave:
-    """A save handed to the workers and not yet acknowledged by all of them."""
-
-    salt: str | None
-    token_ids: np.ndarray
-    first_block: int
-    end_block: int
-    issued: float
-    acks: int = 0
 
 
 @dataclass(slots=True)
@@ -100,8 +87,7 @@ class SchedulerSide:
                                         config.prefill_tokens_per_s,
                                         dict(config.tier_bandwidth))
         self._skips: dict[str, int] = {}
-        self._pending_saves: dict[int, PendingSave] = {}
-        self._next_save_id = 0
+        self._pending_saves = PendingSaves(tp_size, config.tokens_per_block)
         self._step_started: tuple[float, int] | None = None
         # names this engine in its reports: its counters are cumulative since it started,
         # and the daemon counts them once however often the link reconnects
@@ -166,7 +152,7 @@ class SchedulerSide:
             if hits == 0:
                 break
         self.lookups += 1
-        if hits < n_blocks and self._save_in_flight(salt, tokens, max(hits, start)):
+        if hits < n_blocks and self._pending_saves.holds(salt, tokens, max(hits, start)):
             return None, False   # the next block is being saved: ask again next step
         skipped = max(0, hits - max(usable, start))
         span = self.pages.load_span(num_computed_tokens, min(hits, usable), len(tokens))
@@ -176,27 +162,6 @@ class SchedulerSide:
             return 0, False
         self._spans[request.request_id] = span
         return span.num_external_tokens, self.config.async_load
-
-    def _save_in_flight(self, salt: str | None, tokens: Any, block: int) -> bool:
-        """Whether a save not yet acknowledged holds block ``block`` of this token chain."""
-        if not self._pending_saves:
-            return False
-        tpb = self.config.tokens_per_block
-        end = (block + 1) * tpb
-        if len(tokens) < end:
-            return False
-        now = time.monotonic()
-        mine: np.ndarray | None = None
-        for p in self._pending_saves.values():
-            if p.salt != salt or not p.first_block <= block < p.end_block:
-                continue
-            if now - p.issued > PENDING_SAVE_WAIT_S:
-                continue
-            if mine is None:
-                mine = np.asarray(tokens[:end], dtype=np.uint32)
-            if np.array_equal(p.token_ids[:end], mine):
-                return True
-        return False
 
     # -- allocation and per-step plans ------------------------------------------------
 
@@ -328,12 +293,9 @@ class SchedulerSide:
         end = state.known_blocks + len(rows)
         tokens = np.asarray(_token_ids(state.request)[: end * self.config.tokens_per_block],
                             dtype=np.uint32)
-        save_id = self._next_save_id
-        self._next_save_id += 1
+        save_id = self._pending_saves.add(state.salt, tokens, state.known_blocks, end)
         meta.saves.append(TransferSpec(req_id, state.salt, tokens, state.known_blocks, rows,
                                        save_id=save_id))
-        self._pending_saves[save_id] = PendingSave(state.salt, tokens, state.known_blocks, end,
-                                                   time.monotonic())
         state.saved_any = True
         state.known_blocks = end
 
@@ -368,13 +330,7 @@ class SchedulerSide:
                 state.load_failed = True
 
     def _take_worker_meta(self, wmeta: KVTierWorkerMetadata) -> None:
-        for save_id, n in wmeta.saves_done.items():
-            pending = self._pending_saves.get(save_id)
-            if pending is None:
-                continue
-            pending.acks += n
-            if pending.acks >= self.tp_size:
-                del self._pending_saves[save_id]
+        self._pending_saves.acked(wmeta.saves_done)
         for name, n in wmeta.counters.items():
             self.counters[name] = self.counters.get(name, 0) + n
 
@@ -394,10 +350,7 @@ class SchedulerSide:
                 not self.link.connected:
             return
         self._last_report = now
-        stale = [k for k, p in self._pending_saves.items()
-                 if now - p.issued > 10 * PENDING_SAVE_WAIT_S]
-        for k in stale:   # never acknowledged (a worker restarted): stop remembering it
-            del self._pending_saves[k]
+        self._pending_saves.prune(now)
         values: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
         values.update(running=len(self._states), waiting=len(self._spans),
                       preemptions=self._preemptions,

@@ -245,10 +245,10 @@ def test_pages_are_freed_only_after_the_saves_and_lookups_wait_for_them(
     """A request finishes while its saves are held back: vLLM keeps its pages (delayed
     free) until the worker reports it in ``finished_sending``. The same prompt arriving
     meanwhile waits for the save instead of missing, then loads it."""
-    from kvtier.connectors.vllm import scheduler as scheduler_module
+    from kvtier.connectors.vllm import pending as pending_module
     from kvtier.connectors.vllm import transfers
 
-    monkeypatch.setattr(scheduler_module, "PENDING_SAVE_WAIT_S", 120.0)  # loaded machines
+    monkeypatch.setattr(pending_module, "PENDING_SAVE_WAIT_S", 120.0)  # loaded machines
     gate = threading.Event()
     original = transfers.SaveRequest.copy
 
