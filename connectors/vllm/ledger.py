@@ -9,7 +9,7 @@ method takes the one lock; futures are only inspected, never waited on, under it
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from .metadata import KVTierWorkerMetadata
@@ -21,6 +21,7 @@ class SaveLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._inflight: dict[str, list[Future[bool]]] = {}
+        self._withdraw: dict[Future[bool], Callable[[], None]] = {}   # per save in flight
         self._saved_reqs: set[str] = set()     # requests with saves planned (delay_free)
         self._finishing: set[str] = set()      # finished by vLLM, saves maybe still running
         self._saves_done: dict[int, int] = {}
@@ -31,9 +32,13 @@ class SaveLedger:
         with self._lock:
             self._saved_reqs.add(req_id)
 
-    def submitted(self, req_id: str, fut: Future[bool]) -> None:
+    def submitted(self, req_id: str, fut: Future[bool],
+                  withdraw: Callable[[], None] | None = None) -> None:
+        """A save of ``req_id`` runs; ``withdraw()`` tells it not to publish its blocks."""
         with self._lock:
             self._inflight.setdefault(req_id, []).append(fut)
+            if withdraw is not None:
+                self._withdraw[fut] = withdraw
 
     def dropped(self, save_id: int) -> None:
         """A save that never ran (no room): over for the scheduler at once."""
@@ -46,7 +51,12 @@ class SaveLedger:
             self._saves_done[save_id] = 1
             futs = self._inflight.get(req_id)
             if futs is not None:
+                self._drop(f for f in futs if f.done())
                 futs[:] = [f for f in futs if not f.done()]
+
+    def _drop(self, futs: Iterable[Future[bool]]) -> None:
+        for f in futs:
+            self._withdraw.pop(f, None)
 
     def running(self) -> list[Future[bool]]:
         """Every save not yet over."""
@@ -58,12 +68,22 @@ class SaveLedger:
         with self._lock:
             return list(self._inflight.get(req_id, ()))
 
+    def withdraw(self, req_id: str) -> int:
+        """Tell ``req_id``'s saves still running not to publish; how many there were."""
+        with self._lock:
+            running = [self._withdraw.get(f) for f in self._inflight.get(req_id, ())
+                       if not f.done()]
+        for withdraw in running:
+            if withdraw is not None:
+                withdraw()
+        return len(running)
+
     def forget(self, req_id: str) -> None:
-        """``req_id`` was preempted and its saves are over: its free is no longer delayed
-        for them (the scheduler side clears ``saved_any`` in the same step)."""
+        """``req_id`` was preempted and its saves are over or withdrawn: its free is no
+        longer delayed for them (the scheduler side clears ``saved_any`` in the same step)."""
         with self._lock:
             self._saved_reqs.discard(req_id)
-            self._inflight.pop(req_id, None)
+            self._drop(self._inflight.pop(req_id, ()))
 
     def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests vLLM finished (now or earlier) whose saves are all over: their pages
@@ -77,7 +97,7 @@ class SaveLedger:
             for req_id in list(self._finishing):
                 if not any(not f.done() for f in self._inflight.get(req_id, ())):
                     self._finishing.discard(req_id)
-                    self._inflight.pop(req_id, None)
+                    self._drop(self._inflight.pop(req_id, ()))
                     sending.add(req_id)
             return sending
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -163,19 +164,28 @@ class LoadBatch:
         return {p for s in self.specs for p in s.page_ids[s.skip_pages:]}
 
 
+class SaveWithdrawn(RuntimeError):
+    """The engine stopped waiting for this save (its request was preempted, its pages may
+    hold another request's KV by now): it must not publish what it copied."""
+
+
 class SaveRequest:
     """Offload one request's newly completed blocks into one put lease."""
 
     def __init__(self, spec: TransferSpec, caches: CacheSet,
                  link_of: Callable[[], DaemonLink], tp_rank: int,
-                 redis_sync_s: float | None = None) -> None:
-        """``redis_sync_s`` (producers): commit with a synchronous write-through to Redis
-        bounded by that many seconds; ``redis_synced`` then says whether it got there."""
+                 redis_sync_until: float | None = None) -> None:
+        """``redis_sync_until`` (producers, a ``time.monotonic()`` deadline shared by the
+        step's saves): commit with a synchronous write-through to Redis bounded by the
+        time left until then; ``redis_synced`` then says whether it got there."""
         self.spec = spec
         self.caches = caches
         self.link_of = link_of
         self.tp_rank = tp_rank
-        self.redis_sync_s = redis_sync_s
+        self.redis_sync_until = redis_sync_until
+        # set by the engine's thread when it stops waiting: checked once the copy is over,
+        # before the commit (pages reused after it was set may have been copied)
+        self.withdrawn = threading.Event()
         self._lease: Any = None
         self._conn: Any = None      # the link's client the lease was opened on
         self._link: DaemonLink | None = None
@@ -188,6 +198,8 @@ class SaveRequest:
         return len(self.spec.pages) * self.caches.block_bytes
 
     def prepare(self) -> bool:
+        if self.withdrawn.is_set():
+            return False
         link = self._link = self.link_of()
         ns = link.namespace(self.spec.cache_salt, self.tp_rank)
         chain = block_keys(ns, self.spec.token_ids)
@@ -218,11 +230,15 @@ class SaveRequest:
 
     def commit(self) -> None:
         assert self._link is not None and self._lease is not None
+        if self.withdrawn.is_set():
+            raise SaveWithdrawn(f"request {self.spec.req_id}'s save was withdrawn (its "
+                                "pages may have been reused): not published")
         lease, self._lease = self._lease, None
-        sync_s = self.redis_sync_s
-        if sync_s is None:
+        until = self.redis_sync_until
+        if until is None:
             ok, _ = self._link.run(lambda _c: lease.commit(), self._conn)
         else:
+            sync_s = max(0.0, until - time.monotonic())
             ok, _ = self._link.run(lambda _c: lease.commit(redis_sync_s=sync_s), self._conn)
             self.redis_synced = bool(ok and lease.redis_synced)
         if not ok:

@@ -19,12 +19,13 @@ that expired during the copy) are reported by page id through
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -40,9 +41,14 @@ from .ledger import SaveLedger
 from .link import DaemonLink
 from .mapping import PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
+from .pieces import first_failed_block, save_pieces, saved_before
 from .transfers import CacheSet, LoadBatch, SaveRequest
 
 logger = logging.getLogger("kvtier.connectors.vllm")
+
+PREEMPTED_SAVES_WAIT_S = 0.5
+"""How long a step waits, in all, for its preempted requests' saves before withdrawing
+those still running (a healthy save of a step's blocks takes milliseconds)."""
 
 
 def paged_layout_of(kv_cache: torch.Tensor) -> PagedLayout:
@@ -254,8 +260,11 @@ class WorkerSide:
         if self.pipeline is None or self.caches is None:
             return
         producer = self.config.producer
-        sync_s = (min(self.config.redis_sync_timeout_s, 0.9 * self.config.timeout_s)
-                  if producer else None)
+        # a producer's step waits for Redis at most redis_sync_timeout_s in all: its saves'
+        # synchronous commits share one deadline (a hung Redis cost each its own bound)
+        sync_until = (time.monotonic() + min(self.config.redis_sync_timeout_s,
+                                             0.9 * self.config.timeout_s)
+                      if producer else None)
         step: list[Future[bool]] = []
         for planned in meta.saves:
             self.ledger.planned(planned.req_id)
@@ -270,17 +279,17 @@ class WorkerSide:
             most = (max(1, self.pipeline.max_inflight_bytes // self.caches.block_bytes)
                     if producer else len(spec.pages))
             for piece in save_pieces(spec, most, self.config.tokens_per_block):
-                self._submit_save(piece, producer, sync_s, step)
+                self._submit_save(piece, producer, sync_until, step)
         if producer and step:
             self._wait_saves(step)
 
-    def _submit_save(self, spec: TransferSpec, producer: bool, sync_s: float | None,
+    def _submit_save(self, spec: TransferSpec, producer: bool, sync_until: float | None,
                      step: list[Future[bool]]) -> None:
         """Queue one save (appended to ``step``); dropped and counted when the bound on
         saves in flight has no room for it (a producer first waits for room)."""
         assert self.pipeline is not None and self.caches is not None
         job = SaveRequest(spec, self.caches, lambda: self._thread_link("-save"),
-                          self.tp_rank, redis_sync_s=sync_s)
+                          self.tp_rank, redis_sync_until=sync_until)
         fut = self.pipeline.submit_save(
             job, job.nbytes, functools.partial(self._save_over, job))
         if fut is None and producer:   # a producer never drops a save for room
@@ -295,17 +304,18 @@ class WorkerSide:
             self.ledger.dropped(spec.save_id)
             return
         step.append(fut)
-        self.ledger.submitted(spec.req_id, fut)
+        self.ledger.submitted(spec.req_id, fut, job.withdrawn.set)
 
     def _wait_saves(self, futs: list[Future[bool]]) -> None:
         """A producer's step ends only once its saves are committed (and in Redis, or given
         up on): the request it finishes is then reported with its KV visible to every
         consumer. Each save is bounded by the daemon calls' own timeouts; this wait is
         bounded too, in case a copy hangs."""
-        bound = 3 * self.config.timeout_s + self.config.redis_sync_timeout_s
+        until = (time.monotonic() + 3 * self.config.timeout_s
+                 + self.config.redis_sync_timeout_s)
         for fut in futs:
             try:
-                fut.result(timeout=bound)
+                fut.result(timeout=max(0.0, until - time.monotonic()))
             except Exception:   # a timeout: the save continues, the step does not wait
                 self._count("producer_save_waits_timed_out", 1)
 
@@ -313,16 +323,25 @@ class WorkerSide:
         """Saver thread: a save was committed or abandoned."""
         self.saved_blocks += job.saved_blocks
         self._count("saved_blocks", job.saved_blocks)
-        if job.redis_sync_s is not None and not job.redis_synced:
+        if job.redis_sync_until is not None and not job.redis_synced:
             self._count("redis_sync_gave_up", 1)
         self.ledger.over(job.spec.req_id, job.spec.save_id)
 
     def handle_preemptions(self, req_ids: Iterable[str]) -> None:
-        """Wait for the saves of preempted requests: vLLM may hand their pages to another
-        request in this very step."""
+        """Wait for the saves of preempted requests, vLLM may hand their pages to another
+        request in this very step: at most ``PREEMPTED_SAVES_WAIT_S`` for all of them (a
+        stalled daemon would hold the step for its timeouts); saves not over by then are
+        withdrawn: they publish nothing, as what they copy may be another request's KV."""
+        until = time.monotonic() + min(PREEMPTED_SAVES_WAIT_S, self.config.timeout_s)
         for req_id in req_ids:
             for fut in self.ledger.of(req_id):
-                fut.result()
+                with contextlib.suppress(FutureTimeout):
+                    fut.result(timeout=max(0.0, until - time.monotonic()))
+            withdrawn = self.ledger.withdraw(req_id)
+            if withdrawn:
+                logger.info("kvtier: withdrew %d save(s) of preempted request %s still "
+                            "running", withdrawn, req_id)
+                self._count("withdrawn_saves", withdrawn)
             self.ledger.forget(req_id)   # (as the scheduler side does: saved_any)
 
     def get_finished(self, finished_req_ids: Iterable[str] = ()) -> tuple[set[str], set[str]]:
@@ -355,40 +374,3 @@ class WorkerSide:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self.link.close()
-
-
-def first_failed_block(save: TransferSpec, failed: set[int]) -> int | None:
-    """The first block of a ``save``'s request, up to the save's end, that holds a page
-    whose load failed (``failed``, this step's), or None."""
-    if not failed:
-        return None
-    return min((block for block, page in save.loaded_pages if page in failed), default=None)
-
-
-def saved_before(spec: TransferSpec, cut: int | None, tokens_per_block: int
-                 ) -> TransferSpec | None:
-    """``spec`` (a save) cut to its blocks before ``cut`` (the request's first block with a
-    page whose load failed this step: the KV of it and of every block computed after it in
-    this step was computed on pages that did not hold the prompt's KV); None when nothing
-    is left."""
-    if cut is None or spec.end_block <= cut:
-        return spec
-    if spec.first_block >= cut:
-        return None
-    keep = cut - spec.first_block
-    return dataclasses.replace(spec, token_ids=spec.token_ids[:cut * tokens_per_block],
-                               pages=spec.pages[:keep])
-
-
-def save_pieces(spec: TransferSpec, most: int, tokens_per_block: int) -> list[TransferSpec]:
-    """``spec`` (a save) in pieces of at most ``most`` blocks, in chain order."""
-    if len(spec.pages) <= most:
-        return [spec]
-    out = []
-    for lo in range(0, len(spec.pages), most):
-        end = spec.first_block + min(lo + most, len(spec.pages))
-        out.append(dataclasses.replace(spec, first_block=spec.first_block + lo,
-                                       pages=spec.pages[lo:lo + most],
-                                       token_ids=spec.token_ids[:end * tokens_per_block],
-                                       skip_pages=spec.skip_pages if lo == 0 else 0))
-    return out

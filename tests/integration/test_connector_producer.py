@@ -5,7 +5,9 @@ blocks bounds the step and is counted."""
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,3 +106,30 @@ def test_redis_gone_bounds_the_producer_step_and_is_counted(
     assert counters(w).get("redis_sync_gave_up") == 2
     assert node.stats()["daemon"]["redis_sync"]["gave_up"] == 2
     w.shutdown()
+
+
+def test_a_hung_redis_holds_a_producer_step_once_not_once_per_save(
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """Redis stops answering (SIGSTOP, as a DEBUG SLEEP or a stalled host would) while the
+    tier still reads as up (its op timeout is longer): the step's four synchronous commits
+    share one redis_sync_timeout_s (each used to wait its own: 4 x the bound)."""
+    d = DaemonProcess(tmp_path / "kvd", cpu_bytes="32MiB", nvme_bytes="0",
+                      extra_args=["--redis-url", redis_server.url],
+                      env={"KVTIER_REDIS_WRITE_THROUGH": "false",
+                           "KVTIER_REDIS_OP_TIMEOUT_S": "30"}).start()
+    w = worker(d, "kv_producer", redis_sync_timeout_s=1.0)
+    assert redis_server.proc is not None
+    try:
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        w.save(KVTierConnectorMetadata(saves=[
+            TransferSpec(f"r{i}", None, tokens(40 + i, 1), 0, rows(1 + 2 * i, 1), save_id=i)
+            for i in range(4)]))
+        took = time.monotonic() - t0
+        assert w.saved_blocks == 4                # stored on this node all the same
+        assert counters(w).get("redis_sync_gave_up") == 4
+        assert took < 2.5, f"the step waited {took:.2f} s for a 1 s sync bound"
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+        w.shutdown()
+        d.kill()
