@@ -27,7 +27,7 @@ GAUGES = ("running", "waiting", "context_tokens_p50", "context_tokens_p99",
 COUNTERS = ("preemptions", "requests_finished", "load_errors",
             "skipped_slower_than_recompute", "skipped_tokens_slower_than_recompute",
             "dropped_saves", "dropped_save_bytes", "loaded_blocks", "saved_blocks",
-            "redis_sync_gave_up", "producer_save_waits_timed_out",
+            "redis_sync_gave_up", "producer_save_waits_timed_out", "withdrawn_saves",
             "lookups_without_round_trip", "lookups_prefix_read_off")
 """Cumulative per engine: kept as daemon-lifetime totals."""
 _MAXED = frozenset(("context_tokens_p50", "context_tokens_p99"))
