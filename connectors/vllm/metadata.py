@@ -40,11 +40,12 @@ class TransferSpec:
     pages: list[list[int]]
     skip_pages: int = 0
     save_id: int = -1
-    # a save's (block, page) pairs: the pages of its request's blocks up to its end that
-    # a load of this step fills, the request's own load or another's that vLLM's prefix
-    # cache shares with it; blocks from the first one whose page fails to load on were
-    # computed on pages that do not hold the prompt's KV (connectors/vllm/worker.py)
-    loaded_pages: list[tuple[int, int]] = field(default_factory=list)
+    # a save's (block, page, step) triples: the pages of its request's blocks up to its
+    # end that a load fills whose outcome the scheduler has not seen (this step's, or with
+    # vLLM's async scheduling the step before), the request's own load or another's that
+    # vLLM's prefix cache shares with it; blocks from the first one whose page failed to
+    # load on were computed on pages that do not hold the prompt's KV (pieces.py)
+    loaded_pages: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def end_block(self) -> int:
@@ -66,16 +67,20 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     async_loads: list[TransferSpec] = field(default_factory=list)
     saves: list[TransferSpec] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    step: int = -1   # the scheduler side's count of metadata built: names this step's loads
 
 
 @dataclass(slots=True)
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """What workers tell the scheduler side after a step: saves that are over
-    (``save_id`` -> number of workers done with it, committed or dropped) and counter
-    increments (dropped saves and bytes, loaded and saved blocks), summed over workers."""
+    (``save_id`` -> number of workers done with it, committed or dropped), counter
+    increments (dropped saves and bytes, loaded and saved blocks), summed over workers,
+    and the step whose loads every worker has finished (their failures are in the same
+    output: the scheduler need not name those loads in later saves)."""
 
     saves_done: dict[int, int] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
+    step: int = -1
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
@@ -85,4 +90,4 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         counters = dict(self.counters)
         for name, n in other.counters.items():
             counters[name] = counters.get(name, 0) + n
-        return KVTierWorkerMetadata(done, counters)
+        return KVTierWorkerMetadata(done, counters, min(self.step, other.step))

@@ -8,16 +8,23 @@ the bound on saves in flight goes in pieces that fit it, in chain order.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from .metadata import TransferSpec
 
+FAILED_STEPS_KEPT = 8
+"""Steps whose loads a save is checked against: the workers keep each step's failed pages,
+and the scheduler side the pages of its loads, this long at most (it names those of the
+steps it has not had the workers' output of: the step itself, with vLLM's async
+scheduling the step before as well)."""
 
-def first_failed_block(save: TransferSpec, failed: set[int]) -> int | None:
+def first_failed_block(save: TransferSpec, failed: Mapping[int, set[int]]) -> int | None:
     """The first block of a ``save``'s request, up to the save's end, that holds a page
-    whose load failed (``failed``, this step's), or None."""
+    whose load failed (``failed``: step -> its failed pages), or None."""
     if not failed:
         return None
-    return min((block for block, page in save.loaded_pages if page in failed), default=None)
+    return min((block for block, page, step in save.loaded_pages
+                if page in failed.get(step, ())), default=None)
 
 
 def saved_before(spec: TransferSpec, cut: int | None, tokens_per_block: int

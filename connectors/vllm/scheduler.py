@@ -40,6 +40,7 @@ from .link import DaemonLink
 from .mapping import LoadSpan, PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
 from .pending import PendingSaves
+from .pieces import FAILED_STEPS_KEPT
 from .recompute import RecomputeModel
 from .salts import request_salt
 
@@ -88,6 +89,9 @@ class SchedulerSide:
                                         dict(config.tier_bandwidth))
         self._skips: dict[str, int] = {}
         self._pending_saves = PendingSaves(tp_size, config.tokens_per_block)
+        self._step = 0   # metadata built so far (KVTierConnectorMetadata.step)
+        # (step, pages) of synchronous loads whose step the workers have not reported yet
+        self._unconfirmed: list[tuple[int, set[int]]] = []
         self._step_started: tuple[float, int] | None = None
         # names this engine in its reports: its counters are cumulative since it started,
         # and the daemon counts them once however often the link reconnects
@@ -251,7 +255,13 @@ class SchedulerSide:
                 state.page_ids.extend(new_ids[0])
             self._plan_save(meta, req_id, state,
                             cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
-        if meta.loads and meta.saves:
+        meta.step = self._step
+        self._step += 1
+        if meta.loads:
+            self._unconfirmed.append(
+                (meta.step, {p for spec in meta.loads for p in spec.page_ids[spec.skip_pages:]}))
+            del self._unconfirmed[:-FAILED_STEPS_KEPT]   # (no worker output: not forever)
+        if self._unconfirmed and meta.saves:
             self._mark_loaded_pages(meta)
         # the step times prefill only when the workers do not wait on kvtier in it: a
         # synchronous load, or a producer's synchronous saves (a failover's seconds read as
@@ -264,17 +274,22 @@ class SchedulerSide:
         return meta
 
     def _mark_loaded_pages(self, meta: KVTierConnectorMetadata) -> None:
-        """Name, in each save, the pages of its request up to the save's end that this
-        step's loads fill. vLLM's prefix cache hands pages still being loaded for one
-        request to another scheduled in the same step; when that load fails, vLLM
-        recomputes both, and the workers must not save what either computed on them."""
-        loading = {p for spec in meta.loads for p in spec.page_ids[spec.skip_pages:]}
+        """Name, in each save, the pages of its request up to the save's end that loads
+        fill whose outcome this side has not seen (this step's; with vLLM's async
+        scheduling the step before too). vLLM's prefix cache hands pages still being
+        loaded for one request to another; when that load fails, vLLM recomputes both,
+        and the workers must not save what either computed on them."""
+        loading: dict[int, int] = {}   # page -> the latest step loading it
+        for step, pages in self._unconfirmed:
+            loading.update(dict.fromkeys(pages, step))
+        if not loading:
+            return
         ppb = self.pages.pages_per_block
         for save in meta.saves:
             state = self._states.get(save.req_id)
             if state is not None:
                 save.loaded_pages = [
-                    (i // ppb, p) for i, p in
+                    (i // ppb, p, loading[p]) for i, p in
                     enumerate(state.page_ids[:save.end_block * ppb]) if p in loading]
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, state: RequestState,
@@ -330,6 +345,8 @@ class SchedulerSide:
                 state.load_failed = True
 
     def _take_worker_meta(self, wmeta: KVTierWorkerMetadata) -> None:
+        if self._unconfirmed and wmeta.step >= 0:
+            self._unconfirmed = [(s, p) for s, p in self._unconfirmed if s > wmeta.step]
         self._pending_saves.acked(wmeta.saves_done)
         for name, n in wmeta.counters.items():
             self.counters[name] = self.counters.get(name, 0) + n

@@ -41,7 +41,7 @@ from .ledger import SaveLedger
 from .link import DaemonLink
 from .mapping import PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
-from .pieces import first_failed_block, save_pieces, saved_before
+from .pieces import FAILED_STEPS_KEPT, first_failed_block, save_pieces, saved_before
 from .transfers import CacheSet, LoadBatch, SaveRequest
 
 logger = logging.getLogger("kvtier.connectors.vllm")
@@ -92,10 +92,12 @@ class WorkerSide:
         self.pipeline: LayerPipeline | None = None
         self._batch: LoadBatch | None = None
         self._load_errors: set[int] = set()
-        # pages whose load failed in this step: each of the step's saves stops before its
-        # first block holding one (``TransferSpec.loaded_pages``): what was computed on
-        # those pages is not the prompt's KV, whichever request computed it
-        self._step_failed: set[int] = set()
+        # step -> pages whose load failed in it (the last FAILED_STEPS_KEPT steps): a save
+        # stops before its first block holding one (``TransferSpec.loaded_pages``): what
+        # was computed on those pages is not the prompt's KV, whichever request computed it
+        self._failed_at: dict[int, set[int]] = {}
+        self._step = -1          # the step of the metadata bound last (start_load_kv)
+        self._batch_step = -1    # the step of the loads in ``_batch``
         self._pool: ThreadPoolExecutor | None = None
         self._async: dict[str, Future[set[int]]] = {}
         self._async_load_stream: Any = None   # the async-load thread's (GPU engines)
@@ -171,10 +173,11 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
         """Start this step's loads layer by layer; hand asynchronous ones to the pool."""
+        self._step = meta.step
         if meta.loads and self.pipeline is not None and self.caches is not None:
             batch = LoadBatch(meta.loads, self.caches, lambda: self._thread_link("-load"),
                               self.tp_rank, self.device_loads)
-            self._batch = batch
+            self._batch, self._batch_step = batch, meta.step
             self.pipeline.start_loads(batch)
         for spec in meta.async_loads:
             if self._pool is None:
@@ -195,7 +198,11 @@ class WorkerSide:
         if self.pipeline is not None and self.pipeline.loading:
             failed = self.pipeline.finish_loads()
             self._load_errors |= failed
-            self._step_failed |= failed
+            if failed:
+                self._failed_at.setdefault(self._batch_step, set()).update(failed)
+                for old in [s for s in self._failed_at
+                            if s <= self._batch_step - FAILED_STEPS_KEPT]:
+                    del self._failed_at[old]
             batch = self._batch
             if batch is not None:
                 self.loaded_blocks += batch.loaded_blocks
@@ -256,7 +263,6 @@ class WorkerSide:
         """End of the step: join its loads, queue its saves (never wait for them; a
         producer waits for room and for its saves, see ``_wait_saves``)."""
         self._finish_loads()
-        failed, self._step_failed = self._step_failed, set()
         if self.pipeline is None or self.caches is None:
             return
         producer = self.config.producer
@@ -268,7 +274,7 @@ class WorkerSide:
         step: list[Future[bool]] = []
         for planned in meta.saves:
             self.ledger.planned(planned.req_id)
-            spec = saved_before(planned, first_failed_block(planned, failed),
+            spec = saved_before(planned, first_failed_block(planned, self._failed_at),
                                 self.config.tokens_per_block)
             if spec is None:   # built on pages whose load failed in this step: not its KV
                 self._count("dropped_saves", 1)
@@ -361,9 +367,13 @@ class WorkerSide:
             recving.add(req_id)
         return sending, recving
 
-    def worker_meta(self) -> KVTierWorkerMetadata | None:
-        """Saves over and counter increments since the last step, for the scheduler."""
-        return self.ledger.take_meta()
+    def worker_meta(self) -> KVTierWorkerMetadata:
+        """Saves over and counter increments since the last step, and the step whose
+        loads are finished (their failures go out in the same output), for the scheduler."""
+        self._finish_loads()
+        meta = self.ledger.take_meta() or KVTierWorkerMetadata()
+        meta.step = self._step
+        return meta
 
     def _count(self, name: str, n: int) -> None:
         self.ledger.count(name, n)

@@ -104,7 +104,7 @@ def test_a_save_built_on_pages_another_request_failed_to_load_is_dropped(
         assert [s.req_id for s in meta.loads] == ["A"]
         (save,) = meta.saves
         assert (save.req_id, save.first_block, save.end_block) == ("B", 0, 3)
-        assert save.loaded_pages == [(0, 5), (0, 6), (1, 7), (1, 8)]
+        assert save.loaded_pages == [(0, 5, 0), (0, 6, 0), (1, 7, 0), (1, 8, 0)]
         # the worker runs the step: A's load fails, B's save must not be stored
         w.start_load_kv(meta)
         for name in w.layer_index:
@@ -116,6 +116,76 @@ def test_a_save_built_on_pages_another_request_failed_to_load_is_dropped(
         sched.update_connector_output(NS(kv_connector_worker_meta=None,
                                          invalid_block_ids=failed))
         assert sched._states["B"].known_blocks == 0     # saved again once recomputed
+        assert sched.link.call(lambda c: c.lookup(ns, keys[:3]), 0).hits == 0
+    finally:
+        sched.shutdown()
+        w.shutdown()
+
+
+def test_with_async_scheduling_a_save_one_step_later_is_dropped_too(
+        daemon: DaemonProcess) -> None:
+    """vLLM's async scheduling (its default on GPUs) schedules step N+1 before it has step
+    N's output: B takes the pages A loads in step N as its prefix in step N+1, and the
+    failure of A's load reaches the scheduler only after. B's save of step N+1 is cut all
+    the same: the scheduler names the loads whose step it has no output of yet."""
+    rng = np.random.default_rng(6)
+    x = [int(t) for t in rng.integers(1, 30000, 2 * TPB)]
+    a_ids = x + [int(t) for t in rng.integers(1, 30000, 40)]
+    b_ids = x + [int(t) for t in rng.integers(1, 30000, 100)]
+    g = torch.Generator().manual_seed(6)
+    kv = {f"model.layers.{i}.self_attn": torch.randn(NUM_PAGES, HEADS, PAGE, 2 * HEAD_DIM,
+                                                     generator=g) for i in range(LAYERS)}
+    w = WorkerSide(config(daemon), LAYOUT, PAGE, 0, 1)
+    w.register_kv_caches(kv)
+    sched = SchedulerSide(config(daemon), LAYOUT, PAGE, 1)
+    no_cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    try:
+        w.save(KVTierConnectorMetadata(saves=[TransferSpec(
+            "x", None, np.asarray(x, dtype=np.uint32), 0, [[1, 2], [3, 4]], save_id=1)]))
+        deadline = time.monotonic() + 30
+        while "x" not in w.get_finished({"x"})[0]:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        ns = sched.link.namespace(None, 0)
+        keys = block_keys(ns, b_ids)
+        a, b = request("A", a_ids), request("B", b_ids)
+        n, _ = sched.get_num_new_matched_tokens(a, 0)
+        assert n == 2 * TPB
+        a_pages = [5, 6, 7, 8, 9, 10]
+        sched.update_state_after_alloc(a, NS(get_block_ids=lambda: (a_pages,)), n)
+        sched.link.call(lambda c: c.delete(ns, keys[:2]), 0)
+        step_n = sched.build_connector_meta(NS(
+            preempted_req_ids=[], num_scheduled_tokens={"A": 40},
+            total_num_scheduled_tokens=40,
+            scheduled_new_reqs=[NS(req_id="A", block_ids=(a_pages,), num_computed_tokens=128)],
+            scheduled_cached_reqs=no_cached))
+        # step N+1 is scheduled before step N's output: B takes A's pages as its prefix
+        n, _ = sched.get_num_new_matched_tokens(b, 2 * TPB)
+        b_pages = [5, 6, 7, 8, 11, 12, 13, 14]
+        sched.update_state_after_alloc(b, NS(get_block_ids=lambda: (b_pages,)), 0)
+        step_n1 = sched.build_connector_meta(NS(
+            preempted_req_ids=[], num_scheduled_tokens={"A": 1, "B": 100},
+            total_num_scheduled_tokens=101,
+            scheduled_new_reqs=[NS(req_id="B", block_ids=(b_pages,), num_computed_tokens=128)],
+            scheduled_cached_reqs=NS(req_ids=["A"], new_block_ids=[None],
+                                     resumed_req_ids=set(), num_computed_tokens=[168])))
+        (save,) = step_n1.saves
+        assert save.req_id == "B" and save.loaded_pages[0] == (0, 5, step_n.step)
+        # the workers run step N (A's load fails), then step N+1
+        outputs = []
+        for meta in (step_n, step_n1):
+            w.start_load_kv(meta)
+            for name in w.layer_index:
+                w.wait_for_layer_load(name)
+            w.save(meta)
+            outputs.append((w.take_load_errors(), w.worker_meta()))
+        (failed, wmeta_n), (_, wmeta_n1) = outputs
+        assert {5, 6, 7, 8} <= failed and wmeta_n.step == step_n.step
+        assert wmeta_n1.counters.get("dropped_saves") == 1
+        for invalid, wmeta in outputs:
+            sched.update_connector_output(NS(kv_connector_worker_meta=wmeta,
+                                             invalid_block_ids=invalid))
+        assert sched._unconfirmed == []             # both steps' outcomes are known
         assert sched.link.call(lambda c: c.lookup(ns, keys[:3]), 0).hits == 0
     finally:
         sched.shutdown()
