@@ -32,8 +32,10 @@ from kvtier.daemon.greeting import Greeter
 from kvtier.daemon.limits import (
     STREAM_LIMIT,
     ByteBudget,
+    Charge,
     LimitCounters,
     Limits,
+    ProcessShares,
     read_request,
 )
 from kvtier.daemon.ops import Connection, ControlOps
@@ -74,9 +76,11 @@ class ControlServer(ControlOps):
         self.store = store
         self.socket_path = socket_path
         self.limits = limits if limits is not None else Limits(
-            max_frame=max_frame, conn_pending_bytes=max_frame, total_pending_bytes=4 * max_frame)
+            max_frame=max_frame, conn_pending_bytes=max_frame, total_pending_bytes=4 * max_frame,
+            process_pending_bytes=2 * max_frame)
         self.max_frame = self.limits.max_frame
         self.pending = ByteBudget(self.limits.total_pending_bytes)
+        self.shares = ProcessShares(self.limits.process_pending_bytes)   # per client process
         self.max_inflight = max_inflight
         self.greeter = Greeter({"path": arena_path, "size": arena_size}, hbm, open_arena)
         self.observe = observe
@@ -165,13 +169,15 @@ class ControlServer(ControlOps):
                 return
             conn = Connection(next(self._ids), pid, uid)
             self.connections[conn.id] = conn
+            share = self.shares.open(conn.process)
             try:
-                await self._converse(conn, reader, writer)
+                await self._converse(conn, reader, writer, share)
             except asyncio.CancelledError:
                 # the daemon is stopping (close_connections): not this connection's error,
                 # and asyncio's stream callback would log a cancelled handler as one
                 pass
             finally:
+                self.shares.close(conn.process)
                 self._release(conn)
         finally:
             writer.close()
@@ -202,35 +208,41 @@ class ControlServer(ControlOps):
             self.exits.watch(conn.pid, exited)
 
     async def _converse(self, conn: Connection, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter) -> None:
-        """Hello, then requests until the client leaves, breaks the protocol or idles out."""
+                        writer: asyncio.StreamWriter, share: ByteBudget) -> None:
+        """Hello, then requests until the client leaves, breaks the protocol or idles out.
+        ``share``: the request bytes its process may hold (``Limits.process_pending_bytes``)."""
         write_lock = asyncio.Lock()
         inflight = asyncio.Semaphore(self.max_inflight)
         held = ByteBudget(self.limits.conn_pending_bytes)
         tasks: set[asyncio.Task[None]] = set()
 
-        def done(t: asyncio.Task[None], n: int) -> None:
+        def done(t: asyncio.Task[None], charge: Charge) -> None:
             tasks.discard(t)
             self._requests.discard(t)
             inflight.release()
-            held.release(n)
-            self.pending.release(n)
+            charge.release()
 
         try:
-            await self.greeter.greet(conn, functools.partial(self._read, reader), writer)
+            await self.greeter.greet(conn, functools.partial(self._read, reader, share),
+                                     writer)
             while True:
                 # not idle while it holds slots for writing: dropping it would not stop it
                 frame = await read_request(
                     reader, self.limits, self.pending, self.counters, held,
-                    busy=lambda: bool(tasks) or self.store.held_put_bytes(conn.id) > 0)
+                    busy=lambda: bool(tasks) or self.store.held_put_bytes(conn.id) > 0,
+                    process=share)
                 if frame is None:
                     break
-                msg, n = frame
-                await inflight.acquire()
+                msg, charge = frame
+                try:
+                    await inflight.acquire()
+                except BaseException:
+                    charge.release()
+                    raise
                 t = asyncio.ensure_future(self._dispatch(conn, msg, writer, write_lock))
                 tasks.add(t)
                 self._requests.add(t)
-                t.add_done_callback(functools.partial(done, n=n))
+                t.add_done_callback(functools.partial(done, charge=charge))
         except KVTierError as exc:  # a bad frame, a broken limit: answer, then close
             conn.dropped = True
             if isinstance(exc, ProtocolError):
@@ -296,13 +308,15 @@ class ControlServer(ControlOps):
     def _count(self, code: str) -> None:
         self.counters.errors[code] = self.counters.errors.get(code, 0) + 1
 
-    async def _read(self, reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    async def _read(self, reader: asyncio.StreamReader,
+                    share: ByteBudget | None = None) -> dict[str, Any] | None:
         """One frame before the hello is answered; its bytes are let go at once."""
-        frame = await read_request(reader, self.limits, self.pending, self.counters)
+        frame = await read_request(reader, self.limits, self.pending, self.counters,
+                                   process=share)
         if frame is None:
             return None
-        msg, n = frame
-        self.pending.release(n)
+        msg, charge = frame
+        charge.release()
         return msg
 
     async def _dispatch(self, conn: Connection, msg: dict[str, Any],

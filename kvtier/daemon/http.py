@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvtier.daemon.http_guard import HttpGuard
 from kvtier.daemon.limits import ByteBudget
 from kvtier.daemon.metrics import Metrics
-from kvtier.daemon.prefix import JSON_MAX_BYTES, PrefixProbe, http_error
+from kvtier.daemon.prefix import PrefixProbe, http_error
 from kvtier.errors import KVTierError, StartupError
 
 _BACKLOG = 128
@@ -155,10 +155,10 @@ class HttpServer:
             return web.json_response({"error": "prefix locality is not served here"},
                                      status=404)
         t0 = time.perf_counter()
-        limit = (JSON_MAX_BYTES if request.content_type != "application/octet-stream"
-                 else self.prefix.limits.max_frame)
-        body = await self.guard.read_body(request, limit)
-        try:
+        try:   # what the head tells (namespace, batch, declared size) before the body
+            limit = self.prefix.http_limit(request.content_type, request.query,
+                                           request.content_length)
+            body = await self.guard.read_body(request, limit)
             reply = await self.prefix.from_http(body, request.content_type, request.query)
         except KVTierError as exc:
             status, doc = http_error(exc)

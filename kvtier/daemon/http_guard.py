@@ -7,8 +7,11 @@ send half a request and stop, or park bodies of 16 MiB on many connections. ``Ht
 - refuses connections beyond ``max_connections`` with a 503 (JSON) and closes them;
 - gives every connection ``read_timeout_s`` to deliver each request's head (from its
   connect, or from its previous reply) and each body, else closes it;
-- bounds the body bytes held by all requests together (``ByteBudget``), and refuses a
-  declared ``Content-Length`` beyond the route's limit with a 413 before reading it;
+- bounds the body bytes held by all requests together (``ByteBudget``), counted as they
+  arrive (a body declared large and trickled holds only what was sent; the first
+  ``STREAM_LIMIT`` bytes of a body never wait, so small requests are not held up by large
+  ones), and refuses a declared ``Content-Length`` beyond the route's limit with a 413
+  before reading it;
 - turns every HTTP error aiohttp raises itself (404, 405, 413, a parser's 400) into JSON,
   and a handler's bug into a 500 logged once, not a traceback per request.
 """
@@ -17,14 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from kvtier.daemon.limits import ByteBudget
+from kvtier.daemon.limits import STREAM_LIMIT, ByteBudget, Charge
 
 log = logging.getLogger("kvtier.http")
 
@@ -115,40 +117,44 @@ class HttpGuard:
 
     async def read_body(self, request: web.Request, limit: int) -> bytes:
         """The request's body, of at most ``limit`` bytes, whole within ``read_timeout_s``
-        and within the shared body budget; a web.HTTPException (413, 408, 503) otherwise."""
+        and within the shared body budget; a web.HTTPException (413, 408, 503) otherwise.
+
+        Its bytes are counted in the budget as they arrive (aiohttp's stream buffer bounds
+        what is read ahead); its first ``STREAM_LIMIT`` bytes never wait for room."""
         declared = request.content_length
         if declared is not None and declared > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
-        need = limit if declared is None else declared
-        start = time.monotonic()
+        charge = Charge()
+        parts: list[bytes] = []
+        got = 0
         try:
             async with asyncio.timeout(self.read_timeout_s):
-                await self.body_budget.acquire(need)
-        except TimeoutError:
-            raise web.HTTPServiceUnavailable(reason="HTTP request bytes at their limit: "
-                                             "retry") from None
-        try:
-            left = self.read_timeout_s - (time.monotonic() - start)
-            async with asyncio.timeout(max(left, 0.001)):
-                first = await request.content.read(limit + 1)
-                parts, got = [first], len(first)
                 # pieces joined once at the end: appending to one bytes object copied the
                 # whole body so far per piece, quadratic in a slowly sent body
-                while got <= limit and not request.content.at_eof():
-                    more = await request.content.read(limit + 1 - got)
+                while got <= limit:
+                    more = await request.content.read(min(limit + 1 - got, 2**20))
                     if not more:
                         break
                     parts.append(more)
                     got += len(more)
-                body = parts[0] if len(parts) == 1 else b"".join(parts)
+                    if got <= STREAM_LIMIT:
+                        charge.take(self.body_budget, len(more))
+                    else:
+                        await charge.acquire(self.body_budget, len(more))
+                    if request.content.at_eof():
+                        break
         except TimeoutError:
+            if charge.waiting is not None:
+                raise web.HTTPServiceUnavailable(reason="HTTP request bytes at their limit: "
+                                                 "retry") from None
             raise web.HTTPRequestTimeout(reason=f"the body did not arrive within "
                                          f"{self.read_timeout_s:g} s") from None
         finally:
-            self.body_budget.release(need)
-        if len(body) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
-        return body
+            charge.waiting = None
+            charge.release()
+        if got > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=got)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def stats(self) -> dict[str, int]:
         return {"connections": len(self._conns), "refused": self.refused,

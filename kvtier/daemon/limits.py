@@ -2,7 +2,9 @@
 
 Every request a client can send costs the daemon a bounded amount of memory and event-loop
 time: a frame is at most ``max_frame`` bytes; the request bytes held (read, decoded and not
-yet answered) are bounded per connection and across connections; a request names at most
+yet answered) are bounded per connection, per client process and across connections, and
+counted as they arrive (a frame announced large and trickled holds only what was sent);
+a request names at most
 ``ceil(max_context_tokens / tokens_per_block)`` keys of its namespace (checked on the raw
 key blob, before it is split into Python objects); a frame must arrive whole within
 ``read_timeout_s`` and a connection that sends nothing for ``idle_timeout_s`` is dropped;
@@ -16,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +38,11 @@ log = logging.getLogger("kvtier.control")
 DEFAULT_MAX_CONTEXT_TOKENS = 2**17
 STREAM_LIMIT = 64 * 2**10
 """asyncio reads ahead at most 2x this much beyond what a frame read asked for, so request
-bytes the daemon holds are bounded by the byte budgets below, not by the socket buffers."""
+bytes the daemon holds are bounded by the byte budgets below, not by the socket buffers.
+A frame of at most this many bytes never waits for the shared budgets."""
+PROCESS_PENDING_SHARE = 0.5
+"""The part of ``total_pending_bytes`` one client process (all its connections) may hold:
+one process cannot take the shared budget from the others (never less than one frame)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,7 @@ class Limits:
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
     conn_pending_bytes: int = DEFAULT_MAX_FRAME
     total_pending_bytes: int = 4 * DEFAULT_MAX_FRAME
+    process_pending_bytes: int = 2 * DEFAULT_MAX_FRAME   # one process's share of the total
     idle_timeout_s: float = 600.0
     read_timeout_s: float = 10.0
     max_connections: int = 1024
@@ -60,6 +68,7 @@ class Limits:
         """The daemon's limits; a pending-bytes setting of 0 takes the derived default."""
         frame = d.max_frame_bytes
         put, get = d.client_put_share, d.client_get_share
+        total = max(frame, d.max_total_pending_bytes or 4 * frame)
         return cls(
             client_put_bytes=int(put * arena_bytes) if 0 < put < 1 else 0,
             client_get_bytes=int(get * arena_bytes) if 0 < get < 1 else 0,
@@ -67,7 +76,8 @@ class Limits:
             max_leases_per_client=d.max_leases_per_client,
             max_frame=frame, max_context_tokens=d.max_context_tokens,
             conn_pending_bytes=max(frame, d.max_conn_pending_bytes or frame),
-            total_pending_bytes=max(frame, d.max_total_pending_bytes or 4 * frame),
+            total_pending_bytes=total,
+            process_pending_bytes=max(frame, int(total * PROCESS_PENDING_SHARE)),
             idle_timeout_s=d.idle_timeout_s, read_timeout_s=d.read_timeout_s,
             max_connections=d.max_connections, listen_backlog=d.listen_backlog)
 
@@ -77,37 +87,118 @@ class Limits:
 
 
 class ByteBudget:
-    """Bytes held by requests in flight; a reader waits (bounded) for room.
+    """Bytes held by requests in flight; a reader waits (bounded) for room, first come
+    first served.
 
-    Waiters are woken on every release and re-check in arrival order; no Python object is
-    kept per byte or per request beyond the waiter futures themselves.
+    Waiters are granted in arrival order: one that does not fit yet keeps its place, and
+    nobody behind it overtakes it (a large frame is not starved by a stream of small
+    ones). A holder named by ``owner`` (a frame being read in pieces) is tracked while it
+    holds bytes: the oldest such holder is never kept waiting, so frames that each hold
+    part of their bytes cannot all wait for each other (the budget is then exceeded by at
+    most what that one frame still needs, bounded by ``max_frame``). No Python object is
+    kept per byte or per request beyond the waiters and the holders' counts.
     """
 
-    __slots__ = ("_waiters", "limit", "used")
+    __slots__ = ("_holders", "_waiters", "limit", "used")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: deque[tuple[int, object, asyncio.Future[None]]] = deque()
+        self._holders: dict[object, int] = {}   # owner -> bytes held, oldest first
 
-    async def acquire(self, n: int) -> None:
-        """Take ``n`` bytes, waiting for releases; cancel (e.g. a timeout) to give up."""
-        while self.used + n > self.limit and self.used > 0:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            finally:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(fut)
+    def _fits(self, n: int) -> bool:
+        return self.used + n <= self.limit or self.used == 0
+
+    def _first(self, owner: object) -> bool:
+        return owner is not None and next(iter(self._holders), None) is owner
+
+    def _grant(self, n: int, owner: object) -> None:
         self.used += n
+        if owner is not None:
+            self._holders[owner] = self._holders.get(owner, 0) + n
 
-    def release(self, n: int) -> None:
+    def take(self, n: int, owner: object = None) -> None:
+        """Count ``n`` bytes at once, room or not (bytes bounded elsewhere)."""
+        self._grant(n, owner)
+
+    async def acquire(self, n: int, owner: object = None) -> None:
+        """Take ``n`` bytes, waiting for releases in turn; cancel (e.g. a timeout) to give
+        up: a cancelled wait takes nothing."""
+        if self._first(owner) or (not self._waiters and self._fits(n)):
+            self._grant(n, owner)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, owner, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():   # granted, then cancelled: give back
+                self.release(n, owner)
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                self._wake()   # the head may have changed
+            raise
+
+    def release(self, n: int, owner: object = None) -> None:
         self.used -= n
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        if owner is not None and owner in self._holders:
+            left = self._holders[owner] - n
+            if left > 0:
+                self._holders[owner] = left
+            else:
+                del self._holders[owner]
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            n, owner, fut = waiters[0]
+            if fut.done():
+                waiters.popleft()
+                continue
+            if not self._fits(n):
+                break
+            waiters.popleft()
+            self._grant(n, owner)
+            fut.set_result(None)
+        first = next(iter(self._holders), None)
+        if first is not None and waiters:   # the oldest holder goes ahead of the queue
+            for entry in waiters:
+                if entry[1] is first and not entry[2].done():
+                    waiters.remove(entry)
+                    self._grant(entry[0], first)
+                    entry[2].set_result(None)
+                    break
+
+
+class ProcessShares:
+    """One ``ByteBudget`` per client process (by pid), so that one process cannot hold the
+    whole shared request-byte budget; counted by the connections that use it."""
+
+    __slots__ = ("_budgets", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._budgets: dict[int, tuple[ByteBudget, int]] = {}
+
+    def open(self, process: int) -> ByteBudget:
+        budget, users = self._budgets.get(process, (None, 0))
+        if budget is None:
+            budget = ByteBudget(self.limit)
+        self._budgets[process] = (budget, users + 1)
+        return budget
+
+    def close(self, process: int) -> None:
+        budget, users = self._budgets.get(process, (None, 0))
+        if budget is None:
+            return
+        if users <= 1:
+            del self._budgets[process]
+        else:
+            self._budgets[process] = (budget, users - 1)
 
 
 @dataclass(slots=True)
@@ -124,13 +215,47 @@ class LimitCounters:
     refused_leases: int = 0        # prepares refused: their process held max_leases_per_client
 
 
+@dataclass(slots=True, eq=False)
+class Charge:
+    """The bytes one request holds in the byte budgets until it is answered: taken as its
+    frame's bytes arrive, given back at once by ``release``."""
+
+    nbytes: int = 0                   # the frame's length
+    held: dict[ByteBudget, int] = field(default_factory=dict)
+    waiting: ByteBudget | None = None   # the budget it waits for room in, if it does
+
+    async def acquire(self, budget: ByteBudget, n: int, *, owner: bool = True) -> None:
+        self.waiting = budget
+        await budget.acquire(n, self if owner else None)
+        self.waiting = None
+        self.held[budget] = self.held.get(budget, 0) + n
+
+    def take(self, budget: ByteBudget, n: int) -> None:
+        budget.take(n, self)
+        self.held[budget] = self.held.get(budget, 0) + n
+
+    def release(self) -> None:
+        held, self.held = self.held, {}
+        for budget, n in held.items():
+            budget.release(n, self)
+
+
 async def read_request(reader: asyncio.StreamReader, lim: Limits, pending: ByteBudget,
                        counters: LimitCounters, held: ByteBudget | None = None,
                        busy: Callable[[], bool] = lambda: False,
-                       ) -> tuple[dict[str, Any], int] | None:
-    """The next request on a connection and its size in bytes, which stay counted in
-    ``held`` (this connection's budget) and ``pending`` (all connections') until the
+                       process: ByteBudget | None = None,
+                       ) -> tuple[dict[str, Any], Charge] | None:
+    """The next request on a connection and the bytes it holds (``Charge``): counted in
+    ``held`` (this connection's budget, taken for the whole frame once its length is
+    read: only the connection's own requests can be in the way), and in ``process`` (its
+    process's share) and ``pending`` (all connections') as its bytes arrive, until the
     caller releases them.
+
+    A frame of at most ``STREAM_LIMIT`` bytes never waits for the shared budgets (the
+    stream's buffer bounds it anyway): pings, commits, releases and lookups are not held up
+    by large frames. A larger frame waits for room piece by piece (first come, first
+    served), so a client that announces a large frame and trickles it holds only what it
+    sent, and is dropped once ``read_timeout_s`` passes.
 
     ``held`` None: the hello, which must arrive whole within read_timeout_s of the call.
     Otherwise the wait for a frame's first byte is bounded by idle_timeout_s (while
@@ -158,26 +283,43 @@ async def read_request(reader: asyncio.StreamReader, lim: Limits, pending: ByteB
             log.info("dropping a connection idle for %.0f s", wait)
             return None
     deadline = (start if held is None else loop.time()) + lim.read_timeout_s
-    n = 0
-    taken: list[ByteBudget] = []
+    charge = Charge()
+    shared = [b for b in (process, pending) if b is not None]
+
+    async def arrived(k: int) -> None:
+        for budget in shared:
+            await charge.acquire(budget, k)
+
     try:
         async with asyncio.timeout_at(deadline):
             (n,) = LENGTH.unpack(first + await reader.readexactly(LENGTH.size - 1))
             check_length(n, lim.max_frame)
-            for budget in (held, pending):
-                if budget is not None:
-                    await budget.acquire(n)
-                    taken.append(budget)
-            body = await read_exactly(reader, n)
-        return unpack_body(body, lim.max_frame, REQUEST_MAX_ITEMS), n
+            charge.nbytes = n
+            if held is not None:
+                await charge.acquire(held, n, owner=False)
+            if n <= STREAM_LIMIT:
+                body = await reader.readexactly(n)
+                for budget in shared:
+                    charge.take(budget, n)
+            else:
+                body = await read_exactly(reader, n, arrived)
+        return unpack_body(body, lim.max_frame, REQUEST_MAX_ITEMS), charge
     except BaseException as exc:
-        for budget in taken:
-            budget.release(n)
+        waited, charge.waiting = charge.waiting, None
+        charge.release()
         if isinstance(exc, asyncio.IncompleteReadError):
             raise ProtocolError("connection closed inside a frame") from None
         if not isinstance(exc, TimeoutError):
             raise
-        if n and len(taken) < 2 - (held is None):
+        if waited is not None and waited is held:
+            raise Overloaded(f"this connection's requests in flight hold its limit of "
+                             f"request bytes ({held.limit}, daemon.max_conn_pending_bytes): "
+                             "retry later") from None
+        if waited is not None and waited is process:
+            raise Overloaded(f"this client process holds its share of the request bytes "
+                             f"in flight ({waited.limit}, half of "
+                             "daemon.max_total_pending_bytes): retry later") from None
+        if waited is not None:
             raise Overloaded(f"the daemon holds its limit of request bytes in flight "
                              f"({lim.total_pending_bytes}): retry later") from None
         counters.dropped_slow += 1
@@ -185,11 +327,14 @@ async def read_request(reader: asyncio.StreamReader, lim: Limits, pending: ByteB
                             "closing the connection") from None
 
 
-async def read_exactly(reader: asyncio.StreamReader, n: int) -> bytes:
+async def read_exactly(reader: asyncio.StreamReader, n: int,
+                       arrived: Callable[[int], Awaitable[None]] | None = None) -> bytes:
     """``n`` bytes, read in pieces as they arrive: the stream's own buffer stays small
     (its readexactly regrows and copies one bytearray many times for a 16 MiB frame, and
-    that memory stays with the daemon)."""
-    if n <= STREAM_LIMIT:
+    that memory stays with the daemon). ``arrived(k)`` is awaited after each piece of
+    ``k`` bytes, before the next is read (the byte budgets: reading pauses while it
+    waits, and the stream's buffer then pauses the socket)."""
+    if n <= STREAM_LIMIT and arrived is None:
         return await reader.readexactly(n)
     parts: list[bytes] = []
     left = n
@@ -199,4 +344,6 @@ async def read_exactly(reader: asyncio.StreamReader, n: int) -> bytes:
             raise asyncio.IncompleteReadError(b"".join(parts), n)
         parts.append(part)
         left -= len(part)
+        if arrived is not None:
+            await arrived(len(part))
     return b"".join(parts)

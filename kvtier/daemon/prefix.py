@@ -9,8 +9,11 @@ of ``kvtier.keys.block_keys``); a JSON list of ints is accepted for convenience.
 
 Bounds (``kvtier.daemon.limits``): a prompt carries at most ``max_context_tokens`` tokens
 (or as many keys as that makes in blocks); a batch at most ``MAX_PROMPTS`` prompts and
-``BATCH_CONTEXTS`` times ``max_context_tokens`` tokens in all; a JSON body at most
-``JSON_MAX_BYTES`` (the binary body: ``max_frame``). The Redis part is bounded by
+``BATCH_CONTEXTS`` times ``max_context_tokens`` tokens in all (a key blob is checked against
+it before it is split); a JSON body at most ``json_max_bytes`` (what ``JSON_CONTEXTS``
+prompts of ``max_context_tokens`` take in JSON) and ``json_max_values`` values, both
+checked before it is parsed (parsing costs event-loop time per value: ~75 ms per million);
+the binary body at most ``max_frame``. The Redis part is bounded by
 ``redis.lookup_budget_s``, as a lookup's is. Reading a request's wire forms (digests,
 token blobs, JSON prompts) is ``kvtier.daemon.prefix_input``.
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 from kvtier.daemon.limits import Limits
 from kvtier.daemon.prefix_input import (
+    BATCH_CONTEXTS,
     MAX_PROMPTS,
     PromptInput,
     digest_of,
@@ -42,8 +46,10 @@ from kvtier.store import TieredStore
 from kvtier.store.slices import Turn
 
 KEY_PIECE = 512   # blocks hashed between two looks at the turn (kvtier.store.slices)
-BATCH_CONTEXTS = 4
-JSON_MAX_BYTES = 4 * 2**20
+JSON_BYTES_PER_TOKEN = 8   # `151643, ` : a 6-digit token id as json.dumps writes it
+JSON_CONTEXTS = 2          # full-length prompts one JSON body may carry
+JSON_SLACK = 64 * 2**10    # namespace fields, layouts, keys of a batch's objects
+_OCTET = "application/octet-stream"
 _MAX_NAME = 1024
 _MAX_TP = 1 << 16
 _CPU_STATES = (SlotState.READY, SlotState.LOADING)
@@ -59,6 +65,9 @@ class PrefixProbe:
     def __init__(self, store: TieredStore, limits: Limits) -> None:
         self.store = store
         self.limits = limits
+        ctx = limits.max_context_tokens
+        self.json_max_values = JSON_CONTEXTS * ctx + MAX_PROMPTS * 16
+        self.json_max_bytes = JSON_BYTES_PER_TOKEN * JSON_CONTEXTS * ctx + JSON_SLACK
 
     # -- the probe -----------------------------------------------------------------------
     async def probe(self, ns: Namespace, keys: list[BlockKey], *,
@@ -215,8 +224,7 @@ class PrefixProbe:
         budget = BATCH_CONTEXTS * self.limits.max_context_tokens
         total = sum(self._check_prompt(ns, p) for ns, p in items)
         if total > budget:
-            raise LimitExceeded(f"{total} tokens in one batch; at most {budget} "
-                                f"({BATCH_CONTEXTS} x daemon.max_context_tokens): split it")
+            raise LimitExceeded(_over_batch(total, budget))
 
     # -- the control op ------------------------------------------------------------------
     async def from_control(self, msg: dict[str, Any],
@@ -228,40 +236,83 @@ class PrefixProbe:
         if "ns" in msg:
             spec["namespace"] = msg["ns"]
         ns = self.namespace(spec, known)
-        prompts = split_prompts(msg.get("tokens"), msg.get("keys"), msg.get("lengths"),
-                         self.limits.max_keys(ns.layout.tokens_per_block))
+        prompts = self._split(ns, msg.get("tokens"), msg.get("keys"), msg.get("lengths"))
         items = [(ns, p) for p in prompts]
         self._check_batch(items)
         results = await self.probe_many(items, redis=flag(msg.get("redis", True)))
         return {"results": [r.to_dict() for r in results]}
 
+    def _split(self, ns: Namespace, tokens: object, keys: object,
+               lengths: object) -> list[PromptInput]:
+        tpb = ns.layout.tokens_per_block
+        return split_prompts(tokens, keys, lengths, self.limits.max_keys(tpb),
+                             BATCH_CONTEXTS * self.limits.max_context_tokens // tpb)
+
     # -- HTTP ----------------------------------------------------------------------------
+    def http_limit(self, content_type: str, query: Mapping[str, str],
+                   declared: int | None) -> int:
+        """What can be checked of a ``POST /v1/prefix`` before its body is read (a
+        KVTierError otherwise): its content type; for a binary body its namespace (from the
+        query) and the batch budget of its ``lengths``; for a JSON body its declared size.
+        Answers the most body bytes to read."""
+        if content_type == _OCTET:
+            ns, as_keys, lengths, _ = self._octet_query(query)
+            if lengths is not None:
+                n = sum(lengths) * (ns.layout.tokens_per_block if as_keys else 1)
+                budget = BATCH_CONTEXTS * self.limits.max_context_tokens
+                if n > budget:
+                    raise LimitExceeded(_over_batch(n, budget))
+            return self.limits.max_frame
+        if content_type not in ("application/json", ""):
+            raise ProtocolError(f"unsupported content type {content_type[:64]!r}: send "
+                                "application/json or application/octet-stream")
+        if declared is not None and declared > self.json_max_bytes:
+            raise LimitExceeded(self._json_too_large(f"{declared} bytes"))
+        return self.json_max_bytes
+
+    def _json_too_large(self, what: str) -> str:
+        return (f"a JSON body of {what}; at most {self.json_max_bytes} bytes and "
+                f"{self.json_max_values} values ({JSON_CONTEXTS} prompts of "
+                f"daemon.max_context_tokens {self.limits.max_context_tokens}): send large "
+                "batches as application/octet-stream (u4 tokens, or 16-byte keys with "
+                "?input=keys, cut by ?lengths=)")
+
+    def _octet_query(self, query: Mapping[str, str]
+                     ) -> tuple[Namespace, bool, list[int] | None, bool]:
+        spec: dict[str, Any] = dict(query)
+        for name in ("tp_rank", "tp_size"):
+            if name in spec:
+                spec[name] = query_int(name, spec[name])
+        ns = self.namespace(spec)
+        as_keys = query.get("input", "tokens") == "keys"
+        lengths = None
+        if "lengths" in query:
+            text = query["lengths"]
+            if text.count(",") >= MAX_PROMPTS:
+                raise LimitExceeded(f"{text.count(',') + 1} prompts in one request; at "
+                                    f"most {MAX_PROMPTS}: split the batch")
+            lengths = [query_int("lengths", x) for x in text.split(",")]
+        want_redis = query.get("redis", "1").lower() not in ("0", "false", "no")
+        return ns, as_keys, lengths, want_redis
+
     async def from_http(self, body: bytes, content_type: str,
                         query: Mapping[str, str]) -> dict[str, Any]:
         """``POST /v1/prefix``: JSON (``token_ids``, ``tokens_b64`` or ``block_keys``, or
         ``prompts`` for a batch), or ``application/octet-stream`` (u4 tokens or raw keys,
         with the namespace and ``lengths`` in the query string). One prompt answers the
         probe itself, a batch ``{"results": [...]}``."""
-        if content_type == "application/octet-stream":
-            spec: dict[str, Any] = dict(query)
-            for name in ("tp_rank", "tp_size"):
-                if name in spec:
-                    spec[name] = query_int(name, spec[name])
-            ns = self.namespace(spec)
-            as_keys = query.get("input", "tokens") == "keys"
-            lengths = None
-            if "lengths" in query:
-                lengths = [query_int("lengths", x) for x in query["lengths"].split(",")]
-            prompts = split_prompts(None if as_keys else body, body if as_keys else None, lengths,
-                             self.limits.max_keys(ns.layout.tokens_per_block))
+        if content_type == _OCTET:
+            ns, as_keys, lengths, want_redis = self._octet_query(query)
+            prompts = self._split(ns, None if as_keys else body, body if as_keys else None,
+                                  lengths)
             items = [(ns, p) for p in prompts]
             batch = lengths is not None
-            want_redis = query.get("redis", "1").lower() not in ("0", "false", "no")
         elif content_type in ("application/json", ""):
-            if len(body) > JSON_MAX_BYTES:
-                raise LimitExceeded(f"a JSON body of {len(body)} bytes; at most "
-                                    f"{JSON_MAX_BYTES}: send u4 tokens as "
-                                    "application/octet-stream or tokens_b64")
+            if len(body) > self.json_max_bytes:
+                raise LimitExceeded(self._json_too_large(f"{len(body)} bytes"))
+            values = body.count(b",") + 1   # a bound on the values, without parsing
+            if values > self.json_max_values:
+                raise LimitExceeded(self._json_too_large(f"{values} values"))
             try:
                 doc = json.loads(body)
             except (ValueError, RecursionError):
@@ -295,6 +346,11 @@ class PrefixProbe:
             own = {k: p[k] for k in _NS_FIELDS if k in p}
             items.append((self.namespace({**top, **own}), json_prompt(p)))
         return items, True
+
+
+def _over_batch(total: int, budget: int) -> str:
+    return (f"{total} tokens in one batch; at most {budget} ({BATCH_CONTEXTS} x "
+            "daemon.max_context_tokens): split it")
 
 
 def http_error(exc: KVTierError) -> tuple[int, dict[str, str]]:

@@ -19,6 +19,7 @@ from kvtier.keys import KEY_BYTES, BlockKey
 from kvtier.store import TieredStore
 
 MAX_PROMPTS = 256
+BATCH_CONTEXTS = 4   # a batch carries at most this many times max_context_tokens in all
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +55,12 @@ def query_int(name: str, text: str) -> int:
 
 
 def split_prompts(tokens: object, keys: object, lengths: object,
-           max_keys: int) -> list[PromptInput]:
+                  max_keys: int, max_batch_keys: int | None = None) -> list[PromptInput]:
     """Prompts from one blob of u4 tokens or 16-byte keys, cut by ``lengths`` (a batch)
     or whole (one prompt). The token arrays are views of the blob: nothing per token; a
-    prompt of more than ``max_keys`` keys is refused before its keys are split."""
+    prompt of more than ``max_keys`` keys, or a blob of more than ``max_batch_keys`` keys
+    (the batch's budget in this namespace's blocks), is refused before its keys are split
+    (a million key objects cost the event loop ~0.1 s)."""
     if (tokens is None) == (keys is None):
         raise ProtocolError("send either 'tokens' (u4 little-endian bytes) or 'keys'")
     blob = tokens if tokens is not None else keys
@@ -67,6 +70,10 @@ def split_prompts(tokens: object, keys: object, lengths: object,
     if len(blob) % unit:
         raise ProtocolError(f"{len(blob)} bytes are not a whole number of {unit}-byte items")
     count = len(blob) // unit
+    if keys is not None and max_batch_keys is not None and count > max_batch_keys:
+        raise LimitExceeded(f"{count} keys in one request; at most {max_batch_keys} "
+                            f"({BATCH_CONTEXTS} x daemon.max_context_tokens in this "
+                            "namespace's blocks): split it")
     if lengths is None:
         sizes = [count]
     else:

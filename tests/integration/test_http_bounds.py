@@ -6,7 +6,10 @@ reading it, answers every error in JSON, and shows no secret on the admin endpoi
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +20,9 @@ from typing import Any
 import pytest
 
 from kvtier.client import connect
+from kvtier.keys import Namespace
+from kvtier.layout import KVLayout
+from kvtier.protocol import LENGTH, pack, unpack_body
 from tests.support.daemon import DaemonProcess
 
 TOKEN = "s3cr3t-admin-token"
@@ -138,3 +144,172 @@ def test_a_key_body_beyond_the_limit_is_refused_before_it_is_split(
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 413 and json.loads(err.value.read())["code"] == "limit"
         assert time.monotonic() - t0 < 2
+
+
+def _ping_forever(path: str, stop: Any, out: Any) -> None:
+    """A control-socket client in another process, pinging in a loop: (sent, latency)."""
+    samples = []
+    with connect(path) as c:
+        while not stop.is_set():
+            t0 = time.perf_counter()   # CLOCK_MONOTONIC: comparable across processes
+            c.ping()
+            samples.append((t0, time.perf_counter() - t0))
+            time.sleep(0.002)
+    out.send(samples)
+
+
+def _slowest_pings(d: DaemonProcess, requests: list[Any]) -> list[float]:
+    """Runs each of ``requests`` (callables) while another process pings the daemon; the
+    slowest ping that overlapped each request (when one did)."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, (recv, send) = ctx.Event(), ctx.Pipe(duplex=False)
+    pinger = ctx.Process(target=_ping_forever, args=(str(d.socket), stop, send))
+    pinger.start()
+    windows = []
+    try:
+        time.sleep(1.5)   # the child starts and pings a while
+        for fn in requests:
+            start = time.perf_counter()
+            fn()
+            windows.append((start, time.perf_counter()))
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        samples = recv.recv() if recv.poll(20) else []
+        pinger.join(10)
+    slowest = []
+    for start, end in windows:
+        during = [lat for t0, lat in samples if t0 + lat >= start and t0 <= end]
+        if during:
+            slowest.append(max(during))
+    assert len(slowest) >= len(windows) // 2, "too few pings overlapped the requests"
+    return slowest
+
+
+def _post(d: DaemonProcess, body: bytes, content_type: str = "application/json",
+          query: str = "") -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"{d.http_url}/v1/prefix{query}", data=body, method="POST",
+                                 headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_trickled_bodies_do_not_hold_the_body_budget(daemon_factory) -> None:
+    """8 connections declare 16 MiB bodies for /v1/prefix and trickle them: the shared body
+    budget (4 x 16 MiB) was taken at the declared length, so a router's small probe waited
+    read_timeout_s and got a 503. Body bytes are counted as they arrive now, and the first
+    64 KiB of a body never wait: the router is answered well within the attack's hold."""
+    d = daemon_factory(nvme_bytes="0", env={"KVTIER_DAEMON_READ_TIMEOUT_S": "6"}).start()
+    layout = KVLayout(2, 2, 32, "float16", 16)
+    engine = connect(d.socket)
+    engine.register_layout(layout, "pub")
+    head = (b"POST /v1/prefix?model_id=pub HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/octet-stream\r\nContent-Length: 16777216\r\n\r\n")
+    stop = threading.Event()
+    started = threading.Semaphore(0)
+
+    def trickle() -> None:
+        s = socket.create_connection(_addr(d), timeout=10)
+        try:
+            s.sendall(head + b"\0")
+            started.release()
+            while not stop.wait(0.2):
+                s.sendall(b"\0")
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+    attackers = [threading.Thread(target=trickle, daemon=True) for _ in range(8)]
+    for t in attackers:
+        t.start()
+    try:
+        for _ in attackers:
+            assert started.acquire(timeout=10)
+        time.sleep(0.3)
+        body = json.dumps({"model_id": "pub", "token_ids": list(range(64))}).encode()
+        t0 = time.monotonic()
+        slowest = 0.0
+        for _ in range(10):
+            t = time.monotonic()
+            status, doc = _post(d, body)
+            slowest = max(slowest, time.monotonic() - t)
+            assert status == 200 and doc["prompt_blocks"] == 4, (status, doc)
+        elapsed = time.monotonic() - t0
+        held = d.stats()["http"]["body_bytes"]
+        print(f"\nunder 8 trickled 16 MiB bodies: 10 probes in {elapsed * 1e3:.0f} ms, "
+              f"slowest {slowest * 1e3:.0f} ms; {held} body bytes held")
+        assert elapsed < 2.0            # the attack holds its bodies for 6 s
+        assert held < 2**20
+    finally:
+        stop.set()
+        for t in attackers:
+            t.join(10)
+        engine.close()
+
+
+def test_large_json_bodies_are_refused_before_they_are_parsed(daemon: DaemonProcess) -> None:
+    """A 4 MiB JSON body of 2M ints cost 150-250 ms of event loop (json.loads, np.asarray)
+    before any check, even for a model nobody serves. A JSON body now has its own bounds
+    from max_context_tokens (bytes, from the declared length, before a byte of it is read;
+    values, counted before it is parsed), and the 413 says where large batches go."""
+    ints = (4 * 2**20 - 64) // 2
+    huge = ('{"model_id":"nobody","token_ids":[' + ",".join(["0"] * ints) + "]}").encode()
+    dense = ('{"model_id":"nobody","token_ids":[' + ",".join(["0"] * (ints // 3))
+             + "]}").encode()                       # 1.3 MiB: under the bytes, not values
+    answers: list[tuple[int, dict[str, Any]]] = []
+    slowest = _slowest_pings(daemon, [lambda b=b: answers.append(_post(daemon, b))
+                                      for b in [huge, dense] * 6])
+    print(f"\nslowest ping per 4 MiB / 1.3 MiB JSON body: "
+          f"{', '.join(f'{x * 1e3:.0f}' for x in slowest)} ms")
+    for status, doc in answers:
+        assert status == 413 and doc["code"] == "limit", (status, doc)
+        assert "application/octet-stream" in doc["error"]
+    assert sorted(slowest)[len(slowest) // 2] < 0.05
+    assert max(slowest) < 0.5
+
+
+def test_a_key_batch_over_its_budget_costs_no_split(daemon: DaemonProcess) -> None:
+    """255 prompts of 4096 keys (each within max_keys, the batch 32x over its budget): the
+    keys were split into a million objects (~130 ms of event loop) before the batch budget
+    refused them. The budget is now checked from the lengths (and the blob's size) first,
+    on HTTP and on the control socket."""
+    layout = KVLayout(2, 2, 32, "float16", 16)
+    ns = Namespace("keys-model", layout)
+    lengths = [4096] * 255
+    blob = os.urandom(16 * 4096 * 255)
+    query = f"?model_id=keys-model&input=keys&lengths={','.join(map(str, lengths))}"
+    answers: list[Any] = []
+    with connect(daemon.socket) as engine:
+        engine.register_layout(layout, "keys-model")
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(30)
+        s.connect(str(daemon.socket))
+        s.sendall(pack({"id": 1, "op": "hello", "version": 1}))
+
+        def reply() -> dict[str, Any]:
+            (n,) = LENGTH.unpack(s.recv(4, socket.MSG_WAITALL))
+            return unpack_body(s.recv(n, socket.MSG_WAITALL))
+
+        assert reply()["ok"]
+        frame = pack({"id": 2, "op": "prefix_locality", "model_id": ns.model_id,
+                      "layout": layout.to_dict(), "keys": blob, "lengths": lengths})
+
+        def over_control() -> None:
+            s.sendall(frame)
+            answers.append(reply())
+
+        slowest = _slowest_pings(daemon, [lambda: answers.append(
+            _post(daemon, blob, "application/octet-stream", query)), over_control] * 5)
+        s.close()
+    print(f"\nslowest ping per over-budget key batch: "
+          f"{', '.join(f'{x * 1e3:.0f}' for x in slowest)} ms")
+    for a in answers:
+        status, doc = a if isinstance(a, tuple) else (413, a)
+        assert status == 413 and doc["code"] == "limit", (status, doc)
+        assert "split it" in doc["error"]
+    assert sorted(slowest)[len(slowest) // 2] < 0.05
+    assert max(slowest) < 0.5

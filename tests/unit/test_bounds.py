@@ -9,11 +9,18 @@ import msgpack
 import pytest
 
 from kvtier.config import DaemonConfig, load_config
-from kvtier.daemon.limits import ByteBudget, Limits
+from kvtier.daemon.limits import STREAM_LIMIT, ByteBudget, LimitCounters, Limits, read_request
 from kvtier.errors import CapacityError, ConfigError, ProtocolError
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
-from kvtier.protocol import REQUEST_MAX_ITEMS, optional_int, request_id, unpack_body
+from kvtier.protocol import (
+    LENGTH,
+    REQUEST_MAX_ITEMS,
+    optional_int,
+    pack,
+    request_id,
+    unpack_body,
+)
 from kvtier.store import TieredStore
 from tests.support.arena import temp_arena
 
@@ -68,6 +75,84 @@ async def test_byte_budget_waits_for_room_and_can_be_given_up() -> None:
     budget.release(60)
     await budget.acquire(500)   # larger than the limit but alone: admitted (progress)
     assert budget.used == 500
+
+
+async def test_byte_budget_serves_waiters_first_come_first_served() -> None:
+    """A waiter that does not fit yet keeps its place: nobody behind it overtakes it (a
+    woken waiter went to the back of the queue, and a newcomer that fitted went first)."""
+    budget = ByteBudget(100)
+    await budget.acquire(60)
+    order: list[str] = []
+
+    async def take(name: str, n: int) -> None:
+        await budget.acquire(n)
+        order.append(name)
+
+    a = asyncio.ensure_future(take("a", 60))
+    await asyncio.sleep(0)
+    b = asyncio.ensure_future(take("b", 30))   # would fit, but a came first
+    await asyncio.sleep(0)
+    assert order == []
+    budget.release(10)                         # a (60) does not fit yet, b would
+    await asyncio.sleep(0)
+    assert order == []
+    budget.release(50)
+    await asyncio.wait_for(asyncio.gather(a, b), 1)
+    assert order == ["a", "b"] and budget.used == 90
+
+
+async def test_the_oldest_holder_of_a_full_budget_is_never_kept_waiting() -> None:
+    """Frames read in pieces each hold part of their bytes: when they fill the budget
+    together, the oldest goes on (else all would wait for each other until their timeout)."""
+    budget = ByteBudget(100)
+    x, y = object(), object()
+    await budget.acquire(50, x)
+    await budget.acquire(50, y)
+    y_more = asyncio.ensure_future(budget.acquire(10, y))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(budget.acquire(10, x), 1)   # x holds the oldest bytes
+    assert not y_more.done() and budget.used == 110
+    budget.release(60, x)
+    await asyncio.wait_for(y_more, 1)
+    assert budget.used == 60
+    budget.release(60, y)
+    assert budget.used == 0 and not budget._holders and not budget._waiters
+
+
+async def test_a_trickled_frame_holds_only_what_arrived_and_small_frames_never_wait(
+        ) -> None:
+    """A frame announced at 16 MiB whose body trickles held 16 MiB of the shared budget
+    from its length on: four of them kept every other client's next request waiting for
+    read_timeout_s (then Overloaded). Bytes are now counted as they arrive, and a frame the
+    stream buffer bounds anyway does not wait for the shared budget at all."""
+    lim = Limits(read_timeout_s=5.0)
+    pending = ByteBudget(lim.total_pending_bytes)
+    counters = LimitCounters()
+    slow = asyncio.StreamReader(limit=STREAM_LIMIT)
+    slow.feed_data(LENGTH.pack(16 * 2**20) + b"\x80")
+    reading = asyncio.ensure_future(read_request(slow, lim, pending, counters,
+                                                 ByteBudget(lim.conn_pending_bytes)))
+    try:
+        await asyncio.sleep(0.05)
+        assert pending.used == 1
+        slow.feed_data(b"\0" * 1000)
+        await asyncio.sleep(0.05)
+        assert pending.used == 1001
+        await pending.acquire(pending.limit - pending.used)   # others fill the budget
+        ping = asyncio.StreamReader(limit=STREAM_LIMIT)
+        ping.feed_data(pack({"id": 7, "op": "ping"}))
+        got = await asyncio.wait_for(read_request(ping, lim, pending, counters,
+                                                  ByteBudget(lim.conn_pending_bytes)), 1)
+        assert got is not None
+        msg, charge = got
+        assert msg["op"] == "ping"
+        charge.release()
+        assert pending.used == pending.limit
+    finally:
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+    assert pending.used == pending.limit - 1001   # the cancelled frame gave its bytes back
 
 
 def test_request_decoding_bounds_containers() -> None:

@@ -189,3 +189,47 @@ def test_a_layout_keeps_a_bounded_kv_format() -> None:
     assert KVLayout.from_dict(ok).kv_format == "f" * MAX_KV_FORMAT
     with pytest.raises(LayoutMismatch, match="at most 256 characters"):
         KVLayout.from_dict(dict(ok, kv_format="f" * (MAX_KV_FORMAT + 1)))
+
+
+def test_json_bodies_are_bounded_before_they_are_parsed(probe: PrefixProbe) -> None:
+    """Parsing JSON costs event-loop time per value (a 4 MiB body of 2M ints: 150 ms), so
+    a JSON body has its own bounds, from max_context_tokens, checked before it is parsed:
+    bytes (also from the declared length, before the body is read) and values."""
+    ctx = LIMITS.max_context_tokens
+    assert probe.json_max_values >= 2 * ctx
+    assert 8 * 2 * ctx <= probe.json_max_bytes < 4 * 2**20
+    many = json.dumps({"model_id": "nobody", "token_ids": [0] * (probe.json_max_values + 1)},
+                      separators=(",", ":")).encode()
+    assert len(many) < probe.json_max_bytes   # few bytes, too many values: not parsed
+    with pytest.raises(LimitExceeded, match="application/octet-stream"):
+        run(probe.from_http(many, "application/json", {}))
+    with pytest.raises(LimitExceeded, match="application/octet-stream"):
+        probe.http_limit("application/json", {}, probe.json_max_bytes + 1)
+    assert probe.http_limit("application/json", {}, 100) == probe.json_max_bytes
+    # a prompt at the context limit fits, as a 6-digit-vocabulary router writes it
+    doc = {"model_id": "m", "token_ids": [151643] * ctx}
+    assert len(json.dumps(doc).encode()) < probe.json_max_bytes
+    assert run(probe.from_http(json.dumps(doc).encode(), "application/json", {}))[
+        "prompt_blocks"] == ctx // 16
+
+
+def test_a_key_batch_over_its_budget_is_refused_before_it_is_split(
+        probe: PrefixProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 prompts of max_keys keys each: every prompt within its bound, the batch 64x over
+    its budget; refused from the blob's length (and the query's lengths) before a key object
+    is built (a million of them cost ~0.1 s of the event loop)."""
+    max_keys = LIMITS.max_keys(16)
+    blob = b"k" * 16 * max_keys * MAX_PROMPTS
+    lengths = [max_keys] * MAX_PROMPTS
+
+    def no_split(raw: bytes) -> list[bytes]:
+        raise AssertionError("keys split before the batch budget was checked")
+
+    monkeypatch.setattr(TieredStore, "split_keys", staticmethod(no_split))
+    with pytest.raises(LimitExceeded, match="split it"):
+        run(probe.from_control({"model_id": "m", "keys": blob, "lengths": lengths}))
+    query = {"model_id": "m", "input": "keys", "lengths": ",".join(map(str, lengths))}
+    with pytest.raises(LimitExceeded, match="split it"):
+        run(probe.from_http(blob, "application/octet-stream", query))
+    with pytest.raises(LimitExceeded, match="split it"):   # from the head, before the body
+        probe.http_limit("application/octet-stream", query, len(blob))
