@@ -26,6 +26,7 @@ from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
 from tests.support.prometheus import FixtureExporter, PrometheusServer
+from tests.support.redis_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvtier.json"
@@ -87,8 +88,10 @@ def wait_for_data(prom: PrometheusServer, queries: list[tuple[str, str, str]],
         time.sleep(1.0)
 
 
-def test_every_panel_query_returns_data(tmp_path: Path) -> None:
+def test_every_panel_query_returns_data(tmp_path: Path, redis_server: RedisServer) -> None:
+    # every tier, Redis too: some series exist only for the tiers that count them
     daemon = DaemonProcess(tmp_path / "kvd", cpu_bytes="2MiB", nvme_bytes="4MiB",
+                           extra_args=["--redis-url", redis_server.url],
                            env={"KVTIER_CPU_SLAB_BYTES": "1MiB",
                                 "KVTIER_NVME_WRITE_BUDGET_BYTES_PER_S": "1GB"}).start()
     stop = threading.Event()
