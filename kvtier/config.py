@@ -187,6 +187,9 @@ class DaemonConfig:
     idle_timeout_s: Seconds = 600.0       # no request for this long: connection dropped (0: never)
     read_timeout_s: Seconds = 10.0        # a started frame (or the hello) must arrive within
     max_connections: AtLeastOne = 1024    # beyond: a typed refusal ("overloaded"), then close
+    max_connections_per_client: AtLeastOne = 64   # open by one client process (by pid); an
+    #                                       engine uses a few: a leak or a hoarder meets
+    #                                       the same refusal before it takes them all
     max_namespaces: AtLeastOne = 4096     # registrations beyond evict the least recently used
     client_put_share: Fraction = 0.5      # of the arena, one client process may hold in open
     #                                       puts and quarantine (0 or 1: no bound); beyond
@@ -374,6 +377,8 @@ def validate(cfg: Config) -> None:
                           "sweeps)")
     for name, value, top in (("listen_backlog", cfg.daemon.listen_backlog, 65535),
                              ("max_connections", cfg.daemon.max_connections, 1 << 20),
+                             ("max_connections_per_client",
+                              cfg.daemon.max_connections_per_client, 1 << 20),
                              ("max_namespaces", cfg.daemon.max_namespaces, 1 << 24),
                              ("max_inflight_per_conn", cfg.daemon.max_inflight_per_conn,
                               1 << 16),

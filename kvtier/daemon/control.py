@@ -168,6 +168,9 @@ class ControlServer(ControlOps):
                 await self._refuse(reader, writer)
                 return
             conn = Connection(next(self._ids), pid, uid)
+            if self.shares.users(conn.process) >= self.limits.max_connections_per_client:
+                await self._refuse(reader, writer, pid)
+                return
             self.connections[conn.id] = conn
             share = self.shares.open(conn.process)
             try:
@@ -263,18 +266,25 @@ class ControlServer(ControlOps):
             if tasks:
                 await asyncio.wait(list(tasks), timeout=5.0)
 
-    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Beyond max_connections: a typed refusal, read what the client sent, then close."""
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      pid: int | None = None) -> None:
+        """Beyond max_connections (or, with ``pid``, beyond the connections one process may
+        hold): a typed refusal, read what the client sent, then close."""
         refused = self.counters.refused_connections = self.counters.refused_connections + 1
         self._count(Overloaded.code)
+        if pid is None:
+            limit, setting = self.limits.max_connections, "daemon.max_connections"
+            error = (f"the daemon already serves its limit of {limit} connections "
+                     f"({setting}): retry later")
+        else:
+            limit, setting = (self.limits.max_connections_per_client,
+                              "daemon.max_connections_per_client")
+            error = (f"process {pid} already holds its limit of {limit} connections to the "
+                     f"daemon ({setting}): close the ones it does not use")
         if refused in (1, 10, 100) or refused % 1000 == 0:
-            log.warning("refused %d connections so far: %d open is the limit "
-                        "(daemon.max_connections)", refused,
-                        self.limits.max_connections)
-        await self._refuse_with(reader, writer, Overloaded.code,
-                                f"the daemon already serves its limit of "
-                                f"{self.limits.max_connections} connections "
-                                "(daemon.max_connections): retry later")
+            log.warning("refused %d connections so far: %d open is the limit (%s)", refused,
+                        limit, setting)
+        await self._refuse_with(reader, writer, Overloaded.code, error)
 
     async def _refuse_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            uid: int) -> None:

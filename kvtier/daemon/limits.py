@@ -57,6 +57,7 @@ class Limits:
     idle_timeout_s: float = 600.0
     read_timeout_s: float = 10.0
     max_connections: int = 1024
+    max_connections_per_client: int = 64   # open by one client process (by pid)
     listen_backlog: int = 4096
     client_put_bytes: int = 0   # arena bytes one client process may hold for writing (0: all)
     client_get_bytes: int = 0   # arena bytes one client process may pin for reading (0: all)
@@ -79,7 +80,9 @@ class Limits:
             total_pending_bytes=total,
             process_pending_bytes=max(frame, int(total * PROCESS_PENDING_SHARE)),
             idle_timeout_s=d.idle_timeout_s, read_timeout_s=d.read_timeout_s,
-            max_connections=d.max_connections, listen_backlog=d.listen_backlog)
+            max_connections=d.max_connections,
+            max_connections_per_client=d.max_connections_per_client,
+            listen_backlog=d.listen_backlog)
 
     def max_keys(self, tokens_per_block: int) -> int:
         """Keys one request may name in a namespace with this block size."""
@@ -190,6 +193,10 @@ class ProcessShares:
             budget = ByteBudget(self.limit)
         self._budgets[process] = (budget, users + 1)
         return budget
+
+    def users(self, process: int) -> int:
+        """Connections of ``process`` open now."""
+        return self._budgets.get(process, (None, 0))[1]
 
     def close(self, process: int) -> None:
         budget, users = self._budgets.get(process, (None, 0))

@@ -9,6 +9,8 @@ import os
 import resource
 import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -410,6 +412,33 @@ def test_two_thousand_concurrent_connects_succeed_or_are_refused(daemon_factory)
             s.close()
     with connect(d.socket) as c:
         c.ping()
+
+
+def test_one_process_cannot_take_every_connection(daemon_factory) -> None:
+    """A process that leaks or hoards connections meets its own limit, with the daemon's
+    other connections still open to other processes (it once took all 1024)."""
+    d = daemon_factory(env={"KVTIER_DAEMON_MAX_CONNECTIONS_PER_CLIENT": "3"}).start()
+    mine = [connect(d.socket) for _ in range(3)]
+    with pytest.raises(Overloaded, match="max_connections_per_client"):
+        connect(d.socket)
+    # another process still connects (and is served) while this one holds its three
+    code = ("import sys; from kvtier.client import connect; "
+            "c = connect(sys.argv[1]); c.ping(); print('served')")
+    out = subprocess.run([sys.executable, "-c", code, str(d.socket)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "served", out.stderr
+    mine.pop().close()
+    deadline = time.monotonic() + 5
+    while True:   # the daemon notices the close asynchronously
+        try:
+            mine.append(connect(d.socket))
+            break
+        except Overloaded:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    for c in mine:
+        c.ping()
+        c.close()
 
 
 def test_a_client_beyond_max_connections_gets_a_typed_refusal(daemon_factory) -> None:
