@@ -191,7 +191,7 @@ async def test_a_cancelled_caller_does_not_strand_the_slots_being_punched(
     room.cancel()
     with pytest.raises(asyncio.CancelledError):
         await room
-    while tier._punches:                               # the punch itself went on
+    while tier._reclaim._punches:                               # the punch itself went on
         await asyncio.sleep(0.01)
     assert tier.alloc(BIG) is not None                 # its room is there, no slot lost
     assert tier.stats_extra()["punched_slots"] > 0
@@ -203,12 +203,12 @@ async def test_two_deletes_behind_a_punch_each_wait_for_their_own_erase(
     found none and answered with its erase not yet on disk (found by review)."""
     import threading
 
-    from kvtier.tiers.nvme import tier as tier_module
+    from kvtier.tiers.nvme import reclaim as reclaim_module
 
     await full.fill()
     tier = full.tier
     punch_gate, erase_gate = threading.Event(), threading.Event()
-    real_punch, real_erase = nvme_holes.punch_hole, tier_module._erase_sync
+    real_punch, real_erase = nvme_holes.punch_hole, reclaim_module._erase_sync
 
     def gated_punch(fd: int, offset: int, length: int) -> None:
         punch_gate.wait(10)
@@ -219,7 +219,7 @@ async def test_two_deletes_behind_a_punch_each_wait_for_their_own_erase(
         return real_erase(fd, offset, prev)  # type: ignore[arg-type]
 
     monkeypatch.setattr(nvme_holes, "punch_hole", gated_punch)
-    monkeypatch.setattr(tier_module, "_erase_sync", gated_erase)
+    monkeypatch.setattr(reclaim_module, "_erase_sync", gated_erase)
     room = asyncio.ensure_future(tier.make_room(BIG))
     await asyncio.sleep(0.05)
     tier.free(full.slots.pop(key_of(40)), erase=True)

@@ -1,10 +1,10 @@
 """NvmeTier: the store's face of the nvme tier (lifecycle, alloc/free, frame writes and reads).
 
-The parts live in their own modules: slot files and allocation (``slots``), the start-up
-scan (``recovery``), the frame I/O backends behind ``FrameIO`` (``frameio``, ``split``,
-``kvikio_io``), the O_DIRECT probe (``probe``), the directory lock (``lock``) and the write
-health (``health``). This class wires them, orders each slot's disk operations and maps OS
-errors to typed, counted ones.
+The parts live in their own modules: slot files and allocation (``slots``), punching and
+erasing (``reclaim``), the start-up scan (``recovery``), the frame I/O backends behind
+``FrameIO`` (``frameio``, ``split``, ``kvikio_io``), the O_DIRECT probe (``probe``), the
+directory lock (``lock``) and the write health (``health``). This class wires them, orders
+each slot's disk operations and maps OS errors to typed, counted ones.
 
 Threading. Every disk access runs in a thread pool (never on the event loop). Counters and the
 slot bookkeeping are touched only from the caller's thread (the daemon's event loop), so they
@@ -16,11 +16,10 @@ its thread is done with them (cancellation is re-raised afterwards, never swallo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,11 @@ from kvtier.errors import BufferSizeError, ConfigError, FrameError, KVTierError
 from kvtier.frame import FrameHeader
 from kvtier.tiers.aligned import PAGE, byte_view
 from kvtier.tiers.base import TierCounters, TierName
-from kvtier.tiers.nvme.buffers import ZERO_PAGE
 from kvtier.tiers.nvme.frameio import FrameIO, PosixFrameIO
 from kvtier.tiers.nvme.health import DEFAULT_BACKOFF, WriteHealth
-from kvtier.tiers.nvme.holes import punch_run
 from kvtier.tiers.nvme.lock import lock_nvme_dir
 from kvtier.tiers.nvme.probe import DIRECT_MODES, choose_direct
+from kvtier.tiers.nvme.reclaim import Reclaimer
 from kvtier.tiers.nvme.recovery import Recovered, recover
 from kvtier.tiers.nvme.slots import NvmeSlot, SizeClass, SlotState, SlotTable, slot_bytes_for
 from kvtier.tiers.nvme.split import MAX_PIECES, SPLIT_BYTES
@@ -43,7 +41,6 @@ from kvtier.tiers.nvme.split import MAX_PIECES, SPLIT_BYTES
 __all__ = ["NvmeDegradedError", "NvmeIOError", "NvmeTier", "TierState"]
 
 log = logging.getLogger(__name__)
-ERASING_PRUNE_MIN = 64   # erases queued before the first pass that drops finished ones
 
 
 class NvmeIOError(KVTierError):
@@ -99,12 +96,8 @@ class NvmeTier:
         self._state = TierState.NEW
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[NvmeSlot, Future[Any]] = {}  # last disk op queued per slot
-        self._erasing: list[Future[Any]] = []   # erases queued and not known done
-        # pruned of finished erases only when it doubles: per erase, a drop of n orphans
-        # cost O(n^2) done() checks, a 0.4-4 s stall of the event loop at 2047 orphans
-        self._erasing_prune_at = ERASING_PRUNE_MIN
-        self._punches: set[asyncio.Future[None]] = set()   # make_room's punches in flight
-        self._wanted = 0   # bytes of disk the allocations waiting in make_room need
+        self._reclaim = Reclaimer(self._slots, self._pending, lambda: self._pool,
+                                  self._settled)
         self._seq = 0
         self._lock_fd: int | None = None   # holds the nvme directory's lock while open
 
@@ -241,47 +234,10 @@ class NvmeTier:
     async def make_room(self, payload_len: int) -> bool:
         """Punch free slots out of the files, in the pool, until ``payload_len`` fits
         their disk (the room a new size class needs lies in other files' middles), and
-        wait for the punches in flight (another allocation's included); False when none
-        runs (none free, no holes here), so the store evicts. On the event loop, 513
-        punches held every client 1.5 s on ext4 (extents split)."""
+        wait for the punches in flight; False when none runs, so the store evicts
+        (``kvtier.tiers.nvme.reclaim``)."""
         self._require_open()
-        footprint = PAGE + slot_bytes_for(payload_len)
-        # what the allocations waiting here with this one still need counts too: room
-        # made for one at a time, the 8th of a batch of evictions ran out of rounds
-        self._wanted += footprint
-        try:
-            need = (self.disk_short(payload_len) + self._wanted - footprint
-                    - self._slots.punching_bytes)
-            plan = self._slots.take_for_punch(need, self._settled)
-            if plan:   # a task of its own: a caller cancelled does not strand the slots
-                task = asyncio.ensure_future(self._punch(plan))
-                self._punches.add(task)
-                task.add_done_callback(self._punches.discard)
-            if not self._punches:
-                return False
-            await asyncio.wait(list(self._punches))
-            return True
-        finally:
-            self._wanted -= footprint
-
-    async def _punch(self, plan: list[tuple[SizeClass, list[int]]]) -> None:
-        outcomes: list[OSError | None] = [OSError("punch not run")] * len(plan)
-        if self._pool is None:   # closed before this task's first step: nothing to undo
-            return
-        jobs = [(cls.fd, cls.stride, run) for cls, run in plan]
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, _punch_all, jobs)
-        try:
-            outcomes = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            # the slots go back only once the punch is over: a write into one before it
-            # ended could be punched away
-            with contextlib.suppress(Exception):
-                outcomes = await fut
-            raise
-        finally:
-            for cls, slot in self._slots.punched(plan, outcomes):
-                if self._pool is not None:   # (not closed meanwhile)
-                    self._queue_erase(cls, slot)
+        return await self._reclaim.make_room(payload_len)
 
     def free(self, slot: NvmeSlot, *, erase: bool = False) -> None:
         """Return a slot to its free list. ``erase=True`` (an explicit delete) also zeroes its
@@ -291,45 +247,19 @@ class NvmeTier:
         cls = self._slots.check(slot, SlotState.RESERVED, SlotState.STORED)
         self._slots.release(slot)
         if erase:
-            self._queue_erase(cls, slot)
+            self._reclaim.queue_erase(cls, slot)
 
     def erase_free(self, slot: NvmeSlot) -> bool:
         """Zero the header page of a free slot whose frame is still on disk (an evicted
-        frame whose key was deleted since: it must not come back at a restart), ordered
-        like ``free(erase=True)``. False, with nothing done, when the slot was handed out
-        again (its frame is or will be overwritten) or cut off its file."""
+        frame whose key was deleted since), ordered like ``free(erase=True)``; False when
+        the slot was handed out again or cut off its file (``Reclaimer.erase_free``)."""
         self._require_open()
-        cls = self._slots.classes.get(slot.slot_bytes)
-        if cls is None or not 0 <= slot.index < cls.high_water or slot.index in cls.busy:
-            return False
-        if slot.index in cls.punching:     # its punch removes the frame (or, failing, the
-            cls.erase_after.add(slot.index)    # erase is queued then: ``_punch``)
-        elif slot.index not in cls.holes:  # a punched slot's frame is gone already
-            self._queue_erase(cls, slot)
-        return True
-
-    def _queue_erase(self, cls: SizeClass, slot: NvmeSlot) -> None:
-        assert self._pool is not None
-        prev = self._pending.get(slot)
-        op = self._pending[slot] = self._pool.submit(_erase_sync, cls.fd, slot.offset, prev)
-        self._erasing.append(op)
-        if len(self._erasing) > self._erasing_prune_at:   # amortized: not per erase
-            self._erasing = [f for f in self._erasing if not f.done()]
-            self._erasing_prune_at = max(ERASING_PRUNE_MIN, 2 * len(self._erasing))
+        return self._reclaim.erase_free(slot)
 
     async def erased(self) -> None:
-        """Wait until every erase queued so far is on disk (or failed, logged): a delete
-        answers after it, so a crash right after cannot bring the block back. A frame in a
-        slot being punched is gone with the punch (or erased when it fails): the punches
-        in flight are waited for first."""
-        if self._punches:
-            await asyncio.wait(list(self._punches))
-        # every erase not yet done, another delete's too: taking them away (as before)
-        # let a second delete that had waited answer before its own erase was on disk
-        todo = self._erasing = [f for f in self._erasing if not f.done()]
-        if todo:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in todo),
-                                 return_exceptions=True)
+        """Wait until every erase queued so far is on disk (a delete answers after it),
+        the punches in flight first (``Reclaimer.erased``)."""
+        await self._reclaim.erased()
 
     # ------------------------------------------------------------------ I/O
     async def write(self, slot: NvmeSlot, header: FrameHeader, payload: memoryview, *,
@@ -429,18 +359,3 @@ class NvmeTier:
         """No disk operation is still queued on ``slot`` (so its file range may be cut)."""
         pending = self._pending.get(slot)
         return pending is None or pending.done()
-
-
-def _punch_all(jobs: list[tuple[int, int, list[int]]]) -> list[OSError | None]:
-    return [punch_run(fd, stride, run) for fd, stride, run in jobs]
-
-
-def _erase_sync(fd: int, offset: int, prev: Future[Any] | None) -> int:
-    if prev is not None:
-        wait([prev])   # order after the slot's previous op; its caller saw any error
-    try:
-        return os.pwritev(fd, [ZERO_PAGE], offset)
-    except OSError as exc:
-        log.warning("nvme tier: erasing the frame at offset %d failed (%s); it may come back "
-                    "after a restart until the slot is reused", offset, exc.strerror)
-        raise
