@@ -22,7 +22,14 @@ from typing import Any
 from kvtier import codec as codecs
 from kvtier.checksum import verify
 from kvtier.errors import FrameError
-from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, STRIPE_BYTES, Codec, FrameHeader
+from kvtier.frame import (
+    FLAG_STRIPED,
+    HEADER_SIZE,
+    STRIPE_BYTES,
+    STRIPED_MIN_BYTES,
+    Codec,
+    FrameHeader,
+)
 from kvtier.tiers.redis_mux import LARGE_VALUE_BYTES, GetJob, read_jobs
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_queue import PendingWrite, frame_pending
@@ -37,6 +44,8 @@ class ReadStatus(str, Enum):
     MISSING = "missing"     # no such key (or no live server for its slot)
     CORRUPT = "corrupt"     # a frame failed a check: delete it
     FOREIGN = "foreign"     # a sound frame of another namespace: a miss, left alone
+    STRAY = "stray"         # a sound frame of another key: a reply out of step (the
+                            # connection is dropped) or a value planted there: a miss
     NOFIT = "nofit"         # a sound frame of another size than the caller's buffer
     ERROR = "error"         # an error reply or a failed connection
 
@@ -56,7 +65,8 @@ MISSING = BlockRead(ReadStatus.MISSING)
 class _Placer:
     """Decides, per value, where its payload goes once its header was read and checked."""
 
-    __slots__ = ("headers", "keys", "layout_fp", "namespace", "outs", "reads", "scratch")
+    __slots__ = ("headers", "keys", "layout_fp", "namespace", "outs", "reads", "scratch",
+                 "stray")
 
     def __init__(self, keys: Sequence[bytes], outs: Sequence[memoryview], namespace: bytes,
                  layout_fp: int) -> None:
@@ -67,6 +77,7 @@ class _Placer:
         self.reads: list[BlockRead | None] = [None] * len(keys)
         self.headers: list[FrameHeader | None] = [None] * len(keys)
         self.scratch: list[memoryview | None] = [None] * len(keys)
+        self.stray = False   # a value held another key's frame: the connection is out of step
 
     def __call__(self, i: int, head: bytes, n: int) -> memoryview | None:
         out = self.outs[i]
@@ -74,6 +85,7 @@ class _Placer:
                                self.layout_fp, n)
         if isinstance(verdict, BlockRead):
             self.reads[i] = verdict
+            self.stray = self.stray or verdict.status is ReadStatus.STRAY
             return None
         header = self.headers[i] = verdict
         if header.flags & FLAG_STRIPED:   # the rest is in other keys: read as stripes
@@ -90,8 +102,11 @@ def judge_header(head: bytes, key: bytes, out_bytes: int, namespace: bytes, layo
                  n: int | None = None) -> FrameHeader | BlockRead:
     """A read's verdict from a frame's first HEADER_SIZE bytes: the header when its payload
     may go into an ``out_bytes`` buffer, else the BlockRead that ends the read (CORRUPT,
-    FOREIGN: a sound frame of another namespace, NOFIT: the caller's buffer is wrong).
-    ``n``: the value's length on the wire when known (a GET), checked against the header."""
+    FOREIGN: a sound frame of another namespace, STRAY: a sound frame of another key,
+    NOFIT: a frame of another size than the buffer, see ``RedisReads._settle_read``).
+    ``n``: the value's length on the wire when known (a GET), checked against the header.
+    A frame of this namespace, key and layout that can never be one kvtier wrote (a
+    striped flag on a block too small to be striped) is CORRUPT."""
     try:
         header = FrameHeader.unpack(head)
     except FrameError as exc:
@@ -99,8 +114,12 @@ def judge_header(head: bytes, key: bytes, out_bytes: int, namespace: bytes, layo
     wire = HEADER_SIZE + header.payload_len if n is None else n
     if header.namespace != namespace:  # someone else's block: keep it
         return BlockRead(ReadStatus.FOREIGN, wire, "frame holds another namespace")
+    if header.key != key:   # another key's reply (out of step), or a value copied here
+        return BlockRead(ReadStatus.STRAY, wire, "frame holds another key")
     try:
         header.check(namespace, key, layout_fp)
+        if (why := never_valid(header, None)) is not None:
+            raise FrameError(why)
         here = (min(header.payload_len, STRIPE_BYTES) if header.flags & FLAG_STRIPED
                 else header.payload_len)   # a striped frame's key holds stripe 0
         if n is not None and here != n - HEADER_SIZE:
@@ -115,6 +134,21 @@ def judge_header(head: bytes, key: bytes, out_bytes: int, namespace: bytes, layo
         return BlockRead(ReadStatus.NOFIT, wire, (
             f"block of {header.raw_len} bytes does not match the {out_bytes}-byte buffer"))
     return header
+
+
+def never_valid(header: FrameHeader, block_bytes: int | None) -> str | None:
+    """Why a sound header of the reader's namespace can never be a frame kvtier wrote for
+    a block of ``block_bytes`` (its namespace's layout's; None: unknown), or None: a
+    striped flag on a block smaller than ``STRIPED_MIN_BYTES`` (kvtier stripes those of
+    that size or more, nothing else), a ``raw_len`` other than the block size. (A large
+    block stored whole is valid: earlier kvtier versions wrote them so.)"""
+    if header.flags & FLAG_STRIPED and header.raw_len < STRIPED_MIN_BYTES:
+        return (f"striped flag on a block of {header.raw_len} bytes (only blocks of "
+                f"{STRIPED_MIN_BYTES} bytes or more are striped)")
+    if block_bytes is not None and header.raw_len != block_bytes:
+        return (f"block of {header.raw_len} bytes where its namespace's blocks have "
+                f"{block_bytes}")
+    return None
 
 
 def lengths_sound(header: FrameHeader) -> bool:
@@ -142,6 +176,8 @@ def read_blocks(conn: Conn, rkeys: Sequence[bytes], keys: Sequence[bytes],
     """GET every key (one pipeline) and land each verified block in its ``outs`` buffer."""
     place = _Placer(keys, _bytes_views(outs), namespace, layout_fp)
     replies = conn.get_many(rkeys, HEADER_SIZE, place)
+    if place.stray:   # the pool drops it: its next exchange could read this one's replies
+        conn.out_of_step = True
     return [_read_of(place, i, reply) for i, reply in enumerate(replies)]
 
 
@@ -161,7 +197,11 @@ def read_blocks_muxed(batches: Sequence[tuple[NodeAddr, list[int]]], rkeys: Sequ
 
     def job(node: NodeAddr, idx: list[int]) -> GetJob:
         def placed(i: int, head: bytes, n: int) -> memoryview | None:
-            return place(idx[i], head, n)
+            dest = place(idx[i], head, n)
+            read = place.reads[idx[i]]
+            if read is not None and read.status is ReadStatus.STRAY:
+                this.out_of_step = True   # its connection is dropped, never reused
+            return dest
 
         def done(i: int, reply: int | ErrorReply | BaseException | None) -> None:
             nonlocal bad
@@ -170,8 +210,9 @@ def read_blocks_muxed(batches: Sequence[tuple[NodeAddr, list[int]]], rkeys: Sequ
                 bad = min(bad, idx[i])
 
         large = min(place.outs[i].nbytes for i in idx) >= LARGE_VALUE_BYTES
-        return GetJob(node, [rkeys[i] for i in idx], HEADER_SIZE, placed, done, idx[0],
+        this = GetJob(node, [rkeys[i] for i in idx], HEADER_SIZE, placed, done, idx[0],
                       large=large)
+        return this
 
     jobs = [job(node, idx) for node, idx in batches]
     read_jobs(jobs, pool_of, width, lambda j: j.first < bad)

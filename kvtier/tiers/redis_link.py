@@ -45,6 +45,7 @@ DOWN_AFTER_FAILURES = 3           # soft failures (timeouts, error replies) in a
 RECONNECT_BACKOFF = BackoffPolicy(base_s=0.05, cap_s=5.0)   # kvtier.backoff: x2, jitter 0.5
 HEALTH_INTERVAL_S = 1.0           # PING while idle, so `up` falls even without traffic
 STATS_EVERY = 5                   # health rounds between INFO/DBSIZE refreshes
+MONITOR_BACKOFF = BackoffPolicy(base_s=HEALTH_INTERVAL_S, cap_s=5.0)   # after a failed round
 CLUSTER_REDIRECTS = (*REDIRECTS, "CLUSTERDOWN", "TRYAGAIN")  # replies that mean "re-route"
 
 T = TypeVar("T")
@@ -98,6 +99,7 @@ class RedisLink:
         self.namespace_mismatches = 0          # frames found under another namespace
         self.redirects = 0                     # keys asked again where MOVED/ASK said
         self._learning: asyncio.Future[None] | None = None   # CLUSTER NODES in flight
+        self._bad_info_logged = False          # an INFO field that was not a number
 
     def use_layouts(self, layout_of: Callable[[bytes], KVLayout | None]) -> None:
         """Where block layouts come from (the store's namespace registry, ``layout``): each
@@ -246,12 +248,28 @@ class RedisLink:
                                for (node, asking), idx in hops.items()))
 
     async def _monitor_loop(self) -> None:
+        """Health rounds every HEALTH_INTERVAL_S while up, for as long as the tier runs: a
+        round that raises (a bug, a reply nothing checked) is logged and counted, and the
+        next one waits longer (MONITOR_BACKOFF) instead of the monitor ending; a
+        monitor that ended would leave the tier up while its server hangs."""
         rounds = 0
+        backoff = Backoff(MONITOR_BACKOFF)
+        delay = HEALTH_INTERVAL_S
         while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)
+            await asyncio.sleep(delay)
+            delay = HEALTH_INTERVAL_S
             if not self._up:
                 continue
-            await self._health(rounds % STATS_EVERY == 0)
+            try:
+                await self._health(rounds % STATS_EVERY == 0)
+            except Exception as exc:
+                self._note_error(exc)
+                delay = max(HEALTH_INTERVAL_S, backoff.next_delay())
+                if backoff.attempts == 1:   # once per run of failing rounds
+                    log.exception("redis tier: health check failed; retrying in %.1f s",
+                                  delay)
+            else:
+                backoff.reset()
             rounds += 1
 
     async def _health(self, refresh_stats: bool) -> None:
@@ -282,10 +300,22 @@ class RedisLink:
             used = limit = keys = 0
             for answer in good:
                 info = _info_fields(answer[1])
-                used += int(info.get("used_memory", 0))
-                limit += int(info.get("maxmemory", 0))
-                keys += answer[2] if isinstance(answer[2], int) else 0
+                used += self._info_number(info, "used_memory")
+                limit += self._info_number(info, "maxmemory")
+                keys += _count(answer[2])
             self._server_used, self._server_max, self._server_keys = used, limit, keys
+
+    def _info_number(self, info: dict[str, str], name: str) -> int:
+        """INFO field ``name`` as a byte count: 0 when absent, and when it is not one (not
+        decimal digits, or more than 20 of them): ignored, logged once per tier."""
+        text = info.get(name, "0").strip()
+        if text.isascii() and text.isdigit() and len(text) <= 20:
+            return int(text)
+        if not self._bad_info_logged:
+            self._bad_info_logged = True
+            log.warning("redis tier: INFO field %s is not a byte count (%r): ignored",
+                        name, text[:40])
+        return 0
 
     def _start_reconnect(self) -> None:
         if self._closed or (self._reconnector and not self._reconnector.done()):
@@ -376,6 +406,13 @@ class RedisLink:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _count(reply: Any) -> int:
+    """A DBSIZE reply as a key count (0 when it is not one)."""
+    if isinstance(reply, int) and not isinstance(reply, bool) and 0 <= reply < 1 << 63:
+        return reply
+    return 0
 
 
 def _info_fields(reply: Any) -> dict[str, str]:

@@ -69,6 +69,9 @@ class GetJob:
     # socket straight into its buffer instead of through the read buffer and a copy.
     large: bool = False
     error: BaseException | None = field(default=None, init=False)   # what failed it
+    # its placer met a reply that cannot be this job's (another key's value): the
+    # connection is out of step and is dropped once the job is read, never reused
+    out_of_step: bool = field(default=False, init=False)
     started: bool = field(default=False, init=False)
 
 
@@ -257,9 +260,12 @@ def read_jobs(jobs: Sequence[GetJob], pool_of: Callable[[NodeAddr], NodePool], w
                     fail(stream, exc)
                     continue
                 if finished:
-                    # bytes past the job's replies (a server out of step): the connection
-                    # goes back to the pool, which discards it, never on to the next job
-                    nxt = (None if stream.conn.buffered() else
+                    # bytes past the job's replies, or a reply that was not this job's (a
+                    # server out of step): the connection goes back to the pool, which
+                    # discards it, never on to the next job
+                    if stream.job.out_of_step:
+                        stream.conn.out_of_step = True
+                    nxt = (None if stream.conn.buffered() or stream.conn.out_of_step else
                            _next_job(stream.job.node, pending, launch))
                     if nxt is not None:   # sent on the same connection: keep polling it
                         stream.reset(nxt)

@@ -82,9 +82,10 @@ class NodePool:
 
     def give(self, conn: Conn) -> None:
         """Take back a connection whose exchange ended cleanly. One that still holds
-        received bytes (more than its replies) is discarded and reported to ``on_stray``
+        received bytes (more than its replies), or read a reply that was not its
+        command's (``Conn.out_of_step``), is discarded and reported to ``on_stray``
         instead: reused, its next exchange would read them as its own replies."""
-        if conn.buffered():
+        if conn.buffered() or conn.out_of_step:
             self.discard(conn)
             if self.on_stray is not None:
                 self.on_stray(self.addr)

@@ -53,7 +53,7 @@ def ranged(nbytes: int) -> bool:
 
 async def fetch_ranged(tier: RedisReads, key: bytes, rkey: bytes, out: memoryview,
                        namespace: bytes, layout_fp: int) -> BlockRead | None:
-    """Block ``key`` into ``out`` by ranges; a verified BlockRead, a FOREIGN/NOFIT/CORRUPT
+    """Block ``key`` into ``out`` by ranges; a verified BlockRead, a FOREIGN/NOFIT
     header verdict, or None to read it with one GET instead (see the module docstring)."""
     head = (await tier._per_server(
         [rkey], lambda c, idx: c.simple_many(
@@ -61,8 +61,8 @@ async def fetch_ranged(tier: RedisReads, key: bytes, rkey: bytes, out: memoryvie
     if not isinstance(head, bytes) or len(head) < HEADER_SIZE:
         return None                  # missing, an error, no live server: the GET decides
     verdict = judge_header(head, key, out.nbytes, namespace, layout_fp)
-    if isinstance(verdict, BlockRead):   # a corrupt one is left to the GET, which deletes
-        return None if verdict.status is ReadStatus.CORRUPT else verdict
+    if isinstance(verdict, BlockRead):   # a corrupt or stray one is left to the GET, which
+        return None if verdict.status in (ReadStatus.CORRUPT, ReadStatus.STRAY) else verdict
     header = verdict
     if header.flags & FLAG_STRIPED:   # the payload is in stripes, not in this value
         return await fetch_striped(tier, rkey, header, out)

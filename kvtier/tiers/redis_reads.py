@@ -21,12 +21,21 @@ from kvtier.tiers.redis_blocks import (
     BlockRead,
     ReadStatus,
     header_range,
+    judge_header,
+    never_valid,
     read_blocks,
     read_blocks_muxed,
 )
 from kvtier.tiers.redis_link import UNSERVED, RedisLink, _describe
 from kvtier.tiers.redis_ranged import fetch_ranged, ranged
-from kvtier.tiers.redis_resp import KEY_ERRORS, REDIRECTS, ErrorReply, NodeAddr, command
+from kvtier.tiers.redis_resp import (
+    KEY_ERRORS,
+    REDIRECTS,
+    ErrorReply,
+    NodeAddr,
+    ProtocolError,
+    command,
+)
 from kvtier.tiers.redis_stripes import owned_part_keys
 from kvtier.tiers.redis_wire import Conn
 
@@ -101,19 +110,28 @@ class RedisReads(RedisLink):
         found = len(rkeys)
         owner: list[int] = []   # block index of each stripe key
         stripes: list[bytes] = []
+        block_bytes = self._block_bytes_for(namespace)
         for i, (rkey, head) in enumerate(zip(rkeys, heads, strict=True)):
             if isinstance(head, ErrorReply):
                 self._error_reply(head)
+            elif not (head is UNSERVED or head is None or isinstance(head, (
+                    bytes, bytearray, memoryview, BaseException))):
+                self._odd_reply("GETRANGE", head)   # never bytes(n) of a server's n
             try:
-                header = FrameHeader.unpack(bytes(head))
-            except (FrameError, TypeError, ValueError):   # missing, unserved, not a frame
+                if not isinstance(head, (bytes, bytearray, memoryview)):
+                    raise FrameError("no header")   # missing, unserved, failed, not one
+                header = FrameHeader.unpack(bytes(head))   # (a copy of what was received)
+            except FrameError:   # missing, unserved, not a frame
                 found = i
                 break
             if header.namespace != namespace:
                 self.namespace_mismatches += 1
                 found = i
                 break
-            parts = owned_part_keys(rkey, header, self._block_bytes_for(namespace))
+            if never_valid(header, block_bytes) is not None:   # a get deletes it
+                found = i
+                break
+            parts = owned_part_keys(rkey, header, block_bytes)
             stripes += parts
             owner += [i] * len(parts)
         if stripes:
@@ -123,15 +141,29 @@ class RedisReads(RedisLink):
         return found
 
     def _present(self, reply: Any, namespace: bytes | None) -> bool:
-        """Whether a ``_probe`` reply says the block is there (for ``namespace``)."""
+        """Whether a ``_probe`` reply says the block is there (for ``namespace``). A reply
+        of a type the command cannot answer (EXISTS: an integer; GETRANGE: a bulk string)
+        is a miss and a server error, counted: never converted (``bytes(n)`` of a
+        server's integer allocates n bytes)."""
         if namespace is None:
-            return bool(reply)
+            if isinstance(reply, int) and not isinstance(reply, bool):
+                return reply == 1
+            self._odd_reply("EXISTS", reply)
+            return False
+        if not isinstance(reply, (bytes, bytearray, memoryview)):
+            self._odd_reply("GETRANGE", reply)
+            return False
         if not reply:  # GETRANGE of a missing key: b""
             return False
         if bytes(reply) != namespace:
             self.namespace_mismatches += 1
             return False
         return True
+
+    def _odd_reply(self, cmd: str, reply: Any) -> None:
+        """Count a reply that ``cmd`` cannot answer (a broken or hostile server)."""
+        self._note_error(ProtocolError(
+            f"redis answered {cmd} with {type(reply).__name__} {reply!r:.60}"))
 
     async def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], *,
                        namespace: bytes, layout_fp: int,
@@ -169,7 +201,8 @@ class RedisReads(RedisLink):
                 routed = True
                 continue
             if bad is not None:
-                await self._settle_read(bad, self._rkey(keys[filled]))
+                await self._settle_read(bad, keys[filled], outs[filled].nbytes, namespace,
+                                        layout_fp)
             break
         self.counters.hit_blocks += filled
         self.counters.miss_blocks += n - filled
@@ -298,16 +331,57 @@ class RedisReads(RedisLink):
             self._succeeded()
         return reads
 
-    async def _settle_read(self, read: BlockRead, rkey: bytes) -> None:
-        """Account for the block that ended a read run."""
+    async def _settle_read(self, read: BlockRead, key: bytes, out_bytes: int,
+                           namespace: bytes, layout_fp: int) -> None:
+        """Account for the block ``key`` (read into ``out_bytes``) that ended a read run.
+
+        NOFIT: a sound frame of this namespace, key and layout whose ``raw_len`` is not
+        the buffer's size. When the buffer has the namespace's block size (its layout is
+        known) the frame can never be valid for its key: corrupt, deleted (it would stay a
+        lookup hit that every get misses); else the caller's buffer is wrong, an error.
+        STRAY: a sound frame of another key (``_settle_stray``)."""
+        rkey = self._rkey(key)
         if read.status is ReadStatus.FOREIGN:
             self.namespace_mismatches += 1
         elif read.status is ReadStatus.CORRUPT:
             await self._drop_corrupt(rkey, read.why)
         elif read.status is ReadStatus.NOFIT:
-            self._note_error(ValueError(read.why))
+            if self._block_bytes_for(namespace) == out_bytes:
+                await self._drop_corrupt(rkey, read.why)
+            else:
+                self._note_error(ValueError(read.why))
+        elif read.status is ReadStatus.STRAY:
+            await self._settle_stray(read, key, out_bytes, namespace, layout_fp)
         elif read.error is not None:
             self._error_reply(read.error)
+
+    async def _settle_stray(self, read: BlockRead, key: bytes, out_bytes: int,
+                            namespace: bytes, layout_fp: int) -> None:
+        """A GET of ``key`` answered with another key's frame: a reply out of step (a
+        server that sent one twice: its connection was dropped, ``protocol_errors``) or a
+        value copied there. Counted, a miss; not evidence that the value stored at
+        ``key`` is corrupt, so it is deleted only when its header, read again on a fresh
+        connection (whose first reply is its own), fails its checks for ``key``."""
+        rkey = self._rkey(key)
+        node = self._router.node_for(rkey)
+        head = None
+        if node is not None and self._up:
+            try:
+                replies = await self._in_thread(
+                    lambda: self._router.exchange_once(node, [header_range(rkey)]))
+            except Exception as exc:   # (it catches connection errors itself)
+                self._note_error(exc)
+                return
+            head = replies[0] if replies else None
+        if isinstance(head, bytes) and head:   # else gone, an error, no answer
+            verdict = judge_header(head, key, out_bytes, namespace, layout_fp)
+            if isinstance(verdict, BlockRead) and verdict.status in (
+                    ReadStatus.CORRUPT, ReadStatus.STRAY):   # stored so: a bad frame
+                await self._drop_corrupt(rkey, f"{verdict.why} (read again)")
+                return
+        # the value at `key` is sound or unknown: the reply was out of step, the server's
+        self._note_error(ProtocolError(f"redis answered GET {rkey!r:.60} with a frame "
+                                       f"of another key"))
 
     async def _drop_corrupt(self, rkey: bytes, why: str) -> None:
         self.counters.checksum_failures += 1

@@ -44,6 +44,11 @@ def key_slot(key: bytes) -> int:
 
 
 LEARN_EVERY_S = 1.0     # CLUSTER NODES asked again for an unknown server at most this often
+# Members remembered at most (seeds first, then the slot map's servers, then those CLUSTER
+# NODES lists): Redis Cluster documents 1000 masters as its largest size, so a reply
+# naming more is planted or broken, and must not make each refresh slower (a list of
+# 30000 members took 156 s of CPU per refresh, other clients waiting behind the GIL).
+MAX_MEMBERS = 4096
 
 
 class Reach(str, Enum):
@@ -93,7 +98,11 @@ class Router:
         self._pools: dict[NodeAddr, NodePool] = {}
         self._lock = threading.Lock()
         self._slots: list[NodeAddr | None] = [seed] * CLUSTER_SLOTS if cluster else []
-        self._known: list[NodeAddr] = [seed, *(a for a in seeds if a != seed)]
+        self._seeds: tuple[NodeAddr, ...] = tuple(dict.fromkeys([seed, *seeds]))
+        # every member met (an ordered set, at most MAX_MEMBERS): where redirects may go
+        # and whom a refresh asks; replaced whole, never changed in place (read by the
+        # event loop while a worker thread refreshes)
+        self._known: dict[NodeAddr, None] = dict.fromkeys(self._seeds)
         self.failed: set[NodeAddr] = set()
         self.last_error = ""
         self._learned_at = -LEARN_EVERY_S   # when learn_members last asked
@@ -195,6 +204,11 @@ class Router:
         finally:
             conn.close()
 
+    def exchange_once(self, addr: NodeAddr, cmds: list[bytes]) -> list[Any] | None:
+        """``cmds``' small replies from ``addr`` on a fresh connection (its first reply is
+        its own, whatever a pooled one received before); None when it failed."""
+        return self._exchange(addr, cmds)
+
     def probe(self, addr: NodeAddr) -> bool:
         """Whether ``addr`` answers PING on a fresh connection (``last_error`` says why not)."""
         replies = self._exchange(addr, [command(b"PING")])
@@ -216,8 +230,7 @@ class Router:
             replies = self._exchange(addr, [command(b"CLUSTER", b"NODES")],
                                      LARGE_REPLY_BYTES)
             if replies is not None and isinstance(replies[0], bytes):
-                for member in _member_addrs(replies[0], addr.host):
-                    self._remember(member)
+                self._learn(_member_addrs(replies[0], addr.host, MAX_MEMBERS))
                 return
 
     def refresh(self) -> Reach:
@@ -232,8 +245,8 @@ class Router:
                 self.failed.discard(self.seed)
                 return Reach.HEALED
             return Reach.UNREACHABLE
-        candidates = [n for n in self.masters() if n not in self.failed]
-        candidates += [n for n in self._known if n not in candidates]
+        candidates = dict.fromkeys(n for n in self.masters() if n not in self.failed)
+        candidates.update(self._known)   # (a dict: linear, however many members)
         for addr in candidates:
             slots = self._fetch_slots(addr)
             if slots is not None:
@@ -252,28 +265,41 @@ class Router:
                                         command(b"CLUSTER", b"NODES")], LARGE_REPLY_BYTES)
         if replies is None:
             return None
-        reply, members = replies
-        if isinstance(members, bytes):   # members without slots too: a master being added
-            for member in _member_addrs(members, addr.host):   # is where a reshard's ASKs go
-                self._remember(member)
+        reply, nodes = replies
+        # members without slots too: a master being added is where a reshard's ASKs go
+        members = (_member_addrs(nodes, addr.host, MAX_MEMBERS) if isinstance(nodes, bytes)
+                   else [])
         if isinstance(reply, ErrorReply) or not isinstance(reply, list):
             self.last_error = f"redis {addr} answered CLUSTER SLOTS with {reply}"
+            self._learn(members)
             return None
         try:
             ranges = _slot_ranges(reply, addr.host)
         except ValueError as exc:   # the next candidate is asked
             self.last_error = f"redis {addr} sent a malformed CLUSTER SLOTS reply: {exc}"
+            self._learn(members)
             return None
         slots: list[NodeAddr | None] = [None] * CLUSTER_SLOTS
-        for lo, hi, nodes in ranges:
-            slots[lo:hi + 1] = [nodes[0]] * (hi - lo + 1)
-            for node in (*nodes[1:], nodes[0]):
-                self._remember(node)
+        in_map: dict[NodeAddr, None] = {}
+        for lo, hi, servers in ranges:
+            slots[lo:hi + 1] = [servers[0]] * (hi - lo + 1)
+            in_map.update(dict.fromkeys(servers))
+        self._learn([*in_map, *members], first=True)
         return slots
 
-    def _remember(self, addr: NodeAddr) -> None:
-        if addr not in self._known:
-            self._known.append(addr)
+    def _learn(self, addrs: Sequence[NodeAddr], *, first: bool = False) -> None:
+        """Remember ``addrs`` as members, within ``MAX_MEMBERS``: the seeds are always
+        kept; with ``first`` (the servers of a slot map just read, then the members its
+        server lists) they go before those remembered earlier, which are kept as room
+        allows; else they are added as room allows. Linear in both."""
+        with self._lock:
+            known = dict.fromkeys(self._seeds)
+            for group in ((addrs, self._known) if first else (self._known, addrs)):
+                for addr in group:
+                    if len(known) >= MAX_MEMBERS:
+                        break
+                    known[addr] = None
+            self._known = known
 
     def _install(self, slots: list[NodeAddr | None]) -> None:
         self._slots = slots
@@ -290,19 +316,23 @@ class Router:
         self.drop_pools()
 
 
-def _member_addrs(nodes: bytes, default_host: str) -> list[NodeAddr]:
+def _member_addrs(nodes: bytes, default_host: str,
+                  limit: int | None = None) -> list[NodeAddr]:
     """The addresses of a CLUSTER NODES reply's members (``id host:port@cport[,name]
-    flags ...`` per line), but those without an address or still in a handshake."""
-    out: list[NodeAddr] = []
+    flags ...`` per line), but those without an address or still in a handshake; the
+    first ``limit`` distinct ones at most (the rest of the reply is not parsed)."""
+    out: dict[NodeAddr, None] = {}
     for line in nodes.decode(errors="replace").splitlines():
+        if limit is not None and len(out) >= limit:
+            break
         fields = line.split()
         if len(fields) < 3 or "noaddr" in fields[2] or "handshake" in fields[2]:
             continue
         host, sep, port = fields[1].split("@", 1)[0].rpartition(":")
         number = _port(port)
         if sep and number:
-            out.append(NodeAddr(host.strip("[]") or default_host, number))
-    return out
+            out[NodeAddr(host.strip("[]") or default_host, number)] = None
+    return list(out)
 
 
 def _port(text: str) -> int | None:
@@ -318,8 +348,11 @@ def _slot_ranges(reply: list[Any], default_host: str
     """The ``(lo, hi, [master, *replicas])`` entries of a CLUSTER SLOTS reply. ValueError
     for any malformed entry (not a list, slots outside 0..16383 or in the wrong order, a
     node without a string host or a port in 1..65535): such a reply is not used at all,
-    and a range is never trusted to size the slot map."""
+    and a range is never trusted to size the slot map. Ranges covering more than the 16384
+    slots in all (they overlap) are refused too: installing them would cost up to 16384
+    slot writes per entry."""
     ranges: list[tuple[int, int, list[NodeAddr]]] = []
+    covered = 0
     for entry in reply:
         if not isinstance(entry, list) or len(entry) < 3:
             raise ValueError(f"entry {entry!r:.80}")
@@ -327,6 +360,9 @@ def _slot_ranges(reply: list[Any], default_host: str
         if not (isinstance(lo, int) and isinstance(hi, int)
                 and 0 <= lo <= hi < CLUSTER_SLOTS):
             raise ValueError(f"slot range {lo!r:.40}-{hi!r:.40}")
+        covered += hi - lo + 1
+        if covered > CLUSTER_SLOTS:
+            raise ValueError("slot ranges overlap")
         ranges.append((lo, hi, [_slot_node(item, default_host) for item in entry[2:]]))
     return ranges
 

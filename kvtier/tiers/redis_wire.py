@@ -50,11 +50,14 @@ _ITEM_BYTES = 16               # what an array element is charged (a Python obje
 class Conn(RedisSocket):
     """One blocking RESP connection (see the module docstring)."""
 
-    __slots__ = ("_room_left", "asking")
+    __slots__ = ("_room_left", "asking", "out_of_step")
 
     def __init__(self, addr: NodeAddr, opts: ConnOptions) -> None:
         super().__init__(addr, opts)
         self.asking = False   # send each command behind an ASKING (see the module docstring)
+        # a reply read here was not its command's (another key's value): the connection
+        # is out of step with its server and the pool drops it (``NodePool.give``)
+        self.out_of_step = False
         self._room_left = 0   # what the reply being read may still hold (``read_reply``)
         try:
             self._handshake(opts)

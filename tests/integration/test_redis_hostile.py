@@ -210,3 +210,74 @@ async def test_a_value_of_another_type_under_the_prefix_is_a_miss_not_a_down_tie
         assert not admin.exists(rkey(planted))              # deleted as corrupt
         assert await tier.exists_prefix(keys, namespace=NS) == 4
         await read_exact(tier, keys, data, 4096)
+
+
+# --- round 8: frames that can never be valid for their key (phantoms) ---------------------
+
+SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16",
+                        tokens_per_block=64)   # 64 KiB blocks: never striped
+
+
+def planted(frame: bytes, **changes: object) -> bytes:
+    """``frame`` with header fields changed (its header checksum made to hold again)."""
+    head = FrameHeader.unpack(frame[:96])
+    fields = {name: getattr(head, name) for name in FrameHeader.__slots__}
+    fields.update(changes)
+    return FrameHeader(**fields).pack() + frame[96:]
+
+
+@pytest.mark.parametrize("change", ["striped", "raw_len"])
+async def test_a_frame_that_can_never_be_valid_for_its_key_is_corrupt_and_deleted(
+        redis_server: RedisServer, change: str) -> None:
+    """A sound header (its checksum holds) of this namespace, key and layout that kvtier
+    never writes: a striped flag on a 64 KiB block (only blocks of 8 MiB or more are
+    striped), or a raw_len (1 GiB, LZ4) other than the namespace's block size. Before, the
+    GET called the first MISSING and the second the caller's fault (NOFIT): neither was
+    counted as corrupt nor deleted, so every lookup (which reads the namespace field)
+    said hit and every get missed, for good. Now: corrupt, counted, deleted, one miss."""
+    assert SMALL_LAYOUT.block_bytes == BLOCK
+    admin = redis_server.client()
+    keys, data = blocks(2, size=BLOCK, seed=11)
+    async with running(cfg_for(redis_server.url)) as tier:
+        tier.use_layouts(lambda ns: SMALL_LAYOUT if ns == NS else None)
+        await put_all(tier, keys, data)
+        frame = admin.get(rkey(keys[0]))
+        assert isinstance(frame, bytes)
+        head = FrameHeader.unpack(frame[:96])
+        admin.set(rkey(keys[0]), planted(frame, flags=head.flags | FLAG_STRIPED)
+                  if change == "striped" else
+                  planted(frame, raw_len=1 << 30, codec=Codec.LZ4))
+        assert await tier.exists_prefix(keys, namespace=NS) == 2   # the probe reads ns only
+        assert await tier.whole_prefix(keys, namespace=NS) == 0    # a header read: not whole
+        out = buffer(BLOCK)
+        assert await read(tier, keys[0], out) == 0
+        assert out == b"\xaa" * BLOCK   # nothing was placed in it
+        assert tier.counters.checksum_failures == 1
+        assert tier.counters.evictions["corrupt"] == 1
+        assert not admin.exists(rkey(keys[0]))
+        assert await tier.exists_prefix(keys, namespace=NS) == 0   # no phantom hit left
+        await read_exact(tier, keys[1:], data[1:], BLOCK)
+
+
+async def test_a_frame_of_another_size_with_an_unknown_layout_is_left_alone(
+        redis_server: RedisServer) -> None:
+    """Without the namespace's layout the tier cannot tell a wrong frame from a wrong
+    buffer: a miss, counted as an error (the caller's buffer may be wrong), not deleted;
+    nor is another namespace's frame, whatever its size."""
+    admin = redis_server.client()
+    keys, data = blocks(1, size=BLOCK, seed=12)
+    async with running(cfg_for(redis_server.url)) as tier:
+        await put_all(tier, keys, data)
+        frame = admin.get(rkey(keys[0]))
+        assert isinstance(frame, bytes)
+        admin.set(rkey(keys[0]), planted(frame, raw_len=1 << 30, codec=Codec.LZ4))
+        assert await read(tier, keys[0], buffer(BLOCK)) == 0
+        assert tier.counters.checksum_failures == 0 and tier.counters.errors == 1
+        assert admin.exists(rkey(keys[0]))
+        tier.use_layouts(lambda ns: SMALL_LAYOUT if ns == NS else None)
+        other = bytes(16)
+        admin.set(rkey(keys[0]), planted(frame, namespace=other, raw_len=1 << 30,
+                                         codec=Codec.LZ4))
+        assert await read(tier, keys[0], buffer(BLOCK)) == 0
+        assert tier.namespace_mismatches == 1 and tier.counters.checksum_failures == 0
+        assert admin.exists(rkey(keys[0]))

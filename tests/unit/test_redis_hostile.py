@@ -8,22 +8,26 @@ tests/integration/test_redis_hostile.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvtier.frame import FrameHeader, payload_checksum
+from kvtier.tiers import redis_link, redis_reads, redis_route
 from kvtier.tiers.redis_mux import GetJob, read_jobs
+from kvtier.tiers.redis_reads import RedisReads
 from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr, ProtocolError, command
-from kvtier.tiers.redis_route import Reach, Router, _member_addrs
+from kvtier.tiers.redis_route import Reach, Router, _member_addrs, _slot_ranges
 from kvtier.tiers.redis_wire import Conn
 from tests.support.memory import peak_bytes
-from tests.support.redis_tier import LAYOUT_FP, NS, cfg_for, running
+from tests.support.redis_tier import LAYOUT_FP, NS, cfg_for, eventually, running
 from tests.support.resp_peer import answering, bulk, peer
 
 OPTS = ConnOptions(connect_timeout_s=1.0, op_timeout_s=1.0)
@@ -271,3 +275,264 @@ def test_a_connection_with_an_extra_reply_does_not_go_on_to_the_next_job(
     assert [j.error for j in jobs] == [None, None]
     assert got == [(0, first, 70_000), (1, second, 70_000)]
     assert len(accepted) == 2 and router.protocol_errors == 1
+
+
+# --- round 8: replies of the wrong type, INFO that is not numbers, stray frames ---------
+
+@contextlib.contextmanager
+def server(tmp_path: Path, answer: Callable[[list[bytes]], bytes]) -> Iterator[NodeAddr]:
+    """A RESP server on a unix socket writing ``answer(command)`` for each command, every
+    connection served at once (``peer`` serves one at a time: a pooled idle connection
+    would keep a fresh one waiting)."""
+    path = str(tmp_path / "many.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(16)
+    srv.settimeout(0.1)
+    stop = threading.Event()
+    script = answering(answer)
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            script(conn)
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield NodeAddr(path, 0, unix=True)
+    finally:
+        stop.set()
+        srv.close()
+        thread.join(5)
+
+
+# a GETRANGE / EXISTS answered with what those commands never answer
+ODD_REPLIES = [b"+OK\r\n", b":-1\r\n", b":1000000000000000000000\r\n",
+               b":%d\r\n" % (64 << 20)]
+
+
+@pytest.mark.parametrize("reply", ODD_REPLIES, ids=["status", "minus-one", "huge-int",
+                                                    "64mib-int"])
+def test_a_probe_answered_with_the_wrong_type_is_a_counted_miss(
+        tmp_path: Path, reply: bytes) -> None:
+    """The lookup probe (GETRANGE of the namespace field) and a synchronous commit's
+    header read (GETRANGE 0..95) answered with a status or an integer: before,
+    ``bytes(reply)`` raised TypeError/ValueError/OverflowError out of the tier (a client's
+    "internal error") or allocated as many bytes as the integer said. Now a miss, counted
+    as an error, about nothing allocated; the tier stays up."""
+    key = os.urandom(16)
+
+    def answer(cmd: list[bytes]) -> bytes:
+        return reply if cmd[0] in (b"GETRANGE", b"EXISTS") else b"+PONG\r\n"
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url)) as tier:
+            with peak_bytes() as peak:
+                for _ in range(2):   # a worker thread, then the event loop (idle conn)
+                    assert await tier.exists_prefix([key], namespace=NS) == 0
+                assert await tier.whole_prefix([key], namespace=NS) == 0
+                assert await tier.exists_prefix([key]) == 0   # EXISTS: -1 etc. are not 1
+            assert peak[0] < BOUND
+            assert tier.counters.errors >= 3 and "ProtocolError" in tier.last_error
+            assert tier.up
+
+    with server(tmp_path, answer) as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+
+
+def test_exists_counts_a_key_only_for_the_integer_one(tmp_path: Path) -> None:
+    """An EXISTS answered with a bulk string (truthy) counted the block as there."""
+    def answer(cmd: list[bytes]) -> bytes:
+        return bulk(b"yes") if cmd[0] == b"EXISTS" else b"+PONG\r\n"
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url)) as tier:
+            assert await tier.exists_prefix([os.urandom(16)]) == 0
+            assert tier.counters.errors == 1
+
+    with server(tmp_path, answer) as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+
+
+@pytest.mark.parametrize("info", [b"used_memory:abc\r\nmaxmemory:x\r\n",
+                                  b"used_memory:%s\r\nmaxmemory:-5\r\n" % (b"9" * 5000),
+                                  b"used_memory:\xff\xfe\r\n"],
+                         ids=["letters", "huge-and-negative", "binary"])
+def test_info_fields_that_are_not_numbers_leave_the_monitor_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, info: bytes) -> None:
+    """One INFO reply with ``used_memory:abc`` raised ValueError out of the health check
+    and ended the monitor task for good: no PING after it, so a server that hung later
+    left the tier up. Now the field is ignored (0) and PINGs go on."""
+    monkeypatch.setattr(redis_link, "HEALTH_INTERVAL_S", 0.02)
+    monkeypatch.setattr(redis_link, "STATS_EVERY", 2)
+    pings: list[float] = []
+
+    def answer(cmd: list[bytes]) -> bytes:
+        if cmd[0] == b"PING":
+            pings.append(time.monotonic())
+            return b"+PONG\r\n"
+        if cmd[0] == b"INFO":
+            return bulk(b"# Memory\r\n" + info)
+        return b":7\r\n" if cmd[0] == b"DBSIZE" else b"+OK\r\n"
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url)) as tier:
+            await asyncio.sleep(0.5)   # ~12 rounds, ~6 of them with INFO
+            assert tier._monitor is not None and not tier._monitor.done()
+            seen = len(pings)
+            await asyncio.sleep(0.2)
+            assert len(pings) > seen   # still pinging
+            assert tier.used_bytes == 0 and tier.blocks == 7 and tier.up
+
+    with server(tmp_path, answer) as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+
+
+def test_a_health_round_that_raises_is_counted_and_the_monitor_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever one round raises (here a bug in it), the monitor logs it, counts an
+    error, waits and runs the next round: it never ends while the tier runs."""
+    monkeypatch.setattr(redis_link, "HEALTH_INTERVAL_S", 0.02)
+    monkeypatch.setattr(redis_link, "MONITOR_BACKOFF",
+                        redis_link.BackoffPolicy(base_s=0.02, cap_s=0.05), raising=False)
+    rounds: list[bool] = []
+
+    async def health(refresh_stats: bool) -> None:
+        rounds.append(refresh_stats)
+        if len(rounds) <= 3:
+            raise RuntimeError("a bug in a health round")
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url)) as tier:
+            monkeypatch.setattr(tier, "_health", health)
+            await eventually(lambda: len(rounds) >= 6, timeout=5)
+            assert tier._monitor is not None and not tier._monitor.done()
+            assert tier.counters.errors == 3 and "a bug in a health round" in tier.last_error
+
+    with server(tmp_path, lambda _cmd: b"+PONG\r\n") as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+
+
+def stray_server(keys: list[bytes], payloads: dict[bytes, bytes], *, stored_wrong: bool,
+                 seen: list[list[bytes]]) -> Callable[[list[bytes]], bytes]:
+    """GET of keys[1] answered with keys[0]'s frame: the first time only (a reply out of
+    step; what is stored is sound), or always and in the header read too (stored so)."""
+    a, b = keys
+    strays: list[int] = []
+
+    def answer(cmd: list[bytes]) -> bytes:
+        seen.append(cmd)
+        if cmd[0] == b"GET":
+            key = a if cmd[1] == rkey(a) else b
+            if key == b and (stored_wrong or not strays):
+                strays.append(1)
+                key = a
+            return bulk(frame(key, payloads[key]))
+        if cmd[0] == b"GETRANGE":
+            key = a if stored_wrong or cmd[1] == rkey(a) else b
+            return bulk(frame(key, payloads[key])[:int(cmd[3]) + 1])
+        return b":1\r\n" if cmd[0] == b"DEL" else b"+PONG\r\n"
+    return answer
+
+
+@pytest.mark.parametrize("muxed", [True, False], ids=["muxed", "per-thread"])
+def test_another_keys_frame_in_a_reply_drops_the_connection_not_the_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, muxed: bool) -> None:
+    """A server that sent a GET reply twice: in the pipeline GET A, GET B, B read A's
+    frame ("frame holds another key"), and the tier deleted the sound B as corrupt. Now:
+    a miss, counted (an error, and the connection dropped: ``protocol_errors``), B read
+    again on a fresh connection and found sound, so left alone; the next read gets it."""
+    if not muxed:   # the reads a worker thread makes per batch (TLS, large blocks)
+        monkeypatch.setattr(redis_reads, "ranged", lambda _n: False)
+        monkeypatch.setattr(RedisReads, "_read_muxed", RedisReads._read_windowed)
+    keys = [b"A" * 16, b"B" * 16]
+    payloads = {k: os.urandom(4096) for k in keys}
+    seen: list[list[bytes]] = []
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url, max_connections=1, max_inflight=1)) as tier:
+            outs = [memoryview(bytearray(4096)) for _ in keys]
+            assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
+            assert bytes(outs[0]) == payloads[keys[0]]
+            assert tier.counters.checksum_failures == 0
+            assert tier.counters.errors == 1 and "another key" in tier.last_error
+            assert tier.stats_extra()["protocol_errors"] == 1
+            outs = [memoryview(bytearray(4096)) for _ in keys]
+            assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 2
+            assert [bytes(o) for o in outs] == [payloads[k] for k in keys]
+            assert tier.up
+
+    with server(tmp_path, stray_server(keys, payloads, stored_wrong=False, seen=seen)) \
+            as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+    assert not any(cmd[0] == b"DEL" for cmd in seen)
+
+
+def test_another_keys_frame_stored_under_a_key_is_still_deleted(tmp_path: Path) -> None:
+    """A value that holds another key's frame (read again on a fresh connection: it is
+    stored so) can never be valid for its key: corrupt, counted, deleted."""
+    keys = [b"A" * 16, b"B" * 16]
+    payloads = {k: os.urandom(4096) for k in keys}
+    seen: list[list[bytes]] = []
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url, max_connections=1, max_inflight=1)) as tier:
+            outs = [memoryview(bytearray(4096)) for _ in keys]
+            assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
+            assert bytes(outs[1]) == bytes(4096)
+            assert tier.counters.checksum_failures == 1 and tier.counters.errors == 0
+
+    with server(tmp_path, stray_server(keys, payloads, stored_wrong=True, seen=seen)) as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+    assert [cmd for cmd in seen if cmd[0] == b"DEL"] == [[b"DEL", rkey(keys[1])]]
+
+
+# --- round 8: a CLUSTER NODES reply naming tens of thousands of members -------------------
+
+def test_a_flood_of_members_is_bounded_and_refreshed_in_linear_time(tmp_path: Path) -> None:
+    """CLUSTER NODES naming 10000 members: each refresh was quadratic (a list scanned per
+    member: ~7 s of CPU here; 30000 members took 156 s, other clients' pings waiting up
+    to 1.3 s). Now at most MAX_MEMBERS are remembered, seeds and the slot map's servers
+    first, and a refresh takes tens of ms."""
+    flood = b"".join(b"n%07d 10.%d.%d.%d:6379@16379 master - 0 0 1 connected\n" % (
+        i, (i >> 16) & 255, (i >> 8) & 255, i & 255) for i in range(10000))
+    addrs: dict[str, NodeAddr] = {}
+    seed2 = NodeAddr("10.200.0.1", 7000)   # a second seed named at start
+
+    with cluster_peer(tmp_path, lambda: [[0, 16383, [LOCAL, addrs["me"].port],
+                                          [LOCAL, 7001]]],
+                      lambda: flood + nodes_line(addrs["me"]), "flood.sock") as me:
+        addrs["me"] = me
+        router = Router(me, OPTS, cluster=True, pool_size=1, seeds=[seed2])
+        try:
+            for _ in range(3):
+                t0 = time.process_time()
+                assert router.refresh() is Reach.HEALED
+                assert time.process_time() - t0 < 1.0
+            known = list(router._known)
+            assert len(known) == redis_route.MAX_MEMBERS
+            assert known[:3] == [me, seed2, NodeAddr("127.0.0.1", 7001)]
+            assert router.redirect(ErrorReply("MOVED 1 10.0.0.5:6379")) is not None
+            assert router.redirect(ErrorReply("MOVED 1 10.0.39.15:6379")) is None  # #9999
+        finally:
+            router.close()
+
+
+def test_overlapping_slot_ranges_are_refused() -> None:
+    """Entries that cover more than 16384 slots in all (each a full range: 16384 slot
+    writes per entry) are a malformed reply, refused before any is installed."""
+    with pytest.raises(ValueError, match="overlap"):
+        _slot_ranges([[0, 16383, [LOCAL, 7000]]] * 3, "127.0.0.1")
+    assert len(_slot_ranges([[0, 8191, [LOCAL, 7000]], [8192, 16383, [LOCAL, 7001]]],
+                            "127.0.0.1")) == 2
