@@ -69,13 +69,8 @@ from kvtier.tiers.redis_link import (
     _describe,
     log,
 )
-from kvtier.tiers.redis_reads import (
-    EXISTS_BATCH,
-    GET_BATCH_BYTES,
-    GET_BATCH_KEYS,
-    NS_END,
-    NS_OFFSET,
-)
+from kvtier.tiers.redis_probe import EXISTS_BATCH, NS_END, NS_OFFSET
+from kvtier.tiers.redis_reads import GET_BATCH_BYTES, GET_BATCH_KEYS
 from kvtier.tiers.redis_resp import ErrorReply, command
 from kvtier.tiers.redis_route import Reach
 from kvtier.tiers.redis_stripes import owned_part_keys
@@ -124,15 +119,15 @@ class RedisTier(RedisWrites):
 
     @property
     def capacity_bytes(self) -> int:
-        return self.cfg.bytes or self._server_max
+        return self.cfg.bytes or self._server.limit
 
     @property
     def used_bytes(self) -> int:
-        return self._server_used
+        return self._server.used
 
     @property
     def blocks(self) -> int:
-        return self._server_keys
+        return self._server.keys
 
     @property
     def up(self) -> bool:

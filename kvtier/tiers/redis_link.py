@@ -26,7 +26,7 @@ from kvtier.layout import KVLayout
 from kvtier.tiers import redis_loopio as loopio
 from kvtier.tiers.base import TierCounters
 from kvtier.tiers.redis_client import RedisMode, parse_target
-from kvtier.tiers.redis_pool import NodePool
+from kvtier.tiers.redis_info import ServerStats
 from kvtier.tiers.redis_queue import DEFAULT_ELEM_BYTES, WriteOutcomes, WriteQueue
 from kvtier.tiers.redis_resp import (
     KEY_ERRORS,
@@ -93,13 +93,10 @@ class RedisLink:
         self.last_heal_s = 0.0                 # last time from a failed server to healed
         self._frames_raw = 0                   # raw bytes of frames written (codec ratio)
         self._frames_wire = 0
-        self._server_used = 0
-        self._server_max = 0
-        self._server_keys = 0
+        self._server = ServerStats()           # the masters' INFO and DBSIZE
         self.namespace_mismatches = 0          # frames found under another namespace
         self.redirects = 0                     # keys asked again where MOVED/ASK said
         self._learning: asyncio.Future[None] | None = None   # CLUSTER NODES in flight
-        self._bad_info_logged = False          # an INFO field that was not a number
 
     def use_layouts(self, layout_of: Callable[[bytes], KVLayout | None]) -> None:
         """Where block layouts come from (the store's namespace registry, ``layout``): each
@@ -172,7 +169,7 @@ class RedisLink:
                 conn = None
             try:
                 if conn is not None and small is not None:
-                    replies = await _on_loop(pool, conn, small, idx)
+                    replies = await loopio.exchange_taken(pool, conn, small, idx)
                 else:
                     replies = await self._in_thread(lambda: pool.run(lambda c: fn(c, idx)),
                                                     holds_buffers=holds_buffers)
@@ -297,25 +294,7 @@ class RedisLink:
         if len(good) == len(answers):
             self._succeeded()
         if refresh_stats and good and len(good) == len(answers):
-            used = limit = keys = 0
-            for answer in good:
-                info = _info_fields(answer[1])
-                used += self._info_number(info, "used_memory")
-                limit += self._info_number(info, "maxmemory")
-                keys += _count(answer[2])
-            self._server_used, self._server_max, self._server_keys = used, limit, keys
-
-    def _info_number(self, info: dict[str, str], name: str) -> int:
-        """INFO field ``name`` as a byte count: 0 when absent, and when it is not one (not
-        decimal digits, or more than 20 of them): ignored, logged once per tier."""
-        text = info.get(name, "0").strip()
-        if text.isascii() and text.isdigit() and len(text) <= 20:
-            return int(text)
-        if not self._bad_info_logged:
-            self._bad_info_logged = True
-            log.warning("redis tier: INFO field %s is not a byte count (%r): ignored",
-                        name, text[:40])
-        return 0
+            self._server.take(good)
 
     def _start_reconnect(self) -> None:
         if self._closed or (self._reconnector and not self._reconnector.done()):
@@ -408,32 +387,5 @@ class RedisLink:
         task.add_done_callback(self._tasks.discard)
 
 
-def _count(reply: Any) -> int:
-    """A DBSIZE reply as a key count (0 when it is not one)."""
-    if isinstance(reply, int) and not isinstance(reply, bool) and 0 <= reply < 1 << 63:
-        return reply
-    return 0
-
-
-def _info_fields(reply: Any) -> dict[str, str]:
-    text = reply.decode(errors="replace") if isinstance(reply, bytes) else ""
-    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-
-
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
-
-
-async def _on_loop(pool: NodePool, conn: Conn, small: Callable[[list[int]], list[bytes]],
-                   idx: list[int]) -> list[Any]:
-    """``small(idx)`` exchanged on the event loop over ``conn`` (taken from ``pool``): given
-    back after a clean exchange (the pool drops one holding bytes past its replies),
-    discarded after any failure (building the commands too) or a cancellation. The
-    commands are built here, so the thread path never builds them."""
-    try:
-        replies = await loopio.exchange(conn, small(idx))
-    except BaseException:
-        pool.discard(conn)
-        raise
-    pool.give(conn)
-    return replies

@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_resp import CRLF, ErrorReply, ProtocolError
 from kvtier.tiers.redis_wire import Conn
 
@@ -133,6 +134,21 @@ class _Replies:
             if kind == b":":
                 return _int(rest, conn)
             raise ProtocolError(f"unexpected reply from redis {conn.addr}: {kind!r}")
+
+
+async def exchange_taken(pool: NodePool, conn: Conn, small: Callable[[list[int]], list[bytes]],
+                   idx: list[int]) -> list[Any]:
+    """``small(idx)`` exchanged on the event loop over ``conn`` (taken from ``pool``): given
+    back after a clean exchange (the pool drops one holding bytes past its replies),
+    discarded after any failure (building the commands too) or a cancellation. The
+    commands are built here, so the thread path never builds them."""
+    try:
+        replies = await exchange(conn, small(idx))
+    except BaseException:
+        pool.discard(conn)
+        raise
+    pool.give(conn)
+    return replies
 
 
 def _int(text: bytes, conn: Conn) -> int:

@@ -1,8 +1,9 @@
-"""The Redis tier's reads: prefix probes (EXISTS / GETRANGE) and pipelined GETs into buffers.
+"""The Redis tier's reads: pipelined GETs into buffers.
 
 ``RedisReads`` is the layer of ``RedisTier`` (kvtier.tiers.redis, which states the contract)
-that answers ``exists_prefix`` and ``get_into``: batches walk a prefix, several in flight,
-and stop at the first miss; a frame failing a check is deleted and counted.
+that answers ``get_into``: batches walk a prefix, several in flight, and stop at the first
+miss; a frame failing a check is deleted and counted. The prefix probes (EXISTS /
+GETRANGE) are its base, ``RedisProbes`` (kvtier.tiers.redis_probe).
 """
 
 from __future__ import annotations
@@ -11,37 +12,28 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
-from kvtier.errors import FrameError
-from kvtier.frame import FrameHeader
-from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.redis_blocks import (
     MISSING,
     BlockRead,
     ReadStatus,
     header_range,
     judge_header,
-    never_valid,
     read_blocks,
     read_blocks_muxed,
 )
-from kvtier.tiers.redis_link import UNSERVED, RedisLink, _describe
+from kvtier.tiers.redis_link import _describe
+from kvtier.tiers.redis_probe import RedisProbes
 from kvtier.tiers.redis_ranged import fetch_ranged, ranged
 from kvtier.tiers.redis_resp import (
-    KEY_ERRORS,
     REDIRECTS,
-    ErrorReply,
     NodeAddr,
     ProtocolError,
-    command,
 )
-from kvtier.tiers.redis_stripes import owned_part_keys
 from kvtier.tiers.redis_wire import Conn
 
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
 
-EXISTS_BATCH = 64                 # keys per pipelined EXISTS round trip
 GET_BATCH_KEYS = 32               # keys per pipelined GET round trip ...
 GET_BATCH_BYTES = 1 << 20         # ... and about this many bytes, one thread each (TLS)
 # Read by one thread (kvtier.tiers.redis_mux), smaller pipelines are faster: a server runs
@@ -49,121 +41,11 @@ GET_BATCH_BYTES = 1 << 20         # ... and about this many bytes, one thread ea
 # any, so small ones let it copy the next values while the first are on the wire
 # (32 x 256 KiB, 8 in flight: 1.9 ms as one GET each, 4.3-5.6 ms as 4 GETs each).
 MUX_BATCH_BYTES = 256 << 10
-NS_OFFSET, NS_END = 8, 23         # the frame header's namespace field (GETRANGE, inclusive)
 
 
-class RedisReads(RedisLink):
-    """Reads of the Redis tier: ``exists_prefix`` and ``get_into`` (base of ``RedisTier``)."""
-
-    async def exists_prefix(self, keys: Sequence[bytes], *,
-                            namespace: bytes | None = None) -> int:
-        """How many leading ``keys`` are in Redis (pipelined EXISTS, stops at the first miss).
-
-        With ``namespace``, a key counts only when its frame's namespace field is
-        ``namespace`` (pipelined GETRANGE of that field instead of EXISTS): a frame of
-        another namespace is a miss, counted in ``namespace_mismatches``.
-        0 while down; on an error, the prefix confirmed before it (the error is counted).
-        """
-        found = 0
-        if not keys or not self._up:
-            return 0
-        for start in range(0, len(keys), EXISTS_BATCH):
-            rkeys = [self._rkey(k) for k in keys[start:start + EXISTS_BATCH]]
-            for rkey, reply in zip(rkeys, await self._probe(rkeys, namespace), strict=True):
-                if isinstance(reply, ErrorReply):
-                    self._error_reply(reply)
-                    if reply.kind in KEY_ERRORS:
-                        await self._drop_corrupt(rkey, str(reply))
-                    return found
-                if reply is UNSERVED or isinstance(reply, BaseException) or \
-                        not self._present(reply, namespace):
-                    return found
-                found += 1
-            self._succeeded()
-        return found
-
-    async def _probe(self, rkeys: list[bytes], namespace: bytes | None) -> list[Any]:
-        """EXISTS per key, or GETRANGE of the frame's namespace field when ``namespace``."""
-        lo, hi = str(NS_OFFSET).encode(), str(NS_END).encode()
-
-        def cmds(idx: list[int]) -> list[bytes]:
-            if namespace is None:
-                return [command(b"EXISTS", rkeys[i]) for i in idx]
-            return [command(b"GETRANGE", rkeys[i], lo, hi) for i in idx]
-
-        def probe(conn: Conn, idx: list[int]) -> list[Any]:
-            return conn.simple_many(cmds(idx))
-
-        return await self._per_server(rkeys, probe, small=cmds)
-
-    async def whole_prefix(self, keys: Sequence[bytes], *, namespace: bytes) -> int:
-        """How many leading blocks of ``namespace`` a get would find whole: each head's
-        header (one pipelined read), then every stripe of the striped ones. A lookup's
-        probe reads the namespace field of heads only; a synchronous commit, which promises
-        its consumers the chain, must not count a block whose stripe Redis evicted or
-        expired (its head outlives it). 0 while down; on an error, the prefix before it."""
-        if not keys or not self._up:
-            return 0
-        rkeys = [self._rkey(k) for k in keys]
-        heads = await self._per_server(rkeys, lambda conn, idx: conn.simple_many(
-            [header_range(rkeys[i]) for i in idx]))
-        found = len(rkeys)
-        owner: list[int] = []   # block index of each stripe key
-        stripes: list[bytes] = []
-        block_bytes = self._block_bytes_for(namespace)
-        for i, (rkey, head) in enumerate(zip(rkeys, heads, strict=True)):
-            if isinstance(head, ErrorReply):
-                self._error_reply(head)
-            elif not (head is UNSERVED or head is None or isinstance(head, (
-                    bytes, bytearray, memoryview, BaseException))):
-                self._odd_reply("GETRANGE", head)   # never bytes(n) of a server's n
-            try:
-                if not isinstance(head, (bytes, bytearray, memoryview)):
-                    raise FrameError("no header")   # missing, unserved, failed, not one
-                header = FrameHeader.unpack(bytes(head))   # (a copy of what was received)
-            except FrameError:   # missing, unserved, not a frame
-                found = i
-                break
-            if header.namespace != namespace:
-                self.namespace_mismatches += 1
-                found = i
-                break
-            if never_valid(header, block_bytes) is not None:   # a get deletes it
-                found = i
-                break
-            parts = owned_part_keys(rkey, header, block_bytes)
-            stripes += parts
-            owner += [i] * len(parts)
-        if stripes:
-            there = await self._per_server(stripes, lambda conn, idx: conn.simple_many(
-                [command(b"EXISTS", stripes[j]) for j in idx]))
-            found = min([found] + [owner[j] for j, r in enumerate(there) if r != 1])
-        return found
-
-    def _present(self, reply: Any, namespace: bytes | None) -> bool:
-        """Whether a ``_probe`` reply says the block is there (for ``namespace``). A reply
-        of a type the command cannot answer (EXISTS: an integer; GETRANGE: a bulk string)
-        is a miss and a server error, counted: never converted (``bytes(n)`` of a
-        server's integer allocates n bytes)."""
-        if namespace is None:
-            if isinstance(reply, int) and not isinstance(reply, bool):
-                return reply == 1
-            self._odd_reply("EXISTS", reply)
-            return False
-        if not isinstance(reply, (bytes, bytearray, memoryview)):
-            self._odd_reply("GETRANGE", reply)
-            return False
-        if not reply:  # GETRANGE of a missing key: b""
-            return False
-        if bytes(reply) != namespace:
-            self.namespace_mismatches += 1
-            return False
-        return True
-
-    def _odd_reply(self, cmd: str, reply: Any) -> None:
-        """Count a reply that ``cmd`` cannot answer (a broken or hostile server)."""
-        self._note_error(ProtocolError(
-            f"redis answered {cmd} with {type(reply).__name__} {reply!r:.60}"))
+class RedisReads(RedisProbes):
+    """Reads of the Redis tier: ``get_into`` (base of ``RedisTier``); the probes of
+    ``exists_prefix`` are its base's (kvtier.tiers.redis_probe)."""
 
     async def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], *,
                        namespace: bytes, layout_fp: int,
@@ -382,12 +264,6 @@ class RedisReads(RedisLink):
         # the value at `key` is sound or unknown: the reply was out of step, the server's
         self._note_error(ProtocolError(f"redis answered GET {rkey!r:.60} with a frame "
                                        f"of another key"))
-
-    async def _drop_corrupt(self, rkey: bytes, why: str) -> None:
-        self.counters.checksum_failures += 1
-        self.counters.evicted(EvictionReason.CORRUPT)
-        log.warning("redis tier: corrupt frame at %r deleted (%s)", rkey, why)
-        await self._per_server([rkey], lambda c, idx: c.simple_many([command(b"DEL", rkey)]))
 
 
 def _redirected(read: BlockRead) -> bool:
