@@ -32,6 +32,7 @@ from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, pack, unpack_body
 from tests.support.daemon import DaemonProcess
+from tests.support.pinger import ping_forever
 from tests.support.raw import register
 
 LAYOUT = KVLayout(2, 2, 32, "float16", 64)   # 32 KiB blocks of 64 tokens
@@ -110,18 +111,6 @@ class _Pinger(threading.Thread):
         return [lat for t0, lat in self.samples if t0 + lat >= start and t0 <= end]
 
 
-def _ping_forever(path: str, stop: Any, out: Any) -> None:
-    """Another client in another process (no GIL shared with the big sender)."""
-    samples = []
-    with connect(path) as c:
-        while not stop.is_set():
-            t0 = time.perf_counter()   # CLOCK_MONOTONIC: comparable across processes
-            c.ping()
-            samples.append((t0, time.perf_counter() - t0))
-            time.sleep(0.002)
-    out.send(samples)
-
-
 def test_million_key_lookup_and_put_are_refused_while_others_are_served(
         daemon: DaemonProcess) -> None:
     ns, keys, bufs = _stored(daemon)
@@ -129,7 +118,7 @@ def test_million_key_lookup_and_put_are_refused_while_others_are_served(
     big = os.urandom(16) * 10**6      # 10^6 keys in one 16 MB frame (under the frame limit)
     ctx = multiprocessing.get_context("spawn")
     stop, (recv, send) = ctx.Event(), ctx.Pipe(duplex=False)
-    pinger = ctx.Process(target=_ping_forever, args=(str(daemon.socket), stop, send))
+    pinger = ctx.Process(target=ping_forever, args=(str(daemon.socket), stop, send))
     pinger.start()
     time.sleep(1.5)                   # the child starts and pings a while: the baseline
     rss0 = _rss(pid)

@@ -58,30 +58,36 @@ def request(rid: str, ids: list[int]) -> Any:
               lora_request=None)
 
 
-def test_a_save_built_on_pages_another_request_failed_to_load_is_dropped(
-        daemon: DaemonProcess) -> None:
-    rng = np.random.default_rng(5)
-    x = [int(t) for t in rng.integers(1, 30000, 2 * TPB)]          # 2 kvtier blocks
-    a_ids = x + [int(t) for t in rng.integers(1, 30000, 40)]        # A: X + 40 tokens
-    b_ids = x + [int(t) for t in rng.integers(1, 30000, 100)]       # B: X + 100: 3 blocks
-    g = torch.Generator().manual_seed(5)
+def setup(d: DaemonProcess, seed: int) -> tuple[WorkerSide, SchedulerSide, Any, Any, Any]:
+    """A worker and a scheduler side on ``d``, X (2 blocks) stored by an earlier engine,
+    and requests A = X + 40 tokens and B = X + 100 tokens (3 full blocks); with the
+    namespace and B's keys."""
+    rng = np.random.default_rng(seed)
+    x = [int(t) for t in rng.integers(1, 30000, 2 * TPB)]
+    a_ids = x + [int(t) for t in rng.integers(1, 30000, 40)]
+    b_ids = x + [int(t) for t in rng.integers(1, 30000, 100)]
+    g = torch.Generator().manual_seed(seed)
     kv = {f"model.layers.{i}.self_attn": torch.randn(NUM_PAGES, HEADS, PAGE, 2 * HEAD_DIM,
                                                      generator=g) for i in range(LAYERS)}
-    w = WorkerSide(config(daemon), LAYOUT, PAGE, 0, 1)
+    w = WorkerSide(config(d), LAYOUT, PAGE, 0, 1)
     w.register_kv_caches(kv)
-    sched = SchedulerSide(config(daemon), LAYOUT, PAGE, 1)
+    sched = SchedulerSide(config(d), LAYOUT, PAGE, 1)
+    w.save(KVTierConnectorMetadata(saves=[TransferSpec(
+        "x", None, np.asarray(x, dtype=np.uint32), 0, [[1, 2], [3, 4]], save_id=1)]))
+    deadline = time.monotonic() + 30
+    while "x" not in w.get_finished({"x"})[0]:      # its save is over
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    ns = sched.link.namespace(None, 0)
+    keys = block_keys(ns, b_ids)
+    assert sched.link.call(lambda c: c.lookup(ns, keys[:2]), 0).hits == 2
+    return w, sched, (request("A", a_ids), request("B", b_ids)), ns, keys
+
+
+def test_a_save_built_on_pages_another_request_failed_to_load_is_dropped(
+        daemon: DaemonProcess) -> None:
+    w, sched, (a, b), ns, keys = setup(daemon, 5)
     try:
-        # an earlier engine stored X
-        w.save(KVTierConnectorMetadata(saves=[TransferSpec(
-            "x", None, np.asarray(x, dtype=np.uint32), 0, [[1, 2], [3, 4]], save_id=1)]))
-        deadline = time.monotonic() + 30
-        while "x" not in w.get_finished({"x"})[0]:      # its save is over
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        ns = sched.link.namespace(None, 0)
-        keys = block_keys(ns, b_ids)
-        assert sched.link.call(lambda c: c.lookup(ns, keys[:2]), 0).hits == 2
-        a, b = request("A", a_ids), request("B", b_ids)
         # A: kvtier holds its 2 leading blocks; vLLM loads them into pages 5..8 ...
         n, _ = sched.get_num_new_matched_tokens(a, 0)
         assert n == 2 * TPB
@@ -128,27 +134,9 @@ def test_with_async_scheduling_a_save_one_step_later_is_dropped_too(
     N's output: B takes the pages A loads in step N as its prefix in step N+1, and the
     failure of A's load reaches the scheduler only after. B's save of step N+1 is cut all
     the same: the scheduler names the loads whose step it has no output of yet."""
-    rng = np.random.default_rng(6)
-    x = [int(t) for t in rng.integers(1, 30000, 2 * TPB)]
-    a_ids = x + [int(t) for t in rng.integers(1, 30000, 40)]
-    b_ids = x + [int(t) for t in rng.integers(1, 30000, 100)]
-    g = torch.Generator().manual_seed(6)
-    kv = {f"model.layers.{i}.self_attn": torch.randn(NUM_PAGES, HEADS, PAGE, 2 * HEAD_DIM,
-                                                     generator=g) for i in range(LAYERS)}
-    w = WorkerSide(config(daemon), LAYOUT, PAGE, 0, 1)
-    w.register_kv_caches(kv)
-    sched = SchedulerSide(config(daemon), LAYOUT, PAGE, 1)
+    w, sched, (a, b), ns, keys = setup(daemon, 6)
     no_cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
     try:
-        w.save(KVTierConnectorMetadata(saves=[TransferSpec(
-            "x", None, np.asarray(x, dtype=np.uint32), 0, [[1, 2], [3, 4]], save_id=1)]))
-        deadline = time.monotonic() + 30
-        while "x" not in w.get_finished({"x"})[0]:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        ns = sched.link.namespace(None, 0)
-        keys = block_keys(ns, b_ids)
-        a, b = request("A", a_ids), request("B", b_ids)
         n, _ = sched.get_num_new_matched_tokens(a, 0)
         assert n == 2 * TPB
         a_pages = [5, 6, 7, 8, 9, 10]

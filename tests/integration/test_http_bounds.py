@@ -24,6 +24,7 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, pack, unpack_body
 from tests.support.daemon import DaemonProcess
+from tests.support.pinger import ping_forever
 
 TOKEN = "s3cr3t-admin-token"
 
@@ -146,24 +147,12 @@ def test_a_key_body_beyond_the_limit_is_refused_before_it_is_split(
         assert time.monotonic() - t0 < 2
 
 
-def _ping_forever(path: str, stop: Any, out: Any) -> None:
-    """A control-socket client in another process, pinging in a loop: (sent, latency)."""
-    samples = []
-    with connect(path) as c:
-        while not stop.is_set():
-            t0 = time.perf_counter()   # CLOCK_MONOTONIC: comparable across processes
-            c.ping()
-            samples.append((t0, time.perf_counter() - t0))
-            time.sleep(0.002)
-    out.send(samples)
-
-
 def _slowest_pings(d: DaemonProcess, requests: list[Any]) -> list[float]:
     """Runs each of ``requests`` (callables) while another process pings the daemon; the
     slowest ping that overlapped each request (when one did)."""
     ctx = multiprocessing.get_context("spawn")
     stop, (recv, send) = ctx.Event(), ctx.Pipe(duplex=False)
-    pinger = ctx.Process(target=_ping_forever, args=(str(d.socket), stop, send))
+    pinger = ctx.Process(target=ping_forever, args=(str(d.socket), stop, send))
     pinger.start()
     windows = []
     try:

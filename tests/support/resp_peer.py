@@ -68,10 +68,12 @@ def answering(answer: Callable[[list[bytes]], bytes]) -> Callable[[socket.socket
 
 @contextlib.contextmanager
 def peer(tmp_path: Path, script: Callable[[socket.socket], None], *, name: str = "peer.sock",
-         tcp: bool = False, read_first: bool = True) -> Iterator[NodeAddr]:
+         tcp: bool = False, read_first: bool = True,
+         concurrent: bool = False) -> Iterator[NodeAddr]:
     """A socket (unix ``tmp_path/name``, or loopback TCP) that accepts connections one at
     a time and runs ``script`` on each (after reading whatever the client sent first,
-    unless not ``read_first``)."""
+    unless not ``read_first``); ``concurrent``: every connection served at once, each in
+    a thread of its own (a pooled idle connection would keep a fresh one waiting)."""
     if tcp:
         srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         srv.bind(("127.0.0.1", 0))
@@ -81,8 +83,16 @@ def peer(tmp_path: Path, script: Callable[[socket.socket], None], *, name: str =
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(path)
         addr = NodeAddr(path, 0, unix=True)
-    srv.listen(8)
+    srv.listen(16)
     stop = threading.Event()
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(None)
+            with contextlib.suppress(OSError):   # the client hung up
+                if read_first:
+                    conn.recv(1 << 16)   # the pipeline of GETs
+                script(conn)
 
     def serve() -> None:
         srv.settimeout(0.1)
@@ -93,12 +103,10 @@ def peer(tmp_path: Path, script: Callable[[socket.socket], None], *, name: str =
                 continue
             except OSError:
                 return
-            with conn:
-                conn.settimeout(None)
-                if read_first:
-                    conn.recv(1 << 16)   # the pipeline of GETs
-                with contextlib.suppress(OSError):   # the client hung up
-                    script(conn)
+            if concurrent:
+                threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+            else:
+                serve_one(conn)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

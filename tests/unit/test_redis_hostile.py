@@ -11,9 +11,8 @@ import asyncio
 import contextlib
 import os
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,42 +278,12 @@ def test_a_connection_with_an_extra_reply_does_not_go_on_to_the_next_job(
 
 # --- round 8: replies of the wrong type, INFO that is not numbers, stray frames ---------
 
-@contextlib.contextmanager
-def server(tmp_path: Path, answer: Callable[[list[bytes]], bytes]) -> Iterator[NodeAddr]:
+def server(tmp_path: Path, answer: Callable[[list[bytes]], bytes]
+           ) -> contextlib.AbstractContextManager[NodeAddr]:
     """A RESP server on a unix socket writing ``answer(command)`` for each command, every
-    connection served at once (``peer`` serves one at a time: a pooled idle connection
-    would keep a fresh one waiting)."""
-    path = str(tmp_path / "many.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(16)
-    srv.settimeout(0.1)
-    stop = threading.Event()
-    script = answering(answer)
-
-    def serve_one(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):
-            script(conn)
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(None)
-            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield NodeAddr(path, 0, unix=True)
-    finally:
-        stop.set()
-        srv.close()
-        thread.join(5)
+    connection served at once."""
+    return peer(tmp_path, answering(answer), name="many.sock", read_first=False,
+                concurrent=True)
 
 
 # a GETRANGE / EXISTS answered with what those commands never answer
