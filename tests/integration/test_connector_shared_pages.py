@@ -84,17 +84,22 @@ def setup(d: DaemonProcess, seed: int) -> tuple[WorkerSide, SchedulerSide, Any, 
     return w, sched, (request("A", a_ids), request("B", b_ids)), ns, keys
 
 
+def admit_and_lose(sched: SchedulerSide, a: Any, ns: Any, keys: Any) -> list[int]:
+    """A is admitted: kvtier holds its 2 leading blocks, vLLM loads them into pages 5..8;
+    they vanish before the load (an eviction, a restart, a bad frame). A's pages."""
+    n, _ = sched.get_num_new_matched_tokens(a, 0)
+    assert n == 2 * TPB
+    a_pages = [5, 6, 7, 8, 9, 10]
+    sched.update_state_after_alloc(a, NS(get_block_ids=lambda: (a_pages,)), n)
+    sched.link.call(lambda c: c.delete(ns, keys[:2]), 0)
+    return a_pages
+
+
 def test_a_save_built_on_pages_another_request_failed_to_load_is_dropped(
         daemon: DaemonProcess) -> None:
     w, sched, (a, b), ns, keys = setup(daemon, 5)
     try:
-        # A: kvtier holds its 2 leading blocks; vLLM loads them into pages 5..8 ...
-        n, _ = sched.get_num_new_matched_tokens(a, 0)
-        assert n == 2 * TPB
-        a_pages = [5, 6, 7, 8, 9, 10]
-        sched.update_state_after_alloc(a, NS(get_block_ids=lambda: (a_pages,)), n)
-        # ... which vanish before the load (an eviction, a restart, a bad frame)
-        sched.link.call(lambda c: c.delete(ns, keys[:2]), 0)
+        a_pages = admit_and_lose(sched, a, ns, keys)
         # B, scheduled in the same step, gets pages 5..8 from vLLM's prefix cache
         n, _ = sched.get_num_new_matched_tokens(b, 2 * TPB)
         assert n == 0
@@ -137,18 +142,14 @@ def test_with_async_scheduling_a_save_one_step_later_is_dropped_too(
     w, sched, (a, b), ns, keys = setup(daemon, 6)
     no_cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
     try:
-        n, _ = sched.get_num_new_matched_tokens(a, 0)
-        assert n == 2 * TPB
-        a_pages = [5, 6, 7, 8, 9, 10]
-        sched.update_state_after_alloc(a, NS(get_block_ids=lambda: (a_pages,)), n)
-        sched.link.call(lambda c: c.delete(ns, keys[:2]), 0)
+        a_pages = admit_and_lose(sched, a, ns, keys)
         step_n = sched.build_connector_meta(NS(
             preempted_req_ids=[], num_scheduled_tokens={"A": 40},
             total_num_scheduled_tokens=40,
             scheduled_new_reqs=[NS(req_id="A", block_ids=(a_pages,), num_computed_tokens=128)],
             scheduled_cached_reqs=no_cached))
         # step N+1 is scheduled before step N's output: B takes A's pages as its prefix
-        n, _ = sched.get_num_new_matched_tokens(b, 2 * TPB)
+        assert sched.get_num_new_matched_tokens(b, 2 * TPB)[0] == 0
         b_pages = [5, 6, 7, 8, 11, 12, 13, 14]
         sched.update_state_after_alloc(b, NS(get_block_ids=lambda: (b_pages,)), 0)
         step_n1 = sched.build_connector_meta(NS(
