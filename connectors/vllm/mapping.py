@@ -82,10 +82,3 @@ class PageMap:
                 break
             rows.append(row)
         return rows
-
-    def first_invalid_block(self, page_ids: Sequence[int], invalid: set[int]) -> int | None:
-        """Index of the first kvtier block of a request that contains an invalid page."""
-        for i, page in enumerate(page_ids):
-            if page in invalid:
-                return i // self.pages_per_block
-        return None

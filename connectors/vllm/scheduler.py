@@ -35,6 +35,7 @@ import numpy as np
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 
+from .badpages import BadPages
 from .config import ConnectorConfig
 from .link import DaemonLink
 from .mapping import LoadSpan, PageMap
@@ -89,6 +90,7 @@ class SchedulerSide:
                                         dict(config.tier_bandwidth))
         self._skips: dict[str, int] = {}
         self._pending_saves = PendingSaves(tp_size, config.tokens_per_block)
+        self._bad = BadPages(block_size)   # pages no save may include (failed loads)
         self._step = 0   # metadata built so far (KVTierConnectorMetadata.step)
         # (step, pages) of synchronous loads whose step the workers have not reported yet
         self._unconfirmed: list[tuple[int, set[int]]] = []
@@ -240,7 +242,7 @@ class SchedulerSide:
                 continue
             if new.block_ids and new.block_ids[0]:
                 state.page_ids = list(new.block_ids[0])
-            self._plan_save(meta, new.req_id, state,
+            self._plan_save(meta, new.req_id, state, new.num_computed_tokens,
                             new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -253,7 +255,7 @@ class SchedulerSide:
                 state.page_ids = list(new_ids[0]) if new_ids else []
             elif new_ids is not None and new_ids[0]:
                 state.page_ids.extend(new_ids[0])
-            self._plan_save(meta, req_id, state,
+            self._plan_save(meta, req_id, state, cached.num_computed_tokens[i],
                             cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         meta.step = self._step
         self._step += 1
@@ -293,13 +295,18 @@ class SchedulerSide:
                     enumerate(state.page_ids[:save.end_block * ppb]) if p in loading]
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, state: RequestState,
-                   computed_after_step: int) -> None:
+                   computed_before_step: int, computed_after_step: int) -> None:
+        self._bad.rewritten(state.page_ids, computed_before_step, computed_after_step)
         if not self.config.saves:   # kv_consumer: loads only
             return
         limit = computed_after_step
         if not self.config.save_decode_tokens:
             limit = min(limit, state.request.num_prompt_tokens)
         full = self.pages.full_blocks(limit)
+        ppb = self.pages.pages_per_block
+        bad = self._bad.first(state.page_ids, full * ppb)
+        if bad is not None:   # not its prompt's KV until rewritten: saved after that
+            full = min(full, bad // ppb)
         if full <= state.known_blocks:
             return
         rows = self.pages.block_pages(state.page_ids, state.known_blocks, full)
@@ -329,19 +336,16 @@ class SchedulerSide:
         invalid = set(output.invalid_block_ids or ())
         if not invalid:
             return
+        ppb = self.pages.pages_per_block
         for state in self._states.values():
             # a request holding a failed page (its own load's, or one vLLM's prefix cache
-            # shared with it) recomputes from there: its saves of those blocks were dropped
-            bad = self.pages.first_invalid_block(state.page_ids, invalid)
+            # shared with it): its saves from there were dropped, and none is planned until
+            # a step rewrites those pages (BadPages): then they are saved again
+            bad = self._bad.failed(state.page_ids, invalid)
             if bad is not None:
-                state.known_blocks = min(state.known_blocks, bad)
-            spec = state.load
-            if spec is None:
-                continue
-            bad = self.pages.first_invalid_block(spec.page_ids, invalid)
-            if bad is not None:
-                state.known_blocks = min(state.known_blocks, spec.first_block + bad)
-                state.load = None
+                state.known_blocks = min(state.known_blocks, bad // ppb)
+            if state.load is not None and not invalid.isdisjoint(state.load.page_ids):
+                state.load = None   # (its pages are the request's: marked above)
                 state.load_failed = True
 
     def _take_worker_meta(self, wmeta: KVTierWorkerMetadata) -> None:

@@ -179,3 +179,52 @@ def test_with_async_scheduling_a_save_one_step_later_is_dropped_too(
     finally:
         sched.shutdown()
         w.shutdown()
+
+
+def test_a_sharer_saves_failed_pages_only_once_a_step_has_rewritten_them(
+        daemon: DaemonProcess) -> None:
+    """vLLM rolls back only the first request holding a failed page; B, sharing it, counts
+    it computed and relies on A rewriting it. A is aborted first: nobody rewrites it, and
+    B's blocks on it must never be saved (B saved them in its next step, and a fresh engine
+    loaded them), nor B's own blocks after them, recomputed on them. Once a request writes
+    those pages whole again on a sound prefix, B saves them."""
+    w, sched, (a, b), ns, keys = setup(daemon, 7)
+    no_cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+
+    def step(new: list[Any], cached: Any, scheduled: dict[str, int]) -> KVTierConnectorMetadata:
+        return sched.build_connector_meta(NS(
+            preempted_req_ids=[], num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            scheduled_new_reqs=new, scheduled_cached_reqs=cached))
+
+    try:
+        a_pages = admit_and_lose(sched, a, ns, keys)
+        assert sched.get_num_new_matched_tokens(b, 2 * TPB)[0] == 0
+        b_pages = [5, 6, 7, 8, 11, 12, 13, 14]
+        sched.update_state_after_alloc(b, NS(get_block_ids=lambda: (b_pages,)), 0)
+        first = step([NS(req_id="A", block_ids=(a_pages,), num_computed_tokens=128),
+                      NS(req_id="B", block_ids=(b_pages,), num_computed_tokens=128)],
+                     no_cached, {"A": 40, "B": 100})
+        assert [s.req_id for s in first.saves] == ["B"]     # (the worker cuts it)
+        sched.update_connector_output(NS(kv_connector_worker_meta=None,
+                                         invalid_block_ids={5, 6, 7, 8}))
+        sched.request_finished(a)                           # A is aborted
+        # B redoes the step vLLM dropped (tokens 128..228) on pages nobody rewrote
+        again = step([], NS(req_ids=["B"], new_block_ids=[None], resumed_req_ids=set(),
+                            num_computed_tokens=[128]), {"B": 100})
+        assert again.saves == []
+        # C computes X from its first token into those pages: they hold X's KV again
+        c = request("C", list(b.all_token_ids[:2 * TPB]) + list(range(1, 23)))
+        sched.update_state_after_alloc(c, NS(get_block_ids=lambda: ([5, 6, 7, 8, 15],)), 0)
+        rewrite = step([NS(req_id="C", block_ids=([5, 6, 7, 8, 15],), num_computed_tokens=0)],
+                       NS(req_ids=["B"], new_block_ids=[None], resumed_req_ids=set(),
+                          num_computed_tokens=[228]), {"C": 150, "B": 1})
+        # B saves X's blocks, now sound; its own block 2, recomputed on the bad prefix, never
+        saved = {s.req_id: (s.first_block, s.end_block) for s in rewrite.saves}
+        assert saved == {"C": (0, 2), "B": (0, 2)}
+        later = step([], NS(req_ids=["B"], new_block_ids=[None], resumed_req_ids=set(),
+                            num_computed_tokens=[229]), {"B": 1})
+        assert later.saves == []
+    finally:
+        sched.shutdown()
+        w.shutdown()

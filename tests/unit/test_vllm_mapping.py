@@ -41,12 +41,6 @@ def test_block_pages_keep_logical_order_and_stop_at_holes() -> None:
     assert pm.block_pages(pages[:5], 2, 3) == []  # block 2 not fully allocated
 
 
-def test_first_invalid_block() -> None:
-    pm = PageMap(32, 64)
-    assert pm.first_invalid_block([7, 3, 9, 1], {9}) == 1
-    assert pm.first_invalid_block([7, 3, 9, 1], {42}) is None
-
-
 def test_config_validation() -> None:
     cfg = ConnectorConfig.from_extra({"namespace": "prod", "socket_path": "/x.sock"},
                                      block_size=16, default_model_id="m")
