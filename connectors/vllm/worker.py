@@ -42,6 +42,7 @@ from .link import DaemonLink
 from .mapping import PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
 from .pieces import FAILED_STEPS_KEPT, first_failed_block, save_pieces, saved_before
+from .ranks import Agree, tp_agree
 from .transfers import CacheSet, LoadBatch, SaveRequest
 
 logger = logging.getLogger("kvtier.connectors.vllm")
@@ -76,8 +77,12 @@ class WorkerSide:
     """
 
     def __init__(self, config: ConnectorConfig, layout: KVLayout, block_size: int,
-                 tp_rank: int, tp_size: int, *, register: Register | None = None) -> None:
+                 tp_rank: int, tp_size: int, *, register: Register | None = None,
+                 agree: Agree | None = None) -> None:
+        """``agree``: how the TP ranks agree on their saves' cuts (default: an all-reduce
+        over vLLM's TP group when ``tp_size`` > 1; tests inject one)."""
         self.config = config
+        self._agree = agree if agree is not None else (tp_agree if tp_size > 1 else None)
         self.layout = layout
         self.pages = PageMap(block_size, config.tokens_per_block)
         self.tp_rank = tp_rank
@@ -272,10 +277,12 @@ class WorkerSide:
                                              0.9 * self.config.timeout_s)
                       if producer else None)
         step: list[Future[bool]] = []
-        for planned in meta.saves:
+        cuts = [first_failed_block(planned, self._failed_at) for planned in meta.saves]
+        if self._agree is not None and any(s.loaded_pages for s in meta.saves):
+            cuts = self._agree(cuts)   # (the same saves on every rank: one collective)
+        for planned, cut in zip(meta.saves, cuts, strict=True):
             self.ledger.planned(planned.req_id)
-            spec = saved_before(planned, first_failed_block(planned, self._failed_at),
-                                self.config.tokens_per_block)
+            spec = saved_before(planned, cut, self.config.tokens_per_block)
             if spec is None:   # built on pages whose load failed in this step: not its KV
                 self._count("dropped_saves", 1)
                 self.ledger.dropped(planned.save_id)

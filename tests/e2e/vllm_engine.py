@@ -168,11 +168,11 @@ def connector_counters(llm: Any) -> dict[str, Any]:
     return {**side.counters, "prefill_tokens_per_s": side.recompute.prefill_tokens_per_s}
 
 
-def lose_blocks_at_load(blocks: list[int]) -> None:
+def lose_blocks_at_load(blocks: list[int], rank: int = 0) -> None:
     """Once: right after the scheduler allocates the next request that loads from kvtier,
-    delete kvtier blocks ``blocks[0]:blocks[1]`` of its prompt from the daemon, as an
-    eviction, a restart or a checksum failure between its lookup and its load would (the
-    in-process engine only)."""
+    delete kvtier blocks ``blocks[0]:blocks[1]`` of its prompt (TP rank ``rank``'s shards)
+    from the daemon, as an eviction, a restart or a checksum failure between its lookup
+    and its load would (the in-process engine only)."""
     from kvtier.connectors.vllm.scheduler import SchedulerSide
 
     from kvtier.keys import block_keys
@@ -183,7 +183,7 @@ def lose_blocks_at_load(blocks: list[int]) -> None:
         original(self, request, blocks_, num_external_tokens)
         if num_external_tokens > 0:
             setattr(SchedulerSide, "update_state_after_alloc", original)  # noqa: B010 (once)
-            ns = self.link.namespace(None, 0)
+            ns = self.link.namespace(None, rank)
             keys = block_keys(ns, list(request.all_token_ids))
             self.link.call(lambda c: c.delete(ns, keys[blocks[0]:blocks[1]]), 0)
 
@@ -298,8 +298,12 @@ def main(spec_path: str, out_path: str) -> None:
     results: list[Any] = []
     prompts: list[list[list[int]]] = []
     for phase in spec["phases"]:
-        if "lose_blocks_at_load" in phase:
-            lose_blocks_at_load(phase["lose_blocks_at_load"])
+        if "lose_blocks_at_load" in phase:   # [lo, hi], or {"blocks": [lo, hi], "rank": r}
+            lost = phase["lose_blocks_at_load"]
+            if isinstance(lost, dict):
+                lose_blocks_at_load(lost["blocks"], lost.get("rank", 0))
+            else:
+                lose_blocks_at_load(lost)
         if "slow_saves_s" in phase:
             slow_saves(phase["slow_saves_s"])
         if "stall_daemon_at_load" in phase:

@@ -228,3 +228,41 @@ def test_a_sharer_saves_failed_pages_only_once_a_step_has_rewritten_them(
     finally:
         sched.shutdown()
         w.shutdown()
+
+
+def test_a_load_that_failed_on_another_tp_rank_cuts_this_ranks_save(
+        daemon: DaemonProcess) -> None:
+    """TP ranks load their own shards; when rank 1's failed, what rank 0 computed in the
+    step depends on it (the all-reduce after attention): rank 0 cuts its save where rank 1
+    does (kvtier.connectors.vllm.ranks), though its own load succeeded."""
+    asked: list[list[int | None]] = []
+
+    def other_rank_failed_at_block_1(cuts: list[int | None]) -> list[int | None]:
+        asked.append(list(cuts))
+        return [1 for _ in cuts]
+
+    g = torch.Generator().manual_seed(8)
+    kv = {f"model.layers.{i}.self_attn": torch.randn(NUM_PAGES, HEADS, PAGE, 2 * HEAD_DIM,
+                                                     generator=g) for i in range(LAYERS)}
+    w = WorkerSide(config(daemon), LAYOUT, PAGE, 0, 2, agree=other_rank_failed_at_block_1)
+    w.register_kv_caches(kv)
+    toks = np.random.default_rng(8).integers(1, 30000, 3 * TPB, dtype=np.uint32)
+    try:
+        plain = TransferSpec("p", None, toks, 0, [[1, 2], [3, 4], [5, 6]], save_id=1)
+        w.save(KVTierConnectorMetadata(saves=[plain], step=0))
+        assert asked == []                # no load in its step to disagree on
+        cut = TransferSpec("q", None, toks[::-1].copy(), 0, [[1, 2], [3, 4], [5, 6]],
+                           save_id=2, loaded_pages=[(0, 1, 1), (0, 2, 1)])
+        w.save(KVTierConnectorMetadata(saves=[cut], step=1))
+        assert asked == [[None]]          # rank 0's own loads were sound
+        over, deadline = w.get_finished({"p", "q"})[0], time.monotonic() + 30
+        while not {"p", "q"} <= over:   # both saves are over
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+            over |= w.get_finished(set())[0]
+        ns = w.link.namespace(None, 0)
+        assert w.link.call(lambda c: c.lookup(ns, block_keys(ns, toks)), 0).hits == 3
+        q_keys = block_keys(ns, toks[::-1].copy())
+        assert w.link.call(lambda c: c.lookup(ns, q_keys), 0).hits == 1   # block 0 only
+    finally:
+        w.shutdown()
