@@ -212,10 +212,10 @@ def _run_stats(a: argparse.Namespace) -> int:
     too large, not JSON, or a field of the wrong type)."""
     url = a.url
     if url is None:
-        from kvtier.config import load_config
+        from kvtier.config import http_base_url, load_config
 
         cfg = load_config(a.config)
-        url = f"http://{cfg.http.host}:{cfg.http.port}"
+        url = http_base_url(cfg.http.host, cfg.http.port)
     while True:
         try:
             s = fetch_stats(url, timeout=STATS_DEADLINE_S)

@@ -236,7 +236,7 @@ class NvmeConfig:
     bytes: ByteSize = ByteSize(16 * 2**30)
     path: Path | None = None              # default: <data_dir>/nvme
     direct: NvmeDirect = NvmeDirect.AUTO
-    io_threads: Count = 4
+    io_threads: AtLeastOne = 4            # threads doing the tier's disk I/O
     backend: NvmeBackend = NvmeBackend.AUTO
     write_budget_bytes_per_s: ByteSize = ByteSize(0)  # 0: unlimited (admission protects
     #                                                   endurance)
@@ -318,6 +318,14 @@ class Config:
         return out
 
 
+def http_base_url(host: str, port: int) -> str:
+    """``http://HOST:PORT`` for the daemon's HTTP listener, an IPv6 literal in brackets
+    (``http://[::1]:8470``): without them the port cannot be told from the address."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
 def _masked_url(url: str) -> str:
     """``url`` with the user info of its authority masked (``redis://***@host:port/0``)."""
     scheme, sep, rest = url.partition("://")
@@ -344,6 +352,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
 
     ``overrides`` maps ``"section.field"`` to a value (what CLI flags set; None = unset).
     """
+    from kvtier.config_checks import validate
     from kvtier.config_convert import build
 
     return build(Config, path, os.environ if env is None else env, overrides or {},
@@ -365,40 +374,3 @@ def implied(values: dict[str, dict[str, Any]], source: dict[tuple[str, str], int
         redis["enabled"] = True
     if "bytes" in nvme and nvme["bytes"] == 0 and above("nvme", "bytes"):
         nvme["enabled"] = False
-
-
-def validate(cfg: Config) -> None:
-    """Cross-field checks with messages that say what to change (one field's own range is
-    its type's: kvtier.config_convert)."""
-    if cfg.cpu.bytes < cfg.cpu.slab_bytes and cfg.cpu.bytes > 0:
-        cfg.cpu.slab_bytes = ByteSize(max(cfg.cpu.bytes, 4096))
-    if cfg.daemon.lease_sweep_s < 0.01:   # (smaller: an idle daemon spins)
-        raise ConfigError("daemon.lease_sweep_s must be >= 0.01 (seconds between lease "
-                          "sweeps)")
-    for name, value, top in (("listen_backlog", cfg.daemon.listen_backlog, 65535),
-                             ("max_connections", cfg.daemon.max_connections, 1 << 20),
-                             ("max_connections_per_client",
-                              cfg.daemon.max_connections_per_client, 1 << 20),
-                             ("max_namespaces", cfg.daemon.max_namespaces, 1 << 24),
-                             ("max_inflight_per_conn", cfg.daemon.max_inflight_per_conn,
-                              1 << 16),
-                             ("max_frame_bytes", cfg.daemon.max_frame_bytes, 1 << 30)):
-        if value > top:
-            raise ConfigError(f"daemon.{name} must be at most {top}, got {value}")
-    if cfg.nvme.io_threads > 1024:
-        raise ConfigError(f"nvme.io_threads must be at most 1024, got {cfg.nvme.io_threads}")
-    if cfg.cpu.bytes <= 0:
-        raise ConfigError("cpu.bytes must be > 0: the cpu tier is the staging tier")
-    if not 0 < cfg.nvme.backoff_min_s <= cfg.nvme.backoff_max_s:
-        raise ConfigError("nvme.backoff_min_s must be > 0 and <= nvme.backoff_max_s")
-    if cfg.redis.lookup_budget_s <= 0:
-        raise ConfigError("redis.lookup_budget_s must be > 0 (e.g. 0.1: well under the "
-                          "connector's step timeout)")
-    if cfg.daemon.max_frame_bytes < 1:
-        raise ConfigError("daemon.max_frame_bytes must be >= 1")
-    if not cfg.http.host.strip():
-        raise ConfigError("http.host is empty, which would listen on every interface: give "
-                          "an address (127.0.0.1, the default; 0.0.0.0 for every interface)")
-    if cfg.daemon.read_timeout_s <= 0:
-        raise ConfigError("daemon.read_timeout_s must be > 0 (a half-sent frame must not hold "
-                          "a connection for ever)")

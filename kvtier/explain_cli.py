@@ -150,10 +150,10 @@ def _fail(args: argparse.Namespace, line: str) -> int:
 def run(args: argparse.Namespace) -> int:
     url = args.url
     if url is None:
-        from kvtier.config import load_config
+        from kvtier.config import http_base_url, load_config
 
         cfg = load_config(args.config)
-        url = f"http://{cfg.http.host}:{cfg.http.port}"
+        url = http_base_url(cfg.http.host, cfg.http.port)
     try:
         rows = fetch_recent(url, args.limit, args.misses, timeout=FETCH_DEADLINE_S)
     except httpget.Unreachable as exc:

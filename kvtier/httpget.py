@@ -79,13 +79,16 @@ def get(url: str, *, deadline_s: float = DEFAULT_DEADLINE_S,
     body whatever the peer's pace; redirects are not followed (the daemon sends none)."""
     conn, target = _connection(url, deadline_s)
     expired = threading.Event()
+    opened: list[socket.socket] = []   # the connection forgets its socket once a reply
+    #                                    that closes it has begun ("Connection: close"): a
+    #                                    body without a length is read from it after that
 
     def cut() -> None:
         expired.set()
-        sock = conn.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        for sock in (conn.sock, *opened):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     timer = threading.Timer(deadline_s, cut)
     timer.daemon = True
@@ -97,6 +100,8 @@ def get(url: str, *, deadline_s: float = DEFAULT_DEADLINE_S,
             if expired.is_set():
                 raise FetchError(f"no connection within {deadline_s:g} s") from None
             raise Unreachable(_phrase(exc)) from None
+        if conn.sock is not None:
+            opened.append(conn.sock)
         if expired.is_set():   # the timer fired before ``conn.sock`` was set: nothing cut
             raise FetchError(f"no connection within {deadline_s:g} s")
         return _exchange(conn, target, max_bytes, expired, deadline_s)

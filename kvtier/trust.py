@@ -293,6 +293,16 @@ def socket_dir_problem(directory: Path, uid: int) -> tuple[Path, str] | None:
     return None
 
 
+def socket_path_problem(socket_path: Path) -> str | None:
+    """Why no Unix socket can be made at ``socket_path`` whatever its directory (longer
+    than ``SUN_PATH_MAX`` bytes), as the one line a start prints; None when it can."""
+    size = len(os.fsencode(socket_path))
+    if size <= SUN_PATH_MAX:
+        return None
+    return (f"socket path {socket_path} is {size} bytes, longer than the {SUN_PATH_MAX} a "
+            "Unix socket allows: pass a shorter --socket")
+
+
 def prepare_socket_dir(socket_path: Path, *, default_dir: Path | None) -> None:
     """Make the socket's directory ready and safe, or raise StartupError (one line).
 
@@ -302,10 +312,9 @@ def prepare_socket_dir(socket_path: Path, *, default_dir: Path | None) -> None:
     (``shared_dir_problem``); a missing configured directory is created with mode 0700.
     """
     uid = os.getuid()
-    if len(os.fsencode(socket_path)) > SUN_PATH_MAX:
-        raise StartupError(f"socket path {socket_path} is {len(os.fsencode(socket_path))} "
-                           f"bytes, longer than the {SUN_PATH_MAX} a Unix socket allows: pass "
-                           "a shorter --socket")
+    too_long = socket_path_problem(socket_path)
+    if too_long is not None:
+        raise StartupError(too_long)
     directory = socket_path.parent
     if default_dir is not None and directory == default_dir:
         ensure_private_dir(directory, socket_path)
@@ -386,9 +395,10 @@ def claim_socket_path(socket_path: Path) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"{socket_path} exists and is not a socket: remove it or pass "
                            "another --socket")
-    if _socket_alive(socket_path):
-        raise StartupError(f"another kvtier daemon is already serving {socket_path}; stop it "
-                           "or pass --socket")
+    if _socket_alive(socket_path):   # a kvtier daemon would hold <socket>.lock (taken first)
+        raise StartupError(f"something is listening on {socket_path} and does not answer as "
+                           "kvtier (no kvtier daemon holds its .lock file): stop that process "
+                           "or pass another --socket")
     if st.st_uid != os.getuid():
         raise StartupError(f"stale socket {socket_path} belongs to uid {st.st_uid}: remove it "
                            "or pass another --socket")

@@ -35,14 +35,24 @@ def parse_size(value: object) -> int:
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0:
             raise ConfigError(f"not a size: {value!r}")
+        if not value.is_integer():
+            raise ConfigError(_fraction(value))
         return parse_size(int(value))
     m = _SIZE_RE.match(str(value))
     if not m or (m.group(2) or "").lower() not in _UNITS:
         raise ConfigError(f"not a size: {value!r} (examples: 4GiB, 512MiB, 1e9)")
-    number = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    scale = _UNITS[(m.group(2) or "").lower()]
+    number = float(m.group(1)) * scale
     if not math.isfinite(number):  # "1e999": int(inf) would raise OverflowError
         raise ConfigError(f"size out of range: {value!r}")
+    if scale == 1 and not number.is_integer():   # "1.5" was read as 1 byte ("1.5GiB" is fine)
+        raise ConfigError(_fraction(value))
     return int(number)
+
+
+def _fraction(value: object) -> str:
+    return (f"not a size: {value!r} is a fraction of a byte; give whole bytes or a unit "
+            "(1.5GiB, 512MiB)")
 
 
 def format_bytes(n: float, *, digits: int = 1, exact: bool = False) -> str:

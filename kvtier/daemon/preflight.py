@@ -29,13 +29,85 @@ def _user() -> str:
         return str(os.getuid())
 
 
-def check_writable_dir(path: Path, what: str, flag: str) -> None:
+def dir_path_problem(path: Path) -> tuple[Path, str] | None:
+    """What makes ``path`` unusable as a directory, found without creating anything: a
+    symbolic link loop on the way, a symbolic link to nothing, or something that is not a
+    directory at ``path`` or above it. Returns (the path at fault, what is wrong), or None
+    when ``path`` is a directory or could be created (other errors, such as a permission,
+    are left to the attempt that creates it, which says them as they are)."""
+    p = Path(os.path.abspath(path))
+    try:
+        st = os.stat(p)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return p, ("is a symbolic link loop, or has one above it (too many levels of "
+                       "symbolic links)")
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.lstat(p).st_mode):
+                return p, f"is a symbolic link to {os.readlink(p)}, which does not exist"
+        return None if p.parent == p else dir_path_problem(p.parent)
+    if not stat.S_ISDIR(st.st_mode):
+        return p, f"is not a directory (it is {_kind(st.st_mode)})"
+    return None
+
+
+def _kind(mode: int) -> str:
+    return ("a regular file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def check_dir_path(path: Path, what: str, setting: str, flag: str) -> None:
+    """StartupError (one line naming ``setting`` and the fix) when ``dir_path_problem``
+    finds one; creates nothing, so it can run before the checks that must not leave
+    directories behind."""
+    found = dir_path_problem(path)
+    if found is None:
+        return
+    where, problem = found
+    at = "it" if where == Path(os.path.abspath(path)) else str(where)
+    raise StartupError(f"{what} {path} is unusable: {at} {problem}; fix that path or set "
+                       f"{setting} to a directory of yours ({flag} PATH)")
+
+
+def shm_dir_problem(shm_dir: Path, uid: int) -> str | None:
+    """Why ``shm_dir`` cannot hold the cpu tier's arena, as the one line a start prints
+    (what is wrong and the fix), or None: it must be a directory that nobody but root or
+    ``uid`` can change (else another user could remove or replace the arena)."""
+    from kvtier.trust import shared_dir_problem
+
+    found = dir_path_problem(shm_dir)
+    if found is not None:
+        where, problem = found
+        at = "it " if where == Path(os.path.abspath(shm_dir)) else f"{where} "
+        return (f"shared-memory directory {shm_dir} (cpu.shm_dir) is unusable: {at}{problem}; "
+                "set cpu.shm_dir to a tmpfs directory such as /dev/shm")
+    try:
+        st = os.stat(shm_dir)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return (f"shared-memory directory {shm_dir} does not exist: set cpu.shm_dir to a "
+                    "tmpfs directory such as /dev/shm")
+        return (f"shared-memory directory {shm_dir} (cpu.shm_dir) is unusable "
+                f"({exc.strerror}); set cpu.shm_dir to a tmpfs directory such as /dev/shm")
+    unsafe = shared_dir_problem(st, uid)
+    if unsafe is not None:   # (the arena's own files are checked as they are opened)
+        return (f"shared-memory directory {shm_dir} {unsafe}, so another user could remove "
+                "or replace the arena: set cpu.shm_dir to /dev/shm or a directory of yours")
+    return None
+
+
+def check_writable_dir(path: Path, what: str, flag: str, setting: str = "") -> None:
     """Create ``path`` (mode 0700) if missing, prove we can create files in it, and that
     no other user can (``check_owned_dir``).
 
     A probe file is created and removed: permission bits alone do not tell (a read-only
     mount, root on NFS, ACLs), and the nvme tier would otherwise fail later, mid-setup.
+    ``dir_path_problem`` first: mkdir says only "File exists" for a symbolic link loop.
     """
+    if setting:
+        check_dir_path(path, what, setting, flag)
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         if not path.is_dir():

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.config import Config, default_runtime_dir
+from kvtier.config import Config, default_runtime_dir, http_base_url
 from kvtier.daemon.control import ControlServer
 from kvtier.daemon.gc_guard import GcGuard
 from kvtier.daemon.http import HttpServer, bind_http
@@ -36,7 +36,13 @@ from kvtier.daemon.limits import Limits
 from kvtier.daemon.loop_lag import LoopLag
 from kvtier.daemon.metrics import Metrics, admission_stats
 from kvtier.daemon.parts import DaemonParts
-from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_error
+from kvtier.daemon.preflight import (
+    check_dir_path,
+    check_shm_space,
+    check_writable_dir,
+    setup_error,
+    shm_dir_problem,
+)
 from kvtier.errors import ConfigError
 from kvtier.explain import MissLog, salt_id
 from kvtier.policy.factory import build_policies
@@ -44,12 +50,7 @@ from kvtier.presence import PresenceFilter
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.journal_replay import read_journal
-from kvtier.trust import (
-    claim_socket_path,
-    lock_socket_path,
-    prepare_socket_dir,
-    shared_dir_problem,
-)
+from kvtier.trust import claim_socket_path, lock_socket_path, prepare_socket_dir
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -86,6 +87,7 @@ class Daemon:
         self.loop_lag: LoopLag | None = None
         self.rebuilt_blocks = 0
         self.adopted_blocks = 0
+        self._recovered = False   # the store's recovery ran: only then is there a drain
         self._stop = asyncio.Event()
         self._stack = contextlib.AsyncExitStack()
         self._deadline = Deadline(math.inf)
@@ -115,14 +117,12 @@ class Daemon:
                                read_timeout_s=cfg.daemon.read_timeout_s,
                                max_connections=cfg.http.max_connections)
         self._stack.push_async_callback(self.http.stop)
-        if not cfg.cpu.shm_dir.is_dir():
-            raise ConfigError(f"shared-memory directory {cfg.cpu.shm_dir} does not exist: set "
-                              "cpu.shm_dir to a tmpfs directory such as /dev/shm")
-        problem = shared_dir_problem(os.stat(cfg.cpu.shm_dir), os.getuid())
-        if problem is not None:   # (the arena's own files are checked as they are opened)
-            raise ConfigError(f"shared-memory directory {cfg.cpu.shm_dir} {problem}, so "
-                              "another user could remove or replace the arena: set "
-                              "cpu.shm_dir to /dev/shm or a directory of yours")
+        problem = shm_dir_problem(cfg.cpu.shm_dir, os.getuid())
+        if problem is not None:
+            raise ConfigError(problem)
+        # before the arena's name, which resolves the data directory's path (a symbolic
+        # link loop there is one line, not a traceback); creates nothing
+        check_dir_path(cfg.daemon.data_dir, "data directory", "daemon.data_dir", "--data-dir")
         name = stable_arena_name(cfg.daemon.data_dir) if cfg.cpu.warm_restart else None
         own = cfg.cpu.shm_dir / name if name else None
         for stale in remove_stale_arenas(cfg.cpu.shm_dir, keep=own,
@@ -130,9 +130,10 @@ class Daemon:
             log.info("removed stale arena %s", stale)
         check_shm_space(cfg.cpu.shm_dir, cfg.cpu.bytes, reusable=own)
         # last: these create the directories, which a start refused above should not leave
-        check_writable_dir(cfg.daemon.data_dir, "data directory", "--data-dir")
+        check_writable_dir(cfg.daemon.data_dir, "data directory", "--data-dir",
+                           "daemon.data_dir")
         if cfg.nvme.enabled and cfg.nvme.bytes > 0:
-            check_writable_dir(cfg.nvme_path, "nvme directory", "--nvme-path")
+            check_writable_dir(cfg.nvme_path, "nvme directory", "--nvme-path", "nvme.path")
         return name, own
 
     async def _setup(self) -> None:
@@ -172,6 +173,7 @@ class Daemon:
             store.index.presence = presence
         journal = journal_path(self.arena.path) if self.arena.path == own else None
         recovered = await store.recover(state, journal=journal)
+        self._recovered = True
         self.rebuilt_blocks, self.adopted_blocks = recovered.nvme_blocks, recovered.adopted_blocks
         if self.rebuilt_blocks:
             log.info("rebuilt index from nvme: %d blocks", self.rebuilt_blocks)
@@ -252,6 +254,8 @@ class Daemon:
         await control.close_connections(self._deadline.left() / 2)
 
     async def _drain_store(self, store: TieredStore) -> None:
+        if not self._recovered:   # refused before it held anything (the nvme lock, say):
+            return                # no drain to log for a daemon that never served
         try:
             saved = await asyncio.wait_for(store.drain(self._deadline.at),
                                            self._deadline.left())
@@ -281,7 +285,7 @@ class Daemon:
             tiers += f", redis {self.cfg.redis.url.split('@')[-1]}"
         return (f"kvtier {__version__} serving (pid {os.getpid()})\n"
                 f"  socket: {self.cfg.daemon.socket}\n"
-                f"  http:   http://{self.cfg.http.host}:{self.http.port}  "
+                f"  http:   {http_base_url(self.cfg.http.host, self.http.port)}  "
                 f"(/metrics /v1/stats /healthz)\n"
                 f"  tiers:  {tiers}\n"
                 f"  policy: {self.cfg.policy.eviction}; rebuilt {self.rebuilt_blocks} blocks "

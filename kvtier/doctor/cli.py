@@ -87,7 +87,7 @@ def _sleeper(show: bool) -> Callable[[float], None]:
 
 def run_env(args: argparse.Namespace) -> int:
     """``kvtier doctor --env``: verdicts and fixes for this node."""
-    from kvtier.config import load_config
+    from kvtier.config import http_base_url, load_config
     from kvtier.doctor.env import exit_status, render, run_checks
     from kvtier.doctor.env import to_json as env_json
     from kvtier.errors import KVTierError
@@ -100,7 +100,7 @@ def run_env(args: argparse.Namespace) -> int:
         else:
             print(f"kvtier doctor: could not read the configuration: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    url = None if args.no_daemon else (args.url or f"http://{cfg.http.host}:{cfg.http.port}")
+    url = None if args.no_daemon else (args.url or http_base_url(cfg.http.host, cfg.http.port))
     checks = run_checks(cfg, daemon_url=url)
     status = exit_status(checks, strict=args.strict)
     if args.json:

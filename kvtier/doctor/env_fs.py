@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import Config
+from kvtier.daemon.preflight import dir_path_problem, shm_dir_problem
 from kvtier.doctor.env import Check, Host, Verdict
-from kvtier.trust import owned_dir_problem
+from kvtier.trust import owned_dir_problem, socket_dir_problem, socket_path_problem
 from kvtier.units import format_bytes
 
 
@@ -70,6 +71,10 @@ def check_shm(cfg: Config, host: Host) -> Check:
     """The cpu tier is a file in cpu.shm_dir: it must fit, and be memory (tmpfs)."""
     shm = str(cfg.cpu.shm_dir)
     need = cfg.cpu.bytes
+    refused = shm_dir_problem(cfg.cpu.shm_dir, host.uid())   # what a start refuses
+    if refused is not None:
+        return Check("shm size", Verdict.FAIL, refused + " (kvtier serve refuses to start)",
+                     "set cpu.shm_dir to a tmpfs directory of root's or yours (/dev/shm)")
     if not host.exists(shm):
         return Check("shm size", Verdict.FAIL, f"{shm} does not exist (cpu.shm_dir)",
                      "mount a tmpfs there or set cpu.shm_dir to one (e.g. /dev/shm)")
@@ -95,11 +100,15 @@ def check_shm(cfg: Config, host: Host) -> Check:
 
 
 def _probe_o_direct(directory: str) -> str | None:
-    """Write one aligned page with O_DIRECT in ``directory``; None when it works."""
+    """Write one aligned page with O_DIRECT in ``directory``; None when it works, else
+    why not (a file that cannot be made there too)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return "this OS has no O_DIRECT"
-    fd, name = tempfile.mkstemp(prefix=".kvtier-odirect-", dir=directory)
+    try:
+        fd, name = tempfile.mkstemp(prefix=".kvtier-odirect-", dir=directory)
+    except OSError as exc:
+        return f"cannot create a probe file: {exc.strerror or exc}"
     os.close(fd)
     buf = mmap.mmap(-1, 4096)   # page-aligned
     try:
@@ -113,11 +122,40 @@ def _probe_o_direct(directory: str) -> str | None:
         return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
     finally:
         buf.close()
-        os.unlink(name)
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+
+
+_NOT_FOR_FILES = ("proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "securityfs",
+                  "tracefs", "configfs", "bpf", "mqueue", "pstore")
+"""Kernel file systems where no directory of files can be made."""
+
+
+def _refused_dirs(cfg: Config) -> list[Check]:
+    """The data directory and the nvme directory as a start checks their paths first
+    (kvtier.daemon.preflight.dir_path_problem): a symbolic link loop, a symbolic link to
+    nothing, or a file where a directory must be, at them or above them."""
+    paths = [(cfg.daemon.data_dir, "daemon.data_dir", "--data-dir")]
+    if cfg.nvme.enabled and cfg.nvme.bytes > 0 and cfg.nvme.path is not None:
+        paths.append((cfg.nvme.path, "nvme.path", "--nvme-path"))
+    out = []
+    for path, setting, flag in paths:
+        found = dir_path_problem(path)
+        if found is not None:
+            where, problem = found
+            out.append(Check("data dir", Verdict.FAIL,
+                             f"{path} ({setting}): {where} {problem}; kvtier serve refuses "
+                             "to start", f"fix that path or set {setting} ({flag}) to a "
+                             "directory of yours"))
+    return out
 
 
 def check_data_dir(cfg: Config, host: Host) -> list[Check]:
-    """The nvme tier's directory: free space, file system type, O_DIRECT."""
+    """The nvme tier's directory: free space, file system type, O_DIRECT (probed inside
+    the data directory only: doctor writes nowhere else)."""
+    refused = _refused_dirs(cfg)
+    if refused:
+        return refused
     if not cfg.nvme.enabled or cfg.nvme.bytes <= 0:
         return [Check("data dir", Verdict.SKIP, "nvme tier disabled")]
     path = cfg.nvme_path
@@ -142,7 +180,12 @@ def check_data_dir(cfg: Config, host: Host) -> list[Check]:
     out.append(check_dir_owner(path, host))
     m = mount_of(str(where), host.mountinfo())
     fstype = m.fstype if m else "?"
-    if fstype == "overlay":
+    if fstype in _NOT_FOR_FILES:
+        out.append(Check("data dir filesystem", Verdict.FAIL,
+                         f"{where} is on {fstype}, a kernel file system: the daemon cannot "
+                         "keep its files there", "point daemon.data_dir (or nvme.path) at "
+                         "a file system on the NVMe drive"))
+    elif fstype == "overlay":
         out.append(Check("data dir filesystem", Verdict.WARN,
                          f"{where} is on overlayfs (the container's own layer): no O_DIRECT, "
                          "copy-up costs, and the tier is lost with the container",
@@ -156,23 +199,44 @@ def check_data_dir(cfg: Config, host: Host) -> list[Check]:
     else:
         out.append(Check("data dir filesystem", Verdict.OK,
                          f"{where} is on {fstype}" + (f" ({m.source})" if m else "")))
+    out.append(_check_o_direct(cfg, host))
+    return out
+
+
+def _probe_dir(cfg: Config, host: Host) -> Path | None:
+    """Where the O_DIRECT probe may write: the nvme directory, else the data directory
+    when the nvme directory is to be made in it; None when neither exists yet."""
+    path = cfg.nvme_path
+    if host.exists(str(path)):
+        return path
+    data = cfg.daemon.data_dir
+    if path.parent == data and host.exists(str(data)):
+        return data
+    return None
+
+
+def _check_o_direct(cfg: Config, host: Host) -> Check:
+    where = _probe_dir(cfg, host)
+    if where is None:
+        return Check("data dir O_DIRECT", Verdict.SKIP,
+                     f"{cfg.nvme_path} does not exist yet: O_DIRECT not probed (doctor writes "
+                     "only inside the data directory); run doctor again after the daemon's "
+                     "first start")
     probe = host.o_direct or _probe_o_direct
     err = probe(str(where))
     mode = cfg.nvme.direct
     if err is None:
-        out.append(Check("data dir O_DIRECT", Verdict.OK, f"O_DIRECT works in {where}"))
-    elif mode == "off":
-        out.append(Check("data dir O_DIRECT", Verdict.OK,
-                         f"O_DIRECT fails here ({err}); nvme.direct = off does not use it"))
-    else:
-        verdict = Verdict.FAIL if mode == "on" else Verdict.WARN
-        why = ("nvme.direct = on: the tier cannot open" if mode == "on" else
-               "nvme.direct = auto falls back to buffered I/O: the page cache holds a second "
-               "copy of every block")
-        out.append(Check("data dir O_DIRECT", verdict, f"O_DIRECT fails in {where} ({err}); "
-                         + why, "put nvme.path on ext4/xfs on the NVMe drive (not tmpfs, "
-                         "overlayfs or a network file system)"))
-    return out
+        return Check("data dir O_DIRECT", Verdict.OK, f"O_DIRECT works in {where}")
+    if mode == "off":
+        return Check("data dir O_DIRECT", Verdict.OK,
+                     f"O_DIRECT fails here ({err}); nvme.direct = off does not use it")
+    verdict = Verdict.FAIL if mode == "on" else Verdict.WARN
+    why = ("nvme.direct = on: the tier cannot open" if mode == "on" else
+           "nvme.direct = auto falls back to buffered I/O: the page cache holds a second "
+           "copy of every block")
+    return Check("data dir O_DIRECT", verdict, f"O_DIRECT fails in {where} ({err}); " + why,
+                 "put nvme.path on ext4/xfs on the NVMe drive (not tmpfs, overlayfs or a "
+                 "network file system)")
 
 
 def check_dir_owner(path: Path, host: Host) -> Check:
@@ -195,6 +259,9 @@ def check_socket_dir(cfg: Config, host: Host) -> Check:
     write there can replace the socket and receive the engines' KV."""
     sock = str(cfg.daemon.socket)
     d = os.path.dirname(sock)
+    refused = _refused_socket(cfg.daemon.socket, host.uid())
+    if refused is not None:
+        return refused
     if not host.exists(d):
         return Check("socket dir", Verdict.OK, f"{d} does not exist yet: the daemon creates "
                      "it 0700")
@@ -217,3 +284,31 @@ def check_socket_dir(cfg: Config, host: Host) -> Check:
     if mode & 0o077:
         return Check("socket dir", Verdict.WARN, detail + " -> readable by others", chmod)
     return Check("socket dir", Verdict.OK, detail)
+
+
+def _refused_socket(socket_path: Path, uid: int) -> Check | None:
+    """What a start refuses about the socket's path, with the checks it uses (kvtier.trust,
+    kvtier.daemon.preflight): longer than a Unix socket allows, a directory that cannot be
+    one (a regular file, a symbolic link loop), or a directory above it that another user
+    could change (the directory itself: ``check_socket_dir``). None when none applies."""
+    too_long = socket_path_problem(socket_path)
+    if too_long is not None:
+        return Check("socket dir", Verdict.FAIL, f"{too_long} (kvtier serve refuses to "
+                     "start)", "set daemon.socket (--socket) to a shorter path")
+    directory = socket_path.parent
+    found = dir_path_problem(directory)
+    if found is None:   # the directories above it (check_socket_dir reads the directory)
+        above = directory.parent
+        while not os.path.lexists(above) and above != above.parent:
+            above = above.parent   # the start creates the rest 0700
+        try:
+            found = socket_dir_problem(above, uid)
+        except OSError as exc:
+            found = (Path(exc.filename or above), exc.strerror or str(exc))
+    if found is None:
+        return None
+    where, problem = found
+    return Check("socket dir", Verdict.FAIL,
+                 f"{directory} (daemon.socket's directory): {where} {problem}; kvtier serve "
+                 "refuses to start", "set daemon.socket (--socket) to a path in a directory "
+                 "of yours (created 0700)")

@@ -11,19 +11,23 @@ from typing import Any
 
 from kvtier import jsonin
 from kvtier.doctor.errors import DoctorError
-from kvtier.statsdoc import MalformedStats, check_policy
+from kvtier.statsdoc import MalformedStats, check_policy, clean, number
 
 SUPPORTED_VERSION = 1
 
 
-def _num(obj: Any, *path: str) -> float | None:
+def _num(obj: Any, *path: str, where: str = "") -> float | None:
+    """The number at ``path``, None when it is missing or not a number; MalformedStats
+    (statsdoc.number, naming ``where`` and the path) for an integer too large for a
+    float."""
+    parent: Any = None
     for key in path:
         if not isinstance(obj, dict) or key not in obj:
             return None
-        obj = obj[key]
+        parent, obj = obj, obj[key]
     if isinstance(obj, bool) or not isinstance(obj, int | float):
         return None
-    return float(obj)
+    return number(parent, path[-1], where + "".join(f"{k}." for k in path[:-1]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,19 +85,28 @@ def parse_stats(text: str, source: str) -> KVTierStats:
     if len(missing) == 4:
         raise DoctorError(f"{source} holds none of kvtier's stats sections "
                           "(daemon, tiers, requests, connector): is this /v1/stats?")
+    try:
+        return _parse(doc, source, missing)
+    except MalformedStats as exc:
+        raise DoctorError(f"{source} is not kvtier stats: {exc}") from None
+
+
+def _parse(doc: dict[str, Any], source: str, missing: tuple[str, ...]) -> KVTierStats:
     tiers: dict[str, TierStats] = {}
     raw_tiers = doc.get("tiers")
     for name, t in (raw_tiers.items() if isinstance(raw_tiers, dict) else ()):
         if not isinstance(t, dict):
             continue
         up = t.get("up")
+        w = f"tiers.{clean(str(name))}."
         tiers[str(name)] = TierStats(
             name=str(t.get("name", name)), up=up if isinstance(up, bool) else None,
-            capacity_bytes=_num(t, "capacity_bytes"), used_bytes=_num(t, "used_bytes"),
-            allocation_failures=_num(t, "allocation_failures"),
-            evictions_capacity=_num(t, "evictions", "capacity"),
-            hit_tokens=_num(t, "hit_tokens"), miss_tokens=_num(t, "miss_tokens"),
-            errors=_num(t, "errors"))
+            capacity_bytes=_num(t, "capacity_bytes", where=w),
+            used_bytes=_num(t, "used_bytes", where=w),
+            allocation_failures=_num(t, "allocation_failures", where=w),
+            evictions_capacity=_num(t, "evictions", "capacity", where=w),
+            hit_tokens=_num(t, "hit_tokens", where=w), miss_tokens=_num(t, "miss_tokens", where=w),
+            errors=_num(t, "errors", where=w))
     version = doc.get("version")
     return KVTierStats(
         source=source, version=version if isinstance(version, int) else None,

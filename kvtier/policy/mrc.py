@@ -10,13 +10,9 @@ plain dict) and never contact a daemon themselves.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError
@@ -131,18 +127,22 @@ def render_table(stats: Mapping[str, Any]) -> str:
     return "\n".join([head, *rows])
 
 
-def load_stats(source: str, timeout: float = 3.0) -> dict[str, Any]:
+def load_stats(source: str, timeout: float | None = None) -> dict[str, Any]:
     """A /v1/stats document from a daemon URL (``http://host:port`` or the full path) or
-    a saved JSON file."""
+    a saved JSON file, read as ``kvtier stats`` and ``doctor`` read theirs (kvtier.httpget:
+    at most ``httpget.MAX_BODY_BYTES``, within ``timeout`` seconds in all, default
+    ``httpget.DEFAULT_DEADLINE_S``; a regular file only, never a FIFO or a device)."""
+    from kvtier import httpget, jsonin
+
     try:
         if source.startswith(("http://", "https://")):
             url = source if source.rstrip("/").endswith("/v1/stats") else (
                 source.rstrip("/") + "/v1/stats")
-            with urllib.request.urlopen(url, timeout=timeout) as resp:
-                doc = json.loads(resp.read())
+            body = httpget.get(url, deadline_s=timeout or httpget.DEFAULT_DEADLINE_S)
         else:
-            doc = json.loads(Path(source).read_text())
-    except (OSError, urllib.error.URLError, ValueError, RecursionError) as exc:
+            body = httpget.read_file(source)
+        doc = jsonin.loads(body)
+    except (httpget.FetchError, ValueError) as exc:
         raise LiveStatsError(f"cannot read kvtier stats from {source} ({exc}); give a "
                              "running daemon's http address or a saved /v1/stats file") from None
     if not isinstance(doc, dict):
@@ -152,7 +152,13 @@ def load_stats(source: str, timeout: float = 3.0) -> dict[str, Any]:
 
 def live_plan(source: str) -> str:
     """``kvtier plan --live-stats``: the sizing lines of a live daemon (or a note why none)."""
+    from kvtier.statsdoc import MalformedStats, check_policy
+
     stats = load_stats(source)
+    try:
+        check_policy(stats)   # the shape plan_lines reads, each number a float
+    except MalformedStats as exc:
+        raise LiveStatsError(f"{source} is not kvtier stats: {exc}") from None
     lines = plan_lines(stats)
     if not lines:
         return (f"{source}: no live miss-ratio curve yet (the daemon needs the adaptive "

@@ -13,28 +13,23 @@ same position mean a shared prefix. They differ in time unit and block size:
 
 from __future__ import annotations
 
-import bz2
-import gzip
-import io
 import lzma
 import math
 import re
-import sys
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TextIO, cast
 
 from kvtier import jsonin
-from kvtier.errors import KVTierError
-
-
-class TraceError(KVTierError):
-    """A trace file could not be read (format, field or value)."""
-
-    code = "trace"
+from kvtier.replay.tracefile import (
+    STDIN,
+    TraceError,
+    open_text,
+    text_lines,
+    what_trace,
+)
 
 
 class TraceFormat(str, Enum):
@@ -303,37 +298,6 @@ def parse_lines(
             yield req
 
 
-_COMPRESSED = ((b"\x1f\x8b", gzip.open), (b"BZh", bz2.open), (b"\xfd7zXZ\x00", lzma.open))
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-STDIN = "-"
-"""The trace path that means standard input."""
-
-
-def _what(name: str) -> str:
-    return "standard input" if name == STDIN else f"trace {name}"
-
-
-def _open_text(path: Path, name: str) -> TextIO:
-    """The trace as text lines, decompressed when it is gzip, bzip2 or xz (by its magic
-    bytes, whatever its name): published traces are often shipped compressed. The file is
-    opened once and never rewound, so a pipe reads as well as a file; standard input
-    (``-``) is read into memory first."""
-    raw: io.BufferedReader = (io.BufferedReader(io.BytesIO(sys.stdin.buffer.read()))
-                              if name == STDIN else path.open("rb"))
-    try:
-        head = raw.peek(6)[:6]
-        if head.startswith(_ZSTD_MAGIC):
-            raise TraceError(f"{_what(name)} is zstd-compressed: decompress it first "
-                             "(zstd -d), or recompress it with gzip, bzip2 or xz")
-        for magic, opener in _COMPRESSED:
-            if head.startswith(magic):
-                return cast(TextIO, opener(raw, "rt", encoding="utf-8"))
-        return io.TextIOWrapper(raw, encoding="utf-8")
-    except BaseException:
-        raw.close()
-        raise
-
-
 def load_trace(
     path: str | Path, *, fmt: TraceFormat = TraceFormat.AUTO, block_tokens: int | None = None,
     limit: int | None = None, check_lengths: bool | None = None,
@@ -351,12 +315,12 @@ def load_trace(
     path = Path(path)
     if block_tokens is not None and block_tokens <= 0:
         raise TraceError(f"block size must be positive, got {block_tokens}")
-    what = _what(name)
+    what = what_trace(name)
     reader = _Reader(fmt, block_tokens, "<stdin>" if name == STDIN else name,
                      block_tokens is None if check_lengths is None else check_lengths)
     try:
-        with _open_text(path, name) as fh:
-            requests = reader.read(fh, limit)
+        with open_text(path, name) as fh:
+            requests = reader.read(text_lines(fh, reader.source), limit)
     except UnicodeDecodeError:
         raise TraceError(f"{what} is not UTF-8 JSONL text (a compressed trace must be "
                          "gzip, bzip2 or xz)") from None

@@ -67,14 +67,18 @@ class Arena:
         whether that happened: a missing, foreign or resized file is replaced by a new one).
         """
         if capacity_bytes < PAGE:
-            raise ConfigError(f"cpu tier of {capacity_bytes} bytes is smaller than one slab")
+            raise ConfigError(f"cpu.bytes of {capacity_bytes} bytes is smaller than one "
+                              f"{PAGE}-byte page, the least the cpu tier can hold: give at "
+                              f"least {PAGE} (--cpu-bytes, e.g. 2GiB)")
         self.slots = SlabAllocator(capacity_bytes, slab_bytes)
         self.slab_bytes = self.slots.slab_bytes
         self.size = self.slots.size
         self.journal: ArenaJournal | None = None
         self.adopted = False
         if not shm_dir.is_dir():
-            raise ConfigError(f"shared-memory directory {shm_dir} does not exist")
+            what = "is not a directory" if shm_dir.exists() else "does not exist"
+            raise ConfigError(f"shared-memory directory {shm_dir} (cpu.shm_dir) {what}: set "
+                              "cpu.shm_dir to a tmpfs directory such as /dev/shm")
         fd = -1
         if name is not None:
             self.path = shm_dir / name

@@ -54,3 +54,28 @@ def test_a_reader_that_goes_away_gets_no_traceback(argv: list[str]) -> None:
                           text=True, timeout=60, check=False)
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
     assert proc.returncode == 1
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["replay", "/dev/zero"], "is a device or a socket, not a file"),
+    (["replay", "-"], "is a device or a socket, not a file"),
+    (["plan", "--model", "llama-2-7b", "--trace", "/dev/zero"],
+     "is a device or a socket, not a file"),
+    (["plan", "--model", "llama-2-7b", "--live-stats", "/dev/zero"], "not a regular file"),
+])
+def test_a_device_is_refused_in_one_line(argv: list[str], needle: str) -> None:
+    """``kvtier replay /dev/zero`` (or ``- < /dev/zero``, or plan --trace, or plan
+    --live-stats) read until memory ran out; a device is refused before a byte is read
+    (memory capped at 2 GiB here so that the old behaviour fails the test instead of the
+    machine)."""
+    import resource
+    import subprocess
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    with open("/dev/zero", "rb") as zero:
+        p = subprocess.run([sys.executable, "-m", "kvtier.cli", *argv], stdin=zero,
+                           capture_output=True, text=True, timeout=60, preexec_fn=cap)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert needle in p.stderr and ("/dev/zero" in p.stderr or "standard input" in p.stderr)

@@ -172,8 +172,9 @@ def test_a_second_daemon_on_the_same_nvme_path_is_refused(tmp_path: Path) -> Non
     try:
         first.start()
         assert first.proc is not None
-        line = one_line_error(run_serve(serve_args(tmp_path / "b", "--nvme-path", str(nvme)),
-                                        timeout=30))
+        refused = run_serve(serve_args(tmp_path / "b", "--nvme-path", str(nvme)), timeout=30)
+        line = one_line_error(refused)
+        assert "drain" not in refused.stderr   # it never served: nothing to drain or log
         assert (f"nvme directory {nvme} is in use by another kvtier daemon (pid "
                 f"{first.proc.pid} holds the lock {nvme / 'kvtier.lock'})") in line
         assert "--nvme-path" in line

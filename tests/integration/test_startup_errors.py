@@ -114,6 +114,22 @@ def test_data_dir_below_a_regular_file(tmp_path: Path) -> None:
     assert f"data directory {data} is unusable" in line and "--data-dir" in line
 
 
+@pytest.mark.parametrize("under", [False, True], ids=["loop", "under-loop"])
+@pytest.mark.parametrize("warm", ["--cpu-warm-restart", "--no-cpu-warm-restart"])
+def test_data_dir_that_is_a_symlink_loop(tmp_path: Path, under: bool, warm: str) -> None:
+    """Path.resolve() in the arena's name raised a 50-line traceback (warm restart on), and
+    mkdir said "is unusable: File exists" (off): one line naming daemon.data_dir now."""
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    data = tmp_path / "loop1" / "kv" if under else tmp_path / "loop1"
+    args = _args(tmp_path, warm)
+    args[args.index("--data-dir") + 1] = str(data)
+    line = one_line_error(run_serve(args))
+    assert f"data directory {data} is unusable: " in line and "daemon.data_dir" in line
+    assert "symbolic link loop" in line and "--data-dir" in line
+    assert "File exists" not in line
+
+
 # -- socket directory --------------------------------------------------------------------------
 @pytest.mark.parametrize(("mode", "expect"), [
     pytest.param(0o777, "is writable by group and others (mode 0777)", id="0777"),
@@ -234,6 +250,28 @@ def test_shm_dir_missing(tmp_path: Path) -> None:
     env = serve_env({"KVTIER_CPU_SHM_DIR": str(tmp_path / "no-shm")})
     line = one_line_error(run_serve(_args(tmp_path), env=env))
     assert f"{tmp_path / 'no-shm'} does not exist" in line
+
+
+def test_shm_dir_that_is_a_regular_file(tmp_path: Path) -> None:
+    """It was reported as "does not exist"."""
+    (tmp_path / "shm").write_text("x")
+    env = serve_env({"KVTIER_CPU_SHM_DIR": str(tmp_path / "shm")})
+    line = one_line_error(run_serve(_args(tmp_path), env=env))
+    assert f"{tmp_path / 'shm'} (cpu.shm_dir) is unusable: it is not a directory" in line
+    assert "does not exist" not in line
+
+
+def test_a_socket_held_by_something_else_is_not_called_a_kvtier_daemon(
+        tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as other:
+        other.bind(str(run / "kvtier.sock"))
+        other.listen(1)
+        line = one_line_error(run_serve(_args(tmp_path)))
+    assert f"something is listening on {run / 'kvtier.sock'} and does not answer as " \
+           "kvtier" in line and "--socket" in line
+    assert "kvtier daemon is already serving" not in line
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770])

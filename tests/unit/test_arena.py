@@ -79,13 +79,17 @@ def test_small_arena_is_one_slab(shm_dir: Path, capacity: int, size: int) -> Non
 
 
 def test_arena_below_one_page_is_a_config_error(shm_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="smaller than one slab"):
+    with pytest.raises(ConfigError, match=r"cpu\.bytes of 4095 bytes is smaller than one "
+                       r"4096-byte page.*give at least 4096 \(--cpu-bytes"):
         Arena(PAGE - 1, shm_dir=shm_dir, prefault=False)
 
 
 def test_missing_shm_dir_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         Arena(SLAB, shm_dir=tmp_path / "missing", prefault=False)
+    (tmp_path / "file").write_text("x")   # was "does not exist" too
+    with pytest.raises(ConfigError, match=r"file \(cpu\.shm_dir\) is not a directory"):
+        Arena(SLAB, shm_dir=tmp_path / "file", prefault=False)
 
 
 # -- allocation ------------------------------------------------------------------------------

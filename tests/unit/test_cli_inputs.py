@@ -147,3 +147,26 @@ def test_plan_refuses_non_finite_sizes(capsys: pytest.CaptureFixture[str],
     code, err = kvtier(capsys, "plan", "--model", "llama-3-8b", *argv)
     assert code == 2
     assert needle in the_error(err)
+
+
+@pytest.mark.parametrize("command", ["stats", "explain"])
+def test_an_ipv6_http_host_is_reached_in_brackets(capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path, command: str) -> None:
+    """http.host = "::1" made http://::1:9, refused as "Port could not be cast": the
+    command must ask [::1] (nothing listens on port 9, so it says no daemon answered)."""
+    conf = tmp_path / "v6.toml"
+    conf.write_text('[http]\nhost = "::1"\nport = 9\n')
+    code, err = kvtier(capsys, command, "--config", str(conf))
+    line = the_error(err)
+    assert code != 0 and "http://[::1]:9" in line and "could not be cast" not in line
+    assert "no daemon answered" in line
+
+
+def test_doctor_env_asks_an_ipv6_daemon_in_brackets(capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path) -> None:
+    conf = tmp_path / "v6.toml"
+    conf.write_text(f'[http]\nhost = "::1"\nport = 9\n[daemon]\ndata_dir = "{tmp_path}/d"\n'
+                    f'socket = "{tmp_path}/s.sock"\n[nvme]\nbytes = 0\n')
+    main(["doctor", "--env", "--json", "--config", str(conf)])
+    out = capsys.readouterr().out
+    assert "http://[::1]:9" in out and "could not be cast" not in out

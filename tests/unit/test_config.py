@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -280,3 +282,60 @@ def test_no_home_and_no_data_dir_is_one_config_error(monkeypatch: pytest.MonkeyP
         load_config(env={})
     assert load_config(env={"KVTIER_DATA_DIR": "/srv/kvtier"}).daemon.data_dir == Path(
         "/srv/kvtier")
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"KVTIER_DAEMON_LEASE_TTL_S": "0"}, "daemon.lease_ttl_s must be at least 0.1 seconds"),
+    ({"KVTIER_DAEMON_LEASE_TTL_S": "0.01"}, "LeaseExpired"),
+    ({"KVTIER_DAEMON_MAX_FRAME_BYTES": "1"}, "daemon.max_frame_bytes must be at least 65536"),
+    ({"KVTIER_DAEMON_MAX_FRAME_BYTES": "4KiB"}, "ProtocolError"),
+    ({"KVTIER_DAEMON_READ_TIMEOUT_S": "0.000001"},
+     "daemon.read_timeout_s must be at least 0.1 seconds"),
+    ({"KVTIER_DAEMON_IDLE_TIMEOUT_S": "0.001"}, "daemon.idle_timeout_s must be at least 0.1 "
+                                                "seconds or 0 (never)"),
+    ({"KVTIER_DAEMON_GC_FULL_S": "0.001"}, "daemon.gc_full_s must be at least 1 seconds or 0"),
+    ({"KVTIER_REDIS_CONNECT_TIMEOUT_S": "0"}, "redis.connect_timeout_s must be at least"),
+    ({"KVTIER_REDIS_OP_TIMEOUT_S": "0"}, "redis.op_timeout_s must be at least"),
+    ({"KVTIER_CPU_BYTES": "4095"}, "cpu.bytes must be at least 4096"),
+    ({"KVTIER_NVME_IO_THREADS": "0"}, "nvme.io_threads: invalid value '0'"),
+])
+def test_settings_that_would_serve_nothing_are_refused(env: dict[str, str],
+                                                       needle: str) -> None:
+    """A daemon started with them served nothing: every lease expired, every client got a
+    ProtocolError or was dropped in its hello, a 4095-byte cpu tier was 'smaller than one
+    slab' without naming cpu.bytes, io_threads 0 blamed nvme.bytes too."""
+    with pytest.raises(ConfigError, match=re.escape(needle)) as info:
+        load_config(env=env)
+    assert "nvme.bytes" not in str(info.value)
+
+
+def test_the_floors_leave_working_values_alone() -> None:
+    cfg = load_config(env={"KVTIER_DAEMON_LEASE_TTL_S": "0.2", "KVTIER_DAEMON_IDLE_TIMEOUT_S": "0",
+                           "KVTIER_DAEMON_GC_FULL_S": "0", "KVTIER_DAEMON_MAX_FRAME_BYTES": "64KiB",
+                           "KVTIER_CPU_BYTES": "4096"})
+    assert cfg.daemon.max_frame_bytes == 65536 and cfg.cpu.slab_bytes == 4096
+
+
+@pytest.mark.parametrize("value", ["1.5", " 0.5 ", "1.5B", 1.5, "2.7e0"])
+def test_a_fraction_of_a_byte_is_not_a_size(tmp_path: Path, value: object) -> None:
+    """'1.5' parsed as 1 byte (max_frame_bytes = "1.5" started a daemon that refused every
+    frame); with a unit a fraction is fine (1.5GiB)."""
+    with pytest.raises(ConfigError, match="fraction of a byte"):
+        parse_size(value)
+    toml = write_toml(tmp_path, f"[daemon]\nmax_frame_bytes = {json.dumps(value)}\n")
+    with pytest.raises(ConfigError, match=r"daemon\.max_frame_bytes: invalid value"):
+        load_config(toml, env={})
+    assert parse_size("1.5GiB") == 3 * 2**29 and parse_size("1.5e3") == 1500
+
+
+@pytest.mark.parametrize(("host", "url"), [
+    ("127.0.0.1", "http://127.0.0.1:8470"), ("::1", "http://[::1]:8470"),
+    ("fe80::1%eth0", "http://[fe80::1%eth0]:8470"), ("[::1]", "http://[::1]:8470"),
+    ("localhost", "http://localhost:8470"),
+])
+def test_http_urls_bracket_ipv6_literals(host: str, url: str) -> None:
+    """http.host = "::1" gave http://::1:8470, which stats, explain and doctor --env could
+    not parse ("Port could not be cast")."""
+    from kvtier.config import http_base_url
+
+    assert http_base_url(host, 8470) == url

@@ -15,6 +15,8 @@ import resource
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvtier.config import Config, load_config
 from kvtier.doctor import env_daemon, env_fs, env_host, env_redis
 from kvtier.doctor.env import Check, Host, Verdict, exit_status, run_checks, to_json
@@ -105,6 +107,7 @@ def test_data_dir_on_tmpfs_warns(tmp_path: Path) -> None:
 def test_o_direct_refused_warns_in_auto_fails_in_on(tmp_path: Path) -> None:
     """Older kernels' tmpfs, overlayfs and some network file systems refuse O_DIRECT."""
     h = host(o_direct=lambda d: "EINVAL: Invalid argument")
+    (tmp_path / "nvme").mkdir()   # probed only inside the tier's own directory
     verdicts = {}
     for mode in ("auto", "on", "off"):
         checks = env_fs.check_data_dir(config(tmp_path, nvme="1MiB", direct=mode), h)
@@ -116,6 +119,69 @@ def test_the_real_o_direct_probe_leaves_nothing_behind(tmp_path: Path) -> None:
     err = env_fs._probe_o_direct(str(tmp_path))
     assert err is None or "EINVAL" in err   # this machine's file system decides
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_probe_writes_only_inside_the_data_dir(tmp_path: Path) -> None:
+    """With the default nvme path (<data_dir>/nvme) and no data dir yet, the probe wrote
+    a file in the data dir's parent (~/.local/share); now it says so and writes nothing."""
+    probed: list[str] = []
+    h = host(o_direct=lambda d: probed.append(d))
+    (tmp_path / "k.toml").write_text(f'[daemon]\ndata_dir = "{tmp_path / "data"}"\n'
+                                     '[nvme]\nbytes = "1MiB"\n')
+    cfg = load_config(tmp_path / "k.toml", env={})
+    c = by_name(env_fs.check_data_dir(cfg, h), "data dir O_DIRECT")
+    assert c.verdict is Verdict.SKIP and "not probed" in c.detail and probed == []
+    (tmp_path / "data").mkdir(mode=0o700)             # the data dir: the probe goes there
+    c = by_name(env_fs.check_data_dir(cfg, h), "data dir O_DIRECT")
+    assert c.verdict is Verdict.OK and probed == [str(tmp_path / "data")]
+    (tmp_path / "data" / "nvme").mkdir(mode=0o700)
+    env_fs.check_data_dir(cfg, h)
+    assert probed[-1] == str(tmp_path / "data" / "nvme")
+
+
+@pytest.mark.parametrize("how", ["file", "below a file", "loop", "under a loop", "dangling"])
+def test_a_data_dir_serve_refuses_fails_without_a_traceback(tmp_path: Path, how: str) -> None:
+    """A data dir that is a file, under a file, or a symbolic link loop: the O_DIRECT probe
+    raised NotADirectoryError (mkstemp in a file), a loop passed as 'not created yet'."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    data = {"file": tmp_path / "file", "below a file": tmp_path / "file" / "kv",
+            "loop": tmp_path / "loop1", "under a loop": tmp_path / "loop1" / "kv",
+            "dangling": tmp_path / "dangling"}[how]
+    (tmp_path / "k.toml").write_text(f'[daemon]\ndata_dir = "{data}"\n[nvme]\nbytes = "1MiB"\n')
+    cfg = load_config(tmp_path / "k.toml", env={})
+    checks = env_fs.check_data_dir(cfg, Host(gpu=lambda: (False, "")))   # the real probe
+    assert [c.verdict for c in checks] == [Verdict.FAIL], checks
+    assert "daemon.data_dir" in checks[0].detail and "refuses to start" in checks[0].detail
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file", "k.toml",
+                                                          "loop1", "loop2"]   # no probe
+
+
+def test_a_data_dir_on_proc_fails_without_a_traceback(tmp_path: Path) -> None:
+    """/proc/1/kvt: the probe's mkstemp in /proc raised FileNotFoundError."""
+    (tmp_path / "k.toml").write_text('[daemon]\ndata_dir = "/proc/1/kvt"\n'
+                                     '[nvme]\nbytes = "1MiB"\n')
+    checks = env_fs.check_data_dir(load_config(tmp_path / "k.toml", env={}), Host())
+    assert by_name(checks, "data dir filesystem").verdict is Verdict.FAIL
+    assert by_name(checks, "data dir O_DIRECT").verdict is Verdict.SKIP
+
+
+def test_what_serve_refuses_about_the_socket_and_shm_fails(tmp_path: Path) -> None:
+    """A socket path over the Unix limit, a socket directory that is a regular file, a
+    cpu.shm_dir that is a regular file: a start refuses each, doctor passed or warned."""
+    (tmp_path / "file").write_text("x")
+    cfg = config(tmp_path)
+    cfg.daemon.socket = tmp_path / "file" / "kvtier.sock"
+    c = env_fs.check_socket_dir(cfg, host())
+    assert c.verdict is Verdict.FAIL and "is not a directory" in c.detail
+    cfg.daemon.socket = tmp_path / ("d" * 60) / ("e" * 60) / "kvtier.sock"
+    c = env_fs.check_socket_dir(cfg, host())
+    assert c.verdict is Verdict.FAIL and "longer than the 107" in c.detail
+    c = env_fs.check_shm(config(tmp_path, shm=tmp_path / "file"), host())
+    assert c.verdict is Verdict.FAIL and "is not a directory" in c.detail
+    assert "cpu.shm_dir" in c.detail
 
 
 def test_mountinfo_parsing() -> None:

@@ -269,3 +269,23 @@ def test_unread_metrics_may_be_nan() -> None:
     """Only what doctor reads is checked: an unrelated gauge's NaN is not its business."""
     s = parse_engine('process_cpu_seconds_total NaN\nvllm:num_requests_running 2\n', "x")
     assert s.get(("vllm:num_requests_running",)) == 2.0
+
+
+@pytest.mark.parametrize("where", [("tiers", "cpu", "used_bytes"), ("daemon", "uptime_s"),
+                                   ("requests", "hit_tokens")])
+def test_a_number_too_large_for_a_float_is_exit_2(capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path, where: tuple[str, ...]) -> None:
+    """10**400 in saved or live /v1/stats: float() raised OverflowError (a traceback, exit
+    1); now the documented exit 2 naming the field, as kvtier stats says it."""
+    doc: dict = {"version": 1, "daemon": {"uptime_s": 5}, "requests": {},
+                 "tiers": {"cpu": {"capacity_bytes": 100, "used_bytes": 5}}, "connector": {}}
+    node = doc
+    for key in where[:-1]:
+        node = node.setdefault(key, {})
+    node[where[-1]] = 10**400
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(doc))
+    code, out, err = doctor(capsys, "--stats", str(p))
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert f"{'.'.join(where)} is a number too large to show" in err

@@ -818,3 +818,11 @@ def test_posix_frame_io_reads_and_writes_inline(tmp_path: Path) -> None:
         assert back == header and got == PAGE + slot_bytes and bytes(out[:n]) == bytes(buf[:n])
     finally:
         os.close(fd)
+
+
+def test_zero_io_threads_names_only_io_threads(tmp_path: Path) -> None:
+    """The message blamed nvme.bytes too ("nvme.bytes must be >= 0 and nvme.io_threads
+    >= 1") for a tier of 64 MiB."""
+    with pytest.raises(ConfigError) as info:
+        NvmeTier(tmp_path / "nvme", 64 * MiB, direct="off", io_threads=0)
+    assert str(info.value) == "nvme.io_threads must be >= 1, got 0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -312,3 +313,79 @@ def test_hostile_model_json_is_one_line_exit_2(capsys: pytest.CaptureFixture[str
     assert code == 2 and out == ""
     assert err.startswith("kvtier plan: error:") and len(err.strip().splitlines()) == 1
     assert needle in err and str(cfg) in err
+
+
+def test_live_stats_from_a_fifo_is_refused(tmp_path: Path) -> None:
+    """A FIFO without a writer blocked for ever (/dev/zero, which grew to 12 GB:
+    tests/integration/test_command_line.py): --live-stats reads as kvtier stats and doctor
+    do (a regular file, at most 64 MiB)."""
+    import threading
+
+    from kvtier.policy.mrc import LiveStatsError, load_stats
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[object] = []
+
+    def read() -> None:
+        try:
+            got.append(load_stats(str(fifo)))
+        except LiveStatsError as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=read, daemon=True)   # the old reader never returned
+    t.start()
+    t.join(timeout=10)
+    assert len(got) == 1 and "not a regular file" in str(got[0]), got
+
+
+def test_live_stats_from_a_slow_server_ends_at_the_deadline() -> None:
+    """A server dripping a byte every 0.1 s kept the per-read timeout from ever firing."""
+    import socket
+    import threading
+    import time
+
+    from kvtier.policy.mrc import LiveStatsError, load_stats
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
+            while not stop.is_set():
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+                time.sleep(0.1)
+
+    threading.Thread(target=drip, daemon=True).start()
+    got: list[object] = []
+
+    def read() -> None:
+        try:
+            got.append(load_stats(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout=1.0))
+        except LiveStatsError as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout=10)
+    stop.set()
+    srv.close()
+    assert len(got) == 1 and isinstance(got[0], LiveStatsError), got
+    assert "too slow" in str(got[0])
+
+
+def test_live_stats_with_a_number_too_large_is_exit_2(capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path) -> None:
+    p = tmp_path / "s.json"
+    p.write_text('{"policy": {"tiers": {"cpu": {"mrc": [{"scale": 1, "hit_rate": 1'
+                 + "0" * 400 + "}]}}}}")
+    code, _out, err = plan(capsys, "--model", "llama-2-7b", "--live-stats", str(p))
+    assert code == 2 and "too large" in err and "Traceback" not in err

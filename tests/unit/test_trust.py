@@ -202,7 +202,9 @@ def test_claim_socket_path(tmp_path: Path) -> None:
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(live))
         s.listen(1)
-        with pytest.raises(StartupError, match="already serving"):
+        # not a kvtier daemon (one holds <socket>.lock, taken before this check)
+        with pytest.raises(StartupError, match=f"something is listening on {live} and does "
+                           "not answer as kvtier"):
             claim_socket_path(live)
     assert live.exists()
 

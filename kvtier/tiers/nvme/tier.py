@@ -79,8 +79,10 @@ class NvmeTier:
                  backoff: BackoffPolicy = DEFAULT_BACKOFF) -> None:
         if direct not in DIRECT_MODES:
             raise ConfigError(f"nvme.direct must be auto, on or off, got {direct!r}")
-        if capacity_bytes < 0 or io_threads < 1:
-            raise ConfigError("nvme.bytes must be >= 0 and nvme.io_threads >= 1")
+        if capacity_bytes < 0:
+            raise ConfigError(f"nvme.bytes must be >= 0, got {capacity_bytes}")
+        if io_threads < 1:
+            raise ConfigError(f"nvme.io_threads must be >= 1, got {io_threads}")
         if split_bytes < 0 or split_bytes % PAGE:
             raise ConfigError(f"nvme split_bytes must be a multiple of {PAGE} (0: never split), "
                               f"got {split_bytes}")
