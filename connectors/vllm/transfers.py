@@ -164,6 +164,25 @@ class LoadBatch:
         return {p for s in self.specs for p in s.page_ids[s.skip_pages:]}
 
 
+class SyncBudget:
+    """The time one producer step may wait for Redis, shared by its saves' synchronous
+    commits: what each commit waits is taken from it, copies and waits for room are not
+    (a deadline on the clock counted them, and large steps gave up on a healthy Redis).
+    Used by the saver thread alone."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, seconds: float) -> None:
+        self.left = seconds
+
+    def take(self) -> float:
+        """The seconds the next commit may wait (0: do not wait for Redis)."""
+        return max(0.0, self.left)
+
+    def spent(self, seconds: float) -> None:
+        self.left -= seconds
+
+
 class SaveWithdrawn(RuntimeError):
     """The engine stopped waiting for this save (its request was preempted, its pages may
     hold another request's KV by now): it must not publish what it copied."""
@@ -174,15 +193,15 @@ class SaveRequest:
 
     def __init__(self, spec: TransferSpec, caches: CacheSet,
                  link_of: Callable[[], DaemonLink], tp_rank: int,
-                 redis_sync_until: float | None = None) -> None:
-        """``redis_sync_until`` (producers, a ``time.monotonic()`` deadline shared by the
-        step's saves): commit with a synchronous write-through to Redis bounded by the
-        time left until then; ``redis_synced`` then says whether it got there."""
+                 redis_sync: SyncBudget | None = None) -> None:
+        """``redis_sync`` (producers, shared by the step's saves): commit with a synchronous
+        write-through to Redis bounded by what is left of it; ``redis_synced`` then says
+        whether it got there."""
         self.spec = spec
         self.caches = caches
         self.link_of = link_of
         self.tp_rank = tp_rank
-        self.redis_sync_until = redis_sync_until
+        self.redis_sync = redis_sync
         # set by the engine's thread when it stops waiting: checked once the copy is over,
         # before the commit (pages reused after it was set may have been copied)
         self.withdrawn = threading.Event()
@@ -234,12 +253,13 @@ class SaveRequest:
             raise SaveWithdrawn(f"request {self.spec.req_id}'s save was withdrawn (its "
                                 "pages may have been reused): not published")
         lease, self._lease = self._lease, None
-        until = self.redis_sync_until
-        if until is None:
+        budget = self.redis_sync
+        if budget is None:
             ok, _ = self._link.run(lambda _c: lease.commit(), self._conn)
         else:
-            sync_s = max(0.0, until - time.monotonic())
+            sync_s, t0 = budget.take(), time.monotonic()
             ok, _ = self._link.run(lambda _c: lease.commit(redis_sync_s=sync_s), self._conn)
+            budget.spent(time.monotonic() - t0)
             self.redis_synced = bool(ok and lease.redis_synced)
         if not ok:
             raise RuntimeError(f"commit of request {self.spec.req_id}'s blocks refused")

@@ -43,7 +43,7 @@ from .mapping import PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
 from .pieces import FAILED_STEPS_KEPT, first_failed_block, save_pieces, saved_before
 from .ranks import Agree, tp_agree
-from .transfers import CacheSet, LoadBatch, SaveRequest
+from .transfers import CacheSet, LoadBatch, SaveRequest, SyncBudget
 
 logger = logging.getLogger("kvtier.connectors.vllm")
 
@@ -272,10 +272,9 @@ class WorkerSide:
             return
         producer = self.config.producer
         # a producer's step waits for Redis at most redis_sync_timeout_s in all: its saves'
-        # synchronous commits share one deadline (a hung Redis cost each its own bound)
-        sync_until = (time.monotonic() + min(self.config.redis_sync_timeout_s,
-                                             0.9 * self.config.timeout_s)
-                      if producer else None)
+        # synchronous commits share one budget (a hung Redis cost each its own bound)
+        sync = (SyncBudget(min(self.config.redis_sync_timeout_s, 0.9 * self.config.timeout_s))
+                if producer else None)
         step: list[Future[bool]] = []
         cuts = [first_failed_block(planned, self._failed_at) for planned in meta.saves]
         if self._agree is not None and any(s.loaded_pages for s in meta.saves):
@@ -292,17 +291,17 @@ class WorkerSide:
             most = (max(1, self.pipeline.max_inflight_bytes // self.caches.block_bytes)
                     if producer else len(spec.pages))
             for piece in save_pieces(spec, most, self.config.tokens_per_block):
-                self._submit_save(piece, producer, sync_until, step)
+                self._submit_save(piece, producer, sync, step)
         if producer and step:
             self._wait_saves(step)
 
-    def _submit_save(self, spec: TransferSpec, producer: bool, sync_until: float | None,
+    def _submit_save(self, spec: TransferSpec, producer: bool, sync: SyncBudget | None,
                      step: list[Future[bool]]) -> None:
         """Queue one save (appended to ``step``); dropped and counted when the bound on
         saves in flight has no room for it (a producer first waits for room)."""
         assert self.pipeline is not None and self.caches is not None
         job = SaveRequest(spec, self.caches, lambda: self._thread_link("-save"),
-                          self.tp_rank, redis_sync_until=sync_until)
+                          self.tp_rank, redis_sync=sync)
         fut = self.pipeline.submit_save(
             job, job.nbytes, functools.partial(self._save_over, job))
         if fut is None and producer:   # a producer never drops a save for room
@@ -336,7 +335,7 @@ class WorkerSide:
         """Saver thread: a save was committed or abandoned."""
         self.saved_blocks += job.saved_blocks
         self._count("saved_blocks", job.saved_blocks)
-        if job.redis_sync_until is not None and not job.redis_synced:
+        if job.redis_sync is not None and not job.redis_synced:
             self._count("redis_sync_gave_up", 1)
         self.ledger.over(job.spec.req_id, job.spec.save_id)
 

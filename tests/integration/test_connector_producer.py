@@ -133,3 +133,27 @@ def test_a_hung_redis_holds_a_producer_step_once_not_once_per_save(
         redis_server.proc.send_signal(signal.SIGCONT)
         w.shutdown()
         d.kill()
+
+
+def test_slow_copies_do_not_use_up_a_producer_step_s_redis_wait(
+        node: DaemonProcess, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's bound is on waiting for Redis, not on the step: four saves whose copies
+    take 0.4 s each (large blocks) all reach a healthy Redis within a 1 s bound (a deadline
+    on the clock, set before the copies, gave up on the last ones)."""
+    original = transfers.SaveRequest.copy
+
+    def slow(self: Any, stream: Any) -> None:
+        time.sleep(0.4)
+        original(self, stream)
+
+    monkeypatch.setattr(transfers.SaveRequest, "copy", slow)
+    w = worker(node, "kv_producer", redis_sync_timeout_s=1.0)
+    try:
+        w.save(KVTierConnectorMetadata(saves=[
+            TransferSpec(f"s{i}", None, tokens(60 + i, 1), 0, rows(1 + 2 * i, 1), save_id=i)
+            for i in range(4)]))
+        assert w.saved_blocks == 4
+        assert counters(w).get("redis_sync_gave_up", 0) == 0
+        assert redis_server.client().dbsize() == 4
+    finally:
+        w.shutdown()
