@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -113,8 +114,15 @@ class ByteBudget:
     def _fits(self, n: int) -> bool:
         return self.used + n <= self.limit or self.used == 0
 
+    def _oldest(self) -> object:
+        """The oldest holder by its ``seq`` (a ``Charge``'s, from one counter for every
+        budget): the same frame is the oldest in every budget it holds bytes of, so frames
+        that each hold part of two budgets cannot wait for each other in a cycle (the
+        order in which budgets granted them may differ)."""
+        return min(self._holders, key=_age, default=None)
+
     def _first(self, owner: object) -> bool:
-        return owner is not None and next(iter(self._holders), None) is owner
+        return owner is not None and self._oldest() is owner
 
     def _grant(self, n: int, owner: object) -> None:
         self.used += n
@@ -167,7 +175,7 @@ class ByteBudget:
             waiters.popleft()
             self._grant(n, owner)
             fut.set_result(None)
-        first = next(iter(self._holders), None)
+        first = self._oldest()
         if first is not None and waiters:   # the oldest holder goes ahead of the queue
             for entry in waiters:
                 if entry[1] is first and not entry[2].done():
@@ -222,12 +230,22 @@ class LimitCounters:
     refused_leases: int = 0        # prepares refused: their process held max_leases_per_client
 
 
+_SEQ = itertools.count()
+
+
+def _age(owner: object) -> int:
+    seq = getattr(owner, "seq", None)
+    return seq if isinstance(seq, int) else -1
+
+
 @dataclass(slots=True, eq=False)
 class Charge:
     """The bytes one request holds in the byte budgets until it is answered: taken as its
-    frame's bytes arrive, given back at once by ``release``."""
+    frame's bytes arrive, given back at once by ``release``. ``seq`` orders charges by
+    age across all budgets."""
 
     nbytes: int = 0                   # the frame's length
+    seq: int = field(default_factory=lambda: next(_SEQ))
     held: dict[ByteBudget, int] = field(default_factory=dict)
     waiting: ByteBudget | None = None   # the budget it waits for room in, if it does
 

@@ -9,7 +9,14 @@ import msgpack
 import pytest
 
 from kvtier.config import DaemonConfig, load_config
-from kvtier.daemon.limits import STREAM_LIMIT, ByteBudget, LimitCounters, Limits, read_request
+from kvtier.daemon.limits import (
+    STREAM_LIMIT,
+    ByteBudget,
+    Charge,
+    LimitCounters,
+    Limits,
+    read_request,
+)
 from kvtier.errors import CapacityError, ConfigError, ProtocolError
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
@@ -117,6 +124,42 @@ async def test_the_oldest_holder_of_a_full_budget_is_never_kept_waiting() -> Non
     assert budget.used == 60
     budget.release(60, y)
     assert budget.used == 0 and not budget._holders and not budget._waiters
+
+
+async def test_frames_holding_two_budgets_in_opposite_orders_cannot_wait_in_a_cycle(
+) -> None:
+    """W is granted room in its process's share but has not resumed when X, of the same
+    process, takes both budgets: W is the first holder of the share, X of the shared
+    budget. Both full, each waited where the other was the first holder, until
+    read_timeout_s dropped every frame (review repro). Age is one order for every budget:
+    the oldest frame (W) goes on."""
+    mib = 2**20
+    pending, share_a, share_b = ByteBudget(64 * mib), ByteBudget(32 * mib), ByteBudget(32 * mib)
+
+    async def arrived(charge: Charge, share: ByteBudget, n: int) -> None:
+        for budget in (share, pending):   # as read_request takes them
+            await charge.acquire(budget, n)
+
+    v = Charge()
+    await arrived(v, share_a, 32 * mib)
+    w, x = Charge(), Charge()
+    w_first = asyncio.ensure_future(arrived(w, share_a, mib))
+    await asyncio.sleep(0)
+    v.release()                           # W is granted; X runs before it resumes
+    await arrived(x, share_a, mib)
+    await w_first
+    await arrived(w, share_a, 14 * mib)
+    await arrived(x, share_a, 14 * mib)
+    v2, b = Charge(), Charge()
+    await arrived(v2, share_a, 2 * mib)
+    await arrived(b, share_b, 32 * mib)
+    assert share_a.used == 32 * mib and pending.used == 64 * mib
+    nxt = {c: asyncio.ensure_future(arrived(c, share_a if c is not b else share_b, mib))
+           for c in (x, w, v2, b)}
+    done, _ = await asyncio.wait(nxt.values(), timeout=2.0)
+    assert nxt[w] in done
+    for t in nxt.values():
+        t.cancel()
 
 
 async def test_a_trickled_frame_holds_only_what_arrived_and_small_frames_never_wait(
