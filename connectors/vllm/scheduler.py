@@ -331,29 +331,33 @@ class SchedulerSide:
             self._step_started = None
             self.recompute.observe_step(tokens, time.monotonic() - t0)
         wmeta = getattr(output, "kv_connector_worker_meta", None)
-        if isinstance(wmeta, KVTierWorkerMetadata):
-            self._take_worker_meta(wmeta)
+        loaded = (self._take_worker_meta(wmeta) if isinstance(wmeta, KVTierWorkerMetadata)
+                  else set())
         invalid = set(output.invalid_block_ids or ())
-        if not invalid:
-            return
         ppb = self.pages.pages_per_block
-        for state in self._states.values():
-            # a request holding a failed page (its own load's, or one vLLM's prefix cache
-            # shared with it): its saves from there were dropped, and none is planned until
-            # a step rewrites those pages (BadPages): then they are saved again
+        for state in self._states.values() if invalid else ():
+            # a request holding a failed page (its own load's or a shared one): its saves from
+            # there were dropped, and are planned again once the pages are sound (BadPages)
             bad = self._bad.failed(state.page_ids, invalid)
             if bad is not None:
                 state.known_blocks = min(state.known_blocks, bad // ppb)
             if state.load is not None and not invalid.isdisjoint(state.load.page_ids):
                 state.load = None   # (its pages are the request's: marked above)
                 state.load_failed = True
+        self._bad.loaded(loaded - invalid)
 
-    def _take_worker_meta(self, wmeta: KVTierWorkerMetadata) -> None:
+    def _take_worker_meta(self, wmeta: KVTierWorkerMetadata) -> set[int]:
+        """Take the workers' report; the pages of the loads of the steps it confirms."""
+        loaded: set[int] = set()
         if self._unconfirmed and wmeta.step >= 0:
+            for step, pages in self._unconfirmed:
+                if step <= wmeta.step:
+                    loaded |= pages
             self._unconfirmed = [(s, p) for s, p in self._unconfirmed if s > wmeta.step]
         self._pending_saves.acked(wmeta.saves_done)
         for name, n in wmeta.counters.items():
             self.counters[name] = self.counters.get(name, 0) + n
+        return loaded
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """A request that had saves keeps its pages until the workers report it in
