@@ -56,8 +56,9 @@ def text_lines(fh: TextIO, source: str) -> Iterator[str]:
 
 def _open_raw(path: Path, name: str) -> io.BufferedReader:
     """The trace's bytes, streamed: a file (a FIFO too: it is read once, never rewound) or
-    standard input; TraceError for a directory, a device or a socket, which hold no trace
-    (/dev/zero would be read until memory runs out)."""
+    standard input; TraceError for a named directory, device or socket, which hold no trace
+    (/dev/zero would be read until memory runs out). Standard input is taken as it comes
+    (/dev/null under cron, a socket under a remote runner): its lines are bounded anyway."""
     raw: io.BufferedReader
     if name == STDIN:
         buf = cast(Any, sys.stdin.buffer)
@@ -69,7 +70,7 @@ def _open_raw(path: Path, name: str) -> io.BufferedReader:
         raw = path.open("rb")
     try:
         mode = os.fstat(raw.fileno()).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        if name != STDIN and not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
             kind = "a directory" if stat.S_ISDIR(mode) else "a device or a socket"
             raise TraceError(f"{what_trace(name)} is {kind}, not a file: give a JSONL trace file "
                              "(plain or gzip/bzip2/xz), a pipe, or - for standard input")
