@@ -226,24 +226,24 @@ class SchedulerSide:
             if state is not None:
                 waits_for_saves |= state.saved_any
                 state.page_ids = []   # given up: vLLM may hand them to others this step
-                # the workers wait for its saves in this step (handle_preemptions) and
-                # forget them: its free is delayed only for saves made after it resumes.
-                # (vLLM delays the free of a request it aborts while loading for the load
-                # alone; reported sent as well, the request would be freed twice.)
+                # the workers wait for its saves now (handle_preemptions) and forget them:
+                # its free waits only for saves after it resumes (vLLM delays the free of a
+                # request aborted while loading for the load: reported sent, freed twice)
                 state.saved_any = False
         started = time.monotonic()
         for spec in self._pending_loads:
             (meta.async_loads if self.config.async_load else meta.loads).append(spec)
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
+        # the step's requests, their pages brought up to date: (id, state, computed before)
+        steps: list[tuple[str, RequestState, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
             if state is None:
                 continue
             if new.block_ids and new.block_ids[0]:
                 state.page_ids = list(new.block_ids[0])
-            self._plan_save(meta, new.req_id, state, new.num_computed_tokens,
-                            new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            steps.append((new.req_id, state, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._states.get(req_id)
@@ -255,8 +255,12 @@ class SchedulerSide:
                 state.page_ids = list(new_ids[0]) if new_ids else []
             elif new_ids is not None and new_ids[0]:
                 state.page_ids.extend(new_ids[0])
-            self._plan_save(meta, req_id, state, cached.num_computed_tokens[i],
-                            cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            steps.append((req_id, state, cached.num_computed_tokens[i]))
+        # the step's writes first (a page one request rewrites is sound for all), then saves
+        for req_id, state, before in steps:
+            self._bad.rewritten(state.page_ids, before, before + scheduled.get(req_id, 0))
+        for req_id, state, before in steps:
+            self._plan_save(meta, req_id, state, before + scheduled.get(req_id, 0))
         meta.step = self._step
         self._step += 1
         if meta.loads:
@@ -277,10 +281,9 @@ class SchedulerSide:
 
     def _mark_loaded_pages(self, meta: KVTierConnectorMetadata) -> None:
         """Name, in each save, the pages of its request up to the save's end that loads
-        fill whose outcome this side has not seen (this step's; with vLLM's async
-        scheduling the step before too). vLLM's prefix cache hands pages still being
-        loaded for one request to another; when that load fails, vLLM recomputes both,
-        and the workers must not save what either computed on them."""
+        fill whose outcome this side has not seen (this step's; with async scheduling the
+        step before too): vLLM's prefix cache shares pages still being loaded, and the
+        workers must not save what anyone computed on a load that failed."""
         loading: dict[int, int] = {}   # page -> the latest step loading it
         for step, pages in self._unconfirmed:
             loading.update(dict.fromkeys(pages, step))
@@ -289,14 +292,13 @@ class SchedulerSide:
         ppb = self.pages.pages_per_block
         for save in meta.saves:
             state = self._states.get(save.req_id)
-            if state is not None:
+            held = None if state is None else state.page_ids[:save.end_block * ppb]
+            if held and not loading.keys().isdisjoint(held):   # (most saves: none)
                 save.loaded_pages = [
-                    (i // ppb, p, loading[p]) for i, p in
-                    enumerate(state.page_ids[:save.end_block * ppb]) if p in loading]
+                    (i // ppb, p, loading[p]) for i, p in enumerate(held) if p in loading]
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, state: RequestState,
-                   computed_before_step: int, computed_after_step: int) -> None:
-        self._bad.rewritten(state.page_ids, computed_before_step, computed_after_step)
+                   computed_after_step: int) -> None:
         if not self.config.saves:   # kv_consumer: loads only
             return
         limit = computed_after_step
@@ -350,9 +352,7 @@ class SchedulerSide:
         """Take the workers' report; the pages of the loads of the steps it confirms."""
         loaded: set[int] = set()
         if self._unconfirmed and wmeta.step >= 0:
-            for step, pages in self._unconfirmed:
-                if step <= wmeta.step:
-                    loaded |= pages
+            loaded = loaded.union(*(p for s, p in self._unconfirmed if s <= wmeta.step))
             self._unconfirmed = [(s, p) for s, p in self._unconfirmed if s > wmeta.step]
         self._pending_saves.acked(wmeta.saves_done)
         for name, n in wmeta.counters.items():

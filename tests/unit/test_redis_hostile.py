@@ -12,7 +12,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -415,6 +415,27 @@ def stray_server(keys: list[bytes], payloads: dict[bytes, bytes], *, stored_wron
     return answer
 
 
+StrayCheck = Callable[[Any, list[bytes], dict[bytes, bytes]], Awaitable[None]]
+
+
+def run_stray(tmp_path: Path, stored_wrong: bool, check: StrayCheck
+              ) -> tuple[list[bytes], list[list[bytes]]]:
+    """``check(tier, keys, payloads)`` against ``stray_server`` (one connection, one GET
+    pipeline in flight); the keys and the commands the server saw."""
+    keys = [b"A" * 16, b"B" * 16]
+    payloads = {k: os.urandom(4096) for k in keys}
+    seen: list[list[bytes]] = []
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url, max_connections=1, max_inflight=1)) as tier:
+            await check(tier, keys, payloads)
+
+    with server(tmp_path, stray_server(keys, payloads, stored_wrong=stored_wrong,
+                                       seen=seen)) as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+    return keys, seen
+
+
 @pytest.mark.parametrize("muxed", [True, False], ids=["muxed", "per-thread"])
 def test_another_keys_frame_in_a_reply_drops_the_connection_not_the_key(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, muxed: bool) -> None:
@@ -425,45 +446,32 @@ def test_another_keys_frame_in_a_reply_drops_the_connection_not_the_key(
     if not muxed:   # the reads a worker thread makes per batch (TLS, large blocks)
         monkeypatch.setattr(redis_reads, "ranged", lambda _n: False)
         monkeypatch.setattr(RedisReads, "_read_muxed", RedisReads._read_windowed)
-    keys = [b"A" * 16, b"B" * 16]
-    payloads = {k: os.urandom(4096) for k in keys}
-    seen: list[list[bytes]] = []
+    async def check(tier: Any, keys: list[bytes], payloads: dict[bytes, bytes]) -> None:
+        outs = [memoryview(bytearray(4096)) for _ in keys]
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
+        assert bytes(outs[0]) == payloads[keys[0]]
+        assert tier.counters.checksum_failures == 0
+        assert tier.counters.errors == 1 and "another key" in tier.last_error
+        assert tier.stats_extra()["protocol_errors"] == 1
+        outs = [memoryview(bytearray(4096)) for _ in keys]
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 2
+        assert [bytes(o) for o in outs] == [payloads[k] for k in keys]
+        assert tier.up
 
-    async def main(url: str) -> None:
-        async with running(cfg_for(url, max_connections=1, max_inflight=1)) as tier:
-            outs = [memoryview(bytearray(4096)) for _ in keys]
-            assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
-            assert bytes(outs[0]) == payloads[keys[0]]
-            assert tier.counters.checksum_failures == 0
-            assert tier.counters.errors == 1 and "another key" in tier.last_error
-            assert tier.stats_extra()["protocol_errors"] == 1
-            outs = [memoryview(bytearray(4096)) for _ in keys]
-            assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 2
-            assert [bytes(o) for o in outs] == [payloads[k] for k in keys]
-            assert tier.up
-
-    with server(tmp_path, stray_server(keys, payloads, stored_wrong=False, seen=seen)) \
-            as addr:
-        asyncio.run(main(f"unix://{addr.host}"))
+    _, seen = run_stray(tmp_path, False, check)
     assert not any(cmd[0] == b"DEL" for cmd in seen)
 
 
 def test_another_keys_frame_stored_under_a_key_is_still_deleted(tmp_path: Path) -> None:
     """A value that holds another key's frame (read again on a fresh connection: it is
     stored so) can never be valid for its key: corrupt, counted, deleted."""
-    keys = [b"A" * 16, b"B" * 16]
-    payloads = {k: os.urandom(4096) for k in keys}
-    seen: list[list[bytes]] = []
+    async def check(tier: Any, keys: list[bytes], payloads: dict[bytes, bytes]) -> None:
+        outs = [memoryview(bytearray(4096)) for _ in keys]
+        assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
+        assert bytes(outs[1]) == bytes(4096)
+        assert tier.counters.checksum_failures == 1 and tier.counters.errors == 0
 
-    async def main(url: str) -> None:
-        async with running(cfg_for(url, max_connections=1, max_inflight=1)) as tier:
-            outs = [memoryview(bytearray(4096)) for _ in keys]
-            assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
-            assert bytes(outs[1]) == bytes(4096)
-            assert tier.counters.checksum_failures == 1 and tier.counters.errors == 0
-
-    with server(tmp_path, stray_server(keys, payloads, stored_wrong=True, seen=seen)) as addr:
-        asyncio.run(main(f"unix://{addr.host}"))
+    keys, seen = run_stray(tmp_path, True, check)
     assert [cmd for cmd in seen if cmd[0] == b"DEL"] == [[b"DEL", rkey(keys[1])]]
 
 
