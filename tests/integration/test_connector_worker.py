@@ -37,6 +37,7 @@ from tests.support.fake_hbm import (  # noqa: E402
     daemon_env,
     install_client_fake,
 )
+from tests.support.worker_side import finished  # noqa: E402
 
 LAYERS = 12
 PAGE = 32
@@ -93,16 +94,6 @@ def save(w: WorkerSide, req: str, toks: np.ndarray, pages: list[list[int]],
          save_id: int) -> None:
     w.save(KVTierConnectorMetadata(saves=[TransferSpec(req, None, toks, 0, pages,
                                                        save_id=save_id)]))
-
-
-def finished(w: WorkerSide, req: str) -> None:
-    """Report ``req`` finished and wait until the worker lets vLLM free its pages."""
-    sending, _ = w.get_finished({req})
-    deadline = time.monotonic() + WAIT_S
-    while req not in sending:
-        assert time.monotonic() < deadline, f"{req} never reported in finished_sending"
-        time.sleep(0.005)
-        sending, _ = w.get_finished(set())
 
 
 def load(w: WorkerSide, req: str, toks: np.ndarray, pages: list[list[int]]) -> set[int]:
