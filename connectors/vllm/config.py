@@ -279,7 +279,10 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
     """The kvtier layout of this engine's (per-rank) KV cache, and vLLM's page size.
 
     Only one KV cache group of full attention is supported: block keys are a chain over
-    token chunks, which needs every layer to keep every token.
+    token chunks, which needs every layer to keep every token. An MLA latent cache
+    (DeepSeek-V2/V3, Kimi K2: vLLM's ``MLAAttentionSpec``, one vector per token and layer,
+    no separate V) is one component per token (``kv_components=1``); its cache dtype, when
+    not the model's (vLLM's packed fp8 MLA formats), is part of ``kv_format``.
     """
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -292,19 +295,32 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
     if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
         raise ConfigError("KVTierConnector does not support sliding-window or chunked "
                           "attention caches (they drop old tokens)")
-    head_v = getattr(spec, "head_size_v", spec.head_size)
-    if head_v != spec.head_size:
-        raise ConfigError("KVTierConnector needs K and V of the same head size: MLA latent "
-                          "caches (DeepSeek-V2/V3, Kimi) are not supported yet")
+    kv_format, components = CANONICAL_FORMAT, 2
+    head_v = getattr(spec, "head_size_v", None) or spec.head_size
+    if is_mla_spec(spec):
+        components = 1
+        cache_dtype = getattr(spec, "cache_dtype_str", None)
+        if cache_dtype not in (None, "auto"):
+            kv_format = f"{CANONICAL_FORMAT}:{cache_dtype}"
+    elif head_v != spec.head_size:
+        raise ConfigError(f"KVTierConnector needs K and V of the same head size, this "
+                          f"model's are {spec.head_size} and {head_v}")
     layout = KVLayout(
         num_layers=len(groups[0].layer_names),
         num_kv_heads=int(spec.num_kv_heads),
         head_dim=int(spec.head_size),
         dtype=str(spec.dtype).removeprefix("torch."),
         tokens_per_block=tokens_per_block,
-        kv_format=CANONICAL_FORMAT,
+        kv_components=components,
+        kv_format=kv_format,
     )
     return layout, int(spec.block_size)
+
+
+def is_mla_spec(spec: object) -> bool:
+    """vLLM's MLA latent spec (``MLAAttentionSpec``: one latent per token, ``head_size_v``
+    0), told by its class so that other specs' fields are not guessed at."""
+    return any(c.__name__ == "MLAAttentionSpec" for c in type(spec).__mro__)
 
 
 def _positive_int(extra: dict[str, Any], key: str, default: int) -> int:

@@ -64,7 +64,9 @@ class DaemonLink:
     """One resilient connection to the node daemon, with namespaces registered on it.
 
     ``layout``, ``tp_size`` and ``model_id`` are fixed per engine; namespaces differ by
-    (cache_salt, tp_rank) and are computed locally, so keys never need the daemon.
+    (cache_salt, tp_rank) and are computed locally, so keys never need the daemon. An MLA
+    latent is the same on every TP rank (vLLM replicates it): all ranks share one
+    namespace, keyed as TP 1 (``shards``), so engines of any TP size share its blocks.
     """
 
     config: ConnectorConfig
@@ -84,9 +86,17 @@ class DaemonLink:
     def connected(self) -> bool:
         return self._client is not None
 
+    @property
+    def shards(self) -> int:
+        """How many ranks hold different KV (one namespace each): ``tp_size``, or 1 for an
+        MLA latent, which every rank holds whole."""
+        return 1 if self.layout.kv_components == 1 else self.tp_size
+
     def namespace(self, cache_salt: str | None, tp_rank: int) -> Namespace:
         """The namespace of (salt, rank); computed locally, so keys work without a daemon."""
-        return Namespace(self.config.model_id, self.layout, tp_rank, self.tp_size, cache_salt)
+        shards = self.shards
+        return Namespace(self.config.model_id, self.layout, tp_rank if shards > 1 else 0,
+                         shards, cache_salt)
 
     def call(self, op: Callable[[Any], T], default: T) -> T:
         """Run ``op(client)``; ``default`` on any failure (the client registers a

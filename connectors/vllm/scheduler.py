@@ -133,7 +133,7 @@ class SchedulerSide:
         hits = usable = n_blocks
         start = num_computed_tokens // self.config.tokens_per_block
         tpb = self.config.tokens_per_block
-        for rank in range(self.tp_size):
+        for rank in range(self.link.shards):
             ns = self.link.namespace(salt, rank)
             # the chain up to the first block past vLLM's own hit decides most misses (a
             # new prompt, however long, is ruled out by its first key): hash the rest only

@@ -52,13 +52,19 @@ PREEMPTED_SAVES_WAIT_S = 0.5
 those still running (a healthy save of a step's blocks takes milliseconds)."""
 
 
-def paged_layout_of(kv_cache: torch.Tensor) -> PagedLayout:
+def paged_layout_of(kv_cache: torch.Tensor, kv_components: int = 2) -> PagedLayout:
     """Which page format a vLLM 0.32 layer cache uses.
 
     CPU backend: ``[pages, heads, page_size, 2*head]`` used as K rows then V rows per
     head. GPU backends: 5-D ``[2, pages, page_size, heads, head]`` (FlashAttention NHD) or
-    the standardized 4-D ``[pages, heads, page_size, 2*head]`` with K|V halves.
+    the standardized 4-D ``[pages, heads, page_size, 2*head]`` with K|V halves. MLA
+    (``kv_components`` 1): ``[pages, page_size, latent]`` (see ``latent_pages``).
     """
+    if kv_components == 1:
+        if kv_cache.dim() == 3:
+            return PagedLayout.MLA
+        raise LayoutMismatch(f"unsupported vLLM MLA cache shape {tuple(kv_cache.shape)} on "
+                             f"{kv_cache.device}")
     if kv_cache.device.type == "cpu" and kv_cache.dim() == 4:
         return PagedLayout.CPU
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
@@ -67,6 +73,17 @@ def paged_layout_of(kv_cache: torch.Tensor) -> PagedLayout:
         return PagedLayout.PACKED_KV
     raise LayoutMismatch(f"unsupported vLLM KV cache shape {tuple(kv_cache.shape)} on "
                          f"{kv_cache.device}")
+
+
+def latent_pages(kv_cache: torch.Tensor) -> torch.Tensor:
+    """An MLA layer cache as ``[pages, page_size, latent]``: GPU backends allocate it so;
+    the CPU backend as ``[pages, 1, page_size, latent]`` (one KV head), viewed without its
+    head dim (the same memory). A shape the same size as a K|V cache must not be read as
+    one: the bytes would still round-trip, permuted within each page, but under the wrong
+    layout for any other engine."""
+    if kv_cache.dim() == 4 and kv_cache.shape[1] == 1:
+        return kv_cache.squeeze(1)
+    return kv_cache
 
 
 class WorkerSide:
@@ -91,6 +108,9 @@ class WorkerSide:
         self._register_override = register is not None
         self.device_loads = bool(config.device_loads)
         self.link = self._new_link("")
+        # an MLA latent is the same on every rank: rank 0 alone saves it (the others still
+        # agree on the cuts, which depend on every rank's loads)
+        self.saves_kv = tp_rank < self.link.shards
         self._thread_links = threading.local()
         self.caches: CacheSet | None = None
         self.layer_index: dict[str, int] = {}
@@ -142,10 +162,12 @@ class WorkerSide:
         """Remember the per-layer caches (in model order), check they match the layout the
         scheduler side derived from ``KVCacheConfig``, and start the transfer pipeline."""
         caches = list(kv_caches.values())
+        if self.layout.kv_components == 1:
+            caches = [latent_pages(c) for c in caches]
         if len(caches) != self.layout.num_layers:
             raise LayoutMismatch(f"vLLM registered {len(caches)} layer caches, the KV cache "
                                  f"config has {self.layout.num_layers} layers")
-        paged = paged_layout_of(caches[0])
+        paged = paged_layout_of(caches[0], self.layout.kv_components)
         from kvtier.kernels.api import block_bytes
 
         nbytes = block_bytes(caches, paged, self.config.tokens_per_block)
@@ -281,6 +303,9 @@ class WorkerSide:
             cuts = self._agree(cuts)   # (the same saves on every rank: one collective)
         for planned, cut in zip(meta.saves, cuts, strict=True):
             self.ledger.planned(planned.req_id)
+            if not self.saves_kv:     # another rank saves this KV: over for this one
+                self.ledger.dropped(planned.save_id)
+                continue
             spec = saved_before(planned, cut, self.config.tokens_per_block)
             if spec is None:   # built on pages whose load failed in this step: not its KV
                 self._count("dropped_saves", 1)

@@ -39,17 +39,23 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> En
     def run(phases: list[dict[str, Any]], transfer: dict[str, Any] | None = None,
             multiprocess: bool = False, prefix_caching: bool = False,
             model: Path | None = None, dtype: str = "float32",
-            engine_args: dict[str, Any] | None = None) -> list[list[tuple[list[int], int]]]:
+            engine_args: dict[str, Any] | None = None,
+            spoil_loads: dict[str, Any] | None = None,
+            record_pages: Path | None = None) -> list[list[tuple[list[int], int]]]:
         """``run.counters`` holds the connector's counters of the last in-process run and
         ``run.scheduler`` its scheduler's per-phase counts (``SchedulerWatch``); ``model``
         another checkpoint than the tiny Llama, ``dtype`` the engine's, ``engine_args``
-        more ``LLM`` arguments (``make_llm``)."""
+        more ``LLM`` arguments (``make_llm``); ``spoil_loads`` and ``record_pages`` the
+        arguments of the ``worker_hooks`` of those names."""
         work = tmp_path_factory.mktemp(f"engine{next(counter)}")
         spec = work / "spec.json"
         out = work / "out.json"
         spec.write_text(json.dumps({"model": str(model or tiny_model), "transfer": transfer,
                                     "phases": phases, "prefix_caching": prefix_caching,
-                                    "dtype": dtype, "engine_args": engine_args}))
+                                    "dtype": dtype, "engine_args": engine_args,
+                                    "spoil_loads": spoil_loads,
+                                    "record_pages": str(record_pages) if record_pages
+                                    else None}))
         env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
         proc = subprocess.run([sys.executable, str(RUNNER), str(spec), str(out)], env=env,

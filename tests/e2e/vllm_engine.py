@@ -46,6 +46,27 @@ def build_tiny_llama(path: Path, *, layers: int = 2, kv_heads: int = 2,
     return path
 
 
+def build_tiny_mla(path: Path, *, layers: int = 2, seed: int = 0) -> Path:
+    """A random DeepseekV2ForCausalLM with multi-head latent attention (hidden 64, 4
+    heads; the latent is 512 + 64 rope = 576 wide and v_head_dim 512, the one geometry
+    vLLM's CPU MLA kernels take; every layer dense: vLLM's CPU MoE router needs grouped
+    top-k settings a tiny config does not need); ``seed`` draws its weights."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                           moe_intermediate_size=32, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=4,
+                           n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                           first_k_dense_replace=layers, kv_lora_rank=512,
+                           q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=512,
+                           qk_nope_head_dim=32, max_position_embeddings=4096,
+                           initializer_range=0.3, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    DeepseekV2ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def engine_model_id(model_id: str, model: Path, dtype: str = "float32") -> str:
     """The model id the connector registers for ``model_id`` on an engine of ``model``
     (its weights fingerprint appended, ``model_fingerprint = "auto"``)."""
@@ -293,6 +314,9 @@ class SchedulerWatch:
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     watch = SchedulerWatch()
+    # worker-side hooks: here, and in the TP workers vLLM starts (they inherit the variable)
+    os.environ[WORKER_HOOKS_ENV] = json.dumps({k: spec.get(k) for k in WORKER_HOOKS})
+    install_worker_hooks()
     llm = make_llm(Path(spec["model"]), spec.get("transfer"), spec.get("prefix_caching", False),
                    spec.get("dtype", "float32"), spec.get("engine_args"))
     results: list[Any] = []
@@ -323,6 +347,25 @@ def main(spec_path: str, out_path: str) -> None:
     llm.llm_engine.engine_core.shutdown(timeout=30)
     os._exit(0)
 
+
+WORKER_HOOKS = ("spoil_loads", "record_pages")
+WORKER_HOOKS_ENV = "KVTIER_TEST_WORKER_HOOKS"
+
+
+def install_worker_hooks() -> None:
+    """The ``worker_hooks`` a spec names (``spoil_loads``: {"salt", "from_block", "rank"};
+    ``record_pages``: a directory), from ``WORKER_HOOKS_ENV``."""
+    from tests.e2e.worker_hooks import record_pages, spoil_loads
+
+    hooks = json.loads(os.environ.get(WORKER_HOOKS_ENV) or "{}")
+    if hooks.get("spoil_loads"):
+        spoil_loads(**hooks["spoil_loads"])
+    if hooks.get("record_pages"):
+        record_pages(hooks["record_pages"])
+
+
+if __name__ == "__mp_main__":   # a TP worker started with "spawn" imports this file so
+    install_worker_hooks()
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,88 @@
+"""MLA latent caches in the connector: the layout derived from vLLM's ``MLAAttentionSpec``
+(one 576-wide component per token and layer), and one namespace for all TP ranks, since
+vLLM replicates the latent on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.errors import ConfigError, LayoutMismatch
+
+pytest.importorskip("vllm", reason="the connector package imports vLLM")
+torch = pytest.importorskip("torch")
+
+from kvtier.connectors.vllm.config import (  # noqa: E402
+    ConnectorConfig,
+    layout_from_kv_cache_config,
+)
+from kvtier.connectors.vllm.link import DaemonLink  # noqa: E402
+from kvtier.connectors.vllm.worker import latent_pages, paged_layout_of  # noqa: E402
+from kvtier.kernels.layouts import PagedLayout  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
+
+from kvtier.layout import CANONICAL_FORMAT  # noqa: E402
+
+
+def kv_config(spec: object, layers: int = 3) -> KVCacheConfig:
+    group = KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+                             spec)   # type: ignore[arg-type]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
+
+
+def mla(**kw: object) -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
+                            dtype=torch.bfloat16, **kw)   # type: ignore[arg-type]
+
+
+def test_an_mla_spec_is_one_latent_component_per_token() -> None:
+    layout, page = layout_from_kv_cache_config(kv_config(mla()), 64)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.kv_components,
+            layout.dtype, page) == (3, 1, 576, 1, "bfloat16", 16)
+    assert layout.kv_format == CANONICAL_FORMAT
+    assert layout.block_bytes == 3 * 64 * 576 * 2        # not twice that: no V
+
+
+def test_a_packed_mla_cache_dtype_is_its_own_format() -> None:
+    layout, _ = layout_from_kv_cache_config(kv_config(mla(cache_dtype_str="fp8_ds_mla")), 64)
+    plain, _ = layout_from_kv_cache_config(kv_config(mla()), 64)
+    assert layout.kv_format.endswith(":fp8_ds_mla")
+    assert layout.fingerprint != plain.fingerprint
+
+
+def test_k_and_v_of_other_sizes_outside_mla_are_refused() -> None:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, head_size_v=64,
+                             dtype=torch.float16)
+    with pytest.raises(ConfigError, match="128 and 64"):
+        layout_from_kv_cache_config(kv_config(spec), 64)
+
+
+def link(layout: object, tp_size: int) -> DaemonLink:
+    cfg = ConnectorConfig.from_extra({"model_id": "m"}, block_size=16, default_model_id="m")
+    return DaemonLink(cfg, layout, tp_size=tp_size)   # type: ignore[arg-type]
+
+
+def test_tp_ranks_share_the_latent_namespace_and_shard_k_and_v() -> None:
+    latent, _ = layout_from_kv_cache_config(kv_config(mla()), 64)
+    heads, _ = layout_from_kv_cache_config(kv_config(FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=128, dtype=torch.float16)), 64)
+    mla4, mha4 = link(latent, 4), link(heads, 4)
+    assert mla4.shards == 1 and mha4.shards == 4
+    spaces = {mla4.namespace("t", r).digest for r in range(4)}
+    assert spaces == {link(latent, 1).namespace("t", 0).digest}   # as a TP 1 engine keys
+    assert len({mha4.namespace("t", r).digest for r in range(4)}) == 4
+    assert mla4.namespace("t", 3).tp_size == 1
+
+
+def test_the_cpu_backend_s_latent_pages_are_read_without_their_head_dim() -> None:
+    cpu = torch.zeros(8, 1, 16, 576)          # the CPU backend: [pages, 1, page, latent]
+    pages = latent_pages(cpu)
+    assert pages.shape == (8, 16, 576) and pages.data_ptr() == cpu.data_ptr()
+    assert paged_layout_of(pages, 1) is PagedLayout.MLA
+    assert paged_layout_of(cpu, 2) is PagedLayout.CPU     # the same shape as K|V halves
+    with pytest.raises(LayoutMismatch, match="MLA cache shape"):
+        paged_layout_of(torch.zeros(2, 8, 16, 1, 576), 1)
