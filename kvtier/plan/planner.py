@@ -8,7 +8,7 @@ Pure arithmetic over a ModelSpec, a GPU and a workload; no I/O. The topology is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier.layout import default_tokens_per_block
 from kvtier.plan.errors import PlanError
@@ -23,6 +23,7 @@ from kvtier.plan.kvmath import (
     weights_bytes,
     weights_format,
 )
+from kvtier.plan.layers import NO_KV
 from kvtier.plan.model import AttentionKind, ModelSpec
 from kvtier.plan.workload import ContextPercentiles, TraceSummary
 
@@ -149,8 +150,7 @@ def make_plan(p: PlanInput) -> Plan:
     per_token_gpu = int(per_token * share)
     copies = round(share * p.tp)  # how many times the TP group stores each KV byte
     # what the tiers store of each token: a rank's copy of replicated heads is saved under
-    # its own namespace; identical MLA latents would be offloaded once (kvtier's connector
-    # refuses MLA caches today, so that is an assumption about the engine, said below)
+    # its own namespace; an MLA latent, the same on every rank, once (rank 0 saves it)
     stored = 1 if m.attention is AttentionKind.MLA else copies
     if copies > 1 and m.attention is AttentionKind.MLA:
         notes.append(f"MLA: each of the {p.tp} TP ranks holds the whole latent, so the TP "
@@ -159,9 +159,9 @@ def make_plan(p: PlanInput) -> Plan:
         notes.append(f"{m.num_kv_heads} KV heads over TP {p.tp}: ranks hold copies "
                      f"({copies}x the model's KV per token across the TP group), in HBM and "
                      "in kvtier's tiers (sized for all of them)")
-    if m.attention is AttentionKind.MLA:
-        notes.append("kvtier's vLLM connector refuses MLA latent caches at start: the tier "
-                     "sizes assume an engine that offloads one copy of the latent")
+    if m.attention is AttentionKind.MLA and p.tp > 1:
+        notes.append("kvtier's vLLM connector offloads one copy of the latent: rank 0 saves "
+                     "it, every rank loads it")
 
     if any(m.indexer_layers):
         notes.append(f"sparse attention: {sum(m.indexer_layers)} layers also keep the indexer's "
@@ -175,18 +175,29 @@ def make_plan(p: PlanInput) -> Plan:
                          f"window of {m.max_context:,}; planned at {m.max_context:,}")
             tokens = m.max_context
         seq_tokens[name] = tokens
-    seq_bytes = {k: kv_bytes_per_sequence(m, p.kv_dtype, t, p.block_tokens)
+    runs = as_the_connector_runs(m)
+    seq_bytes = {k: kv_bytes_per_sequence(runs, p.kv_dtype, t, p.block_tokens)
                  for k, t in seq_tokens.items()}
     if m.windowed_layers:
-        notes.append(f"{m.windowed_layers} of {m.num_layers} layers use a sliding or chunked "
-                     f"window of {max(w for w in m.layer_windows if w):,} tokens: their KV "
-                     "stops growing")
+        window = max(w for w in m.layer_windows if w)
+        if runs is m:
+            notes.append(f"{m.windowed_layers} of {m.num_layers} layers use a sliding or "
+                         f"chunked window of {window:,} tokens: their KV stops growing")
+        else:
+            without = kv_bytes_per_sequence(m, p.kv_dtype, seq_tokens["p99"], p.block_tokens)
+            notes.append(f"{m.windowed_layers} of {m.num_layers} layers use a sliding or "
+                         f"chunked window of {window:,} tokens, but with kvtier's vLLM "
+                         "connector vLLM runs without its hybrid KV cache manager and those "
+                         "layers keep every token, in HBM and in the tiers: planned so "
+                         f"({seq_bytes['p99'] / 1e9:.2f} GB per P99 sequence, "
+                         f"{without / 1e9:.2f} GB without kvtier)")
     if m.kv_layers < m.num_layers:
         notes.append(_hybrid_note(m))
-    if m.windowed_layers or m.state_layers:
-        notes.append("kvtier's vLLM connector takes one full-attention KV cache group only: "
-                     "it refuses this model's windowed or hybrid layers at start, so the tier "
-                     "sizes above assume an engine that offloads them")
+    if connector_refuses(m):
+        notes.append("kvtier's vLLM connector refuses this model at start (it takes one KV "
+                     "cache group of full-attention or MLA layers: not recurrent-state "
+                     "layers, an indexer cache, or windowed layers alone), so the tier sizes "
+                     "above assume an engine that offloads them")
 
     budget = int(p.gpu.memory_bytes * p.mem_util) - weights_gpu - p.reserve_bytes
     if budget <= 0:
@@ -285,6 +296,24 @@ def _shards(m: ModelSpec, tp: int) -> bool:
     except PlanError:
         return False
     return True
+
+
+def connector_refuses(m: ModelSpec) -> bool:
+    """Whether kvtier's vLLM connector refuses the model at start: more than one KV cache
+    group (recurrent-state layers, DeepSeek-V3.2's indexer cache), or windowed layers with
+    no full-attention layer beside them (vLLM keeps them windowed, freeing old pages)."""
+    full = sum(1 for w in m.layer_windows if w is None)
+    return bool(m.state_layers or any(m.indexer_layers) or (m.windowed_layers and not full))
+
+
+def as_the_connector_runs(m: ModelSpec) -> ModelSpec:
+    """The model as vLLM runs it with kvtier's connector: windowed layers beside
+    full-attention ones keep every token (vLLM turns its hybrid KV cache manager off for a
+    connector that does not declare support for it, and allocates them as full attention).
+    ``m`` itself when that changes nothing or the connector refuses the model."""
+    if not m.windowed_layers or connector_refuses(m):
+        return m
+    return replace(m, layer_windows=tuple(None if w != NO_KV else w for w in m.layer_windows))
 
 
 def _hybrid_note(m: ModelSpec) -> str:

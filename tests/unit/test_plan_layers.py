@@ -120,6 +120,31 @@ def test_the_plan_of_a_hybrid_model_says_what_it_left_out(
     assert (doc["model"]["kv_layers"], doc["model"]["state_layers"]) == (12, 36)
     (note,) = [n for n in doc["notes"] if n.startswith("hybrid model")]
     assert "only 12 of 48 layers hold attention KV" in note and "--params" in note
-    assert any("connector takes one full-attention KV cache group" in n for n in doc["notes"])
+    assert any("connector refuses this model at start" in n for n in doc["notes"])
     full = plan_json(capsys, "--model", "llama-3-8b")
     assert not any("connector" in n or "hybrid" in n for n in full["notes"])
+
+
+def test_windowed_layers_beside_full_ones_are_planned_as_the_connector_runs_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With kvtier's connector vLLM runs without its hybrid KV cache manager: a Command A
+    (3 of 4 layers windowed at 4096) keeps every token in every layer. A model of windowed
+    layers alone is refused by the connector, and planned with its windows."""
+    mixed = config(model_type="cohere2", sliding_window=4096)
+    (tmp_path / "config.json").write_text(json.dumps(mixed))
+    doc = plan_json(capsys, "--model", str(tmp_path), "--gpu", "h200", "--context",
+                    "32768", "--max-output", "0")
+    m = spec_from_config(mixed)
+    everything = kv_bytes_per_token(m, "bf16") * 32768
+    windowed = kv_bytes_per_sequence(m, "bf16", 32768, 16)
+    assert doc["kv_bytes_per_sequence"]["p99"] == everything > windowed
+    (note,) = [n for n in doc["notes"] if "window of 4,096" in n]
+    assert "keep every token" in note and f"{windowed / 1e9:.2f} GB without kvtier" in note
+    assert not any("refuses" in n for n in doc["notes"])
+    alone = config(model_type="mistral", sliding_window=4096)
+    (tmp_path / "config.json").write_text(json.dumps(alone))
+    doc = plan_json(capsys, "--model", str(tmp_path), "--gpu", "h200", "--context",
+                    "32768", "--max-output", "0")
+    assert doc["kv_bytes_per_sequence"]["p99"] == kv_bytes_per_sequence(
+        spec_from_config(alone), "bf16", 32768, 16)
+    assert any("refuses this model at start" in n for n in doc["notes"])
