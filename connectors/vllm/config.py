@@ -270,35 +270,55 @@ class _AttentionSpec(Protocol):
 
 
 def _is_attention_spec(spec: object) -> TypeGuard[_AttentionSpec]:
-    """Duck-typed, so any spec with the attention fields is accepted."""
+    """The attention fields the layout reads are there."""
     return all(hasattr(spec, a) for a in ("num_kv_heads", "head_size", "dtype", "block_size"))
+
+
+KEEPS_EVERY_TOKEN = {"FullAttentionSpec": 2, "MLAAttentionSpec": 1}
+"""vLLM's KV cache specs whose pages keep every token of a request while it runs (vLLM
+gives them its full-attention manager), by exact class, and the components per token (K
+and V, or an MLA latent). A subclass is another format (an R-SWA cache evicts pages of
+generated tokens, a sink cache holds learned sinks): refused until it is checked."""
 
 
 def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
                                 tokens_per_block: int) -> tuple[KVLayout, int]:
     """The kvtier layout of this engine's (per-rank) KV cache, and vLLM's page size.
 
-    Only one KV cache group of full attention is supported: block keys are a chain over
-    token chunks, which needs every layer to keep every token. An MLA latent cache
-    (DeepSeek-V2/V3, Kimi K2: vLLM's ``MLAAttentionSpec``, one vector per token and layer,
-    no separate V) is one component per token (``kv_components=1``); its cache dtype, when
-    not the model's (vLLM's packed fp8 MLA formats), is part of ``kv_format``.
+    One KV cache group whose pages keep every token (``KEEPS_EVERY_TOKEN``): block keys
+    are a chain over token chunks. Sliding-window and chunked-local layers qualify when
+    vLLM allocates them as full attention (a model that mixes them with full-attention
+    layers, run without vLLM's hybrid KV cache manager, as vLLM runs it with a connector
+    that does not declare support for it): their pages keep every token, the window
+    only limits what attention reads. An MLA latent cache (DeepSeek-V2/V3, Kimi K2: one
+    vector per token and layer, no separate V) is one component per token; its cache
+    dtype, when not the model's (vLLM's packed fp8 MLA formats), is part of ``kv_format``.
     """
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise ConfigError(f"KVTierConnector supports models with one KV cache group "
-                          f"(full attention); this model has {len(groups)}")
+        raise ConfigError(f"KVTierConnector supports models with one KV cache group; this "
+                          f"engine has {len(groups)} (a hybrid model under vLLM's hybrid KV "
+                          f"cache manager, or a separate indexer cache): run it with "
+                          f"--disable-hybrid-kv-cache-manager if its layers are all "
+                          f"attention layers")
     spec = groups[0].kv_cache_spec
-    if not _is_attention_spec(spec):
-        raise ConfigError(f"KVTierConnector needs an attention KV cache spec, got "
-                          f"{type(spec).__name__}")
-    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-        raise ConfigError("KVTierConnector does not support sliding-window or chunked "
-                          "attention caches (they drop old tokens)")
-    kv_format, components = CANONICAL_FORMAT, 2
+    kind = type(spec).__name__
+    components = KEEPS_EVERY_TOKEN.get(kind)
+    if components is None or not _is_attention_spec(spec):
+        raise ConfigError(f"KVTierConnector supports KV caches whose pages keep every token "
+                          f"({', '.join(KEEPS_EVERY_TOKEN)}); this model's is {kind}"
+                          + (" (sliding-window or chunked-local pages are dropped as the "
+                             "window moves)" if "Window" in kind or "Chunked" in kind
+                             else ""))
+    if getattr(spec, "non_causal", False):
+        raise ConfigError("KVTierConnector needs causal attention: with non-causal layers "
+                          "a token's KV depends on the tokens after it, not on its prefix")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        raise ConfigError(f"KVTierConnector needs one KV entry per token; this model keeps "
+                          f"one per {1 / spec.tokens_per_state} tokens")  # type: ignore[attr-defined]
+    kv_format = CANONICAL_FORMAT
     head_v = getattr(spec, "head_size_v", None) or spec.head_size
-    if is_mla_spec(spec):
-        components = 1
+    if components == 1:
         cache_dtype = getattr(spec, "cache_dtype_str", None)
         if cache_dtype not in (None, "auto"):
             kv_format = f"{CANONICAL_FORMAT}:{cache_dtype}"
@@ -315,12 +335,6 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
         kv_format=kv_format,
     )
     return layout, int(spec.block_size)
-
-
-def is_mla_spec(spec: object) -> bool:
-    """vLLM's MLA latent spec (``MLAAttentionSpec``: one latent per token, ``head_size_v``
-    0), told by its class so that other specs' fields are not guessed at."""
-    return any(c.__name__ == "MLAAttentionSpec" for c in type(spec).__mro__)
 
 
 def _positive_int(extra: dict[str, Any], key: str, default: int) -> int:

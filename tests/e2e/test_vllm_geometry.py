@@ -17,7 +17,9 @@ from kvtier.layout import KVLayout
 from tests.e2e.conftest import EngineRun
 from tests.e2e.vllm_engine import (
     BLOCK_SIZE,
+    TOKENS_PER_BLOCK,
     build_tiny_llama,
+    build_tiny_swa,
     engine_model_id,
     kv_transfer_config,
     prompt,
@@ -75,3 +77,24 @@ def test_an_mqa_bf16_model_reloads_exactly_in_a_fresh_engine(
         assert cpu["bytes_written"] % layout.block_bytes == 0, (cpu, layout.block_bytes)
     finally:
         c.close()
+
+
+def test_a_model_mixing_sliding_window_and_full_layers_reloads_exactly(
+        run_engine: EngineRun, daemon: DaemonProcess,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A window of 48 tokens in two of three layers (a tiny Gemma 3; gpt-oss and Ministral
+    mix them too): vLLM runs such a model with a connector that does not declare hybrid support
+    without its hybrid KV cache manager, so the sliding layers' pages keep every token as
+    the full layer's do, and a block holds all three. Prompts far longer than the window:
+    a reload in a fresh engine gives the tokens of an engine without kvtier."""
+    model = build_tiny_swa(tmp_path_factory.mktemp("tiny-swa"))
+    prompts = [prompt(61, 5 * TOKENS_PER_BLOCK + 17), prompt(62, 3 * TOKENS_PER_BLOCK + 40)]
+    (expected,) = run_engine([{"prompts": prompts}], transfer=None, model=model)
+    transfer = kv_transfer_config(daemon.socket, model_id="tiny-swa")
+    (first,) = run_engine([{"prompts": prompts}], transfer=transfer, model=model)
+    (second,) = run_engine([{"prompts": prompts}], transfer=transfer, model=model)
+    for (want, _), (got1, cached1), (got2, cached2), p in zip(expected, first, second,
+                                                              prompts, strict=True):
+        assert got1 == want and got2 == want
+        assert cached1 == 0
+        assert cached2 == (len(p) - 1) // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK, (len(p), cached2)

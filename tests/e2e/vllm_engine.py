@@ -46,6 +46,25 @@ def build_tiny_llama(path: Path, *, layers: int = 2, kv_heads: int = 2,
     return path
 
 
+def build_tiny_swa(path: Path, *, window: int = 48, seed: int = 0) -> Path:
+    """A random Gemma3ForCausalLM (hidden 64, 4 heads, 2 KV heads, head_dim 32) whose
+    first two layers attend to a sliding window of ``window`` tokens and third to every
+    token (Gemma 3, gpt-oss and Ministral mix them so); ``seed`` draws its weights."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, query_pre_attn_scalar=32,
+                           max_position_embeddings=4096, initializer_range=0.3,
+                           sliding_window=window,
+                           layer_types=["sliding_attention", "sliding_attention",
+                                        "full_attention"])
+    torch.manual_seed(seed)
+    Gemma3ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def build_tiny_mla(path: Path, *, layers: int = 2, seed: int = 0) -> Path:
     """A random DeepseekV2ForCausalLM with multi-head latent attention (hidden 64, 4
     heads; the latent is 512 + 64 rope = 576 wide and v_head_dim 512, the one geometry

@@ -1,6 +1,7 @@
-"""MLA latent caches in the connector: the layout derived from vLLM's ``MLAAttentionSpec``
-(one 576-wide component per token and layer), and one namespace for all TP ranks, since
-vLLM replicates the latent on every rank."""
+"""Which vLLM KV cache specs the connector serves, and the layout it derives: pages that
+keep every token (full attention, local layers vLLM allocates as full, MLA latents: one
+576-wide component per token and layer, with one namespace for all TP ranks, since vLLM
+replicates the latent on every rank); refused with a ConfigError otherwise."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     MLAAttentionSpec,
+    RSWASpec,
+    SlidingWindowSpec,
 )
 
 from kvtier.layout import CANONICAL_FORMAT  # noqa: E402
@@ -86,3 +89,35 @@ def test_the_cpu_backend_s_latent_pages_are_read_without_their_head_dim() -> Non
     assert paged_layout_of(cpu, 2) is PagedLayout.CPU     # the same shape as K|V halves
     with pytest.raises(LayoutMismatch, match="MLA cache shape"):
         paged_layout_of(torch.zeros(2, 8, 16, 1, 576), 1)
+
+
+def full(**kw: object) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128,
+                             dtype=torch.float16, **kw)   # type: ignore[arg-type]
+
+
+def test_local_layers_allocated_as_full_attention_are_served() -> None:
+    """vLLM's merged spec of sliding layers promoted beside full ones keeps the window as
+    a field; its pages keep every token."""
+    layout, _ = layout_from_kv_cache_config(kv_config(full(sliding_window=512)), 64)
+    assert layout.kv_components == 2 and layout.num_kv_heads == 2
+
+
+@pytest.mark.parametrize(("spec", "match"), [
+    (SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.float16,
+                       sliding_window=512), "SlidingWindowSpec .*dropped"),
+    (RSWASpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.float16,
+              rswa_window=64), "RSWASpec"),
+    (full(non_causal=True), "causal"),
+])
+def test_caches_that_do_not_keep_every_token_of_a_causal_prefix_are_refused(
+        spec: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        layout_from_kv_cache_config(kv_config(spec), 64)
+
+
+def test_several_groups_are_refused_with_the_way_out() -> None:
+    cfg = kv_config(full())
+    cfg.kv_cache_groups.append(cfg.kv_cache_groups[0])
+    with pytest.raises(ConfigError, match="disable-hybrid-kv-cache-manager"):
+        layout_from_kv_cache_config(cfg, 64)
