@@ -211,6 +211,17 @@ def check_parallelism(parallel: Any) -> None:
                               f"({name}={getattr(parallel, name)}); run without it")
 
 
+def total_kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV heads, all ranks together (0 when vLLM cannot say): with fewer than
+    TP ranks, vLLM gives each to several ranks, which then hold the same KV."""
+    model = getattr(vllm_config, "model_config", None)
+    try:
+        heads = model.get_total_num_kv_heads() if model is not None else 0
+    except Exception:   # a config vLLM builds no architecture for: keyed per rank
+        return 0
+    return heads if isinstance(heads, int) and heads > 0 else 0
+
+
 def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None) -> str:
     """The weights fingerprint of a vLLM ``ModelConfig``: its checkpoint, revision, dtype,
     quantization and ``hf_overrides`` (a callable override counts by its name); with a

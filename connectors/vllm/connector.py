@@ -30,7 +30,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import ConfigError
 
-from .config import ConnectorConfig, check_parallelism, layout_from_kv_cache_config
+from .config import (
+    ConnectorConfig,
+    check_parallelism,
+    layout_from_kv_cache_config,
+    total_kv_heads,
+)
 from .metadata import KVTierConnectorMetadata
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -67,10 +72,12 @@ class KVTierConnector(KVConnectorBase_V1):
         layout, block_size = layout_from_kv_cache_config(kv_cache_config,
                                                          self.config.tokens_per_block)
         tp_size = parallel.tensor_parallel_size
+        kv_heads = total_kv_heads(vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, layout, block_size, tp_size)
+            self._scheduler = SchedulerSide(self.config, layout, block_size, tp_size,
+                                            kv_heads)
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if policy != "recompute":
                 logger.warning("kvtier: kv_load_failure_policy=%r makes vLLM fail a request "
@@ -80,7 +87,8 @@ class KVTierConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
-            self._worker = WorkerSide(self.config, layout, block_size, rank, tp_size)
+            self._worker = WorkerSide(self.config, layout, block_size, rank, tp_size,
+                                      kv_heads=kv_heads)
         logger.info("kvtier: %s side, %s, socket %s, %d tokens per block, model_id %r, "
                     "tp %d", role.name.lower(), self.config.role, self.config.socket_path,
                     self.config.tokens_per_block, self.config.model_id, tp_size)

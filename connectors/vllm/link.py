@@ -64,14 +64,18 @@ class DaemonLink:
     """One resilient connection to the node daemon, with namespaces registered on it.
 
     ``layout``, ``tp_size`` and ``model_id`` are fixed per engine; namespaces differ by
-    (cache_salt, tp_rank) and are computed locally, so keys never need the daemon. An MLA
-    latent is the same on every TP rank (vLLM replicates it): all ranks share one
-    namespace, keyed as TP 1 (``shards``), so engines of any TP size share its blocks.
+    (cache_salt, KV shard) and are computed locally, so keys never need the daemon. Ranks
+    that hold the same KV share one namespace (``replicas``): an MLA latent is on every
+    rank, and with fewer KV heads (``kv_heads``, the model's; 0: unknown) than ranks vLLM
+    gives each head to ``tp_size // kv_heads`` consecutive ranks. A namespace is keyed by
+    the shard of heads it holds, so an engine of another TP size holding the same heads
+    per rank shares its blocks.
     """
 
     config: ConnectorConfig
     layout: KVLayout
     tp_size: int = 1
+    kv_heads: int = 0
     name: str = "connector"
     clock: Callable[[], float] = time.monotonic
     device: bool = False
@@ -87,16 +91,25 @@ class DaemonLink:
         return self._client is not None
 
     @property
+    def replicas(self) -> int:
+        """How many consecutive TP ranks hold the same KV (vLLM's ``num_kv_head_replicas``;
+        every rank for an MLA latent)."""
+        if self.layout.kv_components == 1:
+            return self.tp_size
+        if 0 < self.kv_heads < self.tp_size and self.tp_size % self.kv_heads == 0:
+            return self.tp_size // self.kv_heads
+        return 1
+
+    @property
     def shards(self) -> int:
-        """How many ranks hold different KV (one namespace each): ``tp_size``, or 1 for an
-        MLA latent, which every rank holds whole."""
-        return 1 if self.layout.kv_components == 1 else self.tp_size
+        """How many different KV shards the ranks hold (one namespace each)."""
+        return self.tp_size // self.replicas
 
     def namespace(self, cache_salt: str | None, tp_rank: int) -> Namespace:
-        """The namespace of (salt, rank); computed locally, so keys work without a daemon."""
-        shards = self.shards
-        return Namespace(self.config.model_id, self.layout, tp_rank if shards > 1 else 0,
-                         shards, cache_salt)
+        """The namespace of (salt, the shard ``tp_rank`` holds); computed locally, so keys
+        work without a daemon."""
+        return Namespace(self.config.model_id, self.layout, tp_rank // self.replicas,
+                         self.shards, cache_salt)
 
     def call(self, op: Callable[[Any], T], default: T) -> T:
         """Run ``op(client)``; ``default`` on any failure (the client registers a

@@ -73,11 +73,14 @@ class SchedulerSide:
     """The scheduler half of ``KVTierConnector`` (one per engine core)."""
 
     def __init__(self, config: ConnectorConfig, layout: KVLayout, block_size: int,
-                 tp_size: int) -> None:
+                 tp_size: int, kv_heads: int = 0) -> None:
+        """``kv_heads``: the model's KV heads (0: unknown), which decide the ranks that
+        hold the same KV (``DaemonLink.replicas``)."""
         self.config = config
         self.pages = PageMap(block_size, config.tokens_per_block)
         self.tp_size = tp_size
-        self.link = DaemonLink(config, layout, tp_size=tp_size, name="scheduler")
+        self.link = DaemonLink(config, layout, tp_size=tp_size, kv_heads=kv_heads,
+                               name="scheduler")
         self._states: dict[str, RequestState] = {}
         self._spans: dict[str, LoadSpan] = {}
         self._pending_loads: list[TransferSpec] = []
@@ -133,7 +136,7 @@ class SchedulerSide:
         hits = usable = n_blocks
         start = num_computed_tokens // self.config.tokens_per_block
         tpb = self.config.tokens_per_block
-        for rank in range(self.link.shards):
+        for rank in range(0, self.tp_size, self.link.replicas):   # one rank per shard
             ns = self.link.namespace(salt, rank)
             # the chain up to the first block past vLLM's own hit decides most misses (a
             # new prompt, however long, is ruled out by its first key): hash the rest only

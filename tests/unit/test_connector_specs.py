@@ -64,9 +64,9 @@ def test_k_and_v_of_other_sizes_outside_mla_are_refused() -> None:
         layout_from_kv_cache_config(kv_config(spec), 64)
 
 
-def link(layout: object, tp_size: int) -> DaemonLink:
+def link(layout: object, tp_size: int, kv_heads: int = 0) -> DaemonLink:
     cfg = ConnectorConfig.from_extra({"model_id": "m"}, block_size=16, default_model_id="m")
-    return DaemonLink(cfg, layout, tp_size=tp_size)   # type: ignore[arg-type]
+    return DaemonLink(cfg, layout, tp_size=tp_size, kv_heads=kv_heads)   # type: ignore[arg-type]
 
 
 def test_tp_ranks_share_the_latent_namespace_and_shard_k_and_v() -> None:
@@ -92,8 +92,9 @@ def test_the_cpu_backend_s_latent_pages_are_read_without_their_head_dim() -> Non
 
 
 def full(**kw: object) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128,
-                             dtype=torch.float16, **kw)   # type: ignore[arg-type]
+    fields: dict[str, object] = {"num_kv_heads": 2, **kw}
+    return FullAttentionSpec(block_size=16, head_size=128, dtype=torch.float16,
+                             **fields)   # type: ignore[arg-type]
 
 
 def test_local_layers_allocated_as_full_attention_are_served() -> None:
@@ -121,3 +122,18 @@ def test_several_groups_are_refused_with_the_way_out() -> None:
     cfg.kv_cache_groups.append(cfg.kv_cache_groups[0])
     with pytest.raises(ConfigError, match="disable-hybrid-kv-cache-manager"):
         layout_from_kv_cache_config(cfg, 64)
+
+
+def test_ranks_holding_the_same_kv_heads_share_a_namespace() -> None:
+    """4 KV heads over TP 8 (Qwen3-235B): vLLM gives head h to ranks 2h and 2h + 1. They
+    share the namespace of shard h, keyed as a TP 4 engine keys rank h, which holds the
+    same head."""
+    heads, _ = layout_from_kv_cache_config(kv_config(full(num_kv_heads=1)), 64)
+    tp8 = link(heads, 8, kv_heads=4)
+    assert (tp8.replicas, tp8.shards) == (2, 4)
+    tp4 = link(heads, 4, kv_heads=4)
+    assert (tp4.replicas, tp4.shards) == (1, 4)
+    for rank in range(8):
+        assert tp8.namespace("t", rank).digest == tp4.namespace("t", rank // 2).digest
+    assert link(heads, 8).replicas == 1            # KV heads unknown: one namespace per rank
+    assert link(heads, 8, kv_heads=3).replicas == 1   # not a divisor: as vLLM would refuse
