@@ -96,7 +96,10 @@ class DaemonLink:
         every rank for an MLA latent)."""
         if self.layout.kv_components == 1:
             return self.tp_size
-        if 0 < self.kv_heads < self.tp_size and self.tp_size % self.kv_heads == 0:
+        # (a rank then holds one head: anything else is not vLLM's replication, and each
+        # rank keeps its own namespace, never another rank's KV)
+        if 0 < self.kv_heads < self.tp_size and self.tp_size % self.kv_heads == 0 \
+                and self.layout.num_kv_heads == 1:
             return self.tp_size // self.kv_heads
         return 1
 

@@ -137,3 +137,5 @@ def test_ranks_holding_the_same_kv_heads_share_a_namespace() -> None:
         assert tp8.namespace("t", rank).digest == tp4.namespace("t", rank // 2).digest
     assert link(heads, 8).replicas == 1            # KV heads unknown: one namespace per rank
     assert link(heads, 8, kv_heads=3).replicas == 1   # not a divisor: as vLLM would refuse
+    two, _ = layout_from_kv_cache_config(kv_config(full(num_kv_heads=2)), 64)
+    assert link(two, 8, kv_heads=4).replicas == 1     # 2 heads a rank: not replication
