@@ -3,8 +3,8 @@
 Everything an operator may set lives here with its default; unknown keys are refused so a
 typo (``tokens_per_blok``) is an error at engine start, not a silent default. The KV
 geometry (layers, heads, head size, dtype, page size) is not configurable: it comes from
-vLLM's own ``KVCacheConfig``, the same object on the scheduler and on every worker, so both
-sides derive the identical :class:`~kvtier.layout.KVLayout` and hence the same namespace.
+vLLM's own ``KVCacheConfig`` (``geometry.py``), the same object on the scheduler and on
+every worker, so both sides derive the identical layout and hence the same namespace.
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.layout import CANONICAL_FORMAT, KVLayout, default_tokens_per_block
+from kvtier.layout import default_tokens_per_block
 from kvtier.weights import WEIGHTS_MARK, fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 DEFAULT_MAX_INFLIGHT_SAVE_BYTES = 256 * 2**20
 """Saves copying at once at most (per worker); beyond it a save is dropped, not waited for."""
@@ -38,7 +37,7 @@ _KEYS = frozenset({
     "async_load", "timeout_s", "reconnect_min_s", "reconnect_max_s",
     "max_inflight_save_bytes", "prefill_tokens_per_s", "tier_bandwidth",
     "skip_slower_than_recompute", "device_loads", "redis_sync_timeout_s", "presence_filter",
-    "model_fingerprint",
+    "model_fingerprint", "context_reuse",
 })
 
 
@@ -97,6 +96,12 @@ class ConnectorConfig:
     synchronous write-through to Redis, bounded by ``redis_sync_timeout_s`` per save (and
     by 90% of ``timeout_s``); ``kv_consumer`` loads and never saves; ``kv_both`` does both,
     off the critical path.
+
+    ``context_reuse``: ``auto`` (default) loads into an engine unless vLLM itself turned
+    context reuse off for its platform and model (``engine_reuses_context``: vLLM's CPU
+    platform does for MLA models, whose attention over a cached context is its reference
+    path and gives other tokens than a full prefill); ``on`` loads anyway (tests of the
+    data path); ``off`` never loads. Saves are unchanged.
     """
 
     socket_path: Path
@@ -115,6 +120,7 @@ class ConnectorConfig:
     role: str = "kv_both"
     redis_sync_timeout_s: float = DEFAULT_REDIS_SYNC_TIMEOUT_S
     presence_filter: bool = True
+    context_reuse: str = "auto"
 
     @property
     def saves(self) -> bool:
@@ -182,6 +188,7 @@ class ConnectorConfig:
             role=role,
             redis_sync_timeout_s=_positive_float(extra, "redis_sync_timeout_s",
                                                  DEFAULT_REDIS_SYNC_TIMEOUT_S),
+            context_reuse=_choice(extra, "context_reuse", ("auto", "on", "off")),
         )
 
     @classmethod
@@ -196,30 +203,6 @@ class ConnectorConfig:
                               weights=lambda: engine_fingerprint(
                                   model, getattr(vllm_config, "speculative_config", None),
                                   getattr(vllm_config, "cache_config", None)))
-
-
-def check_parallelism(parallel: Any) -> None:
-    """Refuse the parallel layouts the connector cannot key correctly (``ConfigError`` at
-    engine start, never wrong KV later): pipeline stages hold other layers under the same
-    layout, and context parallelism shards a page's tokens across ranks, where the page <->
-    block mapping assumes whole pages of consecutive tokens on every rank."""
-    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
-        raise ConfigError("KVTierConnector does not support pipeline parallelism yet")
-    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if int(getattr(parallel, name, 1) or 1) > 1:
-            raise ConfigError(f"KVTierConnector does not support context parallelism yet "
-                              f"({name}={getattr(parallel, name)}); run without it")
-
-
-def total_kv_heads(vllm_config: VllmConfig) -> int:
-    """The model's KV heads, all ranks together (0 when vLLM cannot say): with fewer than
-    TP ranks, vLLM gives each to several ranks, which then hold the same KV."""
-    model = getattr(vllm_config, "model_config", None)
-    try:
-        heads = model.get_total_num_kv_heads() if model is not None else 0
-    except Exception:   # a config vLLM builds no architecture for: keyed per rank
-        return 0
-    return heads if isinstance(heads, int) and heads > 0 else 0
 
 
 def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None) -> str:
@@ -271,81 +254,13 @@ def _long_rope(model: Any) -> bool | None:
     return max_len > original
 
 
-class _AttentionSpec(Protocol):
-    """What the layout reads of vLLM's attention KV cache spec (``AttentionSpec``)."""
-
-    num_kv_heads: int
-    head_size: int
-    dtype: object
-    block_size: int
-
-
-def _is_attention_spec(spec: object) -> TypeGuard[_AttentionSpec]:
-    """The attention fields the layout reads are there."""
-    return all(hasattr(spec, a) for a in ("num_kv_heads", "head_size", "dtype", "block_size"))
-
-
-KEEPS_EVERY_TOKEN = {"FullAttentionSpec": 2, "MLAAttentionSpec": 1}
-"""vLLM's KV cache specs whose pages keep every token of a request while it runs (vLLM
-gives them its full-attention manager), by exact class, and the components per token (K
-and V, or an MLA latent). A subclass is another format (an R-SWA cache evicts pages of
-generated tokens, a sink cache holds learned sinks): refused until it is checked."""
-
-
-def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
-                                tokens_per_block: int) -> tuple[KVLayout, int]:
-    """The kvtier layout of this engine's (per-rank) KV cache, and vLLM's page size.
-
-    One KV cache group whose pages keep every token (``KEEPS_EVERY_TOKEN``): block keys
-    are a chain over token chunks. Sliding-window and chunked-local layers qualify when
-    vLLM allocates them as full attention (a model that mixes them with full-attention
-    layers, run without vLLM's hybrid KV cache manager, as vLLM runs it with a connector
-    that does not declare support for it): their pages keep every token, the window
-    only limits what attention reads. An MLA latent cache (DeepSeek-V2/V3, Kimi K2: one
-    vector per token and layer, no separate V) is one component per token; its cache
-    dtype, when not the model's (vLLM's packed fp8 MLA formats), is part of ``kv_format``.
-    """
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(f"KVTierConnector supports models with one KV cache group; this "
-                          f"engine has {len(groups)} (a hybrid model under vLLM's hybrid KV "
-                          f"cache manager, or a separate indexer cache): run it with "
-                          f"--disable-hybrid-kv-cache-manager if its layers are all "
-                          f"attention layers")
-    spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    components = KEEPS_EVERY_TOKEN.get(kind)
-    if components is None or not _is_attention_spec(spec):
-        raise ConfigError(f"KVTierConnector supports KV caches whose pages keep every token "
-                          f"({', '.join(KEEPS_EVERY_TOKEN)}); this model's is {kind}"
-                          + (" (sliding-window or chunked-local pages are dropped as the "
-                             "window moves)" if "Window" in kind or "Chunked" in kind
-                             else ""))
-    if getattr(spec, "non_causal", False):
-        raise ConfigError("KVTierConnector needs causal attention: with non-causal layers "
-                          "a token's KV depends on the tokens after it, not on its prefix")
-    if getattr(spec, "tokens_per_state", 1) != 1:
-        raise ConfigError(f"KVTierConnector needs one KV entry per token; this model keeps "
-                          f"one per {1 / spec.tokens_per_state} tokens")  # type: ignore[attr-defined]
-    kv_format = CANONICAL_FORMAT
-    head_v = getattr(spec, "head_size_v", None) or spec.head_size
-    if components == 1:
-        cache_dtype = getattr(spec, "cache_dtype_str", None)
-        if cache_dtype not in (None, "auto"):
-            kv_format = f"{CANONICAL_FORMAT}:{cache_dtype}"
-    elif head_v != spec.head_size:
-        raise ConfigError(f"KVTierConnector needs K and V of the same head size, this "
-                          f"model's are {spec.head_size} and {head_v}")
-    layout = KVLayout(
-        num_layers=len(groups[0].layer_names),
-        num_kv_heads=int(spec.num_kv_heads),
-        head_dim=int(spec.head_size),
-        dtype=str(spec.dtype).removeprefix("torch."),
-        tokens_per_block=tokens_per_block,
-        kv_components=components,
-        kv_format=kv_format,
-    )
-    return layout, int(spec.block_size)
+def _choice(extra: dict[str, Any], key: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (the first by default)."""
+    value = extra.get(key, choices[0])
+    if value not in choices:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be one of "
+                          f"{', '.join(map(repr, choices))}, got {value!r}")
+    return str(value)
 
 
 def _positive_int(extra: dict[str, Any], key: str, default: int) -> int:

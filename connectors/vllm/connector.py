@@ -30,9 +30,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import ConfigError
 
-from .config import (
-    ConnectorConfig,
+from .config import ConnectorConfig
+from .geometry import (
     check_parallelism,
+    engine_reuses_context,
     layout_from_kv_cache_config,
     total_kv_heads,
 )
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvtier.layout import KVLayout
 
 logger = logging.getLogger("kvtier.connectors.vllm")
 
@@ -77,7 +80,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, layout, block_size, tp_size,
-                                            kv_heads)
+                                            kv_heads, loads=self._loads(vllm_config, layout))
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if policy != "recompute":
                 logger.warning("kvtier: kv_load_failure_policy=%r makes vLLM fail a request "
@@ -92,6 +95,17 @@ class KVTierConnector(KVConnectorBase_V1):
         logger.info("kvtier: %s side, %s, socket %s, %d tokens per block, model_id %r, "
                     "tp %d", role.name.lower(), self.config.role, self.config.socket_path,
                     self.config.tokens_per_block, self.config.model_id, tp_size)
+
+    def _loads(self, vllm_config: VllmConfig, layout: KVLayout) -> bool:
+        """Whether the scheduler side loads (``context_reuse``); logged when it does not."""
+        mode = self.config.context_reuse
+        if mode == "on" or (mode == "auto" and engine_reuses_context(vllm_config, layout)):
+            return True
+        logger.warning("kvtier: this engine saves KV but never loads it (context_reuse=%s%s)",
+                       mode, "; vLLM turned prefix caching off for this model on this "
+                       "platform (CPU MLA): its attention over a cached context is a "
+                       "reference path" if mode == "auto" else "")
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -73,12 +73,14 @@ class SchedulerSide:
     """The scheduler half of ``KVTierConnector`` (one per engine core)."""
 
     def __init__(self, config: ConnectorConfig, layout: KVLayout, block_size: int,
-                 tp_size: int, kv_heads: int = 0) -> None:
+                 tp_size: int, kv_heads: int = 0, *, loads: bool = True) -> None:
         """``kv_heads``: the model's KV heads (0: unknown), which decide the ranks that
-        hold the same KV (``DaemonLink.replicas``)."""
+        hold the same KV (``DaemonLink.replicas``); ``loads``: False when this engine must
+        not compute on a loaded context (``ConnectorConfig.context_reuse``)."""
         self.config = config
         self.pages = PageMap(block_size, config.tokens_per_block)
         self.tp_size = tp_size
+        self.loads = loads
         self.link = DaemonLink(config, layout, tp_size=tp_size, kv_heads=kv_heads,
                                name="scheduler")
         self._states: dict[str, RequestState] = {}
@@ -115,6 +117,8 @@ class SchedulerSide:
         asynchronously); 0 whenever the daemon is unreachable. Side-effect free for vLLM:
         it may call this again for a request it could not schedule."""
         self._spans.pop(request.request_id, None)
+        if not self.loads:
+            return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):
             # prompt logprobs (or a pooling request) need every prompt token computed:
             # vLLM drops any hit, so a lookup would only start promotions and wait on saves

@@ -4,7 +4,8 @@ backend): the KV cache is one 576-wide latent per token and layer, not K and V.
 What is checked is the latents themselves, page by page in the engines (worker_hooks.
 record_pages), not the tokens: vLLM 0.32's CPU MLA prefill over a cached context computes
 other tokens than a full prefill even with vLLM's own prefix cache forced on (which is why
-its CPU platform turns prefix caching off for MLA models; docs/vllm-connector.md), so on
+its CPU platform turns prefix caching off for MLA models, and why the connector then does
+not load by default: ``context_reuse``, turned on here; docs/vllm-connector.md), so on
 this machine token equality after a reload would test vLLM, not kvtier. A reload must put
 in an engine's pages, bit for bit, what the engine that saved them computed, and the
 daemon must hold them in kvtier's canonical order (layer, token, latent), whatever the
@@ -76,11 +77,15 @@ def _pages(records: Path, kind: str, rank: int, salt: str | None, tokens: list[i
 def test_an_mla_model_reloads_its_latents_bit_for_bit(
         run_engine: EngineRun, daemon: DaemonProcess, mla_model: Path,
         tmp_path: Path) -> None:
+    # by default a CPU MLA engine saves but never loads: vLLM turned context reuse off
+    # for it (context_reuse "auto"), so its second phase computes every prompt again
     cfg = kv_transfer_config(daemon.socket, model_id="tiny-mla")
-    (first,) = run_engine([{"prompts": [PROMPT, OTHER]}], cfg, model=mla_model,
-                          record_pages=tmp_path)
-    assert [cached for _, cached in first] == [0, 0]
-    # a fresh engine loads every whole block but the one holding the last prompt token
+    first, repeated = run_engine([{"prompts": [PROMPT, OTHER]}, {"prompts": [PROMPT, OTHER]}],
+                                 cfg, model=mla_model, record_pages=tmp_path)
+    assert [cached for _, cached in first + repeated] == [0, 0, 0, 0]
+    # with loads turned on, a fresh engine loads every whole block but the one holding the
+    # last prompt token, as the first engine saved them
+    cfg["kv_connector_extra_config"]["context_reuse"] = "on"
     (again,) = run_engine([{"prompts": [PROMPT, OTHER]}], cfg, model=mla_model,
                           record_pages=tmp_path)
     for (_, cached), p in zip(again, [PROMPT, OTHER], strict=True):
@@ -125,7 +130,7 @@ def test_tp2_ranks_share_one_latent_copy_and_agree_on_a_failed_load(
     the same tokens: vLLM 0.32's CPU MLA under TP 2 computes some rows differently from
     one prefill to the next, even in layer 0.)"""
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    cfg = kv_transfer_config(daemon.socket, model_id="tiny-mla-tp")
+    cfg = kv_transfer_config(daemon.socket, model_id="tiny-mla-tp", context_reuse="on")
     phases = [{"prompts": [PREFIX + prompt(53, 30)], "salts": ["s"], "max_tokens": 2},
               {"prompts": [PROMPT], "salts": ["s"]},    # rank 1's load fails: recomputed
               {"prompts": [PROMPT], "salts": ["s"]}]    # reloads 5 blocks

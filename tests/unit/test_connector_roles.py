@@ -51,7 +51,7 @@ def test_parallel_layouts_it_cannot_key_are_refused_at_start(field: str, value: 
     another stage's or another shard's KV. The engine's start fails instead."""
     from types import SimpleNamespace
 
-    from kvtier.connectors.vllm.config import check_parallelism
+    from kvtier.connectors.vllm.geometry import check_parallelism
 
     plain = {"pipeline_parallel_size": 1, "decode_context_parallel_size": 1,
              "prefill_context_parallel_size": 1, "tensor_parallel_size": 4}

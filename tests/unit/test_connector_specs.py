@@ -12,8 +12,9 @@ from kvtier.errors import ConfigError, LayoutMismatch
 pytest.importorskip("vllm", reason="the connector package imports vLLM")
 torch = pytest.importorskip("torch")
 
-from kvtier.connectors.vllm.config import (  # noqa: E402
-    ConnectorConfig,
+from kvtier.connectors.vllm.config import ConnectorConfig  # noqa: E402
+from kvtier.connectors.vllm.geometry import (  # noqa: E402
+    engine_reuses_context,
     layout_from_kv_cache_config,
 )
 from kvtier.connectors.vllm.link import DaemonLink  # noqa: E402
@@ -139,3 +140,23 @@ def test_ranks_holding_the_same_kv_heads_share_a_namespace() -> None:
     assert link(heads, 8, kv_heads=3).replicas == 1   # not a divisor: as vLLM would refuse
     two, _ = layout_from_kv_cache_config(kv_config(full(num_kv_heads=2)), 64)
     assert link(two, 8, kv_heads=4).replicas == 1     # 2 heads a rank: not replication
+
+
+def test_loads_follow_vllm_s_own_context_reuse_on_the_cpu_platform() -> None:
+    """vLLM's CPU platform turns prefix caching off for MLA models (a reference context
+    path): context_reuse "auto" then does not load. K and V models, and MLA with prefix
+    caching left on (AMX MLA), load."""
+    from types import SimpleNamespace
+
+    latent, _ = layout_from_kv_cache_config(kv_config(mla()), 64)
+    heads, _ = layout_from_kv_cache_config(kv_config(full()), 64)
+    off = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False))
+    on = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
+    assert not engine_reuses_context(off, latent)      # this machine's platform is the CPU
+    assert engine_reuses_context(on, latent)
+    assert engine_reuses_context(off, heads)
+    cfg = ConnectorConfig.from_extra({}, block_size=16, default_model_id="m")
+    assert cfg.context_reuse == "auto"
+    with pytest.raises(ConfigError, match="context_reuse"):
+        ConnectorConfig.from_extra({"context_reuse": "yes"}, block_size=16,
+                                   default_model_id="m")

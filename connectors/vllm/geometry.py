@@ -1,0 +1,136 @@
+"""What the engine's KV cache looks like, read from vLLM's own objects: the kvtier layout of
+one rank's pages (``KVCacheConfig``), which ranks hold the same KV (the model's KV heads),
+the parallel layouts the connector refuses, and whether vLLM lets the engine compute on a
+cached context. Every check here runs at engine start: a geometry the connector cannot
+key correctly is a ``ConfigError`` then, never wrong KV later.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
+
+from kvtier.errors import ConfigError
+from kvtier.layout import CANONICAL_FORMAT, KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def check_parallelism(parallel: Any) -> None:
+    """Refuse the parallel layouts the connector cannot key correctly (``ConfigError`` at
+    engine start, never wrong KV later): pipeline stages hold other layers under the same
+    layout, and context parallelism shards a page's tokens across ranks, where the page <->
+    block mapping assumes whole pages of consecutive tokens on every rank."""
+    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        raise ConfigError("KVTierConnector does not support pipeline parallelism yet")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(parallel, name, 1) or 1) > 1:
+            raise ConfigError(f"KVTierConnector does not support context parallelism yet "
+                              f"({name}={getattr(parallel, name)}); run without it")
+
+
+def total_kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV heads, all ranks together (0 when vLLM cannot say): with fewer than
+    TP ranks, vLLM gives each to several ranks, which then hold the same KV."""
+    model = getattr(vllm_config, "model_config", None)
+    try:
+        heads = model.get_total_num_kv_heads() if model is not None else 0
+    except Exception:   # a config vLLM builds no architecture for: keyed per rank
+        return 0
+    return heads if isinstance(heads, int) and heads > 0 else 0
+
+
+class _AttentionSpec(Protocol):
+    """What the layout reads of vLLM's attention KV cache spec (``AttentionSpec``)."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: object
+    block_size: int
+
+
+def _is_attention_spec(spec: object) -> TypeGuard[_AttentionSpec]:
+    """The attention fields the layout reads are there."""
+    return all(hasattr(spec, a) for a in ("num_kv_heads", "head_size", "dtype", "block_size"))
+
+
+KEEPS_EVERY_TOKEN = {"FullAttentionSpec": 2, "MLAAttentionSpec": 1}
+"""vLLM's KV cache specs whose pages keep every token of a request while it runs (vLLM
+gives them its full-attention manager), by exact class, and the components per token (K
+and V, or an MLA latent). A subclass is another format (an R-SWA cache evicts pages of
+generated tokens, a sink cache holds learned sinks): refused until it is checked."""
+
+
+def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
+                                tokens_per_block: int) -> tuple[KVLayout, int]:
+    """The kvtier layout of this engine's (per-rank) KV cache, and vLLM's page size.
+
+    One KV cache group whose pages keep every token (``KEEPS_EVERY_TOKEN``): block keys
+    are a chain over token chunks. Sliding-window and chunked-local layers qualify when
+    vLLM allocates them as full attention (a model that mixes them with full-attention
+    layers, run without vLLM's hybrid KV cache manager, as vLLM runs it with a connector
+    that does not declare support for it): their pages keep every token, the window
+    only limits what attention reads. An MLA latent cache (DeepSeek-V2/V3, Kimi K2: one
+    vector per token and layer, no separate V) is one component per token; its cache
+    dtype, when not the model's (vLLM's packed fp8 MLA formats), is part of ``kv_format``.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"KVTierConnector supports models with one KV cache group; this "
+                          f"engine has {len(groups)} (a hybrid model under vLLM's hybrid KV "
+                          f"cache manager, or a separate indexer cache): run it with "
+                          f"--disable-hybrid-kv-cache-manager if its layers are all "
+                          f"attention layers")
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    components = KEEPS_EVERY_TOKEN.get(kind)
+    if components is None or not _is_attention_spec(spec):
+        raise ConfigError(f"KVTierConnector supports KV caches whose pages keep every token "
+                          f"({', '.join(KEEPS_EVERY_TOKEN)}); this model's is {kind}"
+                          + (" (sliding-window or chunked-local pages are dropped as the "
+                             "window moves)" if "Window" in kind or "Chunked" in kind
+                             else ""))
+    if getattr(spec, "non_causal", False):
+        raise ConfigError("KVTierConnector needs causal attention: with non-causal layers "
+                          "a token's KV depends on the tokens after it, not on its prefix")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        raise ConfigError(f"KVTierConnector needs one KV entry per token; this model keeps "
+                          f"one per {1 / spec.tokens_per_state} tokens")  # type: ignore[attr-defined]
+    kv_format = CANONICAL_FORMAT
+    head_v = getattr(spec, "head_size_v", None) or spec.head_size
+    if components == 1:
+        cache_dtype = getattr(spec, "cache_dtype_str", None)
+        if cache_dtype not in (None, "auto"):
+            kv_format = f"{CANONICAL_FORMAT}:{cache_dtype}"
+    elif head_v != spec.head_size:
+        raise ConfigError(f"KVTierConnector needs K and V of the same head size, this "
+                          f"model's are {spec.head_size} and {head_v}")
+    layout = KVLayout(
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        dtype=str(spec.dtype).removeprefix("torch."),
+        tokens_per_block=tokens_per_block,
+        kv_components=components,
+        kv_format=kv_format,
+    )
+    return layout, int(spec.block_size)
+
+
+def engine_reuses_context(vllm_config: Any, layout: KVLayout) -> bool:
+    """Whether vLLM lets this engine compute on a cached context: its CPU platform turns
+    prefix caching off for MLA models (its CPU MLA attention over a cached context is a
+    reference path: on vLLM 0.32 it gives other tokens than a full prefill, with vLLM's
+    own prefix cache forced on as with loaded KV), so loads would make such an engine
+    compute what vLLM decided it must not."""
+    if layout.kv_components != 1:
+        return True
+    try:
+        from vllm.platforms import current_platform
+
+        on_cpu = bool(current_platform.is_cpu())
+    except Exception:   # no platform to ask: as vLLM configured the cache
+        on_cpu = False
+    cache = getattr(vllm_config, "cache_config", None)
+    return not on_cpu or bool(getattr(cache, "enable_prefix_caching", True))
