@@ -13,7 +13,6 @@ from kvtier.errors import ConfigError
 from kvtier.layout import CANONICAL_FORMAT, KVLayout
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
@@ -30,15 +29,16 @@ def check_parallelism(parallel: Any) -> None:
                               f"({name}={getattr(parallel, name)}); run without it")
 
 
-def total_kv_heads(vllm_config: VllmConfig) -> int:
-    """The model's KV heads, all ranks together (0 when vLLM cannot say): with fewer than
-    TP ranks, vLLM gives each to several ranks, which then hold the same KV."""
-    model = getattr(vllm_config, "model_config", None)
-    try:
-        heads = model.get_total_num_kv_heads() if model is not None else 0
-    except Exception:   # a config vLLM builds no architecture for: keyed per rank
-        return 0
-    return heads if isinstance(heads, int) and heads > 0 else 0
+def tp_replicas(kv_cache_config: Any, layout: KVLayout, tp_size: int) -> int:
+    """How many consecutive TP ranks hold identical KV for every layer: vLLM's own
+    ``KVCacheConfig.kv_tp_replicas`` (from each layer's ``max_tp_shards``: every rank for an
+    MLA latent; 1 for K and V heads, whose replication vLLM does not vouch for, since a
+    model's layers may hold different KV-head counts under one per-rank spec). Without
+    that field (an older vLLM), every rank for an MLA latent, else 1."""
+    replicas = getattr(kv_cache_config, "kv_tp_replicas", None)
+    if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 1:
+        return replicas if tp_size % replicas == 0 else 1
+    return tp_size if layout.kv_components == 1 else 1
 
 
 class _AttentionSpec(Protocol):

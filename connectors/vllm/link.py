@@ -65,17 +65,15 @@ class DaemonLink:
 
     ``layout``, ``tp_size`` and ``model_id`` are fixed per engine; namespaces differ by
     (cache_salt, KV shard) and are computed locally, so keys never need the daemon. Ranks
-    that hold the same KV share one namespace (``replicas``): an MLA latent is on every
-    rank, and with fewer KV heads (``kv_heads``, the model's; 0: unknown) than ranks vLLM
-    gives each head to ``tp_size // kv_heads`` consecutive ranks. A namespace is keyed by
-    the shard of heads it holds, so an engine of another TP size holding the same heads
-    per rank shares its blocks.
+    that hold identical KV (``kv_replicas`` consecutive ones, as vLLM's ``KVCacheConfig``
+    says: every rank for an MLA latent) share one namespace, keyed by the shard they hold,
+    so an engine of another TP size holding the same shard per rank shares its blocks.
     """
 
     config: ConnectorConfig
     layout: KVLayout
     tp_size: int = 1
-    kv_heads: int = 0
+    kv_replicas: int = 1
     name: str = "connector"
     clock: Callable[[], float] = time.monotonic
     device: bool = False
@@ -92,16 +90,9 @@ class DaemonLink:
 
     @property
     def replicas(self) -> int:
-        """How many consecutive TP ranks hold the same KV (vLLM's ``num_kv_head_replicas``;
-        every rank for an MLA latent)."""
-        if self.layout.kv_components == 1:
-            return self.tp_size
-        # (a rank then holds one head: anything else is not vLLM's replication, and each
-        # rank keeps its own namespace, never another rank's KV)
-        if 0 < self.kv_heads < self.tp_size and self.tp_size % self.kv_heads == 0 \
-                and self.layout.num_kv_heads == 1:
-            return self.tp_size // self.kv_heads
-        return 1
+        """How many consecutive TP ranks hold the same KV (one namespace between them)."""
+        r = self.kv_replicas
+        return r if 1 <= r <= self.tp_size and self.tp_size % r == 0 else 1
 
     @property
     def shards(self) -> int:

@@ -94,9 +94,10 @@ class WorkerSide:
     """
 
     def __init__(self, config: ConnectorConfig, layout: KVLayout, block_size: int,
-                 tp_rank: int, tp_size: int, *, kv_heads: int = 0,
+                 tp_rank: int, tp_size: int, *, kv_replicas: int = 1,
                  register: Register | None = None, agree: Agree | None = None) -> None:
-        """``kv_heads``: the model's KV heads (0: unknown; see ``DaemonLink.replicas``);
+        """``kv_replicas``: consecutive TP ranks holding the same KV (``geometry.
+        tp_replicas``);
         ``agree``: how the TP ranks agree on their saves' cuts (default: an all-reduce
         over vLLM's TP group when ``tp_size`` > 1; tests inject one)."""
         self.config = config
@@ -105,14 +106,14 @@ class WorkerSide:
         self.pages = PageMap(block_size, config.tokens_per_block)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self.kv_heads = kv_heads
+        self.kv_replicas = kv_replicas
         self.arenas = ArenaRegistry(register)
         self._register_override = register is not None
         self.device_loads = bool(config.device_loads)
         self.link = self._new_link("")
-        # ranks holding the same KV (an MLA latent, replicated KV heads): the first of them
-        # alone saves it (the others still agree on the cuts, which depend on every rank's
-        # loads through the all-reduce)
+        # ranks holding the same KV (an MLA latent): the first of them alone saves it (the
+        # others still agree on the cuts, which depend on every rank's loads through the
+        # all-reduce)
         self.saves_kv = tp_rank % self.link.replicas == 0
         self._thread_links = threading.local()
         self.caches: CacheSet | None = None
@@ -137,7 +138,7 @@ class WorkerSide:
 
     def _new_link(self, suffix: str) -> DaemonLink:
         return DaemonLink(self.config, self.layout, tp_size=self.tp_size,
-                          kv_heads=self.kv_heads,
+                          kv_replicas=self.kv_replicas,
                           name=f"worker{self.tp_rank}{suffix}",
                           device=self.device_loads,
                           on_connect=self._on_connect)

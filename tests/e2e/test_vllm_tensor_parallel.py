@@ -1,6 +1,5 @@
 """End to end with tensor parallelism (CPU engine, TP 2, vLLM's multiprocess executor): one
-rank's load fails while the other's succeeds; a model with one KV head, which both ranks
-hold, keeps one copy.
+rank's load fails while the other's succeeds.
 
 What rank 0 computes in that step depends on rank 1's shard through the all-reduce after
 attention, so both ranks must cut their saves where rank 1's load failed. Rank 0 once
@@ -15,17 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.client import connect
-from kvtier.keys import block_keys
-from kvtier.layout import KVLayout
 from tests.e2e.conftest import EngineRun
-from tests.e2e.vllm_engine import (
-    TOKENS_PER_BLOCK,
-    build_tiny_llama,
-    engine_model_id,
-    kv_transfer_config,
-    prompt,
-)
+from tests.e2e.vllm_engine import TOKENS_PER_BLOCK, kv_transfer_config, prompt
 from tests.support.daemon import DaemonProcess
 
 pytestmark = pytest.mark.e2e
@@ -57,33 +47,3 @@ def test_a_load_that_fails_on_one_rank_leaves_no_wrong_shard(
     ((again, cached),), = run_engine([{"prompts": [PROMPT]}], cfg, engine_args=TP2)
     assert again == baseline
     assert cached > 0                  # it loaded what kvtier holds
-
-
-def test_ranks_holding_the_same_kv_head_store_one_copy_and_reload_it_exactly(
-        run_engine: EngineRun, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    """One KV head over TP 2: vLLM gives it to both ranks. Rank 0 alone saves it, under the
-    namespace a TP 1 engine keys the same head with; the engine's own prefix cache is off,
-    so its second phase reloads from kvtier, and a TP 1 engine finds the blocks too."""
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-mqa-tp"), kv_heads=1)
-    cfg = kv_transfer_config(daemon.socket, model_id="tp-mqa")
-    prompts = [PROMPT, prompt(43, 2 * TOKENS_PER_BLOCK + 9)]
-    first, again = run_engine([{"prompts": prompts}, {"prompts": prompts}], cfg, model=model,
-                              engine_args=TP2)
-    for (want, cached0), (got, cached), p in zip(first, again, prompts, strict=True):
-        assert cached0 == 0 and got == want
-        assert cached == (len(p) - 1) // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
-    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=32, dtype="float32",
-                      tokens_per_block=TOKENS_PER_BLOCK)
-    c = connect(daemon.socket)
-    try:
-        model_id = engine_model_id("tp-mqa", model)
-        ns = c.register_layout(layout, model_id)                     # as TP 1 keys it
-        assert c.lookup(ns, block_keys(ns, PROMPT), prefetch=False).hits == 5
-        rank1 = c.register_layout(layout, model_id, tp_rank=1, tp_size=2)
-        assert c.lookup(rank1, block_keys(rank1, PROMPT), prefetch=False).hits == 0
-    finally:
-        c.close()
-    ((_, cached),), = run_engine([{"prompts": [PROMPT]}], cfg, model=model)   # TP 1
-    assert cached == 5 * TOKENS_PER_BLOCK

@@ -5,6 +5,8 @@ replicates the latent on every rank); refused with a ConfigError otherwise."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from kvtier.errors import ConfigError, LayoutMismatch
@@ -16,6 +18,7 @@ from kvtier.connectors.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.connectors.vllm.geometry import (  # noqa: E402
     engine_reuses_context,
     layout_from_kv_cache_config,
+    tp_replicas,
 )
 from kvtier.connectors.vllm.link import DaemonLink  # noqa: E402
 from kvtier.connectors.vllm.worker import latent_pages, paged_layout_of  # noqa: E402
@@ -65,21 +68,44 @@ def test_k_and_v_of_other_sizes_outside_mla_are_refused() -> None:
         layout_from_kv_cache_config(kv_config(spec), 64)
 
 
-def link(layout: object, tp_size: int, kv_heads: int = 0) -> DaemonLink:
+def link(layout: object, tp_size: int, kv_replicas: int = 1) -> DaemonLink:
     cfg = ConnectorConfig.from_extra({"model_id": "m"}, block_size=16, default_model_id="m")
-    return DaemonLink(cfg, layout, tp_size=tp_size, kv_heads=kv_heads)   # type: ignore[arg-type]
+    return DaemonLink(cfg, layout, tp_size=tp_size,   # type: ignore[arg-type]
+                      kv_replicas=kv_replicas)
 
 
 def test_tp_ranks_share_the_latent_namespace_and_shard_k_and_v() -> None:
     latent, _ = layout_from_kv_cache_config(kv_config(mla()), 64)
-    heads, _ = layout_from_kv_cache_config(kv_config(FullAttentionSpec(
-        block_size=16, num_kv_heads=2, head_size=128, dtype=torch.float16)), 64)
-    mla4, mha4 = link(latent, 4), link(heads, 4)
-    assert mla4.shards == 1 and mha4.shards == 4
+    heads, _ = layout_from_kv_cache_config(kv_config(full()), 64)
+    said = kv_config(mla())
+    said.kv_tp_replicas = 4            # as vLLM computes it: the latent's max_tp_shards is 1
+    mla4 = link(latent, 4, tp_replicas(said, latent, 4))
+    mha4 = link(heads, 4, tp_replicas(kv_config(full()), heads, 4))
+    assert (mla4.replicas, mla4.shards, mha4.replicas, mha4.shards) == (4, 1, 1, 4)
     spaces = {mla4.namespace("t", r).digest for r in range(4)}
     assert spaces == {link(latent, 1).namespace("t", 0).digest}   # as a TP 1 engine keys
     assert len({mha4.namespace("t", r).digest for r in range(4)}) == 4
     assert mla4.namespace("t", 3).tp_size == 1
+
+
+def test_replication_is_what_vllm_s_kv_cache_config_says() -> None:
+    """vLLM's ``kv_tp_replicas`` counts ranks holding identical KV for every layer: every
+    rank for an MLA latent, 1 for K and V heads even where the model has fewer KV heads
+    than ranks (a model's layers may hold different KV-head counts under one per-rank
+    spec: sharing a namespace there gave rank 1 rank 0's heads, review repro)."""
+    latent, _ = layout_from_kv_cache_config(kv_config(mla()), 64)
+    one_head, _ = layout_from_kv_cache_config(kv_config(full(num_kv_heads=1)), 64)
+    said = kv_config(full(num_kv_heads=1))
+    assert tp_replicas(said, one_head, 8) == 1          # vLLM's default: not replicated
+    said.kv_tp_replicas = 2
+    assert tp_replicas(said, one_head, 8) == 2          # what vLLM vouches for is used
+    said.kv_tp_replicas = 3
+    assert tp_replicas(said, one_head, 8) == 1          # not a divisor of the TP size
+    older = SimpleNamespace(kv_cache_groups=[])        # a vLLM without the field
+    assert (tp_replicas(older, latent, 8), tp_replicas(older, one_head, 8)) == (8, 1)
+    two = link(one_head, 8, 2)
+    assert (two.replicas, two.shards) == (2, 4)
+    assert two.namespace("t", 5).digest == link(one_head, 4).namespace("t", 2).digest
 
 
 def test_the_cpu_backend_s_latent_pages_are_read_without_their_head_dim() -> None:
@@ -125,29 +151,10 @@ def test_several_groups_are_refused_with_the_way_out() -> None:
         layout_from_kv_cache_config(cfg, 64)
 
 
-def test_ranks_holding_the_same_kv_heads_share_a_namespace() -> None:
-    """4 KV heads over TP 8 (Qwen3-235B): vLLM gives head h to ranks 2h and 2h + 1. They
-    share the namespace of shard h, keyed as a TP 4 engine keys rank h, which holds the
-    same head."""
-    heads, _ = layout_from_kv_cache_config(kv_config(full(num_kv_heads=1)), 64)
-    tp8 = link(heads, 8, kv_heads=4)
-    assert (tp8.replicas, tp8.shards) == (2, 4)
-    tp4 = link(heads, 4, kv_heads=4)
-    assert (tp4.replicas, tp4.shards) == (1, 4)
-    for rank in range(8):
-        assert tp8.namespace("t", rank).digest == tp4.namespace("t", rank // 2).digest
-    assert link(heads, 8).replicas == 1            # KV heads unknown: one namespace per rank
-    assert link(heads, 8, kv_heads=3).replicas == 1   # not a divisor: as vLLM would refuse
-    two, _ = layout_from_kv_cache_config(kv_config(full(num_kv_heads=2)), 64)
-    assert link(two, 8, kv_heads=4).replicas == 1     # 2 heads a rank: not replication
-
-
 def test_loads_follow_vllm_s_own_context_reuse_on_the_cpu_platform() -> None:
     """vLLM's CPU platform turns prefix caching off for MLA models (a reference context
     path): context_reuse "auto" then does not load. K and V models, and MLA with prefix
     caching left on (AMX MLA), load."""
-    from types import SimpleNamespace
-
     latent, _ = layout_from_kv_cache_config(kv_config(mla()), 64)
     heads, _ = layout_from_kv_cache_config(kv_config(full()), 64)
     off = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False))
