@@ -91,7 +91,8 @@ class Plan:
     kv_pool_bytes: int  # HBM KV pools of all instances, counted once per token (not per rank)
     kv_demand_bytes_p99: int  # concurrency x P99 sequence
     spill_bytes_p99: int  # P99 sequences beyond what HBM holds, whole sequences
-    tiers: tuple[TierSize, ...]  # one copy of each token's KV, as the connector stores it
+    tiers: tuple[TierSize, ...]  # physical bytes: ``stored_copies`` copies of the KV
+    stored_copies: int  # copies of each token's KV the TP ranks store (replicated heads)
     kvtier_block_tokens: int  # tokens per kvtier block (one key)
     daemon_blocks: int  # blocks of one TP rank's size the cpu and nvme tiers hold at most
     daemon_memory_bytes: int  # the daemon's private memory for indexing them
@@ -148,16 +149,19 @@ def make_plan(p: PlanInput) -> Plan:
     share = kv_share_per_rank(m, p.tp)
     per_token_gpu = int(per_token * share)
     copies = round(share * p.tp)  # how many times the TP group stores each KV byte
-    # the tiers hold one copy of each token's KV: ranks holding the same heads (an MLA
-    # latent, fewer KV heads than ranks) share a namespace, the first of them saves it
+    # what the tiers store of each token: a rank's copy of replicated heads is saved under
+    # its own namespace; an MLA latent, the same on every rank, once (rank 0 saves it)
+    stored = 1 if m.attention is AttentionKind.MLA else copies
     if copies > 1 and m.attention is AttentionKind.MLA:
         notes.append(f"MLA: each of the {p.tp} TP ranks holds the whole latent, so the TP "
-                     f"group stores {copies} copies of every token's KV in HBM; kvtier's "
-                     "vLLM connector offloads one (rank 0 saves it, every rank loads it)")
+                     f"group stores {copies} copies of every token's KV in HBM")
     elif copies > 1:
         notes.append(f"{m.num_kv_heads} KV heads over TP {p.tp}: ranks hold copies "
-                     f"({copies}x the model's KV per token across the TP group) in HBM; "
-                     "kvtier's tiers hold one (the first rank holding each head saves it)")
+                     f"({copies}x the model's KV per token across the TP group), in HBM and "
+                     "in kvtier's tiers (sized for all of them)")
+    if m.attention is AttentionKind.MLA and p.tp > 1:
+        notes.append("kvtier's vLLM connector offloads one copy of the latent: rank 0 saves "
+                     "it, every rank loads it")
 
     if any(m.indexer_layers):
         notes.append(f"sparse attention: {sum(m.indexer_layers)} layers also keep the indexer's "
@@ -205,7 +209,7 @@ def make_plan(p: PlanInput) -> Plan:
     per_replica = math.ceil(p.concurrency / replicas)
     demand = p.concurrency * seq_bytes["p99"]
     spill = max(0, per_replica - fits_one["p99"]) * seq_bytes["p99"] * replicas
-    tiers = _tiers(p, spill, pool * replicas, per_token)
+    tiers = _tiers(p, spill, pool * replicas, per_token, stored)
     kvtier_block = p.kvtier_block_tokens or default_tokens_per_block(p.block_tokens)
     daemon_blocks, daemon_memory = _daemon_memory(tiers, kvtier_block * per_token_gpu)
     cpu_bytes = next(t.bytes for t in tiers if t.tier == "cpu")
@@ -226,7 +230,7 @@ def make_plan(p: PlanInput) -> Plan:
         sequence_tokens=seq_tokens, kv_bytes_per_sequence=seq_bytes,
         kv_budget_bytes_per_gpu=budget, max_sequences_in_hbm=fits,
         kv_pool_bytes=pool * replicas, kv_demand_bytes_p99=demand, spill_bytes_p99=spill,
-        tiers=tiers, kvtier_block_tokens=kvtier_block,
+        tiers=tiers, stored_copies=stored, kvtier_block_tokens=kvtier_block,
         daemon_blocks=daemon_blocks,
         daemon_memory_bytes=daemon_memory,
         prefill_saving=saving, decode_step_s_p99=decode_s,
@@ -234,19 +238,27 @@ def make_plan(p: PlanInput) -> Plan:
     )
 
 
-def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int) -> tuple[TierSize, ...]:
+def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int,
+           copies: int) -> tuple[TierSize, ...]:
     """kvtier tier sizes for the node: CPU catches spill and HBM evictions, NVMe the rest.
-    ``spill``, ``hbm_pool`` and ``per_token`` count each token's KV once, as the connector
-    stores it (ranks holding the same heads share one copy)."""
-    cpu = _round_up_gib(spill + hbm_pool)
-    cpu_why = (f"P99 spill {spill / 1e9:.1f} GB + one HBM KV pool "
+
+    ``spill``, ``hbm_pool`` and ``per_token`` count each token's KV once; the connector
+    stores each TP rank's KV under its own namespace, so where ranks hold copies of KV heads
+    the tiers hold ``copies`` of it: the sizes are those bytes.
+    """
+    times = f" x {copies} copies (one per TP rank that holds it)" if copies > 1 else ""
+    cpu = _round_up_gib((spill + hbm_pool) * copies)
+    cpu_why = (f"(P99 spill {spill / 1e9:.1f} GB + one HBM KV pool "
+               f"({hbm_pool / 1e9:.1f} GB) for prefixes evicted from the GPU){times}"
+               if copies > 1 else
+               f"P99 spill {spill / 1e9:.1f} GB + one HBM KV pool "
                f"({hbm_pool / 1e9:.1f} GB) for prefixes evicted from the GPU")
     tr = p.trace
     if tr is not None:
-        working = tr.reused_blocks * tr.block_tokens * per_token
+        working = tr.reused_blocks * tr.block_tokens * per_token * copies
         nvme = _round_up_gib(max(working, cpu))
         nvme_why = (f"every reused prefix in the trace: {tr.reused_blocks:,} blocks x "
-                    f"{tr.block_tokens} tokens = {working / 1e9:,.1f} GB"
+                    f"{tr.block_tokens} tokens{times} = {working / 1e9:,.1f} GB"
                     + ("" if working >= cpu else "; at least the CPU tier, to take its "
                        "evictions"))
     else:

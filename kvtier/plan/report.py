@@ -59,6 +59,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "kv_demand_bytes_p99": plan.kv_demand_bytes_p99,
         "spill_bytes_p99": plan.spill_bytes_p99,
         "tiers": {t.tier: {"bytes": t.bytes, "why": t.why} for t in plan.tiers},
+        "stored_copies": plan.stored_copies,
         "daemon_memory": {"bytes": plan.daemon_memory_bytes, "blocks": plan.daemon_blocks,
                           "block_tokens": plan.kvtier_block_tokens,
                           "bytes_per_block": DAEMON_BYTES_PER_BLOCK},

@@ -75,26 +75,26 @@ def test_replicas_multiply_what_fits(capsys: pytest.CaptureFixture[str]) -> None
     assert two["tiers"]["redis"]["bytes"] > 0  # shared across the two instances
 
 
-def test_tiers_hold_one_copy_of_replicated_kv_heads(
+def test_tiers_hold_every_tp_rank_s_copy_of_replicated_kv_heads(
         capsys: pytest.CaptureFixture[str]) -> None:
-    # llama-3-8b's 8 KV heads over TP 16: two ranks hold each head in HBM; the connector
-    # keys both with one namespace and the first saves it, so the tiers hold one copy.
+    # llama-3-8b's 8 KV heads over TP 16: two ranks hold each head, and the connector stores
+    # each rank's KV under its own namespace, so the tiers hold two copies of every token.
     gib = 1 << 30
     trace = str(FIXTURES.parent / "traces" / "mooncake_small.jsonl")
-    for tp in ("8", "16"):
+    for tp, copies in (("8", 1), ("16", 2)):
         doc = plan_json(capsys, "--model", "llama-3-8b", "--gpus", tp, "--tp", tp,
                         "--concurrency", "256", "--context", "8192,16384,32768")
+        assert doc["stored_copies"] == copies
         one_copy = doc["spill_bytes_p99"] + doc["kv_pool_bytes"]
-        assert doc["tiers"]["cpu"]["bytes"] == -(-one_copy // gib) * gib
+        assert doc["tiers"]["cpu"]["bytes"] == -(-one_copy * copies // gib) * gib
         assert doc["tiers"]["nvme"]["bytes"] == 4 * doc["tiers"]["cpu"]["bytes"]
-    assert "copies" not in doc["tiers"]["cpu"]["why"]
-    (note,) = [n for n in doc["notes"] if "KV heads over TP 16" in n]
-    assert "2x the model's KV per token" in note and "tiers hold one" in note
-    # The trace's reused prefixes: 5 blocks x 512 tokens x 131,072 B = 0.34 GB.
-    for tp in ("8", "16"):
-        why = plan_json(capsys, "--model", "llama-3-8b", "--gpus", tp, "--tp", tp,
-                        "--trace", trace)["tiers"]["nvme"]["why"]
-        assert "5 blocks x 512 tokens = 0.3 GB" in why
+    assert "x 2 copies" in doc["tiers"]["cpu"]["why"]
+    assert any("kvtier's tiers" in n for n in doc["notes"])
+    # The trace's reused prefixes: 5 blocks x 512 tokens x 131,072 B = 0.34 GB per copy.
+    one, two = (plan_json(capsys, "--model", "llama-3-8b", "--gpus", tp, "--tp", tp,
+                          "--trace", trace)["tiers"]["nvme"]["why"] for tp in ("8", "16"))
+    assert "5 blocks x 512 tokens = 0.3 GB" in one
+    assert "5 blocks x 512 tokens x 2 copies (one per TP rank that holds it) = 0.7 GB" in two
 
 
 def test_the_daemon_s_own_memory_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,9 +215,8 @@ def test_mla_under_tp_notes_the_replicated_latent(capsys: pytest.CaptureFixture[
     assert doc["kv_bytes_per_token_per_gpu"] == 70_272
     assert doc["weights_dtype"] == "fp8"
     assert any("MLA" in n for n in doc["notes"])
-    # every rank holds the whole latent in HBM; the connector offloads one copy
-    (note,) = [n for n in doc["notes"] if n.startswith("MLA")]
-    assert "8 copies" in note and "offloads one" in note
+    # every rank holds the whole latent in HBM; an engine offloading it saves one copy
+    assert doc["stored_copies"] == 1
 
 
 def test_plot_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
