@@ -171,7 +171,9 @@ class WorkerSide:
             caches = [latent_pages(c) for c in caches]
         if len(caches) != self.layout.num_layers:
             raise LayoutMismatch(f"vLLM registered {len(caches)} layer caches, the KV cache "
-                                 f"config has {self.layout.num_layers} layers")
+                                 f"config has {self.layout.num_layers} layers (layers that "
+                                 f"reuse another layer's KV cache, as Gemma 3n's do, are not "
+                                 f"supported)")
         paged = paged_layout_of(caches[0], self.layout.kv_components)
         from kvtier.kernels.api import block_bytes
 
