@@ -1,18 +1,21 @@
 """What the engine's KV cache looks like, read from vLLM's own objects: the kvtier layout of
-one rank's pages (``KVCacheConfig``), which ranks hold the same KV (the model's KV heads),
-the parallel layouts the connector refuses, and whether vLLM lets the engine compute on a
-cached context. Every check here runs at engine start: a geometry the connector cannot
-key correctly is a ``ConfigError`` then, never wrong KV later.
+one rank's pages (``KVCacheConfig``) and the page format of its tensors, which ranks hold
+the same KV, the parallel layouts the connector refuses, and whether vLLM lets the engine
+compute on a cached context. Every check here runs at engine start: a geometry the
+connector cannot key correctly is an error then, never wrong KV later.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
-from kvtier.errors import ConfigError
+from kvtier.kernels.layouts import PagedLayout
+
+from kvtier.errors import ConfigError, LayoutMismatch
 from kvtier.layout import CANONICAL_FORMAT, KVLayout
 
 if TYPE_CHECKING:
+    import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
@@ -134,3 +137,37 @@ def engine_reuses_context(vllm_config: Any, layout: KVLayout) -> bool:
         on_cpu = False
     cache = getattr(vllm_config, "cache_config", None)
     return not on_cpu or bool(getattr(cache, "enable_prefix_caching", True))
+
+
+def paged_layout_of(kv_cache: torch.Tensor, kv_components: int = 2) -> PagedLayout:
+    """Which page format a vLLM 0.32 layer cache uses.
+
+    CPU backend: ``[pages, heads, page_size, 2*head]`` used as K rows then V rows per
+    head. GPU backends: 5-D ``[2, pages, page_size, heads, head]`` (FlashAttention NHD) or
+    the standardized 4-D ``[pages, heads, page_size, 2*head]`` with K|V halves. MLA
+    (``kv_components`` 1): ``[pages, page_size, latent]`` (see ``latent_pages``).
+    """
+    if kv_components == 1:
+        if kv_cache.dim() == 3:
+            return PagedLayout.MLA
+        raise LayoutMismatch(f"unsupported vLLM MLA cache shape {tuple(kv_cache.shape)} on "
+                             f"{kv_cache.device}")
+    if kv_cache.device.type == "cpu" and kv_cache.dim() == 4:
+        return PagedLayout.CPU
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+        return PagedLayout.NHD
+    if kv_cache.dim() == 4:
+        return PagedLayout.PACKED_KV
+    raise LayoutMismatch(f"unsupported vLLM KV cache shape {tuple(kv_cache.shape)} on "
+                         f"{kv_cache.device}")
+
+
+def latent_pages(kv_cache: torch.Tensor) -> torch.Tensor:
+    """An MLA layer cache as ``[pages, page_size, latent]``: GPU backends allocate it so;
+    the CPU backend as ``[pages, 1, page_size, latent]`` (one KV head), viewed without its
+    head dim (the same memory). A shape the same size as a K|V cache must not be read as
+    one: the bytes would still round-trip, permuted within each page, but under the wrong
+    layout for any other engine."""
+    if kv_cache.dim() == 4 and kv_cache.shape[1] == 1:
+        return kv_cache.squeeze(1)
+    return kv_cache

@@ -29,7 +29,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
-from kvtier.kernels.layouts import PagedLayout
 from kvtier.kernels.pipeline import LayerPipeline
 
 from kvtier.errors import LayoutMismatch
@@ -37,6 +36,7 @@ from kvtier.layout import KVLayout
 
 from .config import ConnectorConfig
 from .device import ArenaRegistry, Register, cuda_register
+from .geometry import latent_pages, paged_layout_of
 from .ledger import SaveLedger
 from .link import DaemonLink
 from .mapping import PageMap
@@ -50,40 +50,6 @@ logger = logging.getLogger("kvtier.connectors.vllm")
 PREEMPTED_SAVES_WAIT_S = 0.5
 """How long a step waits, in all, for its preempted requests' saves before withdrawing
 those still running (a healthy save of a step's blocks takes milliseconds)."""
-
-
-def paged_layout_of(kv_cache: torch.Tensor, kv_components: int = 2) -> PagedLayout:
-    """Which page format a vLLM 0.32 layer cache uses.
-
-    CPU backend: ``[pages, heads, page_size, 2*head]`` used as K rows then V rows per
-    head. GPU backends: 5-D ``[2, pages, page_size, heads, head]`` (FlashAttention NHD) or
-    the standardized 4-D ``[pages, heads, page_size, 2*head]`` with K|V halves. MLA
-    (``kv_components`` 1): ``[pages, page_size, latent]`` (see ``latent_pages``).
-    """
-    if kv_components == 1:
-        if kv_cache.dim() == 3:
-            return PagedLayout.MLA
-        raise LayoutMismatch(f"unsupported vLLM MLA cache shape {tuple(kv_cache.shape)} on "
-                             f"{kv_cache.device}")
-    if kv_cache.device.type == "cpu" and kv_cache.dim() == 4:
-        return PagedLayout.CPU
-    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
-        return PagedLayout.NHD
-    if kv_cache.dim() == 4:
-        return PagedLayout.PACKED_KV
-    raise LayoutMismatch(f"unsupported vLLM KV cache shape {tuple(kv_cache.shape)} on "
-                         f"{kv_cache.device}")
-
-
-def latent_pages(kv_cache: torch.Tensor) -> torch.Tensor:
-    """An MLA layer cache as ``[pages, page_size, latent]``: GPU backends allocate it so;
-    the CPU backend as ``[pages, 1, page_size, latent]`` (one KV head), viewed without its
-    head dim (the same memory). A shape the same size as a K|V cache must not be read as
-    one: the bytes would still round-trip, permuted within each page, but under the wrong
-    layout for any other engine."""
-    if kv_cache.dim() == 4 and kv_cache.shape[1] == 1:
-        return kv_cache.squeeze(1)
-    return kv_cache
 
 
 class WorkerSide:

@@ -17,11 +17,12 @@ torch = pytest.importorskip("torch")
 from kvtier.connectors.vllm.config import ConnectorConfig  # noqa: E402
 from kvtier.connectors.vllm.geometry import (  # noqa: E402
     engine_reuses_context,
+    latent_pages,
     layout_from_kv_cache_config,
+    paged_layout_of,
     tp_replicas,
 )
 from kvtier.connectors.vllm.link import DaemonLink  # noqa: E402
-from kvtier.connectors.vllm.worker import latent_pages, paged_layout_of  # noqa: E402
 from kvtier.kernels.layouts import PagedLayout  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
