@@ -2,7 +2,8 @@
 
 Each conversation's turn ``t`` prompt is the previous prompt + the previous answer + new
 user tokens, so every turn repeats a long prefix. The model (random Llama: 4 layers,
-hidden 512, 8 heads, head_dim 64, no download) is big enough that prefill dominates.
+hidden 512, 8 heads, head_dim 64, no download; ``--model mla`` or ``swa`` for DeepSeek-V2's
+latent attention or Gemma 3's sliding windows) is big enough that prefill dominates.
 vLLM's own prefix cache is off in both runs, so the difference is what kvtier brings.
 Both engines run in this invocation (one subprocess each, one after the other, sharing the
 machine), and a kvtier daemon is started for the kvtier run.
@@ -37,16 +38,43 @@ VOCAB = 1000
 ANSWER_TOKENS = 32
 
 
-def build_model(path: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+MODELS = ("llama", "mla", "swa")
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408,
-                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-                      head_dim=64, max_position_embeddings=8192, initializer_range=0.3,
-                      tie_word_embeddings=False)
+
+def build_model(path: Path, kind: str = "llama") -> None:
+    """A random model big enough that prefill dominates (4 layers, hidden 512, 8 heads):
+    ``llama`` (head_dim 64, K and V), ``mla`` (DeepSeek-V2 attention: one 576-wide latent
+    per token, v_head_dim 512, the CPU MLA kernels' geometry) or ``swa`` (Gemma 3: three
+    layers of a 512-token sliding window, one of full attention)."""
+    import torch
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    common: dict[str, Any] = {"vocab_size": VOCAB, "hidden_size": 512,
+                              "intermediate_size": 1408, "num_hidden_layers": 4,
+                              "num_attention_heads": 8, "max_position_embeddings": 8192,
+                              "initializer_range": 0.3, "tie_word_embeddings": False}
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    if kind == "mla":
+        DeepseekV2ForCausalLM(DeepseekV2Config(
+            **common, num_key_value_heads=8, moe_intermediate_size=128, n_routed_experts=4,
+            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=4,
+            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=512,
+            qk_nope_head_dim=64)).save_pretrained(path, safe_serialization=True)
+    elif kind == "swa":
+        Gemma3ForCausalLM(Gemma3TextConfig(
+            **common, num_key_value_heads=8, head_dim=64, query_pre_attn_scalar=64,
+            sliding_window=512, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        )).save_pretrained(path, safe_serialization=True)
+    else:
+        LlamaForCausalLM(LlamaConfig(**common, num_key_value_heads=8, head_dim=64)
+                         ).save_pretrained(path, safe_serialization=True)
 
 
 def conversations(n: int, turns: int, first: int, user: int,
@@ -177,6 +205,9 @@ def main() -> None:
     ap.add_argument("--malloc", choices=("tcmalloc", "glibc"), default="tcmalloc",
                     help="the engines' allocator (both runs): tcmalloc, as vLLM's CPU docs "
                          "set it up, when installed; glibc otherwise or when asked")
+    ap.add_argument("--model", choices=MODELS, default="llama",
+                    help="the random model's attention (build_model): llama, mla "
+                         "(DeepSeek-V2 latent) or swa (Gemma 3 sliding windows)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -188,7 +219,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
     model = work / "model"
-    build_model(model)
+    build_model(model, a.model)
+    print(f"model: random {a.model} (build_model)")
     convs = {"sequential": conversations(a.conversations, a.turns, a.first_tokens,
                                          a.user_tokens),
              "concurrent": conversations(a.concurrent, a.concurrent_turns, a.first_tokens,
