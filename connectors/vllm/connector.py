@@ -102,8 +102,9 @@ class KVTierConnector(KVConnectorBase_V1):
         mode = self.config.context_reuse
         if mode == "on" or (mode == "auto" and engine_reuses_context(vllm_config, layout)):
             return True
-        logger.warning("kvtier: this engine saves KV but never loads it (context_reuse=%s%s)",
-                       mode, "; vLLM turned prefix caching off for this model on this "
+        logger.warning("kvtier: this engine %s KV but never loads it (context_reuse=%s%s)",
+                       "saves" if self.config.saves else "neither saves", mode,
+                       "; vLLM turned prefix caching off for this model on this "
                        "platform (CPU MLA): its attention over a cached context is a "
                        "reference path" if mode == "auto" else "")
         return False
