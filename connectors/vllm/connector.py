@@ -102,11 +102,15 @@ class KVTierConnector(KVConnectorBase_V1):
         mode = self.config.context_reuse
         if mode == "on" or (mode == "auto" and engine_reuses_context(vllm_config, layout)):
             return True
-        logger.warning("kvtier: this engine %s KV but never loads it (context_reuse=%s%s)",
-                       "saves" if self.config.saves else "neither saves", mode,
-                       "; vLLM turned prefix caching off for this model on this "
-                       "platform (CPU MLA): its attention over a cached context is a "
-                       "reference path" if mode == "auto" else "")
+        why = ("vLLM runs this MLA model on its reference CPU attention and keeps context "
+               "reuse off for it" if mode == "auto" else "")
+        if self.config.saves:
+            logger.warning("kvtier: this engine saves KV but never loads it "
+                           "(context_reuse=%s%s)", mode, f": {why}" if why else "")
+        else:
+            logger.warning("kvtier: a kv_consumer never saves KV, and with context_reuse=%s "
+                           "this one never loads it%s: the connector does nothing", mode,
+                           f" ({why})" if why else "")
         return False
 
     @property

@@ -122,21 +122,39 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
 
 
 def engine_reuses_context(vllm_config: Any, layout: KVLayout) -> bool:
-    """Whether vLLM lets this engine compute on a cached context: its CPU platform turns
-    prefix caching off for MLA models (its CPU MLA attention over a cached context is a
-    reference path: on vLLM 0.32 it gives other tokens than a full prefill, with vLLM's
-    own prefix cache forced on as with loaded KV), so loads would make such an engine
-    compute what vLLM decided it must not."""
+    """Whether vLLM lets this engine compute on a cached context. Its CPU platform runs MLA
+    models on a reference attention unless an AMX MLA kernel (or DeepSeek-V4's) serves
+    them, and then turns prefix caching off: that attention over a cached context is not
+    its production path (on vLLM 0.32 it gives other tokens than a full prefill, with
+    vLLM's own prefix cache forced on as with loaded KV). This follows the same test as
+    ``vllm/platforms/cpu.py``, so an engine whose operator turned prefix caching off still
+    loads."""
     if layout.kv_components != 1:
         return True
     try:
         from vllm.platforms import current_platform
 
-        on_cpu = bool(current_platform.is_cpu())
+        if not current_platform.is_cpu():
+            return True
+        return not _reference_cpu_mla(vllm_config, current_platform)
     except Exception:   # no platform to ask: as vLLM configured the cache
-        on_cpu = False
-    cache = getattr(vllm_config, "cache_config", None)
-    return not on_cpu or bool(getattr(cache, "enable_prefix_caching", True))
+        cache = getattr(vllm_config, "cache_config", None)
+        return bool(getattr(cache, "enable_prefix_caching", True))
+
+
+def _reference_cpu_mla(vllm_config: Any, platform: Any) -> bool:
+    """vLLM's CPU platform picks its reference MLA attention (``CPU_MLA``): no AMX tiles on
+    an x86 CPU, or that backend asked for by name; DeepSeek-V4 has AMX kernels of its own."""
+    import torch
+    from vllm.platforms.interface import CpuArchEnum
+
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(getattr(model, "hf_config", None), "model_type", None) == "deepseek_v4":
+        return False
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    amx = (platform.get_cpu_architecture() == CpuArchEnum.X86
+           and bool(torch.cpu._is_amx_tile_supported()))
+    return not amx or getattr(backend, "name", None) == "CPU_MLA"
 
 
 def paged_layout_of(kv_cache: torch.Tensor, kv_components: int = 2) -> PagedLayout:

@@ -152,17 +152,31 @@ def test_several_groups_are_refused_with_the_way_out() -> None:
         layout_from_kv_cache_config(cfg, 64)
 
 
-def test_loads_follow_vllm_s_own_context_reuse_on_the_cpu_platform() -> None:
-    """vLLM's CPU platform turns prefix caching off for MLA models (a reference context
-    path): context_reuse "auto" then does not load. K and V models, and MLA with prefix
-    caching left on (AMX MLA), load."""
+def test_loads_follow_vllm_s_own_context_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU platform runs an MLA model on its reference attention (no AMX tiles)
+    and keeps context reuse off for it: context_reuse "auto" does not load there. It
+    loads for K and V models, for MLA on a GPU, and for an AMX CPU (vLLM's AMX MLA
+    kernel), whether or not the operator turned prefix caching off."""
+    import torch
+    from vllm.platforms import current_platform
+
     latent, _ = layout_from_kv_cache_config(kv_config(mla()), 64)
     heads, _ = layout_from_kv_cache_config(kv_config(full()), 64)
-    off = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False))
-    on = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True))
-    assert not engine_reuses_context(off, latent)      # this machine's platform is the CPU
-    assert engine_reuses_context(on, latent)
-    assert engine_reuses_context(off, heads)
+    engine = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False),
+                             model_config=SimpleNamespace(hf_config=SimpleNamespace(
+                                 model_type="deepseek_v2")),
+                             attention_config=SimpleNamespace(backend=None))
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not engine_reuses_context(engine, latent)
+    assert engine_reuses_context(engine, heads)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    if current_platform.get_cpu_architecture().name == "X86":
+        assert engine_reuses_context(engine, latent)           # vLLM's AMX MLA kernel
+        engine.attention_config.backend = SimpleNamespace(name="CPU_MLA")
+        assert not engine_reuses_context(engine, latent)       # the reference, by name
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert engine_reuses_context(engine, latent)               # a GPU engine loads
     cfg = ConnectorConfig.from_extra({}, block_size=16, default_model_id="m")
     assert cfg.context_reuse == "auto"
     with pytest.raises(ConfigError, match="context_reuse"):
