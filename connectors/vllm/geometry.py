@@ -143,17 +143,18 @@ def engine_reuses_context(vllm_config: Any, layout: KVLayout) -> bool:
 
 
 def _reference_cpu_mla(vllm_config: Any, platform: Any) -> bool:
-    """vLLM's CPU platform picks its reference MLA attention (``CPU_MLA``): no AMX tiles on
-    an x86 CPU, or that backend asked for by name; DeepSeek-V4 has AMX kernels of its own."""
+    """vLLM's CPU platform keeps context reuse off for an MLA model unless AMX kernels
+    serve it: its AMX MLA kernel (x86 with AMX tiles, the reference ``CPU_MLA`` backend not
+    asked for by name), or DeepSeek-V4's own on such a CPU."""
     import torch
     from vllm.platforms.interface import CpuArchEnum
 
-    model = getattr(vllm_config, "model_config", None)
-    if getattr(getattr(model, "hf_config", None), "model_type", None) == "deepseek_v4":
-        return False
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     amx = (platform.get_cpu_architecture() == CpuArchEnum.X86
            and bool(torch.cpu._is_amx_tile_supported()))
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(getattr(model, "hf_config", None), "model_type", None) == "deepseek_v4":
+        return not amx
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     return not amx or getattr(backend, "name", None) == "CPU_MLA"
 
 
