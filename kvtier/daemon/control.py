@@ -108,7 +108,7 @@ class ControlServer(ControlOps):
 
     async def start(self) -> None:
         """Listen on the socket. Its directory was prepared and verified before (the
-        daemon's preflight, kvtier.trust.prepare_socket_dir): nothing is created here."""
+        daemon's preflight, kvtier.socket_path.prepare_socket_dir): nothing is created here."""
         old = os.umask(0o177)  # the socket is born 0600: no window where others can connect
         try:
             self._server = await asyncio.start_unix_server(

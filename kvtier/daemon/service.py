@@ -47,10 +47,10 @@ from kvtier.errors import ConfigError
 from kvtier.explain import MissLog, salt_id
 from kvtier.policy.factory import build_policies
 from kvtier.presence import PresenceFilter
+from kvtier.socket_path import claim_socket_path, lock_socket_path, prepare_socket_dir
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.journal_replay import read_journal
-from kvtier.trust import claim_socket_path, lock_socket_path, prepare_socket_dir
 
 log = logging.getLogger("kvtier.daemon")
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from kvtier.config import Config
 from kvtier.daemon.preflight import dir_path_problem, shm_dir_problem
 from kvtier.doctor.env import Check, Host, Verdict
-from kvtier.trust import owned_dir_problem, socket_dir_problem, socket_path_problem
+from kvtier.socket_path import socket_dir_problem, socket_path_problem
+from kvtier.trust import owned_dir_problem
 from kvtier.units import format_bytes
 
 

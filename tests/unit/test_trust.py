@@ -17,13 +17,12 @@ from kvtier.config import default_runtime_dir, default_socket_path, trusted_daem
 from kvtier.daemon.http import bearer_token_matches
 from kvtier.daemon.preflight import check_shm_space, check_writable_dir, setup_error
 from kvtier.errors import ConfigError, StartupError, UntrustedArena
+from kvtier.socket_path import claim_socket_path, prepare_socket_dir
 from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.trust import (
     arena_problem,
-    claim_socket_path,
     dirs_on_path,
     ensure_private_dir,
-    prepare_socket_dir,
     private_dir_problem,
     shared_dir_problem,
 )
