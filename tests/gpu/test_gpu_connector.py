@@ -1,5 +1,5 @@
 """The connector's worker side on a real GPU (no vLLM needed): CUDA KV caches in the
-FlashAttention NHD format, a real daemon, the arena registered with cudaHostRegister, loads
+FlashAttention NHD format (and an MLA latent cache), a real daemon, the arena registered with cudaHostRegister, loads
 on the load stream with per-layer events, saves on the save stream, and device views from
 the daemon's HBM pool. The CPU versions of these tests are
 tests/integration/test_connector_worker.py (fake device)."""
@@ -113,6 +113,33 @@ def test_round_trip_through_the_registered_arena(daemon: DaemonProcess) -> None:
     trace = w.pipeline.last_trace
     assert all(r is not None and t is not None and r <= t
                for r, t in zip(trace.ready_at, trace.waited_at, strict=True))
+    w.shutdown()
+
+
+def test_an_mla_latent_cache_round_trips_through_the_arena(daemon: DaemonProcess) -> None:
+    """GPU MLA backends (FlashMLA, FlashInfer, Triton) allocate one latent per token and
+    layer as ``[pages, page, 576]``: saved and loaded on the streams like K and V pages."""
+    import torch
+    from kvtier.connectors.vllm.config import ConnectorConfig
+    from kvtier.connectors.vllm.worker import WorkerSide
+
+    latent = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=576, dtype="bfloat16",
+                      tokens_per_block=TPB, kv_components=1)
+    torch.manual_seed(3)
+    kv = {f"layers.{i}.attn": torch.randn(NUM_PAGES, PAGE, 576, dtype=torch.bfloat16,
+                                          device="cuda") for i in range(LAYERS)}
+    cfg = ConnectorConfig.from_extra({"socket_path": str(daemon.socket), "tokens_per_block": TPB,
+                                      "model_id": "gpu-mla"}, block_size=PAGE,
+                                     default_model_id="gpu-mla")
+    w = WorkerSide(cfg, latent, PAGE, 0, 1)
+    w.register_kv_caches(kv)
+    src = spec("s", 5, 1, 3, save_id=1)
+    save_and_wait(w, src)
+    dst = spec("l", 5, 1 + 3 * PAGES_PER_BLOCK, 3)
+    for c in kv.values():
+        c[dst.page_ids] = 0
+    assert load_all(w, dst) == set()
+    assert all(torch.equal(c[src.page_ids], c[dst.page_ids]) for c in kv.values())
     w.shutdown()
 
 
