@@ -1,7 +1,7 @@
 """The connector's worker side on a real GPU (no vLLM needed): CUDA KV caches in the
-FlashAttention NHD format (and an MLA latent cache), a real daemon, the arena registered with cudaHostRegister, loads
-on the load stream with per-layer events, saves on the save stream, and device views from
-the daemon's HBM pool. The CPU versions of these tests are
+FlashAttention NHD format (and an MLA latent cache), a real daemon, the arena registered
+with cudaHostRegister, loads on the load stream with per-layer events, saves on the save
+stream, and device views from the daemon's HBM pool. The CPU versions of these tests are
 tests/integration/test_connector_worker.py (fake device)."""
 
 from __future__ import annotations
