@@ -75,12 +75,12 @@ class KVTierConnector(KVConnectorBase_V1):
         layout, block_size = layout_from_kv_cache_config(kv_cache_config,
                                                          self.config.tokens_per_block)
         tp_size = parallel.tensor_parallel_size
-        kv_replicas = tp_replicas(kv_cache_config, layout, tp_size)
+        replicas = tp_replicas(kv_cache_config, layout, tp_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, layout, block_size, tp_size,
-                                            kv_replicas,
+                                            replicas,
                                             loads=self._loads(vllm_config, layout))
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if policy != "recompute":
@@ -92,7 +92,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
             rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
             self._worker = WorkerSide(self.config, layout, block_size, rank, tp_size,
-                                      kv_replicas=kv_replicas)
+                                      replicas=replicas)
         logger.info("kvtier: %s side, %s, socket %s, %d tokens per block, model_id %r, "
                     "tp %d", role.name.lower(), self.config.role, self.config.socket_path,
                     self.config.tokens_per_block, self.config.model_id, tp_size)

@@ -101,12 +101,11 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
         raise ConfigError(f"KVTierConnector needs one KV entry per token; this model keeps "
                           f"one per {1 / spec.tokens_per_state} tokens")  # type: ignore[attr-defined]
     kv_format = CANONICAL_FORMAT
-    head_v = getattr(spec, "head_size_v", None) or spec.head_size
     if components == 1:
         cache_dtype = getattr(spec, "cache_dtype_str", None)
         if cache_dtype not in (None, "auto"):
             kv_format = f"{CANONICAL_FORMAT}:{cache_dtype}"
-    elif head_v != spec.head_size:
+    elif (head_v := getattr(spec, "head_size_v", None) or spec.head_size) != spec.head_size:
         raise ConfigError(f"KVTierConnector needs K and V of the same head size, this "
                           f"model's are {spec.head_size} and {head_v}")
     layout = KVLayout(

@@ -65,7 +65,7 @@ class DaemonLink:
 
     ``layout``, ``tp_size`` and ``model_id`` are fixed per engine; namespaces differ by
     (cache_salt, KV shard) and are computed locally, so keys never need the daemon. Ranks
-    that hold identical KV (``kv_replicas`` consecutive ones, as vLLM's ``KVCacheConfig``
+    that hold identical KV (``replicas`` consecutive ones, as vLLM's ``KVCacheConfig``
     says: every rank for an MLA latent) share one namespace, keyed by the shard they hold,
     so an engine of another TP size holding the same shard per rank shares its blocks.
     """
@@ -73,7 +73,7 @@ class DaemonLink:
     config: ConnectorConfig
     layout: KVLayout
     tp_size: int = 1
-    kv_replicas: int = 1
+    replicas: int = 1          # (a divisor of tp_size: geometry.tp_replicas)
     name: str = "connector"
     clock: Callable[[], float] = time.monotonic
     device: bool = False
@@ -87,12 +87,6 @@ class DaemonLink:
     @property
     def connected(self) -> bool:
         return self._client is not None
-
-    @property
-    def replicas(self) -> int:
-        """How many consecutive TP ranks hold the same KV (one namespace between them)."""
-        r = self.kv_replicas
-        return r if 1 <= r <= self.tp_size and self.tp_size % r == 0 else 1
 
     @property
     def shards(self) -> int:

@@ -73,15 +73,15 @@ class SchedulerSide:
     """The scheduler half of ``KVTierConnector`` (one per engine core)."""
 
     def __init__(self, config: ConnectorConfig, layout: KVLayout, block_size: int,
-                 tp_size: int, kv_replicas: int = 1, *, loads: bool = True) -> None:
-        """``kv_replicas``: consecutive TP ranks holding the same KV (``geometry.
+                 tp_size: int, replicas: int = 1, *, loads: bool = True) -> None:
+        """``replicas``: consecutive TP ranks holding the same KV (``geometry.
         tp_replicas``); ``loads``: False when this engine must not compute on a loaded
         context (``ConnectorConfig.context_reuse``)."""
         self.config = config
         self.pages = PageMap(block_size, config.tokens_per_block)
         self.tp_size = tp_size
         self.loads = loads
-        self.link = DaemonLink(config, layout, tp_size=tp_size, kv_replicas=kv_replicas,
+        self.link = DaemonLink(config, layout, tp_size=tp_size, replicas=replicas,
                                name="scheduler")
         self._states: dict[str, RequestState] = {}
         self._spans: dict[str, LoadSpan] = {}

@@ -60,9 +60,9 @@ class WorkerSide:
     """
 
     def __init__(self, config: ConnectorConfig, layout: KVLayout, block_size: int,
-                 tp_rank: int, tp_size: int, *, kv_replicas: int = 1,
+                 tp_rank: int, tp_size: int, *, replicas: int = 1,
                  register: Register | None = None, agree: Agree | None = None) -> None:
-        """``kv_replicas``: consecutive TP ranks holding the same KV (``geometry.
+        """``replicas``: consecutive TP ranks holding the same KV (``geometry.
         tp_replicas``);
         ``agree``: how the TP ranks agree on their saves' cuts (default: an all-reduce
         over vLLM's TP group when ``tp_size`` > 1; tests inject one)."""
@@ -72,7 +72,7 @@ class WorkerSide:
         self.pages = PageMap(block_size, config.tokens_per_block)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self.kv_replicas = kv_replicas
+        self.replicas = replicas
         self.arenas = ArenaRegistry(register)
         self._register_override = register is not None
         self.device_loads = bool(config.device_loads)
@@ -80,7 +80,7 @@ class WorkerSide:
         # ranks holding the same KV (an MLA latent): the first of them alone saves it (the
         # others still agree on the cuts, which depend on every rank's loads through the
         # all-reduce)
-        self.saves_kv = tp_rank % self.link.replicas == 0
+        self.saves_kv = tp_rank % replicas == 0
         self._thread_links = threading.local()
         self.caches: CacheSet | None = None
         self.layer_index: dict[str, int] = {}
@@ -104,7 +104,7 @@ class WorkerSide:
 
     def _new_link(self, suffix: str) -> DaemonLink:
         return DaemonLink(self.config, self.layout, tp_size=self.tp_size,
-                          kv_replicas=self.kv_replicas,
+                          replicas=self.replicas,
                           name=f"worker{self.tp_rank}{suffix}",
                           device=self.device_loads,
                           on_connect=self._on_connect)

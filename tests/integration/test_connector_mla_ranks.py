@@ -51,7 +51,7 @@ def worker(d: DaemonProcess, rank: int, kv: dict[str, torch.Tensor]) -> WorkerSi
     cfg = ConnectorConfig.from_extra({"socket_path": str(d.socket), "tokens_per_block": TPB,
                                       "model_id": "mla"}, block_size=PAGE,
                                      default_model_id="mla")
-    w = WorkerSide(cfg, LAYOUT, PAGE, rank, 2, kv_replicas=2, agree=lambda cuts: cuts)
+    w = WorkerSide(cfg, LAYOUT, PAGE, rank, 2, replicas=2, agree=lambda cuts: cuts)
     w.register_kv_caches(kv)
     return w
 

@@ -69,10 +69,10 @@ def test_k_and_v_of_other_sizes_outside_mla_are_refused() -> None:
         layout_from_kv_cache_config(kv_config(spec), 64)
 
 
-def link(layout: object, tp_size: int, kv_replicas: int = 1) -> DaemonLink:
+def link(layout: object, tp_size: int, replicas: int = 1) -> DaemonLink:
     cfg = ConnectorConfig.from_extra({"model_id": "m"}, block_size=16, default_model_id="m")
     return DaemonLink(cfg, layout, tp_size=tp_size,   # type: ignore[arg-type]
-                      kv_replicas=kv_replicas)
+                      replicas=replicas)
 
 
 def test_tp_ranks_share_the_latent_namespace_and_shard_k_and_v() -> None:
