@@ -43,6 +43,7 @@ from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpe
 from .pending import PendingSaves
 from .pieces import FAILED_STEPS_KEPT
 from .recompute import RecomputeModel
+from .report import engine_report
 from .salts import request_salt
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class SchedulerSide:
             # a second timeout (another connection finds the stall anew), a lost block a
             # second failure; recomputing is what the failure already decided
             return 0, False
-        tokens = _token_ids(request)
+        tokens = request.all_token_ids
         n_blocks = self.pages.full_blocks(len(tokens))
         if n_blocks * self.config.tokens_per_block <= num_computed_tokens:
             return 0, False
@@ -206,7 +207,7 @@ class SchedulerSide:
             # failed so the scheduler recomputes it (cannot happen with full attention).
             logger.warning("kvtier: request %s has %d pages for a %d-block load",
                            req_id, len(state.page_ids), span.end_block)
-        tokens = np.asarray(_token_ids(request)[: span.end_block * self.config.tokens_per_block],
+        tokens = np.asarray(request.all_token_ids[: span.end_block * self.config.tokens_per_block],
                             dtype=np.uint32)
         spec = TransferSpec(req_id, state.salt, tokens, span.first_block, rows, span.skip_pages)
         pages = set(spec.page_ids[spec.skip_pages:])   # fresh pages, this request's alone
@@ -322,7 +323,7 @@ class SchedulerSide:
         if not rows:
             return
         end = state.known_blocks + len(rows)
-        tokens = np.asarray(_token_ids(state.request)[: end * self.config.tokens_per_block],
+        tokens = np.asarray(state.request.all_token_ids[: end * self.config.tokens_per_block],
                             dtype=np.uint32)
         save_id = self._pending_saves.add(state.salt, tokens, state.known_blocks, end)
         meta.saves.append(TransferSpec(req_id, state.salt, tokens, state.known_blocks, rows,
@@ -383,17 +384,11 @@ class SchedulerSide:
             return
         self._last_report = now
         self._pending_saves.prune(now)
-        values: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
-        values.update(running=len(self._states), waiting=len(self._spans),
-                      preemptions=self._preemptions,
-                      prefill_tokens_per_s=round(self.recompute.prefill_tokens_per_s, 1))
-        if self._states:   # the live requests' context lengths (doctor pattern 2 reads them)
-            lengths = np.fromiter((s.request.num_tokens for s in self._states.values()),
-                                  dtype=np.int64, count=len(self._states))
-            p50, p99 = np.percentile(lengths, (50, 99))
-            values.update(context_tokens_p50=float(p50), context_tokens_p99=float(p99))
-        else:
-            values.update(context_tokens_p50=0.0, context_tokens_p99=0.0)
+        values = engine_report(
+            self.counters, (s.request.num_tokens for s in self._states.values()),
+            running=len(self._states), waiting=len(self._spans),
+            preemptions=self._preemptions,
+            prefill_tokens_per_s=self.recompute.prefill_tokens_per_s)
         # no round trip inside the engine's step: the reply is skipped by the next call
         self.link.call(lambda c: c.report_engine_nowait(engine_id=self.engine_id, **values),
                        None)
@@ -401,7 +396,3 @@ class SchedulerSide:
     def shutdown(self) -> None:
         self.link.close()
 
-
-def _token_ids(request: Request) -> Any:
-    """All token ids of the request (prompt, then output) as a sequence."""
-    return request.all_token_ids

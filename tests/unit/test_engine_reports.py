@@ -55,3 +55,17 @@ def test_reports_take_finite_known_numbers_only() -> None:
 def test_key_scheme_labels_are_bounded() -> None:
     got = scheme_counts({KEY_SCHEME: 3, "unknown": 1, "a" * 64: 1, "evil/1": 2})
     assert got == {KEY_SCHEME: 3, "unknown": 1, "other": 3}
+
+
+def test_a_connector_report_gives_counters_as_floats_and_context_percentiles() -> None:
+    from kvtier.connectors.vllm.report import engine_report
+
+    values = engine_report({"loaded_blocks": 7}, iter([100, 300, 200]), running=3,
+                           waiting=1, preemptions=2, prefill_tokens_per_s=1234.56)
+    assert values["loaded_blocks"] == 7.0 and values["prefill_tokens_per_s"] == 1234.6
+    assert (values["running"], values["waiting"], values["preemptions"]) == (3, 1, 2)
+    assert values["context_tokens_p50"] == 200.0
+    assert 200.0 < values["context_tokens_p99"] <= 300.0
+    idle = engine_report({}, iter(()), running=0, waiting=0, preemptions=0,
+                         prefill_tokens_per_s=0.0)
+    assert idle["context_tokens_p50"] == idle["context_tokens_p99"] == 0.0
