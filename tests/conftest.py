@@ -12,11 +12,8 @@ from tests.support.daemon import DaemonProcess
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "kvd").start()
-    try:
+    with DaemonProcess(tmp_path / "kvd") as d:
         yield d
-    finally:
-        d.kill()
 
 
 @pytest.fixture

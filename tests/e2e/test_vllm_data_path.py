@@ -36,10 +36,8 @@ P_SHARED_B = P_SHARED + prompt(31, 100)        # A's pages from vLLM's prefix ca
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-dp"), cpu_bytes="64MiB")
-    d.start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("kvtierd-dp"), cpu_bytes="64MiB") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -40,10 +40,8 @@ def mqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-geo"), cpu_bytes="64MiB")
-    d.start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("kvtierd-geo"), cpu_bytes="64MiB") as d:
+        yield d
 
 
 def test_an_mqa_bf16_model_reloads_exactly_in_a_fresh_engine(

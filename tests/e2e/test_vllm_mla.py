@@ -55,10 +55,8 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-mla"), cpu_bytes="64MiB")
-    d.start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("kvtierd-mla"), cpu_bytes="64MiB") as d:
+        yield d
 
 
 def _layout() -> KVLayout:

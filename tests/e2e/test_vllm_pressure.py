@@ -174,11 +174,9 @@ def setup(request: pytest.FixtureRequest) -> Setup:
 @pytest.fixture()
 def daemon(setup: Setup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """A fresh daemon per setup: phase 0 finds nothing another setup offloaded."""
-    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-pressure"), cpu_bytes=setup.cpu_bytes,
-                      nvme_bytes=setup.nvme_bytes)
-    d.start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("kvtierd-pressure"), cpu_bytes=setup.cpu_bytes,
+                       nvme_bytes=setup.nvme_bytes) as d:
+        yield d
 
 
 def test_workload_shape() -> None:

@@ -27,10 +27,8 @@ PROMPT = PREFIX + prompt(41, 150)     # loads 3 blocks, computes blocks 3 and 4 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-tp"), cpu_bytes="64MiB")
-    d.start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("kvtierd-tp"), cpu_bytes="64MiB") as d:
+        yield d
 
 
 def test_a_load_that_fails_on_one_rank_leaves_no_wrong_shard(

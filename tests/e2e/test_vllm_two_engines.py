@@ -19,11 +19,9 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("kvtierd-shared"), cpu_bytes="64MiB",
-                      nvme_bytes="0")
-    d.start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("kvtierd-shared"), cpu_bytes="64MiB",
+                       nvme_bytes="0") as d:
+        yield d
 
 
 def test_second_engine_process_hits_first_engines_prefix(

@@ -23,10 +23,8 @@ PROMPTS = [prompt(71, 200), prompt(72, 257)]
 
 @pytest.fixture()
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "kvd", cpu_bytes="64MiB")
-    d.start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path / "kvd", cpu_bytes="64MiB") as d:
+        yield d
 
 
 def whole_pages(p: list[int]) -> int:

@@ -29,10 +29,9 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("gpu-worker"), cpu_bytes="512MiB",
-                      nvme_bytes="0").start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("gpu-worker"), cpu_bytes="512MiB",
+                       nvme_bytes="0") as d:
+        yield d
 
 
 def cuda_caches(seed: int) -> dict[str, Any]:

@@ -33,10 +33,9 @@ LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=LATENT, dtype="flo
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("mla-daemon"), cpu_bytes="32MiB",
-                      nvme_bytes="64MiB").start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("mla-daemon"), cpu_bytes="32MiB",
+                       nvme_bytes="64MiB") as d:
+        yield d
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:

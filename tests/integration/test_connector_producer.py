@@ -37,12 +37,11 @@ from tests.support.redis_servers import RedisServer
 
 @pytest.fixture
 def node(tmp_path: Path, redis_server: RedisServer) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "kvd", cpu_bytes="32MiB", nvme_bytes="0",
-                      extra_args=["--redis-url", redis_server.url],
-                      env={"KVTIER_REDIS_WRITE_THROUGH": "false",
-                           "KVTIER_REDIS_OP_TIMEOUT_S": "0.5"}).start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path / "kvd", cpu_bytes="32MiB", nvme_bytes="0",
+                       extra_args=["--redis-url", redis_server.url],
+                       env={"KVTIER_REDIS_WRITE_THROUGH": "false",
+                            "KVTIER_REDIS_OP_TIMEOUT_S": "0.5"}) as d:
+        yield d
 
 
 def worker(d: DaemonProcess, role: str, **extra: Any) -> WorkerSide:

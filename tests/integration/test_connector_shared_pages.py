@@ -41,9 +41,8 @@ MODEL = "shared-pages"
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("shared-pages"), cpu_bytes="32MiB").start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("shared-pages"), cpu_bytes="32MiB") as d:
+        yield d
 
 
 def config(d: DaemonProcess) -> ConnectorConfig:

@@ -31,13 +31,12 @@ TOKEN = "s3cr3t-admin-token"
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path_factory.mktemp("http") / "d", cpu_bytes="32MiB",
-                      nvme_bytes="0",
-                      env={"KVTIER_DAEMON_READ_TIMEOUT_S": "1", "KVTIER_HTTP_MAX_CONNECTIONS": "8",
-                           "KVTIER_HTTP_ADMIN_TOKEN": TOKEN,
-                           "KVTIER_REDIS_URL": "redis://kv:hunter2@127.0.0.1:1/0"}).start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path_factory.mktemp("http") / "d", cpu_bytes="32MiB",
+                       nvme_bytes="0",
+                       env={"KVTIER_DAEMON_READ_TIMEOUT_S": "1", "KVTIER_HTTP_MAX_CONNECTIONS": "8",
+                            "KVTIER_HTTP_ADMIN_TOKEN": TOKEN,
+                            "KVTIER_REDIS_URL": "redis://kv:hunter2@127.0.0.1:1/0"}) as d:
+        yield d
 
 
 def _addr(d: DaemonProcess) -> tuple[str, int]:

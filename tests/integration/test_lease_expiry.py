@@ -45,12 +45,9 @@ T = TypeVar("T")
 
 @pytest.fixture
 def short_leases(tmp_path: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "kvd", cpu_bytes=str(ARENA_BLOCKS * BLOCK),
-                      nvme_bytes="64MiB", env=dict(LEASE_ENV)).start()
-    try:
+    with DaemonProcess(tmp_path / "kvd", cpu_bytes=str(ARENA_BLOCKS * BLOCK),
+                       nvme_bytes="64MiB", env=dict(LEASE_ENV)) as d:
         yield d
-    finally:
-        d.kill()
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 20.0) -> None:

@@ -80,12 +80,9 @@ def assert_stolen_keys_miss(thief: KVTierClient, ns: Namespace, keys: list[bytes
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "kvd", cpu_bytes=str(32 * LAYOUT.block_bytes),
-                      nvme_bytes="64MiB", env=dict(ENV)).start()
-    try:
+    with DaemonProcess(tmp_path / "kvd", cpu_bytes=str(32 * LAYOUT.block_bytes),
+                       nvme_bytes="64MiB", env=dict(ENV)) as d:
         yield d
-    finally:
-        d.kill()
 
 
 def test_stolen_keys_are_misses_on_cpu_and_nvme_and_delete_nothing(

@@ -22,10 +22,9 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "d", cpu_bytes="8MiB", nvme_bytes="0",
-                      env={"KVTIER_POLICY_EVICTION": "lru"}).start()
-    yield d
-    d.kill()
+    with DaemonProcess(tmp_path / "d", cpu_bytes="8MiB", nvme_bytes="0",
+                       env={"KVTIER_POLICY_EVICTION": "lru"}) as d:
+        yield d
 
 
 def chain(ns: Namespace, seed: int, blocks: int) -> list[bytes]:

@@ -41,12 +41,9 @@ def data(i: int) -> np.ndarray:
 
 @pytest.fixture
 def short_ttl(tmp_path: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path / "kvd", env={"KVTIER_DAEMON_LEASE_TTL_S": "0.5",
-                                             "KVTIER_DAEMON_LEASE_SWEEP_S": "0.02"}).start()
-    try:
+    with DaemonProcess(tmp_path / "kvd", env={"KVTIER_DAEMON_LEASE_TTL_S": "0.5",
+                                              "KVTIER_DAEMON_LEASE_SWEEP_S": "0.02"}) as d:
         yield d
-    finally:
-        d.kill()
 
 
 def stopped(d: DaemonProcess) -> None:

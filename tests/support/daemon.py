@@ -76,6 +76,13 @@ class DaemonProcess:
         self.kill()
         raise RuntimeError(f"daemon did not start: {''.join(banner)}\n{self.log()}")
 
+    def __enter__(self) -> DaemonProcess:
+        """Started; killed (its arena removed) when the block ends, however it ends."""
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
