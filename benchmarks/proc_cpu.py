@@ -3,7 +3,7 @@
 On a machine with few cores the paths are not only as fast as their critical paths: the
 bench client, the daemon and redis-server share the cores, so a path that burns more CPU
 per round is slower once they are all busy. This table shows where each path's CPU goes
-(docs/redis.md reads it).
+(docs/redis-bench-log.md reads it).
 """
 
 from __future__ import annotations
