@@ -29,6 +29,7 @@ from kvtier.errors import Overloaded, ProtocolError
 from kvtier.protocol import (
     DEFAULT_MAX_FRAME,
     LENGTH,
+    REQUEST_MAX_ENTRIES,
     REQUEST_MAX_ITEMS,
     check_length,
     unpack_body,
@@ -328,7 +329,7 @@ async def read_request(reader: asyncio.StreamReader, lim: Limits, pending: ByteB
                     charge.take(budget, n)
             else:
                 body = await read_exactly(reader, n, arrived)
-        return unpack_body(body, lim.max_frame, REQUEST_MAX_ITEMS), charge
+        return unpack_body(body, lim.max_frame, REQUEST_MAX_ITEMS, REQUEST_MAX_ENTRIES), charge
     except BaseException as exc:
         waited, charge.waiting = charge.waiting, None
         charge.release()

@@ -208,6 +208,21 @@ def test_malformed_and_oversized_frames_close_only_that_connection(
     _still_intact(daemon, ns, keys, bufs)
 
 
+def test_a_frame_of_many_nested_lists_is_refused_before_it_is_decoded(
+        daemon: DaemonProcess) -> None:
+    """4000 lists of 4096 entries in one 16 MB frame: each list within its bound, the
+    frame within ``max_frame_bytes``. Decoded whole, it held the loop ~1.2 s per frame and
+    grew the daemon by 150 MB (found by review); the entry budget refuses it early."""
+    ns, keys, bufs = _stored(daemon)
+    bystander = connect(daemon.socket)
+    s = _raw(daemon)
+    s.sendall(pack({"id": 5, "op": "ping", "x": [[0] * 4096] * 4000}))
+    r = _reply(s)
+    assert not r["ok"] and r["code"] == ProtocolError.code and "entries in all" in r["error"]
+    bystander.ping()
+    _still_intact(daemon, ns, keys, bufs)
+
+
 def test_handshake_version_mismatch(daemon: DaemonProcess) -> None:
     s = _raw(daemon, hello=False)
     s.sendall(pack({"id": 1, "op": "hello", "version": 99}))

@@ -4,6 +4,7 @@ and the store's fail-fast put and namespace bound."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgpack
 import pytest
@@ -22,6 +23,7 @@ from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from kvtier.protocol import (
     LENGTH,
+    REQUEST_MAX_ENTRIES,
     REQUEST_MAX_ITEMS,
     optional_int,
     pack,
@@ -205,6 +207,34 @@ def test_request_decoding_bounds_containers() -> None:
     with pytest.raises(ProtocolError, match="malformed"):
         unpack_body(big, max_items=REQUEST_MAX_ITEMS)
     assert len(unpack_body(big)["xs"]) == REQUEST_MAX_ITEMS + 1   # replies: unbounded
+
+
+def test_request_decoding_bounds_all_containers_together() -> None:
+    """4000 lists of 4096 entries (16 MB, each list within its bound) decoded into 16
+    million objects and held the daemon's loop for ~1.2 s (found by review): refused after
+    the budget, in a few milliseconds, before most of the frame is decoded."""
+    nested = msgpack.packb({"op": "ping", "x": [[0] * REQUEST_MAX_ITEMS] * 4000})
+    t0 = time.perf_counter()
+    with pytest.raises(ProtocolError, match="entries in all"):
+        unpack_body(nested, max_items=REQUEST_MAX_ITEMS, max_entries=REQUEST_MAX_ENTRIES)
+    assert time.perf_counter() - t0 < 0.2   # (a full decode takes over a second)
+    many_empty = msgpack.packb({"x": [[]] * REQUEST_MAX_ITEMS * 2})   # containers count too
+    with pytest.raises(ProtocolError, match="entries in all"):
+        unpack_body(many_empty, max_items=REQUEST_MAX_ITEMS * 2, max_entries=REQUEST_MAX_ENTRIES)
+    # a request as large as an engine sends: every lengths entry of a batch, a layout map
+    flat = {"op": "prefix_locality", "lengths": [1] * 256, "keys": b"k" * 16 * 4096,
+            "layout": {"num_layers": 32, "dtype": "bfloat16"}}
+    assert unpack_body(msgpack.packb(flat), max_items=REQUEST_MAX_ITEMS,
+                       max_entries=REQUEST_MAX_ENTRIES)["lengths"] == [1] * 256
+    # exactly the budget: a map of 4 (5), 3 lists of 4095 (12288) and one of 4090 (4091)
+    exact = {"x": [0] * (REQUEST_MAX_ITEMS - 6)} | {
+        f"y{i}": [0] * (REQUEST_MAX_ITEMS - 1) for i in range(3)}
+    assert len(unpack_body(msgpack.packb(exact), max_items=REQUEST_MAX_ITEMS,
+                           max_entries=REQUEST_MAX_ENTRIES)) == 4
+    exact["x"].append(0)   # one entry over
+    with pytest.raises(ProtocolError, match="entries in all"):
+        unpack_body(msgpack.packb(exact), max_items=REQUEST_MAX_ITEMS,
+                    max_entries=REQUEST_MAX_ENTRIES)
 
 
 def test_request_id_and_optional_int() -> None:
