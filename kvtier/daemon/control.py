@@ -29,6 +29,7 @@ from typing import Any
 from kvtier.daemon.engines import EngineReports
 from kvtier.daemon.exits import ExitWatcher
 from kvtier.daemon.greeting import Greeter
+from kvtier.daemon.inflight import InFlight
 from kvtier.daemon.limits import (
     STREAM_LIMIT,
     ByteBudget,
@@ -41,17 +42,8 @@ from kvtier.daemon.limits import (
 from kvtier.daemon.ops import Connection, ControlOps
 from kvtier.daemon.prefix import PrefixProbe
 from kvtier.daemon.redis_sync import RedisSync
-from kvtier.errors import (
-    KVTierError,
-    Overloaded,
-    ProtocolError,
-    StartupError,
-    TrustError,
-)
-from kvtier.protocol import (
-    pack,
-    request_id,
-)
+from kvtier.errors import KVTierError, Overloaded, ProtocolError, StartupError, TrustError
+from kvtier.protocol import pack, request_id
 from kvtier.store import TieredStore
 
 log = logging.getLogger("kvtier.control")
@@ -96,6 +88,7 @@ class ControlServer(ControlOps):
         self.protocol_errors = 0
         self.counters = LimitCounters()
         self.engines = EngineReports()
+        self.in_flight = InFlight()
         self._ops = self.op_table()
         self.prefix = PrefixProbe(store, self.limits)   # also serves POST /v1/prefix
         self.redis_sync = RedisSync(store)              # put_commit with redis_sync_s

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.daemon.engines import EngineReports
+from kvtier.daemon.inflight import InFlight
 from kvtier.daemon.limits import LimitCounters, Limits
 from kvtier.daemon.prefix import PrefixProbe
 from kvtier.daemon.redis_sync import RedisSync
@@ -72,6 +73,7 @@ class ControlOps:
     orphans: dict[int, int]   # closed connection -> its process, while slots stay quarantined
     counters: LimitCounters
     engines: EngineReports
+    in_flight: InFlight   # what prepares still running will hold, per process
 
     def op_table(self) -> dict[str, Handler]:
         """Op name -> handler (the names are ``kvtier.protocol.OPS`` minus ``hello``)."""
@@ -166,8 +168,10 @@ class ControlOps:
         max_new = self._put_room(conn) // layout.block_bytes
         if max_new < len(keys):   # (some keys may be stored already and need no room)
             self.counters.capped_puts += 1
-        lease, offsets = await self.store.prepare_put(conn.id, ns, fp, keys, parent=parent,
-                                                      depth=depth, max_new=max_new)
+        take = min(max_new, len(keys)) * layout.block_bytes
+        with self.in_flight.reserve(conn.process, put_bytes=take):
+            lease, offsets = await self.store.prepare_put(
+                conn.id, ns, fp, keys, parent=parent, depth=depth, max_new=max_new)
         if conn.released:   # closed while this ran: no client will write or commit it
             self.store.abort_put(conn.id, lease)
         return {"lease": lease, "offsets": offsets}
@@ -176,14 +180,16 @@ class ControlOps:
         """Arena bytes ``conn``'s process may still take for writing: one client process
         holds at most ``limits.client_put_bytes`` in open puts and quarantine, so that
         neither a greedy nor a stalled client can take the arena from the others."""
-        return self._room(conn, self.limits.client_put_bytes, self.store.held_put_bytes)
+        return self._room(conn, self.limits.client_put_bytes, self.store.held_put_bytes,
+                          self.in_flight.of(conn.process).put_bytes)
 
     def _within_get_room(self, conn: Connection, ns: bytes, keys: list[bytes]) -> list[bytes]:
         """The leading ``keys`` ``conn``'s process may still pin: one client process pins at
         most ``limits.client_get_bytes`` in open get leases, so that a greedy client cannot
         hold the arena against the others' puts and promotions (the rest of its get is a
         miss, which an engine recomputes)."""
-        room = self._room(conn, self.limits.client_get_bytes, self.store.held_get_bytes)
+        room = self._room(conn, self.limits.client_get_bytes, self.store.held_get_bytes,
+                          self.in_flight.of(conn.process).get_bytes)
         layout = self.store.touch_namespace(ns)
         assert layout is not None   # (checked by _target)
         if room // layout.block_bytes >= len(keys):
@@ -198,18 +204,22 @@ class ControlOps:
         per request in flight)."""
         cap = self.limits.max_leases_per_client
         held = sum(self.store.leases.count(owner) for owner in self.owners_of(conn.process))
+        held += self.in_flight.of(conn.process).leases
         if held >= cap:
             self.counters.refused_leases += 1
             raise LimitExceeded(f"this client process holds {held} open leases, the daemon's "
                                 f"limit (daemon.max_leases_per_client {cap}): release or "
                                 "commit them first")
 
-    def _room(self, conn: Connection, cap: int, held: Callable[[int], int]) -> int:
+    def _room(self, conn: Connection, cap: int, held: Callable[[int], int],
+              reserved: int) -> int:
         """What ``conn``'s process may still hold under a per-process ``cap`` (0: none),
-        ``held(owner)`` being what each of its connections holds now."""
+        ``held(owner)`` being what each of its connections holds now and ``reserved``
+        what its prepares still running may take (``kvtier.daemon.inflight``)."""
         if cap <= 0:
             return 1 << 62
-        return max(0, cap - sum(held(owner) for owner in self.owners_of(conn.process)))
+        return max(0, cap - reserved
+                   - sum(held(owner) for owner in self.owners_of(conn.process)))
 
     def owners_of(self, process: int) -> list[int]:
         """The connections (open, or closed with slots still quarantined) of a process."""
@@ -262,13 +272,17 @@ class ControlOps:
         ns, fp, keys = self._target(conn, msg)
         self._check_lease_count(conn)
         keys = self._within_get_room(conn, ns, keys)
+        layout = self.store.touch_namespace(ns)
+        assert layout is not None   # (checked by _target)
         reply: dict[str, Any]
-        if msg.get("device") is True:
-            lease, offsets, devices = await self.store.prepare_get_device(conn.id, ns, fp, keys)
-            reply = {"lease": lease, "offsets": offsets, "devices": devices}
-        else:
-            lease, offsets = await self.store.prepare_get(conn.id, ns, fp, keys)
-            reply = {"lease": lease, "offsets": offsets}
+        with self.in_flight.reserve(conn.process, get_bytes=len(keys) * layout.block_bytes):
+            if msg.get("device") is True:
+                lease, offsets, devices = await self.store.prepare_get_device(
+                    conn.id, ns, fp, keys)
+                reply = {"lease": lease, "offsets": offsets, "devices": devices}
+            else:
+                lease, offsets = await self.store.prepare_get(conn.id, ns, fp, keys)
+                reply = {"lease": lease, "offsets": offsets}
         if conn.released:   # closed while this ran: nobody will read or release it
             await self.store.release_get(conn.id, lease)
         reply["ttl_s"] = self._held_s()

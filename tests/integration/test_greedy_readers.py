@@ -6,9 +6,6 @@ blocks, the rest a miss the engine recomputes; nothing returned is wrong."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import urllib.request
 from pathlib import Path
 
@@ -18,38 +15,11 @@ from kvtier.client import connect
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
+from tests.support.victim import victim
 
 LAYOUT = KVLayout(2, 2, 32, "float16", 64)
 BB = LAYOUT.block_bytes
 ARENA_BLOCKS = 16
-
-# Another process (the share is per process): stores n blocks of its own, reads them back,
-# and prints how many it stored and how many came back exact.
-VICTIM = textwrap.dedent("""
-    import sys
-    import numpy as np
-    from kvtier.client import connect
-    from kvtier.keys import block_keys
-    from kvtier.layout import KVLayout
-    n = int(sys.argv[2])
-    with connect(sys.argv[1]) as c:
-        ns = c.register_layout(KVLayout(2, 2, 32, "float16", 64), "m", cache_salt="victim")
-        keys = block_keys(ns, np.arange(50_000, 50_000 + n * 64))
-        data = [np.full(ns.layout.block_bytes, 0x20 + i, np.uint8) for i in range(n)]
-        stored = c.put(ns, keys, data)
-        outs = [np.zeros(ns.layout.block_bytes, np.uint8) for _ in keys]
-        got = c.get(ns, keys, outs)
-        exact = sum(np.array_equal(o, d) for o, d in zip(outs[:got], data[:got]))
-        print(stored, got, exact)
-""")
-
-
-def victim(socket: Path, n: int) -> tuple[int, int, int]:
-    out = subprocess.run([sys.executable, "-c", VICTIM, str(socket), str(n)], check=True,
-                         capture_output=True, text=True, timeout=60).stdout.split()
-    stored, got, exact = (int(x) for x in out)
-    return stored, got, exact
-
 
 def test_one_process_pins_at_most_its_share_of_the_arena(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path / "d", cpu_bytes=str(ARENA_BLOCKS * BB), nvme_bytes="0",
