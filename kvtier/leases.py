@@ -49,6 +49,7 @@ class Lease:
     metas: list[BlockMeta]
     deadline: float
     chain: list[bytes] = field(default_factory=list)  # a put's whole key chain
+    namespace: bytes = b""                             # a put's namespace digest
     hbm: list[Any] = field(default_factory=list)      # hbm read-locks of a device get
     nbytes: int = 0                                    # its slots' bytes (at open)
 

@@ -240,8 +240,7 @@ class ControlOps:
             raise ProtocolError("redis_sync_s must be a number of seconds in [0, 3600] or nil")
         lease = self.store.leases.get(lease_id) if sync_s is not None else None
         target = (None if lease is None or lease.owner != conn.id
-                  else (lease.metas[0].namespace if lease.metas else None, list(lease.chain),
-                        list(lease.metas)))
+                  else (lease.namespace, list(lease.chain), list(lease.metas)))
         began = time.monotonic()
         # a synchronous commit waits for room in the Redis write queue (up to its bound)
         wait_s = float(sync_s) if sync_s is not None and target is not None else None
@@ -250,12 +249,10 @@ class ControlOps:
                                              output_tokens=out, redis_wait_s=wait_s)
         if sync_s is None or target is None:
             return {"stored": stored}
+        # the put's own namespace, even when its keys were stored already: a key of another
+        # namespace's chain in the index said whose chain to check in Redis and send again
+        # (a client that knew another tenant's keys learnt how much of it Redis held)
         digest, chain, fresh = target
-        if digest is None and chain:   # nothing new was stored: the chain's own namespace
-            meta = self.store.index.get(chain[0])
-            digest = meta.namespace if meta is not None else None
-        if digest is None:
-            return {"stored": stored, "redis_visible": 0, "redis_synced": not chain}
         done = await self.redis_sync.sync(digest, chain, fresh, float(sync_s), began)
         return {"stored": stored, "redis_visible": done.visible, "redis_synced": done.complete}
 

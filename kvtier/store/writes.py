@@ -87,6 +87,7 @@ class Writer:
                 break
         lease = self.leases.open(LeaseKind.PUT, owner, metas)
         lease.chain = keys
+        lease.namespace = digest
         return lease.id, offsets
 
     async def _place_evicting(self, keys: list[bytes], start: int, end: int,

@@ -103,6 +103,28 @@ def test_blocks_stored_before_are_sent_too(redis_server: RedisServer,
     c.close()
 
 
+def test_a_sync_of_another_namespaces_keys_checks_and_sends_only_its_own(
+        redis_server: RedisServer, node: Callable[..., DaemonProcess]) -> None:
+    """A client that puts another tenant's keys (stored already, so skipped at prepare)
+    with a synchronous commit: before, the commit took the namespace of whichever block
+    the index held under the chain's first key, so it checked the victim's chain in Redis,
+    sent the victim's blocks there and said how many Redis held (found by review). Now it
+    is the put's own namespace: nothing of the victim is sent or told."""
+    a = node("a", write_through=False)
+    with connect(a.socket) as victim, connect(a.socket) as thief:
+        vns = victim.register_layout(LAYOUT, "m", cache_salt="victim")
+        keys = block_keys(vns, np.arange(6 * 64))
+        assert write(victim, vns, keys[:3], 5.0)[:3] == (3, 3, True)   # 3 of 6 in Redis
+        assert write(victim, vns, keys[3:], None)[0] == 3                # 3 more local only
+        tns = thief.register_layout(LAYOUT, "m", cache_salt="thief")
+        stored, visible, synced, _ = write(thief, tns, keys, 1.0)
+        assert (stored, visible, synced) == (0, 0, False)
+        assert redis_server.client().dbsize() == 3   # the victim's local blocks stay local
+        victim_own = write(victim, vns, keys, 5.0)   # the victim's own sync sends them
+        assert victim_own[:3] == (0, 6, True)
+        assert redis_server.client().dbsize() == 6
+
+
 def test_down_or_stalled_redis_bounds_the_commit_and_counts(
         redis_server: RedisServer, node: Callable[..., DaemonProcess]) -> None:
     a = node("a")
