@@ -148,7 +148,7 @@ class Daemon:
         self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
                            slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault,
                            name=name, adopt=state is not None)
-        stack.callback(self.arena.close)
+        stack.callback(self._close_arena)
         if cfg.hbm.enabled:
             self.hbm = self._make_hbm()
             stack.callback(self.hbm.close)
@@ -252,6 +252,13 @@ class Daemon:
     async def _close_control(self, control: ControlServer) -> None:
         await control.stop_accepting()
         await control.close_connections(self._deadline.left() / 2)
+
+    def _close_arena(self) -> None:
+        """Unlinked, unless this start adopted a crashed daemon's arena and was refused
+        before recovering it: the next start adopts it (a cold one erased the nvme frames
+        behind the lost cpu heads, durable ones included; found by review)."""
+        assert self.arena is not None
+        self.arena.close(unlink=self._recovered or not self.arena.adopted)
 
     async def _drain_store(self, store: TieredStore) -> None:
         if not self._recovered:   # refused before it held anything (the nvme lock, say):

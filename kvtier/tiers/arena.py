@@ -218,17 +218,19 @@ class Arena:
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.buf[offset: offset + nbytes]
 
-    def close(self) -> None:
+    def close(self, *, unlink: bool = True) -> None:
         """Unmap and unlink, journal included (clients that still map it keep their mapping
-        until they close). A graceful stop leaves nothing to adopt."""
+        until they close). A graceful stop leaves nothing to adopt; ``unlink=False`` (a
+        start refused after adopting a crashed daemon's arena) leaves it for the next."""
         self.buf = np.empty(0, dtype=np.uint8)
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()
         if self.journal is not None:
-            self.journal.close(unlink=True)
+            self.journal.close(unlink=unlink)
             self.journal = None
         if self._fd >= 0:
-            self.path.unlink(missing_ok=True)
+            if unlink:
+                self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = -1
 
