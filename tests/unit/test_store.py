@@ -306,6 +306,28 @@ async def test_durable_commit_writes_through_to_nvme(store: TieredStore, nvme: N
     assert all(store.index[k].in_cpu and store.index[k].in_nvme for k in keys)
 
 
+async def test_a_durable_commit_counts_only_blocks_a_cold_start_would_keep(
+        store: TieredStore, nvme: NvmeTier, client: ArenaMapping) -> None:
+    """Its chain's ancestors and its keys stored before go to nvme with it (a cold start
+    erases frames no head leads to); a commit below an ancestor in no tier counts 0."""
+    keys = chain(4)
+    await put(store, client, keys[:2])                        # the head: arena only
+    lease, offsets = await store.prepare_put(CLIENT, DIGEST, FP, keys[1:], parent=keys[0],
+                                             depth=1)
+    assert offsets[0] is None                                 # keys[1] is stored already
+    for key, off in zip(keys[1:], offsets, strict=True):
+        if off is not None:
+            client.view(off, BLOCK, writable=True)[:] = memoryview(payload(key))
+    assert await store.commit_put(CLIENT, lease, durable=True) == 2
+    assert nvme.blocks == 4 and all(store.index[k].in_nvme for k in keys)
+    # below a parent the index does not hold: stored, written, but counted 0 durable
+    orphan = chain(2, start=9)
+    lease, offsets = await store.prepare_put(CLIENT, DIGEST, FP, orphan[1:], parent=orphan[0],
+                                             depth=1)
+    client.view(offsets[0], BLOCK, writable=True)[:] = memoryview(payload(orphan[1]))
+    assert await store.commit_put(CLIENT, lease, durable=True) == 0
+
+
 # -- delete ----------------------------------------------------------------------------------
 async def test_delete_removes_blocks_from_every_tier(store: TieredStore, nvme: NvmeTier,
                                                      client: ArenaMapping) -> None:
