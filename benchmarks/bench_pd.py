@@ -35,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvtier.connectors.vllm.geometry import with_engine_page_format
+
 from kvtier.layout import KVLayout
 from tests.e2e.vllm_engine import ENGINE_ENV
 from tests.support.daemon import DaemonProcess
@@ -61,7 +63,9 @@ def build_model(path: Path, layers: int, hidden: int) -> KVLayout:
                       tie_word_embeddings=False)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return KVLayout(layers, kv_heads, head_dim, "float32", TOKENS_PER_BLOCK)
+    # the page format of the CPU engine's attention kernel is in its namespace
+    return with_engine_page_format(
+        KVLayout(layers, kv_heads, head_dim, "float32", TOKENS_PER_BLOCK), None, BLOCK_SIZE)
 
 
 def transfer(node: DaemonProcess, role: str) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from .geometry import (
     engine_reuses_context,
     layout_from_kv_cache_config,
     tp_replicas,
+    with_engine_page_format,
 )
 from .metadata import KVTierConnectorMetadata
 from .scheduler import SchedulerSide
@@ -74,6 +75,7 @@ class KVTierConnector(KVConnectorBase_V1):
         check_parallelism(parallel)
         layout, block_size = layout_from_kv_cache_config(kv_cache_config,
                                                          self.config.tokens_per_block)
+        layout = with_engine_page_format(layout, vllm_config, block_size)
         tp_size = parallel.tensor_parallel_size
         replicas = tp_replicas(kv_cache_config, layout, tp_size)
         self._scheduler: SchedulerSide | None = None

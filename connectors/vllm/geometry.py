@@ -7,6 +7,7 @@ connector cannot key correctly is an error then, never wrong KV later.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from kvtier.kernels.layouts import PagedLayout
@@ -118,6 +119,51 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
         kv_format=kv_format,
     )
     return layout, int(spec.block_size)
+
+
+def with_engine_page_format(layout: KVLayout, vllm_config: Any, block_size: int) -> KVLayout:
+    """``layout`` with the page format of a CPU engine's K|V cache in its ``kv_format``.
+
+    vLLM's CPU attention writes K in a layout of its kernel's own (the ISA it picks for the
+    model's dtype, head size and page size: ``vec``, ``vec16``, ``amx``, ``neon``, ...): at
+    a page of 64 tokens or more the ``vec`` kernel interleaves K rows in groups of 32
+    tokens. The worker copies pages verbatim, so an engine reloads its own KV exactly, but
+    the bytes are not another engine's: a CPU engine with 128-token pages loaded what one
+    with 32-token pages saved and gave wrong tokens (found by review). CPU engines
+    therefore share KV only with engines of the same kernel and page size (a node of
+    another CPU kind, through Redis, included); GPU engines and MLA latents keep the
+    canonical format."""
+    if layout.kv_components != 2 or layout.kv_format != CANONICAL_FORMAT:
+        return layout
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return layout
+    except Exception:   # no platform to ask (the worker side driven without vLLM)
+        return layout
+    isa = _cpu_attention_isa(vllm_config, layout, block_size)
+    return replace(layout, kv_format=f"{CANONICAL_FORMAT}@cpu:{isa}:{block_size}")
+
+
+def _cpu_attention_isa(vllm_config: Any, layout: KVLayout, block_size: int) -> str:
+    """The kernel vLLM's CPU attention picks for this engine (its own choice, asked the way
+    its metadata builder asks), or this machine's kind when that cannot be asked."""
+    import torch
+
+    model = getattr(vllm_config, "model_config", None)
+    dtype: Any = getattr(model, "dtype", None) or getattr(torch, layout.dtype, None)
+    cache = getattr(vllm_config, "cache_config", None)
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, block_size, layout.head_dim,
+                                 getattr(cache, "cache_dtype", None)))
+    except Exception:
+        import platform
+
+        amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+        return f"{platform.machine()}{'-amx' if amx else ''}"
 
 
 def engine_reuses_context(vllm_config: Any, layout: KVLayout) -> bool:

@@ -15,12 +15,12 @@ from typing import Any
 
 from kvtier.layout import KVLayout
 from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S
-from tests.e2e.vllm_engine import ENGINE_ENV, TOKENS_PER_BLOCK, kv_transfer_config
+from tests.e2e.vllm_engine import ENGINE_ENV, TOKENS_PER_BLOCK, engine_layout, kv_transfer_config
 from tests.support.daemon import DaemonProcess
 
 RUNNER = Path(__file__).with_name("pd_engine.py")
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
-                  tokens_per_block=TOKENS_PER_BLOCK)   # the tiny Llama's KV per kvtier block
+LAYOUT = engine_layout(KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
+                                tokens_per_block=TOKENS_PER_BLOCK))   # the tiny Llama's KV
 Rows = list[list[Any]]   # per prompt: [tokens, num_cached_tokens, seconds, redis_blocks]
 
 

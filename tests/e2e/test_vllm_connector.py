@@ -25,6 +25,7 @@ from tests.e2e.conftest import PROMPTS, max_tokens_of
 from tests.e2e.vllm_engine import (
     ENGINE_ENV,
     TOKENS_PER_BLOCK,
+    engine_layout,
     engine_model_id,
     generate,
     kv_transfer_config,
@@ -83,8 +84,8 @@ def full_blocks_tokens(name: str) -> int:
 
 def namespace(model: Path, salt: str | None = None) -> Namespace:
     """The namespace the engine of ``model`` saves under (its weights fingerprint in it)."""
-    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
-                      tokens_per_block=TOKENS_PER_BLOCK)
+    layout = engine_layout(KVLayout(num_layers=2, num_kv_heads=2, head_dim=32,
+                                    dtype="float32", tokens_per_block=TOKENS_PER_BLOCK))
     return Namespace(engine_model_id(MODEL_ID, model), layout, 0, 1, salt)
 
 

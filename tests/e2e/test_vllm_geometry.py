@@ -20,6 +20,7 @@ from tests.e2e.vllm_engine import (
     TOKENS_PER_BLOCK,
     build_tiny_llama,
     build_tiny_swa,
+    engine_layout,
     engine_model_id,
     kv_transfer_config,
     prompt,
@@ -62,8 +63,8 @@ def test_an_mqa_bf16_model_reloads_exactly_in_a_fresh_engine(
         assert cached2 == (len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE, (len(p), cached2)
     # the daemon holds the blocks under this geometry's own layout: a client keying the
     # prompts with it finds every full block of each one (the layout is in the namespace)
-    layout = KVLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      dtype=DTYPE, tokens_per_block=BLOCK_SIZE)
+    layout = engine_layout(KVLayout(num_layers=LAYERS, num_kv_heads=KV_HEADS,
+                                    head_dim=HEAD_DIM, dtype=DTYPE, tokens_per_block=BLOCK_SIZE))
     c = connect(daemon.socket)
     try:
         ns = c.register_layout(layout, engine_model_id("tiny-mqa", mqa_model, DTYPE))
@@ -96,3 +97,23 @@ def test_a_model_mixing_sliding_window_and_full_layers_reloads_exactly(
         assert got1 == want and got2 == want
         assert cached1 == 0
         assert cached2 == (len(p) - 1) // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK, (len(p), cached2)
+
+
+def test_cpu_engines_of_another_page_size_never_load_each_others_kv(
+        run_engine: EngineRun, daemon: DaemonProcess) -> None:
+    """vLLM's CPU attention interleaves K rows per page in groups of 32 tokens at pages of
+    64 tokens or more: an engine with 128-token pages loaded what one with 32-token pages
+    saved and gave wrong tokens (found by review). The kernel and page size are part of
+    the namespace (``geometry.with_engine_page_format``): each reloads only its own."""
+    prompts = [prompt(500 + i, n) for i, n in enumerate((257, 300))]
+    big = {"block_size": 128}
+    (want,) = run_engine([{"prompts": prompts}], engine_args=big)
+    transfer = kv_transfer_config(daemon.socket, model_id="page-size", tokens_per_block=128)
+    (small,) = run_engine([{"prompts": prompts}], transfer)   # 32-token pages: saves
+    assert [t for t, _ in small] == [t for t, _ in want]
+    first, again = run_engine([{"prompts": prompts}, {"prompts": prompts}], transfer,
+                              engine_args=big)
+    assert [c for _, c in first] == [0, 0]        # not the other page size's blocks
+    assert [t for t, _ in first] == [t for t, _ in want]
+    assert [c for _, c in again] == [256, 256]    # its own, saved in the first phase
+    assert [t for t, _ in again] == [t for t, _ in want]

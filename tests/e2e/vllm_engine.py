@@ -19,10 +19,21 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from kvtier.layout import KVLayout
 
 BLOCK_SIZE = 32          # vLLM page size
 TOKENS_PER_BLOCK = 64    # kvtier block: two vLLM pages, so page<->block mapping is exercised
+
+
+def engine_layout(layout: KVLayout) -> KVLayout:
+    """``layout`` as a CPU engine of these tests keys it: its attention kernel's page
+    format (``geometry.with_engine_page_format``) is part of the namespace."""
+    from kvtier.connectors.vllm.geometry import with_engine_page_format
+
+    return with_engine_page_format(layout, None, BLOCK_SIZE)
 VOCAB = 1000
 MAX_TOKENS = 12
 
@@ -130,12 +141,12 @@ def make_llm(model: Path, transfer: dict[str, Any] | None, prefix_caching: bool 
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kwargs: dict[str, Any] = {"max_model_len": 4096, **(engine_args or {})}
+    kwargs: dict[str, Any] = {"max_model_len": 4096, "block_size": BLOCK_SIZE,
+                              **(engine_args or {})}
     if transfer is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
-    return LLM(model=str(model), skip_tokenizer_init=True, dtype=dtype,
-               block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=prefix_caching,
-               seed=0, **kwargs)
+    return LLM(model=str(model), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+               enable_prefix_caching=prefix_caching, seed=0, **kwargs)
 
 
 def generate(llm: Any, prompts: list[list[int]], salts: list[str | None] | None = None,
