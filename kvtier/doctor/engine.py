@@ -5,6 +5,7 @@ vLLM's v1 names come first, with the older names as fallbacks
 ``gpu_``-prefixed prefix-cache counters). DCGM exporter gauges, when present in the
 same scrape or given with ``--gpu-metrics``, tell whether the GPU is busy and on what.
 Series of several engines (data parallel) are summed; usage gauges take the maximum.
+``vllm:cache_config_info`` is kept per engine, so the KV pool is every engine's blocks.
 A value doctor reads that is NaN, infinite or negative makes the scrape unreadable
 (DoctorError, exit 2), as text that is not exposition format does: it is never diagnosed.
 """
@@ -25,6 +26,9 @@ WAITING = ("vllm:num_requests_waiting",)
 PREEMPTIONS = ("vllm:num_preemptions_total",)
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+# tokens the GPU prefix cache missed that a KV connector (kvtier) was asked for / loaded
+EXTERNAL_QUERIES = ("vllm:external_prefix_cache_queries_total",)
+EXTERNAL_HITS = ("vllm:external_prefix_cache_hits_total",)
 PROMPT_TOKENS = ("vllm:prompt_tokens_total",)
 GENERATION_TOKENS = ("vllm:generation_tokens_total",)
 TTFT = ("vllm:time_to_first_token_seconds",)
@@ -40,19 +44,20 @@ TENSOR_ACTIVE = ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",)  # ratio
 _MAX_GAUGES = frozenset(KV_USAGE)
 _MEAN_GAUGES = frozenset(GPU_UTIL + DRAM_ACTIVE + TENSOR_ACTIVE)
 _KNOWN = frozenset(KV_USAGE + RUNNING + WAITING + PREEMPTIONS + PREFIX_QUERIES + PREFIX_HITS
-                   + PROMPT_TOKENS + GENERATION_TOKENS)
+                   + EXTERNAL_QUERIES + EXTERNAL_HITS + PROMPT_TOKENS + GENERATION_TOKENS)
 _READ = _KNOWN | _MEAN_GAUGES  # the gauges and counters the patterns read
 _READ_HISTOGRAMS = frozenset(TTFT + ITL + PROMPT_LEN + OUTPUT_LEN + E2E + QUEUE_TIME)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineSample:
-    """One scrape: scalar samples by name, histograms by family, info labels."""
+    """One scrape: scalar samples by name, histograms by family, and the cache info
+    labels of each engine (by its ``engine`` label; one entry without data parallel)."""
 
     source: str
     values: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, Histogram] = field(default_factory=dict)
-    cache_info: dict[str, str] = field(default_factory=dict)
+    cache_info: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def get(self, names: tuple[str, ...]) -> float | None:
         """The first of ``names`` present in the scrape (new name before old)."""
@@ -70,16 +75,26 @@ class EngineSample:
 
     @property
     def kv_capacity_tokens(self) -> int | None:
-        """Tokens the GPU KV pool holds (``num_gpu_blocks`` x ``block_size``), if exported."""
-        try:
-            return int(self.cache_info["num_gpu_blocks"]) * int(self.cache_info["block_size"])
-        except (KeyError, ValueError):
+        """Tokens the GPU KV pools of all engines hold (``num_gpu_blocks`` x ``block_size``
+        per engine, summed like the running and waiting gauges); None unless every engine
+        exports both, since a partial sum would understate the pool."""
+        pools = [_pool_tokens(info) for info in self.cache_info.values()]
+        if not pools or any(p is None for p in pools):
             return None
+        return sum(p for p in pools if p is not None)
 
     @property
     def has_engine_metrics(self) -> bool:
         """Whether any vLLM metric doctor knows was found."""
         return any(name in self.values for name in _KNOWN) or bool(self.histograms)
+
+
+def _pool_tokens(info: dict[str, str]) -> int | None:
+    """One engine's KV pool in tokens, from its cache_config_info labels."""
+    try:
+        return int(info["num_gpu_blocks"]) * int(info["block_size"])
+    except (KeyError, ValueError):
+        return None
 
 
 def _why_unparsable(exc: Exception, text: str) -> str:
@@ -107,7 +122,7 @@ def parse_engine(text: str, source: str) -> EngineSample:
     buckets: dict[str, dict[tuple[tuple[str, str], ...], dict[float, float]]] = {}
     sums: dict[str, float] = {}
     totals: dict[str, float] = {}
-    info: dict[str, str] = {}
+    info: dict[str, dict[str, str]] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, TypeError, IndexError) as exc:
@@ -129,7 +144,7 @@ def parse_engine(text: str, source: str) -> EngineSample:
             continue
         for s in family.samples:
             if s.name == CACHE_INFO or family.name == CACHE_INFO:
-                info.update(s.labels)
+                info.setdefault(s.labels.get("engine", ""), {}).update(s.labels)
                 continue
             if s.name in _READ:
                 _check_value(s.name, s.value, source)

@@ -7,7 +7,7 @@ import textwrap
 from typing import Any
 
 from kvtier.doctor.collect import Collected
-from kvtier.doctor.rules import Finding, Pattern
+from kvtier.doctor.patterns import Finding, Pattern
 from kvtier.doctor.signals import Signals
 
 WIDTH = 100

@@ -13,66 +13,9 @@ Thresholds are named in one frozen dataclass so operators can see and tune them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 
-from kvtier.doctor.signals import Signals
-
-
-class Pattern(str, Enum):
-    """The failure patterns doctor recognises, numbered as in the docs."""
-
-    LONG_PROMPTS_KV_FULL = "long-prompts-kv-full"  # 1
-    DECODE_SLOWS_WITH_CONTEXT = "decode-slows-with-context"  # 2
-    DECODE_MEMORY_BOUND = "decode-memory-bound"  # 3
-    LOW_PREFIX_HIT_RATE = "low-prefix-hit-rate"  # 4
-    FRAGMENTATION = "fragmentation"  # 5
-    PREEMPTION = "preemption"  # 6
-    AGENT_CHAIN_TTFT = "agent-chain-ttft"  # 7
-    SIZED_BELOW_P99 = "sized-below-p99"  # 8
-    TIER_PINNED = "kvtier-tier-pinned"  # 9
-    TIER_DOWN = "kvtier-tier-down"  # 10
-
-    @property
-    def number(self) -> int:
-        return list(Pattern).index(self) + 1
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """One diagnosed pattern: what is seen, the numbers, why, and what to change."""
-
-    pattern: Pattern
-    title: str
-    symptom: str
-    evidence: tuple[str, ...]
-    cause: str
-    actions: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Thresholds:
-    """Where each signal counts as abnormal."""
-
-    kv_near_full: float = 0.85
-    kv_full: float = 0.90
-    kv_climb: float = 0.30  # rise of KV usage between first and last sample
-    jump: float = 2.0  # recent / baseline for TTFT and queue
-    shift: float = 1.5  # recent / baseline for prompt length, context and ITL
-    queue_min: float = 4.0  # waiting requests that count as a queue
-    batch_growth: float = 1.5
-    throughput_flat: float = 1.2
-    gpu_busy_pct: float = 90.0
-    dram_busy: float = 0.5
-    tensor_idle: float = 0.3
-    hit_rate_low: float = 0.15
-    hit_rate_min_queries: float = 10_000.0  # tokens looked up before the rate means much
-    fragmented_used_max: float = 0.8
-    preemptions_min: float = 3.0
-    p99_over_pool: float = 1.5  # P99 demand / pool; histogram buckets are 2-2.5x wide
-    agent_ttft_s: float = 0.5
-    agent_ttft_share: float = 0.4
-    agent_output_max: float = 256.0
+from kvtier.doctor.patterns import Finding, Pattern, Thresholds
+from kvtier.doctor.signals import Signals, TierSignal
 
 
 def _pct(x: float | None) -> str:
@@ -103,10 +46,18 @@ def _queue_jump(s: Signals, t: Thresholds) -> bool:
     return s.waiting_last >= t.jump * max(first, 1.0)
 
 
+def _tier_full(x: TierSignal, t: Thresholds) -> bool:
+    """Whether a tier counts as full: ``tier_full`` used or more, or usage not reported (a
+    failed allocation is one eviction could not make room for, and nothing shows free
+    space). Below it, free space that allocations cannot use is pattern 5's; at or above,
+    pattern 1's or 9's: every tier with failures is one or the other."""
+    return x.used_share is None or x.used_share >= t.tier_full
+
+
 def _full_tier_failures(s: Signals, t: Thresholds) -> list[str]:
     return [f"kvtier {x.name} tier: {x.allocation_failures:,.0f} allocation failures at "
-            f"{_pct(x.used_share)} used" for x in s.tiers
-            if x.allocation_failures > 0 and (x.used_share or 0.0) >= t.kv_full]
+            + (f"{_pct(x.used_share)} used" if x.used_share is not None else "unreported usage")
+            for x in s.tiers if x.allocation_failures > 0 and _tier_full(x, t)]
 
 
 def long_prompts_kv_full(s: Signals, t: Thresholds) -> Finding | None:
@@ -207,13 +158,26 @@ def decode_memory_bound(s: Signals, t: Thresholds) -> Finding | None:
          "add replicas (or speculative decoding) to gain tokens/s; more batch will not"))
 
 
+def _served_from_kvtier(s: Signals, t: Thresholds) -> bool:
+    """Whether prompts do share prefixes once kvtier's hits count: vLLM's prefix cache
+    rate is the GPU's alone, and a small GPU cache whose evictions kvtier serves is what
+    the tiers are for (their hits are vLLM's ``external_prefix_cache_hits``)."""
+    if s.combined_hit_rate is not None and s.combined_hit_rate >= t.hit_rate_low:
+        return True
+    return s.kvtier_hit_rate is not None and s.kvtier_hit_rate >= t.hit_rate_low \
+        and (s.kvtier_queries is None or s.kvtier_queries >= t.hit_rate_min_queries)
+
+
 def low_prefix_hit_rate(s: Signals, t: Thresholds) -> Finding | None:
-    """4: the prefix cache hit rate stays low."""
+    """4: the prefix cache hit rate stays low, the GPU's and kvtier's alike."""
     if s.prefix_hit_rate is None or s.prefix_queries is None \
-            or s.prefix_queries < t.hit_rate_min_queries or s.prefix_hit_rate >= t.hit_rate_low:
+            or s.prefix_queries < t.hit_rate_min_queries or s.prefix_hit_rate >= t.hit_rate_low \
+            or _served_from_kvtier(s, t):
         return None
     evidence = [f"prefix cache hit rate {_pct(s.prefix_hit_rate)} of "
                 f"{s.prefix_queries:,.0f} queried tokens"]
+    if s.combined_hit_rate is not None:
+        evidence.append(f"with the KV connector's hits {_pct(s.combined_hit_rate)}")
     if s.kvtier_hit_rate is not None:
         evidence.append(f"kvtier lookups hit {_pct(s.kvtier_hit_rate)} of tokens")
     return Finding(
@@ -232,8 +196,7 @@ def low_prefix_hit_rate(s: Signals, t: Thresholds) -> Finding | None:
 
 def fragmentation(s: Signals, t: Thresholds) -> Finding | None:
     """5: allocations fail although the tier is not full."""
-    hits = [x for x in s.tiers if x.allocation_failures > 0 and x.used_share is not None
-            and x.used_share < t.fragmented_used_max]
+    hits = [x for x in s.tiers if x.allocation_failures > 0 and not _tier_full(x, t)]
     if not hits:
         return None
     evidence = tuple(f"kvtier {x.name} tier: {x.allocation_failures:,.0f} allocation "

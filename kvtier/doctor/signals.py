@@ -44,9 +44,11 @@ class Signals:
     waiting_first: float | None = None
     waiting_last: float | None = None
     preemptions: float | None = None  # in the recent window
-    prefix_hit_rate: float | None = None
+    prefix_hit_rate: float | None = None  # the GPU's own prefix cache
     prefix_queries: float | None = None  # tokens queried in the window
+    combined_hit_rate: float | None = None  # GPU cache and KV connector (kvtier) together
     kvtier_hit_rate: float | None = None  # kvtier's own lookups, tokens
+    kvtier_queries: float | None = None  # tokens kvtier was asked for in the window
     ttft_mean: float | None = None
     ttft_mean_base: float | None = None
     ttft_p90: float | None = None
@@ -107,16 +109,34 @@ def _delta(samples: list[EngineSample], names: tuple[str, ...]) -> float | None:
     return b - a if b >= a else b  # a counter reset restarts from zero
 
 
-def _prefix(samples: list[EngineSample]) -> tuple[float | None, float | None]:
-    q_last, h_last = samples[-1].get(m.PREFIX_QUERIES), samples[-1].get(m.PREFIX_HITS)
+def _lookups(samples: list[EngineSample], queries: tuple[str, ...], hits: tuple[str, ...]
+             ) -> tuple[float, float] | None:
+    """(queried, hit) tokens of a pair of counters in the last interval; cumulative with
+    one sample or after a counter reset; None when the scrape lacks them."""
+    q_last, h_last = samples[-1].get(queries), samples[-1].get(hits)
     if q_last is None or h_last is None:
-        return None, None
-    q, h = q_last, h_last
+        return None
     if len(samples) >= 2:
-        q_prev, h_prev = samples[-2].get(m.PREFIX_QUERIES), samples[-2].get(m.PREFIX_HITS)
+        q_prev, h_prev = samples[-2].get(queries), samples[-2].get(hits)
         if q_prev is not None and h_prev is not None and q_last >= q_prev:
-            q, h = q_last - q_prev, h_last - h_prev
-    return (h / q if q > 0 else None), q
+            return q_last - q_prev, h_last - h_prev
+    return q_last, h_last
+
+
+def _prefix(samples: list[EngineSample]) -> tuple[float | None, float | None, float | None]:
+    """(GPU hit rate, tokens queried, GPU and connector hit rate). vLLM counts a prompt's
+    tokens once in its prefix cache queries, and the ones the GPU missed but a KV
+    connector loaded (kvtier's hits) in ``external_prefix_cache_hits``: both hits over
+    the queried tokens is the share of prompt tokens served from cached KV."""
+    local = _lookups(samples, m.PREFIX_QUERIES, m.PREFIX_HITS)
+    if local is None:
+        return None, None, None
+    q, h = local
+    if q <= 0:
+        return None, q, None
+    external = _lookups(samples, m.EXTERNAL_QUERIES, m.EXTERNAL_HITS)
+    combined = None if external is None else min(1.0, (h + external[1]) / q)
+    return h / q, q, combined
 
 
 def _kvtier_hit_rate(stats: list[KVTierStats]) -> tuple[float | None, float | None]:
@@ -164,7 +184,7 @@ def derive(engine: list[EngineSample], stats: list[KVTierStats],
         output, _ = _window(engine, m.OUTPUT_LEN)
         e2e, _ = _window(engine, m.E2E)
         prompt_all = e1.histogram(m.PROMPT_LEN)
-        hit_rate, queries = _prefix(engine)
+        hit_rate, queries, combined = _prefix(engine)
         tps: list[float] = []
         running_avg: list[float] = []
         if interval_s:
@@ -179,7 +199,7 @@ def derive(engine: list[EngineSample], stats: list[KVTierStats],
             running_first=e0.get(m.RUNNING), running_last=e1.get(m.RUNNING),
             waiting_first=e0.get(m.WAITING), waiting_last=e1.get(m.WAITING),
             preemptions=_delta(engine, m.PREEMPTIONS),
-            prefix_hit_rate=hit_rate, prefix_queries=queries,
+            prefix_hit_rate=hit_rate, prefix_queries=queries, combined_hit_rate=combined,
             ttft_mean=_mean(ttft), ttft_mean_base=_mean(ttft_base),
             ttft_p90=None if ttft is None else ttft.quantile(0.9),
             itl_mean=_mean(itl), itl_mean_base=_mean(itl_base),
@@ -214,6 +234,7 @@ def derive(engine: list[EngineSample], stats: list[KVTierStats],
             preemptions=_first(fields.get("preemptions"), preempt),
             context_p50_first=s0.context_p50, context_p50_last=s1.context_p50,
             context_p99=s1.context_p99, tiers=_tiers(stats), kvtier_hit_rate=kv_rate,
+            kvtier_queries=kv_queries,
         )
         if fields.get("prefix_hit_rate") is None and kv_rate is not None:
             fields.update(prefix_hit_rate=kv_rate, prefix_queries=kv_queries)

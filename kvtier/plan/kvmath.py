@@ -4,7 +4,8 @@ KV bytes = layers x tokens x KV width x bytes per element, where the KV width of
 layer is 2 x kv_heads x head_dim for MHA/GQA/MQA (K and V, KV heads not attention
 heads) and kv_lora_rank + qk_rope_head_dim for MLA (one latent, no separate K and V),
 plus, with DeepSeek-V3.2's sparse attention, the indexer's fp8 key and scales
-(kvtier.plan.indexer), which do not follow ``--kv-dtype``.
+(kvtier.plan.indexer), which do not follow ``--kv-dtype``. That sparse MLA with
+``--kv-dtype fp8`` is stored in vLLM's ``fp8_ds_mla`` layout, 656 B per token per layer.
 A sliding-window (or chunked) layer holds at most its window of tokens, and the linear
 attention, SSM and MLP-only layers of hybrid models hold none. Under tensor parallelism
 KV heads are split across ranks (replicated when there are fewer KV heads than ranks)
@@ -66,10 +67,31 @@ def kv_width(model: ModelSpec) -> int:
     return 2 * model.num_kv_heads * model.head_dim
 
 
+#: Bytes per token per layer of vLLM's ``fp8_ds_mla`` cache (MLAAttention's
+#: ``state_content_bytes``): the 512 NoPE latent values in fp8, an fp32 scale per 128 of
+#: them and the 64 RoPE values in bf16, 512 + 16 + 128, fixed whatever the model's dims.
+FP8_DS_MLA_BYTES = 656
+
+
+def is_fp8_ds_mla(model: ModelSpec, kv_dtype: str) -> bool:
+    """Whether vLLM 0.32 stores the model's latent as ``fp8_ds_mla``: sparse MLA
+    (DeepSeek-V3.2) with ``--kv-cache-dtype fp8``, which on Hopper only FlashMLA's sparse
+    backend takes, and serves in that layout. ``fp8_e4m3`` is not a dtype it takes:
+    FlashInfer's sparse backend serves that one as a plain fp8 latent."""
+    return model.sparse_mla and normalize_dtype(kv_dtype) == "fp8"
+
+
+def kv_layer_bytes(model: ModelSpec, kv_dtype: str) -> float:
+    """Bytes of KV one token adds to one layer (the indexer's keys apart)."""
+    if is_fp8_ds_mla(model, kv_dtype):
+        return FP8_DS_MLA_BYTES
+    return kv_width(model) * DTYPE_BYTES[normalize_dtype(kv_dtype)]
+
+
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str) -> int:
     """KV bytes of one token over all layers that hold KV, for the whole model (all TP
     ranks), with a sparse-attention indexer's keys where layers keep them."""
-    return int(model.kv_layers * kv_width(model) * DTYPE_BYTES[normalize_dtype(kv_dtype)]
+    return int(model.kv_layers * kv_layer_bytes(model, kv_dtype)
                + sum(model.indexer_layers) * indexer_bytes(model.index_head_dim))
 
 
@@ -106,7 +128,7 @@ def kv_bytes_per_sequence(model: ModelSpec, kv_dtype: str, tokens: int,
     """KV bytes one sequence of ``tokens`` holds across the model, windows honoured."""
     if tokens < 0:
         raise PlanError(f"a sequence cannot have {tokens} tokens")
-    per_layer = kv_width(model) * DTYPE_BYTES[normalize_dtype(kv_dtype)]
+    per_layer = kv_layer_bytes(model, kv_dtype)
     indexer = indexer_bytes(model.index_head_dim)
     total = 0.0
     for layer, window in enumerate(model.layer_windows):

@@ -76,11 +76,17 @@ class ModelSpec:
     blocks: tuple[Block, ...] = ()
     index_head_dim: int = 0  # DeepSeek-V3.2's indexer key (kvtier.plan.indexer); 0: none
     indexer_layers: tuple[bool, ...] = ()  # per layer, whether it holds an indexer cache
+    chunked_local_attention: bool = False  # attention_chunk_size set (Llama 4), as vLLM reads it
 
     @property
     def windowed_layers(self) -> int:
         """How many layers keep a bounded window of KV (sliding or chunked attention)."""
         return sum(1 for w in self.layer_windows if w is not None and w != NO_KV)
+
+    @property
+    def sparse_mla(self) -> bool:
+        """DeepSeek-V3.2-style sparse MLA (``index_topk``): every layer, indexed or not."""
+        return self.attention is AttentionKind.MLA and self.index_head_dim > 0
 
     @property
     def kv_layers(self) -> int:
@@ -167,6 +173,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         blocks=stack.blocks if stack else (),
         index_head_dim=index_head_dim(cfg, source),
         indexer_layers=indexer_layers(cfg, layers, source),
+        chunked_local_attention=cfg.get("attention_chunk_size") is not None,
     )
 
 

@@ -15,8 +15,10 @@ from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GIB, GPUSpec
 from kvtier.plan.indexer import indexer_bytes
 from kvtier.plan.kvmath import (
+    FP8_DS_MLA_BYTES,
     check_tensor_parallel,
     estimate_params,
+    is_fp8_ds_mla,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
     kv_share_per_rank,
@@ -167,6 +169,10 @@ def make_plan(p: PlanInput) -> Plan:
         notes.append(f"sparse attention: {sum(m.indexer_layers)} layers also keep the indexer's "
                      f"keys, {indexer_bytes(m.index_head_dim)} B per token per layer (fp8 and "
                      "scales whatever --kv-dtype), counted in the KV above")
+    if is_fp8_ds_mla(m, p.kv_dtype):
+        notes.append(f"sparse MLA with fp8 KV: vLLM stores the latent as fp8_ds_mla, "
+                     f"{FP8_DS_MLA_BYTES} B per token per layer (fp8 latent, fp32 scales, bf16 "
+                     "RoPE), not one byte per value")
     seq_tokens: dict[str, int] = {}
     for name, ctx in p.context.items():
         tokens = ctx + p.max_output
@@ -179,18 +185,8 @@ def make_plan(p: PlanInput) -> Plan:
     seq_bytes = {k: kv_bytes_per_sequence(runs, p.kv_dtype, t, p.block_tokens)
                  for k, t in seq_tokens.items()}
     if m.windowed_layers:
-        window = max(w for w in m.layer_windows if w)
-        if runs is m:
-            notes.append(f"{m.windowed_layers} of {m.num_layers} layers use a sliding or "
-                         f"chunked window of {window:,} tokens: their KV stops growing")
-        else:
-            without = kv_bytes_per_sequence(m, p.kv_dtype, seq_tokens["p99"], p.block_tokens)
-            notes.append(f"{m.windowed_layers} of {m.num_layers} layers use a sliding or "
-                         f"chunked window of {window:,} tokens, but with kvtier's vLLM "
-                         "connector vLLM runs without its hybrid KV cache manager and those "
-                         "layers keep every token, in HBM and in the tiers: planned so "
-                         f"({seq_bytes['p99'] / 1e9:.2f} GB per P99 sequence, "
-                         f"{without / 1e9:.2f} GB without kvtier)")
+        windowed = kv_bytes_per_sequence(m, p.kv_dtype, seq_tokens["p99"], p.block_tokens)
+        notes.append(_window_note(m, runs, seq_bytes["p99"], windowed))
     if m.kv_layers < m.num_layers:
         notes.append(_hybrid_note(m))
     if connector_refuses(m):
@@ -304,6 +300,34 @@ def connector_refuses(m: ModelSpec) -> bool:
     no full-attention layer beside them (vLLM keeps them windowed, freeing old pages)."""
     full = sum(1 for w in m.layer_windows if w is None)
     return bool(m.state_layers or any(m.indexer_layers) or (m.windowed_layers and not full))
+
+
+def chunked_turns_hybrid_off(m: ModelSpec) -> bool:
+    """Whether vLLM runs the model without its hybrid KV cache manager with no KV connector
+    too: chunked local attention (``attention_chunk_size``) turns it off by default
+    (vllm/config/vllm.py; VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 keeps it),
+    and windowed layers beside full-attention ones are then allocated as full attention."""
+    full = any(w is None for w in m.layer_windows)
+    return m.chunked_local_attention and bool(m.windowed_layers) and full
+
+
+def _window_note(m: ModelSpec, runs: ModelSpec, p99_bytes: int, windowed: int) -> str:
+    """What the windowed layers hold: their window, or every token and who decides so."""
+    window = max(w for w in m.layer_windows if w)
+    head = (f"{m.windowed_layers} of {m.num_layers} layers use a sliding or chunked window "
+            f"of {window:,} tokens")
+    if runs is m:
+        return f"{head}: their KV stops growing"
+    planned = (f"those layers keep every token, in HBM and in the tiers: planned so "
+               f"({p99_bytes / 1e9:.2f} GB per P99 sequence")
+    if chunked_turns_hybrid_off(m):
+        return (f"{head}, but vLLM runs chunked local attention without its hybrid KV cache "
+                f"manager by default, with or without kvtier, so {planned}; "
+                f"{windowed / 1e9:.2f} GB only "
+                "with VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 and no KV "
+                "connector)")
+    return (f"{head}, but with kvtier's vLLM connector vLLM runs without its hybrid KV cache "
+            f"manager and {planned}, {windowed / 1e9:.2f} GB without kvtier)")
 
 
 def as_the_connector_runs(m: ModelSpec) -> ModelSpec:

@@ -5,16 +5,21 @@ from __future__ import annotations
 import pytest
 
 from kvtier.plan import PlanError
+from kvtier.plan.hardware import find_gpu
 from kvtier.plan.kvmath import (
+    FP8_DS_MLA_BYTES,
     check_tensor_parallel,
     estimate_params,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
+    kv_layer_bytes,
     kv_share_per_rank,
     serving_dtype,
 )
 from kvtier.plan.model import AttentionKind, load_model, spec_from_config
+from kvtier.plan.planner import PlanInput, make_plan
 from kvtier.plan.presets import find_preset, preset_names
+from kvtier.plan.workload import ContextPercentiles
 
 # Exact parameter counts published with the checkpoints (model cards / safetensors index).
 PUBLISHED_PARAMS = {
@@ -148,7 +153,7 @@ def test_sparse_attention_adds_the_indexer_key_cache_as_vllm_sizes_it() -> None:
     m = spec_from_config(_v32())
     # vLLM: MLA latent 576 x bf16 = 1,152 B, indexer 128 fp8 + 128 // 128 x 4 B scale = 132 B
     assert kv_bytes_per_token(m, "bf16") == 61 * (1152 + 132) == 78_324
-    assert kv_bytes_per_token(m, "fp8") == 61 * (576 + 132)  # the indexer stays fp8 + scale
+    assert kv_bytes_per_token(m, "fp8") == 61 * (656 + 132)  # fp8_ds_mla; indexer as in bf16
     assert kv_bytes_per_sequence(m, "bf16", 17) == 32 * 78_324  # whole 16-token pages
     assert kv_share_per_rank(m, 8) == 1.0  # every rank holds the latent and the indexer keys
 
@@ -162,3 +167,24 @@ def test_indexer_skips_layers_as_its_frequency_or_pattern_says() -> None:
     assert kv_bytes_per_token(patterned, "bf16") == 61 * 1152 + 31 * 132
     with pytest.raises(PlanError, match="index_head_dim"):
         spec_from_config({k: v for k, v in _v32().items() if k != "index_head_dim"})
+
+
+def test_sparse_mla_with_fp8_kv_is_planned_in_vllm_s_fp8_ds_mla_layout() -> None:
+    """vLLM 0.32 serves sparse MLA's ``--kv-cache-dtype fp8`` with FlashMLA's sparse backend,
+    which stores the latent as fp8_ds_mla: 512 fp8 NoPE values, 4 fp32 scales and 64 bf16
+    RoPE values, 656 B per token per layer. fp8_e4m3, which that backend does not take, is
+    FlashInfer's plain fp8 latent (576 B); dense MLA (V3) stays one byte per value."""
+    m = spec_from_config(_v32())
+    assert m.sparse_mla and kv_layer_bytes(m, "fp8") == FP8_DS_MLA_BYTES == 512 + 16 + 128
+    assert kv_bytes_per_token(m, "fp8") == 61 * (656 + 132) == 48_068
+    assert kv_bytes_per_token(m, "float8") == 48_068  # the alias, normalised
+    assert kv_bytes_per_sequence(m, "fp8", 17) == 32 * 48_068
+    assert kv_bytes_per_token(m, "fp8_e4m3") == 61 * (576 + 132)
+    v3 = spec_from_config(dict(find_preset("deepseek-v3") or {}))
+    assert not v3.sparse_mla and kv_bytes_per_token(v3, "fp8") == 61 * 576
+    plan = make_plan(PlanInput(model=m, gpu=find_gpu("h200"), kv_dtype="fp8", gpus=8, tp=8,
+                               context=ContextPercentiles(100_000, 100_000, 100_000)))
+    assert plan.kv_bytes_per_token == 48_068
+    assert plan.max_sequences_in_hbm["p99"] == plan.kv_budget_bytes_per_gpu // (
+        48_068 * 100_000)
+    assert any("fp8_ds_mla, 656 B" in n for n in plan.notes)

@@ -148,3 +148,28 @@ def test_windowed_layers_beside_full_ones_are_planned_as_the_connector_runs_them
     assert doc["kv_bytes_per_sequence"]["p99"] == kv_bytes_per_sequence(
         spec_from_config(alone), "bf16", 32768, 16)
     assert any("refuses this model at start" in n for n in doc["notes"])
+
+
+def test_llama4_chunked_layers_keep_every_token_without_kvtier_too(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM 0.32 turns its hybrid KV cache manager off for chunked local attention by
+    default (unless VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1), connector or not:
+    Llama 4's chunked layers are allocated as full attention either way, so the plan must
+    not put the difference on kvtier."""
+    scout = {"model_type": "llama4", "torch_dtype": "bfloat16",
+             "text_config": config(model_type="llama4_text", num_hidden_layers=48,
+                                   hidden_size=5120, num_attention_heads=40,
+                                   num_key_value_heads=8, attention_chunk_size=8192,
+                                   num_local_experts=16, vocab_size=202048,
+                                   max_position_embeddings=10485760)}
+    (tmp_path / "config.json").write_text(json.dumps(scout))
+    doc = plan_json(capsys, "--model", str(tmp_path), "--gpu", "h200", "--tp", "4",
+                    "--context", "100000", "--max-output", "0")
+    m = spec_from_config(scout)
+    everything = kv_bytes_per_token(m, "bf16") * 100_000
+    windowed = kv_bytes_per_sequence(m, "bf16", 100_000, 16)
+    assert doc["kv_bytes_per_sequence"]["p99"] == everything > windowed
+    (note,) = [n for n in doc["notes"] if "window of 8,192" in n]
+    assert "with or without kvtier" in note and "without kvtier)" not in note
+    assert f"{windowed / 1e9:.2f} GB only with VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV" \
+        in note
