@@ -5,7 +5,9 @@ computed after it (its attention read the bad one) is no better. vLLM recomputes
 the first request it finds holding a failed page rolls back; the others sharing that page
 through the prefix cache count it computed and rely on the first to rewrite it, which an
 abort, a preemption or a per-step prefill cap can delay or prevent. So no save may include
-such a page, whichever request saves it, until it is written whole again or loaded.
+such a page, whichever request saves it, until it is written whole again or loaded; and a
+request that counts one computed (a prefix-cache hit on it, a sharer) has it reported as a
+load error in that step (``relied_on``), so that vLLM rolls that request back too.
 """
 
 from __future__ import annotations
@@ -76,6 +78,19 @@ class BadPages:
                 else:
                     self._upto[page] = hi
             sound = page not in self.pages
+
+    def relied_on(self, page_ids: Sequence[int], computed: int) -> list[int]:
+        """The bad pages a request holding ``page_ids`` reads as computed when it counts
+        ``computed`` tokens so: a page rewritten up to some token is relied on only past it
+        (a request rewriting it a step at a time reads what it wrote)."""
+        if not self.pages:
+            return []
+        bs = self.block_size
+        held = page_ids[:-(-computed // bs)]
+        if self.pages.isdisjoint(held):
+            return []
+        return [page for j, page in enumerate(held)
+                if page in self.pages and computed > j * bs + self._upto.get(page, 0)]
 
     def first(self, page_ids: Sequence[int], upto: int) -> int | None:
         """The index of the first bad page among ``page_ids[:upto]``, or None."""

@@ -68,6 +68,9 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     saves: list[TransferSpec] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     step: int = -1   # the scheduler side's count of metadata built: names this step's loads
+    # pages known not to hold their prompt's KV that a request of this step counts computed
+    # (badpages.BadPages.relied_on): the workers report them as this step's load errors
+    stale_pages: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -35,13 +35,12 @@ import numpy as np
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 
-from .badpages import BadPages
 from .config import ConnectorConfig
 from .link import DaemonLink
 from .mapping import LoadSpan, PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
+from .outcomes import PageOutcomes
 from .pending import PendingSaves
-from .pieces import FAILED_STEPS_KEPT
 from .recompute import RecomputeModel
 from .report import engine_report
 from .salts import request_salt
@@ -96,10 +95,9 @@ class SchedulerSide:
                                         dict(config.tier_bandwidth))
         self._skips: dict[str, int] = {}
         self._pending_saves = PendingSaves(tp_size, config.tokens_per_block)
-        self._bad = BadPages(block_size)   # pages no save may include (failed loads)
+        self.outcomes = PageOutcomes(block_size, self.pages.pages_per_block)
+        self._bad = self.outcomes.bad   # pages no save may include (failed loads)
         self._step = 0   # metadata built so far (KVTierConnectorMetadata.step)
-        # (step, pages) of synchronous loads whose step the workers have not reported yet
-        self._unconfirmed: list[tuple[int, set[int]]] = []
         self._step_started: tuple[float, int] | None = None
         # names this engine in its reports: its counters are cumulative since it started,
         # and the daemon counts them once however often the link reconnects
@@ -264,6 +262,7 @@ class SchedulerSide:
             elif new_ids is not None and new_ids[0]:
                 state.page_ids.extend(new_ids[0])
             steps.append((req_id, state, cached.num_computed_tokens[i]))
+        self.outcomes.report_stale(meta, ((state, before) for _, state, before in steps))
         # the step's writes first (a page one request rewrites is sound for all), then saves
         for req_id, state, before in steps:
             self._bad.rewritten(state.page_ids, before, before + scheduled.get(req_id, 0))
@@ -271,12 +270,8 @@ class SchedulerSide:
             self._plan_save(meta, req_id, state, before + scheduled.get(req_id, 0))
         meta.step = self._step
         self._step += 1
-        if meta.loads:
-            self._unconfirmed.append(
-                (meta.step, {p for spec in meta.loads for p in spec.page_ids[spec.skip_pages:]}))
-            del self._unconfirmed[:-FAILED_STEPS_KEPT]   # (no worker output: not forever)
-        if self._unconfirmed and meta.saves:
-            self._mark_loaded_pages(meta)
+        self.outcomes.loads_planned(meta)
+        self.outcomes.mark_loaded(meta, self._pages_of)
         # the step times prefill only when the workers do not wait on kvtier in it: a
         # synchronous load, or a producer's synchronous saves (a failover's seconds read as
         # a prefill of 361 tokens/s), would make recomputing look slower than it is
@@ -287,23 +282,9 @@ class SchedulerSide:
         self._maybe_report()
         return meta
 
-    def _mark_loaded_pages(self, meta: KVTierConnectorMetadata) -> None:
-        """Name, in each save, the pages of its request up to the save's end that loads
-        fill whose outcome this side has not seen (this step's; with async scheduling the
-        step before too): vLLM's prefix cache shares pages still being loaded, and the
-        workers must not save what anyone computed on a load that failed."""
-        loading: dict[int, int] = {}   # page -> the latest step loading it
-        for step, pages in self._unconfirmed:
-            loading.update(dict.fromkeys(pages, step))
-        if not loading:
-            return
-        ppb = self.pages.pages_per_block
-        for save in meta.saves:
-            state = self._states.get(save.req_id)
-            held = None if state is None else state.page_ids[:save.end_block * ppb]
-            if held and not loading.keys().isdisjoint(held):   # (most saves: none)
-                save.loaded_pages = [
-                    (i // ppb, p, loading[p]) for i, p in enumerate(held) if p in loading]
+    def _pages_of(self, req_id: str) -> list[int] | None:
+        state = self._states.get(req_id)
+        return None if state is None else state.page_ids
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, state: RequestState,
                    computed_after_step: int) -> None:
@@ -343,7 +324,7 @@ class SchedulerSide:
         wmeta = getattr(output, "kv_connector_worker_meta", None)
         loaded = (self._take_worker_meta(wmeta) if isinstance(wmeta, KVTierWorkerMetadata)
                   else set())
-        invalid = set(output.invalid_block_ids or ())
+        invalid = self.outcomes.failures(output.invalid_block_ids or ())
         ppb = self.pages.pages_per_block
         for state in self._states.values() if invalid else ():
             # a request holding a failed page (its own load's or a shared one): its saves from
@@ -358,10 +339,7 @@ class SchedulerSide:
 
     def _take_worker_meta(self, wmeta: KVTierWorkerMetadata) -> set[int]:
         """Take the workers' report; the pages of the loads of the steps it confirms."""
-        loaded: set[int] = set()
-        if self._unconfirmed and wmeta.step >= 0:
-            loaded = loaded.union(*(p for s, p in self._unconfirmed if s <= wmeta.step))
-            self._unconfirmed = [(s, p) for s, p in self._unconfirmed if s > wmeta.step]
+        loaded = self.outcomes.confirmed(wmeta.step)
         self._pending_saves.acked(wmeta.saves_done)
         for name, n in wmeta.counters.items():
             self.counters[name] = self.counters.get(name, 0) + n

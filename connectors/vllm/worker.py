@@ -174,6 +174,7 @@ class WorkerSide:
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
         """Start this step's loads layer by layer; hand asynchronous ones to the pool."""
         self._step = meta.step
+        self._load_errors.update(meta.stale_pages)   # (see KVTierConnectorMetadata)
         if meta.loads and self.pipeline is not None and self.caches is not None:
             batch = LoadBatch(meta.loads, self.caches, lambda: self._thread_link("-load"),
                               self.tp_rank, self.device_loads)

@@ -173,7 +173,7 @@ def test_with_async_scheduling_a_save_one_step_later_is_dropped_too(
         for invalid, wmeta in outputs:
             sched.update_connector_output(NS(kv_connector_worker_meta=wmeta,
                                              invalid_block_ids=invalid))
-        assert sched._unconfirmed == []             # both steps' outcomes are known
+        assert sched.outcomes.confirmed(2**31) == set()   # both steps' outcomes are known
         assert sched.link.call(lambda c: c.lookup(ns, keys[:3]), 0).hits == 0
     finally:
         sched.shutdown()

@@ -95,3 +95,18 @@ def test_a_recompute_in_chunks_that_end_mid_page_is_saved_again(tmp_path: Path) 
         assert sched._bad.pages == {116}    # the page the decode writes next
     finally:
         sched.shutdown()
+
+
+def test_a_request_relies_on_the_bad_pages_it_counts_computed_past_what_was_rewritten() -> None:
+    bad = BadPages(4)
+    pages = [10, 11, 12, 13]
+    assert bad.relied_on(pages, 16) == []               # nothing bad: nothing to report
+    bad.failed(pages, {11})                             # 11, 12, 13 bad
+    assert bad.relied_on(pages, 4) == []                # counts page 10 only
+    assert bad.relied_on(pages, 5) == [11]              # one token of 11 is counted
+    assert bad.relied_on(pages, 16) == [11, 12, 13]
+    bad.rewritten(pages, 4, 6)                          # 11 rewritten up to its 2nd token
+    assert bad.relied_on(pages, 6) == []                # reads only what was rewritten
+    assert bad.relied_on(pages, 7) == [11]
+    bad.rewritten(pages, 6, 8)                          # 11 whole again
+    assert bad.relied_on(pages, 8) == [] and bad.relied_on(pages, 9) == [12]

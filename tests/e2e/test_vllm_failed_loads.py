@@ -1,0 +1,43 @@
+"""A kvtier load that fails with vLLM's own prefix cache on: the pages that failed stay in
+vLLM's cache under ``kv_load_failure_policy="recompute"`` (kept for the request vLLM rolls
+back to rewrite them), so when that request is aborted or preempted first, or another
+request shares them before they are rewritten, a later hit on them decoded on zeroed KV
+and gave wrong tokens (found by review). The connector reports the bad pages a request
+counts computed as that step's load errors, and vLLM rolls that request back too."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S
+from tests.e2e.vllm_engine import ENGINE_ENV
+from tests.support.daemon import DaemonProcess
+
+pytestmark = pytest.mark.e2e
+
+RUNNER = Path(__file__).with_name("failed_load_engine.py")
+
+
+@pytest.mark.parametrize("scenario", ["abort", "duplicate", "preempt"])
+def test_pages_that_failed_to_load_are_never_a_later_hit(
+        scenario: str, tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    with DaemonProcess(tmp_path / "kvd", cpu_bytes="64MiB", nvme_bytes="0") as d:
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), scenario, str(tiny_model), str(d.socket), str(out)],
+            env={**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}, capture_output=True,
+            text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    want, got = result["want"], result["got"]
+    assert got, result
+    for name, (tokens, cached) in got.items():
+        assert tokens == want[name], (name, cached)
+    if scenario != "preempt":   # a later request reused the prompt's pages in vLLM's cache
+        assert max(cached for _, cached in got.values()) > 256
