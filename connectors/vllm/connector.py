@@ -179,6 +179,11 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None, "scheduler-side call on a worker connector"
         return self._scheduler
 
+    def reset_cache(self) -> bool | None:
+        """vLLM resets the connector's cache (after an in-place weight update): no KV saved
+        before is loaded again (``SchedulerSide.reset_cache``)."""
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._s().get_num_new_matched_tokens(request, num_computed_tokens)

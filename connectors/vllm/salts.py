@@ -1,7 +1,8 @@
-"""A request's namespace salt: the tenant's ``cache_salt`` and the LoRA adapter that
-computed its KV (name, path, id and a fingerprint of the adapter's weights), one to one, so
-that two requests share KV only when both match; ``False`` for a request whose KV is not a
-function of its token ids alone."""
+"""A request's namespace salt: the tenant's ``cache_salt``, the LoRA adapter that computed
+its KV (name, path, id and a fingerprint of the adapter's weights) and the weights
+generation of an engine whose weights were replaced in place, one to one, so that two
+requests share KV only when all match; ``False`` for a request whose KV is not a function
+of its token ids alone."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ if TYPE_CHECKING:
 __all__ = ["adapter_fingerprint", "namespace_salt", "request_salt"]
 
 
-def request_salt(request: Request) -> str | Literal[False] | None:
+def request_salt(request: Request, generation: str | None = None
+                 ) -> str | Literal[False] | None:
     """The namespace salt of a request, or ``False`` when its KV is not a function of its
     token ids alone (multimodal inputs, prompt embeddings) and must not be cached.
 
-    A LoRA adapter changes the KV, so it joins the tenant's ``cache_salt`` (``namespace_salt``).
+    A LoRA adapter changes the KV, so it joins the tenant's ``cache_salt``, and so does the
+    engine's weights ``generation`` (``namespace_salt``).
     """
     if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) \
             is not None:
@@ -32,7 +35,7 @@ def request_salt(request: Request) -> str | Literal[False] | None:
         lora_id = int(getattr(lora, "lora_int_id", 0) or 0)
         adapter = (str(getattr(lora, "lora_name", "")), path, lora_id,
                    adapter_fingerprint(path, lora_id))
-    return namespace_salt(getattr(request, "cache_salt", None), adapter)
+    return namespace_salt(getattr(request, "cache_salt", None), adapter, generation)
 
 
 _ADAPTER_FINGERPRINTS: dict[tuple[str, int], str] = {}
@@ -57,14 +60,18 @@ def adapter_fingerprint(path: str, lora_id: int) -> str:
 _RESERVED = "\x1f"   # opens every salt this connector derives; a tenant's is escaped
 
 
-def namespace_salt(cache_salt: str | None,
-                   adapter: tuple[str, str, int, str] | None) -> str | None:
-    """The namespace salt of a tenant's ``cache_salt`` and LoRA ``adapter`` (name, path,
-    id, weights fingerprint), one to one: two requests share KV only when both are equal.
-    Without an adapter the tenant's salt is kept as is (its namespace, and what it stored,
-    stay the same), unless it begins with the reserved character; with one, the pair is
-    JSON under that character, so no tenant can choose a salt that names another tenant's
-    adapter namespace."""
+def namespace_salt(cache_salt: str | None, adapter: tuple[str, str, int, str] | None,
+                   generation: str | None = None) -> str | None:
+    """The namespace salt of a tenant's ``cache_salt``, LoRA ``adapter`` (name, path, id,
+    weights fingerprint) and weights ``generation`` (set once an engine's weights were
+    replaced in place, ``SchedulerSide.reset_cache``), one to one: two requests share KV
+    only when all are equal. Without an adapter or a generation the tenant's salt is kept
+    as is (its namespace, and what it stored, stay the same), unless it begins with the
+    reserved character; otherwise they are JSON under that character, so no tenant can
+    choose a salt that names another tenant's adapter or generation namespace."""
+    if generation is not None:
+        return f"{_RESERVED}gen:" + json.dumps([generation, cache_salt, adapter],
+                                               ensure_ascii=True)
     if adapter is None:
         if cache_salt is not None and cache_salt.startswith(_RESERVED):
             return f"{_RESERVED}salt:{cache_salt}"

@@ -67,6 +67,7 @@ class RequestState:
     load: TransferSpec | None = None
     saved_any: bool = False
     load_failed: bool = False   # a load of it failed: it recomputes, kvtier is not asked again
+    reset: bool = False   # in flight at a cache reset: kvtier neither loads nor saves it
 
 
 class SchedulerSide:
@@ -102,6 +103,8 @@ class SchedulerSide:
         # names this engine in its reports: its counters are cumulative since it started,
         # and the daemon counts them once however often the link reconnects
         self.engine_id = uuid.uuid4().hex
+        # names the weights after an in-place replacement (reset_cache): in every salt
+        self.generation: str | None = None
         self.counters: dict[str, int] = {"skipped_slower_than_recompute": 0,
                                          "skipped_tokens_slower_than_recompute": 0,
                                          "lookups_without_round_trip": 0,
@@ -123,11 +126,11 @@ class SchedulerSide:
             # vLLM drops any hit, so a lookup would only start promotions and wait on saves
             self.counters["lookups_prefix_read_off"] += 1
             return 0, False
-        salt = request_salt(request)
+        salt = request_salt(request, self.generation)
         if salt is False:
             return 0, False
         state = self._states.get(request.request_id)
-        if state is not None and state.load_failed:
+        if state is not None and (state.load_failed or state.reset):
             # vLLM asks again after a failed load: a stalled daemon would cost this request
             # a second timeout (another connection finds the stall anew), a lost block a
             # second failure; recomputing is what the failure already decided
@@ -183,7 +186,7 @@ class SchedulerSide:
         req_id = request.request_id
         state = self._states.get(req_id)
         if state is None:
-            salt = request_salt(request)
+            salt = request_salt(request, self.generation)
             if salt is False:
                 return
             state = RequestState(request, salt)
@@ -288,7 +291,7 @@ class SchedulerSide:
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, state: RequestState,
                    computed_after_step: int) -> None:
-        if not self.config.saves:   # kv_consumer: loads only
+        if not self.config.saves or state.reset:   # kv_consumer: loads only
             return
         limit = computed_after_step
         if not self.config.save_decode_tokens:
@@ -370,6 +373,24 @@ class SchedulerSide:
         # no round trip inside the engine's step: the reply is skipped by the next call
         self.link.call(lambda c: c.report_engine_nowait(engine_id=self.engine_id, **values),
                        None)
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: what its weight-update flow
+        calls once the weights changed in place (the files, and the fingerprint in the model
+        id, may not have). The connector ignored it: the engine went on loading the old
+        weights' KV and gave wrong tokens (found by review). Every later request keys a
+        new, random weights generation: nothing saved before is loaded again, here or by
+        another engine, and nothing computed from now on is saved under the old names.
+        Requests in flight hold KV of either weights: kvtier neither loads nor saves them
+        again; saves and loads already planned finish under the names they had."""
+        self.generation = uuid.uuid4().hex
+        for state in self._states.values():
+            state.reset = True
+        self._spans.clear()
+        self._skips.clear()
+        logger.info("kvtier: the engine's cache was reset (its weights may have changed): "
+                    "KV saved before is not loaded again")
+        return True
 
     def shutdown(self) -> None:
         self.link.close()

@@ -95,3 +95,15 @@ def test_a_save_that_continues_a_chain_names_its_parent_and_depth() -> None:
     assert SaveRequest(spec, None, Link, 0).prepare() is False   # type: ignore[arg-type]
     chain = block_keys(ns, tokens)
     assert asked == [(chain[2:4], chain[1], 2)]
+
+
+def test_a_weights_generation_gives_every_request_another_salt() -> None:
+    """After an in-place weight update (``SchedulerSide.reset_cache``) no salt of before,
+    nor one a tenant can choose, names the new generation's namespaces."""
+    gen = "0123456789abcdef"
+    for req in (request(None), request("t"), request("t", FOO)):
+        after = request_salt(req, gen)
+        assert after != request_salt(req)
+        assert after != request_salt(request(after))               # a tenant choosing it
+        assert request_salt(req, "another") != after
+    assert request_salt(request(None), gen) != request_salt(request(""), gen)
