@@ -11,7 +11,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector package imports vLLM")
 
+import numpy as np
+
+# (imported at collection: vLLM's first import of these runs a subprocess, py-cpuinfo's)
+from kvtier.connectors.vllm.metadata import TransferSpec
 from kvtier.connectors.vllm.salts import namespace_salt, request_salt
+from kvtier.connectors.vllm.transfers import SaveRequest
+
+from kvtier.keys import Namespace, block_keys
+from kvtier.layout import KVLayout
 
 
 def request(salt: str | None = None, lora: tuple[str, str, int] | None = None) -> Any:
@@ -68,13 +76,6 @@ def test_without_an_adapter_the_tenants_salt_is_kept() -> None:
 def test_a_save_that_continues_a_chain_names_its_parent_and_depth() -> None:
     """Blocks 2..3 of a prompt whose blocks 0..1 were stored before: the put says where in
     the chain they sit (the daemon's policy keeps a parent as long as its children)."""
-    import numpy as np
-    from kvtier.connectors.vllm.metadata import TransferSpec
-    from kvtier.connectors.vllm.transfers import SaveRequest
-
-    from kvtier.keys import Namespace, block_keys
-    from kvtier.layout import KVLayout
-
     ns = Namespace("m", KVLayout(2, 2, 32, "float16", 16))
     tokens = np.arange(4 * 16, dtype=np.int64)
     asked: list[tuple[Any, ...]] = []
