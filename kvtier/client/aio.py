@@ -1,12 +1,15 @@
 """The asyncio client: drives the sans-I/O ops (kvtier.client.ops) over asyncio streams.
 
-Several coroutines may share one client: replies are matched to requests by id.
+Several coroutines may share one client: replies are matched to requests by id. The
+client's ``timeout`` bounds each call whole, the send included: a daemon that stopped
+reading (SIGSTOP, a hung loop) fills the socket's buffer, and a send that cannot finish in
+time leaves the connection unusable (a frame may be half sent). ``close`` is bounded too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import itertools
 import select
 import socket
@@ -18,7 +21,16 @@ import numpy as np
 
 from kvtier.client import forks
 from kvtier.client.leases import AsyncGetLease, AsyncPutLease
-from kvtier.client.ops import HANGUP, MAX_REPLY, LookupResult, NoWait, Op, Ops, map_arena
+from kvtier.client.ops import (
+    HANGUP,
+    MAX_REPLY,
+    LookupResult,
+    NoWait,
+    Op,
+    Ops,
+    Settle,
+    map_arena,
+)
 from kvtier.config import default_socket_path, trusted_daemon_uids
 from kvtier.errors import (
     ClientForked,
@@ -50,6 +62,7 @@ class AsyncKVTierClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._broken: KVTierError | None = None
         self._late = 0   # replies awaited only to end their lease (``_end_when_granted``)
+        self._owed: set[asyncio.Future[dict[str, Any]]] = set()   # replies of NoWait sends
         self._pid = forks.track(self)   # a forked child must connect again
 
     def _forked(self) -> None:
@@ -89,12 +102,14 @@ class AsyncKVTierClient:
             raise self._broken
         rid = next(self._ids)
         req["id"] = rid
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         self._pending[rid] = fut
+        deadline = loop.time() + self._timeout   # the send and the reply: one deadline
         try:
             self._writer.write(pack(req))   # sent before the first await: a cancel is later
-            await self._writer.drain()
-            reply = await asyncio.wait_for(fut, self._timeout)
+            await self._drain(req, deadline)
+            reply = await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
             self._end_when_granted(rid, req)
             raise RequestTimeout(f"no reply to {req.get('op')} within {self._timeout}s") from None
@@ -107,6 +122,25 @@ class AsyncKVTierClient:
             if self._pending.get(rid) is fut:
                 del self._pending[rid]
         return Ops.check_reply(reply)
+
+    async def _drain(self, req: dict[str, Any], deadline: float) -> None:
+        """Wait until the transport has taken the frame just written, until ``deadline``
+        (``loop.time()``). Past it: RequestTimeout, and the connection is unusable from
+        then on (``_broken``), since the frame may be half sent and the rest would go
+        whenever the daemon reads again."""
+        transport = self._writer.transport
+        if not transport.get_write_buffer_size():
+            await self._writer.drain()   # nothing buffered: returns at once
+            return
+        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+        try:
+            await asyncio.wait_for(self._writer.drain(), remaining)
+        except asyncio.TimeoutError:
+            self._broken = DaemonUnavailable(
+                f"connection unusable: a {req.get('op')} request could not be sent within "
+                f"{self._timeout}s (the daemon is not reading); close it and connect again")
+            raise RequestTimeout(f"could not send {req.get('op')} within {self._timeout}s: "
+                                 "the daemon is not reading") from None
 
     def _end_when_granted(self, rid: int, req: dict[str, Any]) -> None:
         """A lease asked for by a call that gave up waiting (cancelled, or past the timeout)
@@ -126,9 +160,12 @@ class AsyncKVTierClient:
                 return   # no lease, or the connection is gone and the daemon ends it
             lease = f.result().get("lease")
             if type(lease) is int:
-                with contextlib.suppress(Exception):   # its reply matches nothing: dropped
-                    self._writer.write(pack({"op": end, "lease": lease,
-                                             "id": next(self._ids)}))
+                end_id = next(self._ids)
+                self._owe(end_id)   # nobody awaits its reply; a delete waits for it
+                try:
+                    self._writer.write(pack({"op": end, "lease": lease, "id": end_id}))
+                except Exception:   # not sent (the connection is going): nothing owed
+                    self._pending[end_id].cancel()
 
         late.add_done_callback(ended)
         self._pending[rid] = late
@@ -140,12 +177,41 @@ class AsyncKVTierClient:
         if self._broken is not None or sock is None or self._reader.at_eof() or \
                 _hung_up(sock.fileno()):
             return await self._call(req)
-        req["id"] = next(self._ids)
+        rid = req["id"] = next(self._ids)
+        self._owe(rid)
+        deadline = asyncio.get_running_loop().time() + self._timeout
         try:
             self._writer.write(pack(req))
-            await self._writer.drain()
+            await self._drain(req, deadline)
         except OSError as exc:
             raise DaemonUnavailable(f"daemon connection lost: {exc}") from None
+        return {}
+
+    def _owe(self, rid: int) -> None:
+        """Expect the reply of request ``rid``, sent NoWait: nobody awaits it, but
+        ``_settle`` waits until it came."""
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        self._owed.add(fut)
+        fut.add_done_callback(functools.partial(self._paid, rid))
+
+    def _paid(self, rid: int, fut: asyncio.Future[dict[str, Any]]) -> None:
+        self._owed.discard(fut)
+        if self._pending.get(rid) is fut:
+            del self._pending[rid]
+        if not fut.cancelled():
+            fut.exception()   # retrieved: a lost connection is not an unawaited error
+
+    async def _settle(self) -> dict[str, Any]:
+        """Wait for the replies still owed to requests sent NoWait (``Settle``), within
+        the timeout (RequestTimeout past it; the connection stays usable)."""
+        if self._broken is not None:
+            raise self._broken
+        if self._owed:
+            _, late = await asyncio.wait(list(self._owed), timeout=self._timeout)
+            if late:
+                raise RequestTimeout(f"no reply to {len(late)} earlier request(s) sent "
+                                     f"without waiting within {self._timeout}s")
         return {}
 
     async def _run(self, op: Op) -> Any:
@@ -155,8 +221,12 @@ class AsyncKVTierClient:
             req = next(op)
             while True:
                 try:
-                    reply = await (self._send_nowait(req.req) if isinstance(req, NoWait)
-                                   else self._call(req))
+                    if isinstance(req, NoWait):
+                        reply = await self._send_nowait(req.req)
+                    elif isinstance(req, Settle):
+                        reply = await self._settle()
+                    else:
+                        reply = await self._call(req)
                 except KVTierError as exc:
                     req = op.throw(exc)
                 else:
@@ -222,11 +292,21 @@ class AsyncKVTierClient:
         await self._run(self._ops.op_report(values, engine_id))
 
     async def close(self) -> None:
+        """Close the connection (its leases end), within the timeout: a transport with
+        data still buffered (a daemon that stopped reading) is aborted, not flushed."""
         if self._reader_task is not None:
             self._reader_task.cancel()
-        self._writer.close()
-        with contextlib.suppress(Exception):
-            await self._writer.wait_closed()
+        transport = self._writer.transport
+        if transport.get_write_buffer_size():
+            transport.abort()
+        else:
+            self._writer.close()
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), self._timeout)
+        except asyncio.TimeoutError:
+            transport.abort()
+        except Exception:   # the connection is gone either way
+            pass
         self._ops.close()
 
 

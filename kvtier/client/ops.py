@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.client.buffers import as_bytes, check_buffers
 from kvtier.client.hello import mapped
 from kvtier.client.replies import LookupResult, slot_offsets
 from kvtier.errors import (
-    BufferSizeError,
     DaemonUnavailable,
     HandshakeError,
     KVTierError,
@@ -55,10 +55,18 @@ class NoWait:
     req: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Wait (within the client's timeout) for the replies still owed to requests sent
+    ``NoWait``, then send the op ``{}``: once a release's reply came, the daemon has
+    unpinned its blocks, so a request that must see that (``delete``) goes after it."""
+
+
+SETTLE = Settle()
 HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 """poll events of a connection whose daemon is gone (closed its end, or died): how a
 client tells, before a ``NoWait``, that the daemon holding its lease is still the one."""
-Op = Generator["dict[str, Any] | NoWait", dict[str, Any], Any]
+Op = Generator["dict[str, Any] | NoWait | Settle", dict[str, Any], Any]
 """A sans-I/O operation: yields requests, is sent replies (or thrown their errors), and
 returns its result."""
 RELEASE_SAFE_SHARE = 0.5
@@ -67,25 +75,6 @@ of its TTL has passed since the get was asked: the daemon cannot have taken its 
 (the TTL runs from later than that) and, its connection still up, it has not restarted.
 Past it, the release waits and ``LeaseExpired`` tells a copy that came too late."""
 log = logging.getLogger("kvtier.client")
-
-
-def as_bytes(buf: Any) -> np.ndarray:
-    """A flat uint8 view of any C-contiguous buffer (bytes, numpy, memoryview)."""
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-
-
-def check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> None:
-    """BufferSizeError unless there is one buffer of the layout's block size per key."""
-    if len(buffers) != len(keys):
-        raise BufferSizeError(f"{len(keys)} keys but {len(buffers)} buffers")
-    nbytes = ns.layout.block_bytes
-    for i, b in enumerate(buffers):
-        size = memoryview(b).nbytes
-        if size != nbytes:
-            raise BufferSizeError(f"buffer {i} has {size} bytes; the layout's block is "
-                                  f"{nbytes} bytes")
 
 
 def release_safe_until(asked: float, ttl_s: Any) -> float | None:
@@ -343,6 +332,10 @@ class Ops:
         return len(views)
 
     def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
+        """Delete ``keys``; how many went. The releases this connection sent ``NoWait``
+        (a ``get`` that just returned) are settled first: the daemon runs requests side by
+        side, and would skip blocks still pinned by the caller's own finished get."""
+        yield SETTLE
         reply = yield from self._ask(ns, self._target("delete", ns, keys))
         return int(reply["deleted"])
 

@@ -8,7 +8,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -16,7 +16,16 @@ import numpy as np
 
 from kvtier.client import forks
 from kvtier.client.leases import GetLease, PutLease
-from kvtier.client.ops import HANGUP, MAX_REPLY, LookupResult, NoWait, Op, Ops, map_arena
+from kvtier.client.ops import (
+    HANGUP,
+    MAX_REPLY,
+    LookupResult,
+    NoWait,
+    Op,
+    Ops,
+    Settle,
+    map_arena,
+)
 from kvtier.config import default_socket_path, trusted_daemon_uids
 from kvtier.errors import (
     ClientForked,
@@ -38,7 +47,10 @@ class KVTierClient:
     def __init__(self, sock: socket.socket, timeout: float, *, device: bool = False,
                  hello: Hello | None = None) -> None:
         """``hello``: the handshake ``connect`` already did on ``sock``; without it the
-        daemon is verified and greeted here (trusted uids from the environment)."""
+        daemon is verified and greeted here (trusted uids from the environment). ``timeout``
+        becomes ``sock``'s own: every send and receive is bounded by it, on a socket the
+        caller connected too."""
+        sock.settimeout(timeout)
         self._sock = sock
         self._timeout = timeout
         self._ids = itertools.count(2)
@@ -76,13 +88,25 @@ class KVTierClient:
         return DaemonUnavailable(f"connection unusable after an earlier failure: "
                                  f"{self._broken}")
 
-    def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _alone(self) -> Iterator[None]:
+        """Hold the socket for one exchange (two threads at once: ProtocolError)."""
         if not self._busy.acquire(blocking=False):
             raise _shared_between_threads()
         try:
-            return self._call_alone(req)
+            yield
         finally:
             self._busy.release()
+
+    def _call(self, req: dict[str, Any]) -> dict[str, Any]:
+        with self._alone():
+            return self._call_alone(req)
+
+    def _recv_reply(self) -> dict[str, Any]:
+        (n,) = LENGTH.unpack(self._recv_exact(LENGTH.size))
+        if n > MAX_REPLY:
+            raise ProtocolError(f"reply of {n} bytes is too large")
+        return unpack_body(self._recv_exact(n), MAX_REPLY)
 
     def _call_alone(self, req: dict[str, Any]) -> dict[str, Any]:
         if self._broken is not None:
@@ -93,10 +117,7 @@ class KVTierClient:
         try:
             self._sock.sendall(pack(req))
             while True:
-                (n,) = LENGTH.unpack(self._recv_exact(LENGTH.size))
-                if n > MAX_REPLY:
-                    raise ProtocolError(f"reply of {n} bytes is too large")
-                reply = unpack_body(self._recv_exact(n), MAX_REPLY)
+                reply = self._recv_reply()
                 got = reply.get("id")
                 if type(got) is int and got in (rid, 0):
                     break
@@ -106,13 +127,17 @@ class KVTierClient:
                 self._unanswered -= 1   # a NoWait's, skipped
                 if time.monotonic() > deadline:
                     raise TimeoutError
-        except TimeoutError:
-            self._fail(RequestTimeout(f"no reply to {req.get('op')} within {self._timeout}s"))
-        except ProtocolError as exc:
-            self._fail(exc)
-        except OSError as exc:
-            self._fail(DaemonUnavailable(f"daemon connection lost: {exc}"))
+        except (OSError, ProtocolError) as exc:
+            self._lost(exc, str(req.get("op")))
         return Ops.check_reply(reply)
+
+    def _lost(self, exc: OSError | ProtocolError, what: str) -> NoReturn:
+        """``_fail`` with the typed error of a transport failure during ``what``."""
+        if isinstance(exc, TimeoutError):
+            self._fail(RequestTimeout(f"no reply to {what} within {self._timeout}s"))
+        if isinstance(exc, ProtocolError):
+            self._fail(exc)
+        self._fail(DaemonUnavailable(f"daemon connection lost: {exc}"))
 
     def _fail(self, exc: KVTierError) -> NoReturn:
         """The connection is out of step (a reply is late, or not the one due): raise
@@ -120,6 +145,25 @@ class KVTierClient:
         may still be writing into a put lease's views, which a hang-up would give back."""
         self._broken = exc
         raise exc from None
+
+    def _settle(self) -> dict[str, Any]:
+        """Read the replies still owed to requests sent NoWait (``Settle``), within the
+        timeout; an error the daemon sent to whoever asks (id 0) raises here."""
+        if self._broken is not None:
+            raise self._unusable()
+        with self._alone():
+            deadline = time.monotonic() + self._timeout
+            try:
+                while self._unanswered:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    reply = self._recv_reply()
+                    if reply.get("id") == 0:
+                        return Ops.check_reply(reply)
+                    self._unanswered -= 1
+            except (OSError, ProtocolError) as exc:
+                self._lost(exc, "earlier requests sent without waiting")
+        return {}
 
     def _events(self) -> int:
         """The connection's poll events now (0: nothing to read, not hung up)."""
@@ -131,18 +175,13 @@ class KVTierClient:
         connection already broken or hung up asks as ``_call`` does, and fails the same."""
         if self._broken is not None or self._events() & HANGUP:
             return self._call(req)
-        if not self._busy.acquire(blocking=False):
-            raise _shared_between_threads()
-        try:
+        with self._alone():
             req["id"] = next(self._ids)
             try:
                 self._sock.sendall(pack(req))
             except OSError as exc:
-                self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
-                raise self._broken from None
+                self._lost(exc, str(req.get("op")))
             self._unanswered += 1
-        finally:
-            self._busy.release()
         return {}
 
     def _run(self, op: Op) -> Any:
@@ -153,8 +192,12 @@ class KVTierClient:
             req = next(op)
             while True:
                 try:
-                    reply = (self._send_nowait(req.req) if isinstance(req, NoWait)
-                             else self._call(req))
+                    if isinstance(req, NoWait):
+                        reply = self._send_nowait(req.req)
+                    elif isinstance(req, Settle):
+                        reply = self._settle()
+                    else:
+                        reply = self._call(req)
                 except KVTierError as exc:
                     req = op.throw(exc)
                 else:
@@ -229,6 +272,8 @@ class KVTierClient:
         return self._run(self._ops.op_get(ns, keys, out_buffers))
 
     def delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> int:
+        """Remove the blocks from every tier; how many went (blocks under another read
+        lease are skipped; this client's own finished gets are settled first)."""
         return self._run(self._ops.op_delete(ns, keys))
 
     def prefix_locality(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, *,

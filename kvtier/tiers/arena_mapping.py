@@ -41,6 +41,19 @@ _SHARED: dict[FileKey, _Shared] = {}
 _LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A fresh ``_LOCK`` in a forked child. The parent's may be held by a thread that does
+    not exist here (one mapping an arena in ``connect()``: MAP_POPULATE takes ~0.1 s per
+    2 GiB), and would never be released: the child's own ``connect()`` hung. The mappings
+    published under it stay shared: MAP_SHARED mappings of the daemon's arena file are
+    inherited intact, and one in the making was never published."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def shared_mappings() -> int:
     """How many arena files this process has mapped (for tests and stats)."""
     with _LOCK:

@@ -8,6 +8,7 @@ cupy or torch at module import time.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -31,6 +32,22 @@ def _normalize_bus_id(bus_id: str) -> str:
 
 _MAPPINGS: dict[tuple[bytes, int], HbmMapping] = {}
 _MAPPINGS_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: a fresh ``_MAPPINGS_LOCK`` (the parent's may be held by a thread
+    that does not exist here, inside ``cudaIpcOpenMemHandle``), and none of the parent's
+    mappings. A CUDA IPC mapping is a pointer of the parent's CUDA context, which the
+    child does not have: each is marked closed, so a later ``open`` maps the pool anew and
+    the inherited clients' ``close`` makes no CUDA call."""
+    global _MAPPINGS_LOCK
+    _MAPPINGS_LOCK = threading.Lock()
+    for mapping in _MAPPINGS.values():
+        mapping._closed = True
+    _MAPPINGS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _validate_handle(handle: bytes, size: int) -> bytes:

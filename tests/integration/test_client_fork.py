@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -17,6 +20,7 @@ from kvtier.client.aio import AsyncKVTierClient
 from kvtier.errors import ClientForked, ProtocolError
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
+from kvtier.tiers import arena_mapping
 from tests.support.daemon import DaemonProcess
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
@@ -128,3 +132,59 @@ def test_a_sync_client_called_from_two_threads_says_so(daemon: DaemonProcess) ->
             {type(e).__name__: str(e) for e in errors}
         out = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
         assert c.get(ns, keys, out) == 4 and all((o == 7).all() for o in out)
+
+
+def child_within(body: Callable[[], bool], seconds: float) -> int | None:
+    """``child`` that gives up after ``seconds``: None when the child was still running
+    (it is killed then)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if body() else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def test_a_fork_while_another_thread_maps_an_arena(daemon: DaemonProcess) -> None:
+    """A thread inside connect() holds the arena-mapping lock across mmap(MAP_POPULATE)
+    (~0.1 s per 2 GiB); a fork then (a fork pool, gunicorn) gave the child a lock held by
+    a thread it does not have, and its own connect() hung for ever. Here a thread holds
+    the lock across the fork, as that connect() does."""
+    with connect(daemon.socket) as c:
+        ns = c.register_layout(LAYOUT, "fork-model")
+        keys = block_keys(ns, np.arange(2 * 16) + 7 * 10**6)
+        assert c.put(ns, keys, [np.full(LAYOUT.block_bytes, 0x5A, np.uint8)] * 2) == 2
+    holding, done = threading.Event(), threading.Event()
+
+    def mapping() -> None:
+        with arena_mapping._LOCK:
+            holding.set()
+            done.wait(30)
+
+    t = threading.Thread(target=mapping, daemon=True)
+    t.start()
+    assert holding.wait(10)
+
+    def in_child() -> bool:
+        with connect(daemon.socket, timeout=2) as own:
+            own_ns = own.register_layout(LAYOUT, "fork-model")
+            out = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
+            return own.get(own_ns, keys, out) == 2 and all((o == 0x5A).all() for o in out)
+
+    try:
+        assert child_within(in_child, 15.0) == 0
+    finally:
+        done.set()
+        t.join(10)
+    with connect(daemon.socket) as again:   # the parent's lock works as before
+        again.ping()

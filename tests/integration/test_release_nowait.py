@@ -8,7 +8,9 @@ a real daemon and SIGSTOP/SIGKILL it to tell a release that waited from one that
   once it runs again (sync and asyncio clients); the skipped reply confuses no later call;
 - the daemon killed during the copy: the release raises, it does not pretend;
 - a copy past the safe share of the TTL: the release waits, and raises ``LeaseExpired``
-  once the daemon says the lease is gone.
+  once the daemon says the lease is gone;
+- a delete waits for the releases still owed (within the timeout), so it never skips the
+  blocks of the caller's own finished get.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvtier.client import connect, connect_async
-from kvtier.errors import DaemonUnavailable, KVTierError, LeaseExpired
+from kvtier.errors import DaemonUnavailable, KVTierError, LeaseExpired, RequestTimeout
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
@@ -145,4 +148,90 @@ def test_a_late_release_waits_and_reports_the_expiry(short_ttl: DaemonProcess) -
         resumed(short_ttl)
     t.join(10.0)
     assert len(outcome) == 1 and isinstance(outcome[0], LeaseExpired)
+    c.close()
+
+
+# A delete right after the caller's own get: the get's release went out without waiting,
+# and the daemon runs each request as its own task (a release of more than 512 blocks
+# unpins them a piece at a time), so a delete that overtook it skipped the blocks as
+# still under a read lease: 0 deleted, and they stayed served (6 of 10 trials). The daemon
+# is stopped between the two, so both frames reach it in one read (without the fix, each
+# run of these tests failed within its 5 trials).
+SMALL = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
+                 tokens_per_block=16)   # 512-byte blocks: 8192 of them fit 48 MiB
+MANY, TAIL = 8192, 64                    # 8192 keys: the per-request maximum by default
+
+
+@pytest.fixture
+def roomy(tmp_path: Path) -> Iterator[DaemonProcess]:
+    with DaemonProcess(tmp_path / "kvd", cpu_bytes="48MiB", nvme_bytes="0") as d:
+        yield d
+
+
+def many_keys(ns: Any, trial: int) -> list[bytes]:
+    return block_keys(ns, (trial + 1) * 10**7 + np.arange(MANY * 16))
+
+
+def delete_into(deleted: list[int], c: Any, ns: Any, keys: list[bytes]) -> None:
+    deleted.append(c.delete(ns, keys))
+
+
+def test_a_delete_after_the_callers_own_get_deletes(roomy: DaemonProcess) -> None:
+    c = connect(roomy.socket, timeout=10.0)
+    ns = c.register_layout(SMALL, "m")
+    for trial in range(5):
+        keys = many_keys(ns, trial)
+        assert c.put(ns, keys, [np.full(SMALL.block_bytes, trial, np.uint8)] * MANY) == MANY
+        assert c.get(ns, keys, [np.zeros(SMALL.block_bytes, np.uint8)
+                                for _ in keys]) == MANY
+        stopped(roomy)
+        deleted: list[int] = []
+        t = threading.Thread(target=delete_into, args=(deleted, c, ns, keys[-TAIL:]))
+        t.start()
+        time.sleep(0.2)
+        resumed(roomy)
+        t.join(10.0)
+        assert deleted == [TAIL], f"trial {trial}"
+        assert c.lookup(ns, keys, prefetch=False).hits == MANY - TAIL
+        c.delete(ns, keys)         # room for the next trial
+    c.close()
+
+
+def test_an_async_delete_after_the_callers_own_get_deletes(roomy: DaemonProcess) -> None:
+    async def body() -> None:
+        c = await connect_async(roomy.socket, timeout=10.0)
+        ns = await c.register_layout(SMALL, "m")
+        for trial in range(5):
+            keys = many_keys(ns, trial)
+            block = np.full(SMALL.block_bytes, trial, np.uint8)
+            assert await c.put(ns, keys, [block] * MANY) == MANY
+            assert await c.get(ns, keys, [np.zeros(SMALL.block_bytes, np.uint8)
+                                          for _ in keys]) == MANY
+            stopped(roomy)
+            deleting = asyncio.ensure_future(c.delete(ns, keys[-TAIL:]))
+            await asyncio.sleep(0.2)
+            resumed(roomy)
+            assert await asyncio.wait_for(deleting, 10.0) == TAIL, f"trial {trial}"
+            assert (await c.lookup(ns, keys, prefetch=False)).hits == MANY - TAIL
+            await c.delete(ns, keys)
+        await c.close()
+
+    asyncio.run(body())
+
+
+def test_a_delete_waits_for_the_owed_releases_within_the_timeout(
+        roomy: DaemonProcess) -> None:
+    c = connect(roomy.socket, timeout=0.5)
+    ns = c.register_layout(SMALL, "m")
+    keys = many_keys(ns, 0)[:8]
+    assert c.put(ns, keys, [np.zeros(SMALL.block_bytes, np.uint8)] * 8) == 8
+    assert c.get(ns, keys, [np.zeros(SMALL.block_bytes, np.uint8) for _ in keys]) == 8
+    stopped(roomy)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            c.delete(ns, keys)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        resumed(roomy)
     c.close()

@@ -62,6 +62,8 @@ class ScriptedDaemon:
             return {"ok": True, "lease": lease, "offsets": [i * SLOT for i in range(n)]}
         if op == "put_commit":
             return {"ok": True, "stored": self.sizes[req["lease"]]}
+        if op == "delete":
+            return {"ok": True, "deleted": len(req["keys"]) // KEY_BYTES}
         return {"ok": True}
 
     def ops(self) -> list[str]:
@@ -73,6 +75,11 @@ class SyncDriver:
 
     def __init__(self, daemon: ScriptedDaemon) -> None:
         self._call = daemon
+        self.daemon = daemon
+
+    def _settle(self) -> dict[str, Any]:
+        self.daemon.requests.append({"op": "(settle)"})
+        return {}
 
     def run(self, op: Op) -> Any:
         return KVTierClient._run(self, op)  # type: ignore[arg-type]
@@ -87,6 +94,11 @@ class AsyncDriver:
     async def _call(self, req: dict[str, Any]) -> dict[str, Any]:
         await asyncio.sleep(0)
         return self.daemon(req)
+
+    async def _settle(self) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        self.daemon.requests.append({"op": "(settle)"})
+        return {}
 
     def run(self, op: Op) -> Any:
         return asyncio.run(AsyncKVTierClient._run(self, op))  # type: ignore[arg-type]
@@ -130,12 +142,20 @@ def test_put_batches_copies_and_commits(ops: Ops, driver: Any) -> None:
     assert bytes(ops.arena.view(0, BLOCK, writable=False)) == bytes([PUT_BATCH + 1]) * BLOCK
 
 
-def test_a_failed_copy_aborts_the_lease_and_raises_the_copy_error(ops: Ops, driver: Any) -> None:
+def test_a_failed_copy_aborts_the_lease_and_raises_the_copy_error(
+        ops: Ops, driver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     daemon = ScriptedDaemon()
     daemon.fail["put_abort"] = "unavailable"           # the abort's own failure is ignored
-    strided = memoryview(np.zeros((BLOCK, 2), np.uint8)[:, 0])   # right size, not contiguous
-    with pytest.raises(TypeError, match="C-contiguous"):
-        driver(daemon).run(ops.op_put(NS, keys(2), [blocks(1)[0], strided], False, None))
+    fine = [blocks(1)[0]]
+
+    def copy_fails(buf: Any) -> np.ndarray:
+        if buf is fine[0]:
+            return np.asarray(buf)
+        raise MemoryError("copy failed")
+
+    monkeypatch.setattr("kvtier.client.ops.as_bytes", copy_fails)
+    with pytest.raises(MemoryError, match="copy failed"):
+        driver(daemon).run(ops.op_put(NS, keys(2), [fine[0], blocks(2)[1]], False, None))
     assert daemon.ops() == ["put_prepare", "put_abort"]
 
 
@@ -180,6 +200,34 @@ def test_wrong_buffers_fail_before_any_request(ops: Ops, driver: Any) -> None:
     with pytest.raises(BufferSizeError):
         driver(daemon).run(ops.op_get(NS, keys(1), [np.zeros(7, np.uint8)]))
     assert daemon.requests == []
+
+
+def strided_buffers() -> list[Any]:
+    """Block-sized buffers with no flat view (numpy would copy them): each refused."""
+    return [np.zeros((16, BLOCK // 16), np.uint8, order="F"),       # Fortran order
+            np.zeros((BLOCK // 16, 16), np.uint8).T,                  # a transposed view
+            np.zeros((16, 2 * BLOCK // 16), np.uint8)[:, : BLOCK // 16],   # a column slice
+            np.zeros((BLOCK // 2 // 8, 8), np.float16).T,             # another dtype
+            memoryview(np.zeros(2 * BLOCK, np.uint8))[::2]]           # a strided memoryview
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_buffers_that_are_not_c_contiguous_fail_before_any_request(
+        ops: Ops, driver: Any, index: int) -> None:
+    daemon = ScriptedDaemon()
+    ops.arena.view(0, BLOCK, writable=True)[:] = 9
+    for op in (ops.op_get(NS, keys(2), [np.zeros(BLOCK, np.uint8), strided_buffers()[index]]),
+               ops.op_put(NS, keys(2), [blocks(1)[0], strided_buffers()[index]], False, None)):
+        with pytest.raises(BufferSizeError, match="buffer 1 is not C-contiguous"):
+            driver(daemon).run(op)
+    assert daemon.requests == []
+
+
+def test_a_delete_settles_the_releases_sent_without_waiting_first(
+        ops: Ops, driver: Any) -> None:
+    daemon = ScriptedDaemon()
+    assert driver(daemon).run(ops.op_delete(NS, keys(2))) == 2
+    assert daemon.ops() == ["(settle)", "delete"]
 
 
 def test_a_forgotten_namespace_is_registered_again(ops: Ops, driver: Any) -> None:
