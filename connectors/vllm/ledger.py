@@ -85,6 +85,16 @@ class SaveLedger:
             self._saved_reqs.discard(req_id)
             self._drop(self._inflight.pop(req_id, ()))
 
+    def undelayed(self, req_id: str) -> None:
+        """vLLM freed ``req_id`` without waiting (the scheduler saw every save of it over):
+        never report it. A save still running (none should) is withdrawn: its pages may
+        be another request's by now."""
+        self.withdraw(req_id)
+        with self._lock:
+            self._saved_reqs.discard(req_id)
+            self._finishing.discard(req_id)
+            self._drop(self._inflight.pop(req_id, ()))
+
     def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests vLLM finished (now or earlier) whose saves are all over: their pages
         may be freed. A finished request without saves was never delayed: not reported."""

@@ -71,6 +71,9 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     # pages known not to hold their prompt's KV that a request of this step counts computed
     # (badpages.BadPages.relied_on): the workers report them as this step's load errors
     stale_pages: list[int] = field(default_factory=list)
+    # requests vLLM finished whose saves every worker had acknowledged: their free was not
+    # delayed, so the workers must not report them in finished_sending
+    undelayed: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

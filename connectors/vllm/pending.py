@@ -17,6 +17,7 @@ import numpy as np
 
 PENDING_SAVE_WAIT_S = 2.0
 """A lookup waits at most this long for a save of its next block to land."""
+MAX_PRUNED = 65536
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class PendingSaves:
         self.tokens_per_block = tokens_per_block
         self._saves: dict[int, PendingSave] = {}
         self._next_id = 0
+        self._pruned: set[int] = set()   # forgotten unacknowledged: maybe still running
 
     def add(self, salt: str | None, token_ids: np.ndarray, first_block: int,
             end_block: int) -> int:
@@ -65,6 +67,14 @@ class PendingSaves:
                  if now - p.issued > 10 * PENDING_SAVE_WAIT_S]
         for k in stale:
             del self._saves[k]
+        if len(self._pruned) > MAX_PRUNED:   # (a worker restarted: its saves are gone)
+            self._pruned.clear()
+        self._pruned.update(stale)
+
+    def over(self, save_ids: list[int]) -> bool:
+        """Whether every worker acknowledged these saves (none is reading pages now)."""
+        return not any(i in self._saves or i in self._pruned or i >= self._next_id
+                       for i in save_ids)
 
     def holds(self, salt: str | None, tokens: Any, block: int) -> bool:
         """Whether a save not yet acknowledged holds block ``block`` of this token chain."""

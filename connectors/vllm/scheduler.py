@@ -1,25 +1,15 @@
 """Scheduler-side half of the connector: lookups, load plans and save plans.
 
 The scheduler never moves KV. It asks the daemon how many leading kvtier blocks of a
-request exist (for every tensor-parallel rank: a block is only usable if all ranks have
-their shard), plans which pages to fill from kvtier and which newly completed blocks to
-offload, and hands those plans to the workers in the step's metadata.
-
-Invariant per tracked request: blocks ``[0, known_blocks)`` are in kvtier or are being
-loaded/saved; ``known_blocks`` only drops when a worker reports a failed load, so those
-blocks are offloaded again once vLLM has recomputed them.
-
-Saves run after their step, off the critical path: a request that had any save gets
-``delay_free=True`` from ``request_finished`` and the workers report it in
-``finished_sending`` once its saves are over. Saves not yet over are remembered (workers
-acknowledge them in their per-step metadata); a lookup whose next block is being saved
-answers "not yet" (``None``) rather than miss it, for a bounded time (:mod:`.pending`).
-Of the matched blocks, only those faster to reload than to recompute are loaded
-(:mod:`.recompute`).
-
-Roles (vLLM's ``kv_role``): a ``kv_consumer`` plans no saves; a ``kv_producer`` plans the
-save of every full prompt block, from block 0 even when a prefix was loaded, so its
-synchronous commit leaves the whole prompt in Redis (docs/pd-disaggregation.md).
+request exist (a block is usable only if every TP shard of it is), plans which pages to
+fill from kvtier and which newly completed blocks to offload, and hands those plans to the
+workers in the step's metadata. Per tracked request, blocks ``[0, known_blocks)`` are in
+kvtier or being loaded or saved; ``known_blocks`` drops only when a load fails, so those
+blocks are saved again once vLLM recomputed them. A request whose saves may still read its
+pages is freed when the workers report them over (``delay_free``); a lookup whose next
+block is being saved answers "not yet" for a bounded time (:mod:`.pending`); only blocks
+faster to reload than to recompute are loaded (:mod:`.recompute`). A ``kv_consumer`` plans
+no saves; a ``kv_producer`` saves every full prompt block (docs/pd-disaggregation.md).
 """
 
 from __future__ import annotations
@@ -66,6 +56,7 @@ class RequestState:
     known_blocks: int = 0
     load: TransferSpec | None = None
     saved_any: bool = False
+    save_ids: list[int] = field(default_factory=list)   # its saves since it last (re)started
     load_failed: bool = False   # a load of it failed: it recomputes, kvtier is not asked again
     reset: bool = False   # in flight at a cache reset: kvtier neither loads nor saves it
 
@@ -87,6 +78,7 @@ class SchedulerSide:
         self._states: dict[str, RequestState] = {}
         self._spans: dict[str, LoadSpan] = {}
         self._pending_loads: list[TransferSpec] = []
+        self._undelayed: list[str] = []   # finished, saves all over: not delayed (metadata)
         self._preemptions = 0
         self._last_report = 0.0
         self.lookups = 0
@@ -239,6 +231,8 @@ class SchedulerSide:
                 # its free waits only for saves after it resumes (vLLM delays the free of a
                 # request aborted while loading for the load: reported sent, freed twice)
                 state.saved_any = False
+                state.save_ids = []
+        meta.undelayed, self._undelayed = self._undelayed, []
         started = time.monotonic()
         for spec in self._pending_loads:
             (meta.async_loads if self.config.async_load else meta.loads).append(spec)
@@ -313,6 +307,7 @@ class SchedulerSide:
         meta.saves.append(TransferSpec(req_id, state.salt, tokens, state.known_blocks, rows,
                                        save_id=save_id))
         state.saved_any = True
+        state.save_ids.append(save_id)
         state.known_blocks = end
 
     # -- feedback from workers ---------------------------------------------------------
@@ -349,14 +344,21 @@ class SchedulerSide:
         return loaded
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """A request that had saves keeps its pages until the workers report it in
-        ``finished_sending`` (its saves may still be reading them)."""
+        """A request whose saves may still be reading its pages keeps them until the
+        workers report it in ``finished_sending``. One whose saves every worker has
+        acknowledged is freed at once: an idle in-process engine runs no step to report
+        it, and vLLM's cache reset (sleep, a weight update) failed on its held pages
+        (found by review)."""
         state = self._states.pop(request.request_id, None)
         self._spans.pop(request.request_id, None)
         self._skips.pop(request.request_id, None)
+        delay = state is not None and state.saved_any
+        if delay and state is not None and self._pending_saves.over(state.save_ids):
+            delay = False
+            self._undelayed.append(request.request_id)
         if not self._states:   # going idle: no step follows to report the last counts
             self._maybe_report(force=True)
-        return (state is not None and state.saved_any), None
+        return delay, None
 
     def _maybe_report(self, *, force: bool = False) -> None:
         now = time.monotonic()

@@ -175,6 +175,8 @@ class WorkerSide:
         """Start this step's loads layer by layer; hand asynchronous ones to the pool."""
         self._step = meta.step
         self._load_errors.update(meta.stale_pages)   # (see KVTierConnectorMetadata)
+        for req_id in meta.undelayed:   # (before this step's get_finished)
+            self.ledger.undelayed(req_id)
         if meta.loads and self.pipeline is not None and self.caches is not None:
             batch = LoadBatch(meta.loads, self.caches, lambda: self._thread_link("-load"),
                               self.tp_rank, self.device_loads)

@@ -41,3 +41,23 @@ def test_pages_that_failed_to_load_are_never_a_later_hit(
         assert tokens == want[name], (name, cached)
     if scenario != "preempt":   # a later request reused the prompt's pages in vLLM's cache
         assert max(cached for _, cached in got.values()) > 256
+
+
+def test_an_idle_in_process_engine_can_reset_its_cache_after_generate(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """A request with saves was freed only when a later step reported them over; an idle
+    in-process engine runs none, and vLLM's cache reset (sleep, a weight update) failed on
+    the pages still held (found by review). A request whose saves every worker has
+    acknowledged is freed at once."""
+    out = tmp_path / "out.json"
+    with DaemonProcess(tmp_path / "kvd", cpu_bytes="64MiB", nvme_bytes="0") as d:
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("idle_reset_engine.py")),
+             str(tiny_model), str(d.socket), str(out)],
+            env={**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}, capture_output=True,
+            text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
+        saved = d.stats()["tiers"]["cpu"]["blocks"]
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["ok"], result["error"]
+    assert saved >= 4   # the prompts were saved (300 and 200 tokens, 64-token blocks)
