@@ -18,6 +18,7 @@ checksum failure) fails the request instead of being recomputed.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -80,10 +81,28 @@ class KVTierConnector(KVConnectorBase_V1):
         replicas = tp_replicas(kv_cache_config, layout, tp_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        asynchronous = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
+        if asynchronous and "async_load" not in extra:
+            # vLLM caches a page loaded in the background only once the load succeeded; a
+            # synchronous load that failed left its pages in vLLM's prefix cache under
+            # async scheduling (its GPU default) when the request was aborted or preempted
+            # first, and a later hit on them gave wrong tokens (found by review)
+            self.config = replace(self.config, async_load=True)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, layout, block_size, tp_size,
                                             replicas,
                                             loads=self._loads(vllm_config, layout))
+            # a rollback vLLM did not start itself crashes an engine that already scheduled
+            # the next step on the request's sampled token (outcomes.py)
+            self._scheduler.outcomes.stale_reports = not asynchronous
+            if asynchronous and not self.config.async_load:
+                logger.warning(
+                    "kvtier: \"async_load\": false under vLLM's async scheduling: a page "
+                    "whose load failed may stay in vLLM's prefix cache (policy "
+                    "\"recompute\") if its request is aborted or preempted before it "
+                    "recomputes it, and a later hit on it gives wrong tokens; leave "
+                    "async_load unset (it loads in the background then)")
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if policy != "recompute":
                 logger.warning("kvtier: kv_load_failure_policy=%r makes vLLM fail a request "

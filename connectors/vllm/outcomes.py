@@ -31,6 +31,11 @@ class PageOutcomes:
 
     def __init__(self, block_size: int, pages_per_block: int) -> None:
         self.bad = BadPages(block_size)   # pages no save may include (failed loads)
+        # off under vLLM's async scheduling: step N+1 is scheduled on the token a request
+        # samples in step N, and a rollback of that request from N's output (one vLLM did
+        # not start itself) crashed the engine (found by review); vLLM's own rollback of a
+        # failed load's request is left as it is
+        self.stale_reports = True
         self.pages_per_block = pages_per_block
         # (step, pages) of synchronous loads whose step the workers have not reported yet
         self._unconfirmed: list[tuple[int, set[int]]] = []
@@ -43,7 +48,7 @@ class PageOutcomes:
         """Name in ``meta`` the bad pages a request of this step counts computed (each with
         the tokens it counts computed before the step); pages a load of this step fills are
         left to that load's own outcome."""
-        if not self.bad:
+        if not self.bad or not self.stale_reports:
             return
         loading = {p for spec in meta.loads for p in spec.page_ids[spec.skip_pages:]}
         stale: set[int] = set()

@@ -15,7 +15,8 @@ the request it rolls back, and
   it resumes on its own failed pages.
 
 OUT.json: {"want": {request: the tokens computed from scratch}, "got": {request: [tokens,
-cached]}}.
+cached]}}. With ASYNC_SCHEDULING=1 the engine runs vLLM's async scheduling (its default on
+GPUs, which its CPU platform turns off): step N+1 is scheduled before step N's output.
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ ENGINE_ARGS = {
                   "long_prefill_token_threshold": 64},
     "preempt": {"num_gpu_blocks_override": 14, "max_model_len": 320},
 }
+
+
+def _async_scheduling() -> None:
+    """Turn vLLM's async scheduling back on after its CPU platform turned it off."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    checked = CpuPlatform.check_and_update_config.__func__   # type: ignore[attr-defined]
+
+    def check(cls: Any, vllm_config: Any) -> None:
+        checked(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check)  # type: ignore[method-assign,assignment]
 
 
 def _drain(engine: Any) -> dict[str, list[Any]]:
@@ -95,6 +109,8 @@ def main(scenario: str, model: str, socket: str, out: Path) -> None:
 if __name__ == "__main__":
     os.environ.update(ENGINE_ENV)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if os.environ.get("ASYNC_SCHEDULING") == "1":
+        _async_scheduling()
     main(sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]))
     sys.stdout.flush()
     os._exit(0)   # (vLLM's in-process engine may hang at interpreter exit)

@@ -24,14 +24,21 @@ pytestmark = pytest.mark.e2e
 RUNNER = Path(__file__).with_name("failed_load_engine.py")
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async-scheduling"])
 @pytest.mark.parametrize("scenario", ["abort", "duplicate", "preempt"])
 def test_pages_that_failed_to_load_are_never_a_later_hit(
-        scenario: str, tiny_model: Path, tmp_path: Path) -> None:
+        scenario: str, asynchronous: bool, tiny_model: Path, tmp_path: Path) -> None:
+    """Under vLLM's async scheduling (its GPU default) a rollback vLLM did not start
+    itself crashed the engine (it had scheduled the next step on the request's sampled
+    token), so the connector loads in the background there: vLLM caches nothing that
+    failed to load in the background (found by review)."""
     out = tmp_path / "out.json"
+    env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO),
+           "ASYNC_SCHEDULING": "1" if asynchronous else "0"}
     with DaemonProcess(tmp_path / "kvd", cpu_bytes="64MiB", nvme_bytes="0") as d:
         proc = subprocess.run(
             [sys.executable, str(RUNNER), scenario, str(tiny_model), str(d.socket), str(out)],
-            env={**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}, capture_output=True,
+            env=env, capture_output=True,
             text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -39,7 +46,9 @@ def test_pages_that_failed_to_load_are_never_a_later_hit(
     assert got, result
     for name, (tokens, cached) in got.items():
         assert tokens == want[name], (name, cached)
-    if scenario != "preempt":   # a later request reused the prompt's pages in vLLM's cache
+    if scenario != "preempt" and not asynchronous:
+        # a later request reused the prompt's pages in vLLM's cache (synchronous loads
+        # leave them there; background loads are cached only once they succeeded)
         assert max(cached for _, cached in got.values()) > 256
 
 
