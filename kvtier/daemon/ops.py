@@ -166,9 +166,12 @@ class ControlOps:
                 f"tokens, daemon.max_context_tokens, in blocks of {tpb})")
         self._check_lease_count(conn)
         max_new = self._put_room(conn) // layout.block_bytes
-        if max_new < len(keys):   # (some keys may be stored already and need no room)
+        # a slot per key not stored yet: what the prepare may take (a prompt's stored prefix
+        # reserved slots too, and pipelined saves of a full arena were capped; by review)
+        fresh = len(self.store.index.new_positions(keys))
+        if max_new < fresh:
             self.counters.capped_puts += 1
-        take = min(max_new, len(keys)) * layout.block_bytes
+        take = min(max_new, fresh) * layout.block_bytes
         with self.in_flight.reserve(conn.process, put_bytes=take):
             lease, offsets = await self.store.prepare_put(
                 conn.id, ns, fp, keys, parent=parent, depth=depth, max_new=max_new)
@@ -272,7 +275,8 @@ class ControlOps:
         layout = self.store.touch_namespace(ns)
         assert layout is not None   # (checked by _target)
         reply: dict[str, Any]
-        with self.in_flight.reserve(conn.process, get_bytes=len(keys) * layout.block_bytes):
+        held = sum(1 for k in keys if k in self.store.index)   # (a miss pins nothing)
+        with self.in_flight.reserve(conn.process, get_bytes=held * layout.block_bytes):
             if msg.get("device") is True:
                 lease, offsets, devices = await self.store.prepare_get_device(
                     conn.id, ns, fp, keys)

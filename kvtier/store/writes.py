@@ -34,6 +34,9 @@ PREPARE_BATCH = 128
 STORED_PIECE = 256
 # committed blocks queued for Redis (write-through) between two such looks
 WRITE_THROUGH_PIECE = 128
+# a durable commit waits this long at most for nvme writes of its chain already in flight
+BUSY_WAIT_S = 10.0
+BUSY_POLL_S = 0.002
 
 
 @dataclass(slots=True, eq=False)
@@ -235,6 +238,7 @@ class Writer:
         recovery erases the nvme frames no chain head leads to (found by review: 7 blocks
         acknowledged durable behind a head stored without ``durable``, erased)."""
         index = self.index
+        turn = Turn()
         path: dict[bytes, BlockMeta] = {}
         first = index.get(chain[0]) if chain else None
         up = first.parent if first is not None else None
@@ -244,19 +248,34 @@ class Writer:
                 break
             path[up] = meta
             up = meta.parent
+            if turn.due(len(path)):   # (a long context's chain: thousands of ancestors)
+                await turn.pause()
         reachable = up is None   # (not a missing ancestor, nor a cycle)
         ancestors = list(reversed(path.values()))
         fresh = {id(m) for m in committed}
         own = [m for k in chain if (m := index.get(k)) is not None and id(m) not in fresh]
-        todo = list({id(m): m for m in [*ancestors, *own, *committed]}.values())
-        results = await asyncio.gather(*(self.demoter.persist(m, sync=True) for m in todo))
-        durable = {id(m) for m, ok in zip(todo, results, strict=True) if ok}
-        if not reachable or not all(id(m) in durable for m in ancestors):
+        todo = [m for m in {id(m): m for m in [*ancestors, *own, *committed]}.values()
+                if not m.in_nvme]   # (one task per block still to write, not per ancestor)
+        await asyncio.gather(*(self.demoter.persist(m, sync=True) for m in todo))
+        # a block another write had in flight (an eviction's demotion, a concurrent durable
+        # commit sharing the prefix) was not written here: its outcome is that write's
+        await self._until_written([m for m in todo if m.nvme_busy])
+        # counted as they are now: a frame written here may have evicted one of the chain
+        # written before (a small nvme tier), and that chain is not durable any more
+        if not reachable or not all(m.in_nvme and index.get(m.key) is m for m in ancestors):
             return 0
         stored = 0
         for k in chain:   # a block counts when every block before it is on nvme too
             meta = index.get(k)
-            if meta is None or id(meta) not in durable:
+            if meta is None or not meta.in_nvme:
                 break
             stored += id(meta) in fresh
         return stored
+
+    async def _until_written(self, metas: list[BlockMeta]) -> None:
+        """Until no write to nvme is in flight for ``metas`` (bounded: a stuck write
+        leaves them not durable)."""
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while metas and time.monotonic() < deadline:
+            await asyncio.sleep(BUSY_POLL_S)
+            metas = [m for m in metas if m.nvme_busy]

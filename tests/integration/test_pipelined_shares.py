@@ -107,3 +107,20 @@ def test_pipelined_prepares_open_at_most_the_lease_cap(tmp_path: Path) -> None:
                                  for j in range(8)])
         assert sum(r["ok"] for r in replies) <= 2   # (before: 8 open at once)
         assert {r["code"] for r in replies if not r["ok"]} == {LimitExceeded.code}
+
+
+def test_pipelined_puts_of_a_stored_prefix_reserve_only_their_new_blocks(
+        daemon: DaemonProcess) -> None:
+    """Each prepare reserved a slot for every key, its stored prefix included: four puts of
+    a 40-block stored prefix and 8 new blocks each used up the share while they evicted,
+    and the last two were capped to 0 new blocks (found by review)."""
+    s, ns = _greedy(daemon)
+    prefix = np.arange(40 * 64)
+    _store_chain(s, ns, block_keys(ns, prefix))
+    _store_chain(s, ns, block_keys(ns, np.arange(24 * 64) + 10**7))   # the arena is full
+    replies = _pipelined(s, [
+        _req(10 + j, "put_prepare", ns,
+             block_keys(ns, np.concatenate([prefix, 10**8 * (j + 1) + np.arange(8 * 64)])))
+        for j in range(4)])
+    assert [sum(o is not None for o in r["offsets"]) for r in replies] == [8, 8, 8, 8]
+    assert daemon.stats()["daemon"]["capped_puts"] == 0

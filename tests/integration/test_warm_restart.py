@@ -4,6 +4,7 @@ flight at the crash are never served; frames no chain head leads to are collecte
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.client import connect
+from kvtier.client import connect, connect_async
 from kvtier.keys import block_keys
 from kvtier.tiers.arena import journal_path
 from kvtier.tiers.arena_mapping import ArenaMapping
@@ -314,3 +315,32 @@ def test_a_start_refused_after_a_crash_leaves_the_arena_for_the_next(daemon_fact
     c = connect(d.socket)
     assert read_back(c, c.register_layout(LAYOUT, "m"), keys) == (8, 0)
     c.close()
+
+
+def test_concurrent_durable_puts_sharing_a_prefix_are_each_counted_whole(
+        daemon_factory) -> None:
+    """Two durable puts of one stored prefix, at once: the second found the prefix being
+    written by the first (``nvme_busy``) and counted 0 although its blocks were durable
+    (found by review). A write already in flight is waited for."""
+    d: DaemonProcess = daemon_factory(cpu_bytes="64MiB", nvme_bytes="256MiB").start()
+
+    async def trials() -> list[tuple[int, int]]:
+        a = await connect_async(d.socket, timeout=30)
+        b = await connect_async(d.socket, timeout=30)
+        ns = await a.register_layout(LAYOUT, "m")
+        await b.register_layout(LAYOUT, "m")
+        counts = []
+        for t in range(3):
+            prefix = np.arange(64 * 48) + t * 10**7
+            ka, kb = (block_keys(ns, np.concatenate([prefix, t * 10**7 + off + np.arange(
+                64 * 8)])) for off in (5 * 10**6, 6 * 10**6))
+            await a.put(ns, ka[:48], [content(bytes(k)) for k in ka[:48]])   # arena only
+            counts.append(tuple(await asyncio.gather(
+                a.put(ns, ka, [content(bytes(k)) for k in ka], durable=True),
+                b.put(ns, kb, [content(bytes(k)) for k in kb], durable=True))))
+        await a.close()
+        await b.close()
+        return counts
+
+    assert asyncio.run(trials()) == [(8, 8)] * 3
+    assert d.stats()["tiers"]["nvme"]["blocks"] == 3 * (48 + 16)
