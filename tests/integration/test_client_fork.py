@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers import arena_mapping
 from tests.support.daemon import DaemonProcess
+from tests.support.forking import run_in_child
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
                   tokens_per_block=16)
@@ -33,19 +32,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
                       nvme_bytes="0").start()
     yield d
     d.terminate()
-
-
-def child(body: Callable[[], bool]) -> int:
-    """Run ``body()`` in a forked child; its exit status (0: every check held)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = 0 if body() else 3
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 def test_a_forked_child_cannot_use_its_parents_client(daemon: DaemonProcess) -> None:
@@ -69,7 +55,7 @@ def test_a_forked_child_cannot_use_its_parents_client(daemon: DaemonProcess) -> 
             own_ns = own.register_layout(LAYOUT, "fork-model")
             return own.get(own_ns, b, out) == 2 and all((o == 0xBB).all() for o in out)
 
-    assert child(in_child) == 0
+    assert run_in_child(in_child) == 0
     out = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in range(4)]
     assert c.get(ns, a, out) == 4 and all((o == 0xAA).all() for o in out)
     c.close()
@@ -92,7 +78,7 @@ def test_a_forked_child_cannot_use_its_parents_async_client(daemon: DaemonProces
                 return True
             return False
 
-        assert child(in_child) == 0
+        assert run_in_child(in_child) == 0
         loop.run_until_complete(client.stats())
         loop.run_until_complete(client.close())
     finally:
@@ -134,27 +120,6 @@ def test_a_sync_client_called_from_two_threads_says_so(daemon: DaemonProcess) ->
         assert c.get(ns, keys, out) == 4 and all((o == 7).all() for o in out)
 
 
-def child_within(body: Callable[[], bool], seconds: float) -> int | None:
-    """``child`` that gives up after ``seconds``: None when the child was still running
-    (it is killed then)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = 0 if body() else 3
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
-
-
 def test_a_fork_while_another_thread_maps_an_arena(daemon: DaemonProcess) -> None:
     """A thread inside connect() holds the arena-mapping lock across mmap(MAP_POPULATE)
     (~0.1 s per 2 GiB); a fork then (a fork pool, gunicorn) gave the child a lock held by
@@ -182,7 +147,7 @@ def test_a_fork_while_another_thread_maps_an_arena(daemon: DaemonProcess) -> Non
             return own.get(own_ns, keys, out) == 2 and all((o == 0x5A).all() for o in out)
 
     try:
-        assert child_within(in_child, 15.0) == 0
+        assert run_in_child(in_child, 15.0) == 0
     finally:
         done.set()
         t.join(10)

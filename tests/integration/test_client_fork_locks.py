@@ -9,10 +9,7 @@ there) but none of its CUDA IPC mappings (pointers of the parent's CUDA context)
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -20,26 +17,7 @@ from kvtier.tiers import arena_mapping, hbm_mapping
 from kvtier.tiers.arena_mapping import ArenaMapping, shared_mappings
 from kvtier.tiers.hbm_mapping import IPC_HANDLE_BYTES, HbmMapping
 from tests.support.arena import temp_arena
-
-
-def in_child(body: Callable[[], bool], seconds: float = 10.0) -> int | None:
-    """``body()`` in a forked child: 0 when it returned True, None when it hung."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = 0 if body() else 3
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
+from tests.support.forking import run_in_child
 
 
 @contextmanager
@@ -77,7 +55,7 @@ def test_a_child_maps_arenas_while_its_parent_was_mapping_one() -> None:
             return ok
 
         with held_by_a_thread(lambda: arena_mapping._LOCK):
-            assert in_child(child) == 0
+            assert run_in_child(child, 10.0) == 0
         parents.close()
 
 
@@ -93,7 +71,7 @@ def test_a_child_forgets_its_parents_hbm_mappings_and_their_lock() -> None:
             return got and not hbm_mapping._MAPPINGS and parents._closed and not closed
 
         with held_by_a_thread(lambda: hbm_mapping._MAPPINGS_LOCK):
-            assert in_child(child) == 0
+            assert run_in_child(child, 10.0) == 0
         assert hbm_mapping._MAPPINGS[(handle, 4096)] is parents   # the parent's, intact
     finally:
         hbm_mapping._MAPPINGS.pop((handle, 4096), None)
