@@ -19,11 +19,8 @@ from kvtier.keys import BlockKey, Namespace
 
 
 def as_bytes(buf: Any) -> np.ndarray:
-    """A flat uint8 view of a C-contiguous buffer (bytes, numpy, memoryview), never a copy:
-    BufferSizeError for any other buffer (see ``check_buffers``)."""
-    with memoryview(buf) as view:
-        if not view.c_contiguous:
-            raise BufferSizeError(_not_contiguous(0, view))
+    """A flat uint8 view of a buffer ``check_buffers`` passed (C-contiguous: a view, never
+    a copy); checked once per request there, not again per block on the copy path."""
     if isinstance(buf, np.ndarray):
         return buf.reshape(-1).view(np.uint8)
     return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)

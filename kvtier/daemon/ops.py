@@ -168,7 +168,8 @@ class ControlOps:
         max_new = self._put_room(conn) // layout.block_bytes
         # a slot per key not stored yet: what the prepare may take (a prompt's stored prefix
         # reserved slots too, and pipelined saves of a full arena were capped; by review)
-        fresh = len(self.store.index.new_positions(keys))
+        fresh = (len(self.store.index.new_positions(keys))
+                 if self.limits.client_put_bytes > 0 else len(keys))   # (no cap: no count)
         if max_new < fresh:
             self.counters.capped_puts += 1
         take = min(max_new, fresh) * layout.block_bytes
@@ -275,7 +276,8 @@ class ControlOps:
         layout = self.store.touch_namespace(ns)
         assert layout is not None   # (checked by _target)
         reply: dict[str, Any]
-        held = sum(1 for k in keys if k in self.store.index)   # (a miss pins nothing)
+        held = (sum(1 for k in keys if k in self.store.index)   # (a miss pins nothing)
+                if self.limits.client_get_bytes > 0 else 0)
         with self.in_flight.reserve(conn.process, get_bytes=held * layout.block_bytes):
             if msg.get("device") is True:
                 lease, offsets, devices = await self.store.prepare_get_device(
