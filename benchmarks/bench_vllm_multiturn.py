@@ -280,6 +280,8 @@ def sequential_report(base: list[dict], kv: list[dict]) -> None:
     print(f"first turns (all misses): TTFT {fb * 1e3:.0f}ms -> {fk * 1e3:.0f}ms "
           f"({fb / fk:.2f}x; target >= 0.95x)")
     later = [(b, k) for b, k in zip(base, kv, strict=True) if b["turn"] > 0]
+    if not later:   # --turns 1
+        return
     tb = sum(b["ttft_s"] for b, _ in later)
     tk = sum(k["ttft_s"] for _, k in later)
     pb = sum(b["prefill"] for b, _ in later)
