@@ -17,7 +17,11 @@ of a block of 8 MiB or more is stored as 4 MiB stripes, the first after the head
 Redis key, stripe i (i >= 1) under that key + ``:i`` (``kvtier.tiers.redis_stripes``): Redis
 serves values of 32 MiB and more several times slower than smaller ones. The header and its
 payload checksum cover the whole payload as before. Readers that do not know the flag see a
-value shorter than ``payload_len`` and take it for a corrupt frame (a miss).
+value shorter than ``payload_len`` and take it for a corrupt frame (a miss). With
+``FLAG_STRIPE_TAG`` (what kvtier writes since) ``seq`` holds a random tag drawn for that one
+write and stripe i lives under the key + ``:<tag as 16 hex digits>:i``: each write's stripes
+have names of their own, so a reader that cleans up after one version (a stripe evicted
+under its head) can never delete the stripes of a rewrite of the same block in progress.
 
 The header checks itself, so a torn or overwritten header is detected before any
 payload is trusted; the payload checksum covers the stored (encoded) bytes, so
@@ -43,6 +47,7 @@ MAX_PAYLOAD = 1 << 36  # 64 GiB: anything larger is a corrupt length, not a bloc
 FLAG_CHAIN = 1         # parent_tag/FLAG_PARENT are meaningful
 FLAG_PARENT = 2        # the block has a parent in its chain
 FLAG_STRIPED = 4       # the payload continues in stripes under other keys (Redis)
+FLAG_STRIPE_TAG = 8    # a striped frame's stripes are named after its seq (a per-write tag)
 STRIPE_BYTES = 4 << 20          # a striped payload's stripes (the last may be shorter)
 STRIPED_MIN_BYTES = 8 << 20     # blocks of at least this many raw bytes are striped
 

@@ -47,6 +47,13 @@ HEALTH_INTERVAL_S = 1.0           # PING while idle, so `up` falls even without 
 STATS_EVERY = 5                   # health rounds between INFO/DBSIZE refreshes
 MONITOR_BACKOFF = BackoffPolicy(base_s=HEALTH_INTERVAL_S, cap_s=5.0)   # after a failed round
 CLUSTER_REDIRECTS = (*REDIRECTS, "CLUSTERDOWN", "TRYAGAIN")  # replies that mean "re-route"
+# a cluster node that cannot serve a key now (loading its data, a replica that answers for
+# a master, a replica that lost its master, busy with a script): re-route, as for a
+# redirect; its slots miss until the slot map heals, the other nodes' keys do not
+CLUSTER_UNAVAILABLE = ("LOADING", "READONLY", "MASTERDOWN", "BUSY")
+# a write refused for what the server holds (at its maxmemory, no key it may evict): that
+# write is dropped and counted; the server still serves reads and the tier stays up
+WRITE_REFUSALS = ("OOM",)
 
 T = TypeVar("T")
 UNSERVED = object()               # per-key result: no live server for the key's slot
@@ -87,6 +94,7 @@ class RedisLink:
         self._closed = False
         self._up = False
         self._consecutive_failures = 0
+        self._watch_refused = False   # said once (note_refused_watch)
         self.reconnects = 0
         self.last_error = ""
         self._unserved_since: float | None = None
@@ -353,16 +361,27 @@ class RedisLink:
         self.last_error = _describe(exc)
 
     def _error_reply(self, reply: ErrorReply) -> None:
-        """An error reply: in a cluster a redirect means "reload the slot map"."""
-        if self._cluster and reply.kind in CLUSTER_REDIRECTS:
+        """An error reply: in a cluster a redirect or an unavailable node means "reload the
+        slot map"; a key's or a write's own trouble is counted only."""
+        if self._cluster and reply.kind in (*CLUSTER_REDIRECTS, *CLUSTER_UNAVAILABLE):
             self._note_error(ReplyError(str(reply)))
             self._unserved_since = self._unserved_since or time.monotonic()
             self._start_reconnect()
             return
-        if reply.kind in KEY_ERRORS:   # that key's value, not the server: counted only
-            self._note_error(ReplyError(str(reply)))
+        if reply.kind in KEY_ERRORS or reply.kind in WRITE_REFUSALS:
+            self._note_error(ReplyError(str(reply)))   # not the server's failure
             return
         self._failed(ReplyError(str(reply)))
+
+    def note_refused_watch(self, reply: ErrorReply) -> None:
+        """The server refused WATCH (``redis_stripes``: an ACL without +watch +multi +exec
+        +unwatch): counted, and said once, since blocks that lost a stripe then stay."""
+        self._note_error(ReplyError(str(reply)))
+        if not self._watch_refused:
+            self._watch_refused = True
+            log.warning("redis tier: the server refused WATCH (%s); a block that lost a "
+                        "stripe stays in Redis until rewritten, evicted or expired: add "
+                        "+watch +multi +exec +unwatch to kvtier's ACL (docs/redis.md)", reply)
 
     def _failed(self, exc: BaseException, node: NodeAddr | None = None) -> None:
         """Count a failure. One server: down on a connection failure or a run of them.

@@ -15,6 +15,7 @@ payload, so a NONE-codec write costs one checksum and no copy of its own.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from typing import NamedTuple
 
 from kvtier import codec as codecs
 from kvtier.checksum import header_for
-from kvtier.frame import FLAG_STRIPED, STRIPED_MIN_BYTES, Codec
+from kvtier.frame import FLAG_STRIPE_TAG, FLAG_STRIPED, STRIPED_MIN_BYTES, Codec
 
 Release = Callable[[], None]
 OnChecksum = Callable[[int | None], None]
@@ -62,6 +63,11 @@ class PendingWrite:
     checksum: int | None = None         # the payload's xxh3-64, once framed uncompressed
     ok: bool = False                    # Redis answered OK to this SET
     on_settled: Callable[[PendingWrite], None] | None = None  # told first in done()
+    tag: int = 0   # a striped write's own tag: its header's seq, its stripes' names
+
+    def __post_init__(self) -> None:
+        if self.striped:   # drawn per write: a rewrite's stripes never share a name
+            self.tag = int.from_bytes(os.urandom(8), "little")
 
     @classmethod
     def copy_of(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
@@ -124,7 +130,7 @@ def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec) -> None:
     body is a new buffer, so a borrowed payload could be released right after this.
     """
     raw, elem_bytes = item.payload, item.elem_bytes
-    flags = FLAG_STRIPED if item.striped else 0
+    flags, seq = (FLAG_STRIPED | FLAG_STRIPE_TAG, item.tag) if item.striped else (0, item.seq)
     if isinstance(codec, codecs.AutoCodec):
         chosen, body = codec.encode(raw, elem_bytes)
     elif codec is Codec.NONE:
@@ -132,13 +138,13 @@ def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec) -> None:
     else:
         chosen, body = codec, codecs.encode(codec, raw, elem_bytes)
     if chosen is Codec.NONE:
-        header = header_for(item.namespace, item.key, item.layout_fp, raw, seq=item.seq,
+        header = header_for(item.namespace, item.key, item.layout_fp, raw, seq=seq,
                             flags=flags)
         item.parts = (header.pack(), raw)
         item.checksum = header.checksum     # of the raw payload: its owner may reuse it
     else:
         header = header_for(item.namespace, item.key, item.layout_fp, body,
-                            raw_len=len(raw), codec=chosen, seq=item.seq, flags=flags)
+                            raw_len=len(raw), codec=chosen, seq=seq, flags=flags)
         item.parts = (header.pack(), body)
     item.codec = chosen
 

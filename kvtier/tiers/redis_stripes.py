@@ -9,14 +9,17 @@ stripe 0 (so the namespace probes of ``exists_prefix`` and ``delete`` see a fram
 any block), and stripe i >= 1 lives under the key + ``:i`` (no hash tag: in a cluster the
 stripes spread over the masters and are moved in parallel).
 
-Writes: a batch's stripes go first and a head only once every stripe of its block was
-stored (``RedisTier._write_batch``), so a head always had its stripes; a stripe missing
-under a head was evicted or expired in Redis since, and the head is deleted with what is
-left of its block. Reads: the header (GETRANGE), then every stripe in parallel straight
-into the caller's buffer (a scratch buffer when compressed), then one checksum over the
-whole payload. Stripes of two writers (two nodes storing the same key at once) fail that
-checksum and are never returned: a miss when the header changed meanwhile (a rewrite in
-progress), else the block is deleted as corrupt.
+Each write draws a tag (``FLAG_STRIPE_TAG``: the header's seq) and names its stripes after
+it (key + ``:<tag>:i``), so two versions of a block (a rewrite, two nodes storing the same
+key) never share a stripe. Writes: a batch's stripes go first and a head only once every
+stripe of its block was stored (``RedisTier._write_batch``), so a head always had its
+stripes; once the new head is stored, the stripes of the version it replaced are deleted.
+A stripe missing under a head was evicted or expired since: the reader deletes that
+version's stripes, and the head too if it still holds the same header (read again right
+before; a rewrite's head that lands in between is kept, and its stripes never were at
+risk). Reads: the header (GETRANGE), then every stripe in parallel straight into the
+caller's buffer (a scratch buffer when compressed), then one checksum over the whole
+payload. Frames written before tags (stripes under key + ``:i``) are still read.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING
 from kvtier import codec as codecs
 from kvtier.checksum import verify
 from kvtier.errors import FrameError
-from kvtier.frame import FLAG_STRIPED, HEADER_SIZE, FrameHeader, stripe_bounds
+from kvtier.frame import FLAG_STRIPE_TAG, FLAG_STRIPED, HEADER_SIZE, FrameHeader, stripe_bounds
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.redis_blocks import (
     BlockRead,
@@ -45,14 +48,21 @@ if TYPE_CHECKING:
 Parts = tuple[bytes | memoryview, ...]
 
 
-def part_key(rkey: bytes, i: int) -> bytes:
-    """The Redis key of stripe ``i`` (>= 1) of the block at ``rkey``."""
-    return rkey + b":%d" % i
+def part_key(rkey: bytes, i: int, tag: int | None = None) -> bytes:
+    """The Redis key of stripe ``i`` (>= 1) of the block at ``rkey`` written with ``tag``
+    (None: a frame from before tags)."""
+    return rkey + (b":%d" % i if tag is None else b":%016x:%d" % (tag, i))
+
+
+def stripe_tag(header: FrameHeader) -> int | None:
+    """The tag that names a striped frame's stripes (None: a frame from before tags)."""
+    return header.seq if header.flags & FLAG_STRIPE_TAG else None
 
 
 def part_keys(rkey: bytes, header: FrameHeader) -> list[bytes]:
     """The keys of every stripe after the head's."""
-    return [part_key(rkey, i) for i in range(1, len(stripe_bounds(header.payload_len)))]
+    tag = stripe_tag(header)
+    return [part_key(rkey, i, tag) for i in range(1, len(stripe_bounds(header.payload_len)))]
 
 
 def owned_part_keys(rkey: bytes, header: FrameHeader, block_bytes: int | None) -> list[bytes]:
@@ -70,12 +80,12 @@ def owned_part_keys(rkey: bytes, header: FrameHeader, block_bytes: int | None) -
     return part_keys(rkey, header)
 
 
-def stripe_sets(rkey: bytes, body: bytes | memoryview) -> list[tuple[bytes, Parts]]:
-    """The SETs of stripes 1.. of the block at ``rkey`` whose frame body is ``body``. An
-    uncompressed block's body is its payload itself: its stripes can go out before it is
-    framed, while the payload is hashed for the head."""
+def stripe_sets(rkey: bytes, body: bytes | memoryview, tag: int) -> list[tuple[bytes, Parts]]:
+    """The SETs of stripes 1.. of the block at ``rkey`` whose frame body is ``body``, written
+    with ``tag``. An uncompressed block's body is its payload itself: its stripes can go out
+    before it is framed, while the payload is hashed for the head."""
     view = memoryview(body)
-    return [(part_key(rkey, i), (view[lo:hi],))
+    return [(part_key(rkey, i, tag), (view[lo:hi],))
             for i, (lo, hi) in enumerate(stripe_bounds(view.nbytes)) if i]
 
 
@@ -99,7 +109,12 @@ async def fetch_striped(tier: RedisReads, rkey: bytes, header: FrameHeader,
     if read.status is ReadStatus.CORRUPT and await _header_at(tier, rkey) != header:
         return BlockRead(ReadStatus.MISSING, read.wire, "rewritten while read")
     if read.status is ReadStatus.MISSING:
-        if await _delete(tier, [rkey, *part_keys(rkey, header)]):
+        # this version's stripes are its own (tagged); its head goes only while it still
+        # holds this header: a rewrite's head stored since is a whole block (its stripes
+        # came first)
+        gone = await _delete(tier, part_keys(rkey, header))
+        gone += await _delete_head_if(tier, rkey, header)
+        if gone:
             tier.counters.evicted(EvictionReason.EXPIRED)
     elif read.status is ReadStatus.CORRUPT:   # the caller counts it and deletes the head
         await _delete(tier, part_keys(rkey, header))
@@ -154,13 +169,57 @@ async def _read_stripes(tier: RedisReads, rkey: bytes, header: FrameHeader,
 
 
 async def _header_at(tier: RedisReads, rkey: bytes) -> FrameHeader | None:
-    head = (await tier._per_server(
-        [rkey], lambda c, idx: c.simple_many(
-            [header_range(rkey)])))[0]
-    try:
-        return FrameHeader.unpack(head) if isinstance(head, bytes) else None
-    except FrameError:
-        return None
+    return (await headers_at(tier, [rkey]))[0]
+
+
+async def headers_at(tier: RedisReads, rkeys: list[bytes]) -> list[FrameHeader | None]:
+    """The sound frame header stored at each of ``rkeys`` (None: absent, not a frame, an
+    error)."""
+    heads = await tier._per_server(
+        rkeys, lambda c, idx: c.simple_many([header_range(rkeys[i]) for i in idx]))
+    out: list[FrameHeader | None] = []
+    for head in heads:
+        try:
+            out.append(FrameHeader.unpack(head) if isinstance(head, bytes) else None)
+        except FrameError:
+            out.append(None)
+    return out
+
+
+def replaced_parts(rkey: bytes, old: FrameHeader | None, new_tag: int,
+                   block_bytes: int) -> list[bytes]:
+    """The stripes of ``old`` (the frame a write of ``rkey`` with ``new_tag`` replaced)
+    that no head names any more: to delete once the new head is stored."""
+    if old is None or stripe_tag(old) == new_tag:
+        return []
+    return owned_part_keys(rkey, old, block_bytes)
+
+
+async def _delete_head_if(tier: RedisReads, rkey: bytes, header: FrameHeader) -> int:
+    """Delete the head at ``rkey`` only while it holds ``header``, atomically (WATCH, then
+    MULTI/DEL/EXEC: the DEL is dropped when the key changed after the WATCH): a read
+    then a DEL would delete a rewrite's head landing in between (6 of 40 such races
+    lost the rewrite in the review's test). 1 when deleted; 0 otherwise, and also when
+    the server refuses WATCH (an ACL without it): the head then stays until it is
+    rewritten, evicted or expires, a lookup hit whose get misses."""
+    expected = header.pack()
+
+    def cas(conn: Conn, idx: list[int]) -> list[object]:
+        watched, head = conn.simple_many([command(b"WATCH", rkey), header_range(rkey)])
+        if isinstance(watched, ErrorReply):
+            return [watched]
+        if head != expected:
+            conn.simple_many([command(b"UNWATCH")])
+            return [0]
+        done = conn.simple_many([command(b"MULTI"), command(b"DEL", rkey),
+                                 command(b"EXEC")])[2]
+        return [done[0] if isinstance(done, list) and done else 0]
+
+    (got,) = await tier._per_server([rkey], cas)
+    if isinstance(got, ErrorReply):
+        tier.note_refused_watch(got)
+        return 0
+    return got if isinstance(got, int) and not isinstance(got, bool) else 0
 
 
 async def _delete(tier: RedisReads, keys: list[bytes]) -> int:

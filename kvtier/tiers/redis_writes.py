@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from kvtier.frame import Codec
+from kvtier.frame import Codec, FrameHeader
 from kvtier.tiers.redis_blocks import WireSet, write_blocks
 from kvtier.tiers.redis_link import log
 from kvtier.tiers.redis_queue import Borrowed, OnChecksum, PendingWrite, Release, frame_pending
 from kvtier.tiers.redis_reads import RedisReads
 from kvtier.tiers.redis_resp import ErrorReply, command
-from kvtier.tiers.redis_stripes import head_parts, stripe_sets
+from kvtier.tiers.redis_stripes import head_parts, headers_at, replaced_parts, stripe_sets
 from kvtier.tiers.redis_wire import Conn
 
 SET_BATCH_KEYS = 512              # keys per pipelined SET round trip, and about this many
@@ -196,11 +196,16 @@ class RedisWrites(RedisReads):
 
     async def _write_batch(self, batch: list[PendingWrite]) -> None:
         early: asyncio.Future[list[Any]] | None = None
+        replaced: asyncio.Future[list[FrameHeader | None]] | None = None
         try:
             striped = [it for it in batch if it.striped]
             sets: list[WireSet] = [(it.redis_key, it, None) for it in batch if not it.striped]
             heads: list[WireSet] = []
             stripes: list[WireSet] = []
+            # the versions the heads replace: their stripes go once the new heads are in
+            if striped:
+                replaced = asyncio.ensure_future(
+                    headers_at(self, [it.redis_key for it in striped]))
             if striped:   # framed in parallel, off the loop: a head holds its frame's header
                 framing = asyncio.gather(*(self._in_thread(partial(frame_pending, it,
                                                                    self._codec))
@@ -209,37 +214,45 @@ class RedisWrites(RedisReads):
                     # uncompressed, stripes 1.. are the payload's own bytes: they go out
                     # while the payload is hashed for the head (2 ms per 32 MiB here)
                     stripes = [(key, it, data) for it in striped
-                               for key, data in stripe_sets(it.redis_key, it.payload)]
+                               for key, data in stripe_sets(it.redis_key, it.payload, it.tag)]
                     early = asyncio.ensure_future(self._send_sets(stripes))
                 await framing
                 if early is None:   # encoded: the stripes are of the framed body
                     sets += [(key, it, data) for it in striped
-                             for key, data in stripe_sets(it.redis_key, it.parts[1])]
+                             for key, data in stripe_sets(it.redis_key, it.parts[1], it.tag)]
                 heads = [(it.redis_key, it, head_parts(it)) for it in striped]
             result = _first_failures(sets, await self._send_sets(sets))
             if early is not None:
                 result.update(_first_failures(stripes, await early))
             # a head only once every stripe of its block is stored (it may have none)
             heads = [h for h in heads if result.get(id(h[1]), "OK") == "OK"]
+            olds = await replaced if replaced is not None else []
             result.update(_first_failures(heads, await self._send_sets(heads)))
-            await self._drop_headless([key for key, it, _ in (*sets, *stripes)
-                                       if it.striped and key != it.redis_key
-                                       and result.get(id(it), "OK") != "OK"])
+            await self._drop_parts([key for key, it, _ in (*sets, *stripes)
+                                    if it.striped and key != it.redis_key
+                                    and result.get(id(it), "OK") != "OK"]
+                                   + [key for it, old in zip(striped, olds, strict=True)
+                                      if result.get(id(it)) == "OK"
+                                      for key in replaced_parts(it.redis_key, old, it.tag,
+                                                                it.raw_len)])
             ok = True
+            refused: ErrorReply | None = None
             for item in batch:
                 reply = result[id(item)]
                 item.ok = reply == "OK"
                 if not item.ok:
                     ok = False
                     self.counters.dropped_writes += 1
-                    if isinstance(reply, ErrorReply):
-                        self._error_reply(reply)
+                    if isinstance(reply, ErrorReply) and refused is None:
+                        refused = reply
                     continue
                 wire = item.wire_len
                 self.counters.bytes_written += wire
                 self._frames_raw += item.raw_len
                 self._frames_wire += wire
-            if ok:
+            if refused is not None:   # one batch, one verdict: not one failure per key
+                self._error_reply(refused)
+            elif ok:
                 self._succeeded()
         except Exception as exc:  # a bug in framing must not kill the writer
             log.exception("redis tier: write batch failed")
@@ -248,6 +261,8 @@ class RedisWrites(RedisReads):
         finally:
             if early is not None and not early.done():   # it reads the borrowed payloads
                 await asyncio.wait([early])
+            if replaced is not None and not replaced.done():
+                replaced.cancel()
             # outcomes first: a synchronous commit waiting on these SETs answers in the
             # next loop step; the checksum records and slot releases (about 10 us a block)
             # follow in the step after it instead of delaying that answer
@@ -259,10 +274,12 @@ class RedisWrites(RedisReads):
             self._progress.set()   # (a delete waiting for these SETs: ``forget_writes``)
             asyncio.get_running_loop().call_soon(self._batch_over, batch)
 
-    async def _drop_headless(self, stripes: list[bytes]) -> None:
-        """Delete the stripes of blocks whose write failed (a stripe or the head refused:
-        -OOM, a timeout): no head will ever name them, and without a TTL they would hold
-        the server's memory for good. Best effort: a failure here is counted, no more."""
+    async def _drop_parts(self, stripes: list[bytes]) -> None:
+        """Delete stripes no head names: those of blocks whose write failed (a stripe or the
+        head refused: -OOM, a timeout) and those of the versions a batch's heads replaced.
+        Without a TTL they would hold the server's memory for good. Best effort: a failure
+        here is counted, no more. (Two writers replacing one version at once each leave
+        the other's stripes behind: an eviction policy or ``ttl_s`` takes those.)"""
         if stripes and self._up:
             await self._per_server(stripes, lambda conn, idx: conn.simple_many(
                 [command(b"DEL", stripes[i]) for i in idx]))

@@ -23,7 +23,8 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
 # the ACL rule docs/redis.md gives operators, verbatim (checked below); +cluster|nodes and
 # +asking, which a cluster's resharding needs, were missing from it
 ACL_RULE = ("on >s3cret resetkeys ~kvtier:* -@all +get +set +getrange +exists +del +ping "
-            "+info +dbsize +select +cluster|slots +cluster|nodes +asking")
+            "+info +dbsize +select +watch +multi +exec +unwatch +cluster|slots "
+            "+cluster|nodes +asking")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "redis.md"
 
 

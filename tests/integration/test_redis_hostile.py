@@ -150,7 +150,8 @@ async def test_a_delete_takes_stripes_along_only_for_a_sound_head(
             admin.set(rkey(key), head)
         keys, data = blocks(1, size=LARGE, seed=5)
         await put_all(tier, keys, data)
-        assert admin.exists(rkey(keys[0]) + b":1")
+        seq = FrameHeader.unpack(admin.getrange(rkey(keys[0]), 0, 95)).seq
+        assert admin.exists(rkey(keys[0]) + b":%016x:1" % seq)
         admin.config_resetstat()
         assert await tier.delete(planted + keys, namespace=NS) == 3
         assert del_calls(redis_server) == 4   # three heads and the real block's one stripe

@@ -8,11 +8,13 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvtier.frame import (
+    FLAG_STRIPE_TAG,
     FLAG_STRIPED,
     HEADER_SIZE,
     STRIPE_BYTES,
@@ -51,8 +53,11 @@ def rkey(key: bytes) -> bytes:
     return b"kvtier:" + key.hex().encode()
 
 
-def stripe_keys(key: bytes) -> list[bytes]:
-    return [rkey(key) + b":%d" % i for i in range(1, STRIPES)]
+def stripe_keys(admin: Any, key: bytes) -> list[bytes]:
+    """The stripe keys of the block stored at ``key`` (named after its write's tag)."""
+    header = FrameHeader.unpack(admin.getrange(rkey(key), 0, HEADER_SIZE - 1))
+    assert header.flags & FLAG_STRIPE_TAG
+    return [rkey(key) + b":%016x:%d" % (header.seq, i) for i in range(1, STRIPES)]
 
 
 async def test_a_large_block_is_stored_in_stripes_and_read_back_exactly(
@@ -65,7 +70,7 @@ async def test_a_large_block_is_stored_in_stripes_and_read_back_exactly(
             header = FrameHeader.unpack(head[:HEADER_SIZE])
             assert header.flags & FLAG_STRIPED and header.payload_len == SIZE
             assert head[HEADER_SIZE:] == raw[:STRIPE_BYTES]        # stripe 0 after the header
-            assert b"".join(admin.get(k) for k in stripe_keys(key)) == raw[STRIPE_BYTES:]
+            assert b"".join(admin.get(k) for k in stripe_keys(admin, key)) == raw[STRIPE_BYTES:]
         admin.config_resetstat()
         await read_exact(tier, keys, data, SIZE)
         calls = admin.info("commandstats")
@@ -86,13 +91,14 @@ async def test_a_corrupt_stripe_is_a_counted_miss_and_the_block_is_deleted(
         redis_server: RedisServer) -> None:
     admin = redis_server.client()
     async with stored(redis_server, 2, seed=23) as (tier, keys, data):
-        admin.setrange(stripe_keys(keys[1])[-1], 100, b"\xff\x00\xff")
+        parts = stripe_keys(admin, keys[1])
+        admin.setrange(parts[-1], 100, b"\xff\x00\xff")
         outs = buffers(2, SIZE)
         assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
         assert bytes(outs[0]) == data[0]
         assert bytes(outs[1]) == bytes(SIZE)                # nothing unverified left behind
         assert tier.counters.checksum_failures == 1
-        assert not any(admin.exists(k) for k in [rkey(keys[1]), *stripe_keys(keys[1])])
+        assert not any(admin.exists(k) for k in [rkey(keys[1]), *parts])
         assert admin.exists(rkey(keys[0]))
 
 
@@ -100,7 +106,7 @@ async def test_a_lost_stripe_is_a_miss_and_the_rest_of_the_block_goes(
         redis_server: RedisServer) -> None:
     admin = redis_server.client()
     async with stored(redis_server, 1, seed=24) as (tier, keys, _data):
-        admin.delete(stripe_keys(keys[0])[0])               # as an eviction in Redis would
+        admin.delete(stripe_keys(admin, keys[0])[0])               # as an eviction in Redis would
         out = buffers(1, SIZE)
         assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 0
         assert bytes(out[0]) == bytes(SIZE)
@@ -117,7 +123,7 @@ async def test_a_block_rewritten_while_read_is_a_miss_and_is_kept(
 
     async def rewritten_meanwhile(tier, rk, header, out):   # type: ignore[no-untyped-def]
         # another node stores the same key while this read is between its stripes
-        admin.setrange(stripe_keys(keys[0])[1], 0, b"\x01\x02\x03")
+        admin.setrange(stripe_keys(admin, keys[0])[1], 0, b"\x01\x02\x03")
         newer = dataclasses.replace(header, seq=header.seq + 1)
         admin.setrange(rk, 0, newer.pack())
         return await real(tier, rk, header, out)
@@ -166,7 +172,8 @@ async def test_compressed_large_blocks_are_striped_by_their_encoded_size(
         for key in keys:
             header = FrameHeader.unpack(admin.getrange(rkey(key), 0, HEADER_SIZE - 1))
             assert header.flags & FLAG_STRIPED and header.raw_len == SIZE
-            assert admin.exists(rkey(key) + b":1") == (header.payload_len > STRIPE_BYTES)
+            assert admin.exists(rkey(key) + b":%016x:1" % header.seq) == (
+                    header.payload_len > STRIPE_BYTES)
         outs = buffers(2, SIZE)
         assert await tier.get_into(keys, outs, namespace=NS, layout_fp=LAYOUT_FP) == 2
         assert [bytes(o) for o in outs] == data
@@ -193,7 +200,7 @@ async def test_a_stripe_that_errors_is_a_miss_that_deletes_nothing(
     the buffer, and the error is counted."""
     admin = redis_server.client()
     async with stored(redis_server, 1, seed=30) as (tier, keys, _data):
-        victim = stripe_keys(keys[0])[1]
+        victim = stripe_keys(admin, keys[0])[1]
         admin.delete(victim)
         admin.rpush(victim, b"x")                            # GET answers WRONGTYPE
         out = buffers(1, SIZE)

@@ -289,4 +289,6 @@ def test_a_stored_block_that_lost_a_stripe_is_sent_again(
         assert stripes                                       # the block is striped
         admin.delete(stripes[0])                             # as an eviction would
         assert write(c, ns, keys, 5.0)[:3] == (1, 3, True)
-        assert admin.exists(stripes[0])                      # block 0 was sent again
+        again = admin.keys(head + b":*")                     # block 0 was sent again,
+        assert len(again) == len(stripes) and not set(again) & set(stripes)   # a new version
+        assert all(admin.exists(k) for k in again)
