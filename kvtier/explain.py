@@ -156,7 +156,8 @@ class MissLog:
         tp_rank): it names the namespace and backs the never-stored hint. A tenant's
         cache_salt itself is never shown (the endpoint has no auth): only ``salt_id``, a
         short hash that tells tenants apart. Nor is the digest: ``namespace`` is
-        :func:`namespace_id`, which tells namespaces apart but names none in a request.
+        :func:`namespace_id`, which tells namespaces apart but names none in a request;
+        both ids are keyed per process, so neither lets a salt be tested offline.
         """
         names = namespaces or {}
         per_model: dict[Any, int] = {}   # namespaces per model (the hint's siblings), once
@@ -204,14 +205,15 @@ class MissLog:
 
 
 _SALT_ID_KEY = secrets.token_bytes(16)
+_NAMESPACE_ID_KEY = secrets.token_bytes(16)
 
 
 def namespace_id(digest: bytes) -> str:
-    """A stable public id of a namespace (16 hex digits of a hash of its digest): what
-    operators read, never the digest, which a client could otherwise name."""
-    import xxhash
-
-    return xxhash.xxh3_64_hexdigest(b"kvtier-namespace-id:" + digest)
+    """A public id of a namespace (16 hex digits), stable for this process's life: what
+    operators read, never the digest, which a client could otherwise name. Keyed with a
+    secret of the process (blake2b), as ``salt_id`` is: an unkeyed hash of the digest let
+    anyone test cache_salt guesses offline (model id, layout and tp are guessable)."""
+    return hashlib.blake2b(digest, key=_NAMESPACE_ID_KEY, digest_size=8).hexdigest()
 
 
 def salt_id(cache_salt: str | None) -> str | None:
@@ -219,7 +221,8 @@ def salt_id(cache_salt: str | None) -> str | None:
     secret of the process (blake2b), so that a salt cannot be guessed offline from it."""
     if cache_salt is None:
         return None
-    return hashlib.blake2b(cache_salt.encode(), key=_SALT_ID_KEY, digest_size=4).hexdigest()
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), key=_SALT_ID_KEY,
+                           digest_size=4).hexdigest()
 
 
 def _hint(reason: MissReason, ns: dict[str, Any], per_model: dict[Any, int]) -> str:

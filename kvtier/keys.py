@@ -42,11 +42,15 @@ class Namespace:
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise LayoutMismatch(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
-        packed = msgpack.packb(
-            [1, self.model_id, self.layout.fingerprint, self.tp_rank, self.tp_size,
-             self.cache_salt],
-            use_bin_type=True,
-        )
+        try:   # (model_id and cache_salt hash as UTF-8: a lone surrogate has no bytes)
+            packed = msgpack.packb(
+                [1, self.model_id, self.layout.fingerprint, self.tp_rank, self.tp_size,
+                 self.cache_salt],
+                use_bin_type=True,
+            )
+        except UnicodeEncodeError:
+            raise LayoutMismatch("model_id and cache_salt must be valid Unicode (no lone "
+                                 "surrogates)") from None
         object.__setattr__(self, "digest", xxhash.xxh3_128_digest(packed))
 
     def with_salt(self, cache_salt: str | None) -> Namespace:

@@ -35,6 +35,15 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` has UTF-8 bytes (a lone surrogate, e.g. from JSON, has none)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 DEFAULT_TOKENS_PER_BLOCK = 256
 """kvtier's block (one key) when none is configured: large enough that per-block work and
 the daemon's per-block memory stay small beside the bytes."""
@@ -79,6 +88,8 @@ class KVLayout:
         if not isinstance(self.kv_format, str) or not 0 < len(self.kv_format) <= MAX_KV_FORMAT:
             raise LayoutMismatch(f"kv_format must be a non-empty string of at most "
                                  f"{MAX_KV_FORMAT} characters, got {self.kv_format!r:.80}")
+        if not _utf8(self.kv_format):   # (the fingerprint hashes its UTF-8 bytes)
+            raise LayoutMismatch("kv_format must be valid Unicode (no lone surrogates)")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise LayoutMismatch(
                 f"unsupported KV dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import hmac
@@ -20,9 +21,12 @@ from kvtier.daemon.http_guard import HttpGuard
 from kvtier.daemon.limits import ByteBudget
 from kvtier.daemon.metrics import Metrics
 from kvtier.daemon.prefix import PrefixProbe, http_error
-from kvtier.errors import KVTierError, StartupError
+from kvtier.errors import KVTierError, Overloaded, StartupError
 
 _BACKLOG = 128
+PREFIX_RUNNING = 2   # /v1/prefix probes worked on at once (each takes ~1 ms turns)
+PREFIX_WAITING = 8   # probes whose bodies are read waiting for a turn; more: 503
+RETRY_AFTER_S = 1
 
 
 def bind_http(host: str, port: int) -> list[socket.socket]:
@@ -75,8 +79,10 @@ class HttpServer:
 
     ``sockets``: listening sockets from ``bind_http`` (the daemon binds before its setup);
     without them ``start`` binds ``host:port`` itself. ``prefix``: the control server's
-    probe, served at POST /v1/prefix (absent: 404); bodies are then bounded by its
-    ``limits.max_frame``.
+    probe, served at POST /v1/prefix (absent: 404); bodies are then bounded by what a
+    probe can carry (``PrefixProbe.http_limit``). At most ``PREFIX_RUNNING`` probes are
+    worked on at once and ``PREFIX_WAITING`` wait (beyond: a 503 with Retry-After), so
+    routers' and other local users' probes cannot take the event loop from the engines.
     """
 
     def __init__(self, host: str, port: int, metrics: Metrics,
@@ -96,9 +102,11 @@ class HttpServer:
         self._runner: web.AppRunner | None = None
         self.port = port
         self.guard = HttpGuard(max_connections, read_timeout_s)
+        self._slots = asyncio.Semaphore(PREFIX_RUNNING)
+        self._waiting = 0
 
     async def start(self) -> None:
-        max_body = self.prefix.limits.max_frame if self.prefix is not None else 2**20
+        max_body = self.prefix.max_body if self.prefix is not None else 2**20
         self.guard.body_budget = ByteBudget(4 * max_body)
         app = web.Application(client_max_size=max_body, middlewares=[self.guard.middleware])
         app.router.add_get("/metrics", self._metrics)
@@ -156,15 +164,36 @@ class HttpServer:
                                      status=404)
         t0 = time.perf_counter()
         try:   # what the head tells (namespace, batch, declared size) before the body
+            self._admit()
             limit = self.prefix.http_limit(request.content_type, request.query,
                                            request.content_length)
             body = await self.guard.read_body(request, limit)
-            reply = await self.prefix.from_http(body, request.content_type, request.query)
+            # a turn is taken once the body is whole: a client that trickles its body
+            # (bounded by the guard) holds no turn meanwhile
+            self._admit()
+            self._waiting += 1
+            try:
+                await self._slots.acquire()
+            finally:
+                self._waiting -= 1
+            try:
+                reply = await self.prefix.from_http(body, request.content_type,
+                                                    request.query)
+            finally:
+                self._slots.release()
         except KVTierError as exc:
             status, doc = http_error(exc)
-            return web.json_response(doc, status=status)
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+            return web.json_response(doc, status=status, headers=headers)
         self.metrics.observe("http_prefix", time.perf_counter() - t0)
         return web.json_response(reply)
+
+    def _admit(self) -> None:
+        """Overloaded (a 503) when ``PREFIX_WAITING`` probes already wait for a turn."""
+        if self._waiting >= PREFIX_WAITING:
+            self.guard.overloaded += 1
+            raise Overloaded(f"{PREFIX_RUNNING + PREFIX_WAITING} prefix probes in progress: "
+                             f"retry in {RETRY_AFTER_S} s")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -6,14 +6,17 @@ send half a request and stop, or park bodies of 16 MiB on many connections. ``Ht
 
 - refuses connections beyond ``max_connections`` with a 503 (JSON) and closes them;
 - gives every connection ``read_timeout_s`` to deliver each request's head (from its
-  connect, or from its previous reply) and each body, else closes it;
+  connect, or from its previous reply), and each body ``BODY_GRACE_S`` plus its size at
+  ``MIN_BODY_RATE`` (at most ``read_timeout_s``), else closes it: a body stalled short of
+  its end holds the shared budget for a second or two, not ``read_timeout_s``;
 - bounds the body bytes held by all requests together (``ByteBudget``), counted as they
   arrive (a body declared large and trickled holds only what was sent; the first
   ``STREAM_LIMIT`` bytes of a body never wait, so small requests are not held up by large
   ones), and refuses a declared ``Content-Length`` beyond the route's limit with a 413
   before reading it;
 - turns every HTTP error aiohttp raises itself (404, 405, 413, a parser's 400) into JSON,
-  and a handler's bug into a 500 logged once, not a traceback per request.
+  and a handler's bug into a 500: one traceback per distinct place it failed, then only a
+  count (``errors``), so no client can flood the log.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from aiohttp import web
 from kvtier.daemon.limits import STREAM_LIMIT, ByteBudget, Charge
 
 log = logging.getLogger("kvtier.http")
+
+MIN_BODY_RATE = 1 << 20   # bytes/s a body must keep up on average (any network does more)
+BODY_GRACE_S = 1.0        # on top of its size at MIN_BODY_RATE: a body's time to arrive
+SMALL_BODY = 512 * 2**10  # a body declared this size or less draws on ``small_budget``
+_MAX_SITES = 64           # distinct failure places remembered (beyond them: one bucket)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -52,9 +60,15 @@ class HttpGuard:
     max_connections: int = 256
     read_timeout_s: float = 10.0
     body_budget: ByteBudget = field(default_factory=lambda: ByteBudget(64 * 2**20))
+    # bodies declared at most SMALL_BODY (a router's probe of one long prompt) have their own
+    # budget: large bodies stalled short of their end cannot keep them waiting
+    small_budget: ByteBudget = field(default_factory=lambda: ByteBudget(16 * 2**20))
     refused: int = 0              # connections beyond max_connections
     timed_out: int = 0            # connections closed for a request not whole in time
+    errors: int = 0               # handler failures (500s)
+    overloaded: int = 0           # requests answered 503: too many of their kind at once
     _conns: dict[int, _Conn] = field(default_factory=dict)
+    _sites: dict[tuple[str, str, int], int] = field(default_factory=dict)
 
     def install(self, server: Any) -> None:
         """Hook into aiohttp's ``web.Server`` (``AppRunner.server``): its connection
@@ -106,8 +120,8 @@ class HttpGuard:
             return web.json_response({"error": exc.reason}, status=exc.status)
         except (ConnectionError, asyncio.IncompleteReadError):   # the client left mid-body
             return web.json_response({"error": "the connection was lost"}, status=400)
-        except Exception:
-            log.exception("HTTP %s %s failed", request.method, request.path)
+        except Exception as exc:
+            self._failed(request, exc)
             return web.json_response({"error": "internal error"}, status=500)
         finally:
             if conn is not None:
@@ -115,20 +129,48 @@ class HttpGuard:
                 if conn.transport is not None and not conn.transport.is_closing():
                     self._arm(conn)
 
+    def _failed(self, request: web.Request, exc: Exception) -> None:
+        """Log a handler's failure: its traceback the first time it fails at this place
+        (exception type and innermost frame), then one line at 10, 100, 1000... failures
+        there: a request that fails the same way every time cannot flood the log."""
+        self.errors += 1
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        site = (type(exc).__name__, tb.tb_frame.f_code.co_filename if tb else "",
+                tb.tb_lineno if tb else 0)
+        if site not in self._sites and len(self._sites) >= _MAX_SITES:
+            site = ("*", "", 0)
+        n = self._sites[site] = self._sites.get(site, 0) + 1
+        if n == 1:
+            log.error("HTTP %s %s failed", request.method, request.path, exc_info=exc)
+        elif n in (10, 100, 1000) or n % 10_000 == 0:
+            log.error("HTTP %s %s failed: %s at %s:%d, %d times so far (traceback logged "
+                      "once)", request.method, request.path, site[0], site[1], site[2], n)
+
+    def body_deadline(self, size: int) -> float:
+        """Seconds a body of ``size`` bytes may take to arrive: ``BODY_GRACE_S`` plus its
+        size at ``MIN_BODY_RATE``, at most ``read_timeout_s``."""
+        return min(self.read_timeout_s, BODY_GRACE_S + size / MIN_BODY_RATE)
+
     async def read_body(self, request: web.Request, limit: int) -> bytes:
-        """The request's body, of at most ``limit`` bytes, whole within ``read_timeout_s``
-        and within the shared body budget; a web.HTTPException (413, 408, 503) otherwise.
+        """The request's body, of at most ``limit`` bytes, whole within ``body_deadline``
+        of its declared size (of ``limit`` when undeclared) and within the shared body
+        budget; a web.HTTPException (413, 408, 503) otherwise.
 
         Its bytes are counted in the budget as they arrive (aiohttp's stream buffer bounds
         what is read ahead); its first ``STREAM_LIMIT`` bytes never wait for room."""
         declared = request.content_length
         if declared is not None and declared > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
+        budget = self.small_budget if declared is not None and declared <= SMALL_BODY \
+            else self.body_budget
         charge = Charge()
         parts: list[bytes] = []
         got = 0
+        allowed = self.body_deadline(limit if declared is None else declared)
         try:
-            async with asyncio.timeout(self.read_timeout_s):
+            async with asyncio.timeout(allowed):
                 # pieces joined once at the end: appending to one bytes object copied the
                 # whole body so far per piece, quadratic in a slowly sent body
                 while got <= limit:
@@ -138,9 +180,9 @@ class HttpGuard:
                     parts.append(more)
                     got += len(more)
                     if got <= STREAM_LIMIT:
-                        charge.take(self.body_budget, len(more))
+                        charge.take(budget, len(more))
                     else:
-                        await charge.acquire(self.body_budget, len(more))
+                        await charge.acquire(budget, len(more))
                     if request.content.at_eof():
                         break
         except TimeoutError:
@@ -148,7 +190,8 @@ class HttpGuard:
                 raise web.HTTPServiceUnavailable(reason="HTTP request bytes at their limit: "
                                                  "retry") from None
             raise web.HTTPRequestTimeout(reason=f"the body did not arrive within "
-                                         f"{self.read_timeout_s:g} s") from None
+                                         f"{allowed:.3g} s (at least {MIN_BODY_RATE} "
+                                         "bytes/s)") from None
         finally:
             charge.waiting = None
             charge.release()
@@ -158,4 +201,6 @@ class HttpGuard:
 
     def stats(self) -> dict[str, int]:
         return {"connections": len(self._conns), "refused": self.refused,
-                "timed_out": self.timed_out, "body_bytes": self.body_budget.used}
+                "timed_out": self.timed_out,
+                "body_bytes": self.body_budget.used + self.small_budget.used,
+                "errors": self.errors, "overloaded": self.overloaded}

@@ -10,12 +10,13 @@ of ``kvtier.keys.block_keys``); a JSON list of ints is accepted for convenience.
 Bounds (``kvtier.daemon.limits``): a prompt carries at most ``max_context_tokens`` tokens
 (or as many keys as that makes in blocks); a batch at most ``MAX_PROMPTS`` prompts and
 ``BATCH_CONTEXTS`` times ``max_context_tokens`` tokens in all (a key blob is checked against
-it before it is split); a JSON body at most ``json_max_bytes`` (what ``JSON_CONTEXTS``
-prompts of ``max_context_tokens`` take in JSON) and ``json_max_values`` values, both
-checked before it is parsed (parsing costs event-loop time per value: ~75 ms per million);
-the binary body at most ``max_frame``. The Redis part is bounded by
-``redis.lookup_budget_s``, as a lookup's is. Reading a request's wire forms (digests,
-token blobs, JSON prompts) is ``kvtier.daemon.prefix_input``.
+it before it is split); a binary body at most what that budget takes (u4 tokens or 16-byte
+keys). A JSON body is parsed on the event loop in one piece (~0.1 ms per thousand values,
+``json.loads`` then ``np.asarray``; a thread would hold the GIL as long), so it carries at
+most ``JSON_MAX_TOKENS`` values and ``json_max_bytes`` bytes, both checked before it is
+parsed: one parse stays within a few ms; large prompts go as application/octet-stream.
+The Redis part is bounded by ``redis.lookup_budget_s``, as a lookup's is. Reading a
+request's wire forms (digests, token blobs, JSON prompts) is ``kvtier.daemon.prefix_input``.
 """
 
 from __future__ import annotations
@@ -29,16 +30,25 @@ from kvtier.daemon.limits import Limits
 from kvtier.daemon.prefix_input import (
     BATCH_CONTEXTS,
     MAX_PROMPTS,
+    ModelIndex,
     PromptInput,
     digest_of,
     flag,
     json_prompt,
+    layout_words,
     query_int,
     split_prompts,
+    utf8_text,
 )
-from kvtier.errors import KVTierError, LimitExceeded, ProtocolError, UnknownNamespace
+from kvtier.errors import (
+    KVTierError,
+    LimitExceeded,
+    Overloaded,
+    ProtocolError,
+    UnknownNamespace,
+)
 from kvtier.index import SlotState
-from kvtier.keys import ROOT_KEY, BlockKey, Namespace, block_keys
+from kvtier.keys import KEY_BYTES, ROOT_KEY, BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality, RedisProbe
 from kvtier.protocol import optional_int
@@ -47,7 +57,8 @@ from kvtier.store.slices import Turn
 
 KEY_PIECE = 512   # blocks hashed between two looks at the turn (kvtier.store.slices)
 JSON_BYTES_PER_TOKEN = 8   # `151643, ` : a 6-digit token id as json.dumps writes it
-JSON_CONTEXTS = 2          # full-length prompts one JSON body may carry
+JSON_CONTEXTS = 2          # full-length prompts one JSON body may carry (at most...)
+JSON_MAX_TOKENS = 32768    # ...and token ids in all: ~3 ms of parse (loads + asarray)
 JSON_SLACK = 64 * 2**10    # namespace fields, layouts, keys of a batch's objects
 _OCTET = "application/octet-stream"
 _MAX_NAME = 1024
@@ -55,7 +66,7 @@ _MAX_TP = 1 << 16
 _CPU_STATES = (SlotState.READY, SlotState.LOADING)
 _NS_FIELDS = ("namespace", "model_id", "layout", "tp_rank", "tp_size", "cache_salt")
 
-HTTP_STATUS = {UnknownNamespace.code: 404, LimitExceeded.code: 413}
+HTTP_STATUS = {UnknownNamespace.code: 404, LimitExceeded.code: 413, Overloaded.code: 503}
 """HTTP status per error code (400 for every other KVTierError)."""
 
 
@@ -65,9 +76,17 @@ class PrefixProbe:
     def __init__(self, store: TieredStore, limits: Limits) -> None:
         self.store = store
         self.limits = limits
+        self.models = ModelIndex(store)
         ctx = limits.max_context_tokens
-        self.json_max_values = JSON_CONTEXTS * ctx + MAX_PROMPTS * 16
-        self.json_max_bytes = JSON_BYTES_PER_TOKEN * JSON_CONTEXTS * ctx + JSON_SLACK
+        tokens = min(JSON_MAX_TOKENS, JSON_CONTEXTS * ctx)
+        self.json_max_values = tokens + MAX_PROMPTS * 16
+        self.json_max_bytes = JSON_BYTES_PER_TOKEN * tokens + JSON_SLACK
+        self.octet_max_bytes = 4 * BATCH_CONTEXTS * ctx   # u4 tokens (keys take fewer)
+
+    @property
+    def max_body(self) -> int:
+        """The most bytes any ``POST /v1/prefix`` body may hold."""
+        return max(self.octet_max_bytes, self.json_max_bytes)
 
     # -- the probe -----------------------------------------------------------------------
     async def probe(self, ns: Namespace, keys: list[BlockKey], *,
@@ -96,8 +115,9 @@ class PrefixProbe:
     async def _redis(self, keys: list[BlockKey], n_local: int, digest: bytes,
                      want: bool) -> tuple[RedisProbe, int, int]:
         """(state, leading blocks in Redis from block 0, leading blocks after the local
-        prefix): the second is what a lookup adds; one probe answers both unless Redis
-        holds less than this node does."""
+        prefix). The second, what a lookup adds, is probed first and alone, as a lookup
+        probes it (``keys[n_local:]``); the head (``keys[:n_local]``) then, with what is left
+        of ``redis.lookup_budget_s``. A timeout of the head leaves the tail's count."""
         tier = self.store.redis
         if not want:
             return RedisProbe.SKIPPED, 0, 0
@@ -105,18 +125,17 @@ class PrefixProbe:
             return RedisProbe.OFF, 0, 0
         if not tier.up:
             return RedisProbe.DOWN, 0, 0
+        after = 0
         try:
             async with asyncio.timeout(self.store.redis_lookup_budget_s):
-                from_zero = int(await tier.exists_prefix(keys, namespace=digest))
-                if from_zero >= n_local:
-                    after = from_zero - n_local
-                elif n_local < len(keys):
+                if n_local < len(keys):
                     after = int(await tier.exists_prefix(keys[n_local:], namespace=digest))
-                else:
-                    after = 0
+                if n_local == 0:
+                    return RedisProbe.OK, after, after
+                head = int(await tier.exists_prefix(keys[:n_local], namespace=digest))
         except TimeoutError:
-            return RedisProbe.TIMEOUT, 0, 0
-        return RedisProbe.OK, from_zero, after
+            return RedisProbe.TIMEOUT, 0, after
+        return RedisProbe.OK, (head + after if head == n_local else head), after
 
     async def probe_many(self, items: list[tuple[Namespace, PromptInput]], *,
                          redis: bool = True) -> list[PrefixLocality]:
@@ -175,6 +194,8 @@ class PrefixProbe:
         if salt is not None and (not isinstance(salt, str) or len(salt) > _MAX_NAME):
             raise ProtocolError(f"cache_salt must be a string of at most {_MAX_NAME} "
                                 "characters or null")
+        utf8_text("model_id", model_id)
+        utf8_text("cache_salt", salt or "")
         tp_size = optional_int(dict(spec), "tp_size", 1, 1, _MAX_TP)
         tp_rank = optional_int(dict(spec), "tp_rank", 0, 0, tp_size - 1)
         layout = spec.get("layout")
@@ -187,12 +208,18 @@ class PrefixProbe:
                      if ns.layout.fingerprint == spelled.layout.fingerprint]
             if not found or any(ns.digest == spelled.digest for ns in found):
                 return spelled   # probed as spelled out, registered or not
+        elif salt is not None:
+            # a salt is resolved against the model's namespaces of every salt: a wrong salt
+            # finds 0 blocks in the one layout, as a right one with nothing cached does, so
+            # the answer does not tell whether a guessed salt is registered here
+            found = [Namespace(ns.model_id, ns.layout, tp_rank, tp_size, salt)
+                     for ns in self.models.named(model_id, tp_rank, tp_size)]
         if not found:
-            raise UnknownNamespace(f"no engine serving {model_id!r} (with this tp_rank, "
-                                   "tp_size and cache_salt) has registered with this daemon: "
-                                   "pass its layout to probe anyway")
+            raise UnknownNamespace(f"no engine serving {model_id!r} (with this tp_rank and "
+                                   "tp_size) has registered with this daemon: pass its "
+                                   "layout to probe anyway")
         if len(found) > 1:
-            what = sorted(f"{ns.model_id} ({_layout_words(ns.layout)})" for ns in found)
+            what = sorted(f"{ns.model_id} ({layout_words(ns.layout)})" for ns in found)
             raise ProtocolError(f"{len(found)} namespaces of {model_id!r} are registered "
                                 f"here ({', '.join(what)}): pass 'namespace', or the "
                                 "'model_id' and 'layout' of one")
@@ -253,16 +280,28 @@ class PrefixProbe:
                    declared: int | None) -> int:
         """What can be checked of a ``POST /v1/prefix`` before its body is read (a
         KVTierError otherwise): its content type; for a binary body its namespace (from the
-        query) and the batch budget of its ``lengths``; for a JSON body its declared size.
-        Answers the most body bytes to read."""
+        query), the batch budget of its ``lengths`` and its declared size against what they
+        make (or one prompt's bound); for a JSON body its declared size. Answers the most
+        body bytes to read: no valid body is larger."""
         if content_type == _OCTET:
             ns, as_keys, lengths, _ = self._octet_query(query)
+            tpb = ns.layout.tokens_per_block
+            unit = KEY_BYTES if as_keys else 4
             if lengths is not None:
-                n = sum(lengths) * (ns.layout.tokens_per_block if as_keys else 1)
+                n = sum(lengths) * (tpb if as_keys else 1)
                 budget = BATCH_CONTEXTS * self.limits.max_context_tokens
                 if n > budget:
                     raise LimitExceeded(_over_batch(n, budget))
-            return self.limits.max_frame
+                limit = sum(lengths) * unit
+            else:
+                limit = unit * (self.limits.max_keys(tpb) if as_keys
+                                else self.limits.max_context_tokens)
+            if declared is not None and declared > limit:
+                what = "16-byte keys" if as_keys else "u4 tokens"
+                of = "?lengths=" if lengths is not None else "daemon.max_context_tokens"
+                raise LimitExceeded(f"a body of {declared} bytes; this request carries at "
+                                    f"most {limit} ({what}, from {of})")
+            return limit
         if content_type not in ("application/json", ""):
             raise ProtocolError(f"unsupported content type {content_type[:64]!r}: send "
                                 "application/json or application/octet-stream")
@@ -272,10 +311,9 @@ class PrefixProbe:
 
     def _json_too_large(self, what: str) -> str:
         return (f"a JSON body of {what}; at most {self.json_max_bytes} bytes and "
-                f"{self.json_max_values} values ({JSON_CONTEXTS} prompts of "
-                f"daemon.max_context_tokens {self.limits.max_context_tokens}): send large "
-                "batches as application/octet-stream (u4 tokens, or 16-byte keys with "
-                "?input=keys, cut by ?lengths=)")
+                f"{self.json_max_values} values (a JSON body is parsed in one piece): send "
+                "large prompts and batches as application/octet-stream (u4 tokens, or "
+                "16-byte keys with ?input=keys, cut by ?lengths=)")
 
     def _octet_query(self, query: Mapping[str, str]
                      ) -> tuple[Namespace, bool, list[int] | None, bool]:
@@ -357,9 +395,3 @@ def http_error(exc: KVTierError) -> tuple[int, dict[str, str]]:
     """Status and JSON body for a refused probe."""
     return HTTP_STATUS.get(exc.code, 400), {"error": str(exc), "code": exc.code}
 
-
-def _layout_words(layout: KVLayout) -> str:
-    """A layout as the fields a router passes, so that two of one model tell apart."""
-    return (f"num_layers {layout.num_layers}, num_kv_heads {layout.num_kv_heads}, head_dim "
-            f"{layout.head_dim}, dtype {layout.dtype}, tokens_per_block "
-            f"{layout.tokens_per_block}, kv_format {layout.kv_format}")

@@ -2,7 +2,9 @@
 a namespace digest, flags, and prompts as u4 token ids or 16-byte block keys, from one
 binary blob cut by ``lengths`` or from a JSON body. Token arrays are views of the blob:
 nothing per token. Every malformed input is a ProtocolError or a LimitExceeded, never a
-crash."""
+crash. ``ModelIndex``: the registered namespaces of a model whatever their salt, which a
+salted probe is resolved against (so that its answer does not tell whether the salt is
+registered)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from typing import Any
 import numpy as np
 
 from kvtier.errors import LimitExceeded, ProtocolError
-from kvtier.keys import KEY_BYTES, BlockKey
+from kvtier.keys import KEY_BYTES, BlockKey, Namespace
+from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
+from kvtier.weights import base_model_id
 
 MAX_PROMPTS = 256
 BATCH_CONTEXTS = 4   # a batch carries at most this many times max_context_tokens in all
@@ -39,6 +43,41 @@ def digest_of(raw: object) -> bytes:
     if not isinstance(raw, bytes) or len(raw) != 16:
         raise ProtocolError("namespace must be a 16-byte digest (32 hex digits)")
     return raw
+
+
+def utf8_text(name: str, value: str) -> str:
+    """``value``, refused (ProtocolError) when it cannot be UTF-8 (a lone surrogate, which
+    valid JSON can spell as ``"\\ud800"``): namespaces are hashed from its UTF-8 bytes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProtocolError(f"{name} must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+class ModelIndex:
+    """Registered namespaces by (model id or its base, tp_rank, tp_size), whatever their
+    cache_salt, one per (full model id, layout). Rebuilt from ``store.namespaces`` (one
+    pass) only when the registered set changed: its size or evictions moved."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self._version: tuple[int, int] = (-1, -1)
+        self._by_model: dict[tuple[str, int, int], dict[tuple[str, int], Namespace]] = {}
+
+    def named(self, model_id: str, tp_rank: int, tp_size: int) -> list[Namespace]:
+        """One namespace per distinct (full model id, layout) of ``model_id``, any salt."""
+        entries = self.store.namespaces
+        version = (len(entries), self.store.namespaces_evicted)
+        if version != self._version:
+            by_model: dict[tuple[str, int, int], dict[tuple[str, int], Namespace]] = {}
+            for e in entries.values():
+                ns = e.namespace
+                for name in {ns.model_id, base_model_id(ns.model_id)}:
+                    place = by_model.setdefault((name, ns.tp_rank, ns.tp_size), {})
+                    place.setdefault((ns.model_id, ns.layout.fingerprint), ns)
+            self._by_model, self._version = by_model, version
+        return list(self._by_model.get((model_id, tp_rank, tp_size), {}).values())
 
 
 def flag(value: object) -> bool:
@@ -140,3 +179,10 @@ def json_prompt(doc: Mapping[str, Any]) -> PromptInput:
     if any(len(k) != KEY_BYTES for k in keys):
         raise ProtocolError("each block key is 16 bytes (32 hex digits)")
     return PromptInput(keys=keys)
+
+
+def layout_words(layout: KVLayout) -> str:
+    """A layout as the fields a router passes, so that two of one model tell apart."""
+    return (f"num_layers {layout.num_layers}, num_kv_heads {layout.num_kv_heads}, head_dim "
+            f"{layout.head_dim}, dtype {layout.dtype}, tokens_per_block "
+            f"{layout.tokens_per_block}, kv_format {layout.kv_format}")
