@@ -101,9 +101,11 @@ def _run_serve(a: argparse.Namespace) -> int:
 
 def _serve(a: argparse.Namespace) -> int:
     from kvtier.config import load_config
+    from kvtier.config_checks import check_redis_files
     from kvtier.daemon.service import run_daemon
 
     cfg = load_config(a.config, overrides=_serve_overrides(a))
+    check_redis_files(cfg)
     logging.basicConfig(
         level=getattr(logging, cfg.daemon.log_level.upper(), logging.INFO), stream=sys.stderr,
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
@@ -195,7 +197,7 @@ def render_stats(s: dict[str, Any]) -> str:
     conn = section(s, "connector")
     if conn.get("engines"):
         lines.append("connector: " + "  ".join(
-            f"{clean(k)} {number(conn, k, 'connector.'):g}"
+            f"{clean(k)} {number(conn, k, 'connector.', negative_ok=True):g}"
             for k in sorted(conn)))
     from kvtier.policy.mrc import render_table  # adaptive policy: mode and live MRC per tier
 

@@ -5,6 +5,8 @@ are merged). Each failure is one ``ConfigError`` line naming the setting and the
 
 from __future__ import annotations
 
+import os
+import stat
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
@@ -21,6 +23,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"cpu.bytes must be at least {MIN_CPU_BYTES} (one page), got "
                           f"{cfg.cpu.bytes}: the cpu tier is the staging tier every block "
                           "passes through (e.g. --cpu-bytes 2GiB)")
+    if cfg.nvme.enabled and 0 < cfg.nvme.bytes < MIN_NVME_BYTES:
+        raise ConfigError(f"nvme.bytes must be 0 (no nvme tier) or at least {MIN_NVME_BYTES} "
+                          f"(one page, the smallest slot), got {cfg.nvme.bytes}: such a tier "
+                          "could hold no block (e.g. --nvme-bytes 100GiB)")
     if cfg.cpu.bytes < cfg.cpu.slab_bytes:
         cfg.cpu.slab_bytes = ByteSize(cfg.cpu.bytes)
     if cfg.daemon.lease_sweep_s < 0.01:   # (smaller: an idle daemon spins)
@@ -52,11 +58,50 @@ def validate(cfg: Config) -> None:
     if not cfg.http.host.strip():
         raise ConfigError("http.host is empty, which would listen on every interface: give "
                           "an address (127.0.0.1, the default; 0.0.0.0 for every interface)")
+    if cfg.redis.enabled and cfg.redis.tls_key and not cfg.redis.tls_cert:
+        raise ConfigError("redis.tls_key is set without redis.tls_cert: a client key is "
+                          "used only with its certificate; set both (--redis-tls-cert) or "
+                          "neither")
     _check_timings(cfg)
+
+
+def check_redis_files(cfg: Config) -> None:
+    """What a serving daemon reads at start (``kvtier serve``, not the clients that load the
+    same config): ``redis.url`` well formed, and the TLS files of a ``rediss://`` URL
+    readable regular files. One ConfigError naming the setting and path, before the tiers
+    are built (the SSL library would say only "No such file or directory")."""
+    from kvtier.tiers.redis_client import parse_target
+
+    if not cfg.redis.enabled or not parse_target(cfg.redis).tls:
+        return
+    r = cfg.redis
+    for setting, path, what in (("redis.tls_ca", r.tls_ca, "a PEM CA bundle"),
+                                ("redis.tls_cert", r.tls_cert, "a PEM client certificate"),
+                                ("redis.tls_key", r.tls_key, "the PEM key of redis.tls_cert")):
+        if path:
+            problem = _file_problem(path)
+            if problem:
+                raise ConfigError(f"{setting} {path}: {problem}; give {what}")
+
+
+def _file_problem(path: str) -> str:
+    """Why ``path`` cannot be read as a regular file ("" when it can)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if not os.access(path, os.R_OK):
+        return f"is not readable by uid {os.getuid()}"
+    return ""
 
 
 MIN_CPU_BYTES = 4096
 """Smallest ``cpu.bytes``: one page, the arena's smallest slot."""
+MIN_NVME_BYTES = 4096
+"""Smallest ``nvme.bytes`` other than 0: one page, an nvme slot's least (a frame's header
+and payload, rounded up to pages)."""
 MIN_FRAME_BYTES = 64 * 2**10
 """Smallest ``daemon.max_frame_bytes``: a hello is about 100 bytes, but a request of a long
 context's keys (16 bytes each, thousands of them) needs tens of KiB."""

@@ -82,6 +82,7 @@ class PresenceFilter:
         _check(counters_log2, hashes)
         size = HEADER_BYTES + (1 << counters_log2)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        problem: str | None = "unchecked"
         try:
             problem = arena_problem(os.fstat(fd), 0, os.getuid())
             if problem is not None:
@@ -93,6 +94,8 @@ class PresenceFilter:
             os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
+            if problem is None:   # our file: not left behind half made (a full tmpfs)
+                _unlink_if_same(path, fd)
             os.close(fd)
             raise
         mm[:HEADER.size] = HEADER.pack(MAGIC, counters_log2, hashes)
@@ -148,6 +151,20 @@ class PresenceFilter:
             os.close(self._fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _unlink_if_same(path: Path, fd: int) -> None:
+    """Remove ``path`` if it is still the file open as ``fd`` (never another's file)."""
+    with contextlib.suppress(OSError):
+        st, now = os.fstat(fd), os.lstat(path)
+        if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+            os.unlink(path)
+
+
+def file_bytes(counters_log2: int = COUNTERS_LOG2) -> int:
+    """Shared memory a filter's file takes (whole pages): what cpu.shm_dir must have free
+    beside the arena (kvtier.daemon.preflight.shm_side_bytes)."""
+    return -(-(HEADER_BYTES + (1 << counters_log2)) // 4096) * 4096
 
 
 class PresenceView:

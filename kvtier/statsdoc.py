@@ -4,6 +4,7 @@ malformed answer in one line instead of a TypeError or AttributeError deep in a 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -24,16 +25,23 @@ def section(doc: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
     return v
 
 
-def number(doc: dict[str, Any], key: str, where: str = "") -> float:
-    """``doc[key]`` as a float (0 when absent); MalformedStats for a non-number, or an
-    integer too large for a float."""
+def number(doc: dict[str, Any], key: str, where: str = "", *,
+           negative_ok: bool = False) -> float:
+    """``doc[key]`` as a float (0 when absent); MalformedStats for a non-number, an integer
+    too large for a float, NaN or an infinity (JSON's 1e400 reads as one), or a negative
+    number unless ``negative_ok``: the daemon's counts, sizes, rates and times are finite
+    and >= 0, so anything else is a broken or forged answer, not a state to show."""
     v = doc.get(key, 0)
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise MalformedStats(f"{where}{key} is a {_kind(v)}, not a number")
     try:
-        return float(v)
+        f = float(v)
     except OverflowError:
         raise MalformedStats(f"{where}{key} is a number too large to show") from None
+    if not math.isfinite(f) or (f < 0 and not negative_ok):
+        floor = "" if negative_ok else " >= 0"
+        raise MalformedStats(f"{where}{key} is {v}, not a finite number{floor}")
+    return f
 
 
 def scalar(doc: dict[str, Any], key: str, default: str, where: str = "") -> str:

@@ -11,7 +11,7 @@ import re
 
 from kvtier.errors import ConfigError
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kmgtp]?i?b?)?\s*$", re.I)
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "ki": 2**10, "kib": 2**10,
           "m": 10**6, "mb": 10**6, "mi": 2**20, "mib": 2**20, "g": 10**9, "gb": 10**9,
           "gi": 2**30, "gib": 2**30, "t": 10**12, "tb": 10**12, "ti": 2**40, "tib": 2**40}
@@ -40,7 +40,8 @@ def parse_size(value: object) -> int:
         return parse_size(int(value))
     m = _SIZE_RE.match(str(value))
     if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ConfigError(f"not a size: {value!r} (examples: 4GiB, 512MiB, 1e9)")
+        raise ConfigError(f"not a size: {value!r} (examples: 4GiB, 512MiB, 1e9; units go up "
+                          "to TiB and TB, so 1PiB is 1024TiB)")
     scale = _UNITS[(m.group(2) or "").lower()]
     number = float(m.group(1)) * scale
     if not math.isfinite(number):  # "1e999": int(inf) would raise OverflowError

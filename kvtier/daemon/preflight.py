@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import pwd
 import stat
@@ -20,6 +21,8 @@ from pathlib import Path
 from kvtier.errors import StartupError
 from kvtier.trust import data_dir_problem
 from kvtier.units import format_bytes
+
+log = logging.getLogger("kvtier.daemon")
 
 
 def _user() -> str:
@@ -163,13 +166,33 @@ def shm_free_bytes(shm_dir: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_shm_space(shm_dir: Path, nbytes: int, *, reusable: Path | None = None) -> None:
+def shm_side_bytes(*, warm_restart: bool) -> int:
+    """Shared memory the cpu tier takes in cpu.shm_dir beside its arena: the presence
+    filter (kvtier.presence, 4 MiB) and, with cpu.warm_restart, the arena journal (its
+    first file, twice: a compaction writes the next one beside it)."""
+    from kvtier.presence import file_bytes
+    from kvtier.tiers.arena_journal import MIN_RECORDS
+    from kvtier.tiers.journal_format import RECORD
+
+    return file_bytes() + (2 * MIN_RECORDS * RECORD if warm_restart else 0)
+
+
+def side_files(arena: Path) -> tuple[Path, Path]:
+    """The presence filter and journal files of the arena at ``arena``."""
+    return Path(f"{arena}.presence"), arena.with_suffix(".journal")
+
+
+def check_shm_space(shm_dir: Path, nbytes: int, *, reusable: Path | None = None,
+                    side_bytes: int = 0) -> None:
     """The cpu tier's arena must fit in the free space of its shared-memory file system.
 
     tmpfs accepts a sparse file of any size and fails only when a page is touched (SIGBUS,
     which kills the daemon): so the check comes before the arena is created. ``reusable``:
-    this daemon's stable arena (warm restart), whose pages count as available because it
-    is adopted or replaced.
+    this daemon's stable arena (warm restart), whose pages (and its presence filter's and
+    journal's) count as available because it is adopted or replaced. ``side_bytes``
+    (``shm_side_bytes``): what the presence filter and journal need besides; without room
+    for them the daemon serves all the same, without them (logged here as a warning, and
+    again as each fails), so that is not a refusal.
     """
     try:
         free = shm_free_bytes(shm_dir)
@@ -177,16 +200,24 @@ def check_shm_space(shm_dir: Path, nbytes: int, *, reusable: Path | None = None)
         raise StartupError(f"shared-memory directory {shm_dir} is unusable "
                            f"({exc.strerror}); set cpu.shm_dir to a tmpfs directory such as "
                            "/dev/shm") from exc
-    if reusable is not None:
+    for path in () if reusable is None else (reusable, *side_files(reusable)):
         with contextlib.suppress(OSError):
-            st = os.lstat(reusable)
+            st = os.lstat(path)
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
                 free += st.st_blocks * 512     # the pages it really holds
+    grow = (f"lower --cpu-bytes (cpu.bytes) or enlarge {shm_dir} (e.g. `mount -o "
+            f"remount,size=<bytes> {shm_dir}`, or docker --shm-size)")
     if nbytes > free:
         raise StartupError(
             f"the cpu tier needs {_size(nbytes)} of shared memory but {shm_dir} has only "
-            f"{_size(free)} free: lower --cpu-bytes (cpu.bytes) or enlarge {shm_dir} (e.g. "
-            f"`mount -o remount,size=<bytes> {shm_dir}`, or docker --shm-size)")
+            f"{_size(free)} free: {grow}")
+    if nbytes + side_bytes > free:
+        log.warning("%s has %s free: room for the cpu tier's arena (cpu.bytes %s) but not for "
+                    "its presence filter and arena journal (%s more), so the daemon serves "
+                    "without them (clients ask for every lookup, no warm restart): free space "
+                    "in %s, %s", shm_dir, format_bytes(free, digits=2),
+                    format_bytes(nbytes, digits=2), format_bytes(side_bytes, digits=2),
+                    shm_dir, grow)
 
 
 def setup_error(exc: OSError) -> StartupError:
@@ -196,10 +227,11 @@ def setup_error(exc: OSError) -> StartupError:
         target = f" {exc.filename}"
         if exc.filename2 is not None:
             target += f" -> {exc.filename2}"
+        target += ":"
         fix = "check that path (owner, permissions, free space, file system)"
     else:
         target, fix = "", "check the paths and settings of this daemon"
-    return StartupError(f"cannot start:{target}: {reason}; {fix} (run with --debug for a "
+    return StartupError(f"cannot start:{target} {reason}; {fix} (run with --debug for a "
                         "traceback)")
 
 

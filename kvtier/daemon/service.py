@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -42,6 +43,7 @@ from kvtier.daemon.preflight import (
     check_writable_dir,
     setup_error,
     shm_dir_problem,
+    shm_side_bytes,
 )
 from kvtier.errors import ConfigError
 from kvtier.explain import MissLog, salt_id
@@ -125,10 +127,11 @@ class Daemon:
         check_dir_path(cfg.daemon.data_dir, "data directory", "daemon.data_dir", "--data-dir")
         name = stable_arena_name(cfg.daemon.data_dir) if cfg.cpu.warm_restart else None
         own = cfg.cpu.shm_dir / name if name else None
+        side = shm_side_bytes(warm_restart=cfg.cpu.warm_restart)
         for stale in remove_stale_arenas(cfg.cpu.shm_dir, keep=own,
-                                         need_bytes=cfg.cpu.bytes):
+                                         need_bytes=cfg.cpu.bytes + side):
             log.info("removed stale arena %s", stale)
-        check_shm_space(cfg.cpu.shm_dir, cfg.cpu.bytes, reusable=own)
+        check_shm_space(cfg.cpu.shm_dir, cfg.cpu.bytes, reusable=own, side_bytes=side)
         # last: these create the directories, which a start refused above should not leave
         check_writable_dir(cfg.daemon.data_dir, "data directory", "--data-dir",
                            "daemon.data_dir")
@@ -214,8 +217,11 @@ class Daemon:
         try:
             return PresenceFilter.create(path)
         except OSError as exc:
+            fix = ("free space in the shared-memory directory (cpu.shm_dir) or lower "
+                   "cpu.bytes" if exc.errno in (errno.ENOSPC, errno.ENOMEM)
+                   else "remove that file to get it back")
             log.warning("no presence filter at %s (%s): clients ask the daemon for every "
-                        "lookup; remove that file to get it back", path, exc)
+                        "lookup; %s", path, exc, fix)
             return None
 
     def _make_hbm(self) -> Any:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import Config
-from kvtier.daemon.preflight import dir_path_problem, shm_dir_problem
+from kvtier.daemon.preflight import dir_path_problem, shm_dir_problem, shm_side_bytes
 from kvtier.doctor.env import Check, Host, Verdict
 from kvtier.socket_path import socket_dir_problem, socket_path_problem
 from kvtier.trust import owned_dir_problem
@@ -59,19 +59,23 @@ def _existing(path: Path, host: Host) -> Path:
 
 
 def _arena_bytes(shm: str, host: Host) -> int:
-    """Bytes of this user's kvtier arenas already in ``shm`` (a running daemon's)."""
+    """Bytes of this user's kvtier arenas already in ``shm`` (a running daemon's), with
+    their presence filters and journals."""
     total = 0
     for name in host.listdir(shm):
-        if name.startswith(f"kvtier-{host.uid()}-") and name.endswith(".arena"):
+        if name.startswith(f"kvtier-{host.uid()}-") and name.endswith(
+                (".arena", ".arena.presence", ".journal")):
             with contextlib.suppress(OSError):
                 total += host.stat(os.path.join(shm, name)).st_size
     return total
 
 
 def check_shm(cfg: Config, host: Host) -> Check:
-    """The cpu tier is a file in cpu.shm_dir: it must fit, and be memory (tmpfs)."""
+    """The cpu tier is a file in cpu.shm_dir: it must fit, and be memory (tmpfs); so should
+    its presence filter and journal, without which the daemon serves degraded."""
     shm = str(cfg.cpu.shm_dir)
     need = cfg.cpu.bytes
+    side = shm_side_bytes(warm_restart=cfg.cpu.warm_restart)
     refused = shm_dir_problem(cfg.cpu.shm_dir, host.uid())   # what a start refuses
     if refused is not None:
         return Check("shm size", Verdict.FAIL, refused + " (kvtier serve refuses to start)",
@@ -86,14 +90,19 @@ def check_shm(cfg: Config, host: Host) -> Check:
     room = avail + mine
     detail = (f"{shm} ({fstype}): {format_bytes(total)} total, {format_bytes(avail)} free"
               + (f" + {format_bytes(mine)} in kvtier arenas" if mine else "")
-              + f"; cpu tier needs {format_bytes(need)}")
-    grow = (f"grow it: mount -o remount,size={format_bytes(need * 1.1 + total - avail)} {shm} "
-            "(docker: --shm-size; Kubernetes: mount the host's /dev/shm or an emptyDir with "
-            "medium: Memory and a sizeLimit), or lower cpu.bytes (kvtier plan)")
+              + f"; cpu tier needs {format_bytes(need)} + {format_bytes(side)} for its "
+              "presence filter and journal")
+    grow = (f"grow it: mount -o remount,size={format_bytes((need + side) * 1.1 + total - avail)}"
+            f" {shm} (docker: --shm-size; Kubernetes: mount the host's /dev/shm or an emptyDir "
+            "with medium: Memory and a sizeLimit), or lower cpu.bytes (kvtier plan)")
     if total < need:
         return Check("shm size", Verdict.FAIL, detail + " -> smaller than the cpu tier", grow)
     if room < need:
         return Check("shm size", Verdict.FAIL, detail + " -> not enough free", grow)
+    if room < need + side:
+        return Check("shm size", Verdict.WARN, detail + " -> no room for the presence filter "
+                     "and journal: the daemon would serve without them (every lookup asked, "
+                     "no warm restart)", f"free space in {shm}, or {grow}")
     if fstype not in ("tmpfs", "?"):
         return Check("shm size", Verdict.WARN, detail + f" -> {fstype} is not memory: the "
                      "arena would page to disk", "set cpu.shm_dir to a tmpfs (/dev/shm)")

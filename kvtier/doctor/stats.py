@@ -19,7 +19,8 @@ SUPPORTED_VERSION = 1
 def _num(obj: Any, *path: str, where: str = "") -> float | None:
     """The number at ``path``, None when it is missing or not a number; MalformedStats
     (statsdoc.number, naming ``where`` and the path) for an integer too large for a
-    float."""
+    float, NaN, an infinity or a negative number (as the engine metrics reader refuses
+    them: a "-200% used" or a healthy-looking infinite tier is no diagnosis)."""
     parent: Any = None
     for key in path:
         if not isinstance(obj, dict) or key not in obj:

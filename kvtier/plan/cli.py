@@ -13,7 +13,13 @@ from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GPUS, find_gpu
 from kvtier.plan.kvmath import KV_DTYPES, normalize_dtype
 from kvtier.plan.model import load_model
-from kvtier.plan.planner import DAEMON_BYTES_PER_BLOCK, Plan, PlanInput, make_plan
+from kvtier.plan.planner import (
+    DAEMON_BYTES_PER_BLOCK,
+    MAX_CONCURRENCY,
+    Plan,
+    PlanInput,
+    make_plan,
+)
 from kvtier.plan.presets import preset_names
 from kvtier.plan.report import gb, model_line, to_json
 from kvtier.plan.workload import parse_context, read_trace
@@ -70,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "--gpu-memory-utilization)")
     p.add_argument("--reserve-gb", type=float_in(0, MAX_GB), default=0.0,
                    help="GB per GPU kept for activations, CUDA graphs, NCCL")
-    p.add_argument("--concurrency", type=int, default=32,
+    p.add_argument("--concurrency", type=int_in(1, MAX_CONCURRENCY), default=32,
                    help="running sequences to serve at once, over all engine instances")
     p.add_argument("--context", default="2048,4096,8192",
                    help="prompt tokens at P50,P95,P99 (or one value for all)")

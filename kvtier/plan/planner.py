@@ -38,6 +38,7 @@ NVME_PER_CPU = 4
 # (docs/operations.md, "The daemon's own memory").
 DAEMON_BYTES_PER_BLOCK = 1536
 DAEMON_NOTE_SHARE = 0.02   # note it when it passes this share of the cpu tier
+MAX_CONCURRENCY = 10**7    # --concurrency: more is a typo (10**24 printed a 10**20 GB plan)
 #: Prompt tokens at P50/P95/P99 when neither --context nor --trace is given.
 DEFAULT_CONTEXT = ContextPercentiles(2048, 4096, 8192)
 
@@ -114,8 +115,9 @@ def _validate(p: PlanInput) -> None:
         raise PlanError(f"--gpus {p.gpus} must be a positive multiple of --tp {p.tp}")
     if not 0.0 < p.mem_util <= 1.0:
         raise PlanError(f"--mem-util must be in (0, 1], got {p.mem_util}")
-    if p.concurrency <= 0:
-        raise PlanError(f"--concurrency must be positive, got {p.concurrency}")
+    if not 0 < p.concurrency <= MAX_CONCURRENCY:
+        raise PlanError(f"--concurrency must be from 1 to {MAX_CONCURRENCY:,}, got "
+                        f"{p.concurrency}")
     if not 0.0 <= p.prefix_share <= 1.0:
         raise PlanError(f"--prefix-share must be in [0, 1], got {p.prefix_share}")
     if p.max_output < 0:

@@ -18,9 +18,10 @@ URL forms:
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from enum import Enum
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from kvtier.config import RedisConfig
 from kvtier.errors import ConfigError
@@ -42,6 +43,7 @@ class RedisTarget:
     tls: bool
     display: str        # for logs and stats: no password in it
     seeds: tuple[tuple[str, int], ...] = ()   # a cluster's other startup nodes
+    db: int = 0         # the database number (path, or unix ``?db=``); a cluster uses 0
 
 
 def parse_target(cfg: RedisConfig) -> RedisTarget:
@@ -72,8 +74,42 @@ def parse_target(cfg: RedisConfig) -> RedisTarget:
     netloc = f"{host}:{port}" if port else host
     netloc = ",".join([netloc, *(f"{h}:{p}" for h, p in seeds)])
     display = f"{scheme}://{netloc}{parts.path}" + (" (cluster)" if cluster else "")
+    db = _db_number(cfg.url, scheme, parts.path, parts.query)
+    if cluster and db:
+        raise ConfigError(f"redis.url {_masked(cfg.url)!r} names db {db}, but a Redis Cluster "
+                          f"has only db 0: drop the /{db} (or give /0)")
     return RedisTarget(RedisMode.CLUSTER if cluster else RedisMode.SINGLE, url,
-                       scheme == "rediss", display, seeds)
+                       scheme == "rediss", display, seeds, 0 if cluster else db)
+
+
+MAX_DB = 1 << 30
+"""Largest db number taken from a URL (Redis's own limit is the server's ``databases``)."""
+
+
+def _db_number(url: str, scheme: str, path: str, query: str) -> int:
+    """The db of a URL: the path of redis:// (``/3``) or ``?db=3`` of unix://; none is 0.
+    Anything else (``/-1``, ``/7abc``, ``/1/2``, ``?db=abc``) is a ConfigError: taken as
+    db 0 it would silently read and write another database than the one named."""
+    if scheme == "unix":
+        given = parse_qs(query, keep_blank_values=True).get("db", [])
+        text, shown = "&".join(given), "?db=" + "&db=".join(given)
+    else:
+        text = path[1:].removesuffix("/") if path.startswith("/") else path
+        shown = path
+    if text == "":
+        return 0
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_DB:
+        raise ConfigError(f"redis.url {_masked(url)!r}: {shown!r} is not a database number: "
+                          "give one integer >= 0 (redis://host:port/0, "
+                          "unix:///path/redis.sock?db=0)")
+    return int(text)
+
+
+def _masked(url: str) -> str:
+    """``url`` without its password (error messages end up in logs)."""
+    from kvtier.config import _masked_url
+
+    return _masked_url(url)
 
 
 def _split_seeds(url: str) -> tuple[str, tuple[tuple[str, int], ...]]:
@@ -97,3 +133,27 @@ def _split_seeds(url: str) -> tuple[str, tuple[tuple[str, int], ...]]:
                               "give host:port, separated by commas")
         seeds.append((parts.hostname, port))
     return f"{scheme}://{userinfo}{at}{first}{slash}{path}", tuple(seeds)
+
+
+def tls_context(cfg: RedisConfig) -> ssl.SSLContext:
+    """The client TLS context of ``cfg``; a CA, certificate or key that cannot be loaded
+    is a ConfigError naming the setting, its path and what to give (not an OSError or
+    SSLError without either)."""
+    setting, path = "redis.tls_ca", cfg.tls_ca
+    try:
+        ctx = ssl.create_default_context(cafile=cfg.tls_ca or None)
+        if cfg.tls_cert:
+            setting, path = "redis.tls_cert", cfg.tls_cert
+            if cfg.tls_key:
+                setting, path = "redis.tls_cert/redis.tls_key", f"{cfg.tls_cert} {cfg.tls_key}"
+            ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key or None)
+    except (ssl.SSLError, OSError) as exc:
+        reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or str(exc)
+        what = ("a PEM CA bundle" if setting == "redis.tls_ca" else
+                "a PEM client certificate and its private key (unencrypted)")
+        raise ConfigError(f"{setting} {path or '(system default)'}: {reason}; give "
+                          f"{what}") from None
+    if not cfg.tls_verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx

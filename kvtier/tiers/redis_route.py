@@ -11,17 +11,16 @@ slots of a failed server miss in between, never the whole tier.
 from __future__ import annotations
 
 import logging
-import ssl
 import threading
 import time
 from binascii import crc_hqx
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from kvtier.config import RedisConfig
-from kvtier.tiers.redis_client import RedisMode, RedisTarget
+from kvtier.tiers.redis_client import RedisTarget, tls_context
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_resp import REDIRECTS, ConnOptions, ErrorReply, NodeAddr, command
 from kvtier.tiers.redis_wire import LARGE_REPLY_BYTES, SMALL_REPLY_BYTES, Conn
@@ -60,29 +59,18 @@ class Reach(str, Enum):
 
 
 def conn_options(cfg: RedisConfig, target: RedisTarget) -> tuple[NodeAddr, ConnOptions]:
-    """The seed server and connection options (credentials, db, TLS) for ``cfg``."""
+    """The seed server and connection options (credentials, db, TLS) for ``cfg``; the db
+    was validated by ``parse_target``."""
     parts = urlsplit(target.url)
-    db = 0
     if parts.scheme == "unix":
         addr = NodeAddr(unquote(parts.path), 0, unix=True)
-        db = int(parse_qs(parts.query).get("db", ["0"])[0] or 0)
     else:
         addr = NodeAddr(parts.hostname or "127.0.0.1", parts.port or 6379)
-        path = parts.path.strip("/")
-        db = int(path) if path.isdigit() else 0
-    ctx = None
-    if target.tls:
-        ctx = ssl.create_default_context(cafile=cfg.tls_ca or None)
-        if cfg.tls_cert:
-            ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key or None)
-        if not cfg.tls_verify:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
     opts = ConnOptions(
         connect_timeout_s=cfg.connect_timeout_s, op_timeout_s=cfg.op_timeout_s,
         username=cfg.username or unquote(parts.username or ""),
         password=cfg.password or unquote(parts.password or ""),
-        db=0 if target.mode is RedisMode.CLUSTER else db, tls=ctx)
+        db=target.db, tls=tls_context(cfg) if target.tls else None)
     return addr, opts
 
 

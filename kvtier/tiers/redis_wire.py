@@ -66,20 +66,26 @@ class Conn(RedisSocket):
             raise
 
     def _handshake(self, opts: ConnOptions) -> None:
-        cmds: list[bytes] = []
+        cmds: list[tuple[str, bytes]] = []
         if opts.password:
             auth = (opts.username.encode(),) if opts.username else ()
-            cmds.append(command(b"AUTH", *auth, opts.password.encode()))
+            cmds.append(("AUTH", command(b"AUTH", *auth, opts.password.encode())))
         if opts.db:
-            cmds.append(command(b"SELECT", str(opts.db).encode()))
+            cmds.append(("SELECT", command(b"SELECT", str(opts.db).encode())))
         if not cmds:
             return
         self.begin()
-        self.send(cmds)
-        for _ in cmds:
-            reply = self.read_reply()
-            if isinstance(reply, ErrorReply):
-                raise PermissionError(f"redis {self.addr} refused authentication: {reply}")
+        self.send([cmd for _, cmd in cmds])
+        refused = [(name, reply) for name, _ in cmds
+                   if isinstance(reply := self.read_reply(), ErrorReply)]
+        if not refused:   # (every reply read first: the connection stays in step)
+            return
+        name, reply = refused[0]
+        if name == "SELECT":   # not an authentication failure: say which db
+            raise PermissionError(f"redis {self.addr} refused SELECT: db {opts.db} out of "
+                                  f"range or not allowed ({reply}); give a db the server has "
+                                  "in the path of redis.url")
+        raise PermissionError(f"redis {self.addr} refused authentication: {reply}")
 
     def read_reply(self, max_bytes: int = SMALL_REPLY_BYTES) -> Any:
         """Read one reply: bytes, int, None, ErrorReply, str (+OK) or a list of those.

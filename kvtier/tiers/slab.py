@@ -11,10 +11,35 @@ more than ``size`` bytes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from kvtier.errors import CapacityError, ConfigError
 from kvtier.tiers.aligned import PAGE, round_up
+
+log = logging.getLogger("kvtier.tiers.slab")
+
+
+def slab_layout(capacity_bytes: int, slab_bytes: int) -> tuple[int, int]:
+    """(slab bytes, number of slabs) for a pool of ``capacity_bytes``: as many slabs as
+    ``slab_bytes`` (rounded up to a page) fit best, each a whole number of pages, together
+    ``capacity_bytes`` rounded down to pages less at most a page per slab.
+
+    Cutting whole ``slab_bytes`` slabs and dropping the rest silently lost up to a slab:
+    ``cpu.bytes = 127MiB`` with 64 MiB slabs served 64 MiB, ``1GB`` 6% less than asked, while
+    the config still said what was asked. ConfigError below one page."""
+    pages = capacity_bytes // PAGE if capacity_bytes > 0 else 0
+    if pages <= 0:
+        raise ConfigError(f"a pool of {capacity_bytes} bytes is smaller than one "
+                          f"{PAGE}-byte page")
+    asked = round_up(max(PAGE, slab_bytes))
+    n_slabs = min(pages, max(1, round(pages * PAGE / asked)))
+    slab = pages // n_slabs * PAGE
+    if slab != asked and pages * PAGE >= asked:
+        log.info("a pool of %d bytes (cpu.bytes for the cpu tier) is cut into %d slabs of %d "
+                 "bytes instead of slab_bytes %d (cpu.slab_bytes), so that they hold all of "
+                 "it", capacity_bytes, n_slabs, slab, asked)
+    return slab, n_slabs
 
 
 def _slot_bytes(nbytes: int) -> int:
@@ -38,23 +63,16 @@ class _Unit:
 class SlabAllocator:
     """Offsets of slots in a buffer of ``capacity_bytes``: the slab scheme of every kvtier pool.
 
-    The buffer is cut into equal slabs (``slab_bytes`` rounded up to a page, shrunk to the
-    whole buffer when that is smaller). A size class (request rounded up to whole pages) takes
-    a unit of ``ceil(slot / slab)`` contiguous free slabs, first fit, and cuts it into slots;
+    The buffer is cut into equal slabs (``slab_layout``: ``slab_bytes`` adjusted so that they
+    hold all of ``capacity_bytes``). A size class (request rounded up to whole pages) takes a
+    unit of ``ceil(slot / slab)`` contiguous free slabs, first fit, and cuts it into slots;
     a unit whose slots are all free returns its slabs. The shared-memory arena and the HBM
     pool both allocate through it. Not thread-safe: the daemon drives it from its event loop.
     """
 
     def __init__(self, capacity_bytes: int, slab_bytes: int = 64 * 2**20) -> None:
-        slab = round_up(max(PAGE, slab_bytes))
-        if slab > capacity_bytes:
-            slab = capacity_bytes // PAGE * PAGE
-        n_slabs = capacity_bytes // slab if slab else 0
-        if n_slabs <= 0:
-            raise ConfigError(f"a pool of {capacity_bytes} bytes is smaller than one "
-                              f"{PAGE}-byte page")
-        self.slab_bytes = slab
-        self.size = n_slabs * slab
+        self.slab_bytes, n_slabs = slab_layout(capacity_bytes, slab_bytes)
+        self.size = n_slabs * self.slab_bytes
         self._slab_owner: list[_Unit | None] = [None] * n_slabs
         self._classes: dict[int, list[_Unit]] = {}
         self._allocated: dict[int, int] = {}   # offset -> slot bytes of handed-out slots
