@@ -216,8 +216,11 @@ async def _delete_head_if(tier: RedisReads, rkey: bytes, header: FrameHeader) ->
         return [done[0] if isinstance(done, list) and done else 0]
 
     (got,) = await tier._per_server([rkey], cas)
-    if isinstance(got, ErrorReply):
-        tier.note_refused_watch(got)
+    if isinstance(got, ErrorReply):   # an ACL without WATCH; else a redirect, a failure
+        if got.kind == "NOPERM":
+            tier.note_refused_watch(got)
+        else:
+            tier._error_reply(got)
         return 0
     return got if isinstance(got, int) and not isinstance(got, bool) else 0
 
