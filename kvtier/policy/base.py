@@ -168,6 +168,16 @@ EvictionFactory = Callable[..., EvictionPolicy]
 _EVICTION: dict[str, EvictionFactory] = {}
 
 
+def touch_chain(policy: EvictionPolicy, keys: Sequence[Key], now: float) -> None:
+    """Touch a chain's resident ``keys`` (head first in ``keys``) tail first, so the head is
+    touched last: a recency or frequency policy then holds a parent at least as recent as
+    its children and shortens a chain from its tail (touched head first, the head was the
+    least recent block of its chain, and evicting it lost the whole chain: its
+    descendants are unreachable without it)."""
+    for key in reversed(keys):
+        policy.touch(key, now=now)
+
+
 def register_eviction_policy(name: str) -> Callable[[EvictionFactory], EvictionFactory]:
     """Class decorator: make ``make_eviction_policy(name)`` build this policy."""
 

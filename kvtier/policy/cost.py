@@ -43,7 +43,9 @@ shared Mooncake trace: the tails of prompts that answered at length) stop displa
 ones that will.
 
 Prefix-aware: only leaves (blocks with no child resident in this tier) are candidates, so
-a chain is shortened from its tail and a parent never leaves before its children. Orphans
+a chain is shortened from its tail and a parent never leaves before its children, also
+when the children entered the tier first (a chain demoted from the tier above arrives
+tail-first). Orphans
 (children of a block gone from every tier) are found by
 :class:`~kvtier.policy.prefix.PrefixForest` and removed by the caller.
 
@@ -99,8 +101,8 @@ class CostPolicy:
     name = "cost"
 
     __slots__ = (
-        "_costs", "_entries", "_heap", "_level", "_life", "_reload_bw", "_saved", "_seq",
-        "_stats", "_unit", "_uses", "_victim",
+        "_costs", "_entries", "_heap", "_kids", "_level", "_life", "_reload_bw", "_saved",
+        "_seq", "_stats", "_unit", "_uses", "_victim",
     )
 
     def __init__(
@@ -114,6 +116,10 @@ class CostPolicy:
         self._costs = costs or BlockCosts()
         self._reload_bw = reload_bandwidth
         self._entries: dict[Key, _Entry] = {}
+        # resident entries per parent key, whether or not the parent is resident: a lower
+        # tier receives a chain tail-first (the tier above demotes its leaves first), and a
+        # parent that arrives after its children must not be taken for a leaf
+        self._kids: dict[Key, int] = {}
         self._heap: list[tuple[float, int, int, _Entry]] = []
         self._seq = 0  # heap items pushed (an entry's live item has its latest number)
         self._uses = 0  # inserts and touches: the tie-break order among equal priorities
@@ -215,10 +221,12 @@ class CostPolicy:
             if saved is None:
                 saved = self._saved_per_byte(depth, nbytes, block_tokens)
             entry = _Entry(key, parent, saved)
+            entry.children = self._kids.get(key, 0)   # those resident before it
             entries[key] = entry
             if self._unit == 0.0:
                 self._unit = self._saved_per_byte(0, nbytes, block_tokens) or 1.0
             if parent is not None:
+                self._kids[parent] = self._kids.get(parent, 0) + 1
                 up = entries.get(parent)
                 if up is not None:
                     up.children += 1
@@ -246,6 +254,11 @@ class CostPolicy:
                 self._life = age if self._life == 0.0 else self._life + (age - self._life) / 64.0
         if entry.parent is None:
             return
+        left = self._kids.get(entry.parent, 0) - 1
+        if left > 0:
+            self._kids[entry.parent] = left
+        else:
+            self._kids.pop(entry.parent, None)
         up = self._entries.get(entry.parent)
         if up is not None and up.children > 0:
             up.children -= 1

@@ -16,8 +16,9 @@ class LRUPolicy:
     order and re-enters it at the most-recent end when unpinned (it was just in use).
     Every call is O(1) and allocates nothing beyond the OrderedDict's own link.
 
-    Prefix note: when a request touches its chain in order, a parent is always at least as
-    recent as its children, so LRU already evicts leaves before their parents.
+    Prefix note: the store inserts and touches a chain tail first (``touch_chain``), so a
+    parent is at least as recent as its children and LRU evicts leaves before their
+    parents (touched head first, the head went first and took its chain with it).
     """
 
     name = "lru"

@@ -129,7 +129,7 @@ class CpuResidency:
         if self.on_ready is not None:
             self.on_ready(metas, checksums)
         self.resident += len(metas)
-        for meta in metas:
+        for meta in reversed(metas):   # a chain tail first, its head the most recent
             self._enter_policy(meta, now)
             if meta.cpu_pinned:
                 self.policy.set_pinned(meta.key, True)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.index import BlockMeta
-from kvtier.policy.base import EvictionPolicy, Key
+from kvtier.policy.base import EvictionPolicy, Key, touch_chain
 from kvtier.store.alloc import allocate_with_eviction
 from kvtier.store.cpu import unknown_block_tokens
 from kvtier.store.ports import HbmPort
@@ -103,6 +103,7 @@ class HbmPlacement:
         can_place = True
         now = self.clock()
         c = self.tier.counters
+        hits: list[bytes] = []
         for i, meta in enumerate(metas):
             entry = self.entries.get(meta.key)
             if entry is not None:
@@ -110,7 +111,7 @@ class HbmPlacement:
                 c.hit_tokens += tokens_per_block
                 if entry.ready:
                     self._lock(entry)
-                    self.policy.touch(meta.key, now=now)
+                    hits.append(meta.key)
                     out[i] = entry
                 else:  # another get is copying it right now: wait for that copy
                     waits.append((i, entry))
@@ -127,6 +128,7 @@ class HbmPlacement:
                              loading=asyncio.get_running_loop().create_future())
             self.entries[meta.key] = entry
             copies.append((i, meta, entry))
+        touch_chain(self.policy, hits, now)   # tail first; locked, they are no victims
         try:
             if copies:
                 await self._copy(copies, out)
@@ -178,7 +180,7 @@ class HbmPlacement:
             self.tier.counters.errors += 1
             log.warning("cpu -> hbm copy of %d blocks failed: %s", len(copies), exc)
         now = self.clock()
-        for i, meta, entry in copies:
+        for i, meta, entry in reversed(copies):   # a chain tail first (``touch_chain``)
             fut, entry.loading = entry.loading, None
             if ok:
                 entry.ready = True

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvtier.bandwidth import BandwidthTracker
 from kvtier.index import BlockIndex, BlockMeta, SlotState
 from kvtier.leases import LeaseKind
-from kvtier.policy.base import EvictionPolicy, LookupObserver
+from kvtier.policy.base import EvictionPolicy, LookupObserver, touch_chain
 from kvtier.store.cpu import CpuResidency
 from kvtier.store.hbm import HbmEntry, HbmPlacement
 from kvtier.store.leasing import LeaseKeeper
@@ -71,18 +71,21 @@ class Reader:
         to_promote: list[BlockMeta] = []
         local: list[BlockMeta] = []
         turn = Turn()
+        in_cpu: list[bytes] = []
         for i, meta in enumerate(self.index.leading(keys, self._mine(ns))):
             local.append(meta)
             if meta.cpu_state in (SlotState.READY, SlotState.LOADING):
                 tiers.append("cpu")
                 if meta.in_cpu:
-                    self.cpu.policy.touch(meta.key, now=now)
+                    in_cpu.append(meta.key)
             else:
                 tiers.append("nvme")
-                self.nvme_policy.touch(meta.key, now=now)
                 to_promote.append(meta)
             if turn.due(i):   # the next block is looked up after the pause; those counted
                 await turn.pause()   # may go meanwhile, as across the Redis probe below
+        touch_chain(self.cpu.policy, in_cpu, now)   # tail first: the head stays longest
+        if to_promote:
+            touch_chain(self.nvme_policy, [m.key for m in to_promote], now)
         n_local, n_cpu, tpb = len(tiers), tiers.count("cpu"), ns.layout.tokens_per_block
         count_lookup(self.cpu.counters, None if self.nvme is None else self.nvme.counters,
                      len(keys), n_local, n_cpu, tpb)
@@ -162,8 +165,8 @@ class Reader:
             if meta.prefetched:
                 self.prefetch.hit_before_use += 1
                 meta.prefetched = False
-            self.cpu.policy.touch(meta.key, now=now)
             metas.append(meta)
+        touch_chain(self.cpu.policy, [m.key for m in metas], now)
         self.requests.gets += 1
         self.requests.get_blocks += len(metas)
         return metas

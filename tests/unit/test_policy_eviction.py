@@ -348,3 +348,22 @@ def test_stats_a_key_own_reuses_count_before_the_horizon_has_passed() -> None:
     pol.insert("o11.3", nbytes=MB, parent=None, depth=3, now=0.0)
     assert pol.value("h3") > 4 * pol.value("o11.3")
     assert pol.victim() == "o11.3"
+
+
+@pytest.mark.parametrize("name", ["cost", "lru", "lfu", "adaptive"])
+def test_a_chain_arriving_tail_first_still_leaves_from_its_tail(name: str) -> None:
+    """A lower tier receives a chain as the tier above demotes it, leaves first, and the
+    store touches a chain tail first (``touch_chain``): the head is evicted last (review of
+    2026-12-06: it went first, and its whole chain was dropped with it)."""
+    from kvtier.policy.base import touch_chain
+
+    p = make_eviction_policy(name)
+    chain = [(b"A", None), (b"B", b"A"), (b"C", b"B")]
+    for depth, (key, parent) in reversed(list(enumerate(chain))):
+        p.insert(key, nbytes=65536, parent=parent, depth=depth, now=0.0)
+    touch_chain(p, [k for k, _ in chain], 1.0)
+    order = []
+    while (victim := p.victim()) is not None:
+        order.append(victim)
+        p.remove(victim)
+    assert order == [b"C", b"B", b"A"]
