@@ -253,6 +253,7 @@ class Daemon:
             n = store.expire_leases()
             if n:
                 log.warning("expired %d leases (client hung or crashed)", n)
+            store.retry_orphans()
 
     # -- teardown steps (run by the exit stack, bounded by the one deadline) --------------
     async def _close_control(self, control: ControlServer) -> None:

@@ -3,7 +3,7 @@ orphans (blocks whose parent is gone everywhere, unreachable by any prefix walk)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.index import BlockIndex, BlockMeta, SlotState
 from kvtier.store.cpu import CpuResidency
@@ -20,6 +20,9 @@ class Blocks:
     cpu: CpuResidency
     nvme: NvmeResidency | None
     forest: ForestPort | None
+    # orphans that were in use when their parent went: dropped once their use is over
+    # (``retry_orphans``), not left in the index and on nvme where no lookup reaches them
+    pending: dict[bytes, BlockMeta] = field(default_factory=dict)
 
     @staticmethod
     def in_use(meta: BlockMeta) -> bool:
@@ -46,9 +49,33 @@ class Blocks:
 
     def _drop_orphan(self, key: bytes) -> None:
         meta = self.index.get(key)
-        if meta is None or self.in_use(meta):
-            return  # in use: it stays until it is evicted the ordinary way
+        if meta is None:
+            return
+        if self.in_use(meta):   # read, loading, written: dropped once that is over
+            self.pending[key] = meta
+            return
+        self._drop(meta)
+
+    def _drop(self, meta: BlockMeta) -> None:
         # erased: a stale frame would come back at the next start once its parent is there
         self.remove(meta, EvictionReason.ORPHAN, erase=True)
-        if self.index.get(key) is meta:
-            del self.index[key]
+        if self.index.get(meta.key) is meta:
+            del self.index[meta.key]
+
+    def retry_orphans(self) -> int:
+        """Drop the pending orphans no longer in use (the daemon's periodic sweep); one
+        whose parent is back in the index (stored again meanwhile) is reachable again and
+        rejoins the forest. How many were dropped."""
+        dropped = 0
+        for key, meta in list(self.pending.items()):
+            if self.index.get(key) is not meta:   # gone, or stored anew since
+                del self.pending[key]
+            elif meta.parent is not None and meta.parent in self.index:
+                del self.pending[key]
+                if self.forest is not None:
+                    self.forest.add(key, meta.parent)
+            elif not self.in_use(meta):
+                del self.pending[key]
+                self._drop(meta)
+                dropped += 1
+        return dropped

@@ -309,6 +309,11 @@ class TieredStore:
         get leases are released, put leases' slots are quarantined."""
         return self.lease_keeper.expire()
 
+    def retry_orphans(self) -> int:
+        """Drop orphans that were in use when their parent went and are no longer
+        (``Blocks.retry_orphans``); the daemon calls it with its lease sweep."""
+        return self.blocks.retry_orphans()
+
     def release_owner(self, owner: int, *, may_write: bool = False) -> int:
         """A client connection closed: release its reads; abort its puts and free its
         quarantined slots (it can no longer write into them), or with ``may_write`` (the
