@@ -99,6 +99,7 @@ class WorkerSide:
         self.ledger = SaveLedger()   # saves in flight, delayed frees, per-step reports
         self.loaded_blocks = 0
         self.saved_blocks = 0
+        self.put_room = 0   # the daemon's per-process put share (its hello; 0: unknown)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -110,6 +111,7 @@ class WorkerSide:
                           on_connect=self._on_connect)
 
     def _on_connect(self, client: Any) -> None:
+        self.put_room = int(getattr(client, "put_bytes", 0) or 0)
         try:
             self.arenas.adopt(client)
         except Exception:
@@ -287,14 +289,24 @@ class WorkerSide:
                 self._count("dropped_saves", 1)
                 self.ledger.dropped(planned.save_id)
                 continue
-            # a producer's save larger than the bound on saves in flight goes in pieces
-            # that fit it (each waits for room); one piece otherwise
-            most = (max(1, self.pipeline.max_inflight_bytes // self.caches.block_bytes)
-                    if producer else len(spec.pages))
+            most = self._piece_blocks() if producer else len(spec.pages)
             for piece in save_pieces(spec, most, self.config.tokens_per_block):
                 self._submit_save(piece, producer, sync, step)
         if producer and step:
             self._wait_saves(step)
+
+    def _piece_blocks(self) -> int:
+        """Blocks per piece of a producer's save: every block of its prompt must reach
+        Redis, so a save larger than the bound on saves in flight, or than half the put
+        share the daemon gives this process, goes in pieces that fit (each committed, and
+        its slots readable and evictable, before the next is prepared on the saver
+        thread). A prompt larger than the share was capped to its leading blocks and one
+        larger than the arena refused (found by review)."""
+        assert self.pipeline is not None and self.caches is not None
+        room = self.pipeline.max_inflight_bytes
+        if self.put_room > 0:
+            room = min(room, self.put_room // 2)
+        return max(1, room // self.caches.block_bytes)
 
     def _submit_save(self, spec: TransferSpec, producer: bool, sync: SyncBudget | None,
                      step: list[Future[bool]]) -> None:

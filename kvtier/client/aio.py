@@ -260,6 +260,10 @@ class AsyncKVTierClient:
         return self._ops.hbm_info
 
     @property
+    def put_bytes(self) -> int:
+        return self._ops.put_bytes
+
+    @property
     def hbm_mapped(self) -> bool:
         return self._ops.hbm is not None
 

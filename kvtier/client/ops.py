@@ -110,6 +110,7 @@ class Ops:
         self.arena_path: str | None = None        # from the hello (engines share one map)
         self.device = device                      # default of prepare_get's prefer_device
         self.hbm_info: dict[str, Any] | None = None   # the daemon's pool, from the hello
+        self.put_bytes = 0   # arena bytes this process may hold in open puts (0: unknown)
         self.hbm: Any = None                      # HbmMapping, opened at first device get
         self.hbm_error: str | None = None         # why the pool could not be mapped here
         self.presence: PresenceView | None = None   # the daemon's presence filter, read-only
@@ -380,6 +381,8 @@ class Ops:
         m = mapped(reply, arena_fd, daemon_uid, presence_fd)
         self.arena, self.presence, self.arena_path, self.hbm_info = (
             m.arena, m.presence, m.arena_path, m.hbm_info)
+        announced = reply["arena"].get("put_bytes")   # (daemons from before: absent)
+        self.put_bytes = announced if type(announced) is int and announced > 0 else 0
 
 
 def map_arena(ops: Ops, hello: Hello, path: str) -> None:

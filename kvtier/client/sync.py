@@ -252,6 +252,12 @@ class KVTierClient:
         return self._ops.hbm_info
 
     @property
+    def put_bytes(self) -> int:
+        """The most arena bytes this process may hold in open puts, as the daemon announced
+        it (0: not announced). A put of more is capped to its leading blocks."""
+        return self._ops.put_bytes
+
+    @property
     def hbm_mapped(self) -> bool:
         """Whether this client has mapped the daemon's HBM pool (after a device get)."""
         return self._ops.hbm is not None

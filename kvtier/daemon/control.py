@@ -74,7 +74,11 @@ class ControlServer(ControlOps):
         self.pending = ByteBudget(self.limits.total_pending_bytes)
         self.shares = ProcessShares(self.limits.process_pending_bytes)   # per client process
         self.max_inflight = max_inflight
-        self.greeter = Greeter({"path": arena_path, "size": arena_size}, hbm, open_arena)
+        # put_bytes: the most arena bytes one process may hold in open puts (its share):
+        # a producer cuts a long prompt's save into pieces that fit it
+        self.greeter = Greeter({"path": arena_path, "size": arena_size,
+                                "put_bytes": self.limits.client_put_bytes or arena_size},
+                               hbm, open_arena)
         self.observe = observe
         self.last_request = 0.0     # time.monotonic() of the last request (GcGuard)
         self.connections: dict[int, Connection] = {}
