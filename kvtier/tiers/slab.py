@@ -21,19 +21,22 @@ log = logging.getLogger("kvtier.tiers.slab")
 
 
 def slab_layout(capacity_bytes: int, slab_bytes: int) -> tuple[int, int]:
-    """(slab bytes, number of slabs) for a pool of ``capacity_bytes``: as many slabs as
-    ``slab_bytes`` (rounded up to a page) fit best, each a whole number of pages, together
-    ``capacity_bytes`` rounded down to pages less at most a page per slab.
+    """(slab bytes, number of slabs) for a pool of ``capacity_bytes``: as many slabs as whole
+    ``slab_bytes`` (rounded up to a page) fit, each grown by an equal share of the rest (a
+    whole number of pages), together ``capacity_bytes`` rounded down to pages less at most a
+    page per slab.
 
     Cutting whole ``slab_bytes`` slabs and dropping the rest silently lost up to a slab:
     ``cpu.bytes = 127MiB`` with 64 MiB slabs served 64 MiB, ``1GB`` 6% less than asked, while
-    the config still said what was asked. ConfigError below one page."""
+    the config still said what was asked. Slabs only grow: smaller ones (rounding the count
+    to the nearest) held half as many blocks near ``slab_bytes`` (a block then took two
+    slabs; found by review). ConfigError below one page."""
     pages = capacity_bytes // PAGE if capacity_bytes > 0 else 0
     if pages <= 0:
         raise ConfigError(f"a pool of {capacity_bytes} bytes is smaller than one "
                           f"{PAGE}-byte page")
     asked = round_up(max(PAGE, slab_bytes))
-    n_slabs = min(pages, max(1, round(pages * PAGE / asked)))
+    n_slabs = min(pages, max(1, pages * PAGE // asked))
     slab = pages // n_slabs * PAGE
     if slab != asked and pages * PAGE >= asked:
         log.info("a pool of %d bytes (cpu.bytes for the cpu tier) is cut into %d slabs of %d "
