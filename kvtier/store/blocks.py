@@ -61,6 +61,17 @@ class Blocks:
         self.remove(meta, EvictionReason.ORPHAN, erase=True)
         if self.index.get(meta.key) is meta:
             del self.index[meta.key]
+            if self.forest is not None:   # what joined under it since: orphans too
+                for key in self.forest.discard(meta.key):
+                    if isinstance(key, bytes):
+                        self._drop_orphan(key)
+
+    def _reachable_parent(self, parent: bytes | None) -> bool:
+        """Whether ``parent`` is back as a block of a chain: indexed and in the forest, not
+        itself an orphan waiting to go (found by review: a child that rejoined under a
+        pending parent outlived it for good)."""
+        return (parent is not None and parent in self.index and parent not in self.pending
+                and (self.forest is None or parent in self.forest))
 
     def retry_orphans(self) -> int:
         """Drop the pending orphans no longer in use (the daemon's periodic sweep); one
@@ -70,7 +81,7 @@ class Blocks:
         for key, meta in list(self.pending.items()):
             if self.index.get(key) is not meta:   # gone, or stored anew since
                 del self.pending[key]
-            elif meta.parent is not None and meta.parent in self.index:
+            elif self._reachable_parent(meta.parent):
                 del self.pending[key]
                 if self.forest is not None:
                     self.forest.add(key, meta.parent)

@@ -106,6 +106,8 @@ class ForestPort(Protocol):
 
     def discard(self, key: Key) -> list[Key]: ...
 
+    def __contains__(self, key: object) -> bool: ...
+
 
 class MissLogPort(Protocol):
     """Why lookups miss (``kvtier.explain.MissLog``): the store reports, it classifies."""

@@ -57,3 +57,29 @@ def test_orphans_loading_when_their_parent_went_are_dropped_after(
         assert d.stats()["tiers"]["nvme"]["evictions"]["orphan"] == 4   # blocks 2-5
         assert all(c.lookup(ns, [k], prefetch=False).hits == 0 for k in chain[1:])
         assert c.lookup(ns, chain, prefetch=False).hits == 1
+
+
+def test_an_orphan_never_rejoins_under_a_parent_that_is_itself_going(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Two engines hold get leases on blocks X and Y (the suffix each lacks) when X's
+    parent is deleted: both wait to be dropped. Y's use ends first; it must not be taken
+    for reachable under X, which is still waiting itself (found by review: Y rejoined
+    under X and outlived it for good, unreachable)."""
+    d = daemon_factory("d", cpu_bytes=str(64 * BLOCK), nvme_bytes="32MiB", env=SHARES).start()
+    with connect(d.socket, timeout=60) as c, connect(d.socket, timeout=60) as cx, \
+            connect(d.socket, timeout=60) as cy:
+        ns = c.register_layout(LAYOUT, "m")
+        nsx, nsy = cx.register_layout(LAYOUT, "m"), cy.register_layout(LAYOUT, "m")
+        _head, middle, x, y = chain = block_keys(ns, np.arange(4 * 64) + 1)
+        c.put(ns, chain, [payload(k) for k in chain])
+        lx, ly = cx.prepare_get(nsx, [x]), cy.prepare_get(nsy, [y])
+        assert c.delete(ns, [middle]) == 1
+        ly.release()
+        time.sleep(1.0)                                   # sweeps: X still in use
+        lx.release()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (
+                c.lookup(ns, [x], prefetch=False).hits or c.lookup(ns, [y], prefetch=False).hits):
+            time.sleep(0.1)
+        assert [c.lookup(ns, [k], prefetch=False).hits for k in chain] == [1, 0, 0, 0]
+        assert d.stats()["tiers"]["cpu"]["evictions"]["orphan"] == 2
