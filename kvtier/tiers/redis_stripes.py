@@ -205,6 +205,8 @@ async def _delete_head_if(tier: RedisReads, rkey: bytes, header: FrameHeader) ->
     expected = header.pack()
 
     def cas(conn: Conn, idx: list[int]) -> list[object]:
+        if conn.asking:   # the slot is migrating: every command would go behind an ASKING,
+            return [0]    # which MULTI queues (found by review); the head waits for a read
         watched, head = conn.simple_many([command(b"WATCH", rkey), header_range(rkey)])
         if isinstance(watched, ErrorReply):
             return [watched]

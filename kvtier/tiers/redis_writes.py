@@ -236,23 +236,23 @@ class RedisWrites(RedisReads):
                                       for key in replaced_parts(it.redis_key, old, it.tag,
                                                                 it.raw_len)])
             ok = True
-            refused: ErrorReply | None = None
+            refused: dict[str, ErrorReply] = {}   # one of each kind (-OOM, -LOADING...)
             for item in batch:
                 reply = result[id(item)]
                 item.ok = reply == "OK"
                 if not item.ok:
                     ok = False
                     self.counters.dropped_writes += 1
-                    if isinstance(reply, ErrorReply) and refused is None:
-                        refused = reply
+                    if isinstance(reply, ErrorReply):
+                        refused.setdefault(reply.kind, reply)
                     continue
                 wire = item.wire_len
                 self.counters.bytes_written += wire
                 self._frames_raw += item.raw_len
                 self._frames_wire += wire
-            if refused is not None:   # one batch, one verdict: not one failure per key
-                self._error_reply(refused)
-            elif ok:
+            for reply in refused.values():   # one verdict per kind, not one failure per key
+                self._error_reply(reply)
+            if ok:
                 self._succeeded()
         except Exception as exc:  # a bug in framing must not kill the writer
             log.exception("redis tier: write batch failed")
