@@ -18,7 +18,10 @@ class LRUPolicy:
 
     Prefix note: the store inserts and touches a chain tail first (``touch_chain``), so a
     parent is at least as recent as its children and LRU evicts leaves before their
-    parents (touched head first, the head went first and took its chain with it).
+    parents (touched head first, the head went first and took its chain with it). Only
+    approximately: a block unpinned after its parent (an nvme write that ends later)
+    re-enters after it, so a head can still go first; ``cost`` counts resident children
+    and never does.
     """
 
     name = "lru"

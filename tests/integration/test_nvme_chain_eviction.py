@@ -27,7 +27,10 @@ def payload(key: bytes) -> np.ndarray:
 
 
 @pytest.mark.parametrize("used", [False, True], ids=["stored", "stored-and-used"])
-@pytest.mark.parametrize("policy", ["cost", "lru", "default"])
+# lru is prefix-aware only through the order the store touches chains in: a block whose
+# nvme write ends after its parent's re-enters the order after it (kvtier.policy.lru), so
+# which one goes first there depends on write timing; cost counts children
+@pytest.mark.parametrize("policy", ["cost", "default"])
 def test_a_full_nvme_tier_evicts_leaves_not_heads(
         daemon_factory: Callable[..., DaemonProcess], policy: str, used: bool) -> None:
     args = [] if policy == "default" else ["--eviction", policy]

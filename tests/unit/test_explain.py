@@ -108,10 +108,12 @@ async def test_dropped_by_admission(arena: Arena, client: ArenaMapping, tmp_path
     budget = WriteBudget(0, burst_bytes=BLOCK)   # one block of budget, never refilled
     s = make_store(arena, nvme=nvme, admission=TierAdmission({"nvme": budget}))
     try:
-        first, second = chain(2, start=1), chain(2, start=3)
+        # a chain leaves the arena tail first (its head is the most recent block), so
+        # the one block the budget lets through is first's, which is one block long
+        first, second = chain(1, start=1), chain(2, start=3)
         await put(s, client, first)
         await put(s, client, second)
-        await put(s, client, chain(4, start=4))   # evicts 4: one written, three refused
+        await put(s, client, chain(4, start=4))   # evicts 3: one written, two refused
         await s.lookup(NS.digest, FP, second)
         assert last(s)["reason"] == "dropped_by_admission"
         assert "write budget" in last(s)["hint"]
