@@ -17,14 +17,10 @@ from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
 from tests.support.redis_servers import RedisServer
+from tests.support.redis_tier import ACL_RULE
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
                   tokens_per_block=64)
-# the ACL rule docs/redis.md gives operators, verbatim (checked below); +cluster|nodes and
-# +asking, which a cluster's resharding needs, were missing from it
-ACL_RULE = ("on >s3cret resetkeys ~kvtier:* -@all +get +set +getrange +exists +del +ping "
-            "+info +dbsize +select +watch +multi +exec +unwatch +cluster|slots "
-            "+cluster|nodes +asking")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "redis.md"
 
 

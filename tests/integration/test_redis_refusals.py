@@ -16,14 +16,11 @@ from tests.support.redis_tier import (
     cfg_for,
     put_all,
     read_exact,
+    rkey,
     running,
 )
 
 BLOCK = 1 << 20
-
-
-def rkey(key: bytes) -> bytes:
-    return b"kvtier:" + key.hex().encode()
 
 
 async def test_a_server_at_its_maxmemory_drops_writes_and_keeps_serving_reads(

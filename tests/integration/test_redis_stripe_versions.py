@@ -11,29 +11,24 @@ import os
 import pytest
 
 from kvtier.checksum import header_for
-from kvtier.frame import FLAG_STRIPE_TAG, FLAG_STRIPED, HEADER_SIZE, STRIPE_BYTES, FrameHeader
+from kvtier.frame import FLAG_STRIPE_TAG, FLAG_STRIPED, STRIPE_BYTES
 from kvtier.tiers import redis_stripes
 from tests.support.redis_servers import RedisServer
 from tests.support.redis_tier import (
+    ACL_RULE,
     LAYOUT_FP,
     NS,
     blocks,
     buffers,
     cfg_for,
+    head_at,
     put_all,
     read_exact,
+    rkey,
     running,
 )
 
 SIZE = 3 * STRIPE_BYTES   # three stripes: a head (stripe 0) and two more
-
-
-def rkey(key: bytes) -> bytes:
-    return b"kvtier:" + key.hex().encode()
-
-
-def head_of(admin: object, key: bytes) -> FrameHeader:
-    return FrameHeader.unpack(admin.getrange(rkey(key), 0, HEADER_SIZE - 1))  # type: ignore[attr-defined]
 
 
 async def test_each_write_names_its_stripes_after_its_own_tag(
@@ -45,12 +40,12 @@ async def test_each_write_names_its_stripes_after_its_own_tag(
     _, second = blocks(1, size=SIZE, seed=42)
     async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
         await put_all(tier, keys, first)
-        old = head_of(admin, keys[0])
+        old = head_at(admin, keys[0])
         assert old.flags & FLAG_STRIPED and old.flags & FLAG_STRIPE_TAG
         assert sorted(admin.keys(rkey(keys[0]) + b":*")) == [
             rkey(keys[0]) + b":%016x:%d" % (old.seq, i) for i in (1, 2)]
         await put_all(tier, keys, second)
-        new = head_of(admin, keys[0])
+        new = head_at(admin, keys[0])
         assert new.seq != old.seq
         assert admin.dbsize() == 3                       # the head and the new stripes only
         await read_exact(tier, keys, second, SIZE)
@@ -68,7 +63,7 @@ async def test_a_reader_cleaning_up_an_old_version_keeps_a_rewrite(
     async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as writer, \
             running(cfg_for(redis_server.url, op_timeout_s=10.0)) as reader:
         await put_all(writer, keys, old_data)
-        old = head_of(admin, keys[0])
+        old = head_at(admin, keys[0])
         admin.delete(rkey(keys[0]) + b":%016x:2" % old.seq)   # evicted in Redis
         real = redis_stripes._read_stripes
         held: list[bytes] = []
@@ -112,8 +107,6 @@ async def test_a_lost_stripe_under_kvtiers_acl(redis_server: RedisServer, watch:
     """Under the documented ACL rule the head of a block that lost a stripe goes with it;
     under the rule from before (no WATCH, MULTI, EXEC, UNWATCH) it stays, the read still
     misses, and the refusal is counted, not a failure of the server."""
-    from tests.integration.test_redis_acl import ACL_RULE
-
     rule = ACL_RULE if watch else ACL_RULE.replace("+watch +multi +exec +unwatch ", "")
     admin = redis_server.client()
     admin.execute_command("ACL", "SETUSER", "kvtier", *rule.split())

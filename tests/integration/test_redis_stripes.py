@@ -30,8 +30,10 @@ from tests.support.redis_tier import (
     blocks,
     buffers,
     cfg_for,
+    head_at,
     put_all,
     read_exact,
+    rkey,
     running,
 )
 
@@ -49,13 +51,9 @@ async def stored(server: RedisServer, n: int, seed: int
         yield tier, keys, data
 
 
-def rkey(key: bytes) -> bytes:
-    return b"kvtier:" + key.hex().encode()
-
-
 def stripe_keys(admin: Any, key: bytes) -> list[bytes]:
     """The stripe keys of the block stored at ``key`` (named after its write's tag)."""
-    header = FrameHeader.unpack(admin.getrange(rkey(key), 0, HEADER_SIZE - 1))
+    header = head_at(admin, key)
     assert header.flags & FLAG_STRIPE_TAG
     return [rkey(key) + b":%016x:%d" % (header.seq, i) for i in range(1, STRIPES)]
 

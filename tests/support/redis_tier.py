@@ -13,11 +13,26 @@ import numpy as np
 
 from kvtier.checksum import checksum
 from kvtier.config import RedisConfig
+from kvtier.frame import HEADER_SIZE, FrameHeader
 from kvtier.tiers.redis import RedisTier
 
 NS = bytes(range(16))
 LAYOUT_FP = 0x5EED_C0DE_1234_5678
 BLOCK = 64 * 1024
+# the ACL rule docs/redis.md gives operators, verbatim (test_redis_acl checks it is there)
+ACL_RULE = ("on >s3cret resetkeys ~kvtier:* -@all +get +set +getrange +exists +del +ping "
+            "+info +dbsize +select +watch +multi +exec +unwatch +cluster|slots "
+            "+cluster|nodes +asking")
+
+
+def rkey(key: bytes) -> bytes:
+    """The Redis key of block ``key`` under the default ``key_prefix``."""
+    return b"kvtier:" + key.hex().encode()
+
+
+def head_at(admin: object, key: bytes) -> FrameHeader:
+    """The frame header stored at block ``key`` (``admin``: a redis-py client)."""
+    return FrameHeader.unpack(admin.getrange(rkey(key), 0, HEADER_SIZE - 1))  # type: ignore[attr-defined]
 
 
 def cfg_for(url: str, **over: object) -> RedisConfig:
