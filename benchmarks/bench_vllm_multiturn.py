@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3,
                     help="alternate baseline and kvtier runs this many times (a fresh daemon "
                          "each time) and keep each measurement's best: on a shared machine "
-                         "the load changes between runs (one run of each varied by +-4% per "
+                         "the load changes between runs (one run of each varied by +-4%% per "
                          "first turn here; the default run takes ~2 min on 2 cores)")
     ap.add_argument("--malloc", choices=("tcmalloc", "glibc"), default="tcmalloc",
                     help="the engines' allocator (both runs): tcmalloc, as vLLM's CPU docs "
