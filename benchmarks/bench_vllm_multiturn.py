@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -97,7 +98,7 @@ def engine_run(model: str, socket: str | None, spec: dict[str, Any], out: str) -
     if socket:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_role=spec.get("kv_role", "kv_both"), kv_load_failure_policy="recompute",
             kv_connector_extra_config={"socket_path": socket, "tokens_per_block": 256})
     # vLLM turns the hybrid KV cache manager off for a connector without HMA support;
     # turn it off for the baseline too, so both engines run the same cache manager.
@@ -182,10 +183,21 @@ def spawn(model: Path, socket: str | None, convs: Any, work: Path, name: str,
            "PYTHONPATH": str(REPO)}
     if preload:
         env["LD_PRELOAD"] = preload
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(work / f"{name}.log", "w") as log:
         subprocess.run([sys.executable, __file__, "--child", str(model), socket or "",
                         str(spec), str(out)], env=env, stdout=log, stderr=log, check=True)
-    return json.loads(out.read_text())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = json.loads(out.read_text())
+    run["engine_cpu_s"] = (after.ru_utime + after.ru_stime
+                           - before.ru_utime - before.ru_stime)
+    return run
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a live process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -208,6 +220,9 @@ def main() -> None:
     ap.add_argument("--model", choices=MODELS, default="llama",
                     help="the random model's attention (build_model): llama, mla "
                          "(DeepSeek-V2 latent) or swa (Gemma 3 sliding windows)")
+    ap.add_argument("--kv-role", choices=("kv_both", "kv_consumer"), default="kv_both",
+                    help="the kvtier engine's role: kv_consumer looks up and loads but never "
+                         "saves, which tells a save's cost from a lookup's")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -224,7 +239,8 @@ def main() -> None:
     convs = {"sequential": conversations(a.conversations, a.turns, a.first_tokens,
                                          a.user_tokens),
              "concurrent": conversations(a.concurrent, a.concurrent_turns, a.first_tokens,
-                                         a.user_tokens, seed=11)}
+                                         a.user_tokens, seed=11),
+             "kv_role": a.kv_role}
     preload = find_tcmalloc() if a.malloc == "tcmalloc" else None
     if "LD_PRELOAD" in os.environ:
         preload = None   # the caller's own choice stands (inherited by both engines)
@@ -236,10 +252,15 @@ def main() -> None:
         daemon = DaemonProcess(work / f"daemon{i}", cpu_bytes="2GiB", nvme_bytes="0").start()
         try:
             kvs.append(spawn(model, str(daemon.socket), convs, work, f"kvtier{i}", preload))
+            assert daemon.proc is not None
+            kvs[-1]["daemon_cpu_s"] = process_cpu_s(daemon.proc.pid)
         finally:
             daemon.kill()
     if a.repeat > 1:
         print(f"best of {a.repeat} alternating runs per measurement")
+    print("CPU seconds per run (whole engine process; the daemon from its start): "
+          + "  ".join(f"baseline {b['engine_cpu_s']:.1f} | kvtier {k['engine_cpu_s']:.1f} "
+                      f"+ daemon {k['daemon_cpu_s']:.1f}" for b, k in zip(bases, kvs, strict=True)))
     report(best_of(bases), best_of(kvs))
 
 
