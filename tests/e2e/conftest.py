@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,9 @@ class Zygote:
     instead, as a plain subprocess)."""
 
     def __init__(self) -> None:
-        self._proc: subprocess.Popen[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buf = b""            # the zygote's replies read but not yet taken
+        self._child: int | None = None   # the run in progress (its process group)
         self._lock = threading.Lock()
 
     def run(self, argv: list[str], log: Path, env: dict[str, str]) -> int:
@@ -58,15 +61,17 @@ class Zygote:
         with self._lock:
             proc = self._start(env)
             assert proc.stdin is not None
-            proc.stdin.write(json.dumps({"argv": argv, "log": str(log), "env": env}) + "\n")
+            proc.stdin.write(json.dumps({"argv": argv, "log": str(log), "env": env}).encode()
+                             + b"\n")
             proc.stdin.flush()
-            pid = int(self._reply(proc, 60)["pid"])
+            self._child = int(self._reply(60)["pid"])
             try:
-                return int(self._reply(proc, SUBPROCESS_TIMEOUT_S)["rc"])
+                return int(self._reply(SUBPROCESS_TIMEOUT_S)["rc"])
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-                return int(self._reply(proc, 60)["rc"])
+                self._kill_child()
+                return int(self._reply(60)["rc"])
+            finally:
+                self._child = None
 
     def check(self, argv: list[str], log: Path, env: dict[str, str], out: Path) -> None:
         """``run``, asserting that the script ended well and wrote ``out``."""
@@ -74,25 +79,39 @@ class Zygote:
         assert rc == 0 and out.exists(), (
             f"engine process failed (rc={rc}):\n{log.read_text(errors='replace')[-4000:]}")
 
-    def _start(self, env: dict[str, str]) -> subprocess.Popen[str]:
+    def _start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, str(ZYGOTE)], env=env, text=True,
+            self._buf = b""
+            self._proc = subprocess.Popen([sys.executable, str(ZYGOTE)], env=env,
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            self._reply(self._proc, 120)   # {"ready": pid}
+            self._reply(120)   # {"ready": pid}
         return self._proc
 
-    @staticmethod
-    def _reply(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-        if not ready:
-            raise TimeoutError(f"the engine zygote sent nothing in {timeout_s} s")
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the engine zygote exited (rc={proc.wait(10)})")
+    def _reply(self, timeout_s: float) -> dict[str, Any]:
+        """The zygote's next reply line (read from the pipe itself: a line read ahead
+        into a buffered reader would be invisible to ``select``)."""
+        assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"the engine zygote sent nothing in {timeout_s} s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the engine zygote exited (rc={self._proc.wait(10)})")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
         return dict(json.loads(line))
 
+    def _kill_child(self) -> None:
+        if self._child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._child, signal.SIGKILL)
+
     def close(self) -> None:
+        """Stop the zygote (and a run still in progress, which leads its own group)."""
+        self._kill_child()
         if self._proc is not None:
             assert self._proc.stdin is not None
             self._proc.stdin.close()
