@@ -216,7 +216,7 @@ def main() -> None:
                     help="alternate baseline and kvtier runs this many times (a fresh daemon "
                          "each time) and keep each measurement's best: on a shared machine "
                          "the load changes between runs (one run of each varied by +-4%% per "
-                         "first turn here; the default run takes ~2 min on 2 cores)")
+                         "first turn here; the default run took ~8 min on a slow 2-core machine)")
     ap.add_argument("--malloc", choices=("tcmalloc", "glibc"), default="tcmalloc",
                     help="the engines' allocator (both runs): tcmalloc, as vLLM's CPU docs "
                          "set it up, when installed; glibc otherwise or when asked")
