@@ -32,11 +32,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.e2e.vllm_engine import VOCAB, kv_transfer_config, prompt  # noqa: E402
+from tests.e2e.vllm_engine import (  # noqa: E402
+    TOKENS_PER_BLOCK,
+    VOCAB,
+    kv_transfer_config,
+    prompt,
+)
 from tests.support.daemon import DaemonProcess  # noqa: E402
 
 RUNNER = REPO / "tests" / "e2e" / "vllm_engine.py"
-TOKENS_PER_BLOCK = 64     # kv_transfer_config's kvtier block
 PROMPTS = [prompt(1, 300), prompt(2, 200)]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(REPO)}
