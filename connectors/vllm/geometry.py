@@ -94,6 +94,10 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
                           f"({', '.join(KEEPS_EVERY_TOKEN)}); this model's is {kind}"
                           + (" (sliding-window or chunked-local pages are dropped as the "
                              "window moves)" if "Window" in kind or "Chunked" in kind
+                             else "")
+                          + ("; to use kvtier, serve it with --disable-sliding-window "
+                             "(vLLM then caps max_model_len at the window, and every "
+                             "page keeps its tokens)" if kind == "SlidingWindowSpec"
                              else ""))
     if getattr(spec, "non_causal", False):
         raise ConfigError("KVTierConnector needs causal attention: with non-causal layers "

@@ -134,7 +134,8 @@ def test_local_layers_allocated_as_full_attention_are_served() -> None:
 
 @pytest.mark.parametrize(("spec", "match"), [
     (SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.float16,
-                       sliding_window=512), "SlidingWindowSpec .*dropped"),
+                       sliding_window=512),
+     "SlidingWindowSpec .*dropped.*serve it with --disable-sliding-window"),
     (RSWASpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.float16,
               rswa_window=64), "RSWASpec"),
     (full(non_causal=True), "causal"),
