@@ -70,6 +70,9 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     # every layer a 64-token sliding window: a SlidingWindowSpec, refused (docs)
     "mistral-swa": _model("MistralForCausalLM", "MistralConfig", **LLAMA_LIKE,
                           num_key_value_heads=2, sliding_window=64),
+    # the same with vLLM's --disable-sliding-window (ENGINE_ARGS): full attention, served
+    "mistral-swa-off": _model("MistralForCausalLM", "MistralConfig", **LLAMA_LIKE,
+                              num_key_value_heads=2, sliding_window=512),
     # alternating sliding and full layers, logit soft-capping
     "gemma2": _model("Gemma2ForCausalLM", "Gemma2Config", **LLAMA_LIKE, num_key_value_heads=2,
                      head_dim=32, sliding_window=64, query_pre_attn_scalar=32),
@@ -96,8 +99,12 @@ ARCHITECTURES: dict[str, Callable[[], Any]] = {
     # post-norms, q/k norms over all heads
     "olmo2": _model("Olmo2ForCausalLM", "Olmo2Config", **LLAMA_LIKE, num_key_value_heads=2),
 }
-REFUSED = {"mistral-swa": "SlidingWindowSpec"}
-"""Architectures the connector refuses at start, and a word its ConfigError names."""
+REFUSED = {"mistral-swa": "--disable-sliding-window"}
+"""Architectures the connector refuses at start, and what its ConfigError names."""
+ENGINE_ARGS: dict[str, dict[str, Any]] = {
+    "mistral-swa-off": {"disable_sliding_window": True, "max_model_len": 512}}
+"""More engine arguments (``make_llm``) for an architecture, the same for all three
+engines: vLLM caps ``max_model_len`` at the window it disables."""
 
 
 def build(name: str, path: Path) -> Path:
@@ -108,13 +115,15 @@ def build(name: str, path: Path) -> Path:
     return path
 
 
-def engine(work: Path, model: Path, transfer: dict[str, Any] | None,
-           dtype: str) -> tuple[list[list[Any]] | None, dict[str, Any], str]:
+def engine(work: Path, model: Path, transfer: dict[str, Any] | None, dtype: str,
+           engine_args: dict[str, Any] | None) -> tuple[list[list[Any]] | None,
+                                                        dict[str, Any], str]:
     """One engine process over PROMPTS: (outputs, connector counters, log); outputs None
     when the engine failed."""
     work.mkdir()
     spec, out, log = work / "spec.json", work / "out.json", work / "engine.log"
     spec.write_text(json.dumps({"model": str(model), "transfer": transfer, "dtype": dtype,
+                                "engine_args": engine_args,
                                 "phases": [{"prompts": PROMPTS}]}))
     with open(log, "w") as fh:
         rc = subprocess.run([sys.executable, str(RUNNER), str(spec), str(out)],
@@ -129,19 +138,20 @@ def engine(work: Path, model: Path, transfer: dict[str, Any] | None,
 def check(name: str, work: Path, dtype: str) -> tuple[bool, str]:
     """(passed, what was seen) for one architecture."""
     model = build(name, work / "model")
-    base, _, log = engine(work / "base", model, None, dtype)
+    args = ENGINE_ARGS.get(name)
+    base, _, log = engine(work / "base", model, None, dtype, args)
     if base is None:
         return False, "the engine without kvtier failed: " + last_error(log)
     daemon = DaemonProcess(work / "daemon").start()
     try:
         transfer = kv_transfer_config(daemon.socket)
-        saved, saves, log = engine(work / "save", model, transfer, dtype)
+        saved, saves, log = engine(work / "save", model, transfer, dtype, args)
         if saved is None:
             word = REFUSED.get(name)
             if word and "ConfigError" in log and word in log:
                 return True, f"refused at start as documented ({word})"
             return False, "the saving engine failed: " + last_error(log)
-        loaded, loads, log = engine(work / "load", model, transfer, dtype)
+        loaded, loads, log = engine(work / "load", model, transfer, dtype, args)
     finally:
         daemon.kill()
     if name in REFUSED:
@@ -178,7 +188,7 @@ def main() -> None:
             ok, seen = check(name, root / name, a.dtype)
         except Exception as e:   # one architecture's setup failing must not hide the rest
             ok, seen = False, f"{type(e).__name__}: {e}"
-        print(f"{name:<12} {'ok  ' if ok else 'FAIL'} {seen} ({time.monotonic() - t0:.0f} s)",
+        print(f"{name:<16} {'ok  ' if ok else 'FAIL'} {seen} ({time.monotonic() - t0:.0f} s)",
               flush=True)
         if not ok:
             failed.append(name)
