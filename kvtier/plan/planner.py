@@ -195,7 +195,7 @@ def make_plan(p: PlanInput) -> Plan:
         notes.append("kvtier's vLLM connector refuses this model at start (it takes one KV "
                      "cache group of full-attention or MLA layers: not recurrent-state "
                      "layers, an indexer cache, or windowed layers alone), so the tier sizes "
-                     "above assume an engine that offloads them")
+                     "above assume an engine that offloads them" + _way_out(m))
 
     budget = int(p.gpu.memory_bytes * p.mem_util) - weights_gpu - p.reserve_bytes
     if budget <= 0:
@@ -302,6 +302,16 @@ def connector_refuses(m: ModelSpec) -> bool:
     no full-attention layer beside them (vLLM keeps them windowed, freeing old pages)."""
     full = sum(1 for w in m.layer_windows if w is None)
     return bool(m.state_layers or any(m.indexer_layers) or (m.windowed_layers and not full))
+
+
+def _way_out(m: ModelSpec) -> str:
+    """For sliding-window layers alone, the setting under which the connector serves the
+    model: vLLM's --disable-sliding-window (full-attention pages, max_model_len capped)."""
+    if m.state_layers or any(m.indexer_layers) or m.chunked_local_attention:
+        return ""
+    window = max(w for w in m.layer_windows if w)
+    return (f"; with vLLM's --disable-sliding-window it is served (max_model_len capped at "
+            f"the {window:,}-token window, every layer full attention)")
 
 
 def chunked_turns_hybrid_off(m: ModelSpec) -> bool:

@@ -120,7 +120,8 @@ def test_the_plan_of_a_hybrid_model_says_what_it_left_out(
     assert (doc["model"]["kv_layers"], doc["model"]["state_layers"]) == (12, 36)
     (note,) = [n for n in doc["notes"] if n.startswith("hybrid model")]
     assert "only 12 of 48 layers hold attention KV" in note and "--params" in note
-    assert any("connector refuses this model at start" in n for n in doc["notes"])
+    (refused,) = [n for n in doc["notes"] if "connector refuses this model at start" in n]
+    assert "disable-sliding-window" not in refused   # recurrent layers: no such way out
     full = plan_json(capsys, "--model", "llama-3-8b")
     assert not any("connector" in n or "hybrid" in n for n in full["notes"])
 
@@ -147,7 +148,8 @@ def test_windowed_layers_beside_full_ones_are_planned_as_the_connector_runs_them
                     "32768", "--max-output", "0")
     assert doc["kv_bytes_per_sequence"]["p99"] == kv_bytes_per_sequence(
         spec_from_config(alone), "bf16", 32768, 16)
-    assert any("refuses this model at start" in n for n in doc["notes"])
+    (refused,) = [n for n in doc["notes"] if "refuses this model at start" in n]
+    assert "--disable-sliding-window it is served (max_model_len capped at the 4,096" in refused
 
 
 def test_llama4_chunked_layers_keep_every_token_without_kvtier_too(
