@@ -90,15 +90,14 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
     kind = type(spec).__name__
     components = KEEPS_EVERY_TOKEN.get(kind)
     if components is None or not _is_attention_spec(spec):
+        why = ""
+        if "Window" in kind or "Chunked" in kind:
+            why = " (sliding-window or chunked-local pages are dropped as the window moves)"
+        if kind == "SlidingWindowSpec":
+            why += ("; to use kvtier, serve it with --disable-sliding-window (vLLM then caps "
+                    "max_model_len at the window, and every page keeps its tokens)")
         raise ConfigError(f"KVTierConnector supports KV caches whose pages keep every token "
-                          f"({', '.join(KEEPS_EVERY_TOKEN)}); this model's is {kind}"
-                          + (" (sliding-window or chunked-local pages are dropped as the "
-                             "window moves)" if "Window" in kind or "Chunked" in kind
-                             else "")
-                          + ("; to use kvtier, serve it with --disable-sliding-window "
-                             "(vLLM then caps max_model_len at the window, and every "
-                             "page keeps its tokens)" if kind == "SlidingWindowSpec"
-                             else ""))
+                          f"({', '.join(KEEPS_EVERY_TOKEN)}); this model's is {kind}{why}")
     if getattr(spec, "non_causal", False):
         raise ConfigError("KVTierConnector needs causal attention: with non-causal layers "
                           "a token's KV depends on the tokens after it, not on its prefix")
