@@ -53,6 +53,7 @@ from kvtier.socket_path import claim_socket_path, lock_socket_path, prepare_sock
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.journal_replay import read_journal
+from kvtier.tiers.journal_run import RunIds, begin_run, last_run
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -148,9 +149,12 @@ class Daemon:
             self.gc.start()
             stack.callback(self.gc.stop)
         state = read_journal(journal_path(own)) if own is not None else None
+        last = last_run(cfg.daemon.data_dir)
+        # an arena another run left (a start in between went on without it) is not adopted:
+        # made anew, so its stale bytes and the clients still mapping it are gone with it
         self.arena = Arena(cfg.cpu.bytes, shm_dir=cfg.cpu.shm_dir,
                            slab_bytes=cfg.cpu.slab_bytes, prefault=cfg.cpu.prefault,
-                           name=name, adopt=state is not None)
+                           name=name, adopt=state is not None and state.run == last)
         stack.callback(self._close_arena)
         if cfg.hbm.enabled:
             self.hbm = self._make_hbm()
@@ -175,7 +179,10 @@ class Daemon:
             stack.callback(presence.close)
             store.index.presence = presence
         journal = journal_path(self.arena.path) if self.arena.path == own else None
-        recovered = await store.recover(state, journal=journal)
+        # from here on this run changes the data directory: a journal of an earlier run is
+        # stale (a start refused before this point leaves the last run's for the next)
+        runs = RunIds(last, begin_run(cfg.daemon.data_dir))
+        recovered = await store.recover(state, journal=journal, runs=runs)
         self._recovered = True
         self.rebuilt_blocks, self.adopted_blocks = recovered.nvme_blocks, recovered.adopted_blocks
         if self.rebuilt_blocks:

@@ -43,6 +43,7 @@ from kvtier.tiers.arena_journal import ArenaJournal
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.journal_format import CommitInfo, CommittedSlot
 from kvtier.tiers.journal_replay import JournalState
+from kvtier.tiers.journal_run import RunIds
 from kvtier.tiers.nvme import NvmeSlot
 from kvtier.tiers.nvme.recovery import Recovered
 
@@ -207,9 +208,10 @@ def _verify(arena: Arena, slots: list[CommittedSlot]) -> list[bool]:
 
 
 async def recover(store: TieredStore, state: JournalState | None, *,
-                  journal: Path | None, quarantine_s: float) -> RecoveryCounters:
+                  journal: Path | None, quarantine_s: float, runs: RunIds) -> RecoveryCounters:
     """Index what survived (nvme frames, adopted arena blocks), drop orphans, quarantine
-    the slots in flight at the crash, then start journaling to ``journal`` (None: never)."""
+    the slots in flight at the crash, then start journaling to ``journal`` (None: never).
+    A journal of another run than ``runs.last`` is not adopted (``journal_run``)."""
     t0 = time.monotonic()
     loop = asyncio.get_running_loop()
     c = RecoveryCounters()
@@ -221,6 +223,9 @@ async def recover(store: TieredStore, state: JournalState | None, *,
     writing: list[tuple[int, int]] = []
     if state is None:
         c.cold_reason = "no arena journal from a previous run"
+    elif state.run != runs.last:
+        c.cold_reason = ("the arena journal is not from this data directory's last run (a "
+                         "start in between did not adopt it, so its blocks may be stale)")
     elif (state.arena_size, state.slab_bytes) != (arena.size, arena.slab_bytes):
         c.cold_reason = (f"arena geometry changed (size {state.arena_size} -> {arena.size}, "
                          f"slab {state.slab_bytes} -> {arena.slab_bytes})")
@@ -241,7 +246,8 @@ async def recover(store: TieredStore, state: JournalState | None, *,
             (s.offset, s.info.nbytes, s) for s in adopted]
         live += [(off, nbytes, None) for off, nbytes in quarantine]
         try:
-            arena.journal = ArenaJournal(journal, arena.size, arena.slab_bytes, live=live)
+            arena.journal = ArenaJournal(journal, arena.size, arena.slab_bytes,
+                                         run=runs.current, live=live)
         except OSError as exc:
             log.warning("cannot write the arena journal %s (%s): warm restart is off",
                         journal, exc)

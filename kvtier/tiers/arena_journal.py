@@ -60,9 +60,10 @@ class ArenaJournal:
     handed out again is recognised as stale and not recorded.
     """
 
-    def __init__(self, path: Path, arena_size: int, slab_bytes: int, *,
+    def __init__(self, path: Path, arena_size: int, slab_bytes: int, *, run: bytes,
                  live: Sequence[tuple[int, int, CommittedSlot | None]] = ()) -> None:
         self.path = path
+        self.run = run            # this daemon run's id, in every header it writes
         self.arena_size = arena_size
         self.slab_bytes = slab_bytes
         # live slot -> its latest record (which names its allocation's generation); one
@@ -239,7 +240,7 @@ class ArenaJournal:
     def _snapshot(self) -> tuple[list[bytes], int]:
         """The compacted file's records (header, one per live slot) and its capacity."""
         self._snapshots += 1
-        parts = [header_record(self.arena_size, self.slab_bytes)]
+        parts = [header_record(self.arena_size, self.slab_bytes, self.run)]
         parts += self._records.values()   # one C-level copy of O(live) references
         return parts, max(MIN_RECORDS, 2 * (4 * len(parts) + COMPACT_MIN))
 

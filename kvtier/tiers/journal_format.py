@@ -1,11 +1,13 @@
 """The arena journal's on-disk format: fixed 128-byte records, each with its own xxh3-64.
 
-Record 0 is a header (magic, format version, arena size and slab size). Then, in event-loop
-order: ``ALLOC(offset, nbytes)`` (a slot was handed out for writing), ``COMMIT(offset, key,
-namespace, layout_fp, nbytes, parent, depth, seq, checksum)`` (the slot holds a complete
-block whose payload has that xxh3-64) and ``FREE(offset)``. A compacted file holds one
-record per live slot, so a COMMIT there stands for its slot's ALLOC too. How the records are
-written is in ``arena_journal``, how they are replayed in ``journal_replay``.
+Record 0 is a header (magic, format version, arena size and slab size, and in its namespace
+field the id of the daemon run that wrote the journal, ``kvtier.tiers.journal_run``). Then,
+in event-loop order: ``ALLOC(offset, nbytes)`` (a slot was handed out for writing),
+``COMMIT(offset, key, namespace, layout_fp, nbytes, parent, depth, seq, checksum)`` (the
+slot holds a complete block whose payload has that xxh3-64) and ``FREE(offset)``. A
+compacted file holds one record per live slot, so a COMMIT there stands for its slot's ALLOC
+too. How the records are written is in ``arena_journal``, how they are replayed in
+``journal_replay``.
 """
 
 from __future__ import annotations
@@ -72,9 +74,11 @@ def pack_record(rtype: RecordType, *, offset: int = 0, nbytes: int = 0, key: byt
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def header_record(arena_size: int, slab_bytes: int) -> bytes:
+def header_record(arena_size: int, slab_bytes: int, run: bytes) -> bytes:
+    """The header: the format, the arena's geometry and ``run`` (16 bytes), the id of the
+    daemon run writing the journal."""
     return pack_record(RecordType.HEADER, offset=arena_size, nbytes=slab_bytes, key=MAGIC,
-                       layout_fp=VERSION)
+                       namespace=run, layout_fp=VERSION)
 
 
 def commit_record(slot: CommittedSlot, generation: int) -> bytes:

@@ -33,6 +33,7 @@ class JournalState:
 
     arena_size: int
     slab_bytes: int
+    run: bytes = bytes(16)     # the id of the run that wrote it (kvtier.tiers.journal_run)
     committed: list[CommittedSlot] = field(default_factory=list)   # in commit order
     writing: list[tuple[int, int]] = field(default_factory=list)   # (offset, nbytes)
     records: int = 0
@@ -62,7 +63,7 @@ def read_journal(path: Path) -> JournalState | None:
     head = BODY.unpack_from(data, 0)
     if head[0] != RecordType.HEADER or head[6] != MAGIC or head[9] != VERSION:
         return None
-    state = JournalState(arena_size=head[4], slab_bytes=head[5])
+    state = JournalState(arena_size=head[4], slab_bytes=head[5], run=head[7])
     live: dict[int, _Live] = {}
     pos = RECORD
     while pos + RECORD <= len(data):

@@ -29,7 +29,8 @@ ARENA_BLOCKS = 8
 @pytest.fixture
 def journaled_arena(tmp_path: Path) -> Iterator[Arena]:
     with temp_arena(ARENA_BLOCKS * BLOCK, BLOCK) as arena:
-        arena.journal = ArenaJournal(tmp_path / "arena.journal", arena.size, arena.slab_bytes)
+        arena.journal = ArenaJournal(tmp_path / "arena.journal", arena.size, arena.slab_bytes,
+                                     run=bytes(16))
         yield arena
 
 

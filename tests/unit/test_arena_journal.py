@@ -26,6 +26,7 @@ from kvtier.tiers.slab import PAGE, SlabAllocator
 from tests.support.arena import shm_root
 
 SLAB = 16 * 1024
+RUN = bytes(range(16))   # a daemon run's id, as kvtier.tiers.journal_run makes one
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def info(i: int, parent: bytes | None = None) -> CommitInfo:
 # -- journal ---------------------------------------------------------------------------------
 def test_replay_keeps_commits_in_order_and_reports_slots_in_flight(shm_dir: Path) -> None:
     path = shm_dir / "j.journal"
-    j = ArenaJournal(path, 8 * SLAB, SLAB)
+    j = ArenaJournal(path, 8 * SLAB, SLAB, run=RUN)
     for off in (0, PAGE, 2 * PAGE, 3 * PAGE):
         j.alloc(off, PAGE)
     g = j.generation
@@ -62,7 +63,7 @@ def test_replay_keeps_commits_in_order_and_reports_slots_in_flight(shm_dir: Path
 
 
 def test_a_stale_generation_is_not_committed(shm_dir: Path) -> None:
-    j = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB)
+    j = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB, run=RUN)
     j.alloc(0, PAGE)
     old = j.generation(0)
     j.free(0)
@@ -75,7 +76,7 @@ def test_a_stale_generation_is_not_committed(shm_dir: Path) -> None:
 
 
 def test_a_torn_last_record_is_dropped(shm_dir: Path) -> None:
-    j = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB)
+    j = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB, run=RUN)
     j.alloc(0, PAGE)
     gen = j.generation(0)
     assert gen is not None and j.commit(0, gen, info(1), 11)
@@ -91,7 +92,7 @@ def test_a_torn_last_record_is_dropped(shm_dir: Path) -> None:
 
 def test_compaction_keeps_the_live_state(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aj, "COMPACT_MIN", 16)
-    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB, run=RUN)
     for round_ in range(50):                 # churn: far more records than live slots
         for off in range(0, 8 * PAGE, PAGE):
             j.alloc(off, PAGE)
@@ -116,7 +117,7 @@ def test_compaction_keeps_the_live_state(shm_dir: Path, monkeypatch: pytest.Monk
 def test_a_committed_slot_outlives_a_compaction(shm_dir: Path) -> None:
     """A compacted file keeps a committed slot as its COMMIT record alone: replay adopts it
     (it used to count it inconsistent and drop it: a second crash lost every block)."""
-    j = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB)
+    j = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB, run=RUN)
     j.alloc(0, PAGE)
     j.alloc(PAGE, PAGE)
     gen = j.generation(0)
@@ -128,7 +129,7 @@ def test_a_committed_slot_outlives_a_compaction(shm_dir: Path) -> None:
     assert state.writing == [(PAGE, PAGE)]
     j.close(unlink=False)
     # adopted by the next daemon, then that one crashes too: still there
-    adopted = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB,
+    adopted = ArenaJournal(shm_dir / "j.journal", 8 * SLAB, SLAB, run=RUN,
                            live=[(c.offset, c.info.nbytes, c) for c in state.committed])
     again = read_journal(adopted.path)
     assert again is not None and again.inconsistent == 0
@@ -152,7 +153,7 @@ def test_compaction_is_written_aside_while_appends_go_on(shm_dir: Path,
     """The compacted file is written by a worker thread; records appended meanwhile reach
     both the old file (a crash then replays it whole) and, at the switch, the new one."""
     monkeypatch.setattr(aj, "COMPACT_MIN", 16)
-    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB, run=RUN)
     gate = threading.Event()
     real = aj._write_file
 
@@ -190,7 +191,7 @@ def test_a_filling_arena_compacts_aside_before_its_file_is_full(
         shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While the arena fills up the records never outnumber 4x the live slots, so the file
     itself filling up triggers the compaction: aside, not on the caller's thread."""
-    j = ArenaJournal(shm_dir / "j.journal", 1 << 40, SLAB)
+    j = ArenaJournal(shm_dir / "j.journal", 1 << 40, SLAB, run=RUN)
     inline: list[int] = []
     real = ArenaJournal._rewrite
     monkeypatch.setattr(ArenaJournal, "_rewrite",
@@ -213,7 +214,7 @@ def test_a_filling_arena_compacts_aside_before_its_file_is_full(
 def test_close_drops_a_compaction_still_being_written(shm_dir: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aj, "COMPACT_MIN", 16)
-    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB, run=RUN)
     gate = threading.Event()
     real = aj._write_file
     monkeypatch.setattr(aj, "_write_file",
@@ -315,7 +316,7 @@ async def test_commit_log_hashes_off_loop_and_skips_freed_slots(shm_dir: Path) -
     from kvtier.store.recovery import CommitLog
 
     arena = Arena(4 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False, name="x.arena")
-    arena.journal = ArenaJournal(shm_dir / "x.journal", arena.size, arena.slab_bytes)
+    arena.journal = ArenaJournal(shm_dir / "x.journal", arena.size, arena.slab_bytes, run=RUN)
     log = CommitLog(arena)
     metas = []
     for i in range(3):
@@ -366,8 +367,8 @@ def test_batched_records_are_the_records_one_at_a_time(shm_dir: Path,
     """alloc_many/commit_many write what alloc/commit would, in order, stale commits
     skipped, through compactions too (a batch straddling a switch goes record by record)."""
     monkeypatch.setattr(aj, "COMPACT_MIN", 16)
-    one = ArenaJournal(shm_dir / "one.journal", 64 * SLAB, SLAB)
-    many = ArenaJournal(shm_dir / "many.journal", 64 * SLAB, SLAB)
+    one = ArenaJournal(shm_dir / "one.journal", 64 * SLAB, SLAB, run=RUN)
+    many = ArenaJournal(shm_dir / "many.journal", 64 * SLAB, SLAB, run=RUN)
     offsets = [i * PAGE for i in range(12)]
     for round_ in range(40):
         for off in offsets:
@@ -435,7 +436,7 @@ def test_a_batch_that_straddles_a_switch_and_a_new_compaction_is_written_once(
         gate.wait(10)
         return write(tmp, parts, capacity)
 
-    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB, run=RUN)
     monkeypatch.setattr(aj, "_write_file", gated)   # (after the journal's first file)
     offsets = [i * PAGE for i in range(12)]
     j.alloc_many(offsets, PAGE)
@@ -462,7 +463,7 @@ def test_a_batch_that_straddles_a_switch_and_a_new_compaction_is_written_once(
 def test_a_record_beyond_the_format_is_skipped_not_the_batch(shm_dir: Path) -> None:
     """One commit whose fields do not fit the record (a depth of 2**32) must not cost the
     batch's other blocks their records (they would not be adopted after a crash)."""
-    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB)
+    j = ArenaJournal(shm_dir / "j.journal", 64 * SLAB, SLAB, run=RUN)
     offsets = [i * PAGE for i in range(4)]
     j.alloc_many(offsets, PAGE)
     bad = CommitInfo(b"b" * 16, b"n" * 16, 7, PAGE, b"p" * 16, 2**32, 9)
