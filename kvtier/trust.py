@@ -132,9 +132,13 @@ def owned_dir_problem(st: os.stat_result, uid: int) -> str | None:
 def owned_file_problem(st: os.stat_result, uid: int) -> str | None:
     """What makes an opened daemon data file (an nvme slot file, the nvme lock) unfit, or
     None: a regular file of our uid that neither group nor others may write (frames are
-    checksummed, not signed, so whoever can write the file can forge KV)."""
+    checksummed, not signed, so whoever can write the file can forge KV), under one name
+    only (the daemon truncates and rewrites these files: a second name would be another
+    file's bytes, or a copy that changes behind it; found by review)."""
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
+    if st.st_nlink > 1:
+        return f"has {st.st_nlink} hard links (another name shares its bytes)"
     return _not_ours_alone(st, uid)
 
 

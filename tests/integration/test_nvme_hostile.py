@@ -80,6 +80,11 @@ def _other_users(slot: Path, victim: Path) -> None:
     os.chown(slot, 65534, 65534)
 
 
+def _hard_link(slot: Path, victim: Path) -> None:
+    os.chmod(victim, 0o600)
+    os.link(victim, slot)
+
+
 def _directory(slot: Path, victim: Path) -> None:
     slot.mkdir()
 
@@ -92,6 +97,7 @@ def _fifo(slot: Path, victim: Path) -> None:
     pytest.param(_symlink, "is a symbolic link", id="symlink"),
     pytest.param(_world_writable, "is writable by group and others (mode 0666)", id="0666"),
     pytest.param(_other_users, "is owned by uid 65534", id="other-uid"),
+    pytest.param(_hard_link, "has 2 hard links", id="hard-link"),
     pytest.param(_directory, "is not a regular file", id="directory"),
     pytest.param(_fifo, "is not a regular file", id="fifo"),
 ])

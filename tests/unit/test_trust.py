@@ -23,6 +23,7 @@ from kvtier.trust import (
     arena_problem,
     dirs_on_path,
     ensure_private_dir,
+    owned_file_problem,
     private_dir_problem,
     shared_dir_problem,
 )
@@ -31,9 +32,9 @@ ME = os.getuid()
 OTHER = ME + 4242
 
 
-def st(kind: int, mode: int, uid: int = ME, size: int = 0) -> os.stat_result:
+def st(kind: int, mode: int, uid: int = ME, size: int = 0, nlink: int = 1) -> os.stat_result:
     """A stat result: ``kind`` (stat.S_IFDIR, ...) | ``mode``, owned by ``uid``."""
-    return os.stat_result((kind | mode, 1, 1, 1, uid, 0, size, 0, 0, 0))
+    return os.stat_result((kind | mode, 1, 1, nlink, uid, 0, size, 0, 0, 0))
 
 
 # -- default socket path -------------------------------------------------------------------
@@ -121,6 +122,19 @@ def test_shared_dir_problem(result: os.stat_result, ok: bool) -> None:
 ])
 def test_arena_problem(result: os.stat_result, problem: str | None) -> None:
     got = arena_problem(result, 4096, ME)
+    assert got == problem if problem is None else (got is not None and got.startswith(problem))
+
+
+@pytest.mark.parametrize(("result", "problem"), [
+    (st(stat.S_IFREG, 0o600), None),
+    (st(stat.S_IFREG, 0o644), None),
+    (st(stat.S_IFREG, 0o600, nlink=2), "has 2 hard links"),
+    (st(stat.S_IFREG, 0o660), "is writable by its group"),
+    (st(stat.S_IFREG, 0o600, OTHER), f"is owned by uid {OTHER}"),
+    (st(stat.S_IFIFO, 0o600), "is not a regular file"),
+])
+def test_owned_file_problem(result: os.stat_result, problem: str | None) -> None:
+    got = owned_file_problem(result, ME)
     assert got == problem if problem is None else (got is not None and got.startswith(problem))
 
 
