@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import math
 import os
@@ -53,7 +54,7 @@ from kvtier.socket_path import claim_socket_path, lock_socket_path, prepare_sock
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.journal_replay import read_journal
-from kvtier.tiers.journal_run import RunIds, begin_run, last_run
+from kvtier.tiers.journal_run import begin_run, last_run
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -179,10 +180,9 @@ class Daemon:
             stack.callback(presence.close)
             store.index.presence = presence
         journal = journal_path(self.arena.path) if self.arena.path == own else None
-        # from here on this run changes the data directory: a journal of an earlier run is
-        # stale (a start refused before this point leaves the last run's for the next)
-        runs = RunIds(last, begin_run(cfg.daemon.data_dir))
-        recovered = await store.recover(state, journal=journal, runs=runs)
+        recovered = await store.recover(
+            state, journal=journal, last_run=last,
+            begin_run=functools.partial(begin_run, cfg.daemon.data_dir))
         self._recovered = True
         self.rebuilt_blocks, self.adopted_blocks = recovered.nvme_blocks, recovered.adopted_blocks
         if self.rebuilt_blocks:

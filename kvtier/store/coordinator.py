@@ -42,7 +42,6 @@ from kvtier.store.writes import Writer
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.base import EvictionReason, Tier, TierName
 from kvtier.tiers.journal_replay import JournalState
-from kvtier.tiers.journal_run import RunIds
 
 for _mod in ("lru", "lfu", "cost"):  # policies register themselves on import
     with contextlib.suppress(ImportError):
@@ -162,13 +161,14 @@ class TieredStore:
         ``recover``, which also adopts the arena."""
         return rebuild_nvme_only(self)
 
-    async def recover(self, state: JournalState | None, *, runs: RunIds,
+    async def recover(self, state: JournalState | None, *, last_run: bytes | None,
+                      begin_run: Callable[[], bytes],
                       journal: Path | None = None) -> RecoveryCounters:
         """Warm restart: index nvme frames and the adopted arena's verified blocks (of the
-        journal of ``runs.last`` only), drop orphans, quarantine slots in flight at the
+        journal of ``last_run`` only), drop orphans, quarantine slots in flight at the
         crash for one lease TTL, then journal to ``journal`` (see ``kvtier.store.recovery``)."""
         return await recover(self, state, journal=journal, quarantine_s=self.lease_ttl_s,
-                             runs=runs)
+                             last_run=last_run, begin_run=begin_run)
 
     # -- namespaces ----------------------------------------------------------------------
     @property

@@ -43,7 +43,6 @@ from kvtier.tiers.arena_journal import ArenaJournal
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.journal_format import CommitInfo, CommittedSlot
 from kvtier.tiers.journal_replay import JournalState
-from kvtier.tiers.journal_run import RunIds
 from kvtier.tiers.nvme import NvmeSlot
 from kvtier.tiers.nvme.recovery import Recovered
 
@@ -208,10 +207,13 @@ def _verify(arena: Arena, slots: list[CommittedSlot]) -> list[bool]:
 
 
 async def recover(store: TieredStore, state: JournalState | None, *,
-                  journal: Path | None, quarantine_s: float, runs: RunIds) -> RecoveryCounters:
+                  journal: Path | None, quarantine_s: float, last_run: bytes | None,
+                  begin_run: Callable[[], bytes]) -> RecoveryCounters:
     """Index what survived (nvme frames, adopted arena blocks), drop orphans, quarantine
     the slots in flight at the crash, then start journaling to ``journal`` (None: never).
-    A journal of another run than ``runs.last`` is not adopted (``journal_run``)."""
+    A journal of another run than ``last_run`` is not adopted (``journal_run``);
+    ``begin_run`` records this run once the nvme tier is open (the last step that may
+    refuse the start, which then leaves the last run's arena for the next)."""
     t0 = time.monotonic()
     loop = asyncio.get_running_loop()
     c = RecoveryCounters()
@@ -219,11 +221,12 @@ async def recover(store: TieredStore, state: JournalState | None, *,
     entries: Recovered = []
     if store.nvme is not None:
         entries = await loop.run_in_executor(None, store.nvme.open)
+    run = await loop.run_in_executor(None, begin_run)
     committed: list[CommittedSlot] = []
     writing: list[tuple[int, int]] = []
     if state is None:
         c.cold_reason = "no arena journal from a previous run"
-    elif state.run != runs.last:
+    elif state.run != last_run:
         c.cold_reason = ("the arena journal is not from this data directory's last run (a "
                          "start in between did not adopt it, so its blocks may be stale)")
     elif (state.arena_size, state.slab_bytes) != (arena.size, arena.slab_bytes):
@@ -247,7 +250,7 @@ async def recover(store: TieredStore, state: JournalState | None, *,
         live += [(off, nbytes, None) for off, nbytes in quarantine]
         try:
             arena.journal = ArenaJournal(journal, arena.size, arena.slab_bytes,
-                                         run=runs.current, live=live)
+                                         run=run, live=live)
         except OSError as exc:
             log.warning("cannot write the arena journal %s (%s): warm restart is off",
                         journal, exc)

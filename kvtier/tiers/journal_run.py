@@ -21,7 +21,6 @@ import logging
 import os
 import secrets
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.trust import owned_file_problem
@@ -30,14 +29,6 @@ RUN_FILE = "arena-run"
 RUN_BYTES = 16
 
 log = logging.getLogger("kvtier.tiers.arena")
-
-
-@dataclass(frozen=True, slots=True)
-class RunIds:
-    """The last run's id (None: none known) and this run's, which its journal carries."""
-
-    last: bytes | None
-    current: bytes
 
 
 def last_run(data_dir: Path) -> bytes | None:
