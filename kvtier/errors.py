@@ -8,6 +8,27 @@ what to do about it.
 from __future__ import annotations
 
 _BY_CODE: dict[str, type[KVTierError]] = {}
+_BRIEF = 64
+
+
+def brief(value: object, limit: int = _BRIEF) -> str:
+    """A client-sent value for an error message or a log line: at most ``limit`` characters,
+    made without rendering the whole value first (the repr of a 16 MiB byte string is 48 MB,
+    built on the event loop, then sent back and logged; found by review). Containers and
+    long ints are described, not shown."""
+    if isinstance(value, (str, bytes, bytearray)):
+        text = repr(value[:limit])
+        if len(value) > limit:
+            text = text[:limit - 3] + "..."
+    elif isinstance(value, (list, tuple, dict, set, frozenset)):
+        text = f"a {type(value).__name__} of {len(value)} items"
+    elif isinstance(value, int) and value.bit_length() > 64:
+        text = f"an int of {value.bit_length()} bits"
+    elif value is None or isinstance(value, (bool, int, float)):
+        text = repr(value)
+    else:
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class KVTierError(Exception):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgpack
 import xxhash
 
-from kvtier.errors import LayoutMismatch
+from kvtier.errors import LayoutMismatch, brief
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -80,19 +80,19 @@ class KVLayout:
             value = getattr(self, name)
             if not _is_int(value) or not 0 < value < MAX_DIM:   # (msgpack packs < 2**64)
                 raise LayoutMismatch(f"KVLayout.{name} must be a positive int below 2**31, "
-                                     f"got {value!r}")
+                                     f"got {brief(value)}")
         # 2.0 == 2 but packs differently: equal layouts with different fingerprints.
         if not _is_int(self.kv_components) or self.kv_components not in (1, 2):
             raise LayoutMismatch(f"kv_components must be 1 (MLA latent) or 2 (K and V), "
-                                 f"got {self.kv_components!r}")
+                                 f"got {brief(self.kv_components)}")
         if not isinstance(self.kv_format, str) or not 0 < len(self.kv_format) <= MAX_KV_FORMAT:
             raise LayoutMismatch(f"kv_format must be a non-empty string of at most "
-                                 f"{MAX_KV_FORMAT} characters, got {self.kv_format!r:.80}")
+                                 f"{MAX_KV_FORMAT} characters, got {brief(self.kv_format)}")
         if not _utf8(self.kv_format):   # (the fingerprint hashes its UTF-8 bytes)
             raise LayoutMismatch("kv_format must be valid Unicode (no lone surrogates)")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise LayoutMismatch(
-                f"unsupported KV dtype {self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+                f"unsupported KV dtype {brief(self.dtype)}; use one of {sorted(DTYPE_BYTES)}")
         packed = msgpack.packb(sorted(self.to_dict().items()), use_bin_type=True)
         object.__setattr__(self, "_fingerprint", xxhash.xxh3_64_intdigest(packed))
         object.__setattr__(self, "_block_bytes", self.bytes_per_token * self.tokens_per_block)

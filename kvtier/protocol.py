@@ -18,7 +18,7 @@ from typing import Any
 
 import msgpack
 
-from kvtier.errors import ProtocolError
+from kvtier.errors import ProtocolError, brief
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
@@ -129,7 +129,7 @@ def optional_int(msg: dict[str, Any], name: str, default: int, lo: int, hi: int)
         return default
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise ProtocolError(f"field {name!r} must be an int in [{lo}, {hi}], got "
-                            f"{type(value).__name__} {str(value)[:32]}")
+                            f"{type(value).__name__} {brief(value)}")
     return value
 
 

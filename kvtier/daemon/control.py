@@ -42,7 +42,14 @@ from kvtier.daemon.limits import (
 from kvtier.daemon.ops import Connection, ControlOps
 from kvtier.daemon.prefix import PrefixProbe
 from kvtier.daemon.redis_sync import RedisSync
-from kvtier.errors import KVTierError, Overloaded, ProtocolError, StartupError, TrustError
+from kvtier.errors import (
+    KVTierError,
+    Overloaded,
+    ProtocolError,
+    StartupError,
+    TrustError,
+    brief,
+)
 from kvtier.protocol import pack, request_id
 from kvtier.store import TieredStore
 
@@ -78,7 +85,8 @@ class ControlServer(ControlOps):
         # a producer cuts a long prompt's save into pieces that fit it
         self.greeter = Greeter({"path": arena_path, "size": arena_size,
                                 "put_bytes": self.limits.client_put_bytes or arena_size},
-                               hbm, open_arena)
+                               hbm, open_arena,
+                               reply_timeout_s=self.limits.read_timeout_s)
         self.observe = observe
         self.last_request = 0.0     # time.monotonic() of the last request (GcGuard)
         self.connections: dict[int, Connection] = {}
@@ -253,6 +261,11 @@ class ControlServer(ControlOps):
             await self._send_error(writer, write_lock, exc.code, str(exc))
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except TimeoutError:   # the hello's reply left unread (Greeter.reply_timeout_s)
+            self.counters.dropped_slow += 1
+            conn.dropped = True
+            log.warning("client %s does not read its hello reply: dropping it", conn.id)
+            writer.transport.abort()
         except Exception as exc:  # a bug here must not leave the client waiting for nothing
             conn.dropped = True
             log.exception("connection of client %s failed", conn.id)
@@ -337,7 +350,7 @@ class ControlServer(ControlOps):
                 raise ProtocolError("the request id must be an int")
             handler = self._ops.get(op) if isinstance(op, str) else None
             if handler is None:
-                raise ProtocolError(f"unknown op {_short(op)}")
+                raise ProtocolError(f"unknown op {brief(op)}")
             reply = await handler(conn, msg)
             reply["id"] = rid
             reply["ok"] = True
@@ -345,7 +358,7 @@ class ControlServer(ControlOps):
             self._count(exc.code)
             reply = {"id": rid, "ok": False, "code": exc.code, "error": str(exc)}
         except Exception as exc:  # a bug must not take the daemon down for everyone
-            log.exception("op %s from client %s failed", _short(op), conn.id)
+            log.exception("op %s from client %s failed", brief(op), conn.id)
             self._count("internal")
             reply = {"id": rid, "ok": False, "code": "internal",
                      "error": f"internal error: {exc.__class__.__name__}"}
@@ -354,11 +367,11 @@ class ControlServer(ControlOps):
         try:
             data = pack(reply)
         except Exception as exc:  # e.g. an int beyond 64 bits derived from the request
-            log.warning("the reply to %s from client %s cannot be encoded: %s", _short(op),
+            log.warning("the reply to %s from client %s cannot be encoded: %s", brief(op),
                         conn.id, exc)
             self._count("internal")
             data = pack({"id": rid, "ok": False, "code": "internal",
-                         "error": f"the reply to {_short(op)} cannot be encoded "
+                         "error": f"the reply to {brief(op)} cannot be encoded "
                                   f"({exc.__class__.__name__}): a request value is out of "
                                   "range"})
         try:
@@ -389,7 +402,3 @@ class ControlServer(ControlOps):
                 "namespaces_evicted": self.store.namespaces_evicted,
                 "redis_sync": self.redis_sync.stats()}
 
-def _short(value: object) -> str:
-    """A client-sent value for an error message or log line, never longer than 64 chars."""
-    text = repr(value)
-    return text if len(text) <= 64 else text[:61] + "..."

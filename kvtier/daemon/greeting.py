@@ -14,8 +14,8 @@ from typing import Any
 
 from kvtier import __version__
 from kvtier.daemon.ops import Connection
-from kvtier.errors import HandshakeError, KVTierError
-from kvtier.protocol import PROTOCOL_VERSION, SUPPORTED_VERSIONS, pack
+from kvtier.errors import HandshakeError, KVTierError, brief
+from kvtier.protocol import PROTOCOL_VERSION, SUPPORTED_VERSIONS, pack, request_id
 
 log = logging.getLogger("kvtier.control")
 
@@ -32,6 +32,9 @@ class Greeter:
     hbm: dict[str, Any] | None = None
     open_arena: Callable[[], int] | None = field(default=None)
     presence: tuple[dict[str, Any], Callable[[], int]] | None = None
+    # the reply's drain, as every later reply's (daemon.read_timeout_s): a client that never
+    # reads it held the connection and the reply forever (found by review)
+    reply_timeout_s: float = 10.0
 
     async def greet(self, conn: Connection,
                     read: Callable[[], Awaitable[dict[str, Any] | None]],
@@ -44,11 +47,13 @@ class Greeter:
             raise HandshakeError("the first request must be 'hello'")
         version = msg.get("version")
         if type(version) is not int or version not in SUPPORTED_VERSIONS:
-            raise HandshakeError(f"protocol version {version!r} not supported; this daemon "
+            raise HandshakeError(f"protocol version {brief(version)} not supported; this daemon "
                                  f"speaks {sorted(SUPPORTED_VERSIONS)}: upgrade the client")
-        conn.client = str(msg.get("client", ""))[:64]
-        conn.key_scheme = str(msg.get("key_scheme", ""))[:64]
-        reply = {"id": msg.get("id", 0), "ok": True, "version": PROTOCOL_VERSION,
+        conn.client = _label(msg.get("client", ""))
+        conn.key_scheme = _label(msg.get("key_scheme", ""))
+        # only an int id is echoed (request_id): any other value, say 16 MiB of bytes, would
+        # be held in the reply for as long as the client does not read it (found by review)
+        reply = {"id": request_id(msg), "ok": True, "version": PROTOCOL_VERSION,
                  "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
         if self.hbm is not None:
             reply["hbm"] = self.hbm
@@ -62,7 +67,8 @@ class Greeter:
                 os.close(fd)
         if data:
             writer.write(data)
-        await writer.drain()
+        async with asyncio.timeout(self.reply_timeout_s):
+            await writer.drain()
 
     def _descriptors(self, msg: dict[str, Any], reply: dict[str, Any]) -> list[int]:
         """The descriptors to pass with the reply: the arena's when asked, then the
@@ -104,3 +110,8 @@ class Greeter:
 
     def _open_by_path(self) -> int:
         return os.open(str(self.arena["path"]), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def _label(value: object) -> str:
+    """A client's self-description (``client``, ``key_scheme``) for logs: 64 characters."""
+    return value[:64] if isinstance(value, str) else brief(value)

@@ -27,6 +27,7 @@ from kvtier.errors import (
     UnknownNamespace,
     UntrustedArena,
     UntrustedDaemon,
+    brief,
     error_from_code,
 )
 
@@ -102,3 +103,27 @@ def test_a_subclass_without_its_own_code_does_not_steal_its_parents() -> None:
 
     assert SpecialLease.code == "lease"
     assert type(error_from_code("lease", "x")) is LeaseError
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    ("abc", "'abc'"),
+    (b"\x00\x01", "b'\\x00\\x01'"),
+    (None, "None"),
+    (True, "True"),
+    (2.5, "2.5"),
+    (-7, "-7"),
+    (2**70, "an int of 71 bits"),
+    ([1, 2, 3], "a list of 3 items"),
+    ({"a": 1}, "a dict of 1 items"),
+    (object(), "a object"),
+])
+def test_brief_names_a_value_shortly(value: object, text: str) -> None:
+    assert brief(value) == text
+
+
+@pytest.mark.parametrize("value", ["x" * (16 << 20), b"\xff" * (16 << 20),
+                                   bytearray(16 << 20)])
+def test_brief_cuts_long_values_before_rendering_them(value: object) -> None:
+    text = brief(value)
+    assert len(text) == 64 and text.endswith("...")
+    assert len(brief(value, 20)) == 20
