@@ -39,32 +39,44 @@ def _gone(pid: int) -> bool:
 
 
 class ExitWatcher:
-    """Calls ``on_exit`` once each watched process has exited (on the event loop)."""
+    """Calls each ``on_exit`` once its process has exited (on the event loop).
+
+    One watch per pid, however many callbacks wait on it: a process whose connections the
+    daemon drops again and again while they hold put slots added one pidfd per drop, until
+    the daemon ran out of descriptors and refused every new client (found by review)."""
 
     def __init__(self, unknown_pid_s: float) -> None:
         self.unknown_pid_s = unknown_pid_s
-        self._closers: dict[int, Callable[[], None]] = {}   # token -> how to stop watching
+        self._waiting: dict[int, list[Callable[[], None]]] = {}   # pid -> its callbacks
+        self._stops: dict[int, Callable[[], None]] = {}           # pid -> stop watching it
+        self._unknown: dict[int, asyncio.TimerHandle] = {}       # token -> grace timer
         self._tokens = 0
 
     def __len__(self) -> int:
-        return len(self._closers)
+        """Callbacks still waiting."""
+        return sum(map(len, self._waiting.values())) + len(self._unknown)
+
+    @property
+    def watches(self) -> int:
+        """Processes watched (descriptors or poll timers held)."""
+        return len(self._stops)
 
     def watch(self, pid: int, on_exit: Callable[[], None]) -> None:
         """Call ``on_exit`` once ``pid`` has exited (at once when it already has)."""
         loop = asyncio.get_running_loop()
-        self._tokens += 1
-        token = self._tokens
-
-        def fire() -> None:
-            stop = self._closers.pop(token, None)
-            if stop is None:
-                return
-            stop()
-            on_exit()
-
         if pid <= 0:
-            handle = loop.call_later(self.unknown_pid_s, fire)
-            self._closers[token] = handle.cancel
+            self._tokens += 1
+            token = self._tokens
+
+            def grace_over() -> None:
+                if self._unknown.pop(token, None) is not None:
+                    on_exit()
+
+            self._unknown[token] = loop.call_later(self.unknown_pid_s, grace_over)
+            return
+        waiting = self._waiting.get(pid)
+        if waiting is not None:   # already watched: one more callback on the same watch
+            waiting.append(on_exit)
             return
         try:
             fd = os.pidfd_open(pid)
@@ -72,24 +84,33 @@ class ExitWatcher:
             on_exit()
             return
         except (OSError, AttributeError):   # no pidfd here: poll
-            self._poll(loop, token, pid, fire)
+            self._waiting[pid] = [on_exit]
+            self._poll(loop, pid)
             return
 
         def close_fd() -> None:
             loop.remove_reader(fd)
             os.close(fd)
 
-        self._closers[token] = close_fd
-        loop.add_reader(fd, fire)
+        self._waiting[pid] = [on_exit]
+        self._stops[pid] = close_fd
+        loop.add_reader(fd, self._fire, pid)
 
-    def _poll(self, loop: asyncio.AbstractEventLoop, token: int, pid: int,
-              fire: Callable[[], None]) -> None:
+    def _fire(self, pid: int) -> None:
+        stop = self._stops.pop(pid, None)
+        if stop is None:
+            return
+        stop()
+        for on_exit in self._waiting.pop(pid, []):
+            on_exit()
+
+    def _poll(self, loop: asyncio.AbstractEventLoop, pid: int) -> None:
         handle: asyncio.TimerHandle | None = None
 
         def check() -> None:
             nonlocal handle
             if _gone(pid):
-                fire()
+                self._fire(pid)
             else:
                 handle = loop.call_later(POLL_S, check)
 
@@ -97,12 +118,16 @@ class ExitWatcher:
             if handle is not None:
                 handle.cancel()
 
-        self._closers[token] = cancel
+        self._stops[pid] = cancel
         check()
 
     def close(self) -> None:
         """Stop watching (daemon stop): nothing more is called."""
-        closers, self._closers = self._closers, {}
-        for stop in closers.values():
+        stops, self._stops = self._stops, {}
+        self._waiting.clear()
+        for stop in stops.values():
             with contextlib.suppress(Exception):
                 stop()
+        timers, self._unknown = self._unknown, {}
+        for timer in timers.values():
+            timer.cancel()

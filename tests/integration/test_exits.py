@@ -66,3 +66,30 @@ def test_a_gone_pid_fires_at_once_and_an_unknown_one_after_the_grace() -> None:
         assert fired == ["gone", "unknown"]
 
     asyncio.run(run())
+
+
+def test_many_callbacks_on_one_process_share_one_watch() -> None:
+    """A process dropped again and again while it held put slots: one pidfd, not one per
+    drop, which ran the daemon out of descriptors (found by review)."""
+    async def run() -> None:
+        child = _child()
+        fds = len(os.listdir("/proc/self/fd"))
+        watcher = ExitWatcher(3600)
+        fired: list[int] = []
+        for i in range(200):
+            watcher.watch(child.pid, lambda i=i: fired.append(i))
+        assert watcher.watches == 1 and len(watcher) == 200
+        assert len(os.listdir("/proc/self/fd")) <= fds + 1
+        assert child.stdin is not None
+        child.stdin.close()
+        for _ in range(200):
+            if fired:
+                break
+            await asyncio.sleep(0.05)
+        assert fired == list(range(200))   # each once, in the order they came
+        assert watcher.watches == 0 and len(watcher) == 0
+        child.wait()
+        watcher.watch(child.pid, lambda: fired.append(-1))   # reaped: at once
+        assert fired[-1] == -1 and watcher.watches == 0
+
+    asyncio.run(run())
