@@ -15,6 +15,7 @@ import pytest
 
 from kvtier.index import SlotState
 from kvtier.store import TieredStore, slices
+from kvtier.store.reads import touch_chain_in_turns
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_mapping import ArenaMapping
 from tests.support.arena import temp_arena
@@ -128,3 +129,23 @@ async def test_delete_that_pauses_skips_blocks_read_meanwhile(
     for key, off in zip(keys[:8], offsets, strict=True):
         assert bytes(client.view(off, BLOCK, writable=False)) == payload(key)
     await store.release_get(OTHER_CLIENT, lease)
+
+
+class _Recorder:
+    """A policy that records the keys it is told were used."""
+
+    def __init__(self) -> None:
+        self.touched: list[bytes] = []
+
+    def touch(self, key: bytes, *, now: float = 0.0) -> None:
+        self.touched.append(key)
+
+
+async def test_a_long_chain_is_touched_tail_first_in_turns() -> None:
+    """A lookup or get touches its whole chain: 131,072 one-token blocks held the event
+    loop for 200 ms in one piece (found by review)."""
+    keys = chain(N)
+    policy = _Recorder()
+    _, turns = await interleaved(touch_chain_in_turns(
+        policy, keys, 0.0, slices.Turn()))   # type: ignore[arg-type]
+    assert policy.touched == keys[::-1] and turns >= min_turns()
