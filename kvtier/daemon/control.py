@@ -36,6 +36,7 @@ from kvtier.daemon.limits import (
     Charge,
     LimitCounters,
     Limits,
+    ProcessShare,
     ProcessShares,
     read_request,
 )
@@ -79,7 +80,9 @@ class ControlServer(ControlOps):
             process_pending_bytes=2 * max_frame)
         self.max_frame = self.limits.max_frame
         self.pending = ByteBudget(self.limits.total_pending_bytes)
-        self.shares = ProcessShares(self.limits.process_pending_bytes)   # per client process
+        # per client process: its request bytes, and its requests in flight over all its
+        # connections (as many as one connection may have)
+        self.shares = ProcessShares(self.limits.process_pending_bytes, max_inflight)
         self.max_inflight = max_inflight
         # put_bytes: the most arena bytes one process may hold in open puts (its share):
         # a producer cuts a long prompt's save into pieces that fit it
@@ -216,9 +219,10 @@ class ControlServer(ControlOps):
             self.exits.watch(conn.pid, exited)
 
     async def _converse(self, conn: Connection, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter, share: ByteBudget) -> None:
+                        writer: asyncio.StreamWriter, share: ProcessShare) -> None:
         """Hello, then requests until the client leaves, breaks the protocol or idles out.
-        ``share``: the request bytes its process may hold (``Limits.process_pending_bytes``)."""
+        ``share``: the request bytes its process may hold (``Limits.process_pending_bytes``)
+        and its requests in flight over all its connections."""
         write_lock = asyncio.Lock()
         inflight = asyncio.Semaphore(self.max_inflight)
         held = ByteBudget(self.limits.conn_pending_bytes)
@@ -228,22 +232,28 @@ class ControlServer(ControlOps):
             tasks.discard(t)
             self._requests.discard(t)
             inflight.release()
+            share.inflight.release()
             charge.release()
 
         try:
-            await self.greeter.greet(conn, functools.partial(self._read, reader, share),
+            await self.greeter.greet(conn, functools.partial(self._read, reader, share.budget),
                                      writer)
             while True:
                 # not idle while it holds slots for writing: dropping it would not stop it
                 frame = await read_request(
                     reader, self.limits, self.pending, self.counters, held,
                     busy=lambda: bool(tasks) or self.store.held_put_bytes(conn.id) > 0,
-                    process=share)
+                    process=share.budget)
                 if frame is None:
                     break
                 msg, charge = frame
                 try:
                     await inflight.acquire()
+                    try:
+                        await share.inflight.acquire()
+                    except BaseException:
+                        inflight.release()
+                        raise
                 except BaseException:
                     charge.release()
                     raise

@@ -186,35 +186,49 @@ class ByteBudget:
                     break
 
 
+@dataclass(slots=True)
+class ProcessShare:
+    """What one client process may hold over all its connections: request bytes, and
+    requests in flight (64 connections of one process pipelining 64 requests each made
+    another client's ping wait a second; found by review)."""
+
+    budget: ByteBudget
+    inflight: asyncio.Semaphore
+    users: int = 0
+
+
 class ProcessShares:
-    """One ``ByteBudget`` per client process (by pid), so that one process cannot hold the
-    whole shared request-byte budget; counted by the connections that use it."""
+    """One ``ProcessShare`` per client process (by pid), so that one process cannot hold the
+    whole shared request-byte budget nor fill the event loop with its requests; counted by
+    the connections that use it."""
 
-    __slots__ = ("_budgets", "limit")
+    __slots__ = ("_shares", "inflight", "limit")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, inflight: int) -> None:
         self.limit = limit
-        self._budgets: dict[int, tuple[ByteBudget, int]] = {}
+        self.inflight = inflight
+        self._shares: dict[int, ProcessShare] = {}
 
-    def open(self, process: int) -> ByteBudget:
-        budget, users = self._budgets.get(process, (None, 0))
-        if budget is None:
-            budget = ByteBudget(self.limit)
-        self._budgets[process] = (budget, users + 1)
-        return budget
+    def open(self, process: int) -> ProcessShare:
+        share = self._shares.get(process)
+        if share is None:
+            share = self._shares[process] = ProcessShare(
+                ByteBudget(self.limit), asyncio.Semaphore(self.inflight))
+        share.users += 1
+        return share
 
     def users(self, process: int) -> int:
         """Connections of ``process`` open now."""
-        return self._budgets.get(process, (None, 0))[1]
+        share = self._shares.get(process)
+        return share.users if share is not None else 0
 
     def close(self, process: int) -> None:
-        budget, users = self._budgets.get(process, (None, 0))
-        if budget is None:
+        share = self._shares.get(process)
+        if share is None:
             return
-        if users <= 1:
-            del self._budgets[process]
-        else:
-            self._budgets[process] = (budget, users - 1)
+        share.users -= 1
+        if share.users <= 0:
+            del self._shares[process]
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from kvtier.daemon.limits import (
     Charge,
     LimitCounters,
     Limits,
+    ProcessShares,
     read_request,
 )
 from kvtier.errors import CapacityError, ConfigError, ProtocolError
@@ -66,6 +67,26 @@ def test_config_limits_from_env_and_validation() -> None:
                 {"KVTIER_DAEMON_MAX_NAMESPACES": "-1"}):
         with pytest.raises(ConfigError, match=r"daemon\."):
             load_config(env=env)
+
+
+async def test_a_process_shares_its_requests_in_flight_over_its_connections() -> None:
+    """One process's connections draw on one in-flight bound (64 connections pipelining 64
+    requests each made another client's ping wait a second; found by review); another
+    process has its own, and a process's share goes when its last connection does."""
+    shares = ProcessShares(1 << 20, inflight=2)
+    a1, a2, b = shares.open(100), shares.open(100), shares.open(200)
+    assert a1 is a2 and a1 is not b and shares.users(100) == 2
+    await a1.inflight.acquire()
+    await a2.inflight.acquire()
+    assert a1.inflight.locked() and not b.inflight.locked()
+    waiter = asyncio.ensure_future(a2.inflight.acquire())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    a1.inflight.release()
+    await asyncio.wait_for(waiter, 1)
+    shares.close(100)
+    shares.close(100)
+    assert shares.users(100) == 0 and shares.open(100) is not a1
 
 
 async def test_byte_budget_waits_for_room_and_can_be_given_up() -> None:
