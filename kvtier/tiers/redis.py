@@ -261,4 +261,5 @@ class RedisTier(RedisWrites):
             "last_error": self.last_error,
             "namespace_mismatches": self.namespace_mismatches,
             "protocol_errors": self._router.protocol_errors,
+            "stray_frames": self._router.stray_frames,
         }

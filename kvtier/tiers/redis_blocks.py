@@ -160,6 +160,15 @@ def lengths_sound(header: FrameHeader) -> bool:
     return header.payload_len <= codecs.max_encoded_len(header.codec, header.raw_len)
 
 
+def most_wire(block_bytes: int) -> int:
+    """The longest value a GET of a block of ``block_bytes`` can use: its header and the
+    longest payload any codec writes for it (a striped frame's key holds less). A longer
+    value is refused unread, its connection closed (found by review: a planted value of
+    500 MiB behind a sound header was drained on every read until the deadline); one of
+    the right size is never affected."""
+    return HEADER_SIZE + max(codecs.max_encoded_len(c, block_bytes) for c in Codec)
+
+
 def header_range(rkey: bytes) -> bytes:
     """The command reading the frame header at ``rkey`` (b"" when the key is missing)."""
     return command(b"GETRANGE", rkey, b"0", b"%d" % (HEADER_SIZE - 1))
@@ -175,9 +184,10 @@ def read_blocks(conn: Conn, rkeys: Sequence[bytes], keys: Sequence[bytes],
                 ) -> list[BlockRead]:
     """GET every key (one pipeline) and land each verified block in its ``outs`` buffer."""
     place = _Placer(keys, _bytes_views(outs), namespace, layout_fp)
-    replies = conn.get_many(rkeys, HEADER_SIZE, place)
+    replies = conn.get_many(rkeys, HEADER_SIZE, place,
+                            max(most_wire(o.nbytes) for o in place.outs))
     if place.stray:   # the pool drops it: its next exchange could read this one's replies
-        conn.out_of_step = True
+        conn.stray_frame = True
     return [_read_of(place, i, reply) for i, reply in enumerate(replies)]
 
 
@@ -211,7 +221,7 @@ def read_blocks_muxed(batches: Sequence[tuple[NodeAddr, list[int]]], rkeys: Sequ
 
         large = min(place.outs[i].nbytes for i in idx) >= LARGE_VALUE_BYTES
         this = GetJob(node, [rkeys[i] for i in idx], HEADER_SIZE, placed, done, idx[0],
-                      large=large)
+                      large=large, most=max(most_wire(place.outs[i].nbytes) for i in idx))
         return this
 
     jobs = [job(node, idx) for node, idx in batches]

@@ -120,8 +120,10 @@ class _Replies:
             kind, rest = line[:1], line[1:]
             if kind == b"$":
                 n = _int(rest, conn)
+                if n == -1:   # RESP2's nil; any other negative length is not RESP
+                    return None   # (found by review)
                 if n < 0:
-                    return None
+                    raise ProtocolError(f"redis {conn.addr} sent a length of {n}")
                 if n > MAX_BULK:
                     raise ProtocolError(f"redis {conn.addr} sent a {n}-byte value where a "
                                         f"small reply was expected")

@@ -68,9 +68,15 @@ class GetJob:
     # CRLF after it on their own (FILL_CAP bytes at most), so that a body goes from the
     # socket straight into its buffer instead of through the read buffer and a copy.
     large: bool = False
+    # A value the placer refuses that is longer than this is not drained (None: any is):
+    # the connection is closed mid-value, and the job's later replies are None (misses)
+    # (found by review: 500 MiB planted behind a sound header were drained until the
+    # deadline, so the read timed out, the value was never deleted, and concurrent
+    # readers took the tier down).
+    most: int | None = None
     error: BaseException | None = field(default=None, init=False)   # what failed it
     # its placer met a reply that cannot be this job's (another key's value): the
-    # connection is out of step and is dropped once the job is read, never reused
+    # connection is dropped once the job is read, never reused (``Conn.stray_frame``)
     out_of_step: bool = field(default=False, init=False)
     started: bool = field(default=False, init=False)
 
@@ -137,7 +143,8 @@ class _Stream:
             elif phase is _Phase.HEAD:
                 if not self._fill(self.head):
                     return False
-                self._placed()
+                if self._placed():
+                    return True
             elif phase is _Phase.TAIL:
                 if not self._fill(self.tail):
                     return False
@@ -171,8 +178,8 @@ class _Stream:
         if kind != b"$":
             raise ProtocolError(f"expected a bulk reply from redis {self.conn.addr}, "
                                 f"got {kind!r}")
-        n = int(line[1:])
-        if n < 0:
+        n = self.conn.nil_or_length(line[1:])
+        if n is None:
             return self._reply(None)
         self.n = n
         if self.head.nbytes != min(self.job.head, n):
@@ -180,16 +187,27 @@ class _Stream:
         self.phase, self.pos = _Phase.HEAD, 0
         return False
 
-    def _placed(self) -> None:
-        """The value's head is in: ask where the rest goes."""
+    def _placed(self) -> bool:
+        """The value's head is in: ask where the rest goes. True when the job ends here: a
+        refused value longer than ``job.most`` is reported (its length) without reading
+        it on, the job's later replies as None, and the connection marked ``mid_reply``
+        (closed by its pool, never reused)."""
         rest = self.n - self.head.nbytes
         dest = self.job.place(self.i, bytes(self.head), self.n)
         if dest is None:
+            most = self.job.most
+            if most is not None and self.n > most:
+                self.conn.mid_reply = True
+                finished = self._reply(self.n)
+                while not finished:
+                    finished = self._reply(None)
+                return True
             self.left, self.phase = rest, _Phase.SKIP
-            return
+            return False
         if dest.nbytes != rest:
             raise ValueError(f"placer gave {dest.nbytes} bytes for a {rest}-byte value")
         self.dest, self.phase, self.pos = dest, _Phase.BODY, 0
+        return False
 
     def _reply(self, reply: int | ErrorReply | None) -> bool:
         self.job.done(self.i, reply)
@@ -263,10 +281,11 @@ def read_jobs(jobs: Sequence[GetJob], pool_of: Callable[[NodeAddr], NodePool], w
                     # bytes past the job's replies, or a reply that was not this job's (a
                     # server out of step): the connection goes back to the pool, which
                     # discards it, never on to the next job
+                    used = stream.conn
                     if stream.job.out_of_step:
-                        stream.conn.out_of_step = True
-                    nxt = (None if stream.conn.buffered() or stream.conn.out_of_step else
-                           _next_job(stream.job.node, pending, launch))
+                        used.stray_frame = True
+                    nxt = (None if used.buffered() or used.out_of_step or used.stray_frame
+                           or used.mid_reply else _next_job(stream.job.node, pending, launch))
                     if nxt is not None:   # sent on the same connection: keep polling it
                         stream.reset(nxt)
                         try:

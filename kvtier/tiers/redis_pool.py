@@ -2,8 +2,9 @@
 
 A connection is taken for one exchange and given back after it; one that failed in any way
 is discarded (closed, never reused: kvtier.tiers.redis_wire says why), and so is one given
-back with bytes still buffered past its replies: a server out of step (an extra reply)
-would have its next exchange take those bytes for its own replies. ``limit`` bounds the
+back with bytes still buffered past its replies (a server out of step, an extra reply,
+would have its next exchange take those bytes for its own replies), one that read another
+key's frame, and one left in the middle of a value it refused. ``limit`` bounds the
 connections one server gets from the reads that fan out (kvtier.tiers.redis_mux asks with
 ``try_take`` for every pipeline after its first); one exchange per worker thread (``take``)
 always gets a connection, as before, so a busy read never starves a write or a health PING.
@@ -26,11 +27,12 @@ class NodePool:
     __slots__ = ("_closed", "_idle", "_lock", "addr", "limit", "on_stray", "open", "opts")
 
     def __init__(self, addr: NodeAddr, opts: ConnOptions, limit: int,
-                 on_stray: Callable[[NodeAddr], None] | None = None) -> None:
+                 on_stray: Callable[[NodeAddr, bool], None] | None = None) -> None:
         self.addr = addr
         self.opts = opts
         self.limit = max(1, limit)
         self.on_stray = on_stray      # told of each connection dropped out of step (give)
+                                      # and whether it held bytes past its replies
         self.open = 0                 # connections made and not yet closed (idle or taken)
         self._idle: list[Conn] = []
         self._lock = threading.Lock()
@@ -82,13 +84,22 @@ class NodePool:
 
     def give(self, conn: Conn) -> None:
         """Take back a connection whose exchange ended cleanly. One that still holds
-        received bytes (more than its replies), or read a reply that was not its
-        command's (``Conn.out_of_step``), is discarded and reported to ``on_stray``
-        instead: reused, its next exchange would read them as its own replies."""
-        if conn.buffered() or conn.out_of_step:
+        received bytes (more than its replies, ``Conn.out_of_step``), or read another
+        key's frame for a GET (``Conn.stray_frame``), is discarded and reported to
+        ``on_stray`` instead: reused, its next exchange could read them as its own
+        replies. ``on_stray`` is told whether bytes past the replies came (the server's
+        fault) or not (found by review: a value copied under another key by another
+        writer, on a sound server, was logged as the server sending too much). One left
+        mid-reply (``Conn.mid_reply``: a planted value refused unread) is closed."""
+        if conn.mid_reply:
+            self.discard(conn)
+            return
+        extra = conn.out_of_step or conn.buffered() > 0
+        if extra or conn.stray_frame:
+            extra = extra or conn.stale()   # (a peek, on this rare path only)
             self.discard(conn)
             if self.on_stray is not None:
-                self.on_stray(self.addr)
+                self.on_stray(self.addr, extra)
             return
         with self._lock:
             if not self._closed and len(self._idle) < self.limit:

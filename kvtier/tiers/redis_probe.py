@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.errors import FrameError
-from kvtier.frame import FrameHeader
+from kvtier.frame import FrameHeader, stripe_bounds
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.redis_blocks import header_range, never_valid
 from kvtier.tiers.redis_link import UNSERVED, RedisLink
@@ -26,6 +26,16 @@ from kvtier.tiers.redis_wire import Conn
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
 
 EXISTS_BATCH = 64                 # keys per pipelined EXISTS round trip
+
+
+def last_byte(key: bytes, length: int) -> bytes:
+    """The command reading byte ``length - 1`` of the value at ``key``: one byte when it
+    is a string of at least ``length`` bytes, b"" when missing or shorter, WRONGTYPE when
+    not a string. ``whole_prefix`` asks it of each stripe (found by review: EXISTS, 1 for
+    a key of any type, counted a stripe turned into a list as whole, so a synchronous
+    commit never sent such a block again)."""
+    at = b"%d" % (length - 1)
+    return command(b"GETRANGE", key, at, at)
 NS_OFFSET, NS_END = 8, 23         # the frame header's namespace field (GETRANGE, inclusive)
 
 
@@ -87,6 +97,7 @@ class RedisProbes(RedisLink):
         found = len(rkeys)
         owner: list[int] = []   # block index of each stripe key
         stripes: list[bytes] = []
+        checks: list[bytes] = []   # the last byte of each stripe
         block_bytes = self._block_bytes_for(namespace)
         for i, (rkey, head) in enumerate(zip(rkeys, heads, strict=True)):
             if isinstance(head, ErrorReply):
@@ -109,12 +120,19 @@ class RedisProbes(RedisLink):
                 found = i
                 break
             parts = owned_part_keys(rkey, header, block_bytes)
+            bounds = stripe_bounds(header.payload_len)[1:] if parts else []
             stripes += parts
             owner += [i] * len(parts)
+            checks += [last_byte(part, hi - lo) for part, (lo, hi) in zip(parts, bounds,
+                                                                          strict=True)]
         if stripes:
             there = await self._per_server(stripes, lambda conn, idx: conn.simple_many(
-                [command(b"EXISTS", stripes[j]) for j in idx]))
-            found = min([found] + [owner[j] for j, r in enumerate(there) if r != 1])
+                [checks[j] for j in idx]))
+            for reply in there:
+                if isinstance(reply, ErrorReply):
+                    self._error_reply(reply)
+            found = min([found] + [owner[j] for j, r in enumerate(there)
+                                   if not (isinstance(r, bytes) and len(r) == 1)])
         return found
 
     def _present(self, reply: Any, namespace: bytes | None) -> bool:

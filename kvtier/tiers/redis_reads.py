@@ -261,9 +261,11 @@ class RedisReads(RedisProbes):
                     ReadStatus.CORRUPT, ReadStatus.STRAY):   # stored so: a bad frame
                 await self._drop_corrupt(rkey, f"{verdict.why} (read again)")
                 return
-        # the value at `key` is sound or unknown: the reply was out of step, the server's
+        # the value at `key` is sound or unknown: a reply out of step, or (found by
+        # review) a value another writer copied there and replaced since
         self._note_error(ProtocolError(f"redis answered GET {rkey!r:.60} with a frame "
-                                       f"of another key"))
+                                       f"of another key (a reply out of step, or a value "
+                                       f"copied there)"))
 
 
 def _redirected(read: BlockRead) -> bool:

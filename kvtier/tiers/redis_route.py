@@ -95,6 +95,7 @@ class Router:
         self.last_error = ""
         self._learned_at = -LEARN_EVERY_S   # when learn_members last asked
         self.protocol_errors = 0   # connections dropped out of step with their server
+        self.stray_frames = 0      # ... that read another key's frame (found by review)
 
     # --- routing --------------------------------------------------------------------------
 
@@ -150,12 +151,25 @@ class Router:
                                                     self._out_of_step)
             return pool
 
-    def _out_of_step(self, addr: NodeAddr) -> None:
-        """A connection to ``addr`` ended an exchange with bytes past its replies (an extra
-        reply): it was discarded; counted (any worker thread)."""
+    def _out_of_step(self, addr: NodeAddr, extra: bool) -> None:
+        """A connection to ``addr`` was discarded (any worker thread): it ended an exchange
+        with bytes past its replies (``extra``: the server sent more than asked,
+        ``protocol_errors``), or a GET of it was answered with another key's frame and
+        nothing more came (``stray_frames``): on a sound server, a value another writer
+        copied under that key, or else a reply out of step (found by review: hundreds of
+        such copies were logged as the server sending more than its replies)."""
         with self._lock:
-            self.protocol_errors += 1
-        log.warning("redis tier: %s sent more than its replies; connection dropped", addr)
+            if extra:
+                self.protocol_errors += 1
+            else:
+                self.stray_frames += 1
+        if extra:
+            log.warning("redis tier: %s sent more than its replies; connection dropped",
+                        addr)
+        else:
+            log.warning("redis tier: %s answered a GET with another key's frame (a value "
+                        "copied under the wrong key, or a reply out of step); connection "
+                        "dropped", addr)
 
     def mark_failed(self, addr: NodeAddr) -> None:
         """Stop routing to ``addr`` until a refresh finds it alive (or gone from the map)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
@@ -238,6 +239,21 @@ class RedisSocket:
     def buffered(self) -> int:
         """Bytes received and not yet taken."""
         return self._hi - self._lo
+
+    def stale(self) -> bool:
+        """Whether bytes have arrived past the replies read so far: buffered, or waiting in
+        the socket (one non-blocking peek; a TLS socket: its decrypted bytes only). Checked
+        between two exchanges on one connection, where a reply too many would be read by
+        the next exchange as its own (found by review: a stripe's GETRANGE answered twice
+        was read as the next stripe, and the sound block deleted as corrupt)."""
+        if self._hi > self._lo:
+            return True
+        if isinstance(self._sock, ssl.SSLSocket):
+            return self._sock.pending() > 0
+        try:
+            return bool(self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return False
 
     def drop(self, n: int) -> int:
         """Discard up to ``n`` buffered bytes; how many were."""

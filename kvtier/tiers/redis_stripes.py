@@ -39,7 +39,7 @@ from kvtier.tiers.redis_blocks import (
     uncompressed,
 )
 from kvtier.tiers.redis_queue import PendingWrite
-from kvtier.tiers.redis_resp import ErrorReply, command
+from kvtier.tiers.redis_resp import KEY_ERRORS, ErrorReply, ProtocolError, command
 from kvtier.tiers.redis_wire import Conn
 
 if TYPE_CHECKING:
@@ -137,22 +137,25 @@ async def _read_stripes(tier: RedisReads, rkey: bytes, header: FrameHeader,
         # one server's stripes one after another: a server serves big values fastest to
         # few connections (two 32 MiB blocks: 17 ms, vs 39-43 ms with 2-8 stripes of
         # each in flight); in a cluster the servers holding stripes work in parallel
-        return [conn.getrange_into(rkey, HEADER_SIZE, dests[0]) if i == 0
-                else conn.get_exact(keys[i], dests[i]) for i in idx]
+        got: list[object] = []
+        for i in idx:
+            if conn.stale():   # (found by review) see _stale
+                return _stale(conn, len(idx))
+            got.append(conn.getrange_into(rkey, HEADER_SIZE, dests[0]) if i == 0
+                       else conn.get_exact(keys[i], dests[i]))
+            if conn.mid_reply:   # a stripe longer than its own, refused unread: its
+                return got + [None] * (len(idx) - len(got))   # connection is closed
+        return _stale(conn, len(idx)) if conn.stale() else got
 
     got = await tier._per_server(keys, read, holds_buffers=True)
     wire = HEADER_SIZE + header.payload_len
-    failed = next((r for r in got if not (r is None or isinstance(r, int))), None)
-    if failed is not None:   # an error reply, a failed server: says nothing of the block
+    status, why, error = _verdict(got, dests)
+    if status is ReadStatus.ERROR:   # says nothing of the block
         if plain:
             payload[:] = bytes(payload.nbytes)
-        return BlockRead(ReadStatus.ERROR, wire, why=str(failed),
-                         error=failed if isinstance(failed, ErrorReply) else None)
-    status, why = ReadStatus.MISSING, "a stripe is missing"
-    if all(n is not None for n in got):
-        status, why = ReadStatus.CORRUPT, "a stripe of another length"
+        return BlockRead(ReadStatus.ERROR, wire, why=why, error=error)
     decoding = False
-    if all(n == d.nbytes for n, d in zip(got, dests, strict=True)):
+    if status is ReadStatus.OK:
         try:
             await tier._in_thread(lambda: verify(header, payload))
             if not plain:
@@ -166,6 +169,41 @@ async def _read_stripes(tier: RedisReads, rkey: bytes, header: FrameHeader,
     if plain or decoding:   # never leave unverified or partly decoded bytes behind
         out[:header.raw_len] = bytes(header.raw_len)
     return BlockRead(status, wire, why)
+
+
+def _stale(conn: Conn, n: int) -> list[object]:
+    """The results of a stripe run whose connection received bytes past an exchange's
+    reply (a server that answered twice): ``n`` ProtocolErrors, an error read (a miss,
+    nothing deleted), the connection dropped and counted (``out_of_step``). Found by
+    review: stripe 0's GETRANGE answered twice was read as stripe 1's value, the
+    checksum failed, and the sound block (head and stripes) was deleted."""
+    conn.out_of_step = True
+    return [ProtocolError(f"redis {conn.addr} sent more than its replies")] * n
+
+
+def _verdict(got: list[object], dests: list[memoryview]
+             ) -> tuple[ReadStatus, str, ErrorReply | None]:
+    """What a striped read's per-stripe results say: ERROR for a failed server or
+    connection (an exception) or an error reply about the server (OOM, LOADING: it says
+    nothing of the block); CORRUPT for a stripe holding another type (``WRONGTYPE``:
+    another writer's value under a stripe's key) or a stripe of another length; MISSING
+    for a stripe that is gone; else OK (the checksum decides). Found by review: a stripe
+    turned into a list was an ERROR that deleted nothing, so its block stayed a lookup
+    hit that every get missed."""
+    if any(isinstance(r, BaseException) for r in got):
+        failed = next(r for r in got if isinstance(r, BaseException))
+        return ReadStatus.ERROR, str(failed), None
+    errors = [r for r in got if isinstance(r, ErrorReply)]
+    key_error = next((r for r in errors if r.kind in KEY_ERRORS), None)
+    if key_error is not None:
+        return ReadStatus.CORRUPT, f"a stripe holds another type ({key_error})", None
+    if errors:
+        return ReadStatus.ERROR, str(errors[0]), errors[0]
+    if any(isinstance(n, int) and n != d.nbytes for n, d in zip(got, dests, strict=True)):
+        return ReadStatus.CORRUPT, "a stripe of another length", None
+    if any(n is None for n in got):
+        return ReadStatus.MISSING, "a stripe is missing", None
+    return ReadStatus.OK, "", None
 
 
 async def _header_at(tier: RedisReads, rkey: bytes) -> FrameHeader | None:

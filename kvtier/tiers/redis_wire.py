@@ -50,14 +50,20 @@ _ITEM_BYTES = 16               # what an array element is charged (a Python obje
 class Conn(RedisSocket):
     """One blocking RESP connection (see the module docstring)."""
 
-    __slots__ = ("_room_left", "asking", "out_of_step")
+    __slots__ = ("_room_left", "asking", "mid_reply", "out_of_step", "stray_frame")
 
     def __init__(self, addr: NodeAddr, opts: ConnOptions) -> None:
         super().__init__(addr, opts)
         self.asking = False   # send each command behind an ASKING (see the module docstring)
-        # a reply read here was not its command's (another key's value): the connection
-        # is out of step with its server and the pool drops it (``NodePool.give``)
+        # bytes arrived past an exchange's replies (``stale``): the connection is out of
+        # step with its server and the pool drops it (``NodePool.give``), counted
         self.out_of_step = False
+        # a GET was answered with another key's frame: a value copied under the wrong key
+        # or a reply out of step; dropped too (found by review: counted apart)
+        self.stray_frame = False
+        # a value was refused without being read to its end (``read_value``'s ``most``):
+        # the rest of it is still due, so the pool closes the connection (found by review)
+        self.mid_reply = False
         self._room_left = 0   # what the reply being read may still hold (``read_reply``)
         try:
             self._handshake(opts)
@@ -107,8 +113,8 @@ class Conn(RedisSocket):
         if kind == b":":
             return self._number(rest)
         if kind == b"$":
-            n = self._number(rest)
-            if n < 0:
+            n = self.nil_or_length(rest)
+            if n is None:
                 return None
             self._take_room(n, "value")
             out = bytearray(n + 2)
@@ -117,8 +123,8 @@ class Conn(RedisSocket):
                 raise ProtocolError(f"bulk reply from redis {self.addr} not followed by CRLF")
             return bytes(out[:n])
         if kind == b"*":
-            n = self._number(rest)
-            if n < 0:
+            n = self.nil_or_length(rest)
+            if n is None:
                 return None
             if depth >= MAX_REPLY_DEPTH:
                 raise ProtocolError(f"redis {self.addr} nested arrays deeper than "
@@ -140,24 +146,43 @@ class Conn(RedisSocket):
         except ValueError:
             raise ProtocolError(f"redis {self.addr} sent {text[:40]!r} for a number") from None
 
-    def read_value(self, index: int, head: int, place: Placer) -> int | ErrorReply | None:
+    def nil_or_length(self, text: bytes) -> int | None:
+        """A bulk string's or array's length; None for RESP2's nil (``-1``). Any other
+        negative length is a ProtocolError (found by review: ``$-99999999999999999999``
+        answering a stripe's GET read as a missing stripe, and the block was deleted)."""
+        n = self._number(text)
+        if n == -1:
+            return None
+        if n < 0:
+            raise ProtocolError(f"redis {self.addr} sent a length of {text[:40]!r}")
+        return n
+
+    def read_value(self, index: int, head: int, place: Placer,
+                   most: int | None = None) -> int | ErrorReply | None:
         """Read one GET reply: None (missing), an ErrorReply, or the value's length.
 
         The first ``head`` bytes of the value are read into a small buffer and handed to
         ``place``, which says where the rest goes (e.g. straight into the caller's block).
+        A value ``place`` refuses that is longer than ``most`` bytes is not read on (found
+        by review: 500 MiB planted behind a sound header were drained until the deadline,
+        every read of it a timeout): its length is returned and ``mid_reply`` set, so that
+        the connection is closed, never reused; the caller reads nothing more on it.
         """
         line = self._line()
         if line[:1] == b"-":
             return ErrorReply(line[1:].decode(errors="replace"))
         if line[:1] != b"$":
             raise ProtocolError(f"expected a bulk reply from redis {self.addr}, got {line[:1]!r}")
-        n = self._number(line[1:])
-        if n < 0:
+        n = self.nil_or_length(line[1:])
+        if n is None:
             return None
         first = bytearray(min(head, n))
         self._read_into(memoryview(first))
         dest = place(index, bytes(first), n)
         rest = n - len(first)
+        if dest is None and most is not None and n > most:
+            self.mid_reply = True
+            return n
         if dest is None:
             self._skip(rest)
         else:
@@ -236,7 +261,8 @@ class Conn(RedisSocket):
         self.send(self._ask([command(b"GETRANGE", key, b"%d" % start,
                                      b"%d" % (start + dest.nbytes - 1))]))
         self._asked()
-        return self.read_value(0, 0, lambda _i, _head, n: dest if n == dest.nbytes else None)
+        return self.read_value(0, 0, lambda _i, _head, n: dest if n == dest.nbytes else None,
+                               dest.nbytes)
 
     def get_exact(self, key: bytes, dest: memoryview) -> int | ErrorReply | None:
         """GET a value received straight into ``dest``; the value's length (``dest`` is
@@ -244,14 +270,20 @@ class Conn(RedisSocket):
         self.begin()
         self.send(self._ask([command(b"GET", key)]))
         self._asked()
-        return self.read_value(0, 0, lambda _i, _head, n: dest if n == dest.nbytes else None)
+        return self.read_value(0, 0, lambda _i, _head, n: dest if n == dest.nbytes else None,
+                               dest.nbytes)
 
-    def get_many(self, keys: Sequence[bytes], head: int, place: Placer) -> list[Any]:
-        """Pipelined GETs; each value lands where ``place`` says (see ``read_value``)."""
+    def get_many(self, keys: Sequence[bytes], head: int, place: Placer,
+                 most: int | None = None) -> list[Any]:
+        """Pipelined GETs; each value lands where ``place`` says (see ``read_value``). After
+        a value refused unread (longer than ``most``) the rest are None: misses, never read
+        on a connection that is mid-reply."""
         self.begin()
         self.send(self._ask([command(b"GET", k) for k in keys]))
-        values = []
+        values: list[Any] = []
         for i in range(len(keys)):
             self._asked()
-            values.append(self.read_value(i, head, place))
+            values.append(self.read_value(i, head, place, most))
+            if self.mid_reply:
+                return values + [None] * (len(keys) - len(values))
         return values

@@ -23,6 +23,8 @@ from kvtier.frame import (
 )
 from kvtier.tiers import redis_stripes
 from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_resp import ErrorReply
+from kvtier.tiers.redis_wire import Conn
 from tests.support.redis_servers import LocalCluster, RedisServer, running_cluster
 from tests.support.redis_tier import (
     LAYOUT_FP,
@@ -193,14 +195,21 @@ async def test_stripes_spread_over_a_clusters_masters(tmp_path: Path) -> None:
 
 
 async def test_a_stripe_that_errors_is_a_miss_that_deletes_nothing(
-        redis_server: RedisServer) -> None:
-    """An error reply says nothing of the block: no stripe is deleted, nothing is left in
-    the buffer, and the error is counted."""
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error reply about the server (-LOADING, -OOM) says nothing of the block: no
+    stripe is deleted, nothing is left in the buffer, and the error is counted. (A stripe
+    of another type, WRONGTYPE, is corrupt: see the test after the next.)"""
     admin = redis_server.client()
     async with stored(redis_server, 1, seed=30) as (tier, keys, _data):
         victim = stripe_keys(admin, keys[0])[1]
-        admin.delete(victim)
-        admin.rpush(victim, b"x")                            # GET answers WRONGTYPE
+        get_exact = Conn.get_exact
+
+        def loading(conn: Conn, key: bytes, dest: memoryview) -> object:
+            if key == victim:
+                return ErrorReply("LOADING Redis is loading the dataset in memory")
+            return get_exact(conn, key, dest)
+
+        monkeypatch.setattr(Conn, "get_exact", loading)
         out = buffers(1, SIZE)
         assert await tier.get_into(keys, out, namespace=NS, layout_fp=LAYOUT_FP) == 0
         assert bytes(out[0]) == bytes(SIZE)
@@ -225,3 +234,25 @@ async def test_the_stripes_of_a_block_redis_refused_are_deleted(
         admin.config_set("maxmemory", 0)
         await put_all(tier, keys, data)                     # room again: stored whole
         await read_exact(tier, keys, data, SIZE)
+
+
+async def test_a_stripe_turned_into_another_type_is_corrupt_and_the_block_goes(
+        redis_server: RedisServer) -> None:
+    """Another writer replaces a stripe with a list (found by review): its GET answered
+    WRONGTYPE, an error read that deleted nothing, and ``whole_prefix`` (EXISTS: 1 for any
+    type) called the block whole; it stayed a lookup hit that every get missed. Now the
+    stripe is corrupt: counted, one miss, the block deleted; a commit's check says not
+    whole."""
+    admin = redis_server.client()
+    async with stored(redis_server, 2, seed=25) as (tier, keys, data):
+        part = stripe_keys(admin, keys[0])[0]
+        admin.delete(part)
+        admin.rpush(part, b"x")
+        assert await tier.whole_prefix(keys, namespace=NS) == 0
+        assert await tier.exists_prefix(keys, namespace=NS) == 2   # heads only, as before
+        assert await tier.get_into(keys, buffers(2, SIZE), namespace=NS,
+                                   layout_fp=LAYOUT_FP) == 0
+        assert tier.counters.checksum_failures == 1 and tier.up
+        assert not any(admin.exists(k) for k in [rkey(keys[0]), part])
+        assert await tier.exists_prefix(keys, namespace=NS) == 0
+        await read_exact(tier, keys[1:], data[1:], SIZE)
