@@ -43,6 +43,7 @@ from kvtier.daemon.limits import (
 from kvtier.daemon.ops import Connection, ControlOps
 from kvtier.daemon.prefix import PrefixProbe
 from kvtier.daemon.redis_sync import RedisSync
+from kvtier.daemon.replies import refuse, send_error
 from kvtier.errors import (
     KVTierError,
     Overloaded,
@@ -268,7 +269,7 @@ class ControlServer(ControlOps):
             self._count(exc.code)
             log.warning("client %s (pid %s): %s; closing its connection", conn.id, conn.pid,
                         exc)
-            await self._send_error(writer, write_lock, exc.code, str(exc))
+            await send_error(writer, write_lock, exc.code, str(exc), self.limits.read_timeout_s)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         except TimeoutError:   # the hello's reply left unread (Greeter.reply_timeout_s)
@@ -280,8 +281,9 @@ class ControlServer(ControlOps):
             conn.dropped = True
             log.exception("connection of client %s failed", conn.id)
             self._count("internal")
-            await self._send_error(writer, write_lock, "internal",
-                                   f"internal error: {exc.__class__.__name__}")
+            await send_error(writer, write_lock, "internal",
+                             f"internal error: {exc.__class__.__name__}",
+                             self.limits.read_timeout_s)
         finally:
             if tasks:
                 await asyncio.wait(list(tasks), timeout=5.0)
@@ -304,36 +306,17 @@ class ControlServer(ControlOps):
         if refused in (1, 10, 100) or refused % 1000 == 0:
             log.warning("refused %d connections so far: %d open is the limit (%s)", refused,
                         limit, setting)
-        await self._refuse_with(reader, writer, Overloaded.code, error)
+        await refuse(reader, writer, Overloaded.code, error, self.limits.read_timeout_s)
 
     async def _refuse_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            uid: int) -> None:
         """Another user's process: told why in one typed reply (it got "connection dropped
         during the hello" before), nothing else, then closed."""
-        await self._refuse_with(reader, writer, TrustError.code,
-                                f"the kvtier daemon at {self.socket_path} runs as uid "
-                                f"{os.getuid()} and serves only that user's processes, not "
-                                f"uid {uid}: run the engine as uid {os.getuid()}, or start "
-                                "a daemon of your own (`kvtier serve --socket PATH`)")
-
-    async def _refuse_with(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           code: str, error: str) -> None:
-        """One typed reply to a connection the daemon will not serve, then the end; what
-        the client sent is read first (the hello lands before we close: no EPIPE)."""
-        with contextlib.suppress(Exception):
-            writer.write(pack({"id": 0, "ok": False, "code": code, "error": error}))
-            writer.write_eof()
-            async with asyncio.timeout(min(1.0, self.limits.read_timeout_s)):
-                await writer.drain()
-                await reader.read(STREAM_LIMIT)
-
-    async def _send_error(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, code: str,
-                          error: str) -> None:
-        with contextlib.suppress(Exception):
-            async with lock:
-                writer.write(pack({"id": 0, "ok": False, "code": code, "error": error}))
-                async with asyncio.timeout(self.limits.read_timeout_s):
-                    await writer.drain()
+        await refuse(reader, writer, TrustError.code,
+                     f"the kvtier daemon at {self.socket_path} runs as uid {os.getuid()} and "
+                     f"serves only that user's processes, not uid {uid}: run the engine as "
+                     f"uid {os.getuid()}, or start a daemon of your own (`kvtier serve "
+                     "--socket PATH`)", self.limits.read_timeout_s)
 
     def _count(self, code: str) -> None:
         self.counters.errors[code] = self.counters.errors.get(code, 0) + 1
