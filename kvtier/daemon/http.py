@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvtier.daemon.http_guard import HttpGuard
+from kvtier.daemon.http_pace import Pacer, RenderCache
 from kvtier.daemon.limits import ByteBudget
 from kvtier.daemon.metrics import Metrics
 from kvtier.daemon.prefix import PrefixProbe, http_error
@@ -83,6 +84,8 @@ class HttpServer:
     probe can carry (``PrefixProbe.http_limit``). At most ``PREFIX_RUNNING`` probes are
     worked on at once and ``PREFIX_WAITING`` wait (beyond: a 503 with Retry-After), so
     routers' and other local users' probes cannot take the event loop from the engines.
+    /metrics is rendered a few times a second at most (``RenderCache``), /v1/stats and
+    /v1/lookups/recent one at a time within a share of the loop (``Pacer``).
     """
 
     def __init__(self, host: str, port: int, metrics: Metrics,
@@ -104,6 +107,10 @@ class HttpServer:
         self.guard = HttpGuard(max_connections, read_timeout_s)
         self._slots = asyncio.Semaphore(PREFIX_RUNNING)
         self._waiting = 0
+        # (found by review) a flood of GET /metrics (3-5 ms a render) or /v1/stats held the
+        # event loop from the engines' control socket: kvtier.daemon.http_pace
+        self.metrics_cache = RenderCache()
+        self.pacer = Pacer()
 
     async def start(self) -> None:
         max_body = self.prefix.max_body if self.prefix is not None else 2**20
@@ -115,7 +122,11 @@ class HttpServer:
         app.router.add_get("/v1/lookups/recent", self._recent)
         app.router.add_get("/v1/admin/config", self._config)
         app.router.add_post("/v1/prefix", self._prefix)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # lingering_time=0 (found by review): a body no handler read (a POST to /healthz,
+        # a refused probe) is not drained for up to 10 s after the reply: its connection
+        # is closed instead
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     lingering_time=0)
         await self._runner.setup()
         assert self._runner.server is not None
         self.guard.install(self._runner.server)
@@ -136,11 +147,23 @@ class HttpServer:
                 sock.close()
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.metrics.registry)
+        body = self.metrics_cache.get(lambda: generate_latest(self.metrics.registry))
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response(self.stats(), dumps=lambda o: json.dumps(o, default=str))
+        return await self._paced(lambda: json.dumps(self.stats(), default=str))
+
+    async def _paced(self, render: Callable[[], str]) -> web.Response:
+        """A JSON reply rendered in the pacer's turn, or a 503 with Retry-After when too
+        many such renders wait already."""
+        try:
+            text = await self.pacer.run(render)
+        except Overloaded as exc:
+            self.guard.overloaded += 1
+            status, doc = http_error(exc)
+            return web.json_response(doc, status=status,
+                                     headers={"Retry-After": str(RETRY_AFTER_S)})
+        return web.Response(text=text, content_type="application/json")
 
     async def _recent(self, request: web.Request) -> web.Response:
         """Recent lookups and why their first block missed: ?limit=N&misses=1."""
@@ -152,8 +175,11 @@ class HttpServer:
             return web.json_response({"error": "limit must be an integer from 1 to 100000"},
                                      status=400)
         misses = request.query.get("misses", "0").lower() in ("1", "true", "yes")
-        rows = self.recent(limit, misses) if self.recent is not None else []
-        return web.json_response({"lookups": rows})
+        recent = self.recent
+        if recent is None:
+            return web.json_response({"lookups": []})
+        # paced as /v1/stats is: up to 100000 rows rendered on the loop (found by review)
+        return await self._paced(lambda: json.dumps({"lookups": recent(limit, misses)}))
 
     async def _prefix(self, request: web.Request) -> web.Response:
         """How many leading tokens of a prompt (or of each in a batch) are cached here, by

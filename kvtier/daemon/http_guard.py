@@ -4,7 +4,7 @@ The HTTP port is open to every local user (and to routers): without bounds one c
 hold connections until the daemon runs out of descriptors (engines then cannot connect),
 send half a request and stop, or park bodies of 16 MiB on many connections. ``HttpGuard``:
 
-- refuses connections beyond ``max_connections`` with a 503 (JSON) and closes them;
+- holds at most ``max_connections`` connections (below);
 - gives every connection ``read_timeout_s`` to deliver each request's head (from its
   connect, or from its previous reply), and each body ``BODY_GRACE_S`` plus its size at
   ``MIN_BODY_RATE`` (at most ``read_timeout_s``), else closes it: a body stalled short of
@@ -14,20 +14,36 @@ send half a request and stop, or park bodies of 16 MiB on many connections. ``Ht
   ``STREAM_LIMIT`` bytes of a body never wait, so small requests are not held up by large
   ones), and refuses a declared ``Content-Length`` beyond the route's limit with a 413
   before reading it;
-- turns every HTTP error aiohttp raises itself (404, 405, 413, a parser's 400) into JSON,
-  and a handler's bug into a 500: one traceback per distinct place it failed, then only a
-  count (``errors``), so no client can flood the log.
+- when full, makes room for a new connection by closing the one idle the longest (no
+  request being handled; counted in ``evicted``), and refuses the new one with a 503
+  (JSON) only when every connection is busy (found by review: one client re-arming 256
+  idle keep-alives every few seconds kept routers and Prometheus out with 503s forever);
+- refuses a request sent with ``Transfer-Encoding`` (chunked) with a 411 before reading
+  any of its body, and closes its connection (found by review: aiohttp parses 1-byte
+  chunks one callback each, and one connection sending them held the event loop ~0.5 s a
+  request); the server runs with ``lingering_time=0``, so a body no handler read is never
+  drained after the reply: its connection is closed instead;
+- turns the HTTP errors a handler or the router raises (404, 405, 408, 411, 413, 503)
+  into JSON, and a handler's bug into a 500: one traceback per distinct place it failed,
+  then only a count (``errors``), so no client can flood the log. Not JSON (found by
+  review: this said every error was): what aiohttp's parser refuses before any handler or
+  middleware runs (a malformed request line or header, a bad ``Content-Length``, too many
+  or too long headers, a ``Transfer-Encoding`` other than chunked or with a
+  ``Content-Length``) is aiohttp's own text/plain 400, its connection then closed; an
+  ``Expect`` other than ``100-continue`` is its text/plain 417 (checked before the
+  middleware runs). Their tracebacks are not logged (``HttpServer.start``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from kvtier.daemon.limits import STREAM_LIMIT, ByteBudget, Charge
 
@@ -44,6 +60,8 @@ _REFUSED_BODY = b'{"error": "too many HTTP connections: retry later"}'
 _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_REFUSED_BODY)
             + _REFUSED_BODY)
+_CHUNKED = ("a request body must come with Content-Length (Transfer-Encoding is not "
+            "accepted here)")
 
 
 @dataclass(slots=True)
@@ -53,6 +71,7 @@ class _Conn:
     transport: Any
     busy: int = 0                 # requests being handled
     timer: asyncio.TimerHandle | None = None
+    idle_since: float = 0.0       # time.monotonic() when ``busy`` last became 0 (or connect)
 
 
 @dataclass(slots=True, eq=False)
@@ -63,7 +82,9 @@ class HttpGuard:
     # bodies declared at most SMALL_BODY (a router's probe of one long prompt) have their own
     # budget: large bodies stalled short of their end cannot keep them waiting
     small_budget: ByteBudget = field(default_factory=lambda: ByteBudget(16 * 2**20))
-    refused: int = 0              # connections beyond max_connections
+    refused: int = 0              # connections beyond max_connections, every one busy
+    evicted: int = 0              # idle connections closed to make room for a new one
+    length_required: int = 0      # requests refused for Transfer-Encoding (411)
     timed_out: int = 0            # connections closed for a request not whole in time
     errors: int = 0               # handler failures (500s)
     overloaded: int = 0           # requests answered 503: too many of their kind at once
@@ -77,12 +98,12 @@ class HttpGuard:
 
         def connection_made(handler: Any, transport: Any) -> None:
             made(handler, transport)
-            if len(self._conns) >= self.max_connections:
+            if len(self._conns) >= self.max_connections and not self._evict_idle():
                 self.refused += 1
                 transport.write(_REFUSAL)
                 transport.close()
                 return
-            conn = self._conns[id(handler)] = _Conn(transport)
+            conn = self._conns[id(handler)] = _Conn(transport, idle_since=time.monotonic())
             self._arm(conn)
 
         def connection_lost(handler: Any, exc: BaseException | None) -> None:
@@ -93,6 +114,21 @@ class HttpGuard:
 
         server.connection_made = connection_made
         server.connection_lost = connection_lost
+
+    def _evict_idle(self) -> bool:
+        """Close the connection idle the longest, to make room for a new one (found by
+        review: idle keep-alives re-armed every few seconds held every slot, so routers got
+        503s forever); False when every connection is handling a request."""
+        idle = [(c.idle_since, key) for key, c in self._conns.items() if not c.busy]
+        if not idle:
+            return False
+        _, key = min(idle)
+        conn = self._conns.pop(key)
+        if conn.timer is not None:
+            conn.timer.cancel()
+        self.evicted += 1
+        conn.transport.close()
+        return True
 
     def _arm(self, conn: _Conn) -> None:
         if conn.timer is not None:
@@ -110,7 +146,15 @@ class HttpGuard:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Marks the connection busy while its request is handled, re-arms its deadline
-        after; every error becomes JSON."""
+        after; refuses a body sent with Transfer-Encoding (411) before a byte of it is read;
+        the handlers' and router's errors become JSON."""
+        if hdrs.TRANSFER_ENCODING in request.headers:
+            # (found by review) 1-byte chunks cost a parser callback each: ~0.5 s of event
+            # loop per request; closed, so that nothing more of the body is parsed
+            self.length_required += 1
+            refusal = web.json_response({"error": _CHUNKED}, status=411)
+            refusal.force_close()
+            return refusal
         conn = self._conns.get(id(request.protocol))
         if conn is not None:
             conn.busy += 1
@@ -126,6 +170,8 @@ class HttpGuard:
         finally:
             if conn is not None:
                 conn.busy -= 1
+                if not conn.busy:
+                    conn.idle_since = time.monotonic()
                 if conn.transport is not None and not conn.transport.is_closing():
                     self._arm(conn)
 
@@ -201,6 +247,7 @@ class HttpGuard:
 
     def stats(self) -> dict[str, int]:
         return {"connections": len(self._conns), "refused": self.refused,
+                "evicted": self.evicted, "length_required": self.length_required,
                 "timed_out": self.timed_out,
                 "body_bytes": self.body_budget.used + self.small_budget.used,
                 "errors": self.errors, "overloaded": self.overloaded}

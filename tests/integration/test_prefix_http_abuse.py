@@ -295,3 +295,35 @@ def test_probe_counts_redis_tail_after_a_long_local_prefix(
         node.kill()
     finally:
         proxy.close()
+
+
+def test_a_salt_cannot_be_tested_while_two_weights_are_registered(
+        daemon: DaemonProcess) -> None:
+    """(found by review) With a tenant's two weights of a model registered under its salt
+    (a rollout), form 3 (model_id + layout + cache_salt) answered the right salt 400 ("2
+    namespaces ...") and a wrong one 200: a salt test. Both forms answer alike now."""
+    c = connect(daemon.socket)
+    for weights in ("1111111111111111", "2222222222222222"):
+        c.register_layout(LAYOUT, f"acme#w={weights}", cache_salt="acme-secret")
+    answers = {}
+    for salt in ("acme-secret", "guess-1", "guess-2"):
+        for form, extra in (("3", {"layout": LAYOUT.to_dict()}), ("2", {})):
+            doc = {"model_id": "acme", "cache_salt": salt, "token_ids": [1] * 32, **extra}
+            status, reply, _ = post(daemon, json.dumps(doc).encode())
+            answers[form, salt] = (status, reply)
+    for form in ("2", "3"):
+        right = answers[form, "acme-secret"]
+        assert right == answers[form, "guess-1"] == answers[form, "guess-2"], answers
+        assert right[0] == 400 and "2 namespaces" in right[1]["error"]
+    c.close()
+
+
+def test_nested_json_is_refused_before_it_is_parsed(daemon: DaemonProcess) -> None:
+    """(found by review) 320 KiB of 500-deep `[[[...]]]` had few commas, passed the values
+    bound and built 163k lists (25-137 ms of event loop each): a 413 now."""
+    unit = b"[" * 500 + b"]" * 500
+    body = b'{"model_id":"m","token_ids":[1],"x":[' + b",".join([unit] * 320) + b"]}"
+    assert len(body) < 8 * 32768 + 65536 and body.count(b",") < 400
+    status, reply, _ = post(daemon, body)
+    assert status == 413 and reply["code"] == "limit", (status, reply)
+    assert "values" in reply["error"]

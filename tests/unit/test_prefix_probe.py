@@ -233,3 +233,46 @@ def test_a_key_batch_over_its_budget_is_refused_before_it_is_split(
         run(probe.from_http(blob, "application/octet-stream", query))
     with pytest.raises(LimitExceeded, match="split it"):   # from the head, before the body
         probe.http_limit("application/octet-stream", query, len(blob))
+
+
+def test_nested_json_counts_against_the_values_bound(probe: PrefixProbe) -> None:
+    """(found by review) The values were counted from commas only: 320 KiB of 500-deep
+    `[[[...]]]` (163k lists, few commas) passed and held the loop 25-137 ms. Brackets,
+    braces and colons count too, before the body is parsed."""
+    unit = "[" * 500 + "]" * 500
+    n = (probe.json_max_values + 499) // 500
+    body = ('{"model_id": "m", "token_ids": [1], "x": [' + ",".join([unit] * n)
+            + "]}").encode()
+    assert len(body) < probe.json_max_bytes and body.count(b",") < n + 4
+    with pytest.raises(LimitExceeded, match="application/octet-stream"):
+        run(probe.from_http(body, "application/json", {}))
+    flat = {"model_id": "m", "token_ids": [151643] * LIMITS.max_context_tokens,
+            "prompts_meta": {"a": 1}}   # an ordinary body: a few containers and colons
+    assert "prompt_blocks" in run(probe.from_http(json.dumps(flat).encode(),
+                                                  "application/json", {}))
+
+
+def test_a_salt_with_a_layout_answers_alike_whether_registered_or_not(arena: Arena) -> None:
+    """(found by review) Form 3 (model_id + layout + cache_salt) was resolved against the
+    namespaces registered with that salt: while a tenant had two weights of a model
+    registered (a rollout), its salt answered 400 ("2 namespaces...") and a wrong one 200
+    with 0 blocks. Every salt is now resolved against the model's namespaces of any salt."""
+    store = TieredStore(arena)
+    for weights in ("1111111111111111", "2222222222222222"):
+        store.register_namespace(LAYOUT, f"acme#w={weights}", 0, 1, "acme-salt")
+    p = PrefixProbe(store, LIMITS)
+    layout = LAYOUT.to_dict()
+    answers = []
+    for salt in ("acme-salt", "a-guess"):
+        for spec in ({"model_id": "acme", "cache_salt": salt, "layout": layout},
+                     {"model_id": "acme", "cache_salt": salt}):
+            with pytest.raises(KVTierError) as err:
+                p.namespace(spec)
+            answers.append((type(err.value), str(err.value)))
+    assert answers[0] == answers[2] and answers[1] == answers[3], answers
+    assert "2 namespaces" in answers[0][1]
+    # the full id names one of them, for any salt, spelled with the salt given
+    for salt in ("acme-salt", "a-guess"):
+        ns = p.namespace({"model_id": "acme#w=1111111111111111", "cache_salt": salt,
+                          "layout": layout})
+        assert ns == Namespace("acme#w=1111111111111111", LAYOUT, 0, 1, salt)
