@@ -28,8 +28,10 @@ from kvtier.units import ByteSize, parse_size
 
 __all__ = ["ByteSize", "Config", "ConfigError", "load_config", "parse_size"]
 
-Count = Annotated[int, Meta(ge=0)]            # counts, TTLs: never negative
-AtLeastOne = Annotated[int, Meta(ge=1)]
+# counts and TTLs: never negative, and below 2**31 (found by review: a redis.ttl_s of 1e16
+# started, then Redis refused every write with "invalid expire time")
+Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+AtLeastOne = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Port = Annotated[int, Meta(ge=0, le=65535)]   # 0 picks a free port
 Seconds = Annotated[float, Meta(ge=0, le=10**9)]  # finite too (nan would make deadlines
 #                                                   never fire); beyond 30 years is a typo
@@ -162,9 +164,12 @@ def default_data_dir() -> Path:
     try:
         home = Path.home()
     except (RuntimeError, KeyError):
+        # (found by review) every command loads this default: `kvtier stats` has no
+        # --data-dir, so the fix named must work for all of them
         raise ConfigError(f"no home directory for uid {os.getuid()} (HOME is unset and the "
-                          "uid has no passwd entry) to keep the data dir in: pass --data-dir "
-                          "PATH (daemon.data_dir, KVTIER_DATA_DIR) or set XDG_DATA_HOME") from None
+                          "uid has no passwd entry) to keep the data dir in: set "
+                          "KVTIER_DATA_DIR=PATH (daemon.data_dir; `kvtier serve --data-dir "
+                          "PATH`) or XDG_DATA_HOME") from None
     return home / ".local" / "share" / "kvtier"
 
 

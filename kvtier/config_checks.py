@@ -58,6 +58,11 @@ def validate(cfg: Config) -> None:
     if not cfg.http.host.strip():
         raise ConfigError("http.host is empty, which would listen on every interface: give "
                           "an address (127.0.0.1, the default; 0.0.0.0 for every interface)")
+    token = cfg.http.admin_token
+    if token and token != token.strip():   # (found by review: it could never match, since
+        raise ConfigError(                 # a request's token is read stripped)
+            "http.admin_token starts or ends with whitespace, so no request could present "
+            "it: remove the spaces (KVTIER_HTTP_ADMIN_TOKEN, --http-admin-token)")
     if cfg.redis.enabled and cfg.redis.tls_key and not cfg.redis.tls_cert:
         raise ConfigError("redis.tls_key is set without redis.tls_cert: a client key is "
                           "used only with its certificate; set both (--redis-tls-cert) or "

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, brief
 from kvtier.files import NotRegularFile, TooLarge, read_regular
 from kvtier.units import ByteSize, parse_size
 
@@ -157,7 +157,11 @@ def convert_value(s: Setting, value: Any, source: str) -> Any:
         base = s.base
         if isinstance(base, type) and issubclass(base, Enum):
             why = f"must be one of {', '.join(str(m.value) for m in base)}"
-        raise ConfigError(f"{s.dotted}: invalid value {value!r} ({why}; from {source})") \
+        # the value named in a few dozen characters (found by review: a 900 KB bad string
+        # made a 1.8 MB "one-line" error)
+        if len(why) > 200:
+            why = why[:197] + "..."
+        raise ConfigError(f"{s.dotted}: invalid value {brief(value)} ({why}; from {source})") \
             from None
 
 
@@ -201,6 +205,10 @@ def _file_layer(tree: type, path: Path) -> Iterator[tuple[Setting, Any, str]]:
                           "readable file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
+    except RecursionError:   # (found by review: 2000 nested arrays in 4 KB, a traceback)
+        raise ConfigError(f"config file {path} nests arrays or tables too deeply: give a "
+                          "kvtier TOML file (its values are numbers, strings and booleans)") \
+            from None
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")

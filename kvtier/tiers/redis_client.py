@@ -53,7 +53,7 @@ def parse_target(cfg: RedisConfig) -> RedisTarget:
         parts = urlsplit(url_in)
         port = parts.port      # (parsed lazily: a port out of range raises here)
     except ValueError as exc:
-        raise ConfigError(f"redis.url {cfg.url!r} is malformed ({exc}): give "
+        raise ConfigError(f"redis.url {_masked(cfg.url)!r} is malformed ({exc}): give "
                           "redis://host:port/db, rediss://..., unix://path or "
                           "redis+cluster://host:port") from None
     scheme = parts.scheme.lower()
@@ -67,7 +67,8 @@ def parse_target(cfg: RedisConfig) -> RedisTarget:
     if cluster and scheme == "unix":
         raise ConfigError("Redis Cluster cannot be reached over a unix:// socket")
     if seeds and not cluster:
-        raise ConfigError(f"redis.url {cfg.url!r} names several servers: only a cluster "
+        raise ConfigError(f"redis.url {_masked(cfg.url)!r} names several servers: only a "
+                          "cluster "
                           "(redis+cluster://h1:p1,h2:p2) takes several startup nodes")
     url = parts._replace(scheme=scheme).geturl()
     host = parts.hostname or ""
@@ -126,10 +127,11 @@ def _split_seeds(url: str) -> tuple[str, tuple[tuple[str, int], ...]]:
             parts = urlsplit(f"//{other}")
             port = parts.port or 6379
         except ValueError as exc:
-            raise ConfigError(f"redis.url {url!r}: startup node {other!r} is malformed "
+            raise ConfigError(f"redis.url {_masked(url)!r}: startup node {other!r} is malformed "
                               f"({exc}): give host:port") from None
         if not parts.hostname:
-            raise ConfigError(f"redis.url {url!r}: startup node {other!r} has no host: "
+            raise ConfigError(f"redis.url {_masked(url)!r}: startup node {other!r} has no "
+                              "host: "
                               "give host:port, separated by commas")
         seeds.append((parts.hostname, port))
     return f"{scheme}://{userinfo}{at}{first}{slash}{path}", tuple(seeds)

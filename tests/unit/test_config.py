@@ -278,7 +278,7 @@ def test_no_home_and_no_data_dir_is_one_config_error(monkeypatch: pytest.MonkeyP
 
     monkeypatch.delenv("XDG_DATA_HOME", raising=False)
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
-    with pytest.raises(ConfigError, match="pass --data-dir PATH"):
+    with pytest.raises(ConfigError, match="set KVTIER_DATA_DIR=PATH"):
         load_config(env={})
     assert load_config(env={"KVTIER_DATA_DIR": "/srv/kvtier"}).daemon.data_dir == Path(
         "/srv/kvtier")
@@ -339,3 +339,40 @@ def test_http_urls_bracket_ipv6_literals(host: str, url: str) -> None:
     from kvtier.config import http_base_url
 
     assert http_base_url(host, 8470) == url
+
+
+# -- hostile values (found by review) -------------------------------------------------------
+def test_a_config_nested_too_deeply_is_one_config_error(tmp_path: Path) -> None:
+    """2000 nested arrays in 4 KB ended every command in a RecursionError traceback."""
+    path = write_toml(tmp_path, "[daemon]\na = " + "[" * 2000 + "]" * 2000 + "\n")
+    with pytest.raises(ConfigError, match="nests arrays or tables too deeply"):
+        load_config(path, env={})
+
+
+def test_a_long_bad_value_is_named_briefly(tmp_path: Path) -> None:
+    """A 900 KB bad string made a 1.8 MB "one-line" error."""
+    big = "x" * 900_000
+    for load in (lambda: load_config(write_toml(tmp_path, f'[cpu]\nbytes = "{big}"\n'), env={}),
+                 lambda: load_config(env={"KVTIER_DAEMON_LEASE_TTL_S": big})):
+        with pytest.raises(ConfigError) as err:
+            load()
+        assert len(str(err.value)) < 600 and "..." in str(err.value)
+
+
+@pytest.mark.parametrize(("env", "setting"), [
+    ({"KVTIER_REDIS_TTL_S": str(10**16)}, "redis.ttl_s"),
+    ({"KVTIER_REDIS_MAX_CONNECTIONS": str(2**64)}, "redis.max_connections"),
+    ({"KVTIER_DAEMON_MAX_CONTEXT_TOKENS": str(2**40)}, "daemon.max_context_tokens"),
+])
+def test_counts_are_bounded(env: dict[str, str], setting: str) -> None:
+    """A redis.ttl_s of 1e16 started, then Redis refused every write (invalid expire)."""
+    with pytest.raises(ConfigError, match=re.escape(setting)):
+        load_config(env=env)
+
+
+@pytest.mark.parametrize("token", [" s3cret", "s3cret ", "s3cret\n"])
+def test_an_admin_token_with_surrounding_whitespace_is_refused(token: str) -> None:
+    """It could never match: a request's token is read stripped."""
+    with pytest.raises(ConfigError, match="http.admin_token starts or ends with whitespace"):
+        load_config(env={"KVTIER_HTTP_ADMIN_TOKEN": token})
+    assert load_config(env={"KVTIER_HTTP_ADMIN_TOKEN": "s3cret"}).http.admin_token == "s3cret"

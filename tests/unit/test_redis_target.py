@@ -31,3 +31,18 @@ def test_a_cluster_url_may_name_several_startup_nodes() -> None:
 def test_bad_startup_node_lists_are_one_config_error(url: str, said: str) -> None:
     with pytest.raises(ConfigError, match=said):
         parse_target(RedisConfig(url=url))
+
+
+@pytest.mark.parametrize("url", [
+    "redis://u:s3cret@h:99999/0",              # port out of range
+    "redis://u:s3cret@[::1/0",                 # a bad IPv6 literal
+    "redis://u:s3cret@h1:6379,h2:6379/0",      # several servers without cluster mode
+    "redis+cluster://u:s3cret@h1:7000,h2:99999",   # a malformed startup node
+    "redis+cluster://u:s3cret@h1:7000,:7001",  # a startup node without a host
+])
+def test_a_malformed_url_is_named_without_its_password(url: str) -> None:
+    """These errors printed the whole URL, password included, into the startup error that
+    lands in journald (found by review); the db-number error already masked it."""
+    with pytest.raises(ConfigError) as err:
+        parse_target(RedisConfig(url=url))
+    assert "s3cret" not in str(err.value) and "***@" in str(err.value)
