@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import secrets
-import stat
 from pathlib import Path
 
 from kvtier.trust import owned_file_problem
@@ -43,9 +42,7 @@ def last_run(data_dir: Path) -> bytes | None:
         log.warning("cannot read %s (%s): the cpu tier starts cold", path, exc)
         return None
     try:
-        st = os.fstat(fd)
-        problem = owned_file_problem(st, os.getuid()) if stat.S_ISREG(st.st_mode) \
-            else "is not a regular file"
+        problem = owned_file_problem(os.fstat(fd), os.getuid())
         text = os.read(fd, 2 * RUN_BYTES + 2) if problem is None else b""
     finally:
         os.close(fd)
