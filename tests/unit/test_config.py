@@ -373,6 +373,6 @@ def test_counts_are_bounded(env: dict[str, str], setting: str) -> None:
 @pytest.mark.parametrize("token", [" s3cret", "s3cret ", "s3cret\n"])
 def test_an_admin_token_with_surrounding_whitespace_is_refused(token: str) -> None:
     """It could never match: a request's token is read stripped."""
-    with pytest.raises(ConfigError, match="http.admin_token starts or ends with whitespace"):
+    with pytest.raises(ConfigError, match=r"http\.admin_token starts or ends with whitespace"):
         load_config(env={"KVTIER_HTTP_ADMIN_TOKEN": token})
     assert load_config(env={"KVTIER_HTTP_ADMIN_TOKEN": "s3cret"}).http.admin_token == "s3cret"
