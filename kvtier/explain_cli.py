@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -82,6 +83,18 @@ def _text(v: object) -> str:
     return "".join(c if c.isprintable() else "?" for c in str(v)[:80])
 
 
+def _seconds(r: dict[str, Any], key: str, where: str) -> float:
+    """``r[key]`` as a finite float; MalformedLookup for an integer too large for a float
+    (``removed.age_s`` was an OverflowError traceback; found by review), NaN or infinity."""
+    try:
+        v = float(_field(r, key, _NUM, where))
+    except OverflowError:
+        v = math.nan
+    if not math.isfinite(v):
+        raise MalformedLookup(f"{where}: {key} is out of range")
+    return v
+
+
 def _ago(now: float, at: float) -> str:
     s = max(now - at, 0.0)
     return f"{s:.1f}s" if s < 120 else f"{s / 60:.0f}m"
@@ -105,7 +118,7 @@ def _cells(i: int, r: dict[str, Any], now: float) -> tuple[str, ...]:
         rm = _field(r, "removed", (dict,), w)
         policy = _field(rm, "policy", (*_VALUE, type(None)), w + " removed", None)
         by = f" ({_text(policy)})" if policy else ""
-        age = float(_field(rm, "age_s", _NUM, w + " removed"))
+        age = _seconds(rm, "age_s", w + " removed")
         detail = f"left {_text(_field(rm, 'tier', _VALUE, w + ' removed'))}{by} {age:.1f}s before"
     if hint := _text(_field(r, "hint", (str, type(None)), w, None) or ""):
         detail = f"{detail}; {hint}" if detail else hint
@@ -113,12 +126,10 @@ def _cells(i: int, r: dict[str, Any], now: float) -> tuple[str, ...]:
     first = ("-" if reason == "none" else
              f"block {_text(_field(r, 'first_miss', _VALUE, w))}: {reason}")
     h = _field(r, "hits", (dict,), w)
-    try:
-        ago = _ago(now, float(_field(r, "at", _NUM, w)))
-    except OverflowError:
-        raise MalformedLookup(f"{w}: at is out of range") from None
-    return (ago, escape(ns), _text(_field(r, "blocks", _VALUE, w)),
-            *(_text(_field(h, t, _VALUE, w + " hits")) for t in ("cpu", "nvme", "redis")),
+    ago = _ago(now, _seconds(r, "at", w))
+    # every cell escaped: "[/x]" as a count was a rich MarkupError (found by review)
+    return (ago, escape(ns), escape(_text(_field(r, "blocks", _VALUE, w))),
+            *(escape(_text(_field(h, t, _VALUE, w + " hits"))) for t in ("cpu", "nvme", "redis")),
             f"[{style}]{escape(first)}[/{style}]", escape(detail))
 
 

@@ -134,10 +134,16 @@ def run(args: argparse.Namespace) -> int:
     signals = derive(got.engine, got.stats, got.interval_s)
     if got.stats:  # tier sizing from the adaptive policy's live miss-ratio curve
         from kvtier.policy.mrc import sizing_notes
+        from kvtier.statsdoc import MalformedStats
 
-        got.notes.extend(sizing_notes({"policy": got.stats[-1].policy,
-                                       "tiers": {n: {"capacity_bytes": t.capacity_bytes}
-                                                 for n, t in got.stats[-1].tiers.items()}}))
+        last = got.stats[-1]
+        try:
+            got.notes.extend(sizing_notes({"policy": last.policy,
+                                           "tiers": {n: {"capacity_bytes": t.capacity_bytes}
+                                                     for n, t in last.tiers.items()}}))
+        except MalformedStats as exc:  # a curve point of scale 0 (found by review)
+            got.notes.append(f"tier sizing skipped: {last.source} has a malformed live "
+                             f"miss-ratio curve ({exc})")
     findings = diagnose(signals)
     if args.json:
         print(json.dumps(to_json(findings, signals, got), indent=2))

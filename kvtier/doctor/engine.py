@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.doctor.errors import DoctorError
 from kvtier.doctor.histogram import Histogram
+from kvtier.errors import brief
+from kvtier.statsdoc import clean
 
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 RUNNING = ("vllm:num_requests_running",)
@@ -115,6 +117,40 @@ def _check_value(name: str, value: float, source: str) -> None:
                           "exporter's value cannot be read")
 
 
+def _bound(family: str, le: str, source: str) -> float | None:
+    """A histogram bucket's ``le`` as a number (``+Inf`` included). Not a number (or NaN):
+    DoctorError for a histogram doctor reads, None (the sample skipped) for another; it
+    was a ValueError traceback (found by review)."""
+    try:
+        bound = float(le)
+    except ValueError:
+        bound = math.nan
+    if not math.isnan(bound):
+        return bound
+    if family in _READ_HISTOGRAMS:
+        raise DoctorError(f"{source}: {family} has a bucket le={clean(le)[:40]!r}, not a "
+                          "number: the exporter's histogram cannot be read")
+    return None
+
+
+MAX_POOL_FIELD = 10**12
+"""Largest ``num_gpu_blocks`` or ``block_size`` read from vllm:cache_config_info: more is
+no GPU (4000 digits overflowed a float in the sizing rule; found by review)."""
+
+
+def _check_pool(labels: dict[str, str], source: str) -> None:
+    """DoctorError when a cache_config_info size is an integer outside 0 .. MAX_POOL_FIELD
+    (one that is not an integer, such as ``None`` before vLLM knows it, stays unknown)."""
+    for key in ("num_gpu_blocks", "block_size"):
+        try:
+            value = int(labels.get(key, ""))
+        except ValueError:
+            continue
+        if not 0 <= value <= MAX_POOL_FIELD:
+            raise DoctorError(f"{source}: {CACHE_INFO} {key} is {brief(value)}, not from 0 "
+                              f"to {MAX_POOL_FIELD:,}: not a KV pool size")
+
+
 def parse_engine(text: str, source: str) -> EngineSample:
     """Parse Prometheus exposition text; DoctorError when it is not exposition format."""
     values: dict[str, float] = {}
@@ -134,9 +170,12 @@ def parse_engine(text: str, source: str) -> EngineSample:
                 if family.name in _READ_HISTOGRAMS:
                     _check_value(s.name, s.value, source)
                 if s.name.endswith("_bucket") and "le" in s.labels:
+                    le = _bound(family.name, s.labels["le"], source)
+                    if le is None:
+                        continue
                     series = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
                     per = buckets.setdefault(family.name, {}).setdefault(series, {})
-                    per[float(s.labels["le"])] = s.value
+                    per[le] = s.value
                 elif s.name.endswith("_sum"):
                     sums[family.name] = sums.get(family.name, 0.0) + s.value
                 elif s.name.endswith("_count"):
@@ -153,6 +192,8 @@ def parse_engine(text: str, source: str) -> EngineSample:
             else:
                 values[s.name] = values.get(s.name, 0.0) + s.value
             counts[s.name] = counts.get(s.name, 0) + 1
+    for labels in info.values():
+        _check_pool(labels, source)
     for name in _MEAN_GAUGES & values.keys():
         values[name] /= counts[name]
     histograms: dict[str, Histogram] = {}

@@ -17,6 +17,7 @@ from kvtier.doctor import engine as m
 from kvtier.doctor.engine import EngineSample
 from kvtier.doctor.histogram import Histogram
 from kvtier.doctor.stats import KVTierStats
+from kvtier.statsdoc import clean
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +164,8 @@ def _tiers(stats: list[KVTierStats]) -> tuple[TierSignal, ...]:
             if before is not None and before.allocation_failures is not None \
                     and failures >= before.allocation_failures:
                 failures -= before.allocation_failures
-        out.append(TierSignal(name, failures, tier.used_share, tier.up, tier.errors))
+        # the name is the daemon's text: clean (an ESC reached the terminal; found by review)
+        out.append(TierSignal(clean(name), failures, tier.used_share, tier.up, tier.errors))
     return tuple(out)
 
 

@@ -100,8 +100,8 @@ def _parse(doc: dict[str, Any], source: str, missing: tuple[str, ...]) -> KVTier
             continue
         up = t.get("up")
         w = f"tiers.{clean(str(name))}."
-        tiers[str(name)] = TierStats(
-            name=str(t.get("name", name)), up=up if isinstance(up, bool) else None,
+        tiers[str(name)] = TierStats(  # the name shown: clean (found by review: raw ESC)
+            name=clean(str(t.get("name", name))), up=up if isinstance(up, bool) else None,
             capacity_bytes=_num(t, "capacity_bytes", where=w),
             used_bytes=_num(t, "used_bytes", where=w),
             allocation_failures=_num(t, "allocation_failures", where=w),

@@ -141,6 +141,10 @@ def build_input(args: argparse.Namespace) -> PlanInput:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvtier plan``; returns the exit status."""
     try:
+        if args.plot:   # checked first, as replay does (found by review)
+            from kvtier.plan.plot import check_plot_path
+
+            check_plot_path(args.plot)
         plan = make_plan(build_input(args))
         if args.plot:
             from kvtier.plan.plot import write_plot

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import jsonin
+from kvtier.files import TooLarge, read_regular
 from kvtier.plan.blocks import FULL, Block, read_blocks
 from kvtier.plan.errors import PlanError
 from kvtier.plan.families import gated_mlp, kv_heads, mlp_width, tied_embeddings
@@ -25,6 +26,9 @@ from kvtier.plan.layers import NO_KV, LayerReach, layer_reach
 from kvtier.plan.moe import MoESpec, read_moe
 from kvtier.plan.presets import find_preset, preset_names
 from kvtier.plan.quant import Quantization, read_quantization
+
+MAX_CONFIG_BYTES = 64 << 20
+"""Largest model config.json read (64 MiB): real ones are a few KiB."""
 
 
 class AttentionKind(str, Enum):
@@ -188,11 +192,20 @@ def load_model(ref: str) -> ModelSpec:
     if not path.is_file():
         raise PlanError(f"unknown model {ref!r}: not a preset and no config.json there; "
                         f"presets: {', '.join(preset_names())}")
-    try:
-        cfg = jsonin.loads(path.read_text(encoding="utf-8"))
+    try:   # at most MAX_CONFIG_BYTES: a 1.5 GB file took 3 GB of memory (found by review)
+        cfg = jsonin.loads(read_regular(path, MAX_CONFIG_BYTES))
+    except TooLarge:
+        raise PlanError(f"model config {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: "
+                        "not a config.json") from None
     except (OSError, ValueError) as exc:   # (UnicodeDecodeError is a ValueError)
         raise PlanError(f"cannot read model config {path}: {exc}") from None
     if not isinstance(cfg, dict):
         raise PlanError(f"model config {path}: expected a JSON object, got a JSON "
                         f"{type(cfg).__name__}")
-    return spec_from_config(cfg, name=str(cfg.get("_name_or_path") or path))
+    return spec_from_config(cfg, name=_printable(str(cfg.get("_name_or_path") or path)))
+
+
+def _printable(name: str) -> str:
+    """A model name from a config made safe for a terminal: non-printable characters
+    (ESC) become ``?``, at most 200 characters (found by review)."""
+    return "".join(c if c.isprintable() else "?" for c in name[:200])

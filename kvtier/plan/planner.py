@@ -27,7 +27,7 @@ from kvtier.plan.kvmath import (
 )
 from kvtier.plan.layers import NO_KV
 from kvtier.plan.model import AttentionKind, ModelSpec
-from kvtier.plan.workload import ContextPercentiles, TraceSummary
+from kvtier.plan.workload import MAX_CONTEXT, ContextPercentiles, TraceSummary
 
 #: Model FLOPs utilisation assumed for prefill time estimates.
 PREFILL_MFU = 0.5
@@ -39,6 +39,8 @@ NVME_PER_CPU = 4
 DAEMON_BYTES_PER_BLOCK = 1536
 DAEMON_NOTE_SHARE = 0.02   # note it when it passes this share of the cpu tier
 MAX_CONCURRENCY = 10**7    # --concurrency: more is a typo (10**24 printed a 10**20 GB plan)
+MAX_GPUS = 4096  # --gpus on one node (largest NVLink domain: 576; found by review)
+MAX_PAGE_TOKENS = 1 << 20  # --block-size, --tokens-per-block (vLLM pages: 16 to 256 tokens)
 #: Prompt tokens at P50/P95/P99 when neither --context nor --trace is given.
 DEFAULT_CONTEXT = ContextPercentiles(2048, 4096, 8192)
 
@@ -111,8 +113,9 @@ def _round_up_gib(n: float) -> int:
 
 def _validate(p: PlanInput) -> None:
     check_tensor_parallel(p.model, p.tp)  # first: it rejects --tp 0 before it divides --gpus
-    if p.gpus <= 0 or p.gpus % p.tp:
-        raise PlanError(f"--gpus {p.gpus} must be a positive multiple of --tp {p.tp}")
+    if not 0 < p.gpus <= MAX_GPUS or p.gpus % p.tp:
+        raise PlanError(f"--gpus {p.gpus} must be a positive multiple of --tp {p.tp}, at "
+                        f"most {MAX_GPUS}")
     if not 0.0 < p.mem_util <= 1.0:
         raise PlanError(f"--mem-util must be in (0, 1], got {p.mem_util}")
     if not 0 < p.concurrency <= MAX_CONCURRENCY:
@@ -120,14 +123,16 @@ def _validate(p: PlanInput) -> None:
                         f"{p.concurrency}")
     if not 0.0 <= p.prefix_share <= 1.0:
         raise PlanError(f"--prefix-share must be in [0, 1], got {p.prefix_share}")
-    if p.max_output < 0:
-        raise PlanError(f"--max-output must not be negative, got {p.max_output}")
-    if p.block_tokens <= 0:
-        raise PlanError(f"--block-size must be positive, got {p.block_tokens}")
+    if not 0 <= p.max_output <= MAX_CONTEXT:
+        raise PlanError(f"--max-output must be from 0 to {MAX_CONTEXT:,}, got {p.max_output}")
+    if not 0 < p.block_tokens <= MAX_PAGE_TOKENS:
+        raise PlanError(f"--block-size must be positive and at most {MAX_PAGE_TOKENS:,} "
+                        f"tokens, got {p.block_tokens}")
     kb = p.kvtier_block_tokens
-    if kb is not None and (kb <= 0 or kb % p.block_tokens):
+    if kb is not None and (not 0 < kb <= MAX_PAGE_TOKENS or kb % p.block_tokens):
         raise PlanError(f"--tokens-per-block {kb} must be a positive multiple of --block-size "
-                        f"{p.block_tokens} (the connector stores whole engine pages)")
+                        f"{p.block_tokens} (the connector stores whole engine pages), at most "
+                        f"{MAX_PAGE_TOKENS:,}")
 
 
 def make_plan(p: PlanInput) -> Plan:

@@ -13,6 +13,23 @@ from kvtier.plan.kvmath import kv_bytes_per_sequence
 from kvtier.plan.planner import Plan
 
 
+def check_plot_path(name: str) -> Path:
+    """Refuse a ``--plot`` name matplotlib would not write as given, before the plan, as
+    ``kvtier replay --plot`` does: a directory or a name without a known suffix silently
+    became NAME.png, ``p.txt`` was a ValueError traceback (found by review)."""
+    from kvtier.replay.cli import PLOT_SUFFIXES  # one list for both tools
+
+    path = Path(name)
+    if path.is_dir():
+        raise PlanError(f"--plot {name} is a directory: give a file name such as "
+                        f"{path / 'kv_memory.png'}")
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise PlanError(f"--plot {name}: the name must end in one of {' '.join(PLOT_SUFFIXES)}")
+    if not path.parent.is_dir():
+        raise PlanError(f"--plot {name}: no directory {path.parent} to write it in")
+    return path
+
+
 def write_plot(plan: Plan, path: str | Path) -> Path:
     """Draw the deployment's KV demand per context length and its HBM KV budget."""
     try:
@@ -40,7 +57,9 @@ def write_plot(plan: Plan, path: str | Path) -> Path:
                     ha="right", va="top", fontsize=8, color="grey")
     ax.set_xlabel("tokens per sequence")
     ax.set_ylabel("GB")
-    ax.set_title(f"{p.model.name}: KV memory vs context length")
+    # the name is a config's text: no mathtext or TeX ("$\\undefined{$" raised; found by review)
+    ax.set_title(f"{p.model.name}: KV memory vs context length", parse_math=False,
+                 usetex=False)
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     out = Path(path)

@@ -104,9 +104,10 @@ def read_trace(path: str | Path, block_tokens: int | None = None) -> TraceSummar
     refs: dict[int, int] = {}
     prompt_total = hit_total = block_refs = block_hits = 0
     for req in trace.requests:
-        prompts.append(req.input_tokens)
-        outputs.append(req.output_tokens)
-        seq.append(req.input_tokens + req.output_tokens)
+        if req.input_tokens + req.output_tokens > 0:  # an empty request holds no KV
+            prompts.append(req.input_tokens)
+            outputs.append(req.output_tokens)
+            seq.append(req.input_tokens + req.output_tokens)
         hit_blocks = 0
         for key in req.blocks:
             if key not in refs:
@@ -118,10 +119,13 @@ def read_trace(path: str | Path, block_tokens: int | None = None) -> TraceSummar
         hit_total += min(hit_blocks * block, req.input_tokens)
         block_refs += len(req.blocks)
         block_hits += hit_blocks
+    if not seq:   # it planned "0 sequences fit" (found by review)
+        raise PlanError(f"trace {path}: no request has any token (input and output lengths "
+                        "are all 0): nothing to plan")
     return TraceSummary(
         path=str(path),
         format=trace.format,
-        requests=len(seq),
+        requests=len(trace.requests),
         block_tokens=block,
         sequence_tokens=_percentiles(seq),
         prompt_tokens=_percentiles(prompts),

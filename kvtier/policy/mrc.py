@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import KVTierError
+from kvtier.statsdoc import MalformedStats, clean, number
 from kvtier.units import format_bytes
 
 
@@ -30,11 +31,66 @@ TOO_LARGE_LOSS = 0.01
 """Halving a tier that would lose less than this (absolute): larger than its hits need."""
 
 
+MAX_SCALE = 1024.0
+"""Largest curve point (x the tier's size) read: the daemon exports 0.25x .. 4x."""
+MAX_CAPACITY_BYTES = float(2**64)
+"""Largest tier capacity read (16 EiB): more is a forged answer, whose sizes would print
+as absurd figures or overflow a float (found by review)."""
+
+
+def _kind(v: object) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _obj(parent: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    """``parent[key]`` as an object ({} when absent); MalformedStats naming the field when
+    it is another type (a list of tiers, a tier as a string; found by review)."""
+    v = parent.get(key, {})
+    if not isinstance(v, dict):
+        raise MalformedStats(f"{where}{clean(str(key))} is a {_kind(v)}, not an object")
+    return v
+
+
+def policy_tiers(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """``policy.tiers`` of a stats document; MalformedStats when it is not an object."""
+    return _obj(_obj(stats, "policy", ""), "tiers", "policy.")
+
+
 def curve_of(stats: Mapping[str, Any], tier: str) -> list[tuple[float, float]]:
-    """The ``(scale, hit rate)`` points of ``tier`` in a stats document (empty if none)."""
-    t = stats.get("policy", {}).get("tiers", {}).get(tier, {})
-    pts = [(float(p["scale"]), float(p["hit_rate"])) for p in t.get("mrc", [])]
-    return sorted(pts)
+    """The ``(scale, hit rate)`` points of ``tier`` in a stats document (empty if none).
+    MalformedStats naming the field for a point that is not a finite scale in
+    (0, MAX_SCALE] with a hit rate in [0, 1]: a scale of 0 ended in log2(0) (found by
+    review)."""
+    where = f"policy.tiers.{clean(str(tier))}.mrc"
+    pts = _obj(policy_tiers(stats), tier, "policy.tiers.").get("mrc", [])
+    if not isinstance(pts, list) or not all(isinstance(p, dict) for p in pts):
+        raise MalformedStats(f"{where} is not a list of points")
+    out = []
+    for p in pts:
+        for key in ("scale", "hit_rate"):
+            if key not in p:
+                raise MalformedStats(f"{where} has a point without {key}")
+        scale, hit = number(p, "scale", where + "."), number(p, "hit_rate", where + ".")
+        if not 0 < scale <= MAX_SCALE:
+            raise MalformedStats(f"{where}.scale is {scale:g}, not in (0, {MAX_SCALE:g}]")
+        if hit > 1:
+            raise MalformedStats(f"{where}.hit_rate is {hit:g}, not in [0, 1]")
+        out.append((scale, hit))
+    return sorted(out)
+
+
+def capacity_of(stats: Mapping[str, Any], tier: str) -> float:
+    """``tiers.<tier>.capacity_bytes`` (0 when absent or null); MalformedStats naming the
+    field for a non-number, a negative one or one above MAX_CAPACITY_BYTES ("lots" or 400
+    digits ended in a ValueError or an OverflowError; found by review)."""
+    t = _obj(_obj(stats, "tiers", ""), tier, "tiers.")
+    if t.get("capacity_bytes") is None:
+        return 0.0
+    where = f"tiers.{clean(str(tier))}."
+    cap = number(t, "capacity_bytes", where)
+    if cap > MAX_CAPACITY_BYTES:
+        raise MalformedStats(f"{where}capacity_bytes is {cap:g}, above {MAX_CAPACITY_BYTES:g}")
+    return cap
 
 
 def predict(curve: Sequence[tuple[float, float]], scale: float) -> float | None:
@@ -43,6 +99,8 @@ def predict(curve: Sequence[tuple[float, float]], scale: float) -> float | None:
     if not curve or scale <= 0:
         return None
     for (s0, h0), (s1, h1) in itertools.pairwise(curve):
+        if s0 <= 0:   # no log2 of 0 (curve_of refuses such points; found by review)
+            continue
         if s0 <= scale <= s1:
             if s1 == s0:
                 return h0
@@ -67,7 +125,7 @@ class SizeOption:
 def size_options(stats: Mapping[str, Any], tier: str) -> list[SizeOption]:
     """Every measured size of ``tier`` with the hit rate it would have."""
     curve = curve_of(stats, tier)
-    cap = float(stats.get("tiers", {}).get(tier, {}).get("capacity_bytes", 0) or 0)
+    cap = capacity_of(stats, tier)
     now = predict(curve, 1.0)
     if now is None:
         return []
@@ -75,13 +133,15 @@ def size_options(stats: Mapping[str, Any], tier: str) -> list[SizeOption]:
 
 
 def plan_lines(stats: Mapping[str, Any]) -> list[str]:
-    """``kvtier plan --live-stats``: per tier and size, the token hit rate it would give."""
+    """``kvtier plan --live-stats``: per tier and size, the token hit rate it would give.
+    Tier names are shown through clean() (found by review: they reached the terminal raw)."""
     lines: list[str] = []
-    for tier in stats.get("policy", {}).get("tiers", {}):
+    for tier in policy_tiers(stats):
         for o in size_options(stats, tier):
             if o.scale == 1.0:
                 continue
-            lines.append(f"a {tier} tier of {format_bytes(o.capacity_bytes)} ({o.scale:g}x) would "
+            lines.append(f"a {clean(str(tier))} tier of {format_bytes(o.capacity_bytes)} "
+                         f"({o.scale:g}x) would "
                          f"{'raise' if o.hit_rate >= o.current_hit_rate else 'lower'} its "
                          f"token hit rate from {o.current_hit_rate:.1%} to {o.hit_rate:.1%} "
                          "on this node's live workload")
@@ -90,36 +150,51 @@ def plan_lines(stats: Mapping[str, Any]) -> list[str]:
 
 def sizing_notes(stats: Mapping[str, Any]) -> list[str]:
     """``kvtier doctor``: a tier too small (doubling it gains much) or larger than its hit
-    rate needs (halving it loses almost nothing), from its live curve."""
+    rate needs (halving it loses almost nothing), from its live curve. MalformedStats for
+    a field of the wrong type (curve_of, capacity_of)."""
     notes: list[str] = []
-    for tier in stats.get("policy", {}).get("tiers", {}):
+    for tier in policy_tiers(stats):
         curve = curve_of(stats, tier)
         now, twice, half = predict(curve, 1.0), predict(curve, 2.0), predict(curve, 0.5)
         if now is None:
             continue
-        cap = float(stats.get("tiers", {}).get(tier, {}).get("capacity_bytes", 0) or 0)
+        cap, name = capacity_of(stats, tier), clean(str(tier))  # (found by review)
         if twice is not None and twice - now >= TOO_SMALL_GAIN:
-            notes.append(f"{tier} tier too small for this workload: at {format_bytes(2 * cap)} its "
+            notes.append(f"{name} tier too small for this workload: at {format_bytes(2 * cap)} its "
                          f"token hit rate would be {twice:.1%} instead of {now:.1%} (live "
                          "miss-ratio curve); give it more memory if the node has it")
         elif half is not None and now - half < TOO_LARGE_LOSS and now > 0:
-            notes.append(f"{tier} tier larger than its hit rate needs: at {format_bytes(cap / 2)} "
+            notes.append(f"{name} tier larger than its hit rate needs: at {format_bytes(cap / 2)} "
                          f"it would still hit {half:.1%} of tokens (now {now:.1%}); the "
                          "memory could go elsewhere")
     return notes
 
 
+def _cell(t: dict[str, Any], key: str, default: str, where: str) -> str:
+    """``t[key]`` as clean text, ``default`` for null or absent; MalformedStats for an
+    object or a list (a null ``switches`` or ``mode`` ended in a TypeError; found by
+    review)."""
+    v = t.get(key)
+    if v is None:
+        return default
+    if isinstance(v, dict | list):
+        raise MalformedStats(f"{where}{key} is a {_kind(v)}, not a value")
+    return clean(str(v))
+
+
 def render_table(stats: Mapping[str, Any]) -> str:
-    """The small table of ``kvtier stats``: per tier, mode and hit rate at each size."""
-    tiers = stats.get("policy", {}).get("tiers", {})
+    """The small table of ``kvtier stats``: per tier, mode and hit rate at each size.
+    MalformedStats (a ValueError) naming the field when one cannot be shown."""
     rows = []
-    for tier, t in tiers.items():
-        pts = {float(p["scale"]): float(p["hit_rate"]) for p in t.get("mrc", [])}
+    for tier, t in policy_tiers(stats).items():
+        pts = dict(curve_of(stats, tier))
         if not pts:
             continue
         cells = [f"{pts[s]:6.1%}" if s in pts else "     -" for s in (0.25, 0.5, 1.0, 2.0, 4.0)]
-        rows.append(f"{tier:<6} {t.get('mode', '?'):<5} {t.get('switches', 0):>8}  "
-                    + "  ".join(cells))
+        name = clean(str(tier))
+        where = f"policy.tiers.{name}."
+        rows.append(f"{name:<6} {_cell(t, 'mode', '?', where):<5} "
+                    f"{_cell(t, 'switches', '-', where):>8}  " + "  ".join(cells))
     if not rows:
         return ""
     head = ("policy adaptive: token hit rate at x tier size (live miss-ratio curve)\n"
@@ -152,14 +227,14 @@ def load_stats(source: str, timeout: float | None = None) -> dict[str, Any]:
 
 def live_plan(source: str) -> str:
     """``kvtier plan --live-stats``: the sizing lines of a live daemon (or a note why none)."""
-    from kvtier.statsdoc import MalformedStats, check_policy
+    from kvtier.statsdoc import check_policy
 
     stats = load_stats(source)
     try:
         check_policy(stats)   # the shape plan_lines reads, each number a float
+        lines = plan_lines(stats)   # and what it reads beyond (tiers; found by review)
     except MalformedStats as exc:
         raise LiveStatsError(f"{source} is not kvtier stats: {exc}") from None
-    lines = plan_lines(stats)
     if not lines:
         return (f"{source}: no live miss-ratio curve yet (the daemon needs the adaptive "
                 "policy and a full tier: its shadows start at the first eviction)")
