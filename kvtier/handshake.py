@@ -11,16 +11,29 @@ from __future__ import annotations
 import array
 import os
 import socket
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import DaemonUnavailable, ProtocolError, RequestTimeout, error_from_code
 from kvtier.keys import KEY_SCHEME
-from kvtier.protocol import LENGTH, PROTOCOL_VERSION, pack, unpack_body
+from kvtier.protocol import (
+    LENGTH,
+    PROTOCOL_VERSION,
+    REQUEST_MAX_ENTRIES,
+    REQUEST_MAX_ITEMS,
+    pack,
+    unpack_body,
+)
 from kvtier.trust import PeerCred, check_daemon_peer
 
 MAX_HELLO_REPLY = 64 * 2**20
+HELLO_MAX_ITEMS = REQUEST_MAX_ITEMS
+HELLO_MAX_ENTRIES = REQUEST_MAX_ENTRIES
+"""A hello reply holds a few dozen entries (the arena, presence and hbm maps): decoded
+within the bounds the daemon puts on a request, not unbounded (a frame of 1-byte empty
+arrays cost 0.6 GB and 7 s per 8 MiB; found by review)."""
 _FDS = 2                     # the arena's descriptor, then the presence filter's
 _FD_SPACE = socket.CMSG_SPACE(_FDS * array.array("i").itemsize)
 
@@ -52,9 +65,21 @@ class Hello:
         self.arena_fd = self.presence_fd = None
 
 
-def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+def wait_until(sock: socket.socket, deadline: float) -> None:
+    """Bound ``sock``'s next wait by ``deadline`` (``time.monotonic()``); TimeoutError
+    once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
+
+
+def recv_hello(sock: socket.socket,
+               deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
     """Read exactly the hello reply frame, and the descriptors passed alongside it (the
-    arena's, then the presence filter's), if any.
+    arena's, then the presence filter's), if any, whole by ``deadline``
+    (``time.monotonic()``; TimeoutError past it; None: each receive bounded by the
+    socket's timeout only).
 
     recvmsg all along (the descriptors ride on the frame's first byte), with
     MSG_CMSG_CLOEXEC so they never leak into a child process; room for two descriptors only
@@ -65,6 +90,9 @@ def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     need = LENGTH.size
     try:
         while len(data) < need:
+            if deadline is not None:   # one deadline for the frame, not one per receive:
+                wait_until(sock, deadline)   # a byte per almost-timeout held a 1 s hello
+                #                              40 s (found by review)
             chunk, ancdata, _flags, _ = sock.recvmsg(need - len(data), _FD_SPACE,
                                                      socket.MSG_CMSG_CLOEXEC)
             for level, kind, cdata in ancdata:
@@ -80,7 +108,8 @@ def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
                 if n > MAX_HELLO_REPLY:
                     raise ProtocolError(f"hello reply of {n} bytes is too large")
                 need += n
-        reply = unpack_body(bytes(data[LENGTH.size:]), MAX_HELLO_REPLY)
+        reply = unpack_body(bytes(data[LENGTH.size:]), MAX_HELLO_REPLY, HELLO_MAX_ITEMS,
+                            HELLO_MAX_ENTRIES)
         if not reply.get("ok"):
             raise error_from_code(str(reply.get("code", "internal")),
                                   str(reply.get("error", "daemon refused the hello")))
@@ -94,16 +123,20 @@ def recv_hello(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 
 def handshake(sock: socket.socket, path: str, trusted_uids: Collection[int],
-              timeout: float) -> Hello:
-    """Check who listens (SO_PEERCRED, before sending a byte), then say hello.
+              timeout: float, deadline: float | None = None) -> Hello:
+    """Check who listens (SO_PEERCRED, before sending a byte), then say hello, all of it
+    by ``deadline`` (``time.monotonic()``; default: ``timeout`` from now).
 
     UntrustedDaemon when the daemon's uid is neither ours nor trusted; RequestTimeout or
     DaemonUnavailable when it does not answer.
     """
+    if deadline is None:
+        deadline = time.monotonic() + timeout
     peer = check_daemon_peer(sock, path, trusted_uids)
     try:
+        wait_until(sock, deadline)
         sock.sendall(pack({**hello_request(), "id": 1}))
-        reply, fds = recv_hello(sock)
+        reply, fds = recv_hello(sock, deadline)
     except TimeoutError:
         raise RequestTimeout(f"no reply to hello from the daemon at {path} within "
                              f"{timeout}s") from None
@@ -116,7 +149,9 @@ def handshake(sock: socket.socket, path: str, trusted_uids: Collection[int],
 def open_verified(path: str, timeout: float,
                   trusted_uids: Collection[int]) -> tuple[socket.socket, Hello]:
     """A connected blocking socket (timeout ``timeout``) to a verified daemon, and its
-    hello; DaemonUnavailable when nothing listens at ``path``."""
+    hello, the connect and the hello within ``timeout`` in all; DaemonUnavailable when
+    nothing listens at ``path``."""
+    deadline = time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -132,7 +167,9 @@ def open_verified(path: str, timeout: float,
         raise DaemonUnavailable(f"no kvtier daemon at {path} ({exc.__class__.__name__}): "
                                 "start one with `kvtier serve`") from None
     try:
-        return sock, handshake(sock, path, trusted_uids, timeout)
+        hello = handshake(sock, path, trusted_uids, timeout, deadline)
     except BaseException:
         sock.close()
         raise
+    sock.settimeout(timeout)
+    return sock, hello

@@ -43,8 +43,10 @@ _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 # Of those, the ones a fresh connection may cure at once (the daemon restarted).
 _RETRYABLE: tuple[type[BaseException], ...] = (DaemonUnavailable, OSError, EOFError)
-# What connecting may raise: the daemon is unreachable or refuses the handshake.
-_CONNECT_ERRORS: tuple[type[BaseException], ...] = (*_CONNECTION_ERRORS, KVTierError)
+# What connecting may raise: anything (unreachable, a refused or malformed handshake).
+# Any exception from the client is a daemon failure: a malformed reply's KeyError or a
+# hello's ValueError used to escape into vLLM (found by review).
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (Exception,)
 
 
 RECONNECT_HELLO_S = 0.25   # a live daemon greets in milliseconds, even a busy one
@@ -127,7 +129,7 @@ class DaemonLink:
         try:
             yield lease
         except BaseException as exc:
-            with contextlib.suppress(*_CONNECTION_ERRORS, KVTierError):
+            with contextlib.suppress(Exception):   # the body's exception is the one to see
                 cm.__exit__(type(exc), exc, exc.__traceback__)
             raise
         try:
@@ -140,6 +142,8 @@ class DaemonLink:
         except KVTierError as exc:
             self.errors += 1
             logger.warning("kvtier %s: lease not completed (%s: %s)", self.name, exc.code, exc)
+        except Exception as exc:   # not a KVTierError: the client failed (found by review)
+            self._drop(exc)
 
     def _run(self, op: Callable[[Any], T]) -> _Outcome[T]:
         """``(True, op(client))``, or ``(False, None)`` after a failure.
@@ -196,6 +200,8 @@ class DaemonLink:
             self.errors += 1
             logger.warning("kvtier %s: daemon refused a request (%s: %s); continuing "
                            "without it", self.name, exc.code, exc)
+        except Exception as exc:   # any other: the client failed; vLLM goes on without it
+            self._drop(exc)        # (a KeyError of a malformed reply escaped; found by review)
         return False, None
 
     def _reconnect(self, exc: BaseException) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.client import forks
+from kvtier.client.hello import map_arena
 from kvtier.client.leases import AsyncGetLease, AsyncPutLease
 from kvtier.client.ops import (
     HANGUP,
@@ -29,8 +30,8 @@ from kvtier.client.ops import (
     Op,
     Ops,
     Settle,
-    map_arena,
 )
+from kvtier.client.replies import SMALL_REQUEST, ReplyBound, decode_reply
 from kvtier.config import default_socket_path, trusted_daemon_uids
 from kvtier.errors import (
     ClientForked,
@@ -43,11 +44,12 @@ from kvtier.handshake import Hello, open_verified
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality
-from kvtier.protocol import LENGTH, pack, unpack_body
+from kvtier.protocol import LENGTH, pack
 
 # The op that ends the lease each kind of prepare grants.
 _LEASE_ENDS = {"get_prepare": "get_release", "put_prepare": "put_abort"}
 MAX_LATE_LEASES = 256
+MAX_ABANDONED = 4096   # late replies of requests given up on, still known (then: oldest out)
 
 
 class AsyncKVTierClient:
@@ -63,6 +65,8 @@ class AsyncKVTierClient:
         self._broken: KVTierError | None = None
         self._late = 0   # replies awaited only to end their lease (``_end_when_granted``)
         self._owed: set[asyncio.Future[dict[str, Any]]] = set()   # replies of NoWait sends
+        self._abandoned: dict[int, None] = {}   # ids given up on, oldest first
+        self._bound = SMALL_REQUEST   # what a reply may hold: the widest request's bound
         self._pid = forks.track(self)   # a forked child must connect again
 
     def _forked(self) -> None:
@@ -76,20 +80,35 @@ class AsyncKVTierClient:
 
     # transport
     async def _read_loop(self) -> None:
+        """Hand each reply (decoded within ``_bound``) to its request; id 0, an error
+        about the whole connection, to all of them, and the connection ends. A reply no
+        request awaits, nor a late one given up on (``_abandoned``), is a ProtocolError
+        ending the connection, as in the sync client: unsolicited frames were decoded and
+        dropped, two of 8 MiB stalling the loop 7.6 s (found by review)."""
         try:
             while True:
                 (n,) = LENGTH.unpack(await self._reader.readexactly(LENGTH.size))
                 if n > MAX_REPLY:
                     raise ProtocolError(f"reply of {n} bytes is too large")
-                reply = unpack_body(await self._reader.readexactly(n), MAX_REPLY)
+                reply = decode_reply(await self._reader.readexactly(n), self._bound)
                 rid = reply.get("id", 0)
                 if type(rid) is not int:
                     raise ProtocolError(f"daemon sent a reply with id {rid!r:.20}")
-                targets = list(self._pending.values()) if rid == 0 else [
-                    self._pending.get(rid)]
-                for fut in targets:
-                    if fut is not None and not fut.done():
+                if rid == 0:
+                    for waiting in list(self._pending.values()):
+                        if not waiting.done():
+                            waiting.set_result(reply)
+                    raise ConnectionError(f"the daemon ended it: {reply.get('code')!r:.40}: "
+                                          f"{reply.get('error')!r:.200}")
+                fut = self._pending.get(rid)
+                if fut is not None:
+                    if not fut.done():
                         fut.set_result(reply)
+                elif rid in self._abandoned:   # the late reply of a request given up on
+                    del self._abandoned[rid]
+                else:
+                    raise ProtocolError(f"daemon sent a reply to request {rid}, which "
+                                        "no request awaits")
         except Exception as exc:   # whatever ends the reading ends the connection's use
             if not isinstance(self._broken, ClientForked):
                 self._broken = DaemonUnavailable(f"daemon connection lost: {exc}")
@@ -105,16 +124,17 @@ class AsyncKVTierClient:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         self._pending[rid] = fut
+        self._bound = self._bound.wider(ReplyBound.of(req))
         deadline = loop.time() + self._timeout   # the send and the reply: one deadline
         try:
             self._writer.write(pack(req))   # sent before the first await: a cancel is later
             await self._drain(req, deadline)
             reply = await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
-            self._end_when_granted(rid, req)
+            self._give_up(rid, req)
             raise RequestTimeout(f"no reply to {req.get('op')} within {self._timeout}s") from None
         except asyncio.CancelledError:
-            self._end_when_granted(rid, req)
+            self._give_up(rid, req)
             raise
         except OSError as exc:
             raise DaemonUnavailable(f"daemon connection lost: {exc}") from None
@@ -142,14 +162,25 @@ class AsyncKVTierClient:
             raise RequestTimeout(f"could not send {req.get('op')} within {self._timeout}s: "
                                  "the daemon is not reading") from None
 
-    def _end_when_granted(self, rid: int, req: dict[str, Any]) -> None:
+    def _give_up(self, rid: int, req: dict[str, Any]) -> None:
+        """Request ``rid`` is no longer awaited: its late reply ends its lease
+        (``_end_when_granted``) or is skipped when it comes (``_abandoned``)."""
+        fut = self._pending.get(rid)
+        if self._end_when_granted(rid, req) or (
+                fut is not None and fut.done() and not fut.cancelled()):
+            return   # (a reply that came as the wait ended is not awaited again)
+        self._abandoned[rid] = None
+        if len(self._abandoned) > MAX_ABANDONED:
+            del self._abandoned[next(iter(self._abandoned))]
+
+    def _end_when_granted(self, rid: int, req: dict[str, Any]) -> bool:
         """A lease asked for by a call that gave up waiting (cancelled, or past the timeout)
         is ended as soon as its reply comes: its caller never learns the lease, so nobody
         else would release the pins or abort the put before the lease's TTL. At most
         ``MAX_LATE_LEASES`` such replies are awaited at once (past that, the TTL ends them)."""
         end = _LEASE_ENDS.get(req.get("op", ""))
         if end is None or self._broken is not None or self._late >= MAX_LATE_LEASES:
-            return
+            return False
         late: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._late += 1
 
@@ -169,6 +200,7 @@ class AsyncKVTierClient:
 
         late.add_done_callback(ended)
         self._pending[rid] = late
+        return True
 
     async def _send_nowait(self, req: dict[str, Any]) -> dict[str, Any]:
         """``KVTierClient._send_nowait`` over asyncio: the reply, when it comes, matches no
@@ -179,6 +211,7 @@ class AsyncKVTierClient:
             return await self._call(req)
         rid = req["id"] = next(self._ids)
         self._owe(rid)
+        self._bound = self._bound.wider(ReplyBound.of(req))
         deadline = asyncio.get_running_loop().time() + self._timeout
         try:
             self._writer.write(pack(req))

@@ -10,14 +10,21 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier.errors import HandshakeError, KVTierError, ProtocolError
+from kvtier.client.replies import REPLY_ERRORS
+from kvtier.errors import DaemonUnavailable, HandshakeError, KVTierError, ProtocolError
+from kvtier.handshake import Hello
 from kvtier.presence import PresenceView
 from kvtier.protocol import PROTOCOL_VERSION
 from kvtier.tiers.arena_mapping import ArenaMapping
 
+if TYPE_CHECKING:
+    from kvtier.client.ops import Ops
+
 log = logging.getLogger("kvtier.client")
+HELLO_ERRORS: tuple[type[Exception], ...] = (*REPLY_ERRORS, OverflowError)
+"""What mapping an unreadable hello raises where a check was missed: a ProtocolError."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +45,15 @@ def mapped(reply: dict[str, Any], arena_fd: int | None = None,
     (``presence_fd``, taken over) when the daemon passed one. Both descriptors are closed
     when this raises."""
     try:
-        if reply.get("version") != PROTOCOL_VERSION:
-            raise HandshakeError(f"daemon speaks protocol {reply.get('version')}, client "
+        version = reply.get("version")   # (bool is an int: True passed; found by review)
+        if type(version) is not int or version != PROTOCOL_VERSION:
+            raise HandshakeError(f"daemon speaks protocol {version!r:.20}, client "
                                  f"{PROTOCOL_VERSION}")
         arena = reply.get("arena")
         if not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
-                and isinstance(arena.get("size"), int)):
-            raise ProtocolError(f"hello reply has no valid arena: {arena!r}")
+                and "\x00" not in arena["path"] and type(arena.get("size")) is int
+                and arena["size"] > 0):   # (a NUL byte, size True: found by review)
+            raise ProtocolError(f"hello reply has no valid arena: {arena!r:.200}")
     except BaseException:
         for fd in (arena_fd, presence_fd):
             if fd is not None:
@@ -79,3 +88,16 @@ def open_presence(fd: int, announced: Any, daemon_uid: int) -> PresenceView | No
     except (KVTierError, OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("not using the daemon's presence filter: %s", exc)
         return None
+
+
+def map_arena(ops: Ops, hello: Hello, path: str) -> None:
+    """``ops.on_hello`` with the arena owned by the verified daemon uid; OSError (the file
+    is gone) becomes DaemonUnavailable, an unreadable hello a ProtocolError (a NUL byte in
+    the arena path escaped as ValueError; found by review)."""
+    try:
+        ops.on_hello(hello.reply, hello.arena_fd, hello.peer.uid, hello.presence_fd)
+    except OSError as exc:
+        raise DaemonUnavailable(f"cannot map the arena of the daemon at {path}: {exc}") from None
+    except HELLO_ERRORS as exc:
+        raise ProtocolError(f"cannot read the hello of the daemon at {path} "
+                            f"({type(exc).__name__}: {exc!s:.80})") from None

@@ -32,12 +32,12 @@ class _PutLeaseRules:
                    redis_sync_s: float | None = None) -> Op:
         self._open = False
         if redis_sync_s is None:
-            return self._ops.op_commit(self.lease, durable, output_tokens)
+            return self._ops.op_commit(self.lease, durable, output_tokens, len(self.views))
         return self._commit_sync_op(durable, output_tokens, redis_sync_s)
 
     def _commit_sync_op(self, durable: bool, output_tokens: int | None, wait: float) -> Op:
         stored, self.redis_visible, self.redis_synced = yield from self._ops.op_commit_sync(
-            self.lease, durable, output_tokens, wait)
+            self.lease, durable, output_tokens, wait, len(self.views))
         return stored
 
     def _abort_op(self) -> Op:

@@ -22,9 +22,18 @@ import numpy as np
 
 from kvtier.client.buffers import as_bytes, check_buffers
 from kvtier.client.hello import mapped
-from kvtier.client.replies import LookupResult, slot_offsets
+from kvtier.client.replies import MAX_REPLY as MAX_REPLY  # (re-exported)
+from kvtier.client.replies import (
+    LookupResult,
+    count_of,
+    get_slots,
+    lease_of,
+    prefix_results,
+    reads_reply,
+    slot_offsets,
+    stats_of,
+)
 from kvtier.errors import (
-    DaemonUnavailable,
     HandshakeError,
     KVTierError,
     LimitExceeded,
@@ -32,15 +41,12 @@ from kvtier.errors import (
     UnknownNamespace,
     error_from_code,
 )
-from kvtier.handshake import Hello, hello_request
+from kvtier.handshake import hello_request
 from kvtier.keys import BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
-from kvtier.prefix import PrefixLocality
 from kvtier.presence import PresenceView
 from kvtier.tiers.arena_mapping import ArenaMapping
 
-MAX_REPLY = 64 * 2**20
-"""Largest reply frame either client accepts (bytes)."""
 PUT_BATCH = 64
 """Blocks per put round trip in ``put``: amortises the control round trip without pinning
 a large share of the arena at once."""
@@ -168,11 +174,12 @@ class Ops:
             yield from self._register(ns)
             return (yield req)
 
+    @reads_reply
     def _register(self, ns: Namespace) -> Op:
         reply = yield {"op": "register_layout", "layout": ns.layout.to_dict(),
                        "model_id": ns.model_id, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
                        "cache_salt": ns.cache_salt}
-        if reply["ns"] != ns.digest:
+        if reply.get("ns") != ns.digest:
             raise HandshakeError("daemon computed another namespace digest: client and daemon "
                                  "run incompatible kvtier versions")
         self._registered.add(ns.digest)
@@ -191,6 +198,7 @@ class Ops:
         ns = Namespace(model_id, layout, tp_rank, tp_size, cache_salt)
         return (yield from self._register(ns))
 
+    @reads_reply
     def op_lookup(self, ns: Namespace, keys: Sequence[BlockKey], prefetch: bool) -> Op:
         if not keys:
             return LookupResult.from_reply({"hits": 0, "tiers": []}, 0)
@@ -199,6 +207,7 @@ class Ops:
         reply = yield from self._ask(ns, req)
         return LookupResult.from_reply(reply, len(keys))
 
+    @reads_reply
     def op_prepare_put(self, ns: Namespace, keys: Sequence[BlockKey],
                        parent: BlockKey | None, start_depth: int) -> Op:
         req = self._target("put_prepare", ns, keys)
@@ -207,34 +216,46 @@ class Ops:
         reply = yield from self._ask(ns, req)
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
+        lease = lease_of(reply)   # (found by review: a missing lease was a KeyError)
         try:
             offsets = slot_offsets(reply.get("offsets"), len(keys), nbytes, self.arena.size,
                                    exact=True)
         except ProtocolError:   # nothing is written: the lease goes back at once
-            yield from quietly(self.op_abort(reply["lease"]))
+            yield from quietly(self.op_abort(lease))
             raise
         views = [None if off is None else self.arena.view(off, nbytes, writable=True)
                  for off in offsets]
-        return reply["lease"], views
-
-    def op_commit(self, lease: int, durable: bool, output_tokens: int | None) -> Op:
-        reply = yield {"op": "put_commit", "lease": lease, "durable": durable,
-                       "output_tokens": output_tokens}
-        return int(reply["stored"])
+        return lease, views
 
     @staticmethod
+    @reads_reply
+    def op_commit(lease: int, durable: bool, output_tokens: int | None,
+                  n_keys: int | None = None) -> Op:
+        """Commit a put lease of ``n_keys`` keys (None: unknown); how many were stored, an
+        int in 0..n_keys (a count beyond was believed; found by review)."""
+        reply = yield {"op": "put_commit", "lease": lease, "durable": durable,
+                       "output_tokens": output_tokens}
+        return count_of(reply, "stored", n_keys)
+
+    @staticmethod
+    @reads_reply
     def op_commit_sync(lease: int, durable: bool, output_tokens: int | None,
-                       redis_sync_s: float) -> Op:
+                       redis_sync_s: float, n_keys: int | None = None) -> Op:
         """A commit answered once the put's chain is in Redis (or ``redis_sync_s`` passed):
-        (stored, leading blocks confirmed in Redis, whether that is the whole chain)."""
+        (stored, leading blocks confirmed in Redis, whether that is the whole chain), the
+        counts checked as ``op_commit``'s."""
         reply = yield {"op": "put_commit", "lease": lease, "durable": durable,
                        "output_tokens": output_tokens, "redis_sync_s": redis_sync_s}
-        return (int(reply["stored"]), int(reply.get("redis_visible", 0)),
-                bool(reply.get("redis_synced", False)))
+        synced = reply.get("redis_synced", False)
+        if type(synced) is not bool:
+            raise ProtocolError(f"daemon sent redis_synced={synced!r:.40}")
+        return (count_of(reply, "stored", n_keys),
+                count_of(reply, "redis_visible", n_keys, default=0), synced)
 
     def op_abort(self, lease: int) -> Op:
         yield {"op": "put_abort", "lease": lease}
 
+    @reads_reply
     def op_prepare_get(self, ns: Namespace, keys: Sequence[BlockKey],
                        prefer_device: bool | None = None) -> Op:
         mapping = self._device_mapping(prefer_device)
@@ -245,28 +266,17 @@ class Ops:
         reply = yield from self._ask(ns, req)
         assert self.arena is not None
         nbytes = ns.layout.block_bytes
+        lease = lease_of(reply)   # (found by review: a missing lease was a KeyError)
         try:   # checked before any view: a reply naming wrong slots is a ProtocolError
-            offsets = reply.get("offsets")
-            if not isinstance(offsets, list):
-                raise ProtocolError(f"get_prepare reply has offsets {offsets!r:.80}")
-            devices = list(reply.get("devices") or ["cpu"] * len(offsets))
-            if len(devices) != len(offsets) or any(d not in ("cpu", "hbm") for d in devices):
-                raise ProtocolError(f"get_prepare reply has devices {devices!r:.80} for "
-                                    f"{len(offsets)} offsets")
-            if "hbm" in devices and mapping is None:
-                raise ProtocolError("daemon handed out hbm slots to a client that did not "
-                                    "ask for them")
-            slot_offsets([off for off, dev in zip(offsets, devices, strict=True)
-                          if dev == "cpu"], len(keys), nbytes, self.arena.size, exact=False)
-            if len(offsets) > len(keys):
-                raise ProtocolError(f"daemon sent {len(offsets)} offsets for {len(keys)} keys")
+            offsets, devices = get_slots(reply, len(keys), nbytes, self.arena.size,
+                                         None if mapping is None else mapping.size)
             views = [self.arena.view(off, nbytes, writable=False) if dev == "cpu"
                      else mapping.view(off, nbytes)
                      for off, dev in zip(offsets, devices, strict=True)]
         except BaseException:
-            yield from quietly(self.op_release(reply["lease"]))
+            yield from quietly(self.op_release(lease))
             raise
-        return reply["lease"], views, devices, release_safe_until(asked, reply.get("ttl_s"))
+        return lease, views, devices, release_safe_until(asked, reply.get("ttl_s"))
 
     @staticmethod
     def op_release(lease: int, copy_s: float | None = None,
@@ -311,7 +321,7 @@ class Ops:
                 raise
             last = i + PUT_BATCH >= len(keys)
             stored += yield from self.op_commit(lease, durable,
-                                                output_tokens if last else None)
+                                                output_tokens if last else None, len(views))
         return stored
 
     def op_get(self, ns: Namespace, keys: Sequence[BlockKey],
@@ -332,15 +342,17 @@ class Ops:
         yield from self.op_release(lease, safe_until=safe_until)
         return len(views)
 
+    @reads_reply
     def op_delete(self, ns: Namespace, keys: Sequence[BlockKey]) -> Op:
         """Delete ``keys``; how many went. The releases this connection sent ``NoWait``
         (a ``get`` that just returned) are settled first: the daemon runs requests side by
         side, and would skip blocks still pinned by the caller's own finished get."""
         yield SETTLE
         reply = yield from self._ask(ns, self._target("delete", ns, keys))
-        return int(reply["deleted"])
+        return count_of(reply, "deleted", len(keys))   # (found by review: was int())
 
     @staticmethod
+    @reads_reply
     def op_prefix(ns: Namespace, prompts: Sequence[Sequence[int] | np.ndarray], redis: bool,
                   batch: bool) -> Op:
         """Prefix locality (kvtier.prefix). Keys are hashed here, so the daemon only walks
@@ -353,11 +365,12 @@ class Ops:
         if batch:
             req["lengths"] = [len(chain) for chain in chains]
         reply = yield req
-        return [PrefixLocality.from_dict(d) for d in reply["results"]]
+        return prefix_results(reply, len(prompts))   # (found by review: was unchecked)
 
+    @reads_reply
     def op_stats(self) -> Op:
         reply = yield {"op": "stats"}
-        return reply["stats"]
+        return stats_of(reply)
 
     def op_report(self, values: dict[str, float], engine_id: str | None = None) -> Op:
         yield {"op": "report_engine", **values,
@@ -382,13 +395,6 @@ class Ops:
         self.arena, self.presence, self.arena_path, self.hbm_info = (
             m.arena, m.presence, m.arena_path, m.hbm_info)
         announced = reply["arena"].get("put_bytes")   # (daemons from before: absent)
-        self.put_bytes = announced if type(announced) is int and announced > 0 else 0
+        self.put_bytes = (min(announced, m.arena.size)   # (found by review: 2**63-1 was
+                          if type(announced) is int and announced > 0 else 0)   # believed)
 
-
-def map_arena(ops: Ops, hello: Hello, path: str) -> None:
-    """``ops.on_hello`` with the arena owned by the verified daemon uid; OSError (the file
-    is gone) becomes DaemonUnavailable."""
-    try:
-        ops.on_hello(hello.reply, hello.arena_fd, hello.peer.uid, hello.presence_fd)
-    except OSError as exc:
-        raise DaemonUnavailable(f"cannot map the arena of the daemon at {path}: {exc}") from None

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from kvtier.client import forks
+from kvtier.client.hello import map_arena
 from kvtier.client.leases import GetLease, PutLease
 from kvtier.client.ops import (
     HANGUP,
@@ -24,8 +25,8 @@ from kvtier.client.ops import (
     Op,
     Ops,
     Settle,
-    map_arena,
 )
+from kvtier.client.replies import SMALL_REQUEST, ReplyBound, decode_reply
 from kvtier.config import default_socket_path, trusted_daemon_uids
 from kvtier.errors import (
     ClientForked,
@@ -38,7 +39,11 @@ from kvtier.handshake import Hello, handshake, open_verified
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality
-from kvtier.protocol import LENGTH, pack, unpack_body
+from kvtier.protocol import LENGTH, pack
+
+DEADLINE_SLACK = 0.01
+"""A call may overrun its timeout by this share of it (1%): the socket's own timeout is
+reset only when it is off by more, so a call answered at once costs no system call."""
 
 
 class KVTierClient:
@@ -48,11 +53,13 @@ class KVTierClient:
                  hello: Hello | None = None) -> None:
         """``hello``: the handshake ``connect`` already did on ``sock``; without it the
         daemon is verified and greeted here (trusted uids from the environment). ``timeout``
-        becomes ``sock``'s own: every send and receive is bounded by it, on a socket the
-        caller connected too."""
+        bounds each call as a whole, its sends and receives on ``sock`` included (a socket
+        the caller connected too: its own timeout is set to what a call has left)."""
         sock.settimeout(timeout)
         self._sock = sock
         self._timeout = timeout
+        self._sock_timeout = timeout   # what ``sock`` waits now per send or receive
+        self._slack = timeout * DEADLINE_SLACK
         self._ids = itertools.count(2)
         self._ops = Ops(device)
         self._broken: KVTierError | None = None
@@ -64,12 +71,27 @@ class KVTierClient:
         path = str(sock.getpeername())
         if hello is None:
             hello = handshake(sock, path, trusted_daemon_uids(), timeout)
+            sock.settimeout(timeout)   # (the hello left it at the time it had left)
         map_arena(self._ops, hello, path)
 
     # transport
-    def _recv_exact(self, n: int) -> bytes:
+    def _until(self, deadline: float) -> None:
+        """Let the socket's next wait end by ``deadline`` (``time.monotonic()``), within
+        ``DEADLINE_SLACK`` of the timeout; TimeoutError once it passed. The socket's
+        timeout bounds each wait, not a call: a daemon trickling a byte per almost-timeout
+        held a 1 s call for 21 s (found by review). Set only when it is off by more than
+        the slack, so a call whose reply comes at once makes no extra system call."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        if abs(left - self._sock_timeout) > self._slack:
+            self._sock.settimeout(left)
+            self._sock_timeout = left
+
+    def _recv_exact(self, n: int, deadline: float) -> bytes:
         chunks, got = [], 0
         while got < n:
+            self._until(deadline)
             chunk = self._sock.recv(min(n - got, 1 << 20))
             if not chunk:
                 raise ConnectionError("daemon closed the connection")
@@ -102,11 +124,12 @@ class KVTierClient:
         with self._alone():
             return self._call_alone(req)
 
-    def _recv_reply(self) -> dict[str, Any]:
-        (n,) = LENGTH.unpack(self._recv_exact(LENGTH.size))
+    def _recv_reply(self, deadline: float, bound: ReplyBound) -> dict[str, Any]:
+        """The next reply frame, whole by ``deadline``, decoded within ``bound``."""
+        (n,) = LENGTH.unpack(self._recv_exact(LENGTH.size, deadline))
         if n > MAX_REPLY:
             raise ProtocolError(f"reply of {n} bytes is too large")
-        return unpack_body(self._recv_exact(n), MAX_REPLY)
+        return decode_reply(self._recv_exact(n, deadline), bound)
 
     def _call_alone(self, req: dict[str, Any]) -> dict[str, Any]:
         if self._broken is not None:
@@ -114,10 +137,12 @@ class KVTierClient:
         rid = next(self._ids)
         req["id"] = rid
         deadline = time.monotonic() + self._timeout   # for the whole call, skips included
+        bound = ReplyBound.of(req)   # (a skipped NoWait reply is small: within it too)
         try:
+            self._until(deadline)
             self._sock.sendall(pack(req))
             while True:
-                reply = self._recv_reply()
+                reply = self._recv_reply(deadline, bound)
                 got = reply.get("id")
                 if type(got) is int and got in (rid, 0):
                     break
@@ -155,9 +180,7 @@ class KVTierClient:
             deadline = time.monotonic() + self._timeout
             try:
                 while self._unanswered:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError
-                    reply = self._recv_reply()
+                    reply = self._recv_reply(deadline, SMALL_REQUEST)   # releases, reports
                     if reply.get("id") == 0:
                         return Ops.check_reply(reply)
                     self._unanswered -= 1
@@ -178,6 +201,7 @@ class KVTierClient:
         with self._alone():
             req["id"] = next(self._ids)
             try:
+                self._until(time.monotonic() + self._timeout)
                 self._sock.sendall(pack(req))
             except OSError as exc:
                 self._lost(exc, str(req.get("op")))

@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any
 
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import BufferSizeError, ConfigError, KVTierError
 from kvtier.tiers.hbm_pool import _check_range
 
 IPC_HANDLE_BYTES = 64          # sizeof(cudaIpcMemHandle_t)
@@ -125,6 +125,9 @@ class HbmMapping:
         """The device address of ``[offset, offset + nbytes)`` in this process."""
         if self._closed:
             raise KVTierError("HBM mapping is closed")
+        if type(offset) is not int or type(nbytes) is not int:   # a bool or a float
+            raise BufferSizeError(f"HBM pool range of {type(offset).__name__} offset "   # passed
+                                  f"and {type(nbytes).__name__} size")   # (found by review)
         _check_range(offset, nbytes, self.size)
         return self.ptr + offset
 
