@@ -287,7 +287,10 @@ class SchedulerSide:
                    computed_after_step: int) -> None:
         if not self.config.saves or state.reset:   # kv_consumer: loads only
             return
-        limit = computed_after_step
+        # KV of the request's tokens only: a speculative step also computes its draft
+        # tokens' positions, which are not in all_token_ids (they may be rejected), so a
+        # block ending among them holds KV of no known token (found by review)
+        limit = min(computed_after_step, len(state.request.all_token_ids))
         if not self.config.save_decode_tokens:
             limit = min(limit, state.request.num_prompt_tokens)
         full = self.pages.full_blocks(limit)

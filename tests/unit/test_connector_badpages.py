@@ -110,3 +110,36 @@ def test_a_request_relies_on_the_bad_pages_it_counts_computed_past_what_was_rewr
     assert bad.relied_on(pages, 7) == [11]
     bad.rewritten(pages, 6, 8)                          # 11 whole again
     assert bad.relied_on(pages, 8) == [] and bad.relied_on(pages, 9) == [12]
+
+
+def test_a_speculative_step_saves_no_block_ending_among_its_drafts(tmp_path: Path) -> None:
+    """With save_decode_tokens, a decode step that also computes 4 draft tokens counted
+    them computed: the block they end was saved with KV of tokens not in all_token_ids
+    (drafts may be rejected) and keyed by fewer tokens than it holds (found by review)."""
+    cfg = ConnectorConfig.from_extra({"socket_path": str(tmp_path / "none.sock"),
+                                      "tokens_per_block": TPB, "model_id": "m",
+                                      "save_decode_tokens": True},
+                                     block_size=PAGE, default_model_id="m")
+    sched = SchedulerSide(cfg, LAYOUT, PAGE, 1)
+    ids = list(range(1, 101))                    # a 100-token prompt
+    req = NS(request_id="A", all_token_ids=ids, num_prompt_tokens=100, num_tokens=100,
+             cache_salt=None, mm_features=None, prompt_embeds=None, lora_request=None)
+    pages = [100, 101, 102, 103]
+    sched.update_state_after_alloc(req, NS(get_block_ids=lambda: (pages,)), 0)
+
+    def step(computed: int, n: int) -> list[tuple[int, int]]:
+        meta = sched.build_connector_meta(NS(
+            preempted_req_ids=[], num_scheduled_tokens={"A": n}, total_num_scheduled_tokens=n,
+            scheduled_new_reqs=[], scheduled_cached_reqs=NS(
+                req_ids=["A"], new_block_ids=[None], resumed_req_ids=set(),
+                num_computed_tokens=[computed])))
+        return [(s.first_block, s.end_block) for s in meta.saves]
+
+    try:
+        assert step(0, 100) == [(0, 1)]          # the prompt's one whole block
+        ids.extend(range(1001, 1028))            # 27 tokens decoded: 127 known
+        assert step(126, 5) == []                # the last token + 4 drafts: 131 computed
+        ids.append(2000)                         # a step later, token 128 is known
+        assert step(127, 1) == [(1, 2)]          # block 1 is whole now: saved
+    finally:
+        sched.shutdown()
