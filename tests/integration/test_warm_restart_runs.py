@@ -33,6 +33,18 @@ def _newer(key: bytes) -> np.ndarray:
     return np.bitwise_xor(content(key), np.uint8(0x5A))
 
 
+def _journaled(daemon_factory) -> tuple[DaemonProcess, list[bytes]]:  # type: ignore[no-untyped-def]
+    """A daemon without nvme holding a chain of BLOCKS blocks in its arena, journaled."""
+    d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="0").start()
+    c = connect(d.socket)
+    ns = c.register_layout(LAYOUT, "m")
+    keys = [bytes(k) for k in block_keys(ns, np.arange(64 * BLOCKS))]
+    assert c.put(ns, keys, [content(k) for k in keys]) == BLOCKS
+    c.close()
+    d.wait_journal_commits(BLOCKS)
+    return d, keys
+
+
 @pytest.mark.parametrize("between", ["warm-restart-off", "other-shm-dir"])
 def test_an_arena_left_before_a_cold_run_is_not_adopted_after_it(daemon_factory,
                                                                  between: str) -> None:
@@ -89,13 +101,7 @@ def test_an_arena_left_before_a_cold_run_is_not_adopted_after_it(daemon_factory,
 
 def test_a_warm_start_still_adopts_the_last_runs_arena(daemon_factory) -> None:
     """Two crashes in a row: each start adopts the arena the run before it left."""
-    d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="0").start()
-    c = connect(d.socket)
-    ns = c.register_layout(LAYOUT, "m")
-    keys = [bytes(k) for k in block_keys(ns, np.arange(64 * BLOCKS))]
-    assert c.put(ns, keys, [content(k) for k in keys]) == BLOCKS
-    c.close()
-    d.wait_journal_commits(BLOCKS)
+    d, _ = _journaled(daemon_factory)
     runs = [last_run(d.data_dir)]
     for _ in range(2):
         d.crash()
@@ -110,13 +116,7 @@ def test_a_warm_start_still_adopts_the_last_runs_arena(daemon_factory) -> None:
 
 def test_an_unreadable_run_file_means_a_cold_start(daemon_factory) -> None:
     """A run file that is not an id (edited, truncated) adopts nothing: cold, then served."""
-    d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="0").start()
-    c = connect(d.socket)
-    ns = c.register_layout(LAYOUT, "m")
-    keys = [bytes(k) for k in block_keys(ns, np.arange(64 * BLOCKS))]
-    assert c.put(ns, keys, [content(k) for k in keys]) == BLOCKS
-    c.close()
-    d.wait_journal_commits(BLOCKS)
+    d, keys = _journaled(daemon_factory)
     d.crash()
     (d.data_dir / RUN_FILE).write_text("not a run id\n")
     d.start()

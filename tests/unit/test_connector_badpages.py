@@ -56,6 +56,17 @@ def test_a_load_that_succeeds_makes_a_page_sound() -> None:
     assert bad.pages == {5}
 
 
+def _step(sched: SchedulerSide, computed: int, n: int) -> list[tuple[int, int]]:
+    """One scheduler step of request A: ``n`` tokens scheduled from ``computed``; the
+    (first, end) blocks of the saves it plans."""
+    meta = sched.build_connector_meta(NS(
+        preempted_req_ids=[], num_scheduled_tokens={"A": n}, total_num_scheduled_tokens=n,
+        scheduled_new_reqs=[], scheduled_cached_reqs=NS(
+            req_ids=["A"], new_block_ids=[None], resumed_req_ids=set(),
+            num_computed_tokens=[computed])))
+    return [(s.first_block, s.end_block) for s in meta.saves]
+
+
 def request(ids: list[int]) -> Any:
     return NS(request_id="A", all_token_ids=ids, num_prompt_tokens=len(ids),
               num_tokens=len(ids), cache_salt=None, mm_features=None, prompt_embeds=None,
@@ -80,18 +91,10 @@ def test_a_recompute_in_chunks_that_end_mid_page_is_saved_again(tmp_path: Path) 
     sched.update_connector_output(NS(kv_connector_worker_meta=KVTierWorkerMetadata(),
                                      invalid_block_ids={100, 101}))   # ... the first failed
 
-    def step(computed: int, n: int) -> list[tuple[int, int]]:
-        meta = sched.build_connector_meta(NS(
-            preempted_req_ids=[], num_scheduled_tokens={"A": n}, total_num_scheduled_tokens=n,
-            scheduled_new_reqs=[], scheduled_cached_reqs=NS(
-                req_ids=["A"], new_block_ids=[None], resumed_req_ids=set(),
-                num_computed_tokens=[computed])))
-        return [(s.first_block, s.end_block) for s in meta.saves]
-
     try:
         assert state.known_blocks == 0
-        assert step(0, 250) == [(0, 3)]
-        assert step(250, 262) == [(3, 8)]
+        assert _step(sched, 0, 250) == [(0, 3)]
+        assert _step(sched, 250, 262) == [(3, 8)]
         assert sched._bad.pages == {116}    # the page the decode writes next
     finally:
         sched.shutdown()
@@ -127,19 +130,11 @@ def test_a_speculative_step_saves_no_block_ending_among_its_drafts(tmp_path: Pat
     pages = [100, 101, 102, 103]
     sched.update_state_after_alloc(req, NS(get_block_ids=lambda: (pages,)), 0)
 
-    def step(computed: int, n: int) -> list[tuple[int, int]]:
-        meta = sched.build_connector_meta(NS(
-            preempted_req_ids=[], num_scheduled_tokens={"A": n}, total_num_scheduled_tokens=n,
-            scheduled_new_reqs=[], scheduled_cached_reqs=NS(
-                req_ids=["A"], new_block_ids=[None], resumed_req_ids=set(),
-                num_computed_tokens=[computed])))
-        return [(s.first_block, s.end_block) for s in meta.saves]
-
     try:
-        assert step(0, 100) == [(0, 1)]          # the prompt's one whole block
+        assert _step(sched, 0, 100) == [(0, 1)]          # the prompt's one whole block
         ids.extend(range(1001, 1028))            # 27 tokens decoded: 127 known
-        assert step(126, 5) == []                # the last token + 4 drafts: 131 computed
+        assert _step(sched, 126, 5) == []                # the last token + 4 drafts: 131 computed
         ids.append(2000)                         # a step later, token 128 is known
-        assert step(127, 1) == [(1, 2)]          # block 1 is whole now: saved
+        assert _step(sched, 127, 1) == [(1, 2)]          # block 1 is whole now: saved
     finally:
         sched.shutdown()
