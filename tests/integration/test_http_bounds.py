@@ -26,6 +26,7 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, pack, unpack_body
 from tests.support.daemon import DaemonProcess
+from tests.support.http_raw import closed_within, http_addr, raw_http
 from tests.support.pinger import ping_forever
 
 TOKEN = "s3cr3t-admin-token"
@@ -41,29 +42,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         yield d
 
 
-def _addr(d: DaemonProcess) -> tuple[str, int]:
-    host, port = d.http_url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
-
-
-def _raw(d: DaemonProcess, data: bytes = b"") -> socket.socket:
-    s = socket.create_connection(_addr(d), timeout=10)
-    if data:
-        s.sendall(data)
-    return s
-
-
-def _closed_within(s: socket.socket, seconds: float) -> bytes:
-    """What the daemon sent before closing ``s``; fails if it is still open after that."""
-    s.settimeout(seconds)
-    got = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            return got
-        got += chunk
-
-
 def _get(d: DaemonProcess, path: str, headers: dict[str, str] | None = None,
          method: str = "GET") -> tuple[int, Any]:
     req = urllib.request.Request(d.http_url + path, headers=headers or {}, method=method)
@@ -76,14 +54,14 @@ def _get(d: DaemonProcess, path: str, headers: dict[str, str] | None = None,
 
 def test_a_connection_that_sends_nothing_or_half_a_request_is_closed(
         daemon: DaemonProcess) -> None:
-    silent = _raw(daemon)
-    head = _raw(daemon, b"GET /v1/stats HTTP/1.1\r\nHost: x\r\n")   # no end of head
-    body = _raw(daemon, b"POST /v1/prefix HTTP/1.1\r\nHost: x\r\nContent-Type: "
+    silent = raw_http(daemon)
+    head = raw_http(daemon, b"GET /v1/stats HTTP/1.1\r\nHost: x\r\n")   # no end of head
+    body = raw_http(daemon, b"POST /v1/prefix HTTP/1.1\r\nHost: x\r\nContent-Type: "
                         b"application/json\r\nContent-Length: 1000\r\n\r\n{")
     t0 = time.monotonic()
     for s in (silent, head):
-        assert _closed_within(s, 5) == b""
-    assert b"408" in _closed_within(body, 5)    # the body's own deadline: a JSON 408
+        assert closed_within(s, 5) == b""
+    assert b"408" in closed_within(body, 5)    # the body's own deadline: a JSON 408
     assert time.monotonic() - t0 < 4
     assert daemon.stats()["http"]["timed_out"] >= 2
     assert _get(daemon, "/healthz") == (200, {"status": "ok"})
@@ -95,11 +73,11 @@ def test_connections_beyond_the_bound_make_room_and_engines_still_connect(
     out, so a client re-arming idle keep-alives kept everyone out (found by review). The
     one idle the longest is closed for the new one now; a 503 only when all are busy
     (tests/integration/test_http_fairness.py)."""
-    held = [_raw(daemon) for _ in range(8)]
-    extra = _raw(daemon, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    reply = _closed_within(extra, 5)
+    held = [raw_http(daemon) for _ in range(8)]
+    extra = raw_http(daemon, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    reply = closed_within(extra, 5)
     assert reply.startswith(b"HTTP/1.1 200") and b'"ok"' in reply
-    assert _closed_within(held[0], 5) == b""
+    assert closed_within(held[0], 5) == b""
     with connect(daemon.socket) as c:   # the control socket is not affected
         assert c.stats()["http"]["connections"] <= 8
     for s in held:
@@ -116,9 +94,9 @@ def test_connections_beyond_the_bound_make_room_and_engines_still_connect(
 
 
 def test_a_body_declared_too_large_is_refused_before_it_is_sent(daemon: DaemonProcess) -> None:
-    s = _raw(daemon, b"POST /v1/prefix HTTP/1.1\r\nHost: x\r\nContent-Type: "
+    s = raw_http(daemon, b"POST /v1/prefix HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: 99999999999\r\n\r\n")
-    reply = _closed_within(s, 5)
+    reply = closed_within(s, 5)
     assert reply.startswith(b"HTTP/1.1 413") and b'"error"' in reply
     assert daemon.stats()["http"]["body_bytes"] == 0
 
@@ -188,7 +166,7 @@ def _post(d: DaemonProcess, body: bytes, content_type: str = "application/json",
     before reading (urllib) may see the connection reset instead of the 413."""
     head = (f"POST /v1/prefix{query} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n")
-    s = socket.create_connection(_addr(d), timeout=30)
+    s = socket.create_connection(http_addr(d), timeout=30)
     with s:
         s.sendall(head.encode())
         sent, view = 0, memoryview(body)
@@ -219,7 +197,7 @@ def test_trickled_bodies_do_not_hold_the_body_budget(daemon_factory) -> None:
     started = threading.Semaphore(0)
 
     def trickle() -> None:
-        s = socket.create_connection(_addr(d), timeout=10)
+        s = socket.create_connection(http_addr(d), timeout=10)
         try:
             s.sendall(head + b"\0")
             started.release()

@@ -17,6 +17,7 @@ import pytest
 from kvtier.client import connect
 from kvtier.layout import KVLayout
 from tests.support.daemon import DaemonProcess
+from tests.support.http_raw import closed_within, raw_http
 
 MAX_CONNECTIONS = 16
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
@@ -33,23 +34,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         with connect(d.socket) as c:
             c.register_layout(LAYOUT, "m")
         yield d
-
-
-def _raw(d: DaemonProcess, data: bytes = b"") -> socket.socket:
-    host, port = d.http_url.removeprefix("http://").rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=10)
-    if data:
-        s.sendall(data)
-    return s
-
-
-def _until_closed(s: socket.socket, seconds: float) -> bytes:
-    """What the daemon sent before closing ``s``; socket.timeout if still open after."""
-    s.settimeout(seconds)
-    got = b""
-    while chunk := s.recv(65536):
-        got += chunk
-    return got
 
 
 def _reply(s: socket.socket) -> bytes:
@@ -77,10 +61,10 @@ def test_a_chunked_body_is_a_411_before_it_is_read_and_the_connection_closes(
     """1-byte chunks held the event loop ~0.5 s a request (one parser callback each): a
     Transfer-Encoding body is refused from its head now, on every route, and closed."""
     for path in (b"/v1/prefix?model_id=m", b"/healthz"):
-        s = _raw(daemon, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        s = raw_http(daemon, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: "
                  b"application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                  b"1\r\n\x01\r\n1\r\n\x01\r\n")   # no last chunk: the body never ends
-        reply = _until_closed(s, 3)
+        reply = closed_within(s, 3)
         assert reply.startswith(b"HTTP/1.1 411"), reply
         assert b"Connection: close" in reply
         assert "Content-Length" in _json(reply)["error"]
@@ -91,9 +75,9 @@ def test_a_chunked_body_is_a_411_before_it_is_read_and_the_connection_closes(
 def test_a_body_no_handler_reads_is_not_drained(daemon: DaemonProcess) -> None:
     """aiohttp read and dropped an unread body for up to 10 s after the reply (its lingering
     close); the connection is closed at once now (the guard's deadline here is 5 s)."""
-    s = _raw(daemon, b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
+    s = raw_http(daemon, b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
              + b"x" * 1000)
-    reply = _until_closed(s, 2.5)
+    reply = closed_within(s, 2.5)
     assert reply.startswith(b"HTTP/1.1 405"), reply
     s.close()
 
@@ -103,12 +87,12 @@ def test_an_idle_connection_makes_room_for_a_new_client(daemon: DaemonProcess) -
     got 503s for as long as it liked. A new connection now closes the one idle longest."""
     held = []
     for _ in range(MAX_CONNECTIONS):
-        s = _raw(daemon, HEALTHZ)
+        s = raw_http(daemon, HEALTHZ)
         assert _reply(s).startswith(b"HTTP/1.1 200")   # then idle, kept alive
         held.append(s)
     with urllib.request.urlopen(daemon.http_url + "/healthz", timeout=10) as r:
         assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
-    assert _until_closed(held[0], 3) == b""      # idle the longest: closed for it
+    assert closed_within(held[0], 3) == b""      # idle the longest: closed for it
     for s in (held[1], held[-1]):                # the others stay
         s.sendall(HEALTHZ)
         assert _reply(s).startswith(b"HTTP/1.1 200")
@@ -123,10 +107,10 @@ def test_when_every_connection_is_busy_a_new_one_is_refused(daemon: DaemonProces
     query = "?redis=0&model_id=m&lengths=" + ",".join(["131072"] * 4)   # 2 MiB: 3 s to come
     head = (f"POST /v1/prefix{query} HTTP/1.1\r\nHost: x\r\nContent-Type: application/"
             f"octet-stream\r\nContent-Length: {4 * 4 * 131072}\r\n\r\n").encode()
-    busy = [_raw(daemon, head + b"\0" * 64) for _ in range(MAX_CONNECTIONS)]
+    busy = [raw_http(daemon, head + b"\0" * 64) for _ in range(MAX_CONNECTIONS)]
     time.sleep(0.3)
-    refused = _raw(daemon)
-    reply = _until_closed(refused, 5)
+    refused = raw_http(daemon)
+    reply = closed_within(refused, 5)
     assert reply.startswith(b"HTTP/1.1 503") and b"too many HTTP connections" in reply
     with connect(daemon.socket) as c:     # the control socket is not affected
         http = c.stats()["http"]
@@ -165,7 +149,7 @@ def test_stats_renders_take_turns_and_a_flood_gets_503(daemon: DaemonProcess) ->
     """64 connections asking for /v1/stats held the loop 93 ms at a time. Renders take
     turns now (each followed by a pause), 8 wait at most, and beyond them a 503."""
     n = MAX_CONNECTIONS - 1
-    conns = [_raw(daemon) for _ in range(n)]
+    conns = [raw_http(daemon) for _ in range(n)]
     for s in conns:
         s.sendall(b"GET /v1/stats HTTP/1.1\r\nHost: x\r\n\r\n")
     replies = [_reply(s) for s in conns]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import http.server
 import json
 import threading
@@ -14,17 +13,13 @@ import pytest
 from kvtier.doctor import add_parser
 from kvtier.doctor.engine import parse_engine
 from kvtier.doctor.histogram import Histogram
+from tests.support.cli import run_subcommand
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
 
 
 def doctor(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="kvtier")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["doctor", *argv])
-    code = args.func(args)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_subcommand(capsys, add_parser, "doctor", *argv)
 
 
 def test_histogram_quantile_interpolates_like_promql() -> None:

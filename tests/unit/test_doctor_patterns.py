@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -11,6 +10,7 @@ from kvtier.doctor import add_parser
 from kvtier.doctor.collect import Request, collect
 from kvtier.doctor.rules import Pattern, diagnose
 from kvtier.doctor.signals import derive
+from tests.support.cli import run_subcommand
 from tests.support.doctor_scenarios import files, scenario_argv
 
 EXPECTED = {
@@ -28,12 +28,7 @@ EXPECTED = {
 
 
 def doctor(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="kvtier")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["doctor", *argv])
-    code = args.func(args)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_subcommand(capsys, add_parser, "doctor", *argv)
 
 
 def test_every_pattern_has_a_fixture() -> None:

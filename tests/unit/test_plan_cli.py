@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.plan import add_parser
+from tests.support.cli import run_subcommand
 from tests.support.paths import MOONCAKE_TRACE
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "plan"
@@ -18,12 +18,7 @@ MOONCAKE = MOONCAKE_TRACE
 
 
 def plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="kvtier")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["plan", *argv])
-    code = args.func(args)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_subcommand(capsys, add_parser, "plan", *argv)
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:

@@ -3,7 +3,6 @@ traceback, an unbounded read or an absurd plan (found by review)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -14,15 +13,11 @@ from kvtier.plan import model as model_mod
 from kvtier.plan.model import load_model
 from kvtier.plan.presets import find_preset
 from kvtier.plan.workload import read_trace
+from tests.support.cli import run_subcommand
 
 
 def plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="kvtier")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["plan", *argv])
-    code = args.func(args)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_subcommand(capsys, add_parser, "plan", *argv)
 
 
 @pytest.mark.parametrize(("argv", "says"), [

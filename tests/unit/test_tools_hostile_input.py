@@ -4,7 +4,6 @@ peer's control characters or rich markup raw (found by review)."""
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 from pathlib import Path
@@ -20,6 +19,7 @@ from kvtier.doctor.errors import DoctorError
 from kvtier.explain_cli import MalformedLookup, render
 from kvtier.policy.mrc import LiveStatsError, live_plan, plan_lines, render_table, sizing_notes
 from kvtier.statsdoc import MalformedStats
+from tests.support.cli import run_subcommand
 
 ESC = "\x1b[2J\x1b]0;PWNED\x07evil"
 CURVE = [{"scale": 0.5, "hit_rate": 0.1}, {"scale": 1.0, "hit_rate": 0.2},
@@ -36,12 +36,7 @@ def _stats(policy_tier: Any = None, tiers: Any = None) -> dict[str, Any]:
 
 
 def _doctor(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="kvtier")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["doctor", *argv])
-    code = args.func(args)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_subcommand(capsys, add_parser, "doctor", *argv)
 
 
 @pytest.mark.parametrize("key", ["switches", "mode"])
