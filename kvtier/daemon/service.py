@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -32,6 +33,7 @@ from typing import Any
 from kvtier import __version__
 from kvtier.config import Config, default_runtime_dir, http_base_url
 from kvtier.daemon.control import ControlServer
+from kvtier.daemon.descriptors import connections_that_fit
 from kvtier.daemon.gc_guard import GcGuard
 from kvtier.daemon.http import HttpServer, bind_http
 from kvtier.daemon.limits import Limits
@@ -92,6 +94,7 @@ class Daemon:
         self.rebuilt_blocks = 0
         self.adopted_blocks = 0
         self._recovered = False   # the store's recovery ran: only then is there a drain
+        self._max_connections = cfg.daemon.max_connections   # what the open-file limit fits
         self._stop = asyncio.Event()
         self._stack = contextlib.AsyncExitStack()
         self._deadline = Deadline(math.inf)
@@ -121,6 +124,8 @@ class Daemon:
                                read_timeout_s=cfg.daemon.read_timeout_s,
                                max_connections=cfg.http.max_connections)
         self._stack.push_async_callback(self.http.stop)
+        # before any file is opened (kvtier.daemon.descriptors)
+        self._max_connections = connections_that_fit(cfg)
         problem = shm_dir_problem(cfg.cpu.shm_dir, os.getuid())
         if problem is not None:
             raise ConfigError(problem)
@@ -194,7 +199,8 @@ class Daemon:
             arena_size=self.arena.size, observe=self.metrics.observe,
             hbm=self.hbm.handshake_info() if self.hbm is not None else None,
             open_arena=self.arena.open_for_client,
-            limits=Limits.from_config(cfg.daemon, self.arena.size))
+            limits=dataclasses.replace(Limits.from_config(cfg.daemon, self.arena.size),
+                                       max_connections=self._max_connections))
         control.stats_provider = self.stats
         # a "no" from the filter is final only without a Redis tier to look further in
         if presence is not None:
