@@ -5,6 +5,7 @@ malformed answer in one line instead of a TypeError or AttributeError deep in a 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -13,15 +14,17 @@ class MalformedStats(ValueError):
     names the field (``daemon.uptime_s is a str, not a number``)."""
 
 
-def _kind(v: object) -> str:
+def kind(v: object) -> str:
+    """A JSON value's type, as an error message names it."""
     return "null" if v is None else type(v).__name__
 
 
-def section(doc: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
-    """``doc[key]`` as an object ({} when absent); MalformedStats when it is another type."""
+def section(doc: Mapping[str, Any], key: str, where: str = "") -> dict[str, Any]:
+    """``doc[key]`` as an object ({} when absent); MalformedStats when it is another type
+    (``key`` shown cleaned: tier names come from the peer)."""
     v = doc.get(key, {})
     if not isinstance(v, dict):
-        raise MalformedStats(f"{where}{key} is a {_kind(v)}, not an object")
+        raise MalformedStats(f"{where}{clean(str(key))} is a {kind(v)}, not an object")
     return v
 
 
@@ -33,7 +36,7 @@ def number(doc: dict[str, Any], key: str, where: str = "", *,
     and >= 0, so anything else is a broken or forged answer, not a state to show."""
     v = doc.get(key, 0)
     if isinstance(v, bool) or not isinstance(v, int | float):
-        raise MalformedStats(f"{where}{key} is a {_kind(v)}, not a number")
+        raise MalformedStats(f"{where}{key} is a {kind(v)}, not a number")
     try:
         f = float(v)
     except OverflowError:
@@ -48,13 +51,14 @@ def scalar(doc: dict[str, Any], key: str, default: str, where: str = "") -> str:
     """``doc[key]`` shown as text; MalformedStats for an object or list (not a value)."""
     v = doc.get(key, default)
     if isinstance(v, dict | list):
-        raise MalformedStats(f"{where}{key} is a {_kind(v)}, not a value")
+        raise MalformedStats(f"{where}{key} is a {kind(v)}, not a value")
     return clean(str(v))
 
 
-def clean(text: str) -> str:
-    """A peer's text made safe for one table cell: printable, at most 80 characters."""
-    return "".join(c if c.isprintable() else "?" for c in text[:80])
+def clean(text: str, limit: int = 80) -> str:
+    """A peer's text made safe for a terminal: printable (ESC and the like become ``?``),
+    at most ``limit`` characters."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
 def check_policy(s: dict[str, Any]) -> None:
@@ -63,7 +67,7 @@ def check_policy(s: dict[str, Any]) -> None:
     for name, t in tiers.items():
         where = f"policy.tiers.{clean(name)}"
         if not isinstance(t, dict):
-            raise MalformedStats(f"{where} is a {_kind(t)}, not an object")
+            raise MalformedStats(f"{where} is a {kind(t)}, not an object")
         scalar(t, "mode", "?", where + ".")
         scalar(t, "switches", "0", where + ".")
         points = t.get("mrc", [])

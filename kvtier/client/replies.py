@@ -20,7 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
-from kvtier.errors import KVTierError, ProtocolError
+from kvtier.errors import KVTierError, ProtocolError, brief
 from kvtier.keys import KEY_BYTES
 from kvtier.prefix import PrefixLocality
 from kvtier.protocol import unpack_body
@@ -93,8 +93,9 @@ def lookup_hits(reply: dict[str, Any], n_keys: int) -> tuple[int, list[str]]:
 
 
 def _short(value: Sequence[Any] | Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """A reply value for an error message, cut before it is rendered (``brief``): the repr
+    of a whole 64 MiB value in a bad reply would be built first."""
+    return brief(value, 80)
 
 
 MAX_REPLY = 64 * 2**20

@@ -26,6 +26,7 @@ from kvtier.plan.layers import NO_KV, LayerReach, layer_reach
 from kvtier.plan.moe import MoESpec, read_moe
 from kvtier.plan.presets import find_preset, preset_names
 from kvtier.plan.quant import Quantization, read_quantization
+from kvtier.statsdoc import clean
 
 MAX_CONFIG_BYTES = 64 << 20
 """Largest model config.json read (64 MiB): real ones are a few KiB."""
@@ -202,10 +203,5 @@ def load_model(ref: str) -> ModelSpec:
     if not isinstance(cfg, dict):
         raise PlanError(f"model config {path}: expected a JSON object, got a JSON "
                         f"{type(cfg).__name__}")
-    return spec_from_config(cfg, name=_printable(str(cfg.get("_name_or_path") or path)))
-
-
-def _printable(name: str) -> str:
-    """A model name from a config made safe for a terminal: non-printable characters
-    (ESC) become ``?``, at most 200 characters (found by review)."""
-    return "".join(c if c.isprintable() else "?" for c in name[:200])
+    # made safe for a terminal, at most 200 characters (found by review: ESC reached it)
+    return spec_from_config(cfg, name=clean(str(cfg.get("_name_or_path") or path), 200))

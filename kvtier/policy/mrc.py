@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.statsdoc import MalformedStats, clean, number
+from kvtier.statsdoc import MalformedStats, clean, kind, number, section
 from kvtier.units import format_bytes
 
 
@@ -38,22 +38,9 @@ MAX_CAPACITY_BYTES = float(2**64)
 as absurd figures or overflow a float (found by review)."""
 
 
-def _kind(v: object) -> str:
-    return "null" if v is None else type(v).__name__
-
-
-def _obj(parent: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
-    """``parent[key]`` as an object ({} when absent); MalformedStats naming the field when
-    it is another type (a list of tiers, a tier as a string; found by review)."""
-    v = parent.get(key, {})
-    if not isinstance(v, dict):
-        raise MalformedStats(f"{where}{clean(str(key))} is a {_kind(v)}, not an object")
-    return v
-
-
 def policy_tiers(stats: Mapping[str, Any]) -> dict[str, Any]:
     """``policy.tiers`` of a stats document; MalformedStats when it is not an object."""
-    return _obj(_obj(stats, "policy", ""), "tiers", "policy.")
+    return section(section(stats, "policy", ""), "tiers", "policy.")
 
 
 def curve_of(stats: Mapping[str, Any], tier: str) -> list[tuple[float, float]]:
@@ -62,7 +49,7 @@ def curve_of(stats: Mapping[str, Any], tier: str) -> list[tuple[float, float]]:
     (0, MAX_SCALE] with a hit rate in [0, 1]: a scale of 0 ended in log2(0) (found by
     review)."""
     where = f"policy.tiers.{clean(str(tier))}.mrc"
-    pts = _obj(policy_tiers(stats), tier, "policy.tiers.").get("mrc", [])
+    pts = section(policy_tiers(stats), tier, "policy.tiers.").get("mrc", [])
     if not isinstance(pts, list) or not all(isinstance(p, dict) for p in pts):
         raise MalformedStats(f"{where} is not a list of points")
     out = []
@@ -83,7 +70,7 @@ def capacity_of(stats: Mapping[str, Any], tier: str) -> float:
     """``tiers.<tier>.capacity_bytes`` (0 when absent or null); MalformedStats naming the
     field for a non-number, a negative one or one above MAX_CAPACITY_BYTES ("lots" or 400
     digits ended in a ValueError or an OverflowError; found by review)."""
-    t = _obj(_obj(stats, "tiers", ""), tier, "tiers.")
+    t = section(section(stats, "tiers", ""), tier, "tiers.")
     if t.get("capacity_bytes") is None:
         return 0.0
     where = f"tiers.{clean(str(tier))}."
@@ -178,7 +165,7 @@ def _cell(t: dict[str, Any], key: str, default: str, where: str) -> str:
     if v is None:
         return default
     if isinstance(v, dict | list):
-        raise MalformedStats(f"{where}{key} is a {_kind(v)}, not a value")
+        raise MalformedStats(f"{where}{key} is a {kind(v)}, not a value")
     return clean(str(v))
 
 

@@ -14,6 +14,7 @@ header and payload, with no copy in Python.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -160,6 +161,7 @@ def lengths_sound(header: FrameHeader) -> bool:
     return header.payload_len <= codecs.max_encoded_len(header.codec, header.raw_len)
 
 
+@functools.lru_cache(maxsize=64)
 def most_wire(block_bytes: int) -> int:
     """The longest value a GET of a block of ``block_bytes`` can use: its header and the
     longest payload any codec writes for it (a striped frame's key holds less). A longer
@@ -185,7 +187,7 @@ def read_blocks(conn: Conn, rkeys: Sequence[bytes], keys: Sequence[bytes],
     """GET every key (one pipeline) and land each verified block in its ``outs`` buffer."""
     place = _Placer(keys, _bytes_views(outs), namespace, layout_fp)
     replies = conn.get_many(rkeys, HEADER_SIZE, place,
-                            max(most_wire(o.nbytes) for o in place.outs))
+                            most_wire(max(o.nbytes for o in place.outs)))
     if place.stray:   # the pool drops it: its next exchange could read this one's replies
         conn.stray_frame = True
     return [_read_of(place, i, reply) for i, reply in enumerate(replies)]
@@ -221,7 +223,7 @@ def read_blocks_muxed(batches: Sequence[tuple[NodeAddr, list[int]]], rkeys: Sequ
 
         large = min(place.outs[i].nbytes for i in idx) >= LARGE_VALUE_BYTES
         this = GetJob(node, [rkeys[i] for i in idx], HEADER_SIZE, placed, done, idx[0],
-                      large=large, most=max(most_wire(place.outs[i].nbytes) for i in idx))
+                      large=large, most=most_wire(max(place.outs[i].nbytes for i in idx)))
         return this
 
     jobs = [job(node, idx) for node, idx in batches]
