@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import LayoutMismatch
-from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, block_keys
+from kvtier.keys import KEY_BYTES, KEY_SCHEME, ROOT_KEY, Namespace, block_keys
 from tests.support.keys import TOKENS, TPB, layout, ns
 
 
@@ -139,3 +142,28 @@ def test_equal_namespaces_have_equal_digests() -> None:
 def test_tp_rank_outside_tp_size_is_rejected(rank: int, size: int) -> None:
     with pytest.raises(LayoutMismatch, match="tp_rank"):
         ns(tp_rank=rank, tp_size=size)
+
+
+def test_keys_are_the_documented_blake2b_chain() -> None:
+    # docs/architecture.md ("Block keys"), spelled out independently of kvtier.keys: a
+    # router or another implementation that follows the text gets the same keys.
+    space = ns(cache_salt="tenant-a")
+    packed = msgpack.packb([2, space.model_id, space.layout.fingerprint, space.tp_rank,
+                            space.tp_size, space.cache_salt], use_bin_type=True)
+    digest = hashlib.blake2b(packed, digest_size=16, person=b"kvtier-ns/2").digest()
+    assert space.digest == digest
+    prev, want = b"\x00" * 16, []
+    for i in range(len(TOKENS) // TPB):
+        chunk = b"".join(t.to_bytes(4, "little") for t in TOKENS[i * TPB:(i + 1) * TPB])
+        prev = hashlib.blake2b(digest + prev + chunk, digest_size=16,
+                               person=b"kvtier-key/2").digest()
+        want.append(prev)
+    assert block_keys(space, TOKENS) == want
+    assert KEY_SCHEME == "blake2b_128-chain/2"
+
+
+@pytest.mark.parametrize("parent", [b"", b"\x00" * 15, b"\x00" * 17, b"\x00" * 32])
+def test_a_parent_that_is_not_a_whole_key_is_refused(parent: bytes) -> None:
+    # a shorter parent would let a prefix of the chunk's ids stand in for key bytes
+    with pytest.raises(ValueError, match="parent key"):
+        block_keys(ns(), TOKENS, parent=parent)
