@@ -52,6 +52,7 @@ from kvtier.errors import (
     TrustError,
     brief,
 )
+from kvtier.lograte import LogRate
 from kvtier.protocol import pack, request_id
 from kvtier.store import TieredStore
 
@@ -92,6 +93,7 @@ class ControlServer(ControlOps):
                                hbm, open_arena,
                                reply_timeout_s=self.limits.read_timeout_s)
         self.observe = observe
+        self.warn = LogRate(log)   # peers' events, at most one line per kind per 10 s
         self.last_request = 0.0     # time.monotonic() of the last request (GcGuard)
         self.connections: dict[int, Connection] = {}
         self.orphans: dict[int, int] = {}
@@ -169,8 +171,8 @@ class ControlServer(ControlOps):
         try:
             if uid != os.getuid():
                 self.rejected_peers += 1
-                log.warning("rejected connection from uid %s (pid %s): not the daemon's user",
-                            uid, pid)
+                self.warn.warning("other-uid", "rejected connection from uid %s (pid %s): "
+                                  "not the daemon's user", uid, pid)
                 await self._refuse_peer(reader, writer, uid)
                 return
             if len(self.connections) >= self.limits.max_connections:
@@ -267,15 +269,15 @@ class ControlServer(ControlOps):
             if isinstance(exc, ProtocolError):
                 self.protocol_errors += 1
             self._count(exc.code)
-            log.warning("client %s (pid %s): %s; closing its connection", conn.id, conn.pid,
-                        exc)
+            self.warn.warning("client-error", "client %s (pid %s): %s; closing its connection",
+                              conn.id, conn.pid, exc)
             await send_error(writer, write_lock, exc.code, str(exc), self.limits.read_timeout_s)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         except TimeoutError:   # the hello's reply left unread (Greeter.reply_timeout_s)
             self.counters.dropped_slow += 1
             conn.dropped = True
-            log.warning("client %s does not read its hello reply: dropping it", conn.id)
+            self.warn.warning("slow-hello", "client %s leaves its hello reply unread", conn.id)
             writer.transport.abort()
         except Exception as exc:  # a bug here must not leave the client waiting for nothing
             conn.dropped = True
@@ -377,7 +379,8 @@ class ControlServer(ControlOps):
                         await writer.drain()
         except TimeoutError:  # replies pile up unread: the client is stuck or hostile
             self.counters.dropped_slow += 1
-            log.warning("client %s does not read its replies: dropping it", conn.id)
+            self.warn.warning("slow-reader", "client %s does not read its replies: dropping it",
+                              conn.id)
             conn.dropped = True
             writer.transport.abort()
         except (ConnectionError, RuntimeError):

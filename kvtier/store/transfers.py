@@ -19,6 +19,7 @@ from kvtier.bandwidth import BandwidthTracker
 from kvtier.errors import FrameError, KVTierError
 from kvtier.frame import Codec, FrameHeader, make_header, payload_checksum
 from kvtier.index import BlockMeta
+from kvtier.lograte import LogRate
 from kvtier.store.ports import NvmePort, RedisPort
 from kvtier.store.stats import BytesMoved
 from kvtier.tiers.aligned import aligned_buffer, byte_view, round_up
@@ -28,6 +29,7 @@ from kvtier.tiers.nvme import NvmeSlot
 from kvtier.tiers.redis_queue import Borrowed
 
 log = logging.getLogger("kvtier.store")
+_warn = LogRate(log)   # per-block nvme failures: a failing disk has thousands
 
 # A block at least this large is hashed for its nvme frame on a worker thread, not on the
 # event loop (35 GB/s: 4 MiB is ~0.12 ms of hashing, a 32 MiB block ~1 ms, and an eviction
@@ -132,7 +134,7 @@ class Transfers:
         try:
             await nvme.write(job.slot, header, payload, sync=job.sync)
         except Exception as exc:
-            log.warning("nvme write of %s failed: %s", meta.key.hex(), exc)
+            _warn.warning("nvme-write", "nvme write of %s failed: %s", meta.key.hex(), exc)
             return TransferResult()
         self._count(TierName.CPU, TierName.NVME, job.metas)
         return TransferResult(moved=1)
@@ -148,10 +150,10 @@ class Transfers:
             self.bandwidth.observe(TierName.NVME.value, TierName.CPU.value, meta.nbytes,
                                    time.perf_counter() - t0)
         except FrameError as exc:  # the frame is bad for good: drop it
-            log.warning("dropping nvme block %s: %s", meta.key.hex(), exc)
+            _warn.warning("nvme-bad", "dropping nvme block %s: %s", meta.key.hex(), exc)
             return TransferResult(corrupt=True)
         except KVTierError as exc:  # transient I/O trouble: keep the frame, miss this time
-            log.warning("nvme read of %s failed: %s", meta.key.hex(), exc)
+            _warn.warning("nvme-read", "nvme read of %s failed: %s", meta.key.hex(), exc)
             return TransferResult()
         except Exception:  # pragma: no cover - keep serving, never hand out the slot
             log.exception("nvme read failed for %s", meta.key.hex())
@@ -160,7 +162,7 @@ class Transfers:
         why = _not_plain(header, meta)
         if why is not None:   # the arena holds something else than the block: a miss
             nvme.counters.checksum_failures += 1
-            log.warning("dropping nvme block %s: %s", meta.key.hex(), why)
+            _warn.warning("nvme-bad", "dropping nvme block %s: %s", meta.key.hex(), why)
             return TransferResult(corrupt=True)
         self._count(TierName.NVME, TierName.CPU, job.metas)
         # the arena now holds exactly the payload the frame's checksum covers

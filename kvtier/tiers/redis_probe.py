@@ -16,6 +16,7 @@ from typing import Any
 
 from kvtier.errors import FrameError
 from kvtier.frame import FrameHeader, stripe_bounds
+from kvtier.lograte import LogRate
 from kvtier.tiers.base import EvictionReason
 from kvtier.tiers.redis_blocks import header_range, never_valid
 from kvtier.tiers.redis_link import UNSERVED, RedisLink
@@ -24,6 +25,7 @@ from kvtier.tiers.redis_stripes import owned_part_keys
 from kvtier.tiers.redis_wire import Conn
 
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
+_warn = LogRate(log)   # corrupt frames: as many as a writer of the database plants
 
 EXISTS_BATCH = 64                 # keys per pipelined EXISTS round trip
 
@@ -163,5 +165,5 @@ class RedisProbes(RedisLink):
     async def _drop_corrupt(self, rkey: bytes, why: str) -> None:
         self.counters.checksum_failures += 1
         self.counters.evicted(EvictionReason.CORRUPT)
-        log.warning("redis tier: corrupt frame at %r deleted (%s)", rkey, why)
+        _warn.warning("corrupt", "redis tier: corrupt frame at %r deleted (%s)", rkey, why)
         await self._per_server([rkey], lambda c, idx: c.simple_many([command(b"DEL", rkey)]))

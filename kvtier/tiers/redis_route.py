@@ -20,12 +20,14 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvtier.config import RedisConfig
+from kvtier.lograte import LogRate
 from kvtier.tiers.redis_client import RedisTarget, tls_context
 from kvtier.tiers.redis_pool import NodePool
 from kvtier.tiers.redis_resp import REDIRECTS, ConnOptions, ErrorReply, NodeAddr, command
 from kvtier.tiers.redis_wire import LARGE_REPLY_BYTES, SMALL_REPLY_BYTES, Conn
 
 log = logging.getLogger("kvtier.tiers.redis")   # one logger for the whole Redis tier
+_warn = LogRate(log)   # connections dropped out of step: one line per kind per 10 s
 
 CLUSTER_SLOTS = 16384
 
@@ -164,12 +166,12 @@ class Router:
             else:
                 self.stray_frames += 1
         if extra:
-            log.warning("redis tier: %s sent more than its replies; connection dropped",
-                        addr)
+            _warn.warning("extra", "redis tier: %s sent more than its replies; connection "
+                          "dropped", addr)
         else:
-            log.warning("redis tier: %s answered a GET with another key's frame (a value "
-                        "copied under the wrong key, or a reply out of step); connection "
-                        "dropped", addr)
+            _warn.warning("stray", "redis tier: %s answered a GET with another key's frame "
+                          "(a value copied under the wrong key, or a reply out of step); "
+                          "connection dropped", addr)
 
     def mark_failed(self, addr: NodeAddr) -> None:
         """Stop routing to ``addr`` until a refresh finds it alive (or gone from the map)."""

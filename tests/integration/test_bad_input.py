@@ -262,7 +262,9 @@ def test_socket_is_private_to_the_daemon_user(daemon: DaemonProcess) -> None:
     assert verdict.startswith("refused"), verdict  # EACCES: the 0600 socket keeps others out
 
 
-def _knock_as_nobody(path: str) -> str:
+def _knock_as_nobody(path: str, times: int = 1) -> str:
+    """Connect ``times`` times as uid nobody, asking for a hello each time; the verdict of
+    each connection, comma-separated."""
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -270,30 +272,37 @@ def _knock_as_nobody(path: str) -> str:
         try:
             os.setgid(65534)
             os.setuid(65534)
-            probe = socket.socket(socket.AF_UNIX)
-            probe.settimeout(2)
-            try:
-                probe.connect(path)
-            except OSError as exc:  # the file mode kept us out
-                os.write(wfd, f"refused:{exc.errno}".encode())
-            else:
-                try:
-                    probe.sendall(pack({"id": 1, "op": "hello", "version": 1}))
-                    got = b""
-                    while chunk := probe.recv(4096):
-                        got += chunk
-                    # a typed refusal, then the end: told why, given nothing else
-                    told = got and unpack_body(got[4:], 1 << 20).get("code") == "untrusted"
-                    os.write(wfd, b"refused" if told else b"served" if got else b"closed")
-                except (BrokenPipeError, ConnectionResetError):
-                    os.write(wfd, b"closed")  # the daemon hung up first
+            verdicts = [_knock(path) for _ in range(times)]
+            os.write(wfd, ",".join(verdicts).encode())
         finally:
             os._exit(0)
     os.close(wfd)
     os.waitpid(pid, 0)
-    verdict = os.read(rfd, 100).decode()
+    verdict = b""
+    while chunk := os.read(rfd, 1 << 16):
+        verdict += chunk
     os.close(rfd)
-    return verdict
+    return verdict.decode()
+
+
+def _knock(path: str) -> str:
+    probe = socket.socket(socket.AF_UNIX)
+    probe.settimeout(2)
+    with probe:
+        try:
+            probe.connect(path)
+        except OSError as exc:  # the file mode kept us out
+            return f"refused:{exc.errno}"
+        try:
+            probe.sendall(pack({"id": 1, "op": "hello", "version": 1}))
+            got = b""
+            while chunk := probe.recv(4096):
+                got += chunk
+        except (BrokenPipeError, ConnectionResetError):
+            return "closed"  # the daemon hung up first
+        # a typed refusal, then the end: told why, given nothing else
+        told = got and unpack_body(got[4:], 1 << 20).get("code") == "untrusted"
+        return "refused" if told else "served" if got else "closed"
 
 
 def test_peer_uid_is_checked_even_if_the_socket_mode_is_opened() -> None:
@@ -307,6 +316,29 @@ def test_peer_uid_is_checked_even_if_the_socket_mode_is_opened() -> None:
         os.chmod(daemon.socket, 0o666)  # an operator mistake: SO_PEERCRED still says no
         assert _knock_as_nobody(str(daemon.socket)) == "refused"
         assert daemon.stats()["daemon"]["rejected_peers"] == 1
+        connect(daemon.socket).ping()
+    finally:
+        daemon.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_another_user_knocking_in_a_loop_does_not_flood_the_log() -> None:
+    """Every refused connection of another uid was one warning: any local user could grow
+    the daemon's log by a line per connect, as fast as it could connect (found by review).
+    Now one line per 10 s says how many were left out; the counter counts them all."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to try the socket as another uid")
+    root = Path(tempfile.mkdtemp(prefix="kvtier-peer-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    daemon = DaemonProcess(root / "d").start()
+    try:
+        os.chmod(daemon.socket.parent, 0o755)
+        os.chmod(daemon.socket, 0o666)
+        verdicts = _knock_as_nobody(str(daemon.socket), times=300).split(",")
+        assert verdicts == ["refused"] * 300
+        assert daemon.stats()["daemon"]["rejected_peers"] == 300
+        lines = [ln for ln in daemon.log().splitlines() if "rejected connection from uid" in ln]
+        assert 1 <= len(lines) <= 2, lines        # 300 connects took well under 20 s
         connect(daemon.socket).ping()
     finally:
         daemon.kill()
