@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import time
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvtier.client.buffers import as_bytes, check_buffers
 from kvtier.client.hello import mapped
+from kvtier.client.op_protocol import HANGUP as HANGUP  # (re-exported)
+from kvtier.client.op_protocol import SETTLE, NoWait, Op, quietly
+from kvtier.client.op_protocol import Settle as Settle  # (re-exported)
+from kvtier.client.op_protocol import done as done  # (re-exported)
 from kvtier.client.replies import MAX_REPLY as MAX_REPLY  # (re-exported)
 from kvtier.client.replies import (
     LookupResult,
@@ -35,7 +37,6 @@ from kvtier.client.replies import (
 )
 from kvtier.errors import (
     HandshakeError,
-    KVTierError,
     LimitExceeded,
     ProtocolError,
     UnknownNamespace,
@@ -50,31 +51,6 @@ from kvtier.tiers.arena_mapping import ArenaMapping
 PUT_BATCH = 64
 """Blocks per put round trip in ``put``: amortises the control round trip without pinning
 a large share of the arena at once."""
-
-
-@dataclass(frozen=True, slots=True)
-class NoWait:
-    """A request whose reply nobody needs: the client sends it and sends the op ``{}`` at
-    once, unless its connection is already broken or hung up, when it is asked as usual
-    (and fails as usual). The reply, when it comes, is skipped like any reply not awaited."""
-
-    req: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Settle:
-    """Wait (within the client's timeout) for the replies still owed to requests sent
-    ``NoWait``, then send the op ``{}``: once a release's reply came, the daemon has
-    unpinned its blocks, so a request that must see that (``delete``) goes after it."""
-
-
-SETTLE = Settle()
-HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
-"""poll events of a connection whose daemon is gone (closed its end, or died): how a
-client tells, before a ``NoWait``, that the daemon holding its lease is still the one."""
-Op = Generator["dict[str, Any] | NoWait | Settle", dict[str, Any], Any]
-"""A sans-I/O operation: yields requests, is sent replies (or thrown their errors), and
-returns its result."""
 RELEASE_SAFE_SHARE = 0.5
 """A get lease's release need not wait for the daemon's word while less than this share
 of its TTL has passed since the get was asked: the daemon cannot have taken its slots back
@@ -89,21 +65,6 @@ def release_safe_until(asked: float, ttl_s: Any) -> float | None:
     if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not ttl_s > 0:
         return None
     return asked + RELEASE_SAFE_SHARE * float(ttl_s)
-
-
-def done(value: Any = None) -> Op:
-    """An op that sends nothing and returns ``value`` (a lease that is already closed)."""
-    return value
-    yield  # pragma: no cover - makes this a generator
-
-
-def quietly(op: Op) -> Op:
-    """Run ``op`` and ignore a daemon error: cleanup after another failure, whose error is
-    the one the caller must see."""
-    try:
-        return (yield from op)
-    except KVTierError:
-        return None
 
 
 class Ops:

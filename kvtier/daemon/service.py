@@ -30,15 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier import __version__
-from kvtier.config import Config, default_runtime_dir, http_base_url
+from kvtier.config import Config, default_runtime_dir
+from kvtier.daemon import describe
 from kvtier.daemon.control import ControlServer
 from kvtier.daemon.descriptors import connections_that_fit
 from kvtier.daemon.gc_guard import GcGuard
 from kvtier.daemon.http import HttpServer, bind_http
 from kvtier.daemon.limits import Limits
 from kvtier.daemon.loop_lag import LoopLag
-from kvtier.daemon.metrics import Metrics, admission_stats
+from kvtier.daemon.metrics import Metrics
 from kvtier.daemon.parts import DaemonParts
 from kvtier.daemon.preflight import (
     check_dir_path,
@@ -49,7 +49,7 @@ from kvtier.daemon.preflight import (
     shm_side_bytes,
 )
 from kvtier.errors import ConfigError
-from kvtier.explain import MissLog, salt_id
+from kvtier.explain import MissLog
 from kvtier.policy.factory import build_policies
 from kvtier.presence import PresenceFilter
 from kvtier.socket_path import claim_socket_path, lock_socket_path, prepare_socket_dir
@@ -301,22 +301,9 @@ class Daemon:
     # -- serve / stop --------------------------------------------------------------------
     def banner(self) -> str:
         assert self.http is not None and self.arena is not None
-        tiers = f"cpu {self.arena.size / 2**30:.2f} GiB (shm {self.arena.path})"
-        if self.hbm is not None:
-            tiers = (f"hbm {self.hbm.capacity_bytes / 2**30:.2f} GiB (cuda device "
-                     f"{self.cfg.hbm.device}), " + tiers)
-        if self.nvme is not None:
-            tiers += (f", nvme {self.cfg.nvme.bytes / 2**30:.2f} GiB at {self.cfg.nvme_path} "
-                      f"({self.nvme.backend})")
-        if self.redis is not None:
-            tiers += f", redis {self.cfg.redis.url.split('@')[-1]}"
-        return (f"kvtier {__version__} serving (pid {os.getpid()})\n"
-                f"  socket: {self.cfg.daemon.socket}\n"
-                f"  http:   {http_base_url(self.cfg.http.host, self.http.port)}  "
-                f"(/metrics /v1/stats /healthz)\n"
-                f"  tiers:  {tiers}\n"
-                f"  policy: {self.cfg.policy.eviction}; rebuilt {self.rebuilt_blocks} blocks "
-                f"from nvme, adopted {self.adopted_blocks} from the arena")
+        return describe.banner(self.cfg, self.arena, self.http.port, hbm=self.hbm,
+                               nvme=self.nvme, redis=self.redis, rebuilt=self.rebuilt_blocks,
+                               adopted=self.adopted_blocks)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -333,51 +320,13 @@ class Daemon:
     # -- stats ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         assert self.store is not None
-        out: dict[str, Any] = {"version": 1}
-        out["daemon"] = {
-            "pid": os.getpid(), "version": __version__,
-            "uptime_s": round(time.time() - self.started, 3),
-            "socket": str(self.cfg.daemon.socket),
-            "clients": len(self.control.connections) if self.control else 0,
-            "rejected_peers": self.control.rejected_peers if self.control else 0,
-            "protocol_errors": self.control.protocol_errors if self.control else 0,
-        }
-        if self.control is not None:
-            out["daemon"].update(self.control.limit_stats())
-        if self.gc is not None:
-            out["daemon"]["gc"] = self.gc.as_dict()
-        if self.loop_lag is not None:
-            out["daemon"]["loop"] = self.loop_lag.stats()
-        out.update(self.store.stats())   # tiers.hbm first when the daemon has a pool
-        shadows = getattr(self.store.observer, "snapshot", None)
-        if callable(shadows):  # adaptive policy: mode and miss-ratio curve per tier
-            out.setdefault("policy", {})["tiers"] = shadows()
-            out["policy"]["lookups_dropped"] = getattr(self.store.observer,
-                                                       "dropped_lookups", 0)
-        out["connector"] = self.control.engine_summary() if self.control else {}
-        if self.control is not None:
-            schemes: dict[str, int] = {}
-            for conn in self.control.connections.values():
-                scheme = getattr(conn, "key_scheme", "") or "unknown"
-                schemes[scheme] = schemes.get(scheme, 0) + 1
-            out["daemon"]["key_schemes"] = schemes
-        out["admission"] = admission_stats(self.store.admission,
-                                           self.cfg.nvme.write_budget_bytes_per_s,
-                                           self.store.clock())
-        if self.explain is not None:
-            out["explain"] = self.explain.stats()
-        if self.http is not None:
-            out["http"] = self.http.guard.stats()
-        return out
+        return describe.stats_document(
+            self.cfg, self.store, self.started, control=self.control, gc=self.gc,
+            loop_lag=self.loop_lag, explain=self.explain, http=self.http)
 
     def recent_lookups(self, limit: int, misses_only: bool) -> list[dict[str, Any]]:
         """Recent lookups with their first-miss reason, newest first (/v1/lookups/recent)."""
-        if self.explain is None or self.store is None:
-            return []
-        names = {d: {"model_id": e.namespace.model_id,
-                     "salt_id": salt_id(e.namespace.cache_salt), "tp_rank": e.namespace.tp_rank}
-                 for d, e in self.store.namespaces.items()}
-        return self.explain.recent(limit, misses_only=misses_only, namespaces=names)
+        return describe.recent_lookups(self.explain, self.store, limit, misses_only)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

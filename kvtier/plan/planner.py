@@ -8,9 +8,15 @@ Pure arithmetic over a ModelSpec, a GPU and a workload; no I/O. The topology is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvtier.layout import default_tokens_per_block
+from kvtier.plan.connector_fit import (
+    as_the_connector_runs,
+    connector_refuses,
+    way_out,
+    window_note,
+)
 from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GIB, GPUSpec
 from kvtier.plan.indexer import indexer_bytes
@@ -25,7 +31,6 @@ from kvtier.plan.kvmath import (
     weights_bytes,
     weights_format,
 )
-from kvtier.plan.layers import NO_KV
 from kvtier.plan.model import AttentionKind, ModelSpec
 from kvtier.plan.workload import MAX_CONTEXT, ContextPercentiles, TraceSummary
 
@@ -193,14 +198,14 @@ def make_plan(p: PlanInput) -> Plan:
                  for k, t in seq_tokens.items()}
     if m.windowed_layers:
         windowed = kv_bytes_per_sequence(m, p.kv_dtype, seq_tokens["p99"], p.block_tokens)
-        notes.append(_window_note(m, runs, seq_bytes["p99"], windowed))
+        notes.append(window_note(m, runs, seq_bytes["p99"], windowed))
     if m.kv_layers < m.num_layers:
         notes.append(_hybrid_note(m))
     if connector_refuses(m):
         notes.append("kvtier's vLLM connector refuses this model at start (it takes one KV "
                      "cache group of full-attention or MLA layers: not recurrent-state "
                      "layers, an indexer cache, or windowed layers alone), so the tier sizes "
-                     "above assume an engine that offloads them" + _way_out(m))
+                     "above assume an engine that offloads them" + way_out(m))
 
     budget = int(p.gpu.memory_bytes * p.mem_util) - weights_gpu - p.reserve_bytes
     if budget <= 0:
@@ -299,62 +304,6 @@ def _shards(m: ModelSpec, tp: int) -> bool:
     except PlanError:
         return False
     return True
-
-
-def connector_refuses(m: ModelSpec) -> bool:
-    """Whether kvtier's vLLM connector refuses the model at start: more than one KV cache
-    group (recurrent-state layers, DeepSeek-V3.2's indexer cache), or windowed layers with
-    no full-attention layer beside them (vLLM keeps them windowed, freeing old pages)."""
-    full = sum(1 for w in m.layer_windows if w is None)
-    return bool(m.state_layers or any(m.indexer_layers) or (m.windowed_layers and not full))
-
-
-def _way_out(m: ModelSpec) -> str:
-    """For sliding-window layers alone, the setting under which the connector serves the
-    model: vLLM's --disable-sliding-window (full-attention pages, max_model_len capped)."""
-    if m.state_layers or any(m.indexer_layers) or m.chunked_local_attention:
-        return ""
-    window = max(w for w in m.layer_windows if w)
-    return (f"; with vLLM's --disable-sliding-window it is served (max_model_len capped at "
-            f"the {window:,}-token window, every layer full attention)")
-
-
-def chunked_turns_hybrid_off(m: ModelSpec) -> bool:
-    """Whether vLLM runs the model without its hybrid KV cache manager with no KV connector
-    too: chunked local attention (``attention_chunk_size``) turns it off by default
-    (vllm/config/vllm.py; VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 keeps it),
-    and windowed layers beside full-attention ones are then allocated as full attention."""
-    full = any(w is None for w in m.layer_windows)
-    return m.chunked_local_attention and bool(m.windowed_layers) and full
-
-
-def _window_note(m: ModelSpec, runs: ModelSpec, p99_bytes: int, windowed: int) -> str:
-    """What the windowed layers hold: their window, or every token and who decides so."""
-    window = max(w for w in m.layer_windows if w)
-    head = (f"{m.windowed_layers} of {m.num_layers} layers use a sliding or chunked window "
-            f"of {window:,} tokens")
-    if runs is m:
-        return f"{head}: their KV stops growing"
-    planned = (f"those layers keep every token, in HBM and in the tiers: planned so "
-               f"({p99_bytes / 1e9:.2f} GB per P99 sequence")
-    if chunked_turns_hybrid_off(m):
-        return (f"{head}, but vLLM runs chunked local attention without its hybrid KV cache "
-                f"manager by default, with or without kvtier, so {planned}; "
-                f"{windowed / 1e9:.2f} GB only "
-                "with VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 and no KV "
-                "connector)")
-    return (f"{head}, but with kvtier's vLLM connector vLLM runs without its hybrid KV cache "
-            f"manager and {planned}, {windowed / 1e9:.2f} GB without kvtier)")
-
-
-def as_the_connector_runs(m: ModelSpec) -> ModelSpec:
-    """The model as vLLM runs it with kvtier's connector: windowed layers beside
-    full-attention ones keep every token (vLLM turns its hybrid KV cache manager off for a
-    connector that does not declare support for it, and allocates them as full attention).
-    ``m`` itself when that changes nothing or the connector refuses the model."""
-    if not m.windowed_layers or connector_refuses(m):
-        return m
-    return replace(m, layer_windows=tuple(None if w != NO_KV else w for w in m.layer_windows))
 
 
 def _hybrid_note(m: ModelSpec) -> str:
