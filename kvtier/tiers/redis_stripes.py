@@ -145,7 +145,9 @@ async def _read_stripes(tier: RedisReads, rkey: bytes, header: FrameHeader,
                        else conn.get_exact(keys[i], dests[i]))
             if conn.mid_reply:   # a stripe longer than its own, refused unread: its
                 return got + [None] * (len(idx) - len(got))   # connection is closed
-        return _stale(conn, len(idx)) if conn.stale() else got
+        # the peeks see a reply too many only once it arrived; the PING's echo, read after
+        # every stripe's reply, sees any that the server sent (one round trip per server)
+        return _stale(conn, len(idx)) if conn.stale() or not conn.in_step() else got
 
     got = await tier._per_server(keys, read, holds_buffers=True)
     wire = HEADER_SIZE + header.payload_len

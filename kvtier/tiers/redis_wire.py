@@ -18,6 +18,7 @@ slot's new owner before the move is over) and its +OK is read and checked.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -252,6 +253,19 @@ class Conn(RedisSocket):
                 self.send(bufs)
                 bufs, pending = [], 0
         return self._replies(len(keys))
+
+    def in_step(self) -> bool:
+        """Whether this connection's next reply answers its next command: a PING with a
+        fresh nonce must come back as its own echo. A reply the server sent once too often,
+        later than any ``stale`` peek could see, comes first instead (found by review: such
+        a reply read as a striped block's next stripe fails the block's checksum, and a
+        sound block would be deleted as corrupt)."""
+        nonce = b"kvtier-" + os.urandom(8).hex().encode()
+        try:
+            (reply,) = self.simple_many([command(b"PING", nonce)])
+        except (ProtocolError, TimeoutError, OSError):
+            return False
+        return reply == nonce
 
     def getrange_into(self, key: bytes, start: int, dest: memoryview) -> int | ErrorReply | None:
         """GETRANGE of ``dest.nbytes`` bytes from ``start``, received straight into

@@ -8,6 +8,7 @@ import contextlib
 import random
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -46,9 +47,11 @@ def _command(buf: bytearray) -> tuple[list[bytes], int] | None:
     return args, pos
 
 
-def answering(answer: Callable[[list[bytes]], bytes]) -> Callable[[socket.socket], None]:
+def answering(answer: Callable[[list[bytes]], bytes | list[bytes | float]]
+              ) -> Callable[[socket.socket], None]:
     """A script (for ``peer(..., read_first=False)``) that writes ``answer(command)`` for
-    each command the client sends (``[b"GET", key]``), until the client hangs up."""
+    each command the client sends (``[b"GET", key]``), until the client hangs up. An answer
+    may be a list of byte strings to send and seconds to sleep between them."""
     def script(conn: socket.socket) -> None:
         buf = bytearray()
         while True:
@@ -61,7 +64,12 @@ def answering(answer: Callable[[list[bytes]], bytes]) -> Callable[[socket.socket
                 continue
             args, used = found
             del buf[:used]
-            conn.sendall(answer(args))
+            out = answer(args)
+            for piece in [out] if isinstance(out, bytes) else out:
+                if isinstance(piece, float):
+                    time.sleep(piece)
+                else:
+                    conn.sendall(piece)
 
     return script
 

@@ -22,7 +22,8 @@ from kvtier.frame import (
     FrameHeader,
     payload_checksum,
 )
-from kvtier.tiers import redis_reads
+from kvtier.tiers import redis_reads, redis_stripes
+from kvtier.tiers.redis_blocks import ReadStatus
 from kvtier.tiers.redis_reads import RedisReads
 from kvtier.tiers.redis_resp import ConnOptions, ProtocolError, command
 from kvtier.tiers.redis_wire import Conn
@@ -56,13 +57,15 @@ class Store:
         self.seen: list[list[bytes]] = []
         self.mode = "sane"
         self.lock = threading.Lock()
+        self.stripe0 = b""    # the last reply to a GETRANGE of stripe 0
+        self.late = 0         # stripe GETs answered in mode "late"
 
-    def answer(self, cmd: list[bytes]) -> bytes:
+    def answer(self, cmd: list[bytes]) -> bytes | list[bytes | float]:
         with self.lock:
             self.seen.append(cmd[:2])
             return self._answer(cmd)
 
-    def _answer(self, cmd: list[bytes]) -> bytes:
+    def _answer(self, cmd: list[bytes]) -> bytes | list[bytes | float]:
         name, args = cmd[0].upper(), cmd[1:]
         if name == b"SET":
             self.data[args[0]] = args[1]
@@ -71,6 +74,8 @@ class Store:
             value = self.data.get(args[0], b"")
             reply = bulk(value[int(args[1]):int(args[2]) + 1])
             stripe0 = int(args[1]) == HEADER_SIZE
+            if stripe0:
+                self.stripe0 = reply
             return reply * 2 if stripe0 and self.mode == "twice" else reply
         if name == b"GET":
             stripe = args[0].count(b":") > 1
@@ -79,7 +84,16 @@ class Store:
             if stripe and self.mode == "giant":
                 return b"$%d\r\n" % HUGE + os.urandom(4096)
             value = self.data.get(args[0])
-            return b"$-1\r\n" if value is None else bulk(value)
+            reply = b"$-1\r\n" if value is None else bulk(value)
+            if stripe and self.mode == "late":
+                # stripe 0's reply once more, before stripe 1's; each later reply sent
+                # after the client looked for bytes past the one before
+                self.late += 1
+                if self.late == 1:
+                    return [self.stripe0, 0.2, reply]
+                self.mode = "sane"
+                return [0.3, reply]
+            return reply
         if name in (b"DEL", b"EXISTS"):
             found = sum(1 for k in args if k in self.data)
             if name == b"DEL":
@@ -92,7 +106,9 @@ class Store:
             return b":%d\r\n" % len(self.data)
         if name == b"EXEC":
             return b"*1\r\n:1\r\n"
-        return b"+PONG\r\n" if name == b"PING" else b"+OK\r\n"
+        if name == b"PING":
+            return bulk(args[0]) if args else b"+PONG\r\n"
+        return b"+OK\r\n"
 
     def deletes(self) -> list[bytes]:
         with self.lock:
@@ -131,6 +147,41 @@ def test_a_stripe_reply_out_of_step_never_deletes_the_block(tmp_path: Path,
             if mode == "twice":
                 assert tier.stats_extra()["protocol_errors"] >= 1 and tier.up
             store.mode = "sane"
+            await eventually(lambda: tier.up, timeout=5)
+            await read_exact(tier, keys, data, SIZE)
+
+    with store_server(tmp_path) as (store, url):
+        asyncio.run(main(store, url))
+
+
+def test_a_stripe_reply_sent_twice_later_than_any_peek_is_never_corrupt(
+        tmp_path: Path) -> None:
+    """Stripe 0's reply sent again just before stripe 1's, every later reply only after the
+    client looked for bytes past the last: no peek sees the reply too many, stripe 1 reads
+    stripe 0's bytes and the checksum fails. The run was CORRUPT, and the sound block
+    deleted unless the header check that follows happened to run on the same connection
+    (it reads the reply too many first); under concurrent reads another request takes
+    that connection (found by review). Now a PING with a nonce ends each server's stripe
+    run: its echo comes back behind the reply too many, and the run is an ERROR (a miss,
+    nothing deleted) whichever connection comes next."""
+    keys, data = blocks(1, SIZE, seed=33)
+
+    async def main(store: Store, url: str) -> None:
+        async with running(cfg_for(url, op_timeout_s=5.0)) as tier:
+            await put_all(tier, keys, data)
+            stored = dict(store.data)
+            header = FrameHeader.unpack(stored[rkey(keys[0])][:HEADER_SIZE])
+            store.mode = "late"
+            out = buffers(1, SIZE)[0]
+            read = await redis_stripes._read_stripes(tier, rkey(keys[0]), header, out)
+            assert store.late == 2                       # the script ran as meant
+            assert read.status is ReadStatus.ERROR, read
+            assert bytes(out) == bytes(SIZE)             # nothing unverified left behind
+            assert tier.stats_extra()["protocol_errors"] >= 1
+            # and through the tier: a miss, then the block read whole, nothing deleted
+            store.mode, store.late = "late", 0
+            assert await tier.get_into(keys, [out], namespace=NS, layout_fp=LAYOUT_FP) == 0
+            assert store.deletes() == [] and store.data == stored
             await eventually(lambda: tier.up, timeout=5)
             await read_exact(tier, keys, data, SIZE)
 
