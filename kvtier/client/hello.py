@@ -12,9 +12,17 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtier import __version__
 from kvtier.client.replies import REPLY_ERRORS
-from kvtier.errors import DaemonUnavailable, HandshakeError, KVTierError, ProtocolError
+from kvtier.errors import (
+    DaemonUnavailable,
+    HandshakeError,
+    KVTierError,
+    ProtocolError,
+    brief,
+)
 from kvtier.handshake import Hello
+from kvtier.keys import KEY_SCHEME
 from kvtier.presence import PresenceView
 from kvtier.protocol import PROTOCOL_VERSION
 from kvtier.tiers.arena_mapping import ArenaMapping
@@ -49,6 +57,12 @@ def mapped(reply: dict[str, Any], arena_fd: int | None = None,
         if type(version) is not int or version != PROTOCOL_VERSION:
             raise HandshakeError(f"daemon speaks protocol {version!r:.20}, client "
                                  f"{PROTOCOL_VERSION}")
+        scheme = reply.get("key_scheme")   # (daemons before the scheme was announced: None)
+        if scheme is not None and scheme != KEY_SCHEME:
+            raise HandshakeError(
+                f"the daemon ({brief(reply.get('server'))}) keys blocks with {brief(scheme)}, "
+                f"this kvtier ({__version__}) with {KEY_SCHEME}: their blocks never match; "
+                f"restart the daemon after upgrading kvtier, or run one version on both sides")
         arena = reply.get("arena")
         if not (isinstance(arena, dict) and isinstance(arena.get("path"), str)
                 and "\x00" not in arena["path"] and type(arena.get("size")) is int

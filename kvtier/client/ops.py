@@ -43,7 +43,7 @@ from kvtier.errors import (
     error_from_code,
 )
 from kvtier.handshake import hello_request
-from kvtier.keys import BlockKey, Namespace, block_keys
+from kvtier.keys import KEY_SCHEME, BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.presence import PresenceView
 from kvtier.tiers.arena_mapping import ArenaMapping
@@ -141,8 +141,9 @@ class Ops:
                        "model_id": ns.model_id, "tp_rank": ns.tp_rank, "tp_size": ns.tp_size,
                        "cache_salt": ns.cache_salt}
         if reply.get("ns") != ns.digest:
-            raise HandshakeError("daemon computed another namespace digest: client and daemon "
-                                 "run incompatible kvtier versions")
+            raise HandshakeError("the daemon computed another namespace digest: it runs "
+                                 "another kvtier version (key scheme) than this client "
+                                 f"({KEY_SCHEME}); restart the daemon after upgrading kvtier")
         self._registered.add(ns.digest)
         max_keys = reply.get("max_keys")
         if type(max_keys) is int and max_keys > 0:

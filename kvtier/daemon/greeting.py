@@ -15,6 +15,7 @@ from typing import Any
 from kvtier import __version__
 from kvtier.daemon.ops import Connection
 from kvtier.errors import HandshakeError, KVTierError, brief
+from kvtier.keys import KEY_SCHEME
 from kvtier.protocol import PROTOCOL_VERSION, SUPPORTED_VERSIONS, pack, request_id
 
 log = logging.getLogger("kvtier.control")
@@ -54,7 +55,8 @@ class Greeter:
         # only an int id is echoed (request_id): any other value, say 16 MiB of bytes, would
         # be held in the reply for as long as the client does not read it (found by review)
         reply = {"id": request_id(msg), "ok": True, "version": PROTOCOL_VERSION,
-                 "server": f"kvtier/{__version__}", "conn": conn.id, "arena": self.arena}
+                 "server": f"kvtier/{__version__}", "key_scheme": KEY_SCHEME, "conn": conn.id,
+                 "arena": self.arena}
         if self.hbm is not None:
             reply["hbm"] = self.hbm
         fds = self._descriptors(msg, reply)

@@ -64,7 +64,8 @@ def hello(sock_path: Path, scheme: str) -> socket.socket:
     s.sendall(pack({"op": "hello", "id": 1, "version": PROTOCOL_VERSION, "client": "test",
                     "key_scheme": scheme}))
     (n,) = LENGTH.unpack(s.recv(LENGTH.size, socket.MSG_WAITALL))
-    assert unpack_body(s.recv(n, socket.MSG_WAITALL), 1 << 20)["ok"]
+    reply = unpack_body(s.recv(n, socket.MSG_WAITALL), 1 << 20)
+    assert reply["ok"] and reply["key_scheme"] == KEY_SCHEME   # the daemon's own, announced
     return s
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.client import connect, connect_async
 from kvtier.errors import BufferSizeError, HandshakeError, ProtocolError
-from kvtier.keys import block_keys
+from kvtier.keys import KEY_SCHEME, block_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers import hbm as hbm_mod
 from kvtier.tiers.hbm_mapping import HbmMapping
@@ -200,3 +200,27 @@ def test_put_bytes_is_bounded_by_the_arena(tmp_path: Path) -> None:
         c = connect(d.path, timeout=2)
         assert c.put_bytes == d.size
         c.close()
+
+
+@pytest.mark.parametrize("scheme,refused", [
+    ("xxh3_128-chain/1", True), (KEY_SCHEME, False), (None, False)],
+    ids=["another scheme", "this scheme", "not announced"])
+def test_a_daemon_that_keys_blocks_otherwise_is_refused_at_the_hello(
+        tmp_path: Path, scheme: str | None, refused: bool) -> None:
+    """A daemon started before kvtier was upgraded under it keys blocks with the old
+    scheme: every register_layout failed with "incompatible kvtier versions", naming
+    neither the scheme nor the fix (found by review). The daemon now announces its scheme,
+    and a client of another one is told at the hello, with the way out."""
+    def hello(conn: socket.socket, req: dict[str, Any]) -> None:
+        reply = {"id": req["id"], "ok": True, "version": 1, "conn": 1, "server": "kvtier/0.0.9",
+                 "arena": {"path": str(d.arena), "size": d.size}}
+        if scheme is not None:
+            reply["key_scheme"] = scheme
+        HostileSocketDaemon.send(conn, reply)
+
+    with HostileSocketDaemon(tmp_path, NB, hello=hello) as d:
+        if refused:
+            with pytest.raises(HandshakeError, match="restart the daemon after upgrading"):
+                connect(d.path, timeout=2)
+        else:
+            connect(d.path, timeout=2).close()
