@@ -25,7 +25,8 @@ from kvtier.errors import StartupError
 log = logging.getLogger("kvtier.daemon")
 
 RESERVED_FDS = 256
-"""Descriptors kept for everything but connections: nvme slot files (one per block size),
+"""Descriptors kept for everything but connections: nvme slot files (at most
+``kvtier.tiers.nvme.files.MAX_OPEN_FILES`` open, more only while their I/O is in flight),
 the arena, its journal and its compaction, the presence filter, the event loop, threads'
 pipes, a hello's arena descriptor, logs."""
 CLUSTER_NODES = 8

@@ -105,18 +105,23 @@ async def test_device_buffers_to_and_from_nvme(root: Path) -> None:
             junk = bytes(n)   # a stored frame first, so the slot is STORED for read_into
             await t.write(slot, make_header(NS, _key(i), LAYOUT, junk, seq=t.next_seq()),
                           memoryview(junk))
-            fd = t._classes[slot.slot_bytes].fd   # the slot file (no public accessor yet)
+            # the slot file's descriptor, pinned while it is used here (no public accessor)
+            files = t._slots.files
+            slot_file = t._slots.classes[slot.slot_bytes].file
             header = make_header(NS, _key(i), LAYOUT, host_bytes, seq=t.next_seq())
             # HBM -> NVMe: straight from device memory, over the junk frame
-            io.write_frame_device(fd, slot.offset, header.pack(), host, n)
+            with files.held(slot_file) as fd:
+                io.write_frame_device(fd, slot.offset, header.pack(), host, n)
             # the POSIX path reads what the device path wrote
             out = aligned_buffer(slot.slot_bytes)
             h = await t.read_into(slot, out, namespace=NS, key=_key(i), layout_fp=LAYOUT)
             assert bytes(out[:h.payload_len]) == host_bytes
             # NVMe -> HBM: straight into device memory, verified
             dev = cupy.zeros(slot.slot_bytes, dtype=cupy.uint8)
-            h2, nbytes = io.read_frame_device(fd, slot.offset, dev, slot.slot_bytes,
-                                              namespace=NS, key=_key(i), layout_fp=LAYOUT)
+            with files.held(slot_file) as fd:
+                h2, nbytes = io.read_frame_device(fd, slot.offset, dev, slot.slot_bytes,
+                                                  namespace=NS, key=_key(i),
+                                                  layout_fp=LAYOUT)
             assert nbytes == PAGE + n and h2.payload_len == n
             assert cupy.asnumpy(dev[:n]).tobytes() == host_bytes
     finally:

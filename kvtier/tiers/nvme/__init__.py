@@ -4,6 +4,8 @@ Read in this order:
 
 - ``tier``: ``NvmeTier``, what the store calls (open, alloc, write, read_into, free, close);
 - ``slots``: the on-disk layout and slot allocation (one file per size class, hard capacity);
+- ``files``: the slot files' descriptors (a bounded number open, reopened with the trust
+  checks of the first open, never closed under an I/O in flight);
 - ``recovery``: the start-up scan that rebuilds the slot map from header pages;
 - ``frameio``: the ``FrameIO`` interface every frame transfer goes through, and the POSIX
   backend; ``split``: how the POSIX backend reads a large frame as concurrent pieces;

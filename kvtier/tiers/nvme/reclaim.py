@@ -6,7 +6,8 @@ files' middles is useless to it until those free slots are punched out
 frame's header page so the block does not come back after a restart. Both run in the
 tier's I/O pool, never on the event loop (513 punches once held every client 1.5 s on
 ext4), ordered with the slot's other disk operations (``pending``: the last one queued
-per slot, shared with the tier's writes).
+per slot, shared with the tier's writes), each file's descriptor pinned until they end
+(``kvtier.tiers.nvme.files``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from kvtier.tiers.aligned import PAGE
 from kvtier.tiers.nvme.buffers import ZERO_PAGE
+from kvtier.tiers.nvme.files import SlotFile
 from kvtier.tiers.nvme.holes import punch_run
 from kvtier.tiers.nvme.slots import NvmeSlot, SizeClass, SlotTable, slot_bytes_for
 
@@ -74,16 +76,30 @@ class Reclaimer:
         pool = self._pool()
         if pool is None:   # closed before this task's first step: nothing to undo
             return
-        jobs = [(cls.fd, cls.stride, run) for cls, run in plan]
-        fut = asyncio.get_running_loop().run_in_executor(pool, _punch_all, jobs)
+        files = self._slots.files
         try:
-            outcomes = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            # the slots go back only once the punch is over: a write into one before it
-            # ended could be punched away
-            with contextlib.suppress(Exception):
-                outcomes = await fut
-            raise
+            jobs: list[tuple[int, int, int, list[int]]] = []
+            pinned: list[SlotFile] = []
+            for i, (cls, run) in enumerate(plan):
+                try:
+                    jobs.append((i, files.pin(cls.file), cls.stride, run))
+                except OSError as exc:   # (it could not be reopened)
+                    outcomes[i] = exc
+                    continue
+                pinned.append(cls.file)
+            fut = asyncio.wrap_future(
+                files.unpin_when_done(pinned, lambda: pool.submit(_punch_all, jobs)))
+            try:
+                ended = await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                # the slots go back only once the punch is over: a write into one before it
+                # ended could be punched away
+                with contextlib.suppress(Exception):
+                    for i, err in await fut:
+                        outcomes[i] = err
+                raise
+            for i, err in ended:
+                outcomes[i] = err
         finally:
             for cls, slot in self._slots.punched(plan, outcomes):
                 if self._pool() is not None:   # (not closed meanwhile)
@@ -108,7 +124,15 @@ class Reclaimer:
         pool = self._pool()
         assert pool is not None
         prev = self._pending.get(slot)
-        op = self._pending[slot] = pool.submit(_erase_sync, cls.fd, slot.offset, prev)
+        try:
+            op = self._slots.files.start(
+                cls.file, lambda fd: pool.submit(_erase_sync, fd, slot.offset, prev))
+        except OSError as exc:   # its file could not be reopened (removed, replaced)
+            self._slots.counters.errors += 1
+            log.warning("nvme tier: cannot erase %s slot %d (%s): its frame may come back "
+                        "after a restart", cls.path, slot.index, exc.strerror or exc)
+            return
+        self._pending[slot] = op
         self._erasing.append(op)
         if len(self._erasing) > self._erasing_prune_at:   # amortized: not per erase
             self._erasing = [f for f in self._erasing if not f.done()]
@@ -129,8 +153,8 @@ class Reclaimer:
                                  return_exceptions=True)
 
 
-def _punch_all(jobs: list[tuple[int, int, list[int]]]) -> list[OSError | None]:
-    return [punch_run(fd, stride, run) for fd, stride, run in jobs]
+def _punch_all(jobs: list[tuple[int, int, int, list[int]]]) -> list[tuple[int, OSError | None]]:
+    return [(i, punch_run(fd, stride, run)) for i, fd, stride, run in jobs]
 
 
 def _erase_sync(fd: int, offset: int, prev: Future[Any] | None) -> int:

@@ -45,14 +45,18 @@ def recover(table: SlotTable, pool: ThreadPoolExecutor, counters: TierCounters,
     When the frames do not fit the capacity (it was lowered), the deepest are dropped first
     (``_fit``: every kept frame's parent stays), counted as capacity evictions. Frames
     dropped here have their header page erased (else they would come back at the next start)
-    and the files are trimmed of their free tails.
+    and the files are trimmed of their free tails; a file left with no frame is removed.
+    Files are scanned one at a time, so at most ``table.files.limit`` stay open.
     """
     found: Recovered = []
     for path in sorted(table.root.iterdir()):
         m = FILE_RE.match(path.name)
         if m is None or int(m.group(1)) % PAGE or int(m.group(1)) in table.classes:
             continue
-        found.extend(_scan(table, table.open_class(int(m.group(1))), pool, counters))
+        cls = table.open_class(int(m.group(1)))
+        found.extend(_scan(table, cls, pool, counters))
+        if cls.high_water == 0:   # (no frame: cut to nothing by ``adopt``)
+            table.drop(cls)
     newest: dict[tuple[bytes, bytes], tuple[NvmeSlot, FrameHeader]] = {}
     max_seq = max((header.seq for _, header in found), default=0)
     dropped: list[NvmeSlot] = []
@@ -68,14 +72,14 @@ def recover(table: SlotTable, pool: ThreadPoolExecutor, counters: TierCounters,
     kept, over = _fit(list(newest.values()), table.capacity, spans=False)
     for slot in [*dropped, *(slot for slot, _ in over)]:
         table.release(slot)
-    for cls in table.classes.values():
+    for cls in list(table.classes.values()):   # (a class cut to nothing is dropped)
         table.trim(cls, lambda _slot: True)
     _erase(table, pool, counters, [*dropped, *(slot for slot, _ in over)])
     if not table.fit_disk(lambda _slot: True):   # no holes here: the spans must fit
         kept, more = _fit(kept, table.capacity, spans=True)
         for slot, _ in more:
             table.release(slot)
-        for cls in table.classes.values():
+        for cls in list(table.classes.values()):
             table.trim(cls, lambda _slot: True)
         _erase(table, pool, counters, [slot for slot, _ in more])
         over += more
@@ -147,20 +151,32 @@ def _depths(parents: list[int | None]) -> list[int]:
 def _erase(table: SlotTable, pool: ThreadPoolExecutor, counters: TierCounters,
            slots: list[NvmeSlot]) -> None:
     """Zero the header page of each dropped slot still inside its file (the trim cut the
-    rest), on the pool, so the frame cannot come back at the next start."""
-    todo = [(table.classes[s.slot_bytes], s) for s in slots
-            if s.index < table.classes[s.slot_bytes].high_water]
-    for (cls, slot), err in zip(todo, pool.map(_erase_page, todo), strict=True):
-        if err is not None:
-            counters.errors += 1
-            log.warning("nvme tier: cannot erase %s slot %d (%s): its frame may come back "
-                        "at the next start", cls.path, slot.index, err)
+    rest, or dropped the file), on the pool, so the frame cannot come back at the next
+    start. One file at a time, its descriptor held meanwhile."""
+    by_class: dict[int, list[NvmeSlot]] = {}
+    for s in slots:
+        cls = table.classes.get(s.slot_bytes)
+        if cls is not None and s.index < cls.high_water:
+            by_class.setdefault(s.slot_bytes, []).append(s)
+    for slot_bytes, todo in by_class.items():
+        cls = table.classes[slot_bytes]
+        try:
+            with table.files.held(cls.file) as fd:
+                errors = list(pool.map(_erase_page, [fd] * len(todo),
+                                       [s.offset for s in todo]))
+        except OSError as exc:   # (it could not be reopened)
+            errors = [exc.strerror or str(exc)] * len(todo)
+        for slot, err in zip(todo, errors, strict=True):
+            if err is not None:
+                counters.errors += 1
+                log.warning("nvme tier: cannot erase %s slot %d (%s): its frame may come "
+                            "back at the next start", cls.path, slot.index, err)
 
 
-def _erase_page(job: tuple[SizeClass, NvmeSlot]) -> str | None:
+def _erase_page(fd: int, offset: int) -> str | None:
     """Zero one header page; the OS error's text, or None."""
     try:
-        os.pwritev(job[0].fd, [ZERO_PAGE], job[1].offset)
+        os.pwritev(fd, [ZERO_PAGE], offset)
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
@@ -170,14 +186,20 @@ def _scan(table: SlotTable, cls: SizeClass, pool: ThreadPoolExecutor,
           counters: TierCounters) -> Recovered:
     """Classify the slots of a file that fit the capacity from their header pages; adopt
     and return the valid ones (``adopt`` cuts the file after the last)."""
-    size = os.fstat(cls.fd).st_size
+    with table.files.held(cls.file) as fd:
+        return _scan_fd(table, cls, fd, pool, counters)
+
+
+def _scan_fd(table: SlotTable, cls: SizeClass, fd: int, pool: ThreadPoolExecutor,
+             counters: TierCounters) -> Recovered:
+    size = os.fstat(fd).st_size
     spans = -(-size // cls.stride)
     high_water = min(spans, table.capacity // cls.stride)
     if high_water < spans:
         log.warning("nvme tier: %s holds %d bytes, more than nvme.bytes (%d): the slots "
                     "past %d are dropped unread", cls.path, size, table.capacity, high_water)
     valid: Recovered = []
-    for index, raw in _read_headers(cls, size, high_water, pool):
+    for index, raw in _read_headers(fd, cls.stride, size, high_water, pool):
         if not raw.strip(b"\0"):
             continue
         try:
@@ -194,7 +216,7 @@ def _scan(table: SlotTable, cls: SizeClass, pool: ThreadPoolExecutor,
     return valid
 
 
-def _read_headers(cls: SizeClass, size: int, high_water: int,
+def _read_headers(fd: int, stride: int, size: int, high_water: int,
                   pool: ThreadPoolExecutor) -> Iterator[tuple[int, bytes]]:
     """Each slot's first HEADER_SIZE bytes (fewer at a torn tail), in index order.
 
@@ -202,17 +224,16 @@ def _read_headers(cls: SizeClass, size: int, high_water: int,
     Large slots: one header-page read per slot, spread over the pool, so a start does not
     read every payload off the disk.
     """
-    stride = cls.stride
     if stride > SEQ_SCAN_MAX_STRIDE:
         offsets = [i * stride for i in range(high_water)]
-        pages = pool.map(_read_page_sync, [cls.fd] * len(offsets), offsets)
+        pages = pool.map(_read_page_sync, [fd] * len(offsets), offsets)
         yield from enumerate(pages)
         return
     per_chunk = max(1, min(SCAN_CHUNK // stride, high_water))
     buf = aligned_buffer(per_chunk * stride)
     for first in range(0, high_water, per_chunk):
         count = min(per_chunk, high_water - first)   # never past high_water
-        got = os.preadv(cls.fd, [buf[: count * stride]], first * stride)
+        got = os.preadv(fd, [buf[: count * stride]], first * stride)
         for j in range(count):
             start = j * stride
             yield first + j, bytes(buf[start: min(start + HEADER_SIZE, max(got, start))])

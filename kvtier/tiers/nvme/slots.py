@@ -8,10 +8,12 @@ the room is in free slots in the middle of files, those slots' ranges are punche
 (``kvtier.tiers.nvme.holes``): their space goes back to the file system where it lies,
 so the store evicts only what the new slot's size needs.
 
-``SlotTable`` is bookkeeping plus the file descriptors: it never reads or writes a frame
-(that is the tier's, through its FrameIO backend). Capacity counts each slot's full
-footprint (header page + padded payload); the total size of the slot files never exceeds
-it either. Touched only from the event loop thread, so it needs no locks.
+``SlotTable`` is bookkeeping plus the files (``files``: a bounded number of descriptors
+open, the others reopened when used): it never reads or writes a frame (that is the tier's,
+through its FrameIO backend). Capacity counts each slot's full footprint (header page +
+padded payload); the total size of the slot files never exceeds it either. A class whose
+file a trim cuts to nothing is dropped: its descriptor closed, its file removed (a new
+block of its size opens a new one). Touched only from the event loop thread.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from pathlib import Path
 from kvtier.errors import KVTierError
 from kvtier.tiers.aligned import PAGE, round_up
 from kvtier.tiers.base import TierCounters
+from kvtier.tiers.nvme.files import MAX_OPEN_FILES, SlotFile, SlotFiles
 from kvtier.tiers.nvme.frameio import FrameIO
 from kvtier.tiers.nvme.holes import HolesUnsupported, punch_run
-from kvtier.trust import open_owned_file
 
 __all__ = ["FILE_RE", "NvmeSlot", "SizeClass", "SlotState", "SlotTable", "slot_bytes_for"]
 
@@ -77,7 +79,7 @@ class SizeClass:
 
     slot_bytes: int
     path: Path
-    fd: int
+    file: SlotFile   # its descriptor: ``SlotTable.files`` pins it for each use
     high_water: int = 0
     free: list[int] = field(default_factory=list)
     busy: dict[int, SlotState] = field(default_factory=dict)
@@ -98,10 +100,11 @@ class SlotTable:
     number of STORED slots.
     """
 
-    def __init__(self, root: Path, capacity: int, io: FrameIO, counters: TierCounters) -> None:
+    def __init__(self, root: Path, capacity: int, io: FrameIO, counters: TierCounters, *,
+                 max_open: int = MAX_OPEN_FILES) -> None:
         self.root = root
         self.capacity = capacity
-        self.direct = False   # open files with O_DIRECT (set by the tier before any open)
+        self.files = SlotFiles(io, max_open)
         self.classes: dict[int, SizeClass] = {}
         self.used = 0
         self.disk = 0
@@ -109,31 +112,38 @@ class SlotTable:
         self.punched_slots = 0  # slots punched out so far (room made without evicting)
         self.punching_bytes = 0  # disk of the slots being punched now (given back soon)
         self._holes_ok = True   # until the file system says it cannot punch
-        self._io = io
-        self._counters = counters
+        self.counters = counters
+
+    @property
+    def direct(self) -> bool:
+        """Files are opened with O_DIRECT (set by the tier before any open)."""
+        return self.files.direct
+
+    @direct.setter
+    def direct(self, value: bool) -> None:
+        self.files.direct = value
 
     # ------------------------------------------------------------------ files
     def open_class(self, slot_bytes: int) -> SizeClass:
         """Open (creating if needed) the file of a size class and attach it to the backend.
         The file must be ours alone, not a symlink (``kvtier.trust.open_owned_file``):
-        StartupError otherwise, before a byte of it is read, written or truncated."""
+        StartupError otherwise, before a byte of it is read, written or truncated (and an
+        OSError at a reopen, ``files``)."""
         path = self.root / f"slots-{slot_bytes}.dat"
-        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
-        cls = SizeClass(slot_bytes, path,
-                        open_owned_file(path, flags, "nvme slot file", "--nvme-path"))
-        try:
-            self._io.attach(path, cls.fd)
-        except BaseException:
-            os.close(cls.fd)
-            raise
+        cls = SizeClass(slot_bytes, path, self.files.open(path))
         self.classes[slot_bytes] = cls
         return cls
 
+    def drop(self, cls: SizeClass) -> None:
+        """Forget a class whose file holds no slot (``high_water`` 0): its descriptor is
+        closed once no I/O uses it, its file removed."""
+        assert cls.high_water == 0 and not cls.busy and not cls.punching
+        del self.classes[cls.slot_bytes]
+        self.files.retire(cls.file)
+
     def close(self) -> None:
         """Detach and close every slot file."""
-        for cls in self.classes.values():
-            self._io.detach(cls.fd)
-            os.close(cls.fd)
+        self.files.close_all()
         self.classes.clear()
 
     def adopt(self, cls: SizeClass, stored: list[int]) -> None:
@@ -142,10 +152,11 @@ class SlotTable:
         with what is stored, not with the file's size)."""
         high_water = max(stored, default=-1) + 1
         try:
-            if os.fstat(cls.fd).st_size > high_water * cls.stride:
-                os.ftruncate(cls.fd, high_water * cls.stride)
+            with self.files.held(cls.file) as fd:
+                if os.fstat(fd).st_size > high_water * cls.stride:
+                    os.ftruncate(fd, high_water * cls.stride)
         except OSError as exc:   # the slots past high_water are never read: only space is lost
-            self._counters.errors += 1
+            self.counters.errors += 1
             log.warning("nvme tier: cannot cut the empty tail of %s: %s", cls.path,
                         exc.strerror)
         cls.high_water = high_water
@@ -213,16 +224,23 @@ class SlotTable:
         if self._disk_room(0, settled):
             return True
         plan = self.take_for_punch(self.disk - self.capacity, settled)
-        left = self.punched(plan, [punch_run(cls.fd, cls.stride, run) for cls, run in plan])
+        left = self.punched(plan, [self._punch_now(cls, run) for cls, run in plan])
         assert not left   # (no erase can be asked for during the scan)
         return self.disk <= self.capacity
+
+    def _punch_now(self, cls: SizeClass, run: list[int]) -> OSError | None:
+        try:
+            with self.files.held(cls.file) as fd:
+                return punch_run(fd, cls.stride, run)
+        except OSError as exc:   # (it could not be reopened)
+            return exc
 
     def _disk_room(self, footprint: int, settled: Callable[[NvmeSlot], bool]) -> bool:
         """Whether the files can take ``footprint`` more bytes, their free tails cut first
         (never a slot with a disk operation still queued)."""
         if self.disk + footprint <= self.capacity:
             return True
-        for cls in self.classes.values():
+        for cls in list(self.classes.values()):   # (a class cut to nothing is dropped)
             self.trim(cls, settled)
         return self.disk + footprint <= self.capacity
 
@@ -277,7 +295,7 @@ class SlotTable:
                                 "may evict more than it needs", cls.path, err.strerror)
                 self._holes_ok = False
             else:
-                self._counters.errors += 1
+                self.counters.errors += 1
                 log.warning("nvme tier: cannot free slots of %s: %s", cls.path, err.strerror)
             for i in run:
                 cls.punching.discard(i)
@@ -317,7 +335,8 @@ class SlotTable:
         self.used -= cls.stride
 
     def trim(self, cls: SizeClass, settled: Callable[[NvmeSlot], bool]) -> None:
-        """Cut free slots off the file's tail (none with a disk operation still queued)."""
+        """Cut free slots off the file's tail (none with a disk operation still queued); a
+        file cut to nothing is dropped (``drop``)."""
         free = set(cls.free)
         top = cls.high_water
         while top > 0 and top - 1 in free and settled(NvmeSlot(cls.slot_bytes, top - 1)):
@@ -325,9 +344,10 @@ class SlotTable:
         if top == cls.high_water:
             return
         try:
-            os.ftruncate(cls.fd, top * cls.stride)
+            with self.files.held(cls.file) as fd:
+                os.ftruncate(fd, top * cls.stride)
         except OSError as exc:
-            self._counters.errors += 1
+            self.counters.errors += 1
             log.warning("nvme tier: cannot shrink %s: %s", cls.path, exc.strerror)
             return
         cls.free = [i for i in cls.free if i < top]
@@ -336,3 +356,5 @@ class SlotTable:
         cls.holes -= cut_holes
         self.disk -= (cls.high_water - top - len(cut_holes)) * cls.stride
         cls.high_water = top
+        if top == 0:
+            self.drop(cls)

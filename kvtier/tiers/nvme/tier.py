@@ -1,6 +1,7 @@
 """NvmeTier: the store's face of the nvme tier (lifecycle, alloc/free, frame writes and reads).
 
-The parts live in their own modules: slot files and allocation (``slots``), punching and
+The parts live in their own modules: slot files and allocation (``slots``), their
+descriptors (``files``: a bounded number open), punching and
 erasing (``reclaim``), the start-up scan (``recovery``), the frame I/O backends behind
 ``FrameIO`` (``frameio``, ``split``, ``kvikio_io``), the O_DIRECT probe (``probe``), the
 directory lock (``lock``) and the write health (``health``). This class wires them, orders
@@ -10,7 +11,8 @@ Threading. Every disk access runs in a thread pool (never on the event loop). Co
 slot bookkeeping are touched only from the caller's thread (the daemon's event loop), so they
 need no locks. A slot's disk operations are ordered: an erase or write waits for the previous
 operation queued on the same slot, and a cancelled read or write still holds its buffers until
-its thread is done with them (cancellation is re-raised afterwards, never swallowed).
+its thread is done with them (cancellation is re-raised afterwards, never swallowed), and a
+slot file's descriptor stays open (pinned, ``files``) until every operation handed it is over.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from pathlib import Path
@@ -29,6 +32,7 @@ from kvtier.errors import BufferSizeError, ConfigError, FrameError, KVTierError
 from kvtier.frame import FrameHeader
 from kvtier.tiers.aligned import PAGE, byte_view
 from kvtier.tiers.base import TierCounters, TierName
+from kvtier.tiers.nvme.files import MAX_OPEN_FILES
 from kvtier.tiers.nvme.frameio import FrameIO, PosixFrameIO
 from kvtier.tiers.nvme.health import DEFAULT_BACKOFF, WriteHealth
 from kvtier.tiers.nvme.lock import lock_nvme_dir
@@ -69,6 +73,7 @@ class NvmeTier:
     frames), then ``alloc``/``write``/``read_into``/``free`` from one event loop, ``close()``.
     ``split_bytes`` is the smallest piece of a split read (0: one request per frame), a hint
     the backend may ignore. ``backoff`` paces the space probes while degraded.
+    ``max_open_files``: slot file descriptors kept open (``kvtier.tiers.nvme.files``).
     """
 
     name = TierName.NVME
@@ -76,7 +81,8 @@ class NvmeTier:
     def __init__(self, root: Path, capacity_bytes: int, *, direct: str = "auto",
                  io_threads: int = 4, io: FrameIO | None = None,
                  split_bytes: int = SPLIT_BYTES,
-                 backoff: BackoffPolicy = DEFAULT_BACKOFF) -> None:
+                 backoff: BackoffPolicy = DEFAULT_BACKOFF,
+                 max_open_files: int = MAX_OPEN_FILES) -> None:
         if direct not in DIRECT_MODES:
             raise ConfigError(f"nvme.direct must be auto, on or off, got {direct!r}")
         if capacity_bytes < 0:
@@ -86,13 +92,16 @@ class NvmeTier:
         if split_bytes < 0 or split_bytes % PAGE:
             raise ConfigError(f"nvme split_bytes must be a multiple of {PAGE} (0: never split), "
                               f"got {split_bytes}")
+        if max_open_files < 1:
+            raise ConfigError(f"nvme max_open_files must be >= 1, got {max_open_files}")
         self.root = Path(root)
         self.counters = TierCounters()
         self._direct_mode = direct
         self._io_threads = io_threads
         self._io: FrameIO = io if io is not None else PosixFrameIO()
         self._split_bytes = split_bytes
-        self._slots = SlotTable(self.root, capacity_bytes, self._io, self.counters)
+        self._slots = SlotTable(self.root, capacity_bytes, self._io, self.counters,
+                                max_open=max_open_files)
         self._health = WriteHealth(self.root, backoff)
         self._inflight = 0    # frame reads and writes submitted and not yet ended
         self._state = TierState.NEW
@@ -133,6 +142,12 @@ class NvmeTier:
         """Bytes the slot files occupy (>= used_bytes: free slots below the tails that were
         not punched out count)."""
         return self._slots.disk
+
+    @property
+    def open_files(self) -> int:
+        """Slot file descriptors open now (at most ``max_open_files`` while no more classes
+        than that have I/O in flight)."""
+        return self._slots.files.open_count
 
     @property
     def hole_bytes(self) -> int:
@@ -292,9 +307,10 @@ class NvmeTier:
         prev = self._pending.get(slot)
         if prev is not None and not prev.done():   # order after the slot's previous disk op
             await asyncio.wait([asyncio.wrap_future(prev)])
-        op = self._io.submit_write(self._pool, cls.fd, slot.offset, header.pack(), view,
-                                   header.payload_len, slot.slot_bytes, self._slots.direct,
-                                   sync)
+        pool, packed, direct = self._pool, header.pack(), self._slots.direct
+        op = self._start(slot, cls, lambda fd: self._io.submit_write(
+            pool, fd, slot.offset, packed, view, header.payload_len, slot.slot_bytes, direct,
+            sync), writing=True)
         self._pending[slot] = op
         nbytes = await self._await(slot, op, cls, writing=True)
         self._health.write_ok()
@@ -318,13 +334,23 @@ class NvmeTier:
         assert self._pool is not None
         # a lone read may be split into pieces; with other frames in flight the pool's
         # threads already overlap whole frames
-        op = self._io.submit_read(self._pool, cls.fd, slot.offset, byte_view(out),
-                                  slot.slot_bytes, self._slots.direct, namespace, key,
-                                  layout_fp, min_piece=self._split_bytes,
-                                  max_pieces=MAX_PIECES if self._inflight == 0 else 1)
+        pool, target, direct = self._pool, byte_view(out), self._slots.direct
+        pieces = MAX_PIECES if self._inflight == 0 else 1
+        op = self._start(slot, cls, lambda fd: self._io.submit_read(
+            pool, fd, slot.offset, target, slot.slot_bytes, direct, namespace, key, layout_fp,
+            min_piece=self._split_bytes, max_pieces=pieces), writing=False)
         header, nbytes = await self._await(slot, op, cls, writing=False)
         self.counters.bytes_read += nbytes
         return header
+
+    def _start(self, slot: NvmeSlot, cls: SizeClass, begin: Callable[[int], Future[Any]], *,
+               writing: bool) -> Future[Any]:
+        """``begin(fd)`` with the slot file's descriptor pinned until the operation ends
+        (reopened if it was closed: a failure is counted and typed like the I/O's own)."""
+        try:
+            return self._slots.files.start(cls.file, begin)
+        except OSError as exc:
+            raise self._failed(slot, cls, exc, writing=writing) from exc
 
     async def _await(self, slot: NvmeSlot, op: Future[Any], cls: SizeClass, *,
                      writing: bool) -> Any:
@@ -341,18 +367,23 @@ class NvmeTier:
             self.counters.checksum_failures += 1
             raise
         except OSError as exc:
-            self.counters.errors += 1
-            if writing:
-                self._health.write_failed(exc, PAGE + slot.slot_bytes)
-            what = "write to" if writing else "read from"
-            raise NvmeIOError(f"nvme {what} {cls.path} slot {slot.index} failed: "
-                              f"{exc.strerror or exc}") from exc
+            raise self._failed(slot, cls, exc, writing=writing) from exc
         finally:
             self._inflight -= 1
             if self._pending.get(slot) is op and op.done():
                 del self._pending[slot]
 
     # ------------------------------------------------------------------ internals
+    def _failed(self, slot: NvmeSlot, cls: SizeClass, exc: OSError, *,
+                writing: bool) -> NvmeIOError:
+        """Count a failed frame I/O (a write with a full-disk errno degrades the tier)."""
+        self.counters.errors += 1
+        if writing:
+            self._health.write_failed(exc, PAGE + slot.slot_bytes)
+        what = "write to" if writing else "read from"
+        return NvmeIOError(f"nvme {what} {cls.path} slot {slot.index} failed: "
+                           f"{exc.strerror or exc}")
+
     def _require_open(self) -> None:
         if self._state is not TierState.OPEN:
             raise KVTierError(f"nvme tier is {self._state.value}, not open")
