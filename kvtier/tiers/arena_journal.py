@@ -17,6 +17,14 @@ append after it is written copies the records appended meanwhile into it and ren
 the journal. A crash sees either the old or the new file whole. The loop's share is one copy
 of a dict's values (3-4 ms at 315k live slots, mostly cache misses; writing the file on the
 loop took 54 ms at 188k). Only a file that fills up before its compaction is written waits for it.
+
+Stop and resume: when a full file cannot be rewritten (EMFILE, a full tmpfs), the journal
+stops: its file is removed at once (a crash then starts the cpu tier cold rather than trust
+a file lacking the change), nothing is written, and ``_records`` goes on following the slots.
+Later appends retry a full rewrite aside, like a compaction, at most once per
+``RETRY_BACKOFF`` delay (never per append); the records appended meanwhile join it at the
+switch, so the file renamed into place holds exactly the live slots, and journaling resumes.
+A failed compaction waits for the same backoff. Logged once at the stop, once at the resume.
 """
 
 from __future__ import annotations
@@ -27,11 +35,14 @@ import mmap
 import os
 import secrets
 import struct
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvtier.backoff import Backoff, BackoffPolicy
+from kvtier.tiers.journal_files import NextFile
+from kvtier.tiers.journal_files import write_file as _write_file
 from kvtier.tiers.journal_format import (
     GENERATION,
     GENERATION_AT,
@@ -46,7 +57,8 @@ from kvtier.tiers.journal_format import (
 
 COMPACT_MIN = 4096            # records appended beyond 4x the live slots before compacting
 MIN_RECORDS = 1 << 14         # smallest file (sparse: untouched records cost no memory)
-_CHUNK = 8192                 # records joined per write: 1 MiB, ~0.2 ms holding the GIL
+# after a failed rewrite or compaction: the next try waits 2-4 s, then twice as long, ... 60 s
+RETRY_BACKOFF = BackoffPolicy(base_s=4.0, cap_s=60.0)
 
 log = logging.getLogger("kvtier.tiers.arena")
 
@@ -57,11 +69,13 @@ class ArenaJournal:
     ``alloc``/``free`` are called by the arena for every slot it hands out or takes back;
     ``commit`` by the store once a ready block's checksum is known. ``generation(offset)``
     names one allocation of a slot, so a checksum computed while the slot was freed and
-    handed out again is recognised as stale and not recorded.
+    handed out again is recognised as stale and not recorded. ``clock``: monotonic seconds,
+    when the next rewrite may be tried after a failure (tests inject one).
     """
 
     def __init__(self, path: Path, arena_size: int, slab_bytes: int, *, run: bytes,
-                 live: Sequence[tuple[int, int, CommittedSlot | None]] = ()) -> None:
+                 live: Sequence[tuple[int, int, CommittedSlot | None]] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.run = run            # this daemon run's id, in every header it writes
         self.arena_size = arena_size
@@ -80,8 +94,14 @@ class ArenaJournal:
         self._tail = 0
         self._capacity = 0
         self._writer: ThreadPoolExecutor | None = None   # writes compacted files
-        self._next: _NextFile | None = None   # a compaction being written
+        self._next: NextFile | None = None   # a compaction being written
         self.stopped = False   # the file could not be rewritten: removed, nothing recorded
+        self.stops = 0         # times it stopped, and resumed (a rewrite worked again)
+        self.resumes = 0
+        self._clock = clock
+        self._retry = Backoff(RETRY_BACKOFF)
+        self._retry_at = 0.0   # no rewrite or compaction is tried before (clock seconds)
+        self._stopped_at = 0.0
         for offset, nbytes, commit in live:
             self._gen += 1
             self._records[offset] = (
@@ -150,12 +170,17 @@ class ArenaJournal:
     def close(self, *, unlink: bool) -> None:
         """Unmap; ``unlink`` also removes the file (a graceful stop: nothing to adopt). A
         compaction still being written is dropped (the journal is whole without it)."""
-        nxt, self._next = self._next, None
-        if nxt is not None:
-            nxt.discard()
+        self._drop_file(unlink=unlink)
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+
+    def _drop_file(self, *, unlink: bool) -> None:
+        """Drop a compaction being written aside, unmap and close the file (``unlink``:
+        remove it too)."""
+        nxt, self._next = self._next, None
+        if nxt is not None:
+            nxt.discard()
         if self._mm is not None:
             with contextlib.suppress(BufferError, ValueError):
                 self._mm.close()
@@ -163,6 +188,7 @@ class ArenaJournal:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._tail = self._capacity = 0
         if unlink:
             self.path.unlink(missing_ok=True)
 
@@ -171,6 +197,7 @@ class ArenaJournal:
         """Write ``record``, whose change ``_records`` already shows (so a compaction started
         or finished here holds it in its snapshot, never twice)."""
         if self.stopped:
+            self._while_stopped((record,))
             return
         nxt = self._next
         if nxt is not None and (nxt.done.done() or self._tail >= self._capacity):
@@ -191,9 +218,10 @@ class ArenaJournal:
             self._compact_aside()
 
     def _should_compact(self) -> bool:
-        """Mostly dead records, or a growing arena's file filling up."""
-        return (self._tail > 4 * len(self._records) + COMPACT_MIN
-                or 4 * self._tail > 3 * self._capacity)
+        """Mostly dead records, or a growing arena's file filling up (and no failed one in
+        the last backoff delay)."""
+        return ((self._tail > 4 * len(self._records) + COMPACT_MIN
+                 or 4 * self._tail > 3 * self._capacity) and self._clock() >= self._retry_at)
 
     def _append_many(self, records: list[bytes]) -> None:
         """``_append`` of each record; one copy into the file when they fit as they are.
@@ -204,6 +232,7 @@ class ArenaJournal:
         ``since``), and nowhere after a rewrite, whose file is that snapshot."""
         n = len(records)
         if self.stopped:
+            self._while_stopped(records)
             return
         if n < 2 or self._next is not None or self._tail + n > self._capacity:
             for i, record in enumerate(records):
@@ -250,23 +279,34 @@ class ArenaJournal:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-journal")
         tmp = self._tmp_path()
-        self._next = _NextFile(tmp, capacity, len(parts),
-                               self._writer.submit(_write_file, tmp, parts, capacity))
+        self._next = NextFile(tmp, capacity, len(parts),
+                              self._writer.submit(_write_file, tmp, parts, capacity))
 
-    def _switch(self, nxt: _NextFile) -> None:
-        """Finish a compaction written aside: append what came meanwhile, rename, swap."""
+    def _switch(self, nxt: NextFile) -> None:
+        """Finish a compaction written aside: append what came meanwhile, rename, swap. While
+        stopped, the file so installed resumes the journal."""
         self._next = None
         try:
             fd = nxt.done.result()
         except Exception as exc:   # (the old file is whole: compact again later)
-            log.warning("arena journal compaction failed: %s", exc)
+            self._failed_aside(exc)
             return
         if nxt.records + len(nxt.since) >= nxt.capacity:   # outgrown while written
             os.close(fd)
             nxt.tmp.unlink(missing_ok=True)
-            self._rewrite_or_stop()
+            if self.stopped:   # (rare: far more changes than live slots while written)
+                self._retry_later(OSError("the rewrite was outgrown while written"))
+            else:
+                self._rewrite_or_stop()
             return
-        self._install(fd, nxt.tmp, nxt.capacity, nxt.records, nxt.since)
+        try:
+            self._install(fd, nxt.tmp, nxt.capacity, nxt.records, nxt.since)
+        except OSError as exc:   # (_install closed and removed it; the old file is whole)
+            self._failed_aside(exc)
+            return
+        self._retry.reset()
+        if self.stopped:
+            self._resume()
 
     def _tmp_path(self) -> Path:
         return self.path.with_name(f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -279,22 +319,68 @@ class ArenaJournal:
         self._install(_write_file(tmp, parts, capacity), tmp, capacity, len(parts), [])
 
     def _rewrite_or_stop(self) -> None:
-        """``_rewrite`` while serving. When the file cannot be written (a full tmpfs) the
-        journal stops and its file is removed: a restart then starts the cpu tier cold
-        instead of trusting a journal that lacks this change. The request goes on."""
+        """``_rewrite`` while serving. When the file cannot be written (a full tmpfs, no
+        descriptor left) the journal stops and its file is removed: a restart then starts
+        the cpu tier cold instead of trusting a journal that lacks this change. The request
+        goes on; later appends retry (``_while_stopped``)."""
         try:
             self._rewrite()
         except OSError as exc:
-            log.warning("cannot rewrite the arena journal %s (%s): warm restart is off "
-                        "until the daemon restarts", self.path, exc)
-            self.stopped = True
-            self.close(unlink=True)
+            self._stop(exc)
+
+    def _stop(self, exc: OSError) -> None:
+        """Remove the journal's file, record nothing until a rewrite works again."""
+        delay = self._retry.next_delay()
+        log.warning("cannot rewrite the arena journal %s (%s): it stops and its file is "
+                    "removed, so warm restart is off until a rewrite works (tried again in "
+                    "%.1f s, then with backoff up to %.0f s)", self.path, exc, delay,
+                    RETRY_BACKOFF.cap_s)
+        self.stopped = True
+        self.stops += 1
+        self._stopped_at = self._clock()
+        self._retry_at = self._stopped_at + delay
+        self._drop_file(unlink=True)
+
+    def _while_stopped(self, records: Sequence[bytes]) -> None:
+        """An append while stopped (``records``: its records, which ``_records`` shows
+        already): they join the rewrite being written aside, which is installed once done;
+        else, once the backoff delay has passed, a rewrite starts aside (its snapshot holds
+        them). Nothing is written to the journal's path before that rewrite is whole."""
+        nxt = self._next
+        if nxt is not None:
+            nxt.since.extend(records)
+            if nxt.done.done():
+                self._switch(nxt)
+        elif self._clock() >= self._retry_at:
+            self._compact_aside()
+
+    def _failed_aside(self, exc: Exception) -> None:
+        """A file written aside could not be installed: the next waits for the backoff."""
+        if self.stopped:
+            self._retry_later(exc)
+            return
+        log.warning("arena journal compaction failed: %s", exc)
+        self._retry_at = self._clock() + self._retry.next_delay()
+
+    def _retry_later(self, exc: Exception) -> None:
+        """A rewrite tried while stopped failed: the next waits for the backoff."""
+        delay = self._retry.next_delay()
+        self._retry_at = self._clock() + delay
+        log.debug("arena journal %s still stopped (%s): next rewrite in %.1f s", self.path,
+                  exc, delay)
+
+    def _resume(self) -> None:
+        self.stopped = False
+        self.resumes += 1
+        log.info("arena journal %s resumed after %.1f s stopped: warm restart is on again",
+                 self.path, self._clock() - self._stopped_at)
 
     def _install(self, fd: int, tmp: Path, capacity: int, written: int,
                  since: list[bytes]) -> None:
         """Make the compacted file ``tmp`` (``fd``, ``written`` records in it) the journal:
         append ``since`` (records that came after its snapshot), rename it over the old
         one, and write on in it."""
+        mm: mmap.mmap | None = None
         try:
             mm = mmap.mmap(fd, capacity * RECORD, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
@@ -302,6 +388,8 @@ class ArenaJournal:
             mm[written * RECORD: written * RECORD + len(blob)] = blob
             os.rename(tmp, self.path)
         except BaseException:
+            if mm is not None:
+                mm.close()
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
@@ -316,42 +404,3 @@ class ArenaJournal:
                 old_mm.close()
         if old_fd >= 0:
             os.close(old_fd)
-
-
-@dataclass(slots=True)
-class _NextFile:
-    """A compacted journal being written aside, and the records appended since its snapshot."""
-
-    tmp: Path
-    capacity: int
-    records: int                    # the snapshot's (header included)
-    done: Future[int]               # its descriptor, once written
-    since: list[bytes] = field(default_factory=list)
-
-    def discard(self) -> None:
-        with contextlib.suppress(Exception):
-            os.close(self.done.result())
-        self.tmp.unlink(missing_ok=True)
-
-
-def _write_file(tmp: Path, parts: list[bytes], capacity: int) -> int:
-    """A new journal file at ``tmp`` holding ``parts``, ``capacity`` records long; its open
-    descriptor. A worker thread's job, written 1 MiB at a time: the join holds the GIL, the
-    write does not (joining all of 315k records at once held it for 20 ms)."""
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.ftruncate(fd, capacity * RECORD)
-        # its pages now: the file is written through a mapping, where a full tmpfs would
-        # be a SIGBUS instead of this ENOSPC
-        os.posix_fallocate(fd, 0, capacity * RECORD)
-        pos = 0
-        for i in range(0, len(parts), _CHUNK):
-            blob = memoryview(b"".join(parts[i: i + _CHUNK]))
-            while blob:
-                done = os.pwrite(fd, blob, pos)
-                blob, pos = blob[done:], pos + done
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    return fd
