@@ -170,8 +170,7 @@ def render_stats(s: dict[str, Any]) -> str:
         evicted = sum(number(evictions, k, w + "evictions.") for k in evictions)
         rows.append((clean(name), "yes" if t.get("up") else "DOWN",
                      scalar(t, "backend", "", w),
-                     format_bytes(number(t, "capacity_bytes", w)),
-                     format_bytes(number(t, "used_bytes", w)),
+                     _capacity(t, w), format_bytes(number(t, "used_bytes", w)),
                      scalar(t, "blocks", "0", w), scalar(t, "hit_blocks", "0", w),
                      scalar(t, "miss_blocks", "0", w), scalar(t, "hit_tokens", "0", w),
                      f"{evicted:.0f}",
@@ -206,6 +205,16 @@ def render_stats(s: dict[str, Any]) -> str:
     if mrc:
         lines.append(mrc)
     return "\n".join(lines)
+
+
+def _capacity(t: dict[str, Any], where: str) -> str:
+    """A tier's capacity cell: ``no limit`` when the daemon reports none (a null
+    ``capacity_bytes``: Redis without ``redis.bytes`` or a ``maxmemory``), and where it is
+    the Redis server's ``maxmemory``, said so."""
+    if "capacity_bytes" in t and t["capacity_bytes"] is None:
+        return "no limit"
+    cap = format_bytes(number(t, "capacity_bytes", where))
+    return f"{cap} maxmemory" if t.get("capacity_from") == "maxmemory" else cap
 
 
 def _run_stats(a: argparse.Namespace) -> int:

@@ -28,7 +28,11 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             (f"vllm:kv_cache_usage_perc{{{V}}}", "{{instance}} engine {{engine}}")]),
         ("Tier blocks used / bytes free", "short", [
             (f"kvtier_tier_blocks{{{K}}}", "{{tier}} blocks"),
-            (f"kvtier_tier_free_bytes{{{K}}} / 1048576", "{{tier}} free MiB")]),
+            (f"kvtier_tier_free_bytes{{{K}}} / 1048576", "{{tier}} free MiB"),
+            # a tier nothing bounds (redis without redis.bytes or maxmemory) has no free
+            # or capacity series: its use instead, rather than no line or a full tier
+            (f"(kvtier_tier_used_bytes{{{K}}} unless on (instance, tier) "
+             f"kvtier_tier_capacity_bytes{{{K}}}) / 1048576", "{{tier}} used MiB (no limit)")]),
         ("Allocation failures /s", "ops", [
             (f"sum by (tier) (rate(kvtier_allocation_failures_total{{{K}}}[{R}]))", "{{tier}}")]),
         ("Prefix hit rate", "percentunit", [

@@ -27,10 +27,12 @@ _LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 
 _LAG_BUCKETS = (1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 _TIER_COUNTERS = {
-    "hit_blocks": ("kvtier_hit_blocks", "Blocks found in this tier at lookup"),
-    "miss_blocks": ("kvtier_miss_blocks", "Lookups that reached this tier and missed"),
-    "hit_tokens": ("kvtier_hit_tokens", "Tokens covered by hits in this tier"),
-    "miss_tokens": ("kvtier_miss_tokens", "Tokens of the first missing block per lookup"),
+    "hit_blocks": ("kvtier_hit_blocks", "Lookups' blocks found in this tier"),
+    "miss_blocks": ("kvtier_miss_blocks", "Lookups' first block that reached this tier and "
+                    "was not there (at most one per lookup and tier)"),
+    "hit_tokens": ("kvtier_hit_tokens", "Tokens of the lookups' blocks found in this tier"),
+    "miss_tokens": ("kvtier_miss_tokens", "Tokens of the first missing block per lookup "
+                    "and tier"),
     "allocation_failures": ("kvtier_allocation_failures", "Allocations that found no room"),
     "checksum_failures": ("kvtier_checksum_failures", "Frames that failed a check (dropped)"),
     "bytes_read": ("kvtier_tier_read_bytes", "Bytes read from this tier"),
@@ -43,6 +45,9 @@ _TIER_COUNTERS = {
 # counters only some tiers have: a tier that does not report one gets no series for it
 # (a Redis redirect count of 0 for the cpu tier would read as "no reshard seen")
 _TIER_OWN = frozenset({"redirects"})
+# gauges a tier reports as null when nothing bounds it (redis without redis.bytes or a
+# maxmemory): exported as no series, never as 0, which the free-bytes panels read as full
+_UNBOUNDED_OK = frozenset({"capacity_bytes", "free_bytes"})
 
 
 class KVTierCollector:
@@ -59,11 +64,13 @@ class KVTierCollector:
         tiers: dict[str, dict[str, Any]] = s.get("tiers", {})
         gauges = {
             "capacity_bytes": GaugeMetricFamily("kvtier_tier_capacity_bytes",
-                                                "Hard capacity of the tier", labels=["tier"]),
+                                                "Hard capacity of the tier (absent when "
+                                                "nothing bounds it: redis without "
+                                                "redis.bytes or maxmemory)", labels=["tier"]),
             "used_bytes": GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes in use",
                                             labels=["tier"]),
-            "free_bytes": GaugeMetricFamily("kvtier_tier_free_bytes", "Bytes free",
-                                            labels=["tier"]),
+            "free_bytes": GaugeMetricFamily("kvtier_tier_free_bytes", "Bytes free (absent "
+                                            "when the capacity is)", labels=["tier"]),
             "blocks": GaugeMetricFamily("kvtier_tier_blocks", "Blocks resident",
                                         labels=["tier"]),
             "up": GaugeMetricFamily("kvtier_tier_up", "1 when the tier is reachable",
@@ -75,6 +82,8 @@ class KVTierCollector:
                                         labels=["tier", "reason"])
         for name, t in tiers.items():
             for key, fam in gauges.items():
+                if key in _UNBOUNDED_OK and key in t and t[key] is None:
+                    continue   # no limit: no series (0 would read as a full tier)
                 fam.add_metric([name], float(t.get(key, 0)))
             for key, counter in counters.items():
                 if key in t or key not in _TIER_OWN:

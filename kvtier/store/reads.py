@@ -19,7 +19,13 @@ from kvtier.store.namespaces import NamespaceEntry, NamespaceRegistry
 from kvtier.store.ports import MissLogPort, NvmePort, RedisPort
 from kvtier.store.promoter import Promoter
 from kvtier.store.slices import Turn, slices
-from kvtier.store.stats import LookupResult, PrefetchCounters, RequestCounters, count_lookup
+from kvtier.store.stats import (
+    LookupResult,
+    PrefetchCounters,
+    RequestCounters,
+    count_lookup,
+    count_redis_lookup,
+)
 from kvtier.tiers.base import TierName
 
 __all__ = ["Reader"]
@@ -90,8 +96,9 @@ class Reader:
         count_lookup(self.cpu.counters, None if self.nvme is None else self.nvme.counters,
                      len(keys), n_local, n_cpu, tpb)
         redis_keys: list[bytes] = []
-        if n_local < len(keys) and self._redis_up():
-            n_r = await self._redis_prefix(keys[n_local:], digest)
+        if n_local < len(keys) and self.redis is not None:
+            n_r = await self._redis_prefix(keys[n_local:], digest) if self.redis.up else 0
+            count_redis_lookup(self.redis.counters, len(keys) - n_local, n_r, tpb)
             redis_keys = keys[n_local: n_local + n_r]
             tiers.extend(["redis"] * n_r)
         hits = len(tiers)

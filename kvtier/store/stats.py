@@ -12,7 +12,7 @@ from typing import Any
 from kvtier.tiers.base import Tier, TierCounters, TierName, tier_stats
 
 __all__ = ["BytesMoved", "LookupResult", "PrefetchCounters", "RequestCounters",
-           "count_lookup", "slots_dict", "store_stats"]
+           "count_lookup", "count_redis_lookup", "slots_dict", "store_stats"]
 
 
 @dataclass(slots=True)
@@ -89,6 +89,26 @@ def count_lookup(cpu: TierCounters, nvme: TierCounters | None, n_keys: int, n_lo
         nvme.hit_tokens += below_cpu * tokens_per_block
         nvme.miss_blocks += stopped
         nvme.miss_tokens += stopped * tokens_per_block
+
+
+def count_redis_lookup(redis: TierCounters, asked: int, found: int,
+                       tokens_per_block: int) -> None:
+    """The Redis tier's hits and misses of one lookup, counted as ``count_lookup`` counts
+    cpu and nvme: ``asked`` blocks of the chain reached Redis (those past the local tiers'
+    prefix: 0 when cpu and nvme held the whole chain), and the probe found the leading
+    ``found`` of them. A hit is a block found, a miss the first block asked and not found
+    (one at most per lookup: the blocks past it reach no tier). A probe that could not
+    answer (the tier down, or cut by ``redis.lookup_budget_s``) found nothing: its first
+    block is the miss. Counted once per lookup, by the lookup, never by the get that
+    follows or by a prefix-locality probe."""
+    if asked <= 0:
+        return
+    found = min(max(found, 0), asked)
+    redis.hit_blocks += found
+    redis.hit_tokens += found * tokens_per_block
+    if found < asked:
+        redis.miss_blocks += 1
+        redis.miss_tokens += tokens_per_block
 
 
 def slots_dict(obj: object) -> dict[str, Any]:

@@ -38,12 +38,18 @@ slow or gone. Everything here is built so that Redis trouble costs hits, never r
 
 Redis key of a block = ``key_prefix`` + hex of its 16-byte key. Keys carry no hash tag,
 so in a cluster they spread over all slots. Counters: ``bytes_read``/``bytes_written`` are
-wire bytes (frames); ``hit_blocks``/``miss_blocks`` are counted by ``get_into`` (blocks
-asked for vs. filled), not by ``exists_prefix``.
+wire bytes (frames); ``hit_blocks``/``miss_blocks`` (and ``_tokens``) are the store's, counted
+once per lookup from its probe, as for cpu and nvme (kvtier.store.stats
+``count_redis_lookup``); ``get_into`` counts only ``fetched_blocks`` and
+``fetch_missed_blocks`` (``stats_extra``).
 
 Capacity: Redis itself bounds memory (``maxmemory`` + an eviction policy such as
 ``allkeys-lru``) and the TTL ages blocks out; ``used_bytes``/``blocks`` report the
 server's ``used_memory``/``DBSIZE`` (whole database: give kvtier its own db or cluster).
+``capacity_bytes`` is ``redis.bytes`` when set, else the masters' ``maxmemory`` (every
+master's: one without a limit makes the whole unbounded), else 0: no limit, which
+``stats_extra`` reports as a null capacity and free space (``capacity_from: none``), never
+as a full tier.
 """
 
 from __future__ import annotations
@@ -119,7 +125,18 @@ class RedisTier(RedisWrites):
 
     @property
     def capacity_bytes(self) -> int:
+        """``redis.bytes``, else the masters' ``maxmemory``; 0 when neither bounds it."""
         return self.cfg.bytes or self._server.limit
+
+    def capacity_stats(self) -> dict[str, Any]:
+        """Where the capacity comes from (``redis.bytes``, ``maxmemory`` or ``none``); with
+        none, ``capacity_bytes`` and ``free_bytes`` are None (no limit; before the first
+        INFO round, not known yet), so that no reader takes 0 for a full tier."""
+        if self.cfg.bytes:
+            return {"capacity_from": "redis.bytes"}
+        if self._server.limit:
+            return {"capacity_from": "maxmemory"}
+        return {"capacity_from": "none", "capacity_bytes": None, "free_bytes": None}
 
     @property
     def used_bytes(self) -> int:
@@ -262,4 +279,7 @@ class RedisTier(RedisWrites):
             "namespace_mismatches": self.namespace_mismatches,
             "protocol_errors": self._router.protocol_errors,
             "stray_frames": self._router.stray_frames,
+            "fetched_blocks": self.fetched_blocks,
+            "fetch_missed_blocks": self.fetch_missed_blocks,
+            **self.capacity_stats(),
         }

@@ -26,14 +26,20 @@ class ServerStats:
     bad_logged: bool = False   # an INFO field that was not a number was logged once
 
     def take(self, answers: list[list[Any]]) -> None:
-        """Sum ``[PING, INFO memory, DBSIZE]`` answers, one per master."""
+        """Sum ``[PING, INFO memory, DBSIZE]`` answers, one per master. The limit is the
+        sum of the masters' ``maxmemory`` only when every master has one: a master without
+        (0, or a field that is not a number) can take any amount, so the whole is
+        unbounded (0), not the others' sum."""
         used = limit = keys = 0
+        bounded = bool(answers)
         for answer in answers:
             info = info_fields(answer[1])
             used += self._number(info, "used_memory")
-            limit += self._number(info, "maxmemory")
+            cap = self._number(info, "maxmemory")
+            bounded = bounded and cap > 0
+            limit += cap
             keys += key_count(answer[2])
-        self.used, self.limit, self.keys = used, limit, keys
+        self.used, self.limit, self.keys = used, limit if bounded else 0, keys
 
     def _number(self, info: dict[str, str], name: str) -> int:
         """INFO field ``name`` as a byte count: 0 when absent, and when it is not one (not

@@ -45,7 +45,15 @@ MUX_BATCH_BYTES = 256 << 10
 
 class RedisReads(RedisProbes):
     """Reads of the Redis tier: ``get_into`` (base of ``RedisTier``); the probes of
-    ``exists_prefix`` are its base's (kvtier.tiers.redis_probe)."""
+    ``exists_prefix`` are its base's (kvtier.tiers.redis_probe).
+
+    ``get_into`` counts what it fetched in ``fetched_blocks`` and ``fetch_missed_blocks``
+    (blocks asked and not filled), shown in ``stats_extra``: a lookup's probe, not a
+    fetch, counts the tier's ``hit_blocks``/``miss_blocks`` (kvtier.store.stats
+    ``count_redis_lookup``), so a promotion or a get never counts a lookup again."""
+
+    fetched_blocks: int = 0        # blocks get_into filled (promotions, gets)
+    fetch_missed_blocks: int = 0   # blocks get_into was asked for and did not fill
 
     async def get_into(self, keys: Sequence[bytes], outs: Sequence[memoryview], *,
                        namespace: bytes, layout_fp: int,
@@ -63,7 +71,7 @@ class RedisReads(RedisProbes):
         """
         n = min(len(keys), len(outs))
         if not n or not self._up:
-            self.counters.miss_blocks += n
+            self.fetch_missed_blocks += n
             return 0
         filled = 0
         routed = False
@@ -86,8 +94,8 @@ class RedisReads(RedisProbes):
                 await self._settle_read(bad, keys[filled], outs[filled].nbytes, namespace,
                                         layout_fp)
             break
-        self.counters.hit_blocks += filled
-        self.counters.miss_blocks += n - filled
+        self.fetched_blocks += filled
+        self.fetch_missed_blocks += n - filled
         return filled
 
     def _count_read(self, read: BlockRead, j: int, checksums: list[int | None] | None) -> None:

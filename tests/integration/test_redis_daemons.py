@@ -100,6 +100,49 @@ def test_block_put_on_node_a_is_read_exactly_on_node_b(
     cb.close()
 
 
+def tier_metric(node: DaemonProcess, name: str, tier: str = "redis") -> float | None:
+    """A per-tier series' value from /metrics (None when not exported)."""
+    with urllib.request.urlopen(node.http_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'tier="{tier}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_redis_hits_and_misses_are_counted_by_lookups(
+        redis_server: RedisServer, node_factory: Callable[..., DaemonProcess]) -> None:
+    """The review's two nodes: lookups that miss in Redis count misses on the node that
+    stored the blocks; a lookup without prefetch on the other counts hits and tokens."""
+    node_a = node_factory("a", redis_server.url)
+    node_b = node_factory("b", redis_server.url)
+    ca, cb = connect(node_a.socket), connect(node_b.socket)
+    ns_a = ca.register_layout(LAYOUT, "model")
+    keys = block_keys(ns_a, np.arange(8 * 64))
+    assert ca.put(ns_a, keys, [content(bytes(k), LAYOUT.block_bytes) for k in keys]) == 8
+    admin = redis_server.client()
+    wait_for(lambda: admin.dbsize() == 8)
+    unknown = block_keys(ns_a, 50_000 + np.arange(4 * 64))   # stored nowhere
+    for _ in range(5):
+        assert ca.lookup(ns_a, unknown).hits == 0
+    assert ca.lookup(ns_a, keys).hits == 8           # held by A's arena: Redis not asked
+    ra = redis_stats(node_a)
+    assert (ra["hit_blocks"], ra["miss_blocks"], ra["miss_tokens"]) == (0, 5, 5 * 64)
+
+    ns_b = cb.register_layout(LAYOUT, "model")
+    assert cb.lookup(ns_b, keys, prefetch=False).hits == 8
+    rb = redis_stats(node_b)
+    assert (rb["hit_blocks"], rb["hit_tokens"], rb["miss_blocks"]) == (8, 8 * 64, 0)
+    outs = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
+    assert cb.get(ns_b, keys, outs) == 8             # read from Redis: no second count
+    rb = redis_stats(node_b)
+    assert (rb["hit_blocks"], rb["fetched_blocks"]) == (8, 8)
+    assert tier_metric(node_b, "kvtier_hit_tokens_total") == 8 * 64
+    assert tier_metric(node_a, "kvtier_miss_blocks_total") == 5
+    ca.close()
+    cb.close()
+
+
 def test_redis_killed_mid_run_clients_see_no_error(
         redis_server: RedisServer, node_factory: Callable[..., DaemonProcess]) -> None:
     node = node_factory("a", redis_server.url)
