@@ -221,12 +221,9 @@ def _run_stats(a: argparse.Namespace) -> int:
     """Print the daemon's stats (once, or every ``--watch`` seconds). Exit status 1, with one
     line, when no daemon answered or its answer is not kvtier stats (cut short, too slow,
     too large, not JSON, or a field of the wrong type)."""
-    url = a.url
-    if url is None:
-        from kvtier.config import http_base_url, load_config
+    from kvtier.config import daemon_url
 
-        cfg = load_config(a.config)
-        url = http_base_url(cfg.http.host, cfg.http.port)
+    url = daemon_url(a.url, a.config)
     while True:
         try:
             s = fetch_stats(url, timeout=STATS_DEADLINE_S)

@@ -331,6 +331,18 @@ def http_base_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def daemon_url(url: str | None = None, config: str | Path | Config | None = None) -> str:
+    """The daemon's HTTP base URL as every command that asks the daemon finds it (``stats``,
+    ``explain``, ``doctor``): ``url`` (their ``--url``) when given, else ``http://HOST:PORT``
+    of ``config``: a loaded Config, or the TOML file (``--config``) read with the
+    environment (``KVTIER_HTTP_HOST``, ``KVTIER_HTTP_PORT``) over the defaults
+    (127.0.0.1:8470). A KVTierError when the configuration cannot be read."""
+    if url:
+        return url
+    cfg = config if isinstance(config, Config) else load_config(config)
+    return http_base_url(cfg.http.host, cfg.http.port)
+
+
 def _masked_url(url: str) -> str:
     """``url`` with the user info of its authority masked (``redis://***@host:port/0``)."""
     scheme, sep, rest = url.partition("://")

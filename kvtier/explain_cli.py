@@ -159,12 +159,9 @@ def _fail(args: argparse.Namespace, line: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    url = args.url
-    if url is None:
-        from kvtier.config import http_base_url, load_config
+    from kvtier.config import daemon_url
 
-        cfg = load_config(args.config)
-        url = http_base_url(cfg.http.host, cfg.http.port)
+    url = daemon_url(args.url, args.config)
     try:
         rows = fetch_recent(url, args.limit, args.misses, timeout=FETCH_DEADLINE_S)
     except httpget.Unreachable as exc:

@@ -77,12 +77,16 @@ CASES = [
     Case("KVTierChecksumFailures", 5, {"instance": "n1", "tier": "nvme"},
          {f'kvtier_checksum_failures_total{{{INST},tier="nvme"}}': "0 0 0 1 1 1 1"},
          {f'kvtier_checksum_failures_total{{{INST},tier="nvme"}}': "0x10"}),
+    # allocation failures split at 90% used, as doctor's patterns 9 and 5 (tier_full): a
+    # tier not reporting its usage counts as full; one 85% used is fragmented, not pinned
     Case("KVTierAllocationFailures", 15, {"instance": "n1", "tier": "cpu"},
          {f'kvtier_allocation_failures_total{{{INST},tier="cpu"}}': "0+1x20"},
-         {f'kvtier_allocation_failures_total{{{INST},tier="cpu"}}': "0x20"}),
+         {f'kvtier_allocation_failures_total{{{INST},tier="cpu"}}': "0+1x20",
+          f'kvtier_tier_used_bytes{{{INST},tier="cpu"}}': "85x20",
+          f'kvtier_tier_capacity_bytes{{{INST},tier="cpu"}}': "100x20"}),
     Case("KVTierFragmentation", 15, {"instance": "n1", "tier": "cpu"},
          {f'kvtier_allocation_failures_total{{{INST},tier="cpu"}}': "0+1x20",
-          f'kvtier_tier_used_bytes{{{INST},tier="cpu"}}': "50x20",
+          f'kvtier_tier_used_bytes{{{INST},tier="cpu"}}': "85x20",
           f'kvtier_tier_capacity_bytes{{{INST},tier="cpu"}}': "100x20"},
          {f'kvtier_allocation_failures_total{{{INST},tier="cpu"}}': "0+1x20",
           f'kvtier_tier_used_bytes{{{INST},tier="cpu"}}': "95x20",

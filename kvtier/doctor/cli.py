@@ -13,12 +13,13 @@ import sys
 import time
 from collections.abc import Callable
 
-from kvtier.argtypes import float_in, int_in
-from kvtier.doctor.collect import DEFAULT_STATS_URL, Request, collect
+from kvtier.argtypes import float_in, http_url, int_in
+from kvtier.doctor.collect import DEFAULT_STATS_URL, Request, collect, stats_url
 from kvtier.doctor.errors import DoctorError
 from kvtier.doctor.report import render_text, to_json
 from kvtier.doctor.rules import diagnose
 from kvtier.doctor.signals import derive
+from kvtier.doctor.sources import is_url
 
 EXIT_HEALTHY = 0
 EXIT_FINDINGS = 1
@@ -39,8 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "they show, with evidence and what to change. Exit status: 0 healthy, "
                     "1 findings, 2 metrics unreadable.")
     p.add_argument("--stats", nargs="+", metavar="URL|FILE", default=None,
-                   help=f"kvtier /v1/stats URL, or saved JSON files oldest first "
-                        f"(default {DEFAULT_STATS_URL})")
+                   help="kvtier /v1/stats URL, or saved JSON files oldest first (default: "
+                        f"the /v1/stats of --url, {DEFAULT_STATS_URL} unless the config "
+                        "or KVTIER_HTTP_HOST/KVTIER_HTTP_PORT say otherwise)")
+    p.add_argument("--url", default=None, type=http_url,
+                   help="daemon HTTP base URL (default http://HOST:PORT from the config)")
+    p.add_argument("--config", metavar="FILE",
+                   help="the daemon's TOML config: its HTTP address, and what --env checks")
     p.add_argument("--engine-metrics", nargs="+", metavar="URL|FILE", default=None,
                    help="engine Prometheus endpoint (e.g. http://127.0.0.1:8000/metrics), or "
                         "saved scrapes oldest first")
@@ -57,10 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     env = p.add_argument_group("node checks (--env)")
     env.add_argument("--env", action="store_true",
                      help="check this node instead: /dev/shm, data dir, memlock, huge pages, "
-                          "NUMA, GPU/GDS, socket dir, clients' key scheme")
-    env.add_argument("--config", metavar="FILE", help="the daemon's TOML config (--env)")
-    env.add_argument("--url", default=None,
-                     help="daemon HTTP base URL (--env; default from the config)")
+                          "NUMA, GPU/GDS, socket dir, clients' key scheme, the Redis server")
     env.add_argument("--no-daemon", action="store_true",
                      help="do not ask the daemon (--env; e.g. before it starts)")
     env.add_argument("--strict", action="store_true",
@@ -85,9 +88,18 @@ def _sleeper(show: bool) -> Callable[[float], None]:
     return sleep
 
 
+def _unreadable(args: argparse.Namespace, what: str, exc: Exception) -> int:
+    """Say why nothing could be diagnosed (stderr, or JSON on stdout); exit status 2."""
+    if args.json:
+        print(json.dumps({"status": "unreadable", "error": str(exc)}, indent=2))
+    else:
+        print(f"kvtier doctor: could not read {what}: {exc}", file=sys.stderr)
+    return EXIT_UNREADABLE
+
+
 def run_env(args: argparse.Namespace) -> int:
     """``kvtier doctor --env``: verdicts and fixes for this node."""
-    from kvtier.config import http_base_url, load_config
+    from kvtier.config import daemon_url, load_config
     from kvtier.doctor.env import exit_status, render, run_checks
     from kvtier.doctor.env import to_json as env_json
     from kvtier.errors import KVTierError
@@ -95,12 +107,8 @@ def run_env(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
     except (KVTierError, OSError) as exc:
-        if args.json:
-            print(json.dumps({"status": "unreadable", "error": str(exc)}, indent=2))
-        else:
-            print(f"kvtier doctor: could not read the configuration: {exc}", file=sys.stderr)
-        return EXIT_UNREADABLE
-    url = None if args.no_daemon else (args.url or http_base_url(cfg.http.host, cfg.http.port))
+        return _unreadable(args, "the configuration", exc)
+    url = None if args.no_daemon else daemon_url(args.url, cfg)
     checks = run_checks(cfg, daemon_url=url)
     status = exit_status(checks, strict=args.strict)
     if args.json:
@@ -110,27 +118,53 @@ def run_env(args: argparse.Namespace) -> int:
     return status
 
 
+FROM_CONFIG = ("its address comes from the config's http.host and http.port (--config FILE, "
+               "KVTIER_HTTP_HOST, KVTIER_HTTP_PORT; 127.0.0.1:8470 by default): give the "
+               "daemon's with --url http://HOST:PORT")
+
+
+def stats_source(args: argparse.Namespace) -> tuple[tuple[str, ...], bool, str]:
+    """Where the kvtier stats come from, as ``kvtier stats`` finds the daemon
+    (kvtier.config.daemon_url): ``--stats``, else the /v1/stats of ``--url``, else of the
+    configuration's HTTP address. Returns (the references, whether they were asked for,
+    what set them); DoctorError for --stats with --url, KVTierError for a configuration
+    that cannot be read."""
+    if args.stats:
+        if args.url:
+            raise DoctorError("give --stats URL|FILE or --url URL, not both")
+        return tuple(args.stats), True, "its URL was given with --stats"
+    if args.url:
+        return (stats_url(args.url),), True, "its address was given with --url"
+    engine = args.engine_metrics or ()
+    if engine and not is_url(engine[0]):
+        return (), False, ""   # saved engine files: a live daemon's stats would not match
+    from kvtier.config import daemon_url
+
+    return (stats_url(daemon_url(None, args.config)),), False, FROM_CONFIG
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``kvtier doctor``; returns the exit status."""
     if getattr(args, "env", False):
         return run_env(args)
-    req = Request(
-        stats=tuple(args.stats) if args.stats else (DEFAULT_STATS_URL,),
-        stats_explicit=bool(args.stats),
-        engine=tuple(args.engine_metrics or ()),
-        gpu=tuple(args.gpu_metrics or ()),
-        samples=args.samples, interval_s=args.interval,
-    )
+    from kvtier.errors import KVTierError
+
     try:
+        stats, explicit, named_by = stats_source(args)
+    except DoctorError as exc:
+        return _unreadable(args, "metrics", exc)
+    except (KVTierError, OSError) as exc:
+        return _unreadable(args, "the configuration", exc)
+    try:
+        req = Request(stats=stats, stats_explicit=explicit, stats_from=named_by,
+                      engine=tuple(args.engine_metrics or ()),
+                      gpu=tuple(args.gpu_metrics or ()),
+                      samples=args.samples, interval_s=args.interval)
         got = collect(req, sleep=_sleeper(show=not args.json and sys.stderr.isatty()))
         if not got.engine and not got.stats:
             raise DoctorError("no metrics to read: give --stats and/or --engine-metrics")
     except DoctorError as exc:
-        if args.json:
-            print(json.dumps({"status": "unreadable", "error": str(exc)}, indent=2))
-        else:
-            print(f"kvtier doctor: could not read metrics: {exc}", file=sys.stderr)
-        return EXIT_UNREADABLE
+        return _unreadable(args, "metrics", exc)
     signals = derive(got.engine, got.stats, got.interval_s)
     if got.stats:  # tier sizing from the adaptive policy's live miss-ratio curve
         from kvtier.policy.mrc import sizing_notes

@@ -6,21 +6,32 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.config import HttpConfig, http_base_url
 from kvtier.doctor.engine import EngineSample, merge, parse_engine
 from kvtier.doctor.errors import DoctorError
 from kvtier.doctor.sources import is_url, read_text
 from kvtier.doctor.stats import KVTierStats, parse_stats
 
-DEFAULT_STATS_URL = "http://127.0.0.1:8470/v1/stats"
 DEFAULT_INTERVAL_S = 5.0
+
+
+def stats_url(base: str) -> str:
+    """The /v1/stats endpoint of the daemon at HTTP base URL ``base``."""
+    return base.rstrip("/") + "/v1/stats"
+
+
+DEFAULT_STATS_URL = stats_url(http_base_url(HttpConfig().host, HttpConfig().port))
+"""The stats of a daemon on the default address, what the configuration's defaults give."""
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """What to read: lists of URLs or files for each source, and the sampling plan."""
+    """What to read: lists of URLs or files for each source, and the sampling plan.
+    ``stats_from``: what set the stats address, named when they cannot be read."""
 
     stats: tuple[str, ...] = (DEFAULT_STATS_URL,)
     stats_explicit: bool = False
+    stats_from: str = ""
     engine: tuple[str, ...] = ()
     gpu: tuple[str, ...] = ()
     samples: int = 2
@@ -58,6 +69,16 @@ def _engine(ref: str) -> EngineSample:
     return sample
 
 
+def _stats(ref: str, named_by: str) -> KVTierStats:
+    """One stats sample; an address that gives none is said with what set it."""
+    try:
+        return parse_stats(read_text(ref, "kvtier stats"), ref)
+    except DoctorError as exc:
+        if named_by and is_url(ref):
+            raise DoctorError(f"{exc}; {named_by}") from None
+        raise
+
+
 def collect(req: Request, sleep: Callable[[float], None] = time.sleep) -> Collected:
     """Read every sample; DoctorError when an explicitly named source is unreadable."""
     for refs, flag in ((req.stats, "--stats"), (req.engine, "--engine-metrics"),
@@ -82,8 +103,7 @@ def collect(req: Request, sleep: Callable[[float], None] = time.sleep) -> Collec
             sleep(interval)
         if stats_ok and i < len(plans["stats"]):
             try:
-                out.stats.append(parse_stats(read_text(plans["stats"][i], "kvtier stats"),
-                                             plans["stats"][i]))
+                out.stats.append(_stats(plans["stats"][i], req.stats_from))
             except DoctorError as exc:
                 if req.stats_explicit or not req.engine:
                     raise

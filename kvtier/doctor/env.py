@@ -4,10 +4,11 @@ verdict and a fix.
 What peers' users lost days to: a /dev/shm smaller than the cpu tier, a data dir on
 overlayfs or tmpfs or without O_DIRECT, a memlock limit that breaks pinned registration,
 huge pages off, an arena spread over NUMA nodes, GDS silently in compat mode, a socket
-directory others can write, engines hashing keys differently, and a Redis anyone can write
-to. The checks live in :mod:`kvtier.doctor.env_fs`, :mod:`kvtier.doctor.env_host`,
-:mod:`kvtier.doctor.env_daemon` and :mod:`kvtier.doctor.env_redis`; they read the system
-only through :class:`Host`, so a test can hand them a crafted environment.
+directory others can write, engines hashing keys differently, a Redis server this host
+cannot reach, and a Redis anyone can write to. The checks live in
+:mod:`kvtier.doctor.env_fs`, :mod:`kvtier.doctor.env_host`, :mod:`kvtier.doctor.env_daemon`
+and :mod:`kvtier.doctor.env_redis`; they read the system only through :class:`Host`, so a
+test can hand them a crafted environment.
 
 Exit status as the rest of doctor: 0 nothing failed, 1 a check failed (``--strict``: or
 warned), 2 the configuration could not be read.
@@ -21,9 +22,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import Config
+
+if TYPE_CHECKING:
+    from kvtier.tiers.redis_resp import ConnOptions, NodeAddr
 
 
 class Verdict(str, Enum):
@@ -113,6 +117,8 @@ class Host:
     kvikio_mode: Callable[[], str | None] = _kvikio_mode
     fetch_stats: Callable[[str], dict[str, Any]] = _fetch_stats
     o_direct: Callable[[str], str | None] | None = None   # None: the real probe (env_fs)
+    # connect, authenticate and PING a Redis server; None: the tier's code (env_redis.ping)
+    redis_ping: Callable[[NodeAddr, ConnOptions], None] | None = None
 
 
 def run_checks(cfg: Config, host: Host | None = None, *,
@@ -139,6 +145,7 @@ def run_checks(cfg: Config, host: Host | None = None, *,
         env_host.check_numa(h, stats),
         *env_host.check_gpu(cfg, h),
         env_daemon.check_key_scheme(stats, stats_error),
+        env_redis.check_redis_server(cfg, h, before_start=daemon_url is None),
         env_redis.check_redis_auth(cfg, h),
     ]
     return checks

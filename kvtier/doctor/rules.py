@@ -337,7 +337,9 @@ def tier_down(s: Signals, t: Thresholds) -> Finding | None:
         "the tier's backend stopped answering or refused writes: Redis unreachable, "
         "failing over or refusing the credentials, or the nvme disk full or failing (it "
         "comes back by itself when its probe succeeds)",
-        ("`kvtier doctor --env` checks the Redis server and the nvme path from this host",
+        ("`kvtier doctor --env --config <the daemon's config>` connects to the Redis server "
+         "from this host as the tier does (credentials, TLS, PING) and checks the nvme "
+         "path's space and file system",
          "read the daemon's log for the tier's last error; `kvtier stats` shows its error "
          "counters",
          "for Redis: check redis.url, the credentials and the cluster's state; for nvme: "

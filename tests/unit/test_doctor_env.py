@@ -323,7 +323,7 @@ def test_run_checks_exit_status_and_json(tmp_path: Path) -> None:
     names = [c.name for c in checks]
     assert names == ["shm size", "data dir space", "data dir owner", "data dir filesystem",
                      "data dir O_DIRECT", "socket dir", "memlock", "huge pages", "numa", "gpu",
-                     "key scheme", "redis auth"]
+                     "key scheme", "redis server", "redis auth"]
     assert by_name(checks, "shm size").verdict is Verdict.FAIL
     assert exit_status(checks) == 1
     doc = to_json(checks, 1)
