@@ -152,12 +152,47 @@ def _why(exc: OSError, path: Path, flag: str) -> str:
         return (f"it is on a read-only file system; remount it read-write or pass {flag} "
                 "PATH on a writable one")
     if exc.errno in (errno.EACCES, errno.EPERM):
-        return (f"{reason} for user {_user()} (uid {os.getuid()}); make it writable "
-                f"(`chown -R {_user()} {path}`) or pass {flag} PATH")
+        return f"{reason} for user {_user()} (uid {os.getuid()}); {_refused_fix(exc, path, flag)}"
     if exc.errno == errno.ENOSPC:
         return f"no space left on its file system; free some or pass {flag} PATH"
     where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
     return f"{reason}{where}; fix it or pass {flag} PATH"
+
+
+def _refused_fix(exc: OSError, path: Path, flag: str) -> str:
+    """The fix of a refused write (EACCES, EPERM) in ``path``: chown when the directory
+    where it was refused is another user's; when it is the daemon user's own, chown does
+    nothing (found by review): chmod when its mode lacks the owner's write or search bit,
+    else the causes that outrank ownership and mode (an immutable attribute, a read-only
+    mount, a security module), each with its command."""
+    where, st = _nearest(Path(os.path.abspath(exc.filename or path)))
+    if st is None or st.st_uid != os.getuid():
+        owner = "" if st is None else f"{where} belongs to {_name_of(st.st_uid)}; "
+        return f"{owner}make it writable (`chown -R {_user()} {path}`) or pass {flag} PATH"
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISDIR(st.st_mode) and mode & 0o300 != 0o300:
+        return (f"{where} is yours but mode {mode:04o}: run `chmod u+rwx {where}` or pass "
+                f"{flag} PATH")
+    return (f"{where} is yours (mode {mode:04o}), so its owner and mode are not the cause: "
+            f"it is immutable (`lsattr -d {where}` shows i; `chattr -i {where}` as root), on "
+            f"a read-only mount (`findmnt -T {where}`; remount it read-write), or a security "
+            f"policy (SELinux, AppArmor) denies it; fix that or pass {flag} PATH")
+
+
+def _nearest(p: Path) -> tuple[Path, os.stat_result | None]:
+    """``p``, or its nearest ancestor that exists (a probe file or a directory that could
+    not be made), with its stat; (``p``, None) when none can be read."""
+    for candidate in (p, *p.parents):
+        with contextlib.suppress(OSError):
+            return candidate, os.stat(candidate)
+    return p, None
+
+
+def _name_of(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def shm_free_bytes(shm_dir: Path) -> int:
