@@ -18,7 +18,16 @@ from kvtier.tiers.redis import RedisTier
 from tests.support.arena import temp_arena
 from tests.support.redis_servers import RedisServer
 from tests.support.redis_tier import cfg_for, eventually, running
-from tests.support.store import BLOCK, CLIENT, DIGEST, FP, LAYOUT, NAMESPACE, chain, payload
+from tests.support.store import (
+    BLOCK,
+    CLIENT,
+    DIGEST,
+    FP,
+    LAYOUT,
+    NAMESPACE,
+    chain,
+    seed_redis,
+)
 
 TPB = LAYOUT.tokens_per_block
 
@@ -42,13 +51,6 @@ def _store(arena: Arena, tier: RedisTier, budget_s: float = 1.0) -> TieredStore:
     return store
 
 
-async def _seed(tier: RedisTier, keys: list[bytes]) -> None:
-    """Blocks another node wrote: in Redis only."""
-    for key in keys:
-        tier.submit(DIGEST, key, FP, memoryview(payload(key)))
-    assert await tier.flush(timeout=10)
-
-
 def counts(c: TierCounters) -> tuple[int, int, int, int]:
     """(hit blocks, miss blocks, hit tokens, miss tokens)"""
     return c.hit_blocks, c.miss_blocks, c.hit_tokens, c.miss_tokens
@@ -63,7 +65,7 @@ async def test_lookups_count_what_their_redis_probe_found_once(
     store = _store(arena, tier)
     c = tier.counters
     keys = chain(6)
-    await _seed(tier, keys[:4])
+    await seed_redis(tier, keys[:4])
 
     # no prefetch: the probe found 4 of the 6 blocks asked; the 5th is the one miss
     assert (await store.lookup(DIGEST, FP, keys, prefetch=False)).tiers == ["redis"] * 4
@@ -90,14 +92,14 @@ async def test_lookups_count_what_their_redis_probe_found_once(
     assert (await store.lookup(DIGEST, FP, keys[:4], prefetch=False)).tiers == ["cpu"] * 4
     assert counts(c) == blocks(12, 4)
     # past the local prefix, Redis is asked for the rest only
-    await _seed(tier, keys[4:5])
+    await seed_redis(tier, keys[4:5])
     found = await store.lookup(DIGEST, FP, keys, prefetch=False)
     assert found.tiers == ["cpu"] * 4 + ["redis"]
     assert counts(c) == blocks(13, 5)
 
     # a get without a lookup reads from Redis (fetched) but counts no lookup hit
     other = chain(2, start=2)
-    await _seed(tier, other)
+    await seed_redis(tier, other)
     lease, offsets = await store.prepare_get(CLIENT, DIGEST, FP, other)
     assert len(offsets) == 2
     await store.release_get(CLIENT, lease)
@@ -110,7 +112,7 @@ async def test_a_probe_cut_by_the_budget_or_a_down_tier_counts_its_first_block_m
         arena: Arena, redis_server: RedisServer, tier: RedisTier) -> None:
     store = _store(arena, tier, budget_s=0.1)
     keys = chain(3)
-    await _seed(tier, keys)
+    await seed_redis(tier, keys)
     proc = redis_server.proc
     assert proc is not None
     proc.send_signal(signal.SIGSTOP)       # replies never come: the budget cuts the probe

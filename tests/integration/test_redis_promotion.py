@@ -21,7 +21,17 @@ from kvtier.tiers.redis import RedisTier
 from tests.support.arena import temp_arena
 from tests.support.redis_servers import RedisServer
 from tests.support.redis_tier import blocks, buffers, cfg_for, running
-from tests.support.store import BLOCK, CLIENT, DIGEST, FP, LAYOUT, NAMESPACE, chain, payload
+from tests.support.store import (
+    BLOCK,
+    CLIENT,
+    DIGEST,
+    FP,
+    LAYOUT,
+    NAMESPACE,
+    chain,
+    payload,
+    seed_redis,
+)
 
 ARENA_BLOCKS = 8
 
@@ -39,13 +49,6 @@ async def _store(arena: Arena, tier: RedisTier, *, write_through: bool = False) 
                         redis_write_through=write_through)
     assert store.register_namespace(LAYOUT, "test/model", 0, 1, None) == NAMESPACE
     return store
-
-
-async def _seed(tier: RedisTier, keys: list[bytes]) -> None:
-    """Blocks another node wrote: in Redis only."""
-    for key in keys:
-        tier.submit(DIGEST, key, FP, memoryview(payload(key)))
-    assert await tier.flush(timeout=10)
 
 
 @pytest.fixture
@@ -77,7 +80,7 @@ async def test_blocks_from_redis_are_journaled_with_the_frame_checksum(
         journaled_arena: Arena, tier: RedisTier) -> None:
     store = await _store(journaled_arena, tier)
     keys = chain(3)
-    await _seed(tier, keys)
+    await seed_redis(tier, keys)
     assert (await store.lookup(DIGEST, FP, keys)).tiers == ["redis"] * 3
     await store.promoter.settle(10)
     assert all(store.index[k].in_cpu for k in keys)
@@ -101,7 +104,7 @@ async def test_compressed_frames_are_still_hashed_by_the_journal(
     async with running(cfg_for(redis_server.url, codec="lz4")) as tier:
         store = await _store(journaled_arena, tier)
         keys = chain(2)
-        await _seed(tier, keys)
+        await seed_redis(tier, keys)
         assert (await store.lookup(DIGEST, FP, keys)).hits == 2
         await store.promoter.settle(10)
         await store.commit_log.flush()

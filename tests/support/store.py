@@ -20,6 +20,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.slab import PAGE
 from tests.support.arena import temp_arena
 
@@ -49,6 +50,13 @@ class FakeClock:
 def payload(key: bytes) -> bytes:
     """Deterministic, key-specific block bytes (so a mixed-up slot is noticed)."""
     return (key * (BLOCK // len(key) + 1))[:BLOCK]
+
+
+async def seed_redis(tier: RedisTier, keys: list[bytes]) -> None:
+    """Blocks another node wrote: in Redis only (``payload`` of each key)."""
+    for key in keys:
+        tier.submit(DIGEST, key, FP, memoryview(payload(key)))
+    assert await tier.flush(timeout=10)
 
 
 def chain(n: int, start: int = 0) -> list[bytes]:
