@@ -56,6 +56,10 @@ MIN_BODY_RATE = 1 << 20   # bytes/s a body must keep up on average (any network 
 BODY_GRACE_S = 1.0        # on top of its size at MIN_BODY_RATE: a body's time to arrive
 SMALL_BODY = 512 * 2**10  # a body declared this size or less draws on ``small_budget``
 DRAIN_MAX = 4 << 20       # a refused body this size or less is read and dropped (``_drain``)
+# refusals that end a body which did not arrive in time or found no room: draining it would
+# wait for it once more
+_NO_DRAIN = frozenset({408, 503})
+DRAIN_S = 2.0             # at most this long for a refused body to arrive (4 MiB at ~2 MiB/s)
 _MAX_SITES = 64           # distinct failure places remembered (beyond them: one bucket)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -164,12 +168,8 @@ class HttpGuard:
             conn.busy += 1
         try:
             response = await handler(request)
-            if response.status >= 400:   # a refusal, maybe before its body was read
-                await self._drain(request)
-            return response
         except web.HTTPException as exc:   # aiohttp's own: 404, 405, 413, ...
-            await self._drain(request)
-            return web.json_response({"error": exc.reason}, status=exc.status)
+            response = web.json_response({"error": exc.reason}, status=exc.status)
         except (ConnectionError, asyncio.IncompleteReadError):   # the client left mid-body
             return web.json_response({"error": "the connection was lost"}, status=400)
         except Exception as exc:
@@ -182,6 +182,12 @@ class HttpGuard:
                     conn.idle_since = time.monotonic()
                 if conn.transport is not None and not conn.transport.is_closing():
                     self._arm(conn)
+        if response.status >= 400 and response.status not in _NO_DRAIN:
+            # a refusal, maybe sent before its body was read: the connection counts as
+            # idle meanwhile, so a new one may close it for room (found by review: drained
+            # as busy, slow bodies to refused routes kept routers out)
+            await self._drain(request)
+        return response
 
     async def _drain(self, request: web.Request) -> None:
         """Read and drop the rest of a refused request's declared body when it is at most
@@ -189,12 +195,14 @@ class HttpGuard:
         writes its whole body before it reads (urllib, requests) gets the refusal instead of
         a reset (found by review: closing with its bytes unread sent an RST, and the 413 was
         lost). A larger or slower body is left unread and its connection closed, as before.
-        What it costs the loop is what an accepted body of that size costs."""
+        What it costs the loop is what an accepted body of that size costs; the wait is
+        bounded by the body's deadline and by ``DRAIN_S``, and the connection is idle (may
+        be closed for room) meanwhile."""
         declared = request.content_length
         if not declared or declared > DRAIN_MAX or request.content.at_eof():
             return
         with contextlib.suppress(TimeoutError, ConnectionError, asyncio.IncompleteReadError):
-            async with asyncio.timeout(self.body_deadline(declared)):
+            async with asyncio.timeout(min(DRAIN_S, self.body_deadline(declared))):
                 while await request.content.readany():
                     pass
 

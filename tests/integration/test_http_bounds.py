@@ -121,6 +121,30 @@ def test_a_client_that_writes_a_refused_body_before_reading_gets_the_refusal(
     assert daemon.stats()["http"]["body_bytes"] == 0
 
 
+def test_refused_bodies_that_never_come_do_not_keep_probes_out(daemon: DaemonProcess) -> None:
+    """A refusal drains its declared body (above) as an idle connection: a new one may
+    close it for room. Drained as busy, connections declaring 4 MiB to a refused route and
+    sending nothing held every slot for the body's deadline, and probes got 503 (found by
+    review). A body that timed out (408) is not waited for a second time."""
+    held = [raw_http(daemon, b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                             b"application/octet-stream\r\nContent-Length: 4000000\r\n\r\n")
+            for _ in range(8)]            # the daemon's max_connections
+    try:
+        time.sleep(0.3)                   # each refused, its body being waited for
+        t0 = time.monotonic()
+        assert _get(daemon, "/healthz") == (200, {"status": "ok"})
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        for s in held:
+            s.close()
+    s = raw_http(daemon, b"POST /v1/prefix HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100000\r\n\r\n{")
+    t0 = time.monotonic()
+    reply = closed_within(s, 5)
+    took = time.monotonic() - t0
+    assert reply.startswith(b"HTTP/1.1 408") and took < 1.0 + 0.1 + 0.6, took   # its deadline
+
+
 def test_errors_are_json_and_the_admin_config_shows_no_secret(daemon: DaemonProcess) -> None:
     assert _get(daemon, "/nowhere")[0] == 404 and "error" in _get(daemon, "/nowhere")[1]
     status, doc = _get(daemon, "/v1/stats", method="DELETE")
