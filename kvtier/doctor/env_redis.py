@@ -22,9 +22,10 @@ import stat as stat_mod
 from dataclasses import replace
 from urllib.parse import unquote, urlsplit
 
-from kvtier.config import Config
+from kvtier.config import Config, RedisConfig
 from kvtier.doctor.env import Check, Host, Verdict
 from kvtier.errors import KVTierError
+from kvtier.statsdoc import clean
 from kvtier.tiers.redis_resp import ConnOptions, ErrorReply, NodeAddr, ProtocolError, command
 
 MAX_WAIT_S = 3.0
@@ -62,10 +63,21 @@ def check_redis_auth(cfg: Config, host: Host) -> Check:
         return Check("redis auth", Verdict.WARN, f"no password and the socket {path} is "
                      f"mode {mode:04o}: other users can write frames every node serves",
                      ACL_FIX + ", or unixsocketperm 700 for a node-local Redis")
-    where = parts.hostname or "?"
-    return Check("redis auth", Verdict.WARN, f"no password for {where}:{parts.port or 6379}: "
+    return Check("redis auth", Verdict.WARN, f"no password for {_servers(r)}: "
                  "any process that reaches it (every user of this node, for a local "
                  "server) can plant KV blocks that every node serves", ACL_FIX)
+
+
+def _servers(r: RedisConfig) -> str:
+    """The servers redis.url names, as the tier reads it (a cluster URL may name several
+    startup nodes: ``urlsplit`` cannot read its port; found by review)."""
+    from kvtier.tiers.redis_client import parse_target
+
+    try:
+        target = parse_target(r)
+    except KVTierError:   # the "redis server" check says what is wrong with the URL
+        return "the server of redis.url"
+    return target.display
 
 
 def ping(addr: NodeAddr, opts: ConnOptions) -> None:
@@ -80,7 +92,7 @@ def ping(addr: NodeAddr, opts: ConnOptions) -> None:
     finally:
         conn.close()
     if isinstance(reply, ErrorReply):
-        raise KVTierError(f"redis {addr} refused PING: {reply}")
+        raise KVTierError(f"redis {addr} refused PING: {clean(str(reply), 200)}")
     if reply != "PONG":
         raise ProtocolError(f"redis {addr} answered PING with {reply!r}, not PONG")
 
@@ -193,4 +205,5 @@ def _reason(exc: BaseException, opts: ConnOptions) -> str:
         text = exc.strerror                      # (the path or address is said already)
     elif isinstance(exc, TimeoutError) and text == "timed out":   # the connect's own
         text = f"no connection within {opts.connect_timeout_s:g} s"
-    return text.replace(opts.password, "***") if opts.password else text
+    text = text.replace(opts.password, "***") if opts.password else text
+    return clean(text, 300)   # a server's words: no terminal escapes (found by review)

@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.statsdoc import clean
 from kvtier.tiers.redis_resp import (
     CRLF,
     ConnOptions,
@@ -90,9 +91,10 @@ class Conn(RedisSocket):
         name, reply = refused[0]
         if name == "SELECT":   # not an authentication failure: say which db
             raise PermissionError(f"redis {self.addr} refused SELECT: db {opts.db} out of "
-                                  f"range or not allowed ({reply}); give a db the server has "
-                                  "in the path of redis.url")
-        raise PermissionError(f"redis {self.addr} refused authentication: {reply}")
+                                  f"range or not allowed ({clean(str(reply), 200)}); give a db "
+                                  "the server has in the path of redis.url")
+        raise PermissionError(f"redis {self.addr} refused authentication: "
+                              f"{clean(str(reply), 200)}")
 
     def read_reply(self, max_bytes: int = SMALL_REPLY_BYTES) -> Any:
         """Read one reply: bytes, int, None, ErrorReply, str (+OK) or a list of those.
@@ -259,12 +261,17 @@ class Conn(RedisSocket):
         fresh nonce must come back as its own echo. A reply the server sent once too often,
         later than any ``stale`` peek could see, comes first instead (found by review: such
         a reply read as a striped block's next stripe fails the block's checksum, and a
-        sound block would be deleted as corrupt)."""
+        sound block would be deleted as corrupt). A PING that fails is no such evidence:
+        a timeout or a broken connection propagates, and an error reply (LOADING, BUSY) is
+        a ProtocolError saying so; either way the exchange failed and nothing is judged."""
         nonce = b"kvtier-" + os.urandom(8).hex().encode()
         try:
             (reply,) = self.simple_many([command(b"PING", nonce)])
-        except (ProtocolError, TimeoutError, OSError):
+        except ProtocolError:   # more than a PING's echo: a stale value came first
             return False
+        if isinstance(reply, ErrorReply):
+            raise ProtocolError(f"redis {self.addr} answered PING with an error: "
+                                f"{clean(str(reply), 200)}")
         return reply == nonce
 
     def getrange_into(self, key: bytes, start: int, dest: memoryview) -> int | ErrorReply | None:

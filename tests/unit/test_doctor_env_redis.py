@@ -161,3 +161,29 @@ def test_the_check_runs_before_redis_auth(tmp_path: Path) -> None:
     names = [c.name for c in run_checks(cfg(tmp_path, "redis://10.0.0.5:6379/0"), host)]
     assert names[-2:] == ["redis server", "redis auth"]
     assert pinged == [NodeAddr("10.0.0.5", 6379)]
+
+
+ESCAPES = b"\x1b]0;PWNED\x07\x1b[2J\x1b[31mRED\x1b[1A\x1b[2K"
+
+
+@pytest.mark.parametrize("where", ["ping", "auth"])
+def test_a_servers_words_reach_the_terminal_without_escapes(tmp_path: Path,
+                                                            where: str) -> None:
+    """An error reply is the server's text: printed raw, its escape sequences set the
+    window title, cleared the screen and overwrote earlier lines of the report (found by
+    review)."""
+    reply = b"-ERR " + ESCAPES + b"\r\n"
+    script = server([], ping=reply) if where == "ping" else server([], auth=reply)
+    with peer(tmp_path, script, tcp=True, read_first=False) as addr:
+        got = check(cfg(tmp_path, f"redis://kvtier:{PASSWORD}@{addr}/0"))
+    assert got.verdict is Verdict.FAIL and "PWNED" in got.detail
+    assert all(c.isprintable() for c in got.detail + got.fix), got.detail
+
+
+def test_auth_check_reads_a_cluster_url_of_several_startup_nodes(tmp_path: Path) -> None:
+    """``redis+cluster://h1:p1,h2:p2/0`` without a password: the auth check read the port
+    with urlsplit, which cannot, and doctor --env ended in a traceback (found by review)."""
+    url = "redis+cluster://127.0.0.1:7001,127.0.0.1:7002/0"
+    got = env_redis.check_redis_auth(cfg(tmp_path, url), Host())
+    assert got.verdict is Verdict.WARN and "no password for" in got.detail
+    assert "127.0.0.1:7001" in got.detail

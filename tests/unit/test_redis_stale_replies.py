@@ -107,6 +107,8 @@ class Store:
         if name == b"EXEC":
             return b"*1\r\n:1\r\n"
         if name == b"PING":
+            if args and self.mode == "loading":   # only the nonce PING ending a stripe run
+                return b"-LOADING Redis is loading the dataset in memory\r\n"
             return bulk(args[0]) if args else b"+PONG\r\n"
         return b"+OK\r\n"
 
@@ -273,3 +275,31 @@ def test_a_giant_value_behind_a_sound_header_is_refused_unread(
     with peer(tmp_path, answering(giant_server(keys, payloads, seen)), name="giant.sock",
               read_first=False, concurrent=True) as addr:
         asyncio.run(main(f"unix://{addr.host}"))
+
+
+def test_a_ping_that_fails_is_no_evidence_of_a_reply_too_many(tmp_path: Path) -> None:
+    """The nonce PING answered with an error (a server loading its data): the read is a
+    miss and nothing is deleted, and it is told as what it is, not as the server sending
+    more than its replies (found by review: every PING failure was logged and counted as
+    a reply too many)."""
+    keys, data = blocks(1, SIZE, seed=34)
+
+    async def main(store: Store, url: str) -> None:
+        async with running(cfg_for(url, op_timeout_s=5.0)) as tier:
+            await put_all(tier, keys, data)
+            stored = dict(store.data)
+            header = FrameHeader.unpack(stored[rkey(keys[0])][:HEADER_SIZE])
+            store.mode = "loading"
+            out = buffers(1, SIZE)[0]
+            read = await redis_stripes._read_stripes(tier, rkey(keys[0]), header, out)
+            assert read.status is ReadStatus.ERROR, read
+            assert bytes(out) == bytes(SIZE)
+            assert "answered PING with an error: LOADING" in tier.last_error
+            assert tier.stats_extra()["protocol_errors"] == 0   # no reply too many
+            assert store.deletes() == [] and store.data == stored
+            store.mode = "sane"
+            await eventually(lambda: tier.up, timeout=5)
+            await read_exact(tier, keys, data, SIZE)
+
+    with store_server(tmp_path) as (store, url):
+        asyncio.run(main(store, url))
