@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, FrameError
 from kvtier.frame import HEADER_SIZE, make_header
 from kvtier.tiers.nvme import PAGE, NvmeIOError, NvmeSlot, NvmeTier, PosixFrameIO
 from kvtier.tiers.nvme.kvikio_io import KvikioFileIO
@@ -268,3 +268,27 @@ async def test_kvikio_handles_follow_the_descriptors(tmp_path: Path, rng: random
 def test_max_open_files_must_leave_one_open(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_open_files"):
         NvmeTier(tmp_path, MiB, max_open_files=0)
+
+
+async def test_a_slot_file_removed_while_closed_is_made_again(tmp_path: Path,
+                                                              rng: random.Random) -> None:
+    """The user's clean-up (or a tmp reaper) removed a slot file while the cap had closed
+    its descriptor: every later write of that size failed for the daemon's life, its slots
+    and disk budget held (found by review). The file is made again, empty: its old blocks
+    read as misses (never other bytes), new ones are written and read back."""
+    root = tmp_path / "nvme"
+    t = NvmeTier(root, 16 * MiB, direct="off", max_open_files=1)
+    assert t.open() == []
+    old = block(rng, sized(0))
+    old_slot, _ = await put(t, 0, old, sized(0))
+    await put(t, 1, block(rng, sized(1)), sized(1))   # closes the first size's file
+    assert str(root / "slots-4096.dat") not in slot_fds(root)
+    (root / "slots-4096.dat").unlink()
+    fresh = {i: block(rng, sized(0)) for i in range(2, 10)}
+    slots = {i: (await put(t, i, fresh[i], sized(0)))[0] for i in fresh}
+    for i, slot in slots.items():
+        assert await get(t, slot, i, sized(0)) == bytes(fresh[i][:sized(0)])
+    with pytest.raises(FrameError):   # the lost block: no frame there, never bytes
+        await get(t, old_slot, 0, sized(0))
+    assert (root / "slots-4096.dat").exists()
+    t.close()

@@ -36,12 +36,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvtier.errors import StartupError
+from kvtier.lograte import LogRate
 from kvtier.tiers.nvme.frameio import FrameIO
 from kvtier.trust import open_owned_file
 
 __all__ = ["MAX_OPEN_FILES", "SlotFile", "SlotFiles"]
 
 log = logging.getLogger("kvtier.tiers.nvme.tier")
+_warn = LogRate(log)
 
 MAX_OPEN_FILES = 32
 """Slot file descriptors kept open (classes with I/O in flight excepted). A deployment
@@ -178,7 +180,10 @@ class SlotFiles:
             raise OSError(errno.ENOENT, f"{f.path}: its size class was dropped")
         self._shed(room=1)
         try:
-            fd = self._open_fd(f.path, 0)   # no O_CREAT: the file holds the class's frames
+            try:
+                fd = self._open_fd(f.path, 0)   # no O_CREAT: the file holds the class's frames
+            except FileNotFoundError:
+                fd = self._made_anew(f)
         except StartupError as exc:         # planted since: a symlink, not ours alone, ...
             raise OSError(errno.EPERM, str(exc)) from None
         try:
@@ -193,6 +198,19 @@ class SlotFiles:
         f.fd = fd
         self.reopens += 1
         self._open[f] = None
+
+    def _made_anew(self, f: SlotFile) -> int:
+        """``f``'s file was removed while its descriptor was closed (the user's clean-up, a
+        tmp reaper): make it again, empty, so that its size class can be written again.
+        Its frames went with it: a read of one finds no valid frame there (a miss, the
+        block dropped), never other bytes. Left gone, every write of that size failed for
+        the daemon's life, its slots and disk budget held (found by review)."""
+        fd = self._open_fd(f.path, os.O_CREAT | os.O_EXCL)
+        st = os.fstat(fd)
+        f.ident = (st.st_dev, st.st_ino)
+        _warn.warning("vanished", "nvme tier: slot file %s was removed while closed: made "
+                      "again, empty; the blocks it held are lost (read as misses)", f.path)
+        return fd
 
     def _shed(self, room: int = 0) -> None:
         """Close idle descriptors, least recently used first, until ``room`` more fit."""
