@@ -114,9 +114,12 @@ class KvikioFileIO(PooledFrameIO):
                 "kvikio_version": str(getattr(self._kvikio, "__version__", "?"))}
 
     def attach(self, path: Path, fd: int) -> None:
-        """Open a CuFile on a slot file the tier just opened (``fd``)."""
+        """Open a CuFile on a slot file the tier just opened (``fd``), through the
+        descriptor's own /proc link: the file the tier checked, even if ``path`` was
+        swapped since (opened by path, a reopen could reach a file put there meanwhile;
+        found by review)."""
         try:
-            handle = self._kvikio.CuFile(str(path), "r+")
+            handle = self._kvikio.CuFile(f"/proc/self/fd/{fd}", "r+")
         except Exception as exc:
             raise OSError(errno.EIO, f"kvikio could not open {path}: {exc}") from exc
         with self._lock:
