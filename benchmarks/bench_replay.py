@@ -11,7 +11,11 @@ A single capacity is a noisy measure of a policy: eviction is chaotic, and movin
 capacity by a few per cent moves cost/LRU on the shared Mooncake trace by up to +-0.05. A change
 to a policy is real when it moves the mean over nearby capacities, not one point.
 
-Usage: python benchmarks/bench_replay.py [TRACE] [--fraction F ...] [--spread]
+Replays run in the store's order (``SimConfig.order``, kvtier.replay.simulator), as
+``kvtier replay`` does; ``--order reference`` replays head first, the order of the
+reference figures of shared/traces/README.md and of the measurements before 2026-12-06.
+
+Usage: python benchmarks/bench_replay.py [TRACE] [--fraction F ...] [--spread] [--order O]
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import argparse
 from pathlib import Path
 from statistics import mean
 
-from kvtier.replay.simulator import SimConfig, TierSpec, simulate
+from kvtier.replay.simulator import Order, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import Trace, load_trace
 
 DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "traces" / (
@@ -30,16 +34,17 @@ if not DEFAULT.exists():  # a worktree one level deeper than the main checkout
 SPREAD = (0.92, 0.96, 1.0, 1.04, 1.08)
 
 
-def _config(trace: Trace, fraction: float) -> SimConfig:
+def _config(trace: Trace, fraction: float, order: Order = Order.STORE) -> SimConfig:
     return SimConfig(tiers=(TierSpec("cpu", max(1, int(trace.n_unique_blocks * fraction)),
-                                     25e9),))
+                                     25e9),), order=order)
 
 
-def spread(trace: Trace, fraction: float, policies: list[str]) -> None:
+def spread(trace: Trace, fraction: float, policies: list[str],
+           order: Order = Order.STORE) -> None:
     """Print each policy's token hits / LRU's at the capacities around ``fraction``."""
     ratios: dict[str, list[float]] = {p: [] for p in policies if p != "lru"}
     for s in SPREAD:
-        cfg = _config(trace, fraction * s)
+        cfg = _config(trace, fraction * s, order)
         lru = simulate(trace, "lru", cfg).hit_tokens
         for p in ratios:
             ratios[p].append(simulate(trace, p, cfg).hit_tokens / max(lru, 1))
@@ -59,14 +64,17 @@ def main() -> int:
     ap.add_argument("--spread", action="store_true",
                     help="also print each policy vs LRU over five capacities around each "
                     "fraction (x0.92 .. x1.08)")
+    ap.add_argument("--order", choices=[o.value for o in Order], default=Order.STORE.value,
+                    help="how a request's blocks reach the policy (default: as the store)")
     args = ap.parse_args()
+    order = Order(args.order)
     trace = load_trace(args.trace)
-    print(f"{args.trace}: {trace.n_references} block references")
+    print(f"{args.trace}: {trace.n_references} block references, {order.value} order")
     print(f"{'policy':>8} {'capacity':>8} {'refs/s':>10} {'cpu refs/s':>10} {'tok hit':>8}"
           "  >=100k/s  notes")
     worst = float("inf")
     for f in args.fraction:
-        cfg = _config(trace, f)
+        cfg = _config(trace, f, order)
         rates: dict[str, float] = {}
         for p in args.policy:
             r = simulate(trace, p, cfg, capacity_fraction=f)
@@ -88,7 +96,7 @@ def main() -> int:
     if args.spread:
         print("\ntoken hits over LRU's at five capacities around each fraction")
         for f in args.fraction:
-            spread(trace, f, [p for p in args.policy if p != "belady"])
+            spread(trace, f, [p for p in args.policy if p != "belady"], order)
     return 0 if worst >= 100_000 else 1
 
 

@@ -3,9 +3,10 @@
 Nothing here is fitted to a trace. The shadows (:mod:`kvtier.policy.shadow`) replay the
 tier's own recent references through miniature ``lru``, ``lfu`` and ``cost`` caches; the
 live policy runs one of them (the *mode*) and, when the shadows' choice changes, rebuilds
-the new mode's ordering over the resident blocks, most recently used last, so a block just
-used is the last to go under any mode. Switches are rare (hysteresis and a minimum of
-evidence in :class:`~kvtier.policy.shadow.TierShadows`); a rebuild is O(resident blocks).
+the new mode's ordering over the resident blocks, most recently used last (a child may come
+before its parent, as in the store), so a block just used is the last to go under any
+mode. Switches are rare (hysteresis and a minimum of evidence in
+:class:`~kvtier.policy.shadow.TierShadows`); a rebuild is O(resident blocks).
 
 The wrapper mirrors residency in one insertion-ordered dict (the recency order the rebuild
 needs) and forwards every call to the live mode: an O(1) overhead per call.
@@ -72,27 +73,17 @@ class AdaptivePolicy:
         if mode == self.mode:
             return
         live = self._make(mode)
-        meta = self._meta
-        done: set[Key] = set()
-        for key in meta:
-            if key in done:
-                continue
-            # parents first (prefix-aware modes count resident children): walk up to the
-            # first ancestor already placed, then insert top-down (no recursion: chains of
-            # thousands of blocks exist)
-            path = [key]
-            parent = meta[key][1]
-            while parent is not None and parent in meta and parent not in done:
-                path.append(parent)
-                parent = meta[parent][1]
-            for k in reversed(path):
-                nbytes, par, depth, bt = meta[k]
-                done.add(k)
-                if bt:
-                    live.insert(k, nbytes=nbytes, parent=par, depth=depth, now=0.0,
-                                block_tokens=bt)
-                else:
-                    live.insert(k, nbytes=nbytes, parent=par, depth=depth, now=0.0)
+        # in recency order, least recent first, as the blocks were last used: the store
+        # inserts and touches a chain tail first, so a child often comes before its parent,
+        # which every mode accepts (a prefix-aware one counts the children resident before
+        # their parent). Inserting parents first instead would make a chain's root its
+        # least recent block again, and a recency mode would evict it first.
+        for key, (nbytes, par, depth, bt) in self._meta.items():
+            if bt:
+                live.insert(key, nbytes=nbytes, parent=par, depth=depth, now=0.0,
+                            block_tokens=bt)
+            else:
+                live.insert(key, nbytes=nbytes, parent=par, depth=depth, now=0.0)
         for key in self._pinned:
             live.set_pinned(key, True)
         self._live = live

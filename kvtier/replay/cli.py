@@ -28,7 +28,7 @@ from kvtier.replay.report import (
     table_rows,
     to_record,
 )
-from kvtier.replay.simulator import ReplayResult, SimConfig, TierSpec, simulate
+from kvtier.replay.simulator import Order, ReplayResult, SimConfig, TierSpec, simulate
 from kvtier.replay.trace import STDIN, Trace, TraceFormat, load_trace
 
 POLICIES = ("lru", "lfu", "cost", "adaptive", "belady")
@@ -107,6 +107,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="token-bucket write budget of the nvme tier (0: no writes past the "
                    "first)")
     p.add_argument("--prefetch", choices=[w.value for w in PrefetchWait], default="wait")
+    p.add_argument("--order", choices=[o.value for o in Order], default=Order.STORE.value,
+                   help="how a request's blocks reach the policy: 'store' as kvtier's store "
+                   "does (the default: its hits touched tail first, room made for its new "
+                   "blocks, which are then inserted tail first), 'reference' head first with "
+                   "an eviction after each insert (the semantics of the LRU and Belady "
+                   "reference figures of shared/traces/README.md)")
     p.add_argument("--model-params", type=float_in(0, above=True), default=8.0e9)
     p.add_argument("--layers", type=int_in(1, MAX_DIM), default=32)
     p.add_argument("--hidden", type=int_in(1, MAX_DIM), default=4096)
@@ -157,6 +163,7 @@ def _configs(args: argparse.Namespace, trace: Trace) -> list[tuple[float | None,
     common: dict[str, Any] = {
         "costs": costs, "bytes_per_token": args.bytes_per_token,
         "prefetch": PrefetchWait(args.prefetch), "admission": _admission(args),
+        "order": Order(args.order),
     }
     if args.tier and args.capacity_fraction:
         raise KVTierError("give either --tier sizes or --capacity-fraction, not both")
@@ -259,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         name = "standard input" if args.trace == STDIN else args.trace
         out.print(f"{name}: {len(trace.requests)} requests, {trace.n_references} block "
                   f"references, {trace.n_unique_blocks} unique blocks of {trace.block_tokens} "
-                  "tokens", markup=False)
+                  f"tokens; {args.order} order", markup=False)
         head, rows = table_rows(results)
         out.print(ui.table(head, rows, right=range(2, len(head))))
         note = belady_note(results)

@@ -52,6 +52,7 @@ def to_record(r: ReplayResult, results: Sequence[ReplayResult] = ()) -> dict[str
     rec: dict[str, Any] = {
         "policy": r.policy,
         "capacity_fraction": r.capacity_fraction,
+        "order": r.order,
         "capacity_blocks": {t.name: t.capacity_blocks for t in r.tiers},
         "requests": r.requests,
         "block_references": r.references,

@@ -1,11 +1,16 @@
 """Replay a trace through a simulated tier hierarchy driven by kvtier's own policies.
 
-Semantics (the same as the reference figures in shared/traces/README.md):
+Semantics:
 
 - a request hits the longest prefix of its block chain that is resident in some tier at
   its arrival; blocks in a lower tier are promoted (prefetched) toward the top tier;
 - after the request runs, every block of its chain is touched (if in the top tier) or
-  inserted into the top tier, in chain order;
+  inserted into the top tier, except a block whose parent was not kept (bypassed or
+  refused just now: it would be an orphan at birth) or that the top tier's admission
+  refuses, in the order ``SimConfig.order`` says (:class:`~kvtier.replay.config.Order`):
+  ``store``, the default, as kvtier's store does it (hits touched tail first, room made
+  for the new blocks, which then are inserted tail first), or ``reference``, head first
+  with an eviction after each insert (the reference figures of shared/traces/README.md);
 - a tier over capacity asks its eviction policy for a victim; the victim is demoted to the
   next tier if that tier's admission policy agrees (and it is not already there), else
   dropped; a block gone from every tier takes its resident descendants with it (orphans);
@@ -24,121 +29,24 @@ import functools
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from kvtier.policy.adaptive import AdaptivePolicy
-from kvtier.policy.admission import AdmissionPolicy, AlwaysAdmit
-from kvtier.policy.base import EvictionPolicy, Key, make_eviction_policy
+from kvtier.policy.admission import AlwaysAdmit
+from kvtier.policy.base import EvictionPolicy, Key
 from kvtier.policy.costmodel import BlockCosts
 from kvtier.policy.hindsight import HindsightStats
-from kvtier.policy.prefetch import TIMEOUT_BASE_S, PrefetchWait, wait_for_prefix
+from kvtier.policy.prefetch import TIMEOUT_BASE_S, wait_for_prefix
 from kvtier.policy.prefix import PrefixForest
-from kvtier.policy.shadow import TierShadows
 from kvtier.policy.stats import WorkloadStats
-from kvtier.replay.belady import BeladyPolicy
+from kvtier.replay.config import PUT_EVICT_BATCH, Order, SimConfig, TierSpec, make_policy
+from kvtier.replay.results import ReplayResult, TierResult
 from kvtier.replay.reuse import REUSE_EDGES, next_use_index, reuse_buckets
 from kvtier.replay.trace import Trace
 
-
-@dataclass(frozen=True, slots=True)
-class TierSpec:
-    """One simulated tier: capacity in blocks and bandwidth toward the engine (B/s)."""
-
-    name: str
-    capacity_blocks: int
-    read_bw: float
-
-    def __post_init__(self) -> None:
-        if self.capacity_blocks < 0:
-            raise ValueError(f"tier {self.name}: capacity_blocks must not be negative, got "
-                             f"{self.capacity_blocks}")
-        if not self.read_bw > 0:  # NaN too: a reload would take NaN seconds
-            raise ValueError(f"tier {self.name}: read_bw must be positive, got {self.read_bw}")
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """Everything a replay needs besides the trace and the policy name."""
-
-    tiers: tuple[TierSpec, ...]
-    costs: BlockCosts | None = None  # None: default model at the trace's block size
-    bytes_per_token: int = 131072
-    prefetch: PrefetchWait = PrefetchWait.WAIT
-    drop_orphans: bool = True
-    admission: Callable[[str], AdmissionPolicy] | None = None  # tier name -> policy
-
-
-@dataclass(slots=True)
-class TierResult:
-    """Per-tier outcome of one replay."""
-
-    name: str
-    capacity_blocks: int
-    hit_tokens: int = 0
-    hit_blocks: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    evictions: int = 0
-    rejected: int = 0
-
-
-@dataclass(slots=True)
-class ReplayResult:
-    """Outcome of replaying one trace with one policy and one set of capacities."""
-
-    policy: str
-    capacity_fraction: float | None
-    requests: int = 0
-    references: int = 0
-    total_tokens: int = 0
-    hit_tokens: int = 0
-    hit_blocks: int = 0
-    orphans_dropped: int = 0
-    late_blocks: int = 0
-    ttft_s: list[float] = field(default_factory=list)
-    tiers: list[TierResult] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    cpu_s: float = 0.0  # this process's CPU time for the replay (a loaded machine's wall
-    # clock counts the time other processes had the cores too)
-    # per REUSE_EDGES bucket (+1 open bucket): reuses seen and reuses hit; empty unless asked
-    reuses_by_distance: list[int] = field(default_factory=list)
-    hits_by_distance: list[int] = field(default_factory=list)
-    # per tier (adaptive only): the shadows' snapshot at the end (mode, switches, MRC)
-    shadows: list[dict[str, object]] = field(default_factory=list)
-
-    @property
-    def modes(self) -> list[str]:
-        """The live mode of each tier at the end of the replay (adaptive only)."""
-        return [str(s["mode"]) for s in self.shadows]
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
-
-    @property
-    def block_hit_rate(self) -> float:
-        return self.hit_blocks / self.references if self.references else 0.0
-
-
-def make_policy(
-    name: str, tier_index: int, config: SimConfig, stats: WorkloadStats | None
-) -> EvictionPolicy:
-    """Build the eviction policy of one simulated tier (``belady`` is replay-only)."""
-    if name == "belady":
-        return BeladyPolicy()
-    if name == "adaptive":
-        def make(mode: str) -> EvictionPolicy:
-            return make_policy(mode, tier_index, config, stats)
-
-        above = sum(t.capacity_blocks for t in config.tiers[:tier_index])
-        shadows = TierShadows(make, capacity_blocks=config.tiers[tier_index].capacity_blocks,
-                              above_blocks=above)
-        return AdaptivePolicy(make, shadows)
-    if name in ("cost", "hindsight"):
-        below = config.tiers[tier_index + 1].read_bw if tier_index + 1 < len(config.tiers) else None
-        return make_eviction_policy(name, stats=stats, costs=config.costs,
-                                    reload_bandwidth=below)
-    return make_eviction_policy(name)
+__all__ = ["PUT_EVICT_BATCH", "REUSE_EDGES", "Order", "ReplayResult", "SimConfig",
+           "TierResult", "TierSpec", "make_policy", "next_use_index", "reuse_buckets",
+           "simulate"]
 
 
 def _block_tokens(tokens_per_block: int, input_tokens: int, depth: int) -> int:
@@ -210,7 +118,8 @@ def _simulate(
     nxt = next_use_index(trace) if belady else []
     loc: dict[Key, int] = {}  # key -> bitmask of tiers holding it
     forest = PrefixForest() if config.drop_orphans else None
-    res = ReplayResult(policy=policy, capacity_fraction=capacity_fraction)
+    res = ReplayResult(policy=policy, capacity_fraction=capacity_fraction,
+                       order=config.order.value)
     tres = [TierResult(t.name, t.capacity_blocks) for t in config.tiers]
     res.tiers = tres
     bt = trace.block_tokens
@@ -241,58 +150,172 @@ def _simulate(
     cap0 = caps[0]
     top_res = tres[0]
 
-    def evict_single() -> None:
-        # make_room(0) with one tier: a victim leaves the hierarchy, its orphans with it
-        while len(loc) > cap0:
-            v = top.victim()
-            if v is None:
-                return
-            top_res.evictions += 1
-            top.remove(v)
-            del loc[v]
-            if forest is not None:
-                for orphan in forest.discard(v):
-                    if loc.pop(orphan, 0):
-                        top.remove(orphan)
-                    res.orphans_dropped += 1
+    next_use_of: dict[Key, float] = {}  # belady: of the victims a batch took out
 
-    def make_room(j: int, now: float) -> None:
-        pol = pols[j]
-        cap = caps[j]
-        while len(pol) > cap:
+    def batch(pol: EvictionPolicy, n: int) -> list[Key]:
+        # the policy's next ``n`` victims, each removed as it is chosen (kvtier.store.alloc)
+        out: list[Key] = []
+        while len(out) < n:
             v = pol.victim()
             if v is None:
+                break
+            out.append(v)
+            if n > 1:
+                if belady:
+                    next_use_of[v] = pol.next_use_of(v)  # type: ignore[attr-defined]
+                pol.remove(v)
+        return out
+
+    def evict_single(room: int = 0) -> None:
+        # make_room(0) with one tier: a victim leaves the hierarchy, its orphans with it.
+        # ``room``: a put's blocks to make room for, its victims chosen PUT_EVICT_BATCH at
+        # a time, before their orphans go (as the store does)
+        while len(loc) > cap0 - room:
+            vs = batch(top, min(PUT_EVICT_BATCH, len(loc) - cap0 + room) if room else 1)
+            if not vs:
                 return
-            tres[j].evictions += 1
-            mask = loc[v] & ~(1 << j)
-            if j + 1 < n_tiers and not mask & (1 << (j + 1)):
-                if admits[j + 1].admit(v, tier=config.tiers[j + 1].name, nbytes=slot, now=now):
-                    if belady:
-                        below = pols[j + 1]
-                        # belady: every tier's policy is a BeladyPolicy
-                        below.next_use = pol.next_use_of(v)  # type: ignore[attr-defined]
-                    nb = forest.parent(v) if forest is not None else None
-                    pols[j + 1].insert(v, nbytes=slot, parent=nb, depth=depth_of.get(v, 0),
-                                       now=now)
-                    mask |= 1 << (j + 1)
-                    tres[j + 1].bytes_written += slot
-                    pol.remove(v)
-                    loc[v] = mask
-                    make_room(j + 1, now)
+            for v in vs:
+                if loc.pop(v, 0):  # (not an orphan of an earlier victim of the batch)
+                    top_res.evictions += 1
+                    top.remove(v)
+                    if forest is not None:
+                        for orphan in forest.discard(v):
+                            if loc.pop(orphan, 0):
+                                top.remove(orphan)
+                            res.orphans_dropped += 1
+
+    def make_room(j: int, now: float, room: int = 0) -> None:
+        # down to the capacity less ``room`` (a put's blocks about to be written)
+        pol = pols[j]
+        cap = caps[j] - room
+        while len(pol) > cap:
+            vs = batch(pol, min(PUT_EVICT_BATCH, len(pol) - cap) if room else 1)
+            if not vs:
+                return
+            for v in vs:
+                nu = next_use_of.pop(v, None) if belady else None
+                if v not in loc:
                     continue
-                tres[j + 1].rejected += 1
-            pol.remove(v)
-            if mask:
-                loc[v] = mask
-            else:
-                del loc[v]
-                depth_of.pop(v, None)
-                drop_everywhere(v)
+                tres[j].evictions += 1
+                mask = loc[v] & ~(1 << j)
+                if j + 1 < n_tiers and not mask & (1 << (j + 1)):
+                    if admits[j + 1].admit(v, tier=config.tiers[j + 1].name, nbytes=slot,
+                                           now=now):
+                        if belady:
+                            below = pols[j + 1]
+                            # belady: every tier's policy is a BeladyPolicy
+                            below.next_use = (  # type: ignore[attr-defined]
+                                pol.next_use_of(v)  # type: ignore[attr-defined]
+                                if nu is None else nu)
+                        nb = forest.parent(v) if forest is not None else None
+                        pols[j + 1].insert(v, nbytes=slot, parent=nb,
+                                           depth=depth_of.get(v, 0), now=now)
+                        mask |= 1 << (j + 1)
+                        tres[j + 1].bytes_written += slot
+                        pol.remove(v)
+                        loc[v] = mask
+                        make_room(j + 1, now)
+                        continue
+                    tres[j + 1].rejected += 1
+                pol.remove(v)
+                if mask:
+                    loc[v] = mask
+                else:
+                    del loc[v]
+                    depth_of.pop(v, None)
+                    drop_everywhere(v)
 
     top_touch, top_insert = top.touch, top.insert
     # AlwaysAdmit (the default) says yes without being asked
     admit0 = None if type(admits[0]) is AlwaysAdmit else admits[0].admit
     top_name = config.tiers[0].name
+    store_order = config.order is Order.STORE
+
+    def apply_reference(keys: tuple[Key, ...], now: float, base: int) -> None:
+        # head first, each insert followed by the evictions it calls for
+        parent: Key | None = None
+        for d, k in enumerate(keys):
+            mask = loc.get(k, 0)
+            if belady:
+                top.next_use = nxt[base + d]  # type: ignore[attr-defined]  # a BeladyPolicy
+            if mask & 1:
+                top_touch(k, now=now)
+            else:
+                if forest is not None and parent is not None and parent not in loc:
+                    # the parent was not kept (bypassed just now): this block would be an
+                    # orphan at birth, unreachable by any lookup until its parent returns
+                    parent = k
+                    continue
+                if admit0 is not None and not admit0(k, tier=top_name, nbytes=slot, now=now):
+                    top_res.rejected += 1
+                    parent = k
+                    continue
+                insert(k, parent, d, mask, now)
+                settle(now)
+            parent = k
+
+    def apply_store(keys: tuple[Key, ...], now: float, base: int) -> None:
+        # which blocks are touched (in the top tier) and which are to be written, in chain
+        # order (a block whose parent is not kept or that admission refuses is not)
+        touched: list[int] = []
+        plan: list[int] = []
+        parent_kept = True
+        for d, k in enumerate(keys):
+            mask = loc.get(k, 0)
+            if mask & 1:
+                touched.append(d)
+            elif forest is not None and d and not parent_kept:
+                parent_kept = mask != 0  # (still in a lower tier: its child may come)
+                continue
+            elif admit0 is not None and not admit0(k, tier=top_name, nbytes=slot, now=now):
+                top_res.rejected += 1
+                parent_kept = mask != 0
+                continue
+            else:
+                plan.append(d)
+            parent_kept = True
+        # the lookup touches its blocks tail first (the head the most recent of them) ...
+        for d in reversed(touched):
+            if belady:
+                top.next_use = nxt[base + d]  # type: ignore[attr-defined]  # a BeladyPolicy
+            top_touch(keys[d], now=now)
+        if not plan:
+            return
+        # ... the put makes room for its new blocks (none of them a victim) ...
+        settle(now, min(len(plan), cap0))
+        # ... and its commit inserts them tail first; those whose parent went to make room
+        # are not written (orphans at birth). More than the tier holds: the policy's
+        # victims among them go after (the tail first), to the tier below if there is one.
+        write: list[int] = []
+        for d in plan:
+            if forest is not None and d and keys[d - 1] not in loc and (
+                    not write or write[-1] != d - 1):
+                continue
+            write.append(d)
+        for d in reversed(write):
+            if belady:
+                top.next_use = nxt[base + d]  # type: ignore[attr-defined]
+            insert(keys[d], keys[d - 1] if d else None, d, loc.get(keys[d], 0), now)
+        settle(now)
+
+    def settle(now: float, room: int = 0) -> None:
+        # evict down to the top tier's capacity less ``room``
+        if n_tiers == 1:
+            if len(loc) > cap0 - room:  # one tier: ``loc`` holds exactly its keys
+                evict_single(room)
+        elif len(top) > cap0 - room:
+            make_room(0, now, room)
+
+    def insert(k: Key, parent: Key | None, d: int, mask: int, now: float) -> None:
+        top_insert(k, nbytes=slot, parent=parent, depth=d, now=now)
+        loc[k] = mask | 1
+        if not mask:
+            top_res.bytes_written += slot
+            if forest is not None:
+                forest.add(k, parent)
+            if n_tiers > 1:
+                depth_of[k] = d
+
     for r in trace.requests:
         keys = r.blocks
         n = len(keys)
@@ -352,41 +375,14 @@ def _simulate(
         res.references += n
         res.requests += 1
         res.ttft_s.append(load_s + prefill.seconds(hit_tokens, inp))
-        # ---- after the run: every block touched or inserted into the top tier, in order
+        # ---- after the run: every block touched or inserted into the top tier
         for sh in shadow_sets:
             sh.on_request(keys, functools.partial(_block_tokens, bt, inp), now)
-        parent: Key | None = None
-        for d, k in enumerate(keys):
-            mask = loc.get(k, 0)
-            if belady:
-                top.next_use = nxt[ref]  # type: ignore[attr-defined]  # a BeladyPolicy
-            ref += 1
-            if mask & 1:
-                top_touch(k, now=now)
-            else:
-                if forest is not None and parent is not None and parent not in loc:
-                    # the parent was not kept (bypassed just now): this block would be an
-                    # orphan at birth, unreachable by any lookup until its parent returns
-                    parent = k
-                    continue
-                if admit0 is not None and not admit0(k, tier=top_name, nbytes=slot, now=now):
-                    top_res.rejected += 1
-                    parent = k
-                    continue
-                top_insert(k, nbytes=slot, parent=parent, depth=d, now=now)
-                loc[k] = mask | 1
-                if not mask:
-                    top_res.bytes_written += slot
-                    if forest is not None:
-                        forest.add(k, parent)
-                    if n_tiers > 1:
-                        depth_of[k] = d
-                if n_tiers == 1:
-                    if len(loc) > cap0:  # one tier: ``loc`` holds exactly its keys
-                        evict_single()
-                elif len(top) > cap0:
-                    make_room(0, now)
-            parent = k
+        if store_order:
+            apply_store(keys, now, ref)
+        else:
+            apply_reference(keys, now, ref)
+        ref += n
         if progress is not None:
             progress(n)
     res.elapsed_s = time.perf_counter() - t0

@@ -17,6 +17,7 @@ from kvtier.replay import cli
 from kvtier.replay.report import belady_note, table_rows, to_record
 from kvtier.replay.simulator import (
     REUSE_EDGES,
+    Order,
     SimConfig,
     TierSpec,
     next_use_index,
@@ -37,8 +38,8 @@ def tiny(blocks: list[list[int]], block_tokens: int = 4) -> Trace:
     return Trace(reqs, block_tokens, TraceFormat.MOONCAKE)
 
 
-def one_tier(cap: int) -> SimConfig:
-    return SimConfig(tiers=(TierSpec("cpu", cap, 25e9),))
+def one_tier(cap: int, order: Order = Order.STORE) -> SimConfig:
+    return SimConfig(tiers=(TierSpec("cpu", cap, 25e9),), order=order)
 
 
 def test_mooncake_reader() -> None:
@@ -101,17 +102,21 @@ def test_prefix_semantics_and_token_counting() -> None:
 
 
 def test_lookup_stops_at_first_miss() -> None:
-    # capacity 2: after [1,2,3] LRU holds {2,3}; [1,2,3] then misses at 1 -> no hit at all
-    r = simulate(tiny([[1, 2, 3], [1, 2, 3]]), "lru", one_tier(2))
+    # head first (the reference order), capacity 2: after [1,2,3] LRU holds {2,3}; [1,2,3]
+    # then misses at 1 -> no hit at all (the store's order keeps the head: test_replay_order)
+    r = simulate(tiny([[1, 2, 3], [1, 2, 3]]), "lru", one_tier(2, Order.REFERENCE))
     assert r.hit_blocks == 0
 
 
 def test_belady_next_use_and_bypass() -> None:
     tr = tiny([[1], [2], [1], [3], [1], [2]])
     assert next_use_index(tr) == [2.0, 5.0, 4.0, float("inf"), float("inf"), float("inf")]
-    # one slot: belady keeps 1 (used again soonest), never lets 2 or 3 displace it
-    assert simulate(tr, "belady", one_tier(1)).hit_blocks == 2
-    assert simulate(tr, "lru", one_tier(1)).hit_blocks == 0
+    # one slot, head first (the reference order: the block just inserted may be the
+    # victim): belady keeps 1 (used again soonest), never lets 2 or 3 displace it
+    assert simulate(tr, "belady", one_tier(1, Order.REFERENCE)).hit_blocks == 2
+    assert simulate(tr, "lru", one_tier(1, Order.REFERENCE)).hit_blocks == 0
+    # the store's order writes every block of a request (no bypass): nothing stays
+    assert simulate(tr, "belady", one_tier(1)).hit_blocks == 0
 
 
 def test_cost_trims_chains_from_the_tail() -> None:
@@ -123,10 +128,12 @@ def test_cost_trims_chains_from_the_tail() -> None:
 
 
 def test_orphans_are_dropped_when_a_parent_leaves_every_tier() -> None:
-    # LRU may evict a parent before its child inside one long request; the child is then
-    # unreachable and must not keep occupying a slot
-    r = simulate(tiny([[1, 2, 3, 4, 5]]), "lru", one_tier(3))
+    # head first (the reference order), LRU may evict a parent before its child inside one
+    # long request; the child is then unreachable and must not keep occupying a slot
+    r = simulate(tiny([[1, 2, 3, 4, 5]]), "lru", one_tier(3, Order.REFERENCE))
     assert r.orphans_dropped > 0
+    # tail first (the store's order) LRU shortens the chain from its tail: no orphan
+    assert simulate(tiny([[1, 2, 3, 4, 5]]), "lru", one_tier(3)).orphans_dropped == 0
 
 
 def test_two_tiers_demote_promote_and_admission() -> None:

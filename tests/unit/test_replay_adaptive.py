@@ -2,6 +2,10 @@
 workload generator: never below 0.99x the better of LRU and LFU at 1-40% of the unique
 blocks, and a live miss-ratio curve that predicts full-size replays.
 
+Replays run in the store's order (``SimConfig.order``'s default, what kvtier does; since
+2026-12-06, head first before). Measured then: adaptive / max(LRU, LFU) 0.995-1.175 on
+these five workloads at 1-40% (lowest: agent_trace at 2%), so the 0.99 bound stands.
+
 About 100 replays: minutes on a loaded 2-core machine (marked slow).
 """
 
@@ -58,11 +62,17 @@ def test_adaptive_never_below_the_better_of_lru_and_lfu(name: str, fraction: flo
     assert adaptive.hit_tokens >= 0.99 * best, (adaptive.hit_tokens / best, adaptive.modes)
 
 
-def test_adaptive_hits_1_2x_lru_at_5_percent_on_the_shared_trace() -> None:
+def test_adaptive_hits_1_18x_lru_at_5_percent_on_the_shared_trace() -> None:
     """Issue 13: the default starts in ``hindsight`` (OPTgen-trained), which its shadows keep
-    on this trace (docs/replay-analysis.md, "a fourth attempt"); ``cost`` reaches 1.18x."""
+    on this trace (docs/replay-analysis.md, "a fourth attempt").
+
+    Head first this was 1.2x (measured 1.205, mean over five capacities 0.92-1.08x 1.202).
+    In the store's order LRU keeps chain roots longer and hits more (0.1577 -> 0.1596 of
+    the tokens), and the ratio is 1.193 at 5%, mean 1.185, min 1.169 over the five
+    capacities (``bench_replay.py --spread``, 2026-12-06; ``cost`` 1.132, mean 1.127):
+    the bound is 1.18x, what the point and the mean support."""
     cap = _blocks("mooncake", 0.05)
-    assert _run("mooncake", "adaptive", cap).hit_tokens >= 1.2 * _run(
+    assert _run("mooncake", "adaptive", cap).hit_tokens >= 1.18 * _run(
         "mooncake", "lru", cap).hit_tokens
 
 

@@ -1,6 +1,12 @@
 """The ``hindsight`` policy on the shared trace and every workload generator (issue 13):
-never below 0.99x the better of LRU and LFU at 1-40% of the unique blocks, and 1.2x LRU's
-token hits at 5% of the shared trace, where ``cost`` reaches 1.18x.
+never below 0.99x the better of LRU and LFU at 1-40% of the unique blocks, and 1.18x LRU's
+token hits at 5% of the shared trace, where ``cost`` reaches 1.13x.
+
+Replays run in the store's order (the default since 2026-12-06; head first before, where
+the shared trace gave 1.205x LRU at 5% and ``cost`` 1.18x). Measured in the store's order:
+hindsight / max(LRU, LFU) 0.995-1.175 on these five workloads at 1-40%; at 5% of the
+shared trace 1.193x LRU, mean 1.185 and min 1.169 over five capacities 0.92-1.08x
+(``bench_replay.py --spread``): the 1.2x bound became 1.18x, what those support.
 
 About 90 replays, most of small generated traces (marked slow).
 """
@@ -50,6 +56,6 @@ def test_hindsight_never_below_the_better_of_lru_and_lfu(name: str, fraction: fl
     assert _hit_tokens(name, "hindsight", fraction) >= 0.99 * best
 
 
-def test_hindsight_hits_1_2x_lru_at_5_percent_on_the_shared_trace() -> None:
-    assert _hit_tokens("mooncake", "hindsight", 0.05) >= 1.2 * _hit_tokens(
+def test_hindsight_hits_1_18x_lru_at_5_percent_on_the_shared_trace() -> None:
+    assert _hit_tokens("mooncake", "hindsight", 0.05) >= 1.18 * _hit_tokens(
         "mooncake", "lru", 0.05)

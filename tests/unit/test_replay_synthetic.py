@@ -4,7 +4,11 @@ Four seeded shapes from tests/support/workloads.py (multi-turn chat, document QA
 loops, scans). On each, cost must stay below Belady's bound and not lose to LRU; where the
 shape gives a cost/frequency-aware policy something to win (popular documents, one-off
 scans) it must win clearly. Agent loops are pure recency: there cost may trail LRU, by
-less than 1% (measured: 0.996-0.997 at 5-20%), and the test holds it to that.
+less than 1% (measured: 0.992-0.998 at 2-20%), and the test holds it to that.
+
+Measured in the store's order (the default; 2026-12-06): the bounds held head first and
+still hold. Head first the figures were cost/LRU 1.42x / 1.22x (documents, 2% / 5%),
+1.13-1.17x (scans) and 0.994-0.998 (agents, 5-20%).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def scan() -> Trace:
 def test_cost_wins_on_popular_documents(rag: Trace, fraction: float) -> None:
     lru, cost, belady = (run(rag, p, fraction) for p in ("lru", "cost", "belady"))
     assert lru <= cost <= belady
-    if fraction <= 0.05:  # measured 1.42x / 1.22x: frequency and value pay off when small
+    if fraction <= 0.05:  # measured 1.37x / 1.20x: frequency and value pay off when small
         assert cost >= 1.1 * lru
 
 
@@ -63,7 +67,7 @@ def test_cost_wins_on_popular_documents(rag: Trace, fraction: float) -> None:
 def test_cost_resists_scans(scan: Trace, fraction: float) -> None:
     lru, cost, belady = (run(scan, p, fraction) for p in ("lru", "cost", "belady"))
     assert cost <= belady
-    assert cost >= 1.1 * lru  # measured 1.13-1.17x; Belady 1.17-1.39x
+    assert cost >= 1.1 * lru  # measured 1.13-1.17x; Belady 1.17-1.39x (store order)
 
 
 @pytest.mark.parametrize("fraction", [0.02, 0.05, 0.1, 0.2])

@@ -100,15 +100,24 @@ def test_sampling_rate_follows_capacity_within_bounds() -> None:
 
 
 def test_shadow_cache_hits_the_longest_resident_prefix_and_drops_orphans() -> None:
+    """The store's order: the hit prefix is touched tail first (its head the most recent),
+    room is made for the new blocks, which are then inserted tail first; LRU shortens a
+    chain from its tail and keeps its root."""
     cache = ShadowCache(LRUPolicy(), 3)
     cache.access([(1, 0, 10), (2, 1, 10), (3, 2, 10)], 0.0, 30)
     assert cache.hits == 0
-    cache.access([(1, 0, 10), (9, 1, 10)], 0.0, 20)  # 1 hits; 9 pushes out 2 (the LRU block)
+    cache.access([(1, 0, 10), (9, 1, 10)], 0.0, 20)  # 1 hits; 9 pushes out 3 (the LRU block)
     assert cache.hits == 10
-    # 2 was evicted, so 3 is an orphan and gone: a lookup of 1,2,3 hits only 1
-    assert 3 not in cache.policy and 2 not in cache.policy
-    cache.access([(1, 0, 10), (2, 1, 10), (3, 2, 10)], 0.0, 30)
-    assert cache.hits == 20 and cache.hit_rate == pytest.approx(20 / 80)
+    assert 3 not in cache.policy and cache.resident == {1, 2, 9}
+    cache.access([(1, 0, 10), (2, 1, 10), (3, 2, 10)], 0.0, 30)  # 1 and 2 hit
+    assert cache.hits == 30 and cache.hit_rate == pytest.approx(30 / 80)
+    assert cache.resident == {1, 2, 3}
+    # a policy that evicts a chain's head (MRU: the head is the most recent) orphans the
+    # rest of its chain, which leaves with it
+    mru = ShadowCache(MRUPolicy(), 3)  # type: ignore[arg-type]
+    mru.access([(1, 0, 10), (2, 1, 10), (3, 2, 10)], 0.0, 30)
+    mru.access([(5, 0, 10), (6, 1, 10)], 0.0, 20)  # room for 2: 1 goes, 2 and 3 with it
+    assert mru.resident == {5, 6} and not {1, 2, 3} & set(mru.policy._order)
 
 
 def test_shadows_switch_to_the_mode_that_hits_more() -> None:
@@ -259,7 +268,7 @@ def test_stats_table_shows_the_mode_and_curve() -> None:
     assert "policy adaptive" in text and "cost" in text and "45.0%" in text
 
 
-def test_a_switch_rebuilds_deep_chains_parents_first() -> None:
+def test_a_switch_rebuilds_deep_chains() -> None:
     def make(mode: str) -> EvictionPolicy:
         return make_eviction_policy(mode)
 
@@ -267,8 +276,22 @@ def test_a_switch_rebuilds_deep_chains_parents_first() -> None:
     n = 5000  # deeper than Python's recursion limit
     for d in range(n):
         pol.insert(d, nbytes=1, parent=d - 1 if d else None, depth=d)
-    for d in reversed(range(n)):  # children now more recent than their parents
+    for d in reversed(range(n)):  # the store's order: tail first, the head most recent
         pol.touch(d)
     pol.shadows.mode = "cost"
     assert pol.victim() == n - 1  # cost evicts leaves only: the chain's tail
     assert pol.mode == "cost" and len(pol) == n
+
+
+def test_a_switch_keeps_the_recency_of_a_chain_touched_tail_first() -> None:
+    """A rebuild inserts the resident blocks in recency order, children before their
+    parents where the store touched them so: a switch to ``lru`` still evicts the chain's
+    tail first (inserted parents first, the root would be the least recent again)."""
+    def make(mode: str) -> EvictionPolicy:
+        return make_eviction_policy(mode)
+
+    pol = AdaptivePolicy(make, TierShadows(make, modes=("cost", "lru")))
+    for d in reversed(range(10)):  # tail first, as kvtier/store/cpu.py ready_many does
+        pol.insert(d, nbytes=1, parent=d - 1 if d else None, depth=d)
+    pol.shadows.mode = "lru"
+    assert pol.victim() == 9 and pol.mode == "lru"
