@@ -201,7 +201,7 @@ class HttpGuard:
         declared = request.content_length
         if not declared or declared > DRAIN_MAX or request.content.at_eof():
             return
-        with contextlib.suppress(TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+        with contextlib.suppress(Exception):   # best effort: the refusal is sent either way
             async with asyncio.timeout(min(DRAIN_S, self.body_deadline(declared))):
                 while await request.content.readany():
                     pass
