@@ -267,6 +267,8 @@ class Daemon:
             if n:
                 log.warning("expired %d leases (client hung or crashed)", n)
             store.retry_orphans()
+            if self.arena is not None and self.arena.journal is not None:
+                self.arena.journal.tick()   # a stopped journal resumes while idle too
 
     # -- teardown steps (run by the exit stack, bounded by the one deadline) --------------
     async def _close_control(self, control: ControlServer) -> None:

@@ -18,13 +18,10 @@ the journal. A crash sees either the old or the new file whole. The loop's share
 of a dict's values (3-4 ms at 315k live slots, mostly cache misses; writing the file on the
 loop took 54 ms at 188k). Only a file that fills up before its compaction is written waits for it.
 
-Stop and resume: when a full file cannot be rewritten (EMFILE, a full tmpfs), the journal
-stops: its file is removed at once (a crash then starts the cpu tier cold rather than trust
-a file lacking the change), nothing is written, and ``_records`` goes on following the slots.
-Later appends retry a full rewrite aside, like a compaction, at most once per
-``RETRY_BACKOFF`` delay (never per append); the records appended meanwhile join it at the
-switch, so the file renamed into place holds exactly the live slots, and journaling resumes.
-A failed compaction waits for the same backoff. Logged once at the stop, once at the resume.
+Stop and resume: a full file that cannot be rewritten (EMFILE, a full tmpfs) is removed at
+once (a crash then starts cold) while ``_records`` follows the slots; a rewrite aside is
+retried with ``RETRY_BACKOFF`` by later appends and the daemon's sweep (``tick``), and the
+file it installs holds exactly the live slots (docs/operations.md, "Restarts and crashes").
 """
 
 from __future__ import annotations
@@ -260,6 +257,13 @@ class ArenaJournal:
         self._mm[self._tail * RECORD: (self._tail + n) * RECORD] = b"".join(records)
         self._tail += n
         self.records += n
+
+    def tick(self) -> None:
+        """The daemon's periodic sweep: a stopped journal retries (once the backoff allows)
+        and installs a rewrite done aside without waiting for a change, so an idle daemon
+        that crashes after the cause went away restarts warm."""
+        if self.stopped:
+            self._while_stopped(())
 
     def settle(self) -> None:
         """Finish a compaction being written aside now, waiting for it (tests, tools)."""

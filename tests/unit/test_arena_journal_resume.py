@@ -246,3 +246,37 @@ async def test_warm_restart_after_a_resume_adopts_exactly_the_live_blocks(
     client2.close()
     again.close()
     assert flaky.calls > 0
+
+
+def test_an_idle_journal_resumes_on_the_sweeps_tick(
+        shm_dir: Path, small_files: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped journal resumed only at the arena's next change: an idle daemon that
+    crashed after the cause went away started cold. The daemon's sweep calls ``tick``:
+    no retry before the backoff, then a rewrite aside, installed at a later tick."""
+    clock = FakeClock()
+    path = shm_dir / "j.journal"
+    j = ArenaJournal(path, 1024 * SLAB, SLAB, run=RUN, clock=clock)
+    flaky = Flaky(monkeypatch)
+    j.alloc(0, PAGE)
+    commit(j, 0, 7)
+    churn = 0
+    while not j.stopped:
+        off = (100 + churn % 4) * PAGE
+        j.alloc(off, PAGE)
+        j.free(off)
+        churn += 1
+        assert churn < 200, "the journal never filled up"
+    calls = flaky.calls
+    flaky.failing = False
+    j.tick()                                    # within the backoff: nothing tried
+    assert flaky.calls == calls and j.stopped and j._next is None
+    clock.advance(aj.RETRY_BACKOFF.cap_s)
+    j.tick()                                    # due: written aside, no change needed
+    assert j._next is not None
+    j._next.done.result(timeout=10)             # (by the journal's thread)
+    assert flaky.calls == calls + 1
+    j.tick()                                    # done: installed, journaling resumes
+    assert not j.stopped and j.resumes == 1 and path.exists()
+    state = read_journal(path)
+    assert state is not None and {c.offset: c.checksum for c in state.committed} == {0: 7}
+    j.close(unlink=True)
