@@ -23,7 +23,7 @@ from kvtier.frame import (
     payload_checksum,
 )
 from kvtier.tiers import redis_reads, redis_stripes
-from kvtier.tiers.redis_blocks import ReadStatus
+from kvtier.tiers.redis_blocks import BlockRead, ReadStatus
 from kvtier.tiers.redis_reads import RedisReads
 from kvtier.tiers.redis_resp import ConnOptions, ProtocolError, command
 from kvtier.tiers.redis_wire import Conn
@@ -156,6 +156,16 @@ def test_a_stripe_reply_out_of_step_never_deletes_the_block(tmp_path: Path,
         asyncio.run(main(store, url))
 
 
+async def read_in_mode(tier: RedisReads, store: Store, key: bytes, mode: str
+                       ) -> tuple[BlockRead, memoryview]:
+    """The striped block at ``key`` read by ``_read_stripes`` while ``store`` answers in
+    ``mode``; the read and where it went."""
+    header = FrameHeader.unpack(store.data[rkey(key)][:HEADER_SIZE])
+    store.mode = mode
+    out = buffers(1, SIZE)[0]
+    return await redis_stripes._read_stripes(tier, rkey(key), header, out), out
+
+
 def test_a_stripe_reply_sent_twice_later_than_any_peek_is_never_corrupt(
         tmp_path: Path) -> None:
     """Stripe 0's reply sent again just before stripe 1's, every later reply only after the
@@ -172,10 +182,7 @@ def test_a_stripe_reply_sent_twice_later_than_any_peek_is_never_corrupt(
         async with running(cfg_for(url, op_timeout_s=5.0)) as tier:
             await put_all(tier, keys, data)
             stored = dict(store.data)
-            header = FrameHeader.unpack(stored[rkey(keys[0])][:HEADER_SIZE])
-            store.mode = "late"
-            out = buffers(1, SIZE)[0]
-            read = await redis_stripes._read_stripes(tier, rkey(keys[0]), header, out)
+            read, out = await read_in_mode(tier, store, keys[0], "late")
             assert store.late == 2                       # the script ran as meant
             assert read.status is ReadStatus.ERROR, read
             assert bytes(out) == bytes(SIZE)             # nothing unverified left behind
@@ -288,10 +295,7 @@ def test_a_ping_that_fails_is_no_evidence_of_a_reply_too_many(tmp_path: Path) ->
         async with running(cfg_for(url, op_timeout_s=5.0)) as tier:
             await put_all(tier, keys, data)
             stored = dict(store.data)
-            header = FrameHeader.unpack(stored[rkey(keys[0])][:HEADER_SIZE])
-            store.mode = "loading"
-            out = buffers(1, SIZE)[0]
-            read = await redis_stripes._read_stripes(tier, rkey(keys[0]), header, out)
+            read, out = await read_in_mode(tier, store, keys[0], "loading")
             assert read.status is ReadStatus.ERROR, read
             assert bytes(out) == bytes(SIZE)
             assert "answered PING with an error: LOADING" in tier.last_error
