@@ -142,6 +142,7 @@ class KVTierCollector:
                                     "collection stopped the event loop",
                                     value=float(gcs["last_full_s"]))
         yield from _admission_families(s.get("admission", {}))
+        yield from _nvme_file_families(tiers.get("nvme", {}))
         yield from _explain_families(s.get("explain", {}))
         schemes = GaugeMetricFamily("kvtier_clients_by_key_scheme", "Connected clients per "
                                     "key function version (any this daemon does not know: "
@@ -213,6 +214,21 @@ def _admission_families(adm: dict[str, Any]) -> Iterator[Metric]:
                                   "Bytes of evicted blocks the nvme write budget refused "
                                   "(dropped instead of written)",
                                   value=float(budget.get("refused_bytes", 0)))
+
+
+def _nvme_file_families(nvme: dict[str, Any]) -> Iterator[Metric]:
+    """The nvme tier's slot file descriptors (``kvtier.tiers.nvme.files``): how many are
+    open and how often the bound made the tier close and reopen one (a rate that keeps
+    climbing says more block sizes are in use than ``MAX_OPEN_FILES``)."""
+    if "open_files" not in nvme:
+        return
+    yield GaugeMetricFamily("kvtier_nvme_open_files", "Slot file descriptors the nvme tier "
+                            "holds open", value=float(nvme["open_files"]))
+    yield CounterMetricFamily("kvtier_nvme_file_reopens", "Slot files opened again after "
+                              "their descriptor was closed to stay within the bound",
+                              value=float(nvme.get("file_reopens", 0)))
+    yield CounterMetricFamily("kvtier_nvme_file_closes", "Slot file descriptors closed to "
+                              "stay within the bound", value=float(nvme.get("file_closes", 0)))
 
 
 def _explain_families(ex: dict[str, Any]) -> Iterator[Metric]:

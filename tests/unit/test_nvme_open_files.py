@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.daemon.metrics import KVTierCollector
 from kvtier.errors import ConfigError, FrameError
 from kvtier.frame import HEADER_SIZE, make_header
 from kvtier.tiers.nvme import PAGE, NvmeIOError, NvmeSlot, NvmeTier, PosixFrameIO
@@ -291,4 +292,25 @@ async def test_a_slot_file_removed_while_closed_is_made_again(tmp_path: Path,
     with pytest.raises(FrameError):   # the lost block: no frame there, never bytes
         await get(t, old_slot, 0, sized(0))
     assert (root / "slots-4096.dat").exists()
+    t.close()
+
+
+async def test_the_descriptor_bound_shows_in_stats_and_metrics(tmp_path: Path,
+                                                               rng: random.Random) -> None:
+    """What the bound costs is visible to operators: open descriptors, closes and reopens
+    are in the tier's stats and exported as ``kvtier_nvme_*`` series."""
+    t = NvmeTier(tmp_path / "nvme", 64 * MiB, direct="off", max_open_files=2)
+    t.open()
+    blocks = {i: block(rng, sized(i)) for i in range(4)}
+    slots = {i: (await put(t, i, blocks[i], sized(i)))[0] for i in blocks}
+    for i in blocks:                                    # 0 and 1 were closed: reopened
+        assert await get(t, slots[i], i, sized(i)) == bytes(blocks[i][:sized(i)])
+    extra = t.stats_extra()
+    assert extra["open_files"] == len(slot_fds(tmp_path / "nvme")) == 2
+    assert extra["file_reopens"] >= 2 and extra["file_closes"] >= 4
+    series = {s.name: s.value for fam in KVTierCollector(lambda: {"tiers": {"nvme": extra}})
+              .collect() for s in fam.samples if s.name.startswith("kvtier_nvme_")}
+    assert series == {"kvtier_nvme_open_files": 2.0,
+                      "kvtier_nvme_file_reopens_total": float(extra["file_reopens"]),
+                      "kvtier_nvme_file_closes_total": float(extra["file_closes"])}
     t.close()

@@ -126,8 +126,11 @@ class NvmeTier:
         """Backend and health details merged into this tier's section of /v1/stats."""
         return {"io_backend": self._io.name, "io_backend_reason": self._io.reason,
                 "direct": self._slots.direct, "disk_bytes": self._slots.disk,
-                "punched_slots": self._slots.punched_slots, **self._io.stats_extra(),
-                **self._health.stats()}
+                "punched_slots": self._slots.punched_slots,
+                "open_files": self._slots.files.open_count,
+                "file_reopens": self._slots.files.reopens,
+                "file_closes": self._slots.files.closes,
+                **self._io.stats_extra(), **self._health.stats()}
 
     @property
     def capacity_bytes(self) -> int:
