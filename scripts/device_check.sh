@@ -50,7 +50,13 @@ for name in ("torch", "cupy", "kvikio", "numpy", "pytest"):
 PYEOF
 
 # kvtier.kernels lives in ./kernels (setuptools package-dir). Without an install, build
-# a throwaway import shim: kvtier/ = links to the repo's kvtier/* plus kernels/.
+# a throwaway import shim: kvtier/ = links to the repo's kvtier/* plus kernels/ and
+# connectors/, and tests/ beside it. Nothing may put the repo root ahead of the shim (its
+# own kvtier/ has no kernels): not the cwd (PYTHONSAFEPATH), and not pytest, which adds
+# it for pyproject's `pythonpath = ["."]` and, in its default import mode, as the parent of
+# the tests package (found by review: every GPU test failed to collect, "No module named
+# 'kvtier.kernels'", and the check exited 1 as if the GPU had failed).
+PYTEST_IMPORT=()
 if ! "$PY" -c "import kvtier.kernels" >/dev/null 2>&1; then
   SHIM=$(mktemp -d)
   trap 'rm -rf "$SHIM"' EXIT
@@ -58,8 +64,10 @@ if ! "$PY" -c "import kvtier.kernels" >/dev/null 2>&1; then
   for entry in "$REPO"/kvtier/*; do ln -s "$entry" "$SHIM/kvtier/$(basename "$entry")"; done
   ln -s "$REPO/kernels" "$SHIM/kvtier/kernels"
   [ -d "$REPO/connectors" ] && ln -s "$REPO/connectors" "$SHIM/kvtier/connectors"
+  ln -s "$REPO/tests" "$SHIM/tests"
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
   export PYTHONSAFEPATH=1  # keep the repo's own kvtier/ (cwd) from shadowing the shim
+  PYTEST_IMPORT=(--import-mode=importlib -o pythonpath=)
   say "kvtier not installed: using import shim $SHIM"
 fi
 
@@ -90,7 +98,7 @@ PYEOF
 say "== GPU tests (kernels, streams, hbm tier + CUDA IPC, nvme through kvikio)"
 # kvikio's GDS path needs a disk-backed directory (tmpfs only runs its compat mode)
 export KVTIER_GPU_TEST_DIR=${KVTIER_GPU_TEST_DIR:-${BENCH_DIR:-}}
-"$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider \
+"$PY" -m pytest ${PYTEST_IMPORT[@]+"${PYTEST_IMPORT[@]}"} -m gpu tests/gpu -q -rs -p no:cacheprovider \
   --ignore=tests/gpu/test_gpu_connector.py \
   --junitxml="$OUT/gpu-tests.xml" >"$OUT/gpu-tests.txt" 2>&1
 rc=$?
@@ -103,7 +111,8 @@ elif [ $rc -ne 0 ]; then
 fi
 
 say "== vLLM connector worker side on the GPU (issue 11)"
-"$PY" -m pytest -m gpu tests/gpu/test_gpu_connector.py -q -s -rs -p no:cacheprovider \
+"$PY" -m pytest ${PYTEST_IMPORT[@]+"${PYTEST_IMPORT[@]}"} -m gpu tests/gpu/test_gpu_connector.py -q -s -rs \
+  -p no:cacheprovider \
   --junitxml="$OUT/connector-tests.xml" >"$OUT/connector-tests.txt" 2>&1
 rc=$?
 grep -E "arena registration|passed|failed|error|skipped|no GPU" "$OUT/connector-tests.txt" \
