@@ -236,11 +236,25 @@ class LayerPipeline:
                 done(committed)
         return committed
 
-    def warm(self, on_loader: Callable[[], object], on_saver: Callable[[], object]) -> None:
+    def warm(self, on_loader: Callable[[], object], on_saver: Callable[[], object], *,
+             wait: bool = False) -> None:
         """Run set-up work (a daemon connection, an arena mapping) on the loader and saver
-        threads now, in the background, so the first step does not pay for it."""
-        self._loader.submit(on_loader)
-        self._saver.submit(on_saver)
+        threads now, so the first step does not pay for it.
+
+        ``wait`` (GPU engines): return only once it is done. vLLM captures its CUDA graphs
+        right after the connector's ``register_kv_caches``, and a ``cudaHostRegister`` of
+        the arena from another thread during a capture in the default "global" mode fails
+        the capture (cudaErrorStreamCaptureUnsupported: vLLM's own CPU offloading hung at
+        capture that way and went back to pinning at start, vllm-project/vllm#46933).
+        A failure is logged; the threads then set up at first use."""
+        futures = [self._loader.submit(on_loader), self._saver.submit(on_saver)]
+        if not wait:
+            return
+        for future in futures:
+            exc = future.exception()
+            if exc is not None:
+                logger.warning("kvtier: setting up a transfer thread failed (%s: %s); it "
+                               "sets up at first use", type(exc).__name__, exc)
 
     def close(self) -> None:
         """Join the loader and let queued saves finish."""

@@ -161,10 +161,11 @@ class WorkerSide:
         self.pipeline = LayerPipeline(len(caches), caches[0].device if on_gpu else None,
                                       max_inflight_bytes=self.config.max_inflight_save_bytes)
         # Connect (map and register the arena) off the first step's critical path, each
-        # thread's CUDA calls (cudaHostRegister among them) on the caches' device, not 0.
+        # thread's CUDA calls (cudaHostRegister among them) on the caches' device, not 0;
+        # on a GPU before vLLM's CUDA graph capture (LayerPipeline.warm)
         device = caches[0].device if on_gpu else None
         self.pipeline.warm(lambda: self._on_device(device, "-load"),
-                           lambda: self._on_device(device, "-save"))
+                           lambda: self._on_device(device, "-save"), wait=on_gpu)
         logger.info("kvtier: %d layers, %s pages, %d tokens (%d pages, %d bytes) per block, "
                     "%s, saves in flight <= %d bytes", len(caches), paged.name,
                     self.config.tokens_per_block, self.pages.pages_per_block, nbytes,

@@ -150,3 +150,27 @@ def test_a_failed_save_is_abandoned_not_committed() -> None:
     assert pipe.save_stats.failed == 1 and pipe.inflight_bytes == 0
     pipe.close()
 
+
+
+def test_a_waited_warm_is_done_when_it_returns(caplog: pytest.LogCaptureFixture) -> None:
+    """GPU engines wait for the set-up (the arena's cudaHostRegister) before vLLM captures
+    its CUDA graphs: a registration still running on another thread would fail the
+    capture. A failed set-up is logged, not raised (the threads set up at first use)."""
+    pipe = LayerPipeline(LAYERS, None, max_inflight_bytes=1 << 20)
+    done: list[str] = []
+    slow = threading.Event()
+
+    def loader() -> None:
+        slow.wait(0.2)              # slower than the call that starts it
+        done.append("load")
+
+    def saver() -> None:
+        raise OSError("daemon gone")
+
+    pipe.warm(loader, saver, wait=True)
+    assert done == ["load"]
+    assert "setting up a transfer thread failed (OSError: daemon gone)" in caplog.text
+    background = threading.Event()
+    pipe.warm(background.wait, lambda: None)   # CPU engines: in the background
+    background.set()
+    pipe.close()
