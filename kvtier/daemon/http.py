@@ -21,13 +21,26 @@ from kvtier.daemon.http_guard import HttpGuard
 from kvtier.daemon.http_pace import Pacer, RenderCache
 from kvtier.daemon.limits import ByteBudget
 from kvtier.daemon.metrics import Metrics
-from kvtier.daemon.prefix import PrefixProbe, http_error
-from kvtier.errors import KVTierError, Overloaded, StartupError
+from kvtier.daemon.prefix import PrefixProbe
+from kvtier.errors import (
+    KVTierError,
+    LimitExceeded,
+    Overloaded,
+    StartupError,
+    UnknownNamespace,
+)
 
 _BACKLOG = 128
 PREFIX_RUNNING = 2   # /v1/prefix probes worked on at once (each takes ~1 ms turns)
 PREFIX_WAITING = 8   # probes whose bodies are read waiting for a turn; more: 503
 RETRY_AFTER_S = 1
+PREFIX_STATUS = {UnknownNamespace.code: 404, LimitExceeded.code: 413, Overloaded.code: 503}
+"""HTTP status of a refused probe per error code (400 for every other KVTierError)."""
+
+
+def http_error(exc: KVTierError) -> tuple[int, dict[str, str]]:
+    """Status and JSON body for a refused probe."""
+    return PREFIX_STATUS.get(exc.code, 400), {"error": str(exc), "code": exc.code}
 
 
 def bind_http(host: str, port: int) -> list[socket.socket]:

@@ -42,9 +42,7 @@ from kvtier.daemon.prefix_input import (
     utf8_text,
 )
 from kvtier.errors import (
-    KVTierError,
     LimitExceeded,
-    Overloaded,
     ProtocolError,
     UnknownNamespace,
 )
@@ -54,7 +52,7 @@ from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality, RedisProbe
 from kvtier.protocol import optional_int
 from kvtier.store import TieredStore
-from kvtier.store.slices import Turn
+from kvtier.store.slices import CHECK_EVERY, Turn
 
 KEY_PIECE = 512   # blocks hashed between two looks at the turn (kvtier.store.slices)
 JSON_BYTES_PER_TOKEN = 8   # `151643, ` : a 6-digit token id as json.dumps writes it
@@ -67,8 +65,6 @@ _MAX_TP = 1 << 16
 _CPU_STATES = (SlotState.READY, SlotState.LOADING)
 _NS_FIELDS = ("namespace", "model_id", "layout", "tp_rank", "tp_size", "cache_salt")
 
-HTTP_STATUS = {UnknownNamespace.code: 404, LimitExceeded.code: 413, Overloaded.code: 503}
-"""HTTP status per error code (400 for every other KVTierError)."""
 
 
 class PrefixProbe:
@@ -98,16 +94,24 @@ class PrefixProbe:
         get = self.store.index.get
         n_local = n_cpu = 0
         turn = Turn()
-        for i, k in enumerate(keys):  # the walk of TieredStore.lookup, without its effects
-            if turn.due(i):           # (a long prompt takes turns with the other clients)
+        # the walk of TieredStore.lookup, without its effects, CHECK_EVERY blocks between
+        # two looks at the turn (a long prompt takes turns with the other clients); the
+        # checks of BlockMeta.present inlined: ~0.15 us a block instead of ~0.55
+        for lo in range(0, len(keys), CHECK_EVERY):
+            if lo and turn.over():
                 await turn.pause()
-            meta = get(k)
-            if (meta is None or not meta.present or meta.namespace != digest
-                    or meta.layout_fp != fp or meta.nbytes != nbytes):
-                break
-            n_local += 1
-            if meta.cpu_state in _CPU_STATES:
-                n_cpu += 1
+            for meta in map(get, keys[lo:lo + CHECK_EVERY]):
+                if (meta is None or meta.namespace != digest or meta.layout_fp != fp
+                        or meta.nbytes != nbytes):
+                    break
+                if meta.cpu_state in _CPU_STATES:
+                    n_cpu += 1
+                elif meta.nvme is None or not meta.nvme_ready:   # not present
+                    break
+                n_local += 1
+            else:
+                continue
+            break
         state, from_zero, after_local = await self._redis(keys, n_local, digest, redis)
         return PrefixLocality(layout.tokens_per_block, len(keys), n_local + after_local,
                               n_local, {"cpu": n_cpu, "nvme": n_local - n_cpu}, state,
@@ -143,6 +147,9 @@ class PrefixProbe:
         """Probe a checked batch; the Redis probes run concurrently."""
         turn = Turn()
         keyed = [(ns, await self._keys(ns, p, turn)) for ns, p in items]
+        if len(keyed) == 1:   # (no task to make and schedule: ~10 us of a router's probe)
+            ns, keys = keyed[0]
+            return [await self.probe(ns, keys, redis=redis)]
         return list(await asyncio.gather(*(self.probe(ns, keys, redis=redis)
                                            for ns, keys in keyed)))
 
@@ -394,9 +401,4 @@ class PrefixProbe:
 def _over_batch(total: int, budget: int) -> str:
     return (f"{total} tokens in one batch; at most {budget} ({BATCH_CONTEXTS} x "
             "daemon.max_context_tokens): split it")
-
-
-def http_error(exc: KVTierError) -> tuple[int, dict[str, str]]:
-    """Status and JSON body for a refused probe."""
-    return HTTP_STATUS.get(exc.code, 400), {"error": str(exc), "code": exc.code}
 
