@@ -97,10 +97,17 @@ class Ops:
         from kvtier.tiers import hbm as hbm_mod
 
         info = self.hbm_info
+        device, bus = int(info.get("device", 0)), str(info.get("pci_bus_id", "")) or None
         try:
-            self.hbm = hbm_mod.HbmMapping.open(
-                info["handle"], int(info["size"]), int(info.get("device", 0)),
-                pci_bus_id=str(info.get("pci_bus_id", "")) or None)
+            if not hbm_mod.HbmMapping.on_current_device(device, pci_bus_id=bus):
+                # (a tensor-parallel worker on another GPU: its cpu views copy straight
+                # to its own GPU, found by review)
+                self.hbm_error = "the pool is on another GPU than this process's"
+                log.info("the daemon's HBM pool is on GPU %s, not this process's current "
+                         "device: reading from cpu", bus or device)
+                return None
+            self.hbm = hbm_mod.HbmMapping.open(info["handle"], int(info["size"]), device,
+                                               pci_bus_id=bus)
         except Exception as exc:  # ImportError (no cupy), ConfigError, CUDARuntimeError
             self.hbm_error = f"{type(exc).__name__}: {exc}"
             log.warning("cannot map the daemon's HBM pool (%s); reading from cpu instead",

@@ -121,6 +121,16 @@ class HbmMapping:
             _MAPPINGS[(raw, size)] = mapping
             return mapping
 
+    @staticmethod
+    def on_current_device(device: int = 0, *, pci_bus_id: str | None = None) -> bool:
+        """Whether the pool (``device``, or the GPU of ``pci_bus_id``) is the calling
+        thread's current CUDA device. A caller on another GPU should not map it: that
+        makes a CUDA context on the pool's GPU (hundreds of MiB) and turns each load
+        into a peer copy. ConfigError for a GPU not visible here, as ``open``."""
+        import cupy
+
+        return _resolve_device(device, pci_bus_id) == int(cupy.cuda.runtime.getDevice())
+
     def device_ptr(self, offset: int, nbytes: int = 0) -> int:
         """The device address of ``[offset, offset + nbytes)`` in this process."""
         if self._closed:

@@ -158,6 +158,7 @@ def test_a_pool_that_cannot_be_mapped_falls_back_to_cpu(
         raise ImportError("No module named 'cupy'")
 
     monkeypatch.setattr(hbm_mod.HbmMapping, "open", refuse)
+    monkeypatch.setattr(hbm_mod.HbmMapping, "on_current_device", lambda *a, **kw: True)
     with caplog.at_level(logging.WARNING, "kvtier.client"), \
             connect(daemon.socket, device=True) as c:
         ns, keys, data = store_blocks(c, 4, 2)
@@ -167,6 +168,25 @@ def test_a_pool_that_cannot_be_mapped_falls_back_to_cpu(
                 assert [bytes(v) for v in lease.views] == [d.tobytes() for d in data]
     assert calls == [1]                               # tried once, then cpu for good
     assert "cannot map the daemon's HBM pool" in caplog.text
+
+
+def test_a_client_on_another_gpu_reads_cpu_views_and_never_maps_the_pool(
+        daemon: DaemonProcess, opened: list[FakeHbmMapping],
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A tensor-parallel worker whose GPU is not the pool's: mapping it would make a CUDA
+    context on the pool's GPU in that worker and a peer copy of every load (found by a
+    review of the GPU path); its cpu views copy straight to its own GPU."""
+    monkeypatch.setattr(FakeHbmMapping, "current_device", 1)
+    with caplog.at_level(logging.INFO, "kvtier.client"), \
+            connect(daemon.socket, device=True) as c:
+        ns, keys, data = store_blocks(c, 8, 2)
+        for _ in range(2):
+            with c.prepare_get(ns, keys) as lease:
+                assert lease.devices == ["cpu", "cpu"]
+                assert [bytes(v) for v in lease.views] == [d.tobytes() for d in data]
+        assert not c.hbm_mapped
+    assert opened == []
+    assert caplog.text.count("HBM pool is on GPU 0000:") == 1    # said once
 
 
 async def test_async_device_client(daemon: DaemonProcess,

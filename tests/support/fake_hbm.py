@@ -127,6 +127,15 @@ class FakeHbmMapping:
         cls.opened.append(m)
         return m
 
+    current_device = 0   # the calling thread's CUDA device, as the client would see it
+
+    @classmethod
+    def on_current_device(cls, device: int = 0, *, pci_bus_id: str | None = None) -> bool:
+        if pci_bus_id is not None and pci_bus_id != FAKE_BUS_ID:
+            raise ConfigError(f"the daemon's HBM pool is on GPU {pci_bus_id}, which this "
+                              "process does not see")
+        return device == cls.current_device
+
     def device_ptr(self, offset: int, nbytes: int = 0) -> int:
         if self.closed:
             raise KVTierError("HBM mapping is closed")
@@ -164,6 +173,9 @@ def install_client_fake(monkeypatch: Any) -> list[FakeHbmMapping]:
     opened from now on (to assert who mapped the pool)."""
     FakeHbmMapping.opened = []
     monkeypatch.setattr(hbm_mod.HbmMapping, "open", FakeHbmMapping.open)
+    monkeypatch.setattr(hbm_mod.HbmMapping, "on_current_device",
+                        FakeHbmMapping.on_current_device)
+    monkeypatch.setattr(FakeHbmMapping, "current_device", 0)
     return FakeHbmMapping.opened
 
 
