@@ -131,8 +131,11 @@ class LoadBatch:
             here = torch.empty(c.layer_bytes, dtype=torch.uint8, device=c.caches[0].device)
             gather_blocks(cache, c.paged, pages, [here], tokens_per_block=c.tokens_per_block,
                           stream=stream)
-            overlay_pages(here, item.blocks[0][lo:hi].to(here.device), item.spec.skip_pages,
-                          c.kv_components, c.pages_per_block)
+            # (asynchronous on the load stream, the current one: a blocking copy made the
+            # loader wait for the GPU at every layer; the lease keeps the source until
+            # the step's loads are synchronised, and an unregistered source is staged)
+            src = item.blocks[0][lo:hi].to(here.device, non_blocking=True)
+            overlay_pages(here, src, item.spec.skip_pages, c.kv_components, c.pages_per_block)
             scatter_blocks(cache, c.paged, pages, [here], tokens_per_block=c.tokens_per_block,
                            stream=stream)
 

@@ -98,6 +98,7 @@ def test_gather_and_scatter_match_reference(layout, dtype_index, buffer):
 
     fresh = [torch.zeros_like(c) for c in caches]
     src = want.to("cuda") if buffer == "device" else want.pin_memory()
+    stream.wait_stream(torch.cuda.current_stream())   # the zero fill before the scatter
     assert scatter_blocks(fresh, layout, page_ids, src, stream=stream) is KernelPath.CUDA
     stream.synchronize()
     ref = [torch.zeros_like(c) for c in cpu_caches]
