@@ -38,8 +38,15 @@ with open(log, "a", buffering=1) as out:
 """
 
 
+# these tests are about what survives a kill, not prefetch deadlines: a get waits for its
+# nvme reads (on a loaded machine the default deadline can pass before the first read
+# lands, and the get returns the blocks read by then: a short count, not lost blocks)
+WAIT_FOR_READS = {"KVTIER_POLICY_PREFETCH_WAIT": "wait"}
+
+
 def test_sigkill_mid_write_loses_no_acknowledged_block(daemon_factory, tmp_path: Path) -> None:
-    d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="256MiB").start()
+    d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="256MiB",
+                                      env=WAIT_FOR_READS).start()
     logs = [tmp_path / f"w{i}.log" for i in range(2)]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(d.socket),
@@ -88,10 +95,8 @@ def test_sigkill_mid_write_loses_no_acknowledged_block(daemon_factory, tmp_path:
 
 
 def test_torn_frames_are_dropped_not_returned(daemon_factory) -> None:
-    # this test is about torn frames, not prefetch deadlines: a get waits for its nvme reads
-    # (on a loaded machine the default deadline can pass before the first read lands)
     d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="64MiB",
-                                      env={"KVTIER_POLICY_PREFETCH_WAIT": "wait"}).start()
+                                      env=WAIT_FOR_READS).start()
     c = connect(d.socket)
     ns = c.register_layout(LAYOUT, "m")
     keys = block_keys(ns, np.arange(64 * 20))
