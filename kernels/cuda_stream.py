@@ -172,6 +172,9 @@ def _cuda_device(device: Any) -> Any:
     return dev
 
 
+HOST_MEMORY_ALREADY_REGISTERED = 712   # cudaErrorHostMemoryAlreadyRegistered
+
+
 def register_host_memory(address: int, nbytes: int) -> bool:
     """Register host memory (the shared arena) with CUDA so copies and kernels reach it.
 
@@ -184,7 +187,13 @@ def register_host_memory(address: int, nbytes: int) -> bool:
         if cupy.cuda.runtime.getDeviceCount() <= 0:
             return False
         portable_mapped = 0x01 | 0x02
-        cupy.cuda.runtime.hostRegister(address, nbytes, portable_mapped)
+        try:
+            cupy.cuda.runtime.hostRegister(address, nbytes, portable_mapped)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            # a second registry in this process (nothing here ever unregisters): the
+            # memory is registered, so copies are asynchronous (not "stay pageable")
+            if getattr(exc, "status", None) != HOST_MEMORY_ALREADY_REGISTERED:
+                raise
         return True
     except Exception:
         return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from kvtier.kernels.cuda_stream import LayerStreams, register_host_memory
 
@@ -78,3 +80,29 @@ def _gpu_present() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
+
+
+@pytest.mark.parametrize(("status", "registered"), [(None, True), (712, True), (2, False)])
+def test_memory_another_registry_registered_counts_as_registered(
+        monkeypatch: pytest.MonkeyPatch, status: int | None, registered: bool) -> None:
+    """cudaHostRegister of memory this process registered already (a second registry)
+    fails with cudaErrorHostMemoryAlreadyRegistered: the memory is registered all the same;
+    any other failure (2: out of memory) is a clean no."""
+    import types
+
+    class CUDARuntimeError(Exception):
+        def __init__(self, status: int) -> None:
+            super().__init__(f"status {status}")
+            self.status = status
+
+    def host_register(address: int, nbytes: int, flags: int) -> None:
+        assert flags == 0x01 | 0x02
+        if status is not None:
+            raise CUDARuntimeError(status)
+
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, hostRegister=host_register,
+                                    CUDARuntimeError=CUDARuntimeError)
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(runtime=runtime)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    assert register_host_memory(4096, 4096) is registered
