@@ -4,17 +4,15 @@ server while the engine is up and between two of its requests."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from kvtier.layout import KVLayout
-from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S
+from tests.e2e.conftest import REPO, SUBPROCESS_TIMEOUT_S, Zygote
 from tests.e2e.vllm_engine import ENGINE_ENV, TOKENS_PER_BLOCK, engine_layout, kv_transfer_config
 from tests.support.daemon import DaemonProcess
 
@@ -25,10 +23,12 @@ Rows = list[list[Any]]   # per prompt: [tokens, num_cached_tokens, seconds, redi
 
 
 class PdEngine:
-    """One engine process over a list of prompts (see pd_engine.py for the spec)."""
+    """One engine process over a list of prompts (see pd_engine.py for the spec), forked
+    from the e2e tests' ``zygote`` (vLLM imported once) and run on a thread of this process,
+    so that the test can act while it runs."""
 
     def __init__(self, tmp: Path, model: Path, transfer: dict[str, Any] | None,
-                 prompts: list[list[int]], max_tokens: int, *,
+                 prompts: list[list[int]], max_tokens: int, *, zygote: Zygote,
                  probe: DaemonProcess | None = None, pause_after: int | None = None) -> None:
         self.tmp, self.out = tmp, tmp / "out.json"
         spec: dict[str, Any] = {
@@ -40,16 +40,18 @@ class PdEngine:
         (tmp / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        self._stderr = (tmp / "stderr.log").open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(RUNNER), str(tmp / "spec.json"), str(self.out)], env=env,
-            stdout=subprocess.DEVNULL, stderr=self._stderr, text=True)
+        self._log = tmp / "stderr.log"
+        self._rc: list[int] = []
+        argv = [str(RUNNER), str(tmp / "spec.json"), str(self.out)]
+        self._thread = threading.Thread(
+            target=lambda: self._rc.append(zygote.run(argv, self._log, env)), daemon=True)
+        self._thread.start()
 
     def wait_paused(self) -> None:
         """Block until the engine has run the prompts before its gate and waits there."""
         deadline = time.monotonic() + SUBPROCESS_TIMEOUT_S
         while not (self.tmp / "paused").exists():
-            assert self.proc.poll() is None, f"engine exited early:\n{self._tail()}"
+            assert self._thread.is_alive(), f"engine exited early:\n{self._tail()}"
             assert time.monotonic() < deadline, "engine never reached its gate"
             time.sleep(0.05)
 
@@ -57,27 +59,24 @@ class PdEngine:
         (self.tmp / "go").touch()
 
     def result(self) -> tuple[Rows, dict[str, Any]]:
-        """Wait for the engine to finish: its rows and its connector's counters."""
-        try:
-            rc = self.proc.wait(SUBPROCESS_TIMEOUT_S)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            self._stderr.close()
+        """Wait for the engine to finish: its rows and its connector's counters (the
+        zygote kills a run past SUBPROCESS_TIMEOUT_S)."""
+        self._thread.join(SUBPROCESS_TIMEOUT_S + 120)
+        rc = self._rc[0] if self._rc else None
         assert rc == 0 and self.out.exists(), f"engine process failed (rc={rc}):\n{self._tail()}"
         counters = json.loads(Path(str(self.out) + ".connector.json").read_text())
         return json.loads(self.out.read_text()), counters
 
     def _tail(self) -> str:
-        self._stderr.flush()
-        return (self.tmp / "stderr.log").read_text()[-4000:]
+        return self._log.read_text(errors="replace")[-4000:] if self._log.exists() else ""
 
 
 def run_pd_engine(tmp: Path, model: Path, transfer: dict[str, Any] | None,
-                  prompts: list[list[int]], max_tokens: int,
+                  prompts: list[list[int]], max_tokens: int, *, zygote: Zygote,
                   probe: DaemonProcess | None = None) -> tuple[Rows, dict[str, Any]]:
     """One engine process over ``prompts``, in the foreground."""
-    return PdEngine(tmp, model, transfer, prompts, max_tokens, probe=probe).result()
+    return PdEngine(tmp, model, transfer, prompts, max_tokens, zygote=zygote,
+                    probe=probe).result()
 
 
 def role_config(node: DaemonProcess, role: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import pytest
 
 from kvtier.client import connect
 from kvtier.keys import block_keys
+from tests.e2e.conftest import Zygote
 from tests.e2e.pd_support import LAYOUT, PdEngine, Rows, role_config, run_pd_engine
 from tests.e2e.vllm_engine import MAX_TOKENS, TOKENS_PER_BLOCK, prompt
 from tests.support.daemon import DaemonProcess
@@ -115,14 +116,14 @@ def every_slot_round_trip(node_a: DaemonProcess, node_b: DaemonProcess, seed: in
 
 
 def run_through_a_kill(work: Path, model: Path, cluster: LocalCluster, node: DaemonProcess,
-                       role: str, max_tokens: int) -> tuple[Rows, dict[str, Any], RedisServer,
-                                                            float]:
+                       role: str, max_tokens: int, zygote: Zygote
+                       ) -> tuple[Rows, dict[str, Any], RedisServer, float]:
     """``role``'s engine on ``node`` over PROMPTS, a master SIGKILLed after PAUSE_AFTER of
     its requests (once what was written is replicated); its rows, connector counters, the
     victim, and how long ``node``'s tier took to serve every slot again."""
     work.mkdir()
     engine = PdEngine(work, model, role_config(node, role), PROMPTS, max_tokens,
-                      pause_after=PAUSE_AFTER)
+                      zygote=zygote, pause_after=PAUSE_AFTER)
     engine.wait_paused()
     replicate(cluster)
     errors = redis_stats(node)["errors"]
@@ -133,12 +134,13 @@ def run_through_a_kill(work: Path, model: Path, cluster: LocalCluster, node: Dae
 
 
 def test_masters_killed_mid_run_no_request_fails_no_wrong_token(
-        tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> None:
+        tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, zygote: Zygote) -> None:
     root = tmp_path_factory.mktemp("pd-failover")
     env = {"KVTIER_REDIS_WRITE_THROUGH": "false", "KVTIER_REDIS_LOOKUP_BUDGET_S": "2.0",
            "KVTIER_REDIS_OP_TIMEOUT_S": "1.0", "KVTIER_REDIS_CONNECT_TIMEOUT_S": "0.5"}
     (root / "baseline").mkdir()
-    base, _ = run_pd_engine(root / "baseline", tiny_model, None, PROMPTS, MAX_TOKENS)
+    base, _ = run_pd_engine(root / "baseline", tiny_model, None, PROMPTS, MAX_TOKENS,
+                            zygote=zygote)
     baseline = [row[0] for row in base]
     with running_cluster(root / "cluster", 3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS,
                          extra_args=("--cluster-require-full-coverage", "no")) as cluster:
@@ -148,13 +150,14 @@ def test_masters_killed_mid_run_no_request_fails_no_wrong_token(
         try:
             # prefill on node A; a master dies after two of its requests
             prod, prod_counters, first, heal_a = run_through_a_kill(
-                root / "producer", tiny_model, cluster, node_a, "kv_producer", 1)
+                root / "producer", tiny_model, cluster, node_a, "kv_producer", 1, zygote)
             assert [row[0] for row in prod] == [want[:1] for want in baseline]
             every_slot_round_trip(node_a, node_b, seed=1)
 
             # decode on node B; another master dies after two of its requests
             cons, cons_counters, second, heal_b = run_through_a_kill(
-                root / "consumer", tiny_model, cluster, node_b, "kv_consumer", MAX_TOKENS)
+                root / "consumer", tiny_model, cluster, node_b, "kv_consumer", MAX_TOKENS,
+                zygote)
             assert [row[0] for row in cons] == baseline, "a wrong token after a failover"
             cached = [row[1] for row in cons]
             # the first two prompts were prefilled and replicated before the first kill

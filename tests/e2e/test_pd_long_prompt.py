@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import Zygote
 from tests.e2e.pd_support import LAYOUT, role_config, run_pd_engine
 from tests.e2e.vllm_engine import TOKENS_PER_BLOCK, prompt
 from tests.support.daemon import DaemonProcess
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_prompts_longer_than_the_producers_arena_reach_redis_whole(
-        tmp_path: Path, tiny_model: Path) -> None:
+        tmp_path: Path, tiny_model: Path, zygote: Zygote) -> None:
     assert 2 * 2**20 // LAYOUT.block_bytes == 32                # a 32-block arena
     prompts = [prompt(41, 1500), prompt(40, 3000)]             # 23 and 46 blocks
     with running_server(tmp_path / "redis") as redis:
@@ -32,7 +33,8 @@ def test_prompts_longer_than_the_producers_arena_reach_redis_whole(
         with a, b:
             (tmp_path / "producer").mkdir()
             rows, counters = run_pd_engine(tmp_path / "producer", tiny_model,
-                                           role_config(a, "kv_producer"), prompts, 1, probe=b)
+                                           role_config(a, "kv_producer"), prompts, 1, probe=b,
+                                           zygote=zygote)
             want = [len(p) // TOKENS_PER_BLOCK for p in prompts]
             assert [row[3] for row in rows] == want, "blocks in Redis at request end"
             assert counters.get("redis_sync_gave_up", 0) == 0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import Zygote
 from tests.e2e.pd_support import role_config, run_pd_engine
 from tests.e2e.vllm_engine import MAX_TOKENS, TOKENS_PER_BLOCK, prompt
 from tests.support.daemon import DaemonProcess
@@ -61,16 +62,16 @@ def nodes(cluster: LocalCluster,
 
 def test_consumer_decodes_exactly_from_the_producers_kv(
         tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, cluster: LocalCluster,
-        nodes: tuple[DaemonProcess, DaemonProcess]) -> None:
+        nodes: tuple[DaemonProcess, DaemonProcess], zygote: Zygote) -> None:
     node_a, node_b = nodes
     base, _ = run_pd_engine(tmp_path_factory.mktemp("baseline"), tiny_model, None,
-                            [P1, P2, P3], MAX_TOKENS)
+                            [P1, P2, P3], MAX_TOKENS, zygote=zygote)
     baseline = [row[0] for row in base]
 
     # prefill on node A: every prompt block is in Redis when the request returns
     prod, prod_counters = run_pd_engine(tmp_path_factory.mktemp("producer"), tiny_model,
                                         role_config(node_a, "kv_producer"), [P1, P2], 1,
-                                        probe=node_b)
+                                        probe=node_b, zygote=zygote)
     for (tokens, cached, _s, seen), p, want in zip(prod, [P1, P2], baseline[:2], strict=True):
         assert tokens == want[:1] and cached == 0
         assert seen == len(p) // TOKENS_PER_BLOCK, "blocks not in Redis at request end"
@@ -80,7 +81,8 @@ def test_consumer_decodes_exactly_from_the_producers_kv(
 
     # decode on node B: exact tokens, only what the producer did not save is computed
     cons, _ = run_pd_engine(tmp_path_factory.mktemp("consumer"), tiny_model,
-                            role_config(node_b, "kv_consumer"), [P1, P2, P3], MAX_TOKENS)
+                            role_config(node_b, "kv_consumer"), [P1, P2, P3], MAX_TOKENS,
+                            zygote=zygote)
     assert [row[0] for row in cons] == baseline
     assert [row[1] for row in cons] == [4 * TOKENS_PER_BLOCK, len(P2) - 1,
                                         2 * TOKENS_PER_BLOCK]

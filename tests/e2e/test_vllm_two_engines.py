@@ -1,7 +1,9 @@
 """End to end: two engine processes share one daemon; the second hits what the first saved.
 
-Both engines run in vLLM's default multiprocess mode (engine core in its own process), and
-the second loads asynchronously (``async_load``: vLLM's WAITING_FOR_REMOTE_KVS path).
+The second engine runs in vLLM's default multiprocess mode (engine core in its own
+process) and loads asynchronously (``async_load``: vLLM's WAITING_FOR_REMOTE_KVS path);
+the first, which only saves, runs its engine core inside its own process (vLLM's
+in-process mode: one spawned engine core, ~10-20 s here, is enough to cover that mode).
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ def test_second_engine_process_hits_first_engines_prefix(
     prompt = PROMPTS["two_engines"]
     expected = baseline["two_engines"]
     hit = len(prompt) // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
-    (first,) = run_engine([{"prompts": [prompt]}], kv_transfer_config(daemon.socket),
-                          multiprocess=True)
+    (first,) = run_engine([{"prompts": [prompt]}], kv_transfer_config(daemon.socket))
     assert first == [(expected, 0)]
     (second,) = run_engine([{"prompts": [prompt]}],
                            kv_transfer_config(daemon.socket, async_load=True),
