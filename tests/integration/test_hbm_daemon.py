@@ -148,6 +148,18 @@ def test_prefer_device_per_call_and_pool_capacity(daemon: DaemonProcess,
     assert len(opened) == 1
 
 
+def device_client_reads_cpu_views(daemon: DaemonProcess, start: int) -> None:
+    """A device client's gets of two blocks, twice: cpu views with the stored bytes, and
+    the pool never mapped."""
+    with connect(daemon.socket, device=True) as c:
+        ns, keys, data = store_blocks(c, start, 2)
+        for _ in range(2):
+            with c.prepare_get(ns, keys) as lease:
+                assert lease.devices == ["cpu", "cpu"]
+                assert [bytes(v) for v in lease.views] == [d.tobytes() for d in data]
+        assert not c.hbm_mapped
+
+
 def test_a_pool_that_cannot_be_mapped_falls_back_to_cpu(
         daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -159,13 +171,8 @@ def test_a_pool_that_cannot_be_mapped_falls_back_to_cpu(
 
     monkeypatch.setattr(hbm_mod.HbmMapping, "open", refuse)
     monkeypatch.setattr(hbm_mod.HbmMapping, "on_current_device", lambda *a, **kw: True)
-    with caplog.at_level(logging.WARNING, "kvtier.client"), \
-            connect(daemon.socket, device=True) as c:
-        ns, keys, data = store_blocks(c, 4, 2)
-        for _ in range(2):
-            with c.prepare_get(ns, keys) as lease:
-                assert lease.devices == ["cpu", "cpu"]
-                assert [bytes(v) for v in lease.views] == [d.tobytes() for d in data]
+    with caplog.at_level(logging.WARNING, "kvtier.client"):
+        device_client_reads_cpu_views(daemon, 4)
     assert calls == [1]                               # tried once, then cpu for good
     assert "cannot map the daemon's HBM pool" in caplog.text
 
@@ -177,14 +184,8 @@ def test_a_client_on_another_gpu_reads_cpu_views_and_never_maps_the_pool(
     context on the pool's GPU in that worker and a peer copy of every load (found by a
     review of the GPU path); its cpu views copy straight to its own GPU."""
     monkeypatch.setattr(FakeHbmMapping, "current_device", 1)
-    with caplog.at_level(logging.INFO, "kvtier.client"), \
-            connect(daemon.socket, device=True) as c:
-        ns, keys, data = store_blocks(c, 8, 2)
-        for _ in range(2):
-            with c.prepare_get(ns, keys) as lease:
-                assert lease.devices == ["cpu", "cpu"]
-                assert [bytes(v) for v in lease.views] == [d.tobytes() for d in data]
-        assert not c.hbm_mapped
+    with caplog.at_level(logging.INFO, "kvtier.client"):
+        device_client_reads_cpu_views(daemon, 8)
     assert opened == []
     assert caplog.text.count("HBM pool is on GPU 0000:") == 1    # said once
 
