@@ -39,6 +39,10 @@ class KVTierError(Exception):
     """
 
     code: str = "internal"
+    reported: bool = False
+    """True for an error the daemon answered (``error_from_code``): the daemon is there and
+    its connection stands; False for one raised on this side (a malformed reply, a
+    timeout), after which the connection is suspect."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -178,4 +182,6 @@ _BY_CODE.setdefault(KVTierError.code, KVTierError)
 def error_from_code(code: str, message: str) -> KVTierError:
     """Rebuild the typed error a daemon reported (unknown codes become KVTierError)."""
     cls = _BY_CODE.get(code, KVTierError)
-    return cls(message)
+    err = cls(message)
+    err.reported = True
+    return err

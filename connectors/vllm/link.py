@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
 from kvtier.errors import (
     DaemonUnavailable,
@@ -41,12 +41,25 @@ _Outcome = tuple[Literal[True], T] | tuple[Literal[False], None]
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     DaemonUnavailable, RequestTimeout, ProtocolError, OSError, EOFError,
 )
+# ... and with the daemon's refusals, what one try of a call may end with (``_answered``)
+_FAILURES: tuple[type[BaseException], ...] = (*_CONNECTION_ERRORS, KVTierError)
 # Of those, the ones a fresh connection may cure at once (the daemon restarted).
 _RETRYABLE: tuple[type[BaseException], ...] = (DaemonUnavailable, OSError, EOFError)
 # What connecting may raise: anything (unreachable, a refused or malformed handshake).
 # Any exception from the client is a daemon failure: a malformed reply's KeyError or a
 # hello's ValueError used to escape into vLLM (found by review).
 _CONNECT_ERRORS: tuple[type[BaseException], ...] = (Exception,)
+
+
+def _answered(exc: BaseException) -> TypeGuard[KVTierError]:
+    """A refusal the daemon answered (a ``KVTierError`` it reported, ProtocolError
+    included): its connection stands, so it is not dropped (one request's bad input, a
+    tenant's salt over the daemon's limit, took every other request's saves down with the
+    connection for a backoff; found by review). Anything else of ``_CONNECTION_ERRORS``
+    (a timeout, a malformed reply, a closed socket) makes the connection suspect."""
+    if isinstance(exc, KVTierError) and exc.reported:
+        return True
+    return not isinstance(exc, _CONNECTION_ERRORS) and isinstance(exc, KVTierError)
 
 
 RECONNECT_HELLO_S = 0.25   # a live daemon greets in milliseconds, even a busy one
@@ -134,11 +147,15 @@ class DaemonLink:
             raise
         try:
             cm.__exit__(None, None, None)
-        except _CONNECTION_ERRORS as exc:
-            self._drop(exc)
         except LeaseExpired:  # a get's bytes may be another block's: the caller recomputes
             self.errors += 1
             raise
+        except _CONNECTION_ERRORS as exc:
+            if not _answered(exc):
+                self._drop(exc)
+                return
+            self.errors += 1
+            logger.warning("kvtier %s: lease not completed (%s: %s)", self.name, exc.code, exc)
         except KVTierError as exc:
             self.errors += 1
             logger.warning("kvtier %s: lease not completed (%s: %s)", self.name, exc.code, exc)
@@ -194,9 +211,10 @@ class DaemonLink:
             return True, op(client)
         except _RETRYABLE as exc:
             on_lost(exc)
-        except _CONNECTION_ERRORS as exc:
-            self._drop(exc)
-        except KVTierError as exc:
+        except _FAILURES as exc:
+            if not _answered(exc):
+                self._drop(exc)
+                return False, None
             self.errors += 1
             logger.warning("kvtier %s: daemon refused a request (%s: %s); continuing "
                            "without it", self.name, exc.code, exc)

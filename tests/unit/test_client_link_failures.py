@@ -14,6 +14,7 @@ import pytest
 from connectors.vllm import link as link_mod
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.link import DaemonLink
+from kvtier.errors import ProtocolError, RequestTimeout, error_from_code
 from kvtier.layout import KVLayout
 from tests.support.fake_daemon import HostileSocketDaemon
 
@@ -71,3 +72,30 @@ def test_a_malformed_hello_is_a_daemon_failure(tmp_path: Path) -> None:
         assert link.preconnect() is False
         assert link.lookup(link.namespace(None, 0), [b"k" * 16]) == 0
         link.close()
+
+
+@pytest.mark.parametrize(("exc", "dropped"), [
+    (error_from_code("protocol", "cache_salt is limited to 1024 characters"), False),
+    (error_from_code("limit", "too many keys"), False),
+    (ProtocolError("daemon sent overlapping slots"), True),      # raised here: suspect
+    (RequestTimeout("no reply in 2 s"), True),
+])
+def test_a_refusal_the_daemon_answered_keeps_the_connection(
+        monkeypatch: pytest.MonkeyPatch, exc: Exception, dropped: bool) -> None:
+    """One request's input the daemon refused (a ProtocolError it answered, over a
+    connection that stands) took the connection down with a backoff, and every other
+    request's saves with it (found by review); an error raised on this side still drops."""
+    clients: list[_Broken] = []
+
+    def connect(*_: Any, **__: Any) -> _Broken:
+        clients.append(_Broken(exc))
+        return clients[-1]
+
+    monkeypatch.setattr(link_mod, "_connect", connect)
+    link = DaemonLink(ConnectorConfig(Path("/nonexistent.sock"), 16, "m", timeout_s=1), LAYOUT)
+    ns = link.namespace(None, 0)
+    assert link.lookup(ns, [b"k" * 16]) == 0
+    assert link.connected is not dropped and clients[0].closed is dropped
+    with link.lease(lambda c: c.prepare_get(ns, [b"k" * 16])) as lease:
+        assert lease is None
+    assert len(clients) == 1 and link.errors == 2 - dropped
