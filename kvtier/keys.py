@@ -32,6 +32,9 @@ KEY_BYTES = 16
 KEY_SCHEME = "blake2b_128-chain/2"
 """The key function's version: clients report it at hello; a mismatch never shares blocks."""
 ROOT_KEY: BlockKey = b"\x00" * KEY_BYTES
+MAX_NAME_CHARS = 1024
+"""The longest ``model_id`` and ``cache_salt`` a daemon registers (its namespaces keep
+them): a longer one is refused, so a client does not ask with it."""
 # BLAKE2b personalisation (domain separation): a namespace digest is never a block key.
 _KEY_PERSON = b"kvtier-key/2"
 _NS_PERSON = b"kvtier-ns/2"

@@ -7,20 +7,26 @@ of its token ids alone."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING, Literal
 
+from kvtier.keys import MAX_NAME_CHARS
+from kvtier.lograte import LogRate
 from kvtier.weights import fingerprint
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-__all__ = ["adapter_fingerprint", "namespace_salt", "request_salt"]
+__all__ = ["adapter_fingerprint", "namespace_salt", "request_salt", "usable_salt"]
+
+_warn = LogRate(logging.getLogger("kvtier.connectors.vllm"))
 
 
 def request_salt(request: Request, generation: str | None = None
                  ) -> str | Literal[False] | None:
     """The namespace salt of a request, or ``False`` when its KV is not a function of its
-    token ids alone (multimodal inputs, prompt embeddings) and must not be cached.
+    token ids alone (multimodal inputs, prompt embeddings) and must not be cached, or when
+    the daemon cannot take its salt (``usable_salt``).
 
     A LoRA adapter changes the KV, so it joins the tenant's ``cache_salt``, and so does the
     engine's weights ``generation`` (``namespace_salt``).
@@ -35,7 +41,29 @@ def request_salt(request: Request, generation: str | None = None
         lora_id = int(getattr(lora, "lora_int_id", 0) or 0)
         adapter = (str(getattr(lora, "lora_name", "")), path, lora_id,
                    adapter_fingerprint(path, lora_id))
-    return namespace_salt(getattr(request, "cache_salt", None), adapter, generation)
+    salt = namespace_salt(getattr(request, "cache_salt", None), adapter, generation)
+    return salt if salt is None or usable_salt(salt) else False
+
+
+def usable_salt(salt: str) -> bool:
+    """Whether the daemon can register a namespace with ``salt``: at most
+    ``MAX_NAME_CHARS`` characters (an adapter's path counts) and valid Unicode. A request
+    with another salt is not cached (vLLM serves it as it would without kvtier): a lone
+    surrogate raised out of the scheduler and stopped the engine for good, and a salt over
+    the limit cost the worker its connection (found by review). Said once per 10 s."""
+    reason = None
+    if len(salt) > MAX_NAME_CHARS:
+        reason = f"a cache_salt of {len(salt)} characters (the daemon keeps at most " \
+                 f"{MAX_NAME_CHARS})"
+    else:
+        try:
+            salt.encode("utf-8")
+        except UnicodeEncodeError:
+            reason = "a cache_salt that is not valid Unicode (a lone surrogate)"
+    if reason is None:
+        return True
+    _warn.warning("salt", "kvtier: a request with %s is not cached", reason)
+    return False
 
 
 _ADAPTER_FINGERPRINTS: dict[tuple[str, int], str] = {}

@@ -19,13 +19,12 @@ from kvtier.daemon.prefix import PrefixProbe
 from kvtier.daemon.redis_sync import RedisSync
 from kvtier.errors import LayoutMismatch, LimitExceeded, ProtocolError, UnknownNamespace
 from kvtier.frame import MAX_PAYLOAD
-from kvtier.keys import KEY_BYTES
+from kvtier.keys import KEY_BYTES, MAX_NAME_CHARS
 from kvtier.layout import KVLayout
 from kvtier.protocol import field as req_field
 from kvtier.protocol import optional_int
 from kvtier.store import TieredStore
 
-_MAX_NAME = 1024  # model_id and cache_salt characters: namespaces retain them
 _MAX_TP = 1 << 16
 # namespaces one connection may name at once (an engine uses one per layout and tp rank;
 # beyond this the oldest is forgotten and the client registers it again, transparently)
@@ -128,8 +127,9 @@ class ControlOps:
         if salt is not None and not isinstance(salt, str):
             raise ProtocolError("cache_salt must be a string or nil")
         model_id = req_field(msg, "model_id", str)
-        if len(model_id) > _MAX_NAME or (salt is not None and len(salt) > _MAX_NAME):
-            raise ProtocolError(f"model_id and cache_salt are limited to {_MAX_NAME} "
+        if len(model_id) > MAX_NAME_CHARS or (salt is not None
+                                              and len(salt) > MAX_NAME_CHARS):
+            raise ProtocolError(f"model_id and cache_salt are limited to {MAX_NAME_CHARS} "
                                 "characters")
         tp_size = optional_int(msg, "tp_size", 1, 1, _MAX_TP)
         tp_rank = optional_int(msg, "tp_rank", 0, 0, tp_size - 1)

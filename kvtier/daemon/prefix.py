@@ -47,7 +47,7 @@ from kvtier.errors import (
     UnknownNamespace,
 )
 from kvtier.index import SlotState
-from kvtier.keys import KEY_BYTES, ROOT_KEY, BlockKey, Namespace, block_keys
+from kvtier.keys import KEY_BYTES, MAX_NAME_CHARS, ROOT_KEY, BlockKey, Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.prefix import PrefixLocality, RedisProbe
 from kvtier.protocol import optional_int
@@ -60,7 +60,6 @@ JSON_CONTEXTS = 2          # full-length prompts one JSON body may carry (at mos
 JSON_MAX_TOKENS = 32768    # ...and token ids in all: ~3 ms of parse (loads + asarray)
 JSON_SLACK = 64 * 2**10    # namespace fields, layouts, keys of a batch's objects
 _OCTET = "application/octet-stream"
-_MAX_NAME = 1024
 _MAX_TP = 1 << 16
 _CPU_STATES = (SlotState.READY, SlotState.LOADING)
 _NS_FIELDS = ("namespace", "model_id", "layout", "tp_rank", "tp_size", "cache_salt")
@@ -195,12 +194,12 @@ class PrefixProbe:
                                        "(a digest names only a namespace without a salt)")
             return entry.namespace
         model_id = spec.get("model_id")
-        if not isinstance(model_id, str) or not model_id or len(model_id) > _MAX_NAME:
+        if not isinstance(model_id, str) or not model_id or len(model_id) > MAX_NAME_CHARS:
             raise ProtocolError("name the namespace: 'namespace' (its digest) or 'model_id' "
-                                f"(a string of at most {_MAX_NAME} characters)")
+                                f"(a string of at most {MAX_NAME_CHARS} characters)")
         salt = spec.get("cache_salt")
-        if salt is not None and (not isinstance(salt, str) or len(salt) > _MAX_NAME):
-            raise ProtocolError(f"cache_salt must be a string of at most {_MAX_NAME} "
+        if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_NAME_CHARS):
+            raise ProtocolError(f"cache_salt must be a string of at most {MAX_NAME_CHARS} "
                                 "characters or null")
         utf8_text("model_id", model_id)
         utf8_text("cache_salt", salt or "")

@@ -108,3 +108,17 @@ def test_a_weights_generation_gives_every_request_another_salt() -> None:
         assert after != request_salt(request(after))               # a tenant choosing it
         assert request_salt(req, "another") != after
     assert request_salt(request(None), gen) != request_salt(request(""), gen)
+
+
+def test_a_salt_the_daemon_cannot_take_is_not_cached(caplog: pytest.LogCaptureFixture) -> None:
+    """A lone surrogate in a tenant's salt raised out of vLLM's scheduler (the request
+    stayed queued: the engine failed every step after), and a salt over the daemon's 1024
+    characters, or one an adapter's long path makes that long, was refused by the daemon
+    at register_layout (found by review): such a request is not cached, said once."""
+    assert request_salt(request("\ud800x")) is False
+    assert request_salt(request("s" * 1025)) is False
+    assert request_salt(request("s" * 1024)) == "s" * 1024
+    assert request_salt(request("t", ("foo", "/p" * 600, 1))) is False
+    long_gen = request_salt(request("s" * 1000), "0123456789abcdef")
+    assert long_gen is False                       # the derived salt is what counts
+    assert caplog.text.count("is not cached") == 1
