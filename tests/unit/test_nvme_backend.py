@@ -270,6 +270,7 @@ async def test_kvikio_io_round_trip_and_same_format_as_posix(tmp_path: Path,
     assert t.backend == "kvikio-compat"
     assert t.stats_extra() == {"io_backend": "kvikio", "io_backend_reason": "auto: test",
                                "direct": t.direct, "disk_bytes": 0, "punched_slots": 0,
+                               "open_files": 0, "file_reopens": 0, "file_closes": 0,
                                "kvikio_mode": "compat", "kvikio_version": "26.10.0"}
     blocks = {i: _block(rng, n) for i, n in enumerate(sizes)}
     slots = {i: await _put(t, i, blocks[i], n) for i, n in enumerate(sizes)}
