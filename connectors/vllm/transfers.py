@@ -214,6 +214,7 @@ class SaveRequest:
         self._todo: list[tuple[int, Any]] = []
         self.saved_blocks = 0
         self.redis_synced: bool | None = None
+        self.redis_off = False     # the daemon has no Redis tier to sync to
 
     @property
     def nbytes(self) -> int:
@@ -264,6 +265,7 @@ class SaveRequest:
             ok, _ = self._link.run(lambda _c: lease.commit(redis_sync_s=sync_s), self._conn)
             budget.spent(time.monotonic() - t0)
             self.redis_synced = bool(ok and lease.redis_synced)
+            self.redis_off = ok and lease.redis_sync_reason == "off"
         if not ok:
             raise RuntimeError(f"commit of request {self.spec.req_id}'s blocks refused")
         self.saved_blocks += len(self._todo)

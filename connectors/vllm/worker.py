@@ -33,6 +33,7 @@ from kvtier.kernels.pipeline import LayerPipeline
 
 from kvtier.errors import LayoutMismatch
 from kvtier.layout import KVLayout
+from kvtier.lograte import LogRate
 
 from .config import ConnectorConfig
 from .device import ArenaRegistry, Register, cuda_register
@@ -46,6 +47,7 @@ from .ranks import Agree, tp_agree
 from .transfers import CacheSet, LoadBatch, SaveRequest, SyncBudget
 
 logger = logging.getLogger("kvtier.connectors.vllm")
+_warn = LogRate(logger)
 
 PREEMPTED_SAVES_WAIT_S = 0.5
 """How long a step waits, in all, for its preempted requests' saves before withdrawing
@@ -350,7 +352,11 @@ class WorkerSide:
         self.saved_blocks += job.saved_blocks
         self._count("saved_blocks", job.saved_blocks)
         if job.redis_sync is not None and not job.redis_synced:
-            self._count("redis_sync_gave_up", 1)
+            if job.redis_off:    # not a give-up: nothing to wait for (a producer alone)
+                _warn.warning("redis-off", "kvtier: kv_producer on a daemon without a Redis "
+                              "tier: its saves stay on this node (set redis.url for P/D)")
+            else:
+                self._count("redis_sync_gave_up", 1)
         self.ledger.over(job.spec.req_id, job.spec.save_id)
 
     def handle_preemptions(self, req_ids: Iterable[str]) -> None:

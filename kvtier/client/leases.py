@@ -27,6 +27,7 @@ class _PutLeaseRules:
         self._open = True
         self.redis_visible: int | None = None   # after a commit with redis_sync_s
         self.redis_synced: bool | None = None
+        self.redis_sync_reason: str | None = None   # why not synced ("off": no Redis tier)
 
     def _commit_op(self, durable: bool, output_tokens: int | None,
                    redis_sync_s: float | None = None) -> Op:
@@ -36,8 +37,9 @@ class _PutLeaseRules:
         return self._commit_sync_op(durable, output_tokens, redis_sync_s)
 
     def _commit_sync_op(self, durable: bool, output_tokens: int | None, wait: float) -> Op:
-        stored, self.redis_visible, self.redis_synced = yield from self._ops.op_commit_sync(
-            self.lease, durable, output_tokens, wait, len(self.views))
+        stored, self.redis_visible, self.redis_synced, self.redis_sync_reason = \
+            yield from self._ops.op_commit_sync(self.lease, durable, output_tokens, wait,
+                                                len(self.views))
         return stored
 
     def _abort_op(self) -> Op:

@@ -211,15 +211,19 @@ class Ops:
     def op_commit_sync(lease: int, durable: bool, output_tokens: int | None,
                        redis_sync_s: float, n_keys: int | None = None) -> Op:
         """A commit answered once the put's chain is in Redis (or ``redis_sync_s`` passed):
-        (stored, leading blocks confirmed in Redis, whether that is the whole chain), the
-        counts checked as ``op_commit``'s."""
+        (stored, leading blocks confirmed in Redis, whether that is the whole chain, the
+        daemon's reason when not: "off" without a Redis tier, "" from a daemon that gives
+        none), the counts checked as ``op_commit``'s."""
         reply = yield {"op": "put_commit", "lease": lease, "durable": durable,
                        "output_tokens": output_tokens, "redis_sync_s": redis_sync_s}
         synced = reply.get("redis_synced", False)
         if type(synced) is not bool:
             raise ProtocolError(f"daemon sent redis_synced={synced!r:.40}")
+        reason = reply.get("redis_sync_reason", "")
+        if type(reason) is not str or len(reason) > 32:
+            raise ProtocolError(f"daemon sent redis_sync_reason={reason!r:.40}")
         return (count_of(reply, "stored", n_keys),
-                count_of(reply, "redis_visible", n_keys, default=0), synced)
+                count_of(reply, "redis_visible", n_keys, default=0), synced, reason)
 
     def op_abort(self, lease: int) -> Op:
         yield {"op": "put_abort", "lease": lease}

@@ -233,7 +233,8 @@ class ControlOps:
     async def _put_commit(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         """``redis_sync_s`` (optional): answer only once the put's whole chain is in Redis,
         or that many seconds passed (kvtier.daemon.redis_sync); the reply then says how
-        many leading blocks Redis holds (``redis_visible``) and whether that is all."""
+        many leading blocks Redis holds (``redis_visible``), whether that is all, and why
+        not (``redis_sync_reason``: "off" for a daemon without a Redis tier)."""
         out = msg.get("output_tokens")
         if out is not None and (not isinstance(out, int) or isinstance(out, bool) or out < 0):
             raise ProtocolError("output_tokens must be a non-negative int or nil")
@@ -258,7 +259,8 @@ class ControlOps:
         # (a client that knew another tenant's keys learnt how much of it Redis held)
         digest, chain, fresh = target
         done = await self.redis_sync.sync(digest, chain, fresh, float(sync_s), began)
-        return {"stored": stored, "redis_visible": done.visible, "redis_synced": done.complete}
+        return {"stored": stored, "redis_visible": done.visible, "redis_synced": done.complete,
+                "redis_sync_reason": done.reason}
 
     async def _put_abort(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
         self.store.abort_put(conn.id, req_field(msg, "lease", int))

@@ -107,6 +107,22 @@ def test_redis_gone_bounds_the_producer_step_and_is_counted(
     w.shutdown()
 
 
+def test_a_producer_on_a_daemon_without_redis_is_said_once_not_counted_as_giving_up(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing to sync to is not a sync that gave up: every save of a producer whose
+    daemon has no Redis tier counted one, so the give-up alert fired for a producer alone
+    (found by review). It is said in the log, once."""
+    with DaemonProcess(tmp_path / "kvd", cpu_bytes="32MiB", nvme_bytes="0") as d:
+        w = worker(d, "kv_producer", redis_sync_timeout_s=1.0)
+        with caplog.at_level("WARNING", "kvtier.connectors.vllm"):
+            w.save(two_saves())
+        assert w.saved_blocks == 2
+        assert counters(w).get("redis_sync_gave_up", 0) == 0
+        assert caplog.text.count("kv_producer on a daemon without a Redis tier") == 1
+        assert d.stats()["daemon"]["redis_sync"]["gave_up_by_reason"] == {"off": 2}
+        w.shutdown()
+
+
 def test_a_hung_redis_holds_a_producer_step_once_not_once_per_save(
         tmp_path: Path, redis_server: RedisServer) -> None:
     """Redis stops answering (SIGSTOP, as a DEBUG SLEEP or a stalled host would) while the
