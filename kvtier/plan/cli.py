@@ -11,8 +11,8 @@ from kvtier import ui
 from kvtier.argtypes import float_in, int_in
 from kvtier.plan.errors import PlanError
 from kvtier.plan.hardware import GPUS, find_gpu
-from kvtier.plan.kvmath import KV_DTYPES, normalize_dtype
-from kvtier.plan.model import load_model
+from kvtier.plan.kvmath import KV_DTYPES, WEIGHT_DTYPES, normalize_dtype
+from kvtier.plan.model import ModelSpec, load_model
 from kvtier.plan.planner import (
     DAEMON_BYTES_PER_BLOCK,
     MAX_CONCURRENCY,
@@ -60,10 +60,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True,
                    help=f"preset ({', '.join(preset_names())}) or a config.json path/folder")
     p.add_argument("--kv-dtype", default="auto",
-                   help=f"KV cache dtype: auto (the model's dtype) or {', '.join(KV_DTYPES)}")
+                   help="KV cache dtype: auto (as vLLM's --kv-cache-dtype auto: the "
+                        "checkpoint's quantized KV, e.g. ModelOpt FP8, else the model's "
+                        f"dtype) or {', '.join(KV_DTYPES)}")
     p.add_argument("--weights-dtype", default="auto",
                    help="weights dtype for every weight: auto (the checkpoint's, with its "
-                        "quantization_config), fp32, bf16, fp16, fp8, int8, int4")
+                        f"quantization_config) or {', '.join(WEIGHT_DTYPES)}")
     p.add_argument("--params", type=_count, default=None,
                    help="parameter count override, e.g. 14B (default: counted from config)")
     p.add_argument("--gpu", default="h100-80gb", help=f"GPU type: {', '.join(GPUS)}")
@@ -111,12 +113,9 @@ def build_input(args: argparse.Namespace) -> PlanInput:
         gpu = dataclasses.replace(gpu, name=f"{gpu.name} ({args.gpu_mem_gb:g} GB)",
                                   memory_bytes=int(args.gpu_mem_gb * 1e9))
     if args.kv_dtype == "auto":
-        kv_dtype = normalize_dtype(model.torch_dtype or "bf16")
-        kv_dtype = "bf16" if kv_dtype not in ("fp16", "bf16") else kv_dtype
+        kv_dtype = auto_kv_dtype(model)
     else:
-        kv_dtype = normalize_dtype(args.kv_dtype)
-        if kv_dtype not in KV_DTYPES:
-            raise PlanError(f"--kv-dtype {args.kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+        kv_dtype = normalize_dtype(args.kv_dtype, KV_DTYPES, "--kv-dtype")
     trace = None
     context = parse_context(args.context)
     max_output = args.max_output
@@ -136,6 +135,16 @@ def build_input(args: argparse.Namespace) -> PlanInput:
         block_tokens=args.block_size, kvtier_block_tokens=args.tokens_per_block,
         params_override=args.params, trace=trace,
     )
+
+
+def auto_kv_dtype(model: ModelSpec) -> str:
+    """``--kv-dtype auto`` as vLLM resolves ``--kv-cache-dtype auto``: the KV dtype the
+    checkpoint's quantization_config asks for (ModelOpt FP8: fp8_e4m3), else the model's
+    dtype (fp16 or bf16; bf16 for an fp32 checkpoint)."""
+    if model.checkpoint_kv_dtype:
+        return model.checkpoint_kv_dtype
+    kv_dtype = normalize_dtype(model.torch_dtype or "bf16")
+    return kv_dtype if kv_dtype in ("fp16", "bf16") else "bf16"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,18 +16,39 @@ from kvtier.plan.model import ModelSpec
 
 def connector_refuses(m: ModelSpec) -> bool:
     """Whether kvtier's vLLM connector refuses the model at start: more than one KV cache
-    group (recurrent-state layers, DeepSeek-V3.2's indexer cache), or windowed layers with
-    no full-attention layer beside them (vLLM keeps them windowed, freeing old pages)."""
+    group (recurrent-state layers, DeepSeek-V3.2's indexer cache), layers of different
+    page sizes (Gemma-4: vLLM groups them in a UniformTypeKVCacheSpecs, not one of the
+    connector's ``KEEPS_EVERY_TOKEN`` specs), or windowed layers with no full-attention
+    layer beside them (vLLM keeps them windowed, freeing old pages, even where the window
+    is as long as the context)."""
     full = sum(1 for w in m.layer_windows if w is None)
-    return bool(m.state_layers or any(m.indexer_layers) or (m.windowed_layers and not full))
+    return bool(m.state_layers or any(m.indexer_layers) or not m.uniform_pages
+                or (m.windowed_layers and not full))
+
+
+def refusal_reason(m: ModelSpec) -> str:
+    """Why the connector refuses the model, in a few words (see connector_refuses)."""
+    if m.state_layers:
+        return "recurrent-state layers beside the attention KV"
+    if any(m.indexer_layers):
+        return "a sparse-attention indexer cache beside the latent"
+    if not m.uniform_pages:
+        return ("layers of different KV page sizes (different KV heads or head sizes), "
+                "which vLLM groups in a UniformTypeKVCacheSpecs")
+    return "sliding-window layers alone (vLLM builds a SlidingWindowSpec for them)"
 
 
 def way_out(m: ModelSpec) -> str:
     """For sliding-window layers alone, the setting under which the connector serves the
     model: vLLM's --disable-sliding-window (full-attention pages, max_model_len capped)."""
-    if m.state_layers or any(m.indexer_layers) or m.chunked_local_attention:
+    if (m.state_layers or any(m.indexer_layers) or m.chunked_local_attention
+            or not m.uniform_pages):
         return ""
     window = max(w for w in m.layer_windows if w)
+    if m.max_context and window >= m.max_context:
+        return (f"; with vLLM's --disable-sliding-window it is served (the {window:,}-token "
+                f"window reaches past the {m.max_context:,}-token context, so every layer "
+                "keeps every token either way)")
     return (f"; with vLLM's --disable-sliding-window it is served (max_model_len capped at "
             f"the {window:,}-token window, every layer full attention)")
 
@@ -47,6 +68,8 @@ def window_note(m: ModelSpec, runs: ModelSpec, p99_bytes: int, windowed: int) ->
     head = (f"{m.windowed_layers} of {m.num_layers} layers use a sliding or chunked window "
             f"of {window:,} tokens")
     if runs is m:
+        if m.max_context and window >= m.max_context:
+            return f"{head}, at least the {m.max_context:,}-token context: they keep every token"
         return f"{head}: their KV stops growing"
     planned = (f"those layers keep every token, in HBM and in the tiers: planned so "
                f"({p99_bytes / 1e9:.2f} GB per P99 sequence")

@@ -23,7 +23,10 @@ TWO_MATRIX_MLP = frozenset(FALCON | {"gpt2", "gpt_bigcode", "gptj", "gpt_neo", "
 TIED_BY_DEFAULT = frozenset(FALCON | {"gpt2", "gpt_bigcode", "gpt_neo", "mpt", "opt",
                                       "bloom", "gemma", "gemma2", "gemma3", "gemma3_text"})
 """Model types whose config class ties the LM head to the embeddings unless told not to."""
-_KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
+_KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num",
+            "num_attention_groups")
+"""Fields giving the KV heads, as vLLM's ``get_total_num_kv_heads`` reads them (ChatGLM's
+``multi_query_group_num``, Step's ``num_attention_groups``)."""
 _MPT_KV = {"multihead_attention": None, "multiquery_attention": 1}
 _MAX_RATIO = 1000.0
 
@@ -34,7 +37,9 @@ def kv_heads(cfg: dict[str, Any], heads: int, source: str) -> int:
 
     Falcon (Transformers' FalconAttention): ``num_kv_heads`` if ``new_decoder_architecture``
     or not ``multi_query`` (default true), else 1. GPT-BigCode: 1 when ``multi_query``
-    (default true). MPT: from ``attn_config``.
+    (default true). MPT: from ``attn_config``. ChatGLM / older GLM-4 (vLLM's chatglm.py):
+    ``multi_query_group_num`` when ``multi_query_attention`` (default false), else one per
+    attention head.
     """
     model_type = str(cfg.get("model_type", ""))
     key = next((k for k in _KV_KEYS if cfg.get(k) is not None), _KV_KEYS[0])
@@ -51,6 +56,10 @@ def kv_heads(cfg: dict[str, Any], heads: int, source: str) -> int:
         return 1 if flag(cfg, "multi_query", source, True) else heads
     elif model_type == "mpt":
         return _mpt_kv_heads(cfg, heads, source)
+    elif model_type == "chatglm":
+        if not flag(cfg, "multi_query_attention", source, False):
+            return heads
+        return opt_int(cfg, "multi_query_group_num", source, 1, low=1)
     return opt_int(cfg, key, source, heads, low=1)
 
 

@@ -10,21 +10,27 @@ from typing import Any
 
 from kvtier.plan.errors import PlanError
 
-MAX_LAYERS = 10_000
-"""Most layers a config may declare (the plan keeps a window per layer)."""
-MAX_DIM = 2**31
-"""Largest size, head count or vocabulary a config may declare."""
+MAX_LAYERS = 4096
+"""Most layers a config may declare: real models have at most a few hundred (10,000 was
+accepted and planned absurd sizes; found by review)."""
+MAX_DIM = 2**24
+"""Largest size, head count or vocabulary a config may declare (16,777,216: real models'
+widest is under 2^17, their largest vocabulary under 2^21)."""
+MAX_CONTEXT = 2**31
+"""Largest ``max_position_embeddings`` a config may declare."""
 MAX_EXPERTS = 1 << 16
 """Most experts a config may declare (MoE models have hundreds)."""
 
 #: Older spellings of the fields the planner reads, as Transformers' ``attribute_map``s
-#: (GPT-2, GPT-BigCode, GPT-J, BLOOM, MPT, Falcon/RefinedWeb) and vLLM's RWConfig read them.
+#: (GPT-2, GPT-BigCode, GPT-J, BLOOM, MPT, Falcon/RefinedWeb) and vLLM's RWConfig and
+#: ChatGLMConfig (``num_layers``, ``padded_vocab_size``, ``seq_length``) read them.
 #: The canonical name wins when a config has both.
 ALIASES: dict[str, tuple[str, ...]] = {
-    "num_hidden_layers": ("n_layer", "n_layers"),
+    "num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
     "num_attention_heads": ("n_head", "n_heads"),
     "hidden_size": ("n_embd", "n_embed", "d_model"),
-    "max_position_embeddings": ("n_positions", "max_seq_len"),
+    "max_position_embeddings": ("n_positions", "max_seq_len", "seq_length"),
+    "vocab_size": ("padded_vocab_size",),
 }
 
 

@@ -24,28 +24,39 @@ from dataclasses import dataclass
 from kvtier.plan.blocks import FULL, LINEAR
 from kvtier.plan.errors import PlanError
 from kvtier.plan.indexer import indexer_bytes
+from kvtier.plan.layers import NO_KV
 from kvtier.plan.model import AttentionKind, ModelSpec
 from kvtier.plan.quant import FP8_METHODS
 
-#: Bytes per element of the dtypes ``--kv-dtype`` and ``--weights-dtype`` accept.
+#: Bytes per element of the dtypes ``--kv-dtype`` and ``--weights-dtype`` accept. nvfp4
+#: KV (vLLM's packed layout: head/2 bytes of 4-bit values + head/16 fp8 scales) is 9/16.
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
-    "int8": 1, "int4": 0.5,
+    "int8": 1, "int4": 0.5, "nvfp4": 9 / 16,
 }
 _DTYPE_ALIASES: dict[str, str] = {
     "float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
     "bfloat16": "bf16", "float8": "fp8", "float8_e4m3fn": "fp8_e4m3",
     "float8_e5m2": "fp8_e5m2", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2",
 }
-KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4")
+"""What ``--kv-dtype`` takes (vLLM's --kv-cache-dtype has no int8 or int4 KV)."""
+WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+"""What ``--weights-dtype`` takes."""
+NO_KV_REPLICATION = frozenset({"gpt_oss"})
+"""Model types whose vLLM attention splits KV heads over TP ranks without replicating
+them (gpt_oss.py: ``num_key_value_heads // tp_size`` KV heads per rank), so the TP size
+must divide the KV heads: at TP 16 gpt-oss's 8 KV heads leave a rank none."""
 
 
-def normalize_dtype(name: str) -> str:
-    """Canonical short dtype name (``bfloat16`` -> ``bf16``); PlanError when unknown."""
+def normalize_dtype(name: str, allowed: tuple[str, ...] = tuple(DTYPE_BYTES),
+                    what: str = "dtype") -> str:
+    """Canonical short dtype name (``bfloat16`` -> ``bf16``); PlanError naming ``what``
+    and the names it takes when not one of ``allowed``."""
     key = name.strip().lower()
     key = _DTYPE_ALIASES.get(key, key)
-    if key not in DTYPE_BYTES:
-        raise PlanError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_BYTES)}")
+    if key not in allowed:
+        raise PlanError(f"unknown {what} {name!r}; use one of {', '.join(allowed)}")
     return key
 
 
@@ -60,11 +71,13 @@ def serving_dtype(model: ModelSpec) -> str:
     return "bf16" if dtype == "fp32" else dtype
 
 
-def kv_width(model: ModelSpec) -> int:
-    """Elements of KV one token adds to one layer (K and V together, or the MLA latent)."""
+def kv_width(model: ModelSpec, layer: int = 0) -> int:
+    """Elements of KV one token adds to layer ``layer`` (K and V together, or the MLA
+    latent); layers differ only where the model gives them other heads (Gemma-4)."""
     if model.attention is AttentionKind.MLA:
         return model.kv_lora_rank + model.qk_rope_head_dim
-    return 2 * model.num_kv_heads * model.head_dim
+    kv, head = model.shape(layer)
+    return 2 * kv * head
 
 
 #: Bytes per token per layer of vLLM's ``fp8_ds_mla`` cache (MLAAttention's
@@ -81,17 +94,23 @@ def is_fp8_ds_mla(model: ModelSpec, kv_dtype: str) -> bool:
     return model.sparse_mla and normalize_dtype(kv_dtype) == "fp8"
 
 
-def kv_layer_bytes(model: ModelSpec, kv_dtype: str) -> float:
-    """Bytes of KV one token adds to one layer (the indexer's keys apart)."""
+def kv_layer_bytes(model: ModelSpec, kv_dtype: str, layer: int = 0) -> float:
+    """Bytes of KV one token adds to layer ``layer`` (the indexer's keys apart)."""
     if is_fp8_ds_mla(model, kv_dtype):
         return FP8_DS_MLA_BYTES
-    return kv_width(model) * DTYPE_BYTES[normalize_dtype(kv_dtype)]
+    return kv_width(model, layer) * DTYPE_BYTES[normalize_dtype(kv_dtype)]
+
+
+def _layer_bytes(model: ModelSpec, kv_dtype: str) -> list[float]:
+    """Per layer, the KV bytes one token adds (0 for a layer without KV)."""
+    return [0.0 if w == NO_KV else kv_layer_bytes(model, kv_dtype, i)
+            for i, w in enumerate(model.layer_windows)]
 
 
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: str) -> int:
     """KV bytes of one token over all layers that hold KV, for the whole model (all TP
     ranks), with a sparse-attention indexer's keys where layers keep them."""
-    return int(model.kv_layers * kv_layer_bytes(model, kv_dtype)
+    return int(sum(_layer_bytes(model, kv_dtype))
                + sum(model.indexer_layers) * indexer_bytes(model.index_head_dim))
 
 
@@ -102,18 +121,30 @@ def check_tensor_parallel(model: ModelSpec, tp: int) -> None:
     if model.num_attention_heads % tp:
         raise PlanError(f"--tp {tp} does not divide num_attention_heads="
                         f"{model.num_attention_heads}; pick a divisor")
-    kv = model.num_kv_heads
-    if model.attention is not AttentionKind.MLA and (kv % tp if kv >= tp else tp % kv):
-        raise PlanError(f"--tp {tp} cannot shard num_key_value_heads={kv}: "
-                        "KV heads and TP size must divide one another")
+    if model.attention is AttentionKind.MLA:
+        return
+    for kv in sorted({model.shape(i)[0] for i in range(model.num_layers)}):
+        if model.model_type in NO_KV_REPLICATION and kv % tp:
+            raise PlanError(f"--tp {tp} cannot run {model.model_type}: vLLM splits its "
+                            f"num_key_value_heads={kv} over the TP ranks without copying "
+                            "them, so the TP size must divide them")
+        if kv % tp if kv >= tp else tp % kv:
+            raise PlanError(f"--tp {tp} cannot shard num_key_value_heads={kv}: "
+                            "KV heads and TP size must divide one another")
 
 
 def kv_share_per_rank(model: ModelSpec, tp: int) -> float:
-    """Fraction of the model's per-token KV that one TP rank holds."""
+    """Fraction of the model's per-token KV that one TP rank holds: per layer, its share
+    of that layer's KV heads (replicated when fewer than ranks), weighted by the layer's
+    bytes where layers differ (Gemma-4)."""
     if model.attention is AttentionKind.MLA:
         return 1.0  # every rank keeps the whole latent
-    heads_per_rank = max(1, model.num_kv_heads // tp)
-    return heads_per_rank / model.num_kv_heads
+    if not model.layer_shapes:
+        return max(1, model.num_kv_heads // tp) / model.num_kv_heads
+    sizes = _layer_bytes(model, "bf16")
+    held = sum(b * max(1, model.shape(i)[0] // tp) / model.shape(i)[0]
+               for i, b in enumerate(sizes))
+    return held / sum(sizes)
 
 
 def round_to_block(tokens: int, block_tokens: int) -> int:
@@ -128,12 +159,12 @@ def kv_bytes_per_sequence(model: ModelSpec, kv_dtype: str, tokens: int,
     """KV bytes one sequence of ``tokens`` holds across the model, windows honoured."""
     if tokens < 0:
         raise PlanError(f"a sequence cannot have {tokens} tokens")
-    per_layer = kv_layer_bytes(model, kv_dtype)
+    per_layer = _layer_bytes(model, kv_dtype)
     indexer = indexer_bytes(model.index_head_dim)
     total = 0.0
     for layer, window in enumerate(model.layer_windows):
         held = round_to_block(tokens if window is None else min(tokens, window), block_tokens)
-        total += held * per_layer
+        total += held * per_layer[layer]
         if layer < len(model.indexer_layers) and model.indexer_layers[layer]:
             total += held * indexer
     return int(total)
@@ -184,7 +215,7 @@ def weights_format(model: ModelSpec, dtype: str | None = None) -> WeightsFormat:
     given, else the checkpoint's quantization over its dtype; PlanError for a quantization
     the plan does not model (kvtier.plan.quant)."""
     if dtype:
-        return _uniform(normalize_dtype(dtype))
+        return _uniform(normalize_dtype(dtype, WEIGHT_DTYPES, "--weights-dtype"))
     base = serving_dtype(model)
     q = model.quantization
     if q is None or base == "fp8":
@@ -213,8 +244,10 @@ def weights_bytes(count: ParamCount, fmt: WeightsFormat, params: int | None = No
 
 
 def _attention_params(m: ModelSpec) -> int:
+    """One layer's attention weights: MLA projections wherever the config has them (also
+    MiniCPM3's, which vLLM caches as plain attention), else Q, K, V and O."""
     h = m.hidden_size
-    if m.attention is AttentionKind.MLA:
+    if m.kv_lora_rank:
         qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
         heads = m.num_attention_heads
         if m.q_lora_rank:

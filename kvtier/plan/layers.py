@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.plan.errors import PlanError
+from kvtier.plan.hybrid import hybrid_types
 
 NO_KV = 0
 
@@ -54,6 +55,9 @@ def _every(layers: int, interval: int, hit: str, other: str) -> list[str]:
 def _types_from_fields(cfg: dict[str, Any], layers: int) -> list[str] | None:
     """The layer types older configs spell in per-architecture fields; None: no pattern."""
     model_type = str(cfg.get("model_type", ""))
+    hybrid = hybrid_types(cfg, layers)
+    if hybrid is not None:
+        return hybrid
     pattern = cfg.get("hybrid_override_pattern")  # Nemotron-H: one character per layer
     if isinstance(pattern, str) and pattern and set(pattern) <= set(_NEMOTRON):
         return [_NEMOTRON[c] for c in pattern]
@@ -91,7 +95,8 @@ def _types_from_fields(cfg: dict[str, Any], layers: int) -> list[str] | None:
                 for i in range(layers)]
     every = _positive(cfg, "sliding_window_pattern")  # Gemma 3, Cohere 2: every n-th global
     if every is None:
-        every = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}.get(model_type)
+        every = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4, "gemma4_text": 6,
+                 "gemma4_unified_text": 6}.get(model_type)
     if every is not None:
         return _every(layers, every, "full_attention", "sliding_attention")
     return None
@@ -112,10 +117,10 @@ def layer_reach(cfg: dict[str, Any], layers: int, source: str) -> LayerReach:
             raise PlanError(f"{source}: the layer pattern has {len(types)} layers for "
                             f"num_hidden_layers={layers}")
     if types is None:  # one kind for every layer
-        window = _positive(cfg, "sliding_window")
-        full = window is None or window >= (_positive(cfg, "max_position_embeddings")
-                                            or 1 << 62)
-        return LayerReach((None if full else window,) * layers, 0)
+        # a window at least max_position_embeddings long (Phi-3-mini-128k, Ministral) holds
+        # every token, but vLLM still builds a sliding-window cache for it, which kvtier's
+        # connector refuses: it stays a window (found by review)
+        return LayerReach((_positive(cfg, "sliding_window"),) * layers, 0)
     return _reach_of(types, cfg)
 
 

@@ -18,14 +18,16 @@ from typing import Any
 from kvtier import jsonin
 from kvtier.files import TooLarge, read_regular
 from kvtier.plan.blocks import FULL, Block, read_blocks
+from kvtier.plan.defaults import TEXT_TYPE, with_class_defaults
 from kvtier.plan.errors import PlanError
 from kvtier.plan.families import gated_mlp, kv_heads, mlp_width, tied_embeddings
-from kvtier.plan.fields import MAX_LAYERS, key_of, opt_int, require_int
+from kvtier.plan.fields import MAX_CONTEXT, MAX_DIM, MAX_LAYERS, key_of, opt_int, require_int
 from kvtier.plan.indexer import index_head_dim, indexer_layers
 from kvtier.plan.layers import NO_KV, LayerReach, layer_reach
 from kvtier.plan.moe import MoESpec, read_moe
 from kvtier.plan.presets import find_preset, preset_names
-from kvtier.plan.quant import Quantization, read_quantization
+from kvtier.plan.quant import Quantization, kv_cache_dtype, read_quantization
+from kvtier.plan.shapes import MLA_ROPE_DEFAULT, Shape, expanded_head_dim, is_mla, layer_shapes
 from kvtier.statsdoc import clean
 
 MAX_CONFIG_BYTES = 64 << 20
@@ -82,6 +84,8 @@ class ModelSpec:
     index_head_dim: int = 0  # DeepSeek-V3.2's indexer key (kvtier.plan.indexer); 0: none
     indexer_layers: tuple[bool, ...] = ()  # per layer, whether it holds an indexer cache
     chunked_local_attention: bool = False  # attention_chunk_size set (Llama 4), as vLLM reads it
+    layer_shapes: tuple[Shape, ...] = ()  # per layer (KV heads, head size); (): all alike
+    checkpoint_kv_dtype: str = ""  # the KV dtype quantization_config asks vLLM for; "": none
 
     @property
     def windowed_layers(self) -> int:
@@ -98,6 +102,18 @@ class ModelSpec:
         """How many layers hold attention KV at all."""
         return sum(1 for w in self.layer_windows if w != NO_KV)
 
+    def shape(self, layer: int) -> Shape:
+        """Layer ``layer``'s (KV heads, head size) (MHA/GQA; an MLA latent is one)."""
+        return self.layer_shapes[layer] if self.layer_shapes else (self.num_kv_heads,
+                                                                   self.head_dim)
+
+    @property
+    def uniform_pages(self) -> bool:
+        """Whether every KV layer's page has the same size, as vLLM's single KV cache group
+        of one spec needs (Gemma-4's global layers do not)."""
+        return len({self.shape(i) for i, w in enumerate(self.layer_windows)
+                    if w != NO_KV}) <= 1
+
 
 def _unwrap(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's fields of a multimodal config (``text_config``), with what
@@ -105,6 +121,9 @@ def _unwrap(cfg: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(cfg.get("text_config"), dict) or key_of(cfg, "num_hidden_layers") in cfg:
         return cfg
     inner = dict(cfg["text_config"])
+    if inner.get("model_type") is None and cfg.get("model_type") is not None:
+        outer = str(cfg["model_type"])
+        inner["model_type"] = TEXT_TYPE.get(outer, outer)
     if inner.get("torch_dtype") is None and inner.get("dtype") is None:
         inner["torch_dtype"] = cfg.get("torch_dtype") or cfg.get("dtype")
     for key in ("vocab_size", "quantization_config"):
@@ -121,19 +140,23 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     """
     if not isinstance(cfg, dict):
         raise PlanError(f"{name or 'config'}: expected a JSON object, got {type(cfg).__name__}")
-    cfg = _unwrap(cfg)
+    cfg = with_class_defaults(_unwrap(cfg))
     source = name or str(cfg.get("_name_or_path") or "config.json")
     layers = require_int(cfg, key_of(cfg, "num_hidden_layers"), source, MAX_LAYERS)
     hidden = require_int(cfg, key_of(cfg, "hidden_size"), source)
     heads = require_int(cfg, key_of(cfg, "num_attention_heads"), source)
     stack = read_blocks(cfg, layers, heads, hidden, source)
     kv = stack.kv_heads if stack else kv_heads(cfg, heads, source)
-    head_dim = opt_int(cfg, "head_dim", source, hidden // heads, low=1)
+    expanded = expanded_head_dim(cfg, source)
+    if expanded:  # MLA projections served as plain attention (MiniCPM3): a K/V per head
+        kv, head_dim = heads, expanded
+    else:
+        head_dim = opt_int(cfg, "head_dim", source, hidden // heads, low=1)
     if head_dim < 1:
         raise PlanError(f"{source}: hidden_size={hidden} is smaller than "
                         f"num_attention_heads={heads}; the config must give head_dim")
     kv_lora = opt_int(cfg, "kv_lora_rank", source)
-    if kv_lora:
+    if is_mla(cfg) and kv_lora:
         attention = AttentionKind.MLA
     elif kv == heads:
         attention = AttentionKind.MHA
@@ -142,6 +165,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     if attention is not AttentionKind.MLA and heads % kv:
         raise PlanError(f"{source}: num_attention_heads={heads} is not a multiple of "
                         f"num_key_value_heads={kv}")
+    _check_widths(source, heads * head_dim, 2 * kv * head_dim)
     moe = read_moe(cfg, layers, source)
     reach = (LayerReach(tuple(None if b.attention == FULL else NO_KV for b in stack.blocks), 0)
              if stack else layer_reach(cfg, layers, source))
@@ -150,6 +174,13 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
                         "attention, SSM, convolution or MLP): there is no KV to plan")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     model_type = str(cfg.get("model_type", ""))
+    rope = opt_int(cfg, "qk_rope_head_dim", source)
+    if attention is AttentionKind.MLA and not rope:
+        rope = MLA_ROPE_DEFAULT  # every MLA config class's default
+    shapes = () if stack or attention is AttentionKind.MLA else layer_shapes(
+        cfg, layers, (kv, head_dim), source)
+    for shape_kv, shape_dim in set(shapes):
+        _check_widths(source, heads * shape_dim, 2 * shape_kv * shape_dim)
     return ModelSpec(
         name=source,
         model_type=model_type,
@@ -159,15 +190,16 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         num_attention_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
-        vocab_size=opt_int(cfg, "vocab_size", source),
-        max_context=opt_int(cfg, key_of(cfg, "max_position_embeddings"), source),
+        vocab_size=opt_int(cfg, key_of(cfg, "vocab_size"), source),
+        max_context=opt_int(cfg, key_of(cfg, "max_position_embeddings"), source,
+                            high=MAX_CONTEXT),
         torch_dtype=dtype,
         tie_embeddings=tied_embeddings(cfg, source),
         attention=attention,
         layer_windows=reach.reach,
         state_layers=reach.state_layers,
         kv_lora_rank=kv_lora,
-        qk_rope_head_dim=opt_int(cfg, "qk_rope_head_dim", source),
+        qk_rope_head_dim=rope,
         q_lora_rank=opt_int(cfg, "q_lora_rank", source),
         qk_nope_head_dim=opt_int(cfg, "qk_nope_head_dim", source),
         v_head_dim=opt_int(cfg, "v_head_dim", source),
@@ -179,7 +211,17 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         index_head_dim=index_head_dim(cfg, source),
         indexer_layers=indexer_layers(cfg, layers, source),
         chunked_local_attention=cfg.get("attention_chunk_size") is not None,
+        layer_shapes=shapes,
+        checkpoint_kv_dtype=kv_cache_dtype(cfg),
     )
+
+
+def _check_widths(source: str, q_width: int, kv_width: int) -> None:
+    """Refuse a query or KV width past MAX_DIM (2^24) values per token and layer: no model
+    is that wide, and such a config planned 86 TB of KV per token (found by review)."""
+    if max(q_width, kv_width) > MAX_DIM:
+        raise PlanError(f"{source}: attention {q_width:,} query and {kv_width:,} KV values "
+                        f"per token and layer is past {MAX_DIM:,}: not a real model's config")
 
 
 def load_model(ref: str) -> ModelSpec:

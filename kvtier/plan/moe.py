@@ -3,7 +3,8 @@
 Families say it in their own fields, read as vLLM's model code reads them: DeepSeek leads
 with ``first_k_dense_replace`` dense layers (then every ``moe_layer_freq``-th is MoE), Qwen
 MoEs are MoE every ``decoder_sparse_step``-th layer except ``mlp_only_layers``, Llama-4
-Maverick every ``interleave_moe_layer_step``-th (or the listed ``moe_layers``), and
+Maverick every ``interleave_moe_layer_step``-th (or the listed ``moe_layers``), Jamba every
+``expert_layer_period``-th from ``expert_layer_offset``, and
 Transformers 5 configs list ``mlp_layer_types``; the other layers have a dense MLP.
 Shared experts, which every token passes through, are a count of expert-wide MLPs
 (``n_shared_experts``) or one MLP of their own width (``shared_expert_intermediate_size``);
@@ -73,6 +74,10 @@ def moe_layer_mask(cfg: dict[str, Any], layers: int, source: str) -> tuple[bool,
             raise PlanError(f"{source}: config field 'mlp_layer_types' must list 'dense' or "
                             f"'sparse' for each of the {layers} layers, got {brief(kinds)}")
         return tuple(k == "sparse" for k in kinds)
+    if str(cfg.get("model_type", "")) == "jamba":  # JambaConfig.layers_num_experts
+        period = opt_int(cfg, "expert_layer_period", source, 2, low=1, high=MAX_LAYERS)
+        offset = opt_int(cfg, "expert_layer_offset", source, 1, high=MAX_LAYERS)
+        return tuple(i % period == offset for i in range(layers))
     if cfg.get("moe_layers") is not None:  # Llama-4, when the config lists them
         listed = _layer_list(cfg, "moe_layers", layers, source)
         return tuple(i in listed for i in range(layers))

@@ -14,6 +14,7 @@ from kvtier.layout import default_tokens_per_block
 from kvtier.plan.connector_fit import (
     as_the_connector_runs,
     connector_refuses,
+    refusal_reason,
     way_out,
     window_note,
 )
@@ -46,6 +47,7 @@ DAEMON_NOTE_SHARE = 0.02   # note it when it passes this share of the cpu tier
 MAX_CONCURRENCY = 10**7    # --concurrency: more is a typo (10**24 printed a 10**20 GB plan)
 MAX_GPUS = 4096  # --gpus on one node (largest NVLink domain: 576; found by review)
 MAX_PAGE_TOKENS = 1 << 20  # --block-size, --tokens-per-block (vLLM pages: 16 to 256 tokens)
+MAX_COUNTED_PARAMS = 1e15  # as --params: a config counting more is not a real model
 #: Prompt tokens at P50/P95/P99 when neither --context nor --trace is given.
 DEFAULT_CONTEXT = ContextPercentiles(2048, 4096, 8192)
 
@@ -152,6 +154,9 @@ def make_plan(p: PlanInput) -> Plan:
                         "outer config alike): the KV is planned without it, the weights' "
                         "embeddings are not; pass --params with the model card's parameter "
                         "count (e.g. --params 27B)")
+    if counted.total > MAX_COUNTED_PARAMS:
+        raise PlanError(f"{m.name}: the config's sizes count {counted.total:.3g} parameters, "
+                        f"more than {MAX_COUNTED_PARAMS:g}: not a real model's config")
     params = p.params_override or counted.total
     active = counted.active if p.params_override is None else int(
         p.params_override * counted.active / counted.total)
@@ -199,13 +204,18 @@ def make_plan(p: PlanInput) -> Plan:
     if m.windowed_layers:
         windowed = kv_bytes_per_sequence(m, p.kv_dtype, seq_tokens["p99"], p.block_tokens)
         notes.append(window_note(m, runs, seq_bytes["p99"], windowed))
-    if m.kv_layers < m.num_layers:
+    if m.kv_layers < m.num_layers or m.state_layers:
         notes.append(_hybrid_note(m))
     if connector_refuses(m):
         notes.append("kvtier's vLLM connector refuses this model at start (it takes one KV "
                      "cache group of full-attention or MLA layers: not recurrent-state "
-                     "layers, an indexer cache, or windowed layers alone), so the tier sizes "
+                     "layers, an indexer cache, layers of different page sizes, or windowed "
+                     f"layers alone; this model has {refusal_reason(m)}), so the tier sizes "
                      "above assume an engine that offloads them" + way_out(m))
+    if m.checkpoint_kv_dtype and p.kv_dtype == m.checkpoint_kv_dtype:
+        notes.append(f"KV planned in {p.kv_dtype}: the checkpoint's quantization_config "
+                     "quantizes the KV cache and vLLM's --kv-cache-dtype auto follows it; "
+                     "pass --kv-dtype bf16 if you serve it with --kv-cache-dtype bfloat16")
 
     budget = int(p.gpu.memory_bytes * p.mem_util) - weights_gpu - p.reserve_bytes
     if budget <= 0:
@@ -313,12 +323,16 @@ def _hybrid_note(m: ModelSpec) -> str:
         return (f"only {m.kv_layers} of {m.num_layers} layers hold attention KV: block_configs "
                 f"skips attention (no_op) or replaces it with a linear layer in {no_kv}; "
                 "weights are counted block by block")
-    state = (f"; {m.state_layers} carry a fixed-size recurrent state per sequence (linear "
+    state = (f"{m.state_layers} carry a fixed-size recurrent state per sequence (linear "
              "attention, SSM or convolution) that the engine keeps in HBM beside the KV: not "
              "counted here, and not stored by kvtier" if m.state_layers else "")
+    weights = ("Weights are counted as if every layer were attention + MLP: pass --params "
+               "for the exact count")
+    if not no_kv:  # Falcon-H1: attention and Mamba side by side in every layer
+        return (f"hybrid model: all {m.num_layers} layers hold attention KV and {state}. "
+                + weights)
     return (f"hybrid model: only {m.kv_layers} of {m.num_layers} layers hold attention KV, "
-            f"{no_kv} hold none{state}. Weights are counted as if every layer were "
-            "attention + MLP: pass --params for the exact count")
+            f"{no_kv} hold none" + (f"; {state}" if state else "") + f". {weights}")
 
 
 def _daemon_memory(tiers: tuple[TierSize, ...], block_bytes: int) -> tuple[int, int]:

@@ -148,3 +148,41 @@ def read_quantization(cfg: dict[str, Any], source: str) -> Quantization | None:
     if method == "mxfp4":
         return Quantization(method, "mxfp4 experts", expert_bits=MXFP4_BITS)
     return _unknown(method, source, f"quant_method {raw!r} is not modelled")
+
+
+def _modelopt_kv(q: dict[str, Any]) -> str:
+    """vLLM's ``get_kv_cache_quant_algo_string`` for a ModelOpt config: ``kv_cache_scheme``
+    (float, 8 bits, static: fp8; 4 bits: nvfp4) or ``kv_cache_quant_algo`` ("FP8",
+    "NVFP4"), in ``quantization`` or at the top; "" when it names none it knows."""
+    inner = q.get("quantization")
+    inner = inner if isinstance(inner, dict) else q
+    algo = (inner.get("kv_cache_scheme") or q.get("kv_cache_scheme")
+            or inner.get("kv_cache_quant_algo") or q.get("kv_cache_quant_algo"))
+    if isinstance(algo, dict):
+        if algo.get("type") != "float":
+            return ""
+        if algo.get("num_bits") == 8 and algo.get("dynamic") is False:
+            return "fp8_e4m3"
+        return "nvfp4" if algo.get("num_bits") == 4 else ""
+    if isinstance(algo, str):
+        return {"fp8": "fp8_e4m3", "nvfp4": "nvfp4"}.get(algo.lower(), "")
+    return ""
+
+
+def kv_cache_dtype(cfg: dict[str, Any]) -> str:
+    """The KV cache dtype vLLM's ``--kv-cache-dtype auto`` takes from the checkpoint's
+    ``quantization_config`` ("" when it takes the model's dtype): ModelOpt's FP8 KV is
+    fp8_e4m3 (vllm/utils/torch_utils.py ``resolve_kv_cache_dtype_string``), and a
+    compressed-tensors ``kv_cache_scheme`` makes vLLM's Attention layer use fp8."""
+    q = cfg.get("quantization_config")
+    if not isinstance(q, dict):
+        return ""
+    method = q.get("quant_method")
+    method = method.strip().lower().replace("_", "-") if isinstance(method, str) else ""
+    producer = q.get("producer")
+    if method.startswith("modelopt") or (
+            isinstance(producer, dict) and producer.get("name") == "modelopt"):
+        return _modelopt_kv(q)
+    if method == "compressed-tensors" and q.get("kv_cache_scheme") is not None:
+        return "fp8"
+    return ""

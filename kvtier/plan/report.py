@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.plan.layers import NO_KV
+from kvtier.plan.model import AttentionKind, ModelSpec
 from kvtier.plan.planner import DAEMON_BYTES_PER_BLOCK, Plan
 
 
@@ -13,11 +15,14 @@ def gb(n: float) -> str:
 
 
 def model_line(plan: Plan) -> str:
+    """The model, its layers and KV shape(s), and its parameter count."""
     m = plan.inputs.model
-    if m.attention.value == "mla":
+    if m.attention is AttentionKind.MLA:
         shape = f"MLA latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}"
     else:
-        shape = f"{m.attention.value.upper()} {m.num_kv_heads} KV heads x {m.head_dim}"
+        shape = f"{m.attention.value.upper()} " + " / ".join(
+            f"{s['kv_heads']} KV heads x {s['head_dim']}"
+            + (f" ({s['layers']} layers)" if m.layer_shapes else "") for s in kv_shapes(m))
     layers = (f"{m.num_layers} layers" if m.kv_layers == m.num_layers
               else f"{m.num_layers} layers ({m.kv_layers} with KV)")
     return (f"model     {m.name}: {layers}, {shape}, "
@@ -26,14 +31,31 @@ def model_line(plan: Plan) -> str:
                != plan.params else ""))
 
 
+def kv_shapes(m: ModelSpec) -> list[dict[str, int]]:
+    """The KV cache's shapes as vLLM's KV cache spec gives them: per distinct (KV heads,
+    head size), how many layers hold it. An MLA latent is one head of kv_lora_rank +
+    qk_rope_head_dim values (vLLM's MLAAttentionSpec), not the attention heads."""
+    counts: dict[tuple[int, int], int] = {}
+    for i, w in enumerate(m.layer_windows):
+        if w != NO_KV:
+            shape = ((1, m.kv_lora_rank + m.qk_rope_head_dim)
+                     if m.attention is AttentionKind.MLA else m.shape(i))
+            counts[shape] = counts.get(shape, 0) + 1
+    return [{"kv_heads": kv, "head_dim": dim, "layers": n} for (kv, dim), n in counts.items()]
+
+
 def to_json(plan: Plan) -> dict[str, Any]:
-    """The ``--json`` document; byte counts are integers, shares are fractions."""
+    """The ``--json`` document; byte counts are integers, shares are fractions.
+    ``model.kv_heads`` and ``model.head_dim`` describe the KV cache of the first layer
+    that holds KV (an MLA latent: 1 head of latent + rope), ``model.kv_shapes`` all."""
     p = plan.inputs
     m = p.model
+    shapes = kv_shapes(m)
     return {
         "model": {
             "name": m.name, "attention": m.attention.value, "layers": m.num_layers,
-            "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
+            "kv_heads": shapes[0]["kv_heads"], "head_dim": shapes[0]["head_dim"],
+            "kv_shapes": shapes,
             "kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim,
             "sliding_window_layers": m.windowed_layers, "kv_layers": m.kv_layers,
             "state_layers": m.state_layers, "max_context": m.max_context,

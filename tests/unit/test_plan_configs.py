@@ -175,17 +175,26 @@ def test_use_sliding_window_true_slides_from_max_window_layers_in_any_model_type
 
 # D5: a text_config without vocab_size
 
-def test_gemma3_without_vocab_plans_the_kv_and_asks_for_params(
+def test_gemma3_without_vocab_takes_the_config_class_default(
         capsys: pytest.CaptureFixture[str]) -> None:
+    # Gemma3TextConfig defaults vocab_size to 262,208, which vLLM then serves
     ref = str(FIXTURES / "gemma-3-27b-it")
-    assert load_model(ref).vocab_size == 0
-    code, out, err = plan(capsys, "--model", ref)
-    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert "'vocab_size' is missing" in err and "pass --params" in err
+    assert load_model(ref).vocab_size == 262_208
     doc = plan_json(capsys, "--model", ref, "--params", "27B")
     assert doc["kv_bytes_per_token"] == 62 * 2 * 16 * 128 * 2 == 507_904
     assert doc["weights_bytes"] == 54_000_000_000  # 27 B x 2 B (bf16)
     assert doc["model"]["sliding_window_layers"] == 52
+
+
+def test_text_config_without_vocab_plans_the_kv_and_asks_for_params(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cfg = fixture("gemma-3-27b-it")  # as a family whose config class gives no vocabulary
+    cfg["model_type"] = cfg["text_config"]["model_type"] = "mistral3"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_model(str(tmp_path)).vocab_size == 0
+    code, out, err = plan(capsys, "--model", str(tmp_path))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "'vocab_size' is missing" in err and "pass --params" in err
 
 
 def test_vocab_size_of_the_outer_config_counts() -> None:
