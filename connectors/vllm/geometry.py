@@ -238,3 +238,25 @@ def latent_pages(kv_cache: torch.Tensor) -> torch.Tensor:
     if kv_cache.dim() == 4 and kv_cache.shape[1] == 1:
         return kv_cache.squeeze(1)
     return kv_cache
+
+
+def engine_caches(kv_caches: dict[str, torch.Tensor], layout: KVLayout,
+                  tokens_per_block: int) -> tuple[list[torch.Tensor], PagedLayout, int]:
+    """The caches vLLM registered, in model order (an MLA cache as its latent pages),
+    their paged layout and the bytes of one kvtier block, checked against the ``layout``
+    the scheduler side derived from ``KVCacheConfig`` (LayoutMismatch otherwise)."""
+    caches = list(kv_caches.values())
+    if layout.kv_components == 1:
+        caches = [latent_pages(c) for c in caches]
+    if len(caches) != layout.num_layers:
+        raise LayoutMismatch(f"vLLM registered {len(caches)} layer caches, the KV cache "
+                             f"config has {layout.num_layers} layers (layers that reuse "
+                             f"another layer's KV cache, as Gemma 3n's do, are not supported)")
+    paged = paged_layout_of(caches[0], layout.kv_components)
+    from kvtier.kernels.api import block_bytes
+
+    nbytes = block_bytes(caches, paged, tokens_per_block)
+    if nbytes != layout.block_bytes:
+        raise LayoutMismatch(f"vLLM caches give {nbytes} bytes per kvtier block, the "
+                             f"layout {layout} expects {layout.block_bytes}")
+    return caches, paged, nbytes

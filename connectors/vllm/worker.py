@@ -31,13 +31,12 @@ from typing import Any
 import torch
 from kvtier.kernels.pipeline import LayerPipeline
 
-from kvtier.errors import LayoutMismatch
 from kvtier.layout import KVLayout
 from kvtier.lograte import LogRate
 
 from .config import ConnectorConfig
 from .device import ArenaRegistry, Register, cuda_register
-from .geometry import latent_pages, paged_layout_of
+from .geometry import engine_caches
 from .ledger import SaveLedger
 from .link import DaemonLink
 from .mapping import PageMap
@@ -136,21 +135,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Remember the per-layer caches (in model order), check they match the layout the
         scheduler side derived from ``KVCacheConfig``, and start the transfer pipeline."""
-        caches = list(kv_caches.values())
-        if self.layout.kv_components == 1:
-            caches = [latent_pages(c) for c in caches]
-        if len(caches) != self.layout.num_layers:
-            raise LayoutMismatch(f"vLLM registered {len(caches)} layer caches, the KV cache "
-                                 f"config has {self.layout.num_layers} layers (layers that "
-                                 f"reuse another layer's KV cache, as Gemma 3n's do, are not "
-                                 f"supported)")
-        paged = paged_layout_of(caches[0], self.layout.kv_components)
-        from kvtier.kernels.api import block_bytes
-
-        nbytes = block_bytes(caches, paged, self.config.tokens_per_block)
-        if nbytes != self.layout.block_bytes:
-            raise LayoutMismatch(f"vLLM caches give {nbytes} bytes per kvtier block, the "
-                                 f"layout {self.layout} expects {self.layout.block_bytes}")
+        caches, paged, nbytes = engine_caches(kv_caches, self.layout,
+                                              self.config.tokens_per_block)
         on_gpu = caches[0].device.type == "cuda"
         if on_gpu and not self._register_override:
             self.arenas.register = cuda_register
