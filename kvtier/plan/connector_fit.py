@@ -18,12 +18,13 @@ def connector_refuses(m: ModelSpec) -> bool:
     """Whether kvtier's vLLM connector refuses the model at start: more than one KV cache
     group (recurrent-state layers, DeepSeek-V3.2's indexer cache), layers of different
     page sizes (Gemma-4: vLLM groups them in a UniformTypeKVCacheSpecs, not one of the
-    connector's ``KEEPS_EVERY_TOKEN`` specs), or windowed layers with no full-attention
+    connector's ``KEEPS_EVERY_TOKEN`` specs), layers sharing another's KV (Gemma-3n: the
+    worker refuses them at register_kv_caches), or windowed layers with no full-attention
     layer beside them (vLLM keeps them windowed, freeing old pages, even where the window
     is as long as the context)."""
     full = sum(1 for w in m.layer_windows if w is None)
     return bool(m.state_layers or any(m.indexer_layers) or not m.uniform_pages
-                or (m.windowed_layers and not full))
+                or m.shared_kv_layers or (m.windowed_layers and not full))
 
 
 def refusal_reason(m: ModelSpec) -> str:
@@ -35,6 +36,9 @@ def refusal_reason(m: ModelSpec) -> str:
     if not m.uniform_pages:
         return ("layers of different KV page sizes (different KV heads or head sizes), "
                 "which vLLM groups in a UniformTypeKVCacheSpecs")
+    if m.shared_kv_layers:
+        return (f"{m.shared_kv_layers} layers that read another layer's KV "
+                "(num_kv_shared_layers), which the connector cannot save or load")
     return "sliding-window layers alone (vLLM builds a SlidingWindowSpec for them)"
 
 
@@ -42,7 +46,7 @@ def way_out(m: ModelSpec) -> str:
     """For sliding-window layers alone, the setting under which the connector serves the
     model: vLLM's --disable-sliding-window (full-attention pages, max_model_len capped)."""
     if (m.state_layers or any(m.indexer_layers) or m.chunked_local_attention
-            or not m.uniform_pages):
+            or not m.uniform_pages or m.shared_kv_layers):
         return ""
     window = max(w for w in m.layer_windows if w)
     if m.max_context and window >= m.max_context:

@@ -88,9 +88,15 @@ def mlp_width(cfg: dict[str, Any], hidden: int, source: str) -> int:
     """The dense MLP's inner width: ``intermediate_size``, or Falcon's ``ffn_hidden_size``,
     GPT-2's ``n_inner``, OPT's ``ffn_dim``, MPT's ``expansion_ratio`` x ``d_model``; else
     4 x hidden (every one of those configs' default). Llama-4's ``intermediate_size_mlp``
-    comes first: its dense layers' width, where ``intermediate_size`` is the experts'."""
+    comes first: its dense layers' width, where ``intermediate_size`` is the experts'. A
+    list of one width per layer (Gemma-3n) counts as its mean."""
     for key in ("intermediate_size_mlp", "intermediate_size", "ffn_hidden_size", "n_inner",
                 "ffn_dim"):
+        widths = cfg.get(key)
+        if isinstance(widths, list) and widths:   # one per layer (Gemma-3n): their mean
+            each = [opt_int({key: w}, key, source, label=f"{key}[{i}]")
+                    for i, w in enumerate(widths)]
+            return round(sum(each) / len(each))
         width = opt_int(cfg, key, source)
         if width:
             return width

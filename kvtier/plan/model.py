@@ -86,6 +86,7 @@ class ModelSpec:
     chunked_local_attention: bool = False  # attention_chunk_size set (Llama 4), as vLLM reads it
     layer_shapes: tuple[Shape, ...] = ()  # per layer (KV heads, head size); (): all alike
     checkpoint_kv_dtype: str = ""  # the KV dtype quantization_config asks vLLM for; "": none
+    shared_kv_layers: int = 0  # last layers reading an earlier layer's KV (NO_KV above)
 
     @property
     def windowed_layers(self) -> int:
@@ -169,6 +170,10 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     moe = read_moe(cfg, layers, source)
     reach = (LayerReach(tuple(None if b.attention == FULL else NO_KV for b in stack.blocks), 0)
              if stack else layer_reach(cfg, layers, source))
+    shared = opt_int(cfg, "num_kv_shared_layers", source, high=layers)
+    if shared:   # the last layers read an earlier layer's KV (Gemma-3n): none of their own
+        reach = LayerReach(reach.reach[:layers - shared] + (NO_KV,) * shared,
+                           reach.state_layers)
     if reach.reach.count(NO_KV) == layers:
         raise PlanError(f"{source}: no layer holds attention KV (every layer is linear "
                         "attention, SSM, convolution or MLP): there is no KV to plan")
@@ -213,6 +218,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         chunked_local_attention=cfg.get("attention_chunk_size") is not None,
         layer_shapes=shapes,
         checkpoint_kv_dtype=kv_cache_dtype(cfg),
+        shared_kv_layers=shared,
     )
 
 

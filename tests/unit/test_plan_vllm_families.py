@@ -124,6 +124,26 @@ def test_gemma4_global_layers_take_their_own_heads_and_are_refused(
     assert kv_bytes_per_token(spec_from_config(plain), "bf16") == 25 * 4096 + 5 * 8192
 
 
+def test_gemma3n_layers_sharing_kv_hold_none_and_are_refused(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """google/gemma-3n-E4B's text_config: its last 15 layers read an earlier layer's KV
+    (vLLM gives them no cache of their own), and its MLP width is one per layer; the
+    connector refuses such layers at register_kv_caches."""
+    types = (["sliding_attention"] * 4 + ["full_attention"]) * 7
+    text = {"model_type": "gemma3n_text", "hidden_size": 2048, "num_hidden_layers": 35,
+            "intermediate_size": [16384] * 35, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "head_dim": 256, "sliding_window": 512,
+            "layer_types": types, "num_kv_shared_layers": 15, "vocab_size": 262400,
+            "max_position_embeddings": 32768}
+    m = spec_from_config(text)
+    assert m.kv_layers == 20 and m.intermediate_size == 16384
+    assert kv_bytes_per_token(m, "bf16") == 20 * 2 * 2 * 256 * 2
+    doc = plan_json(capsys, "--model", write(tmp_path, {"model_type": "gemma3n",
+                                                        "text_config": text}))
+    assert REFUSED in notes(doc) and "num_kv_shared_layers" in notes(doc)
+    assert "--disable-sliding-window" not in notes(doc)
+
+
 def test_step3p5_kv_heads_are_num_attention_groups() -> None:
     cfg = {"model_type": "step3p5", "hidden_size": 5120, "num_attention_heads": 40,
            "num_attention_groups": 8, "num_hidden_layers": 48, "head_dim": 128,
