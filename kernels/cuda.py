@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from kvtier.kernels.cuda_stream import in_registered_memory
 from kvtier.kernels.layouts import vector_bytes
 
 from kvtier.errors import LayoutMismatch
@@ -63,7 +64,10 @@ def kernel(direction: str, vec: int, device_index: int) -> Any:
 
 
 def is_device_accessible(ptr: int) -> bool:
-    """True when a pointer is device memory or CUDA-registered/pinned host memory."""
+    """True when a pointer is device memory or CUDA-registered/pinned host memory (an
+    arena this process registered is known without a CUDA call)."""
+    if in_registered_memory(ptr):
+        return True
     import cupy
 
     try:

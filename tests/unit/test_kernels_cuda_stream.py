@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 
 import pytest
+from kvtier.kernels import cuda_stream
+from kvtier.kernels.cuda import is_device_accessible
 from kvtier.kernels.cuda_stream import LayerStreams, register_host_memory
 
 
@@ -105,4 +107,10 @@ def test_memory_another_registry_registered_counts_as_registered(
     cupy = types.ModuleType("cupy")
     cupy.cuda = types.SimpleNamespace(runtime=runtime)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(cuda_stream, "_REGISTERED", ())
     assert register_host_memory(4096, 4096) is registered
+    # a row in registered memory needs no cudaPointerGetAttributes (this fake has none)
+    assert cuda_stream.in_registered_memory(4096 + 100, 3996) is registered
+    assert not cuda_stream.in_registered_memory(4096 + 100, 3997)
+    if registered:
+        assert is_device_accessible(4096 + 2048)
