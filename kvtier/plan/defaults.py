@@ -62,8 +62,10 @@ TEXT_TYPE = {"gemma3": "gemma3_text", "gemma3n": "gemma3n_text", "gemma4": "gemm
 
 def with_class_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` with the fields its model type's config class defaults filled in where the
-    file omits them (absent or null); ``cfg`` itself when its type has none listed."""
+    file leaves them out; ``cfg`` itself when its type has none listed. An explicit null
+    stays null, as Transformers keeps it (Gemma 2/3's ``sliding_window: null`` is full
+    attention in vLLM; a class default there planned windows, found by review)."""
     defaults = CLASS_DEFAULTS.get(str(cfg.get("model_type", "")))
     if not defaults:
         return cfg
-    return {**cfg, **{k: v for k, v in defaults.items() if cfg.get(k) is None}}
+    return {**cfg, **{k: v for k, v in defaults.items() if k not in cfg}}

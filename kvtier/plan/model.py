@@ -128,8 +128,8 @@ def _unwrap(cfg: dict[str, Any]) -> dict[str, Any]:
     if inner.get("torch_dtype") is None and inner.get("dtype") is None:
         inner["torch_dtype"] = cfg.get("torch_dtype") or cfg.get("dtype")
     for key in ("vocab_size", "quantization_config"):
-        if inner.get(key) is None:
-            inner[key] = cfg.get(key)
+        if inner.get(key) is None and cfg.get(key) is not None:
+            inner[key] = cfg[key]   # (else left out: a class default may fill it)
     return inner
 
 

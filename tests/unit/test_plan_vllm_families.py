@@ -73,7 +73,7 @@ GEMMA3_12B_IT = {"model_type": "gemma3", "torch_dtype": "bfloat16", "text_config
 @pytest.mark.parametrize(("cfg", "head_dim"), [
     (GEMMA3_12B_IT, 256),
     ({"model_type": "gemma2", "num_hidden_layers": 42, "hidden_size": 3584,
-      "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": None}, 256),
+      "num_attention_heads": 16, "num_key_value_heads": 8}, 256),
     ({"model_type": "qwen3", "num_hidden_layers": 28, "hidden_size": 1024,
       "num_attention_heads": 16, "num_key_value_heads": 8}, 128),  # Qwen3-0.6B
     ({"model_type": "gpt_oss", "num_hidden_layers": 24, "hidden_size": 2880,
@@ -84,6 +84,18 @@ GEMMA3_12B_IT = {"model_type": "gemma3", "torch_dtype": "bfloat16", "text_config
 def test_missing_head_dim_takes_the_config_class_default(cfg: dict[str, Any],
                                                          head_dim: int) -> None:
     assert spec_from_config(cfg).head_dim == head_dim
+
+
+def test_an_explicit_null_is_not_a_class_default() -> None:
+    """Transformers keeps an explicit null (Gemma 2/3's ``sliding_window: null``), and
+    vLLM then builds full attention on every layer: the class default's window made the
+    plan count windowed layers (found by review)."""
+    cfg = {"model_type": "gemma2", "num_hidden_layers": 26, "hidden_size": 2304,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+           "sliding_window": None, "vocab_size": 256000, "max_position_embeddings": 8192}
+    assert spec_from_config(cfg).windowed_layers == 0
+    assert spec_from_config({k: v for k, v in cfg.items()
+                             if k != "sliding_window"}).windowed_layers == 13
 
 
 def test_gemma3_4b_without_head_counts_takes_gemma3_text_defaults() -> None:
