@@ -97,8 +97,8 @@ class Ops:
         from kvtier.tiers import hbm as hbm_mod
 
         info = self.hbm_info
-        device, bus = int(info.get("device", 0)), str(info.get("pci_bus_id", "")) or None
-        try:
+        try:   # (a malformed device in the hello is one logged fallback, found by review)
+            device, bus = int(info.get("device", 0)), str(info.get("pci_bus_id", "")) or None
             if not hbm_mod.HbmMapping.on_current_device(device, pci_bus_id=bus):
                 # (a tensor-parallel worker on another GPU: its cpu views copy straight
                 # to its own GPU, found by review)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvtier.client import connect, connect_async
+from kvtier.client.ops import Ops
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers import hbm as hbm_mod
@@ -222,3 +223,17 @@ def test_a_daemon_without_hbm_serves_device_clients_from_cpu(
     finally:
         d.terminate()
     assert opened == []
+
+
+@pytest.mark.parametrize("device", ["cuda:0", None, [0]])
+def test_a_malformed_pool_device_in_the_hello_is_one_cpu_fallback(
+        device: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A hello whose hbm.device is not an int (a buggy or hostile daemon): one logged
+    fallback to cpu views, not an error on every device get (found by review)."""
+    ops = Ops(device=True)
+    ops.hbm_info = {"handle": b"h" * 64, "size": MiB, "device": device}
+    with caplog.at_level(logging.WARNING, "kvtier.client"):
+        assert ops._device_mapping(True) is None
+        assert ops._device_mapping(True) is None
+    assert ops.hbm_error is not None
+    assert caplog.text.count("cannot map the daemon's HBM pool") == 1
