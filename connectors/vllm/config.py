@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
+from kvtier.keys import MAX_NAME_CHARS
 from kvtier.layout import default_tokens_per_block
 from kvtier.weights import WEIGHTS_MARK, fingerprint
 
@@ -166,6 +167,7 @@ class ConnectorConfig:
             None if mode == "off" else mode
         if mark:
             model_id = f"{model_id}{WEIGHTS_MARK}{mark}"
+        _check_model_id(model_id)
         socket = extra.get("socket_path")
         min_s = _positive_float(extra, "reconnect_min_s", 0.5)
         return cls(
@@ -306,3 +308,19 @@ def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
         raise ConfigError(f"kv_connector_extra_config.{key} must be true or false, "
                           f"got {value!r}")
     return value
+
+
+def _check_model_id(model_id: str) -> None:
+    """Refuse at start a model id the daemon would refuse at every register_layout (over
+    ``MAX_NAME_CHARS`` with its namespace and weights mark, or not valid Unicode): each
+    lookup and save of the engine was a refused round trip and a warning (found by
+    review)."""
+    try:
+        model_id.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("kvtier model_id is not valid Unicode: set model_id in "
+                          "kv_connector_extra_config") from None
+    if len(model_id) > MAX_NAME_CHARS:
+        raise ConfigError(f"kvtier model_id is {len(model_id)} characters with its namespace "
+                          f"and weights mark; the daemon takes at most {MAX_NAME_CHARS}: set a "
+                          "shorter model_id (or namespace) in kv_connector_extra_config")

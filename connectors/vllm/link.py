@@ -28,10 +28,12 @@ from kvtier.errors import (
 )
 from kvtier.keys import BlockKey, Namespace
 from kvtier.layout import KVLayout
+from kvtier.lograte import LogRate
 
 from .config import ConnectorConfig
 
 logger = logging.getLogger("kvtier.connectors.vllm")
+_warn = LogRate(logger)   # refusals: one line per 10 s per link (a per-request error)
 
 T = TypeVar("T")
 # What ``_run`` returns: ``(True, op's result)`` or ``(False, None)`` after a failure.
@@ -216,8 +218,8 @@ class DaemonLink:
                 self._drop(exc)
                 return False, None
             self.errors += 1
-            logger.warning("kvtier %s: daemon refused a request (%s: %s); continuing "
-                           "without it", self.name, exc.code, exc)
+            _warn.warning(f"refused-{self.name}", "kvtier %s: daemon refused a request "
+                          "(%s: %s); continuing without it", self.name, exc.code, exc)
         except Exception as exc:   # any other: the client failed; vLLM goes on without it
             self._drop(exc)        # (a KeyError of a malformed reply escaped; found by review)
         return False, None

@@ -154,7 +154,12 @@ class KVTierClient:
                     raise TimeoutError
         except (OSError, ProtocolError) as exc:
             self._lost(exc, str(req.get("op")))
-        return Ops.check_reply(reply)
+        try:
+            return Ops.check_reply(reply)
+        except KVTierError as exc:
+            if reply.get("id") == 0:   # about the connection, which the daemon now closes:
+                exc.reported = False   # not a refusal a caller may go on after (review)
+            raise
 
     def _lost(self, exc: OSError | ProtocolError, what: str) -> NoReturn:
         """``_fail`` with the typed error of a transport failure during ``what``."""

@@ -116,3 +116,15 @@ def test_settings_that_change_the_kv_of_the_same_weights_count_too(tmp_path: Any
     llama3 = SimpleNamespace(rope_scaling={"rope_type": "llama3", "factor": 8.0})
     assert engine_fingerprint(config(hf_text_config=llama3, max_model_len=256)) == \
         engine_fingerprint(config(hf_text_config=llama3, max_model_len=8192))
+
+
+def test_a_model_id_the_daemon_would_refuse_is_refused_at_start() -> None:
+    """Over 1024 characters with its namespace and weights mark, or not valid Unicode:
+    every lookup and save was a refused round trip (found by review)."""
+    assert len(model_id(model_id="m" * 1000, model_fingerprint="off")) == 1000
+    with pytest.raises(ConfigError, match=r"1040 characters.*at most 1024"):
+        model_id(model_id="m" * 1000, namespace="p" * 39, model_fingerprint="off")
+    with pytest.raises(ConfigError, match="at most 1024"):
+        model_id(model_id="m" * 1015)            # the weights mark makes it too long
+    with pytest.raises(ConfigError, match="not valid Unicode"):
+        model_id(model_id="m\ud800", model_fingerprint="off")
