@@ -22,6 +22,7 @@ torch is imported lazily; no cupy is needed here.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +174,7 @@ def _cuda_device(device: Any) -> Any:
 
 
 HOST_MEMORY_ALREADY_REGISTERED = 712   # cudaErrorHostMemoryAlreadyRegistered
+_REGISTERED_LOCK = threading.Lock()   # (registries on several threads add to it)
 _REGISTERED: tuple[tuple[int, int], ...] = ()
 """[start, end) of the host memory this process registered (one entry per arena): a row of
 an arena is then known to be reachable from the device without asking CUDA."""
@@ -202,13 +204,16 @@ def register_host_memory(address: int, nbytes: int) -> bool:
             cupy.cuda.runtime.hostRegister(address, nbytes, portable_mapped)
         except cupy.cuda.runtime.CUDARuntimeError as exc:
             # a second registry in this process (nothing here ever unregisters): the
-            # memory is registered, so copies are asynchronous (not "stay pageable")
+            # memory is registered, so copies are asynchronous (not "stay pageable"). Not
+            # recorded: CUDA says this for any overlap, so the range may be partly ours
             if getattr(exc, "status", None) != HOST_MEMORY_ALREADY_REGISTERED:
                 raise
+            return True
     except Exception:
         return False
     global _REGISTERED
-    _REGISTERED = (*_REGISTERED, (address, address + nbytes))
+    with _REGISTERED_LOCK:
+        _REGISTERED = (*_REGISTERED, (address, address + nbytes))
     return True
 
 
@@ -217,5 +222,6 @@ def unregister_host_memory(address: int) -> None:
     import cupy
 
     global _REGISTERED
-    _REGISTERED = tuple(r for r in _REGISTERED if r[0] != address)
+    with _REGISTERED_LOCK:
+        _REGISTERED = tuple(r for r in _REGISTERED if r[0] != address)
     cupy.cuda.runtime.hostUnregister(address)

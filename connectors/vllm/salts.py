@@ -41,7 +41,10 @@ def request_salt(request: Request, generation: str | None = None
         lora_id = int(getattr(lora, "lora_int_id", 0) or 0)
         adapter = (str(getattr(lora, "lora_name", "")), path, lora_id,
                    adapter_fingerprint(path, lora_id))
-    salt = namespace_salt(getattr(request, "cache_salt", None), adapter, generation)
+    tenant = getattr(request, "cache_salt", None)
+    if tenant is not None and not isinstance(tenant, str):   # (offline API misuse)
+        return False
+    salt = namespace_salt(tenant, adapter, generation)
     return salt if salt is None or usable_salt(salt) else False
 
 

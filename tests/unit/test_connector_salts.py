@@ -116,6 +116,7 @@ def test_a_salt_the_daemon_cannot_take_is_not_cached(caplog: pytest.LogCaptureFi
     characters, or one an adapter's long path makes that long, was refused by the daemon
     at register_layout (found by review): such a request is not cached, said once."""
     assert request_salt(request("\ud800x")) is False
+    assert request_salt(request(7)) is False      # type: ignore[arg-type]
     assert request_salt(request("s" * 1025)) is False
     assert request_salt(request("s" * 1024)) == "s" * 1024
     assert request_salt(request("t", ("foo", "/p" * 600, 1))) is False

@@ -110,7 +110,8 @@ def test_memory_another_registry_registered_counts_as_registered(
     monkeypatch.setattr(cuda_stream, "_REGISTERED", ())
     assert register_host_memory(4096, 4096) is registered
     # a row in registered memory needs no cudaPointerGetAttributes (this fake has none)
-    assert cuda_stream.in_registered_memory(4096 + 100, 3996) is registered
+    # (712: registered, but not recorded: CUDA says so for any overlap)
+    assert cuda_stream.in_registered_memory(4096 + 100, 3996) is (status is None)
     assert not cuda_stream.in_registered_memory(4096 + 100, 3997)
-    if registered:
+    if status is None:
         assert is_device_accessible(4096 + 2048)
