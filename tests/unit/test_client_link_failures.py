@@ -39,11 +39,9 @@ class _Broken:
         self.closed = True
 
 
-@pytest.mark.parametrize("exc", [KeyError("stats"), TypeError("x"), ValueError("y"),
-                                 IndexError("z"), RuntimeError("w")])
-def test_an_untyped_client_error_is_a_daemon_failure(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture,
-                                                     exc: Exception) -> None:
+def broken_link(monkeypatch: pytest.MonkeyPatch,
+                exc: Exception) -> tuple[DaemonLink, list[_Broken]]:
+    """A link whose every connection is a ``_Broken`` raising ``exc``; the clients made."""
     clients: list[_Broken] = []
 
     def connect(*_: Any, **__: Any) -> _Broken:
@@ -51,7 +49,16 @@ def test_an_untyped_client_error_is_a_daemon_failure(monkeypatch: pytest.MonkeyP
         return clients[-1]
 
     monkeypatch.setattr(link_mod, "_connect", connect)
-    link = DaemonLink(ConnectorConfig(Path("/nonexistent.sock"), 16, "m", timeout_s=1), LAYOUT)
+    return DaemonLink(ConnectorConfig(Path("/nonexistent.sock"), 16, "m", timeout_s=1),
+                      LAYOUT), clients
+
+
+@pytest.mark.parametrize("exc", [KeyError("stats"), TypeError("x"), ValueError("y"),
+                                 IndexError("z"), RuntimeError("w")])
+def test_an_untyped_client_error_is_a_daemon_failure(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture,
+                                                     exc: Exception) -> None:
+    link, clients = broken_link(monkeypatch, exc)
     ns = link.namespace(None, 0)
     with caplog.at_level(logging.WARNING, logger="kvtier.connectors.vllm"):
         assert link.lookup(ns, [b"k" * 16]) == 0
@@ -85,14 +92,7 @@ def test_a_refusal_the_daemon_answered_keeps_the_connection(
     """One request's input the daemon refused (a ProtocolError it answered, over a
     connection that stands) took the connection down with a backoff, and every other
     request's saves with it (found by review); an error raised on this side still drops."""
-    clients: list[_Broken] = []
-
-    def connect(*_: Any, **__: Any) -> _Broken:
-        clients.append(_Broken(exc))
-        return clients[-1]
-
-    monkeypatch.setattr(link_mod, "_connect", connect)
-    link = DaemonLink(ConnectorConfig(Path("/nonexistent.sock"), 16, "m", timeout_s=1), LAYOUT)
+    link, clients = broken_link(monkeypatch, exc)
     ns = link.namespace(None, 0)
     assert link.lookup(ns, [b"k" * 16]) == 0
     assert link.connected is not dropped and clients[0].closed is dropped
