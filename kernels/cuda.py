@@ -12,7 +12,8 @@ tests in ``tests/gpu`` check it against the torch reference wherever a GPU exist
 
 from __future__ import annotations
 
-import functools
+import logging
+import threading
 from collections.abc import Sequence
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ from kvtier.kernels.cuda_stream import in_registered_memory
 from kvtier.kernels.layouts import vector_bytes
 
 from kvtier.errors import LayoutMismatch
+
+log = logging.getLogger("kvtier.kernels")
 
 if TYPE_CHECKING:
     import torch
@@ -47,15 +50,41 @@ def kernel_source() -> str:
     return resources.files("kvtier.kernels").joinpath(SOURCE_NAME).read_text()
 
 
-@functools.cache
-def _module(device_index: int) -> Any:
-    """Compile (NVRTC) and cache the kernel module for one device."""
-    import cupy
+_MODULES: dict[int, Any] = {}
+_COMPILE_LOCK = threading.Lock()
 
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=kernel_source(), options=("-std=c++17",))
-        module.compile()
-    return module
+
+def _module(device_index: int) -> Any:
+    """Compile (NVRTC) and cache the kernel module for one device, once (the loader and
+    saver threads both reach it; a compile is slow)."""
+    found = _MODULES.get(device_index)
+    if found is not None:
+        return found
+    with _COMPILE_LOCK:
+        found = _MODULES.get(device_index)
+        if found is None:
+            import cupy
+
+            with cupy.cuda.Device(device_index):
+                found = cupy.RawModule(code=kernel_source(), options=("-std=c++17",))
+                found.compile()
+            _MODULES[device_index] = found
+    return found
+
+
+def warm_kernels(device_index: int) -> bool:
+    """Compile the module for a device now (a GPU engine's start), so that the first
+    step's loads do not pay for NVRTC. False without cupy or a device, or when the compile
+    fails (logged: the launch would fail the same way and the load be recomputed)."""
+    if not cupy_available():
+        return False
+    try:
+        _module(device_index)
+    except Exception as exc:
+        log.warning("kvtier: compiling the transfer kernels for GPU %d failed (%s: %s)",
+                    device_index, type(exc).__name__, exc)
+        return False
+    return True
 
 
 def kernel(direction: str, vec: int, device_index: int) -> Any:

@@ -119,10 +119,12 @@ class WorkerSide:
             logger.exception("kvtier: could not share the arena mapping; continuing")
 
     def _on_device(self, device: Any, suffix: str) -> None:
-        """A pipeline thread's first work: its current CUDA device set to the caches' (a
-        thread starts on GPU 0), then its own connection to the daemon."""
+        """A pipeline thread's first work: its CUDA device set to the caches' (a thread
+        starts on GPU 0), the kernels compiled for it, then its connection to the daemon."""
         if device is not None:
             torch.cuda.set_device(device)
+            from kvtier.kernels.cuda import warm_kernels
+            warm_kernels(torch.cuda.current_device())   # (NVRTC: not on the first step)
         self._thread_link(suffix).preconnect()
 
     def _thread_link(self, suffix: str) -> DaemonLink:

@@ -115,3 +115,51 @@ def test_memory_another_registry_registered_counts_as_registered(
     assert not cuda_stream.in_registered_memory(4096 + 100, 3997)
     if status is None:
         assert is_device_accessible(4096 + 2048)
+
+
+def test_the_kernels_compile_once_per_device_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU worker's loader and saver threads both compile the transfer kernels at start
+    (not on the first step's loads); one NVRTC compile per device, not one per thread."""
+    import threading
+    import types
+
+    from kvtier.kernels import cuda
+
+    compiles: list[int] = []
+    gate = threading.Event()
+
+    class RawModule:
+        def __init__(self, code: str, options: tuple[str, ...]) -> None:
+            assert "kvtier_gather" in code and options == ("-std=c++17",)
+
+        def compile(self) -> None:
+            gate.wait(5)              # both threads arrive while the first compiles
+            compiles.append(1)
+
+    class Device:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self) -> Device:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1)
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=runtime, Device=Device)  # type: ignore[attr-defined]
+    fake.RawModule = RawModule  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cuda, "_MODULES", {})
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda: results.append(cuda.warm_kernels(0)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert results == [True, True] and compiles == [1]
+    runtime.getDeviceCount = lambda: 0          # no device: nothing to compile
+    assert cuda.warm_kernels(1) is False and compiles == [1]
