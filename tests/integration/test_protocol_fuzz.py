@@ -224,4 +224,6 @@ def test_fuzzed_protocol_never_breaks_the_daemon(daemon: DaemonProcess) -> None:
     assert "internal" not in st_["daemon"]["errors"]
     assert daemon.proc.poll() is None
     target.check()
-    assert elapsed < 90 * max(1, EXAMPLES // 1000)
+    # ~20-30 s idle; 82 s on a machine other work loaded (2026-12-06): the bound is for a
+    # daemon that stalls on some input, not for a slow machine
+    assert elapsed < 180 * max(1, EXAMPLES // 1000)
