@@ -35,6 +35,19 @@ ROOT_KEY: BlockKey = b"\x00" * KEY_BYTES
 MAX_NAME_CHARS = 1024
 """The longest ``model_id`` and ``cache_salt`` a daemon registers (its namespaces keep
 them): a longer one is refused, so a client does not ask with it."""
+
+
+def name_refusal(text: str) -> str | None:
+    """Why a daemon would refuse ``text`` as a ``model_id`` or ``cache_salt`` (over
+    ``MAX_NAME_CHARS`` characters, or not valid Unicode: a lone surrogate has no UTF-8
+    bytes to hash), None when it takes it: clients check before they ask."""
+    if len(text) > MAX_NAME_CHARS:
+        return f"{len(text)} characters (the daemon takes at most {MAX_NAME_CHARS})"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "not valid Unicode (a lone surrogate)"
+    return None
 # BLAKE2b personalisation (domain separation): a namespace digest is never a block key.
 _KEY_PERSON = b"kvtier-key/2"
 _NS_PERSON = b"kvtier-ns/2"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.keys import MAX_NAME_CHARS
+from kvtier.keys import name_refusal
 from kvtier.layout import default_tokens_per_block
 from kvtier.weights import WEIGHTS_MARK, fingerprint
 
@@ -315,12 +315,8 @@ def _check_model_id(model_id: str) -> None:
     ``MAX_NAME_CHARS`` with its namespace and weights mark, or not valid Unicode): each
     lookup and save of the engine was a refused round trip and a warning (found by
     review)."""
-    try:
-        model_id.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfigError("kvtier model_id is not valid Unicode: set model_id in "
-                          "kv_connector_extra_config") from None
-    if len(model_id) > MAX_NAME_CHARS:
-        raise ConfigError(f"kvtier model_id is {len(model_id)} characters with its namespace "
-                          f"and weights mark; the daemon takes at most {MAX_NAME_CHARS}: set a "
-                          "shorter model_id (or namespace) in kv_connector_extra_config")
+    reason = name_refusal(model_id)
+    if reason is not None:
+        raise ConfigError(f"kvtier model_id (with its namespace and weights mark) is "
+                          f"{reason}: set a shorter or valid model_id (or namespace) in "
+                          "kv_connector_extra_config")

@@ -152,13 +152,10 @@ class DaemonLink:
         except LeaseExpired:  # a get's bytes may be another block's: the caller recomputes
             self.errors += 1
             raise
-        except _CONNECTION_ERRORS as exc:
+        except _FAILURES as exc:
             if not _answered(exc):
                 self._drop(exc)
                 return
-            self.errors += 1
-            logger.warning("kvtier %s: lease not completed (%s: %s)", self.name, exc.code, exc)
-        except KVTierError as exc:
             self.errors += 1
             logger.warning("kvtier %s: lease not completed (%s: %s)", self.name, exc.code, exc)
         except Exception as exc:   # not a KVTierError: the client failed (found by review)

@@ -10,7 +10,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Literal
 
-from kvtier.keys import MAX_NAME_CHARS
+from kvtier.keys import name_refusal
 from kvtier.lograte import LogRate
 from kvtier.weights import fingerprint
 
@@ -54,18 +54,10 @@ def usable_salt(salt: str) -> bool:
     with another salt is not cached (vLLM serves it as it would without kvtier): a lone
     surrogate raised out of the scheduler and stopped the engine for good, and a salt over
     the limit cost the worker its connection (found by review). Said once per 10 s."""
-    reason = None
-    if len(salt) > MAX_NAME_CHARS:
-        reason = f"a cache_salt of {len(salt)} characters (the daemon keeps at most " \
-                 f"{MAX_NAME_CHARS})"
-    else:
-        try:
-            salt.encode("utf-8")
-        except UnicodeEncodeError:
-            reason = "a cache_salt that is not valid Unicode (a lone surrogate)"
+    reason = name_refusal(salt)
     if reason is None:
         return True
-    _warn.warning("salt", "kvtier: a request with %s is not cached", reason)
+    _warn.warning("salt", "kvtier: a request whose cache_salt is %s is not cached", reason)
     return False
 
 
