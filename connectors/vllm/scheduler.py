@@ -27,6 +27,7 @@ from kvtier.layout import KVLayout
 
 from .config import ConnectorConfig
 from .link import DaemonLink
+from .loadpages import LoadPages
 from .mapping import LoadSpan, PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
 from .outcomes import PageOutcomes
@@ -78,6 +79,7 @@ class SchedulerSide:
         self._states: dict[str, RequestState] = {}
         self._spans: dict[str, LoadSpan] = {}
         self._pending_loads: list[TransferSpec] = []
+        self._load_pages = LoadPages()   # the pages of each state's ``load``
         self._undelayed: list[str] = []   # finished, saves all over: not delayed (metadata)
         self._preemptions = 0
         self._last_report = 0.0
@@ -203,13 +205,15 @@ class SchedulerSide:
         tokens = np.asarray(request.all_token_ids[: span.end_block * self.config.tokens_per_block],
                             dtype=np.uint32)
         spec = TransferSpec(req_id, state.salt, tokens, span.first_block, rows, span.skip_pages)
-        pages = set(spec.page_ids[spec.skip_pages:])   # fresh pages, this request's alone
-        for other in self._states.values():
-            # an older load into them is over (its request was preempted and gave them
-            # up): their load errors from now on are this request's, not that one's
-            if other.load is not None and not pages.isdisjoint(other.load.page_ids):
+        # an older load into its fresh pages (this request's alone) is over: its request
+        # was preempted and gave them up; their load errors are this request's from now on
+        for rid in self._load_pages.holders(spec.page_ids[spec.skip_pages:]):
+            other = self._states.get(rid)
+            if other is not None:
                 other.load = None
+            self._load_pages.drop(rid)
         state.load = spec
+        self._load_pages.add(req_id, spec.page_ids)
         if not self.config.producer:
             state.known_blocks = max(state.known_blocks, span.end_block)
         # a producer saves the loaded prefix too: its put skips the blocks the daemon has
@@ -336,6 +340,7 @@ class SchedulerSide:
             if state.load is not None and not invalid.isdisjoint(state.load.page_ids):
                 state.load = None   # (its pages are the request's: marked above)
                 state.load_failed = True
+                self._load_pages.drop(state.request.request_id)
         self._bad.loaded(loaded - invalid)
 
     def _take_worker_meta(self, wmeta: KVTierWorkerMetadata) -> set[int]:
@@ -353,6 +358,7 @@ class SchedulerSide:
         it, and vLLM's cache reset (sleep, a weight update) failed on its held pages
         (found by review)."""
         state = self._states.pop(request.request_id, None)
+        self._load_pages.drop(request.request_id)
         self._spans.pop(request.request_id, None)
         self._skips.pop(request.request_id, None)
         delay = state is not None and state.saved_any
