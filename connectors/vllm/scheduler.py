@@ -265,10 +265,12 @@ class SchedulerSide:
             steps.append((req_id, state, cached.num_computed_tokens[i]))
         self.outcomes.report_stale(meta, ((state, before) for _, state, before in steps))
         # the step's writes first (a page one request rewrites is sound for all), then saves
-        for req_id, state, before in steps:
-            self._bad.rewritten(state.page_ids, before, before + scheduled.get(req_id, 0))
-        for req_id, state, before in steps:
-            self._plan_save(meta, req_id, state, before + scheduled.get(req_id, 0))
+        if self._bad.pages:
+            for req_id, state, before in steps:
+                self._bad.rewritten(state.page_ids, before, before + scheduled.get(req_id, 0))
+        if self.config.saves:   # (kv_consumer: loads only)
+            for req_id, state, before in steps:
+                self._plan_save(meta, req_id, state, before + scheduled.get(req_id, 0))
         meta.step = self._step
         self._step += 1
         self.outcomes.loads_planned(meta)
@@ -289,7 +291,7 @@ class SchedulerSide:
 
     def _plan_save(self, meta: KVTierConnectorMetadata, req_id: str, state: RequestState,
                    computed_after_step: int) -> None:
-        if not self.config.saves or state.reset:   # kv_consumer: loads only
+        if state.reset:
             return
         # KV of the request's tokens only: a speculative step also computes its draft
         # tokens' positions, which are not in all_token_ids (they may be rejected), so a
@@ -297,6 +299,8 @@ class SchedulerSide:
         limit = min(computed_after_step, len(state.request.all_token_ids))
         if not self.config.save_decode_tokens:
             limit = min(limit, state.request.num_prompt_tokens)
+        if limit < (state.known_blocks + 1) * self.config.tokens_per_block:
+            return   # no new whole block (most requests of a decode step)
         full = self.pages.full_blocks(limit)
         ppb = self.pages.pages_per_block
         bad = self._bad.first(state.page_ids, full * ppb)
