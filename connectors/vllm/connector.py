@@ -34,9 +34,10 @@ from kvtier.errors import ConfigError
 from .config import ConnectorConfig
 from .geometry import (
     check_parallelism,
-    engine_reuses_context,
+    context_loads,
     layout_from_kv_cache_config,
     tp_replicas,
+    with_cache_dtype,
     with_engine_page_format,
 )
 from .metadata import KVTierConnectorMetadata
@@ -76,7 +77,8 @@ class KVTierConnector(KVConnectorBase_V1):
         check_parallelism(parallel)
         layout, block_size = layout_from_kv_cache_config(kv_cache_config,
                                                          self.config.tokens_per_block)
-        layout = with_engine_page_format(layout, vllm_config, block_size)
+        layout = with_cache_dtype(with_engine_page_format(layout, vllm_config, block_size),
+                                  vllm_config)
         tp_size = parallel.tensor_parallel_size
         replicas = tp_replicas(kv_cache_config, layout, tp_size)
         self._scheduler: SchedulerSide | None = None
@@ -121,10 +123,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def _loads(self, vllm_config: VllmConfig, layout: KVLayout) -> bool:
         """Whether the scheduler side loads (``context_reuse``); logged when it does not."""
         mode = self.config.context_reuse
-        if mode == "on" or (mode == "auto" and engine_reuses_context(vllm_config, layout)):
+        loads, why = context_loads(mode, vllm_config, layout)
+        if loads:
             return True
-        why = ("vLLM runs this MLA model on its reference CPU attention and keeps context "
-               "reuse off for it" if mode == "auto" else "")
         if self.config.saves:
             logger.warning("kvtier: this engine saves KV but never loads it "
                            "(context_reuse=%s%s)", mode, f": {why}" if why else "")

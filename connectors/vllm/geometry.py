@@ -80,6 +80,10 @@ def layout_from_kv_cache_config(kv_cache_config: KVCacheConfig,
     dtype, when not the model's (vLLM's packed fp8 MLA formats), is part of ``kv_format``.
     """
     groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise ConfigError("KVTierConnector has nothing to serve: this model keeps no KV "
+                          "cache (an encoder-only or attention-free model); run it "
+                          "without --kv-transfer-config")
     if len(groups) != 1:
         raise ConfigError(f"KVTierConnector supports models with one KV cache group; this "
                           f"engine has {len(groups)} (a hybrid model under vLLM's hybrid KV "
@@ -149,6 +153,19 @@ def with_engine_page_format(layout: KVLayout, vllm_config: Any, block_size: int)
     return replace(layout, kv_format=f"{CANONICAL_FORMAT}@cpu:{isa}:{block_size}")
 
 
+def with_cache_dtype(layout: KVLayout, vllm_config: Any) -> KVLayout:
+    """``layout`` with vLLM's ``kv_cache_dtype`` in its ``kv_format`` when the cache stores
+    K and V in another dtype than it names: every fp8 variant is stored as uint8, so the
+    layout alone cannot tell e4m3 from e5m2, and with ``model_fingerprint`` "off" or a
+    version string (no weights fingerprint to name the cache dtype) two such engines
+    would share KV (found by review). An MLA layout names its cache dtype already."""
+    cache = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    if layout.kv_components != 2 or not isinstance(cache, str) or cache in ("auto",
+                                                                             layout.dtype):
+        return layout
+    return replace(layout, kv_format=f"{layout.kv_format}:{cache}")
+
+
 def _cpu_attention_isa(vllm_config: Any, layout: KVLayout, block_size: int) -> str:
     """The kernel vLLM's CPU attention picks for this engine (its own choice, asked the way
     its metadata builder asks), or this machine's kind when that cannot be asked."""
@@ -169,14 +186,55 @@ def _cpu_attention_isa(vllm_config: Any, layout: KVLayout, block_size: int) -> s
         return f"{platform.machine()}{'-amx' if amx else ''}"
 
 
+def context_reuse_refused(vllm_config: Any) -> str | None:
+    """Why vLLM never computes this model on a cached context (its
+    ``ModelConfig.is_prefix_caching_supported``), or None. Pooling models with MEAN, CLS
+    or STEP pooling pool over every prompt token in one prefill: with a loaded prefix the
+    pooler raised "partial prefill is not supported with MEAN pooling" and the engine core
+    died (vLLM turns its own prefix cache off for them, and leaves their requests'
+    ``skip_reading_prefix_cache`` unset; found by review)."""
+    model = getattr(vllm_config, "model_config", None)
+    try:
+        supported = getattr(model, "is_prefix_caching_supported", True)
+    except Exception:   # (a config vLLM could not answer for: as if supported)
+        return None
+    if supported is not False:
+        return None
+    pooler = getattr(model, "pooler_config", None)
+    pooling = getattr(pooler, "seq_pooling_type", None) or getattr(pooler, "pooling_type",
+                                                                    None)
+    what = f"a pooling model with {pooling} pooling" if pooling else \
+        f"a model of attention type {getattr(model, 'attn_type', None)!r}"
+    return f"vLLM does not support prefix caching for this model ({what})"
+
+
+def context_loads(mode: str, vllm_config: Any, layout: KVLayout) -> tuple[bool, str]:
+    """Whether an engine loads under ``context_reuse`` ``mode``, and why not ("" when it
+    does, or when ``mode`` "off" is the only reason). "on" forces loads past vLLM's CPU
+    MLA test, but is refused (ConfigError) where vLLM caches no prefix at all: a loaded
+    prefix fails every request it reaches there."""
+    refused = context_reuse_refused(vllm_config)
+    if mode == "on" and refused:
+        raise ConfigError(f"KVTierConnector: context_reuse \"on\" cannot load here: "
+                          f"{refused}, so a loaded prefix fails its requests; use "
+                          f"\"auto\" (saves only)")
+    if mode == "on" or (mode == "auto" and engine_reuses_context(vllm_config, layout)):
+        return True, ""
+    return False, refused or ("vLLM runs this MLA model on its reference CPU attention "
+                              "and keeps context reuse off for it" if mode == "auto" else "")
+
+
 def engine_reuses_context(vllm_config: Any, layout: KVLayout) -> bool:
-    """Whether vLLM lets this engine compute on a cached context. Its CPU platform runs MLA
+    """Whether vLLM lets this engine compute on a cached context: not for a model it
+    supports no prefix caching for (``context_reuse_refused``). Its CPU platform runs MLA
     models on a reference attention unless an AMX MLA kernel (or DeepSeek-V4's) serves
     them, and then turns prefix caching off: that attention over a cached context is not
     its production path (on vLLM 0.32 it gives other tokens than a full prefill, with
     vLLM's own prefix cache forced on as with loaded KV). This follows the same test as
     ``vllm/platforms/cpu.py``, so an engine whose operator turned prefix caching off still
     loads."""
+    if context_reuse_refused(vllm_config) is not None:
+        return False
     if layout.kv_components != 1:
         return True
     try:

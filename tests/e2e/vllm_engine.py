@@ -142,11 +142,24 @@ def make_llm(model: Path, transfer: dict[str, Any] | None, prefix_caching: bool 
     from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = {"max_model_len": 4096, "block_size": BLOCK_SIZE,
-                              **(engine_args or {})}
+                              "skip_tokenizer_init": True, **(engine_args or {})}
     if transfer is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
-    return LLM(model=str(model), skip_tokenizer_init=True, dtype=dtype, enforce_eager=True,
+    return LLM(model=str(model), dtype=dtype, enforce_eager=True,
                enable_prefix_caching=prefix_caching, seed=0, **kwargs)
+
+
+def add_tiny_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer of ``VOCAB`` tokens saved beside the model in ``path``: what
+    an engine that cannot skip its tokenizer (a pooling engine) loads; no download."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        vocab, unk_token="<unk>")), unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+    return path
 
 
 def generate(llm: Any, prompts: list[list[int]], salts: list[str | None] | None = None,
@@ -165,6 +178,16 @@ def generate(llm: Any, prompts: list[list[int]], salts: list[str | None] | None 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate(inputs, params, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0)) for o in outs]
+
+
+def embed(llm: Any, prompts: list[list[int]]) -> list[tuple[list[float], int]]:
+    """A pooling engine's embedding of each prompt (its first 64 values) and
+    num_cached_tokens, in order."""
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
+    return [([float(v) for v in o.outputs.embedding[:64]],
+             int(getattr(o, "num_cached_tokens", 0) or 0)) for o in outs]
 
 
 def phase_prompts(phase: dict[str, Any], results: list[Any],
@@ -365,6 +388,8 @@ def main(spec_path: str, out_path: str) -> None:
         prompts.append(phase_prompts(phase, results, prompts))
         if phase.get("abort_reloads"):
             results.append(abort_reloads(llm, prompts[-1], phase.get("max_tokens", MAX_TOKENS)))
+        elif phase.get("embed"):
+            results.append(embed(llm, prompts[-1]))
         else:
             results.append(generate(llm, prompts[-1], phase.get("salts"),
                                     phase.get("max_tokens", MAX_TOKENS)))

@@ -128,3 +128,44 @@ def test_a_model_id_the_daemon_would_refuse_is_refused_at_start() -> None:
         model_id(model_id="m" * 1015)            # the weights mark makes it too long
     with pytest.raises(ConfigError, match="not valid Unicode"):
         model_id(model_id="m\ud800", model_fingerprint="off")
+
+
+def test_a_function_given_as_hf_overrides_counts_by_the_config_it_made(tmp_path: Any) -> None:
+    """Two engines whose ``hf_overrides`` were inner functions of one factory (one name)
+    but changed the model differently shared KV and gave wrong tokens (review repro:
+    ``rms_norm_eps`` 0.5 against 1e-6). The config each made is in the fingerprint; the
+    same config gives the same one in every process (no address in it)."""
+    from types import SimpleNamespace
+
+    from kvtier.connectors.vllm.config import engine_fingerprint
+    from transformers import LlamaConfig
+
+    ckpt = tmp_path / "m"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"w" * 4096)
+
+    def factory(eps: float) -> Any:
+        def override(cfg: Any) -> Any:
+            cfg.rms_norm_eps = eps
+            return cfg
+        return override
+
+    def engine(eps: float) -> Any:
+        fn = factory(eps)
+        return SimpleNamespace(model=str(ckpt), revision=None, dtype="float32",
+                               quantization=None, hf_overrides=fn,
+                               hf_config=fn(LlamaConfig(hidden_size=64)),
+                               hf_config_path=None, hf_text_config=None, max_model_len=64)
+
+    a, b = engine(0.5), engine(1e-6)
+    assert a.hf_overrides.__qualname__ == b.hf_overrides.__qualname__
+    assert engine_fingerprint(a) != engine_fingerprint(b)
+    assert engine_fingerprint(a) == engine_fingerprint(engine(0.5))
+    # a value JSON cannot hold is written without its address, so the scheduler and the
+    # workers (other processes, other addresses) name one namespace
+    from kvtier.connectors.vllm.config import _config_digest
+
+    c, d = engine(0.5).hf_config, engine(0.5).hf_config
+    c.odd, d.odd = object(), object()
+    assert _config_digest(c) == _config_digest(d) != _config_digest(a.hf_config)

@@ -183,3 +183,80 @@ def test_loads_follow_vllm_s_own_context_reuse(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError, match="context_reuse"):
         ConnectorConfig.from_extra({"context_reuse": "yes"}, block_size=16,
                                    default_model_id="m")
+
+
+def test_a_quantized_kv_cache_dtype_is_part_of_the_format() -> None:
+    """Every fp8 variant is stored as uint8: with ``model_fingerprint`` "off" (no weights
+    fingerprint naming the cache dtype) an e4m3 and an e5m2 engine shared one namespace
+    (found by review). The cache dtype is in ``kv_format`` whenever the cache stores
+    another dtype than it names; "auto", or the layout's own dtype, changes nothing."""
+    from kvtier.connectors.vllm.geometry import with_cache_dtype
+
+    layout, _ = layout_from_kv_cache_config(kv_config(FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=128, dtype=torch.uint8)), 64)
+
+    def engine(cache_dtype: object) -> SimpleNamespace:
+        return SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+
+    e4m3, e5m2 = (with_cache_dtype(layout, engine(d)) for d in ("fp8_e4m3", "fp8_e5m2"))
+    assert e4m3.kv_format == f"{CANONICAL_FORMAT}:fp8_e4m3"
+    assert e4m3.fingerprint != e5m2.fingerprint
+    for same in ("auto", "uint8", None):
+        assert with_cache_dtype(layout, engine(same)) == layout
+    assert with_cache_dtype(layout, None) == layout
+    latent, _ = layout_from_kv_cache_config(kv_config(mla(cache_dtype_str="fp8_ds_mla")), 64)
+    assert with_cache_dtype(latent, engine("fp8_ds_mla")) == latent   # named already
+
+
+def test_a_model_vllm_caches_no_prefix_of_never_loads() -> None:
+    """A MEAN (or CLS) pooling model pools over the whole prompt in one prefill: a loaded
+    prefix made its pooler raise and the engine core die (found by review). vLLM says so
+    in ``is_prefix_caching_supported``; "auto" then never loads, on any platform."""
+    from kvtier.connectors.vllm.geometry import context_reuse_refused
+
+    heads, _ = layout_from_kv_cache_config(kv_config(full()), 64)
+
+    def engine(supported: bool, pooling: str | None = "MEAN") -> SimpleNamespace:
+        pooler = None if pooling is None else SimpleNamespace(seq_pooling_type=pooling)
+        return SimpleNamespace(model_config=SimpleNamespace(
+            is_prefix_caching_supported=supported, pooler_config=pooler,
+            attn_type="decoder", hf_config=SimpleNamespace(model_type="llama")))
+
+    assert context_reuse_refused(engine(True)) is None
+    assert engine_reuses_context(engine(True), heads)
+    why = context_reuse_refused(engine(False))
+    assert why is not None and "MEAN pooling" in why
+    assert not engine_reuses_context(engine(False), heads)
+    assert "attention type" in (context_reuse_refused(engine(False, None)) or "")
+    assert context_reuse_refused(SimpleNamespace()) is None   # nothing to ask: as before
+
+
+def test_a_model_without_a_kv_cache_is_told_so() -> None:
+    """An encoder-only model has no KV cache group: the refusal said to disable the hybrid
+    KV cache manager, which changes nothing there."""
+    empty = KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[])
+    with pytest.raises(ConfigError, match="keeps no KV cache") as err:
+        layout_from_kv_cache_config(empty, 64)
+    assert "hybrid" not in str(err.value)
+
+
+def test_context_reuse_on_is_refused_where_vllm_caches_no_prefix() -> None:
+    """"on" forces loads past vLLM's CPU MLA test, but a MEAN pooling model's pooler
+    fails every request a load reaches: the engine is refused at start, in one line."""
+    from kvtier.connectors.vllm.geometry import context_loads
+
+    heads, _ = layout_from_kv_cache_config(kv_config(full()), 64)
+    engine = SimpleNamespace(model_config=SimpleNamespace(
+        is_prefix_caching_supported=False, attn_type="decoder",
+        pooler_config=SimpleNamespace(seq_pooling_type="CLS")))
+    assert context_loads("auto", engine, heads) == (
+        False, "vLLM does not support prefix caching for this model (a pooling model with "
+        "CLS pooling)")
+    assert context_loads("off", engine, heads)[0] is False
+    with pytest.raises(ConfigError, match="CLS pooling") as err:
+        context_loads("on", engine, heads)
+    assert "\n" not in str(err.value)
+    plain = SimpleNamespace(model_config=SimpleNamespace(is_prefix_caching_supported=True))
+    assert context_loads("on", plain, heads) == context_loads("auto", plain, heads) == (
+        True, "")
+    assert context_loads("off", plain, heads) == (False, "")
