@@ -138,6 +138,48 @@ def test_absurd_depths_and_engine_numbers_are_refused(daemon: DaemonProcess) -> 
     _still_intact(daemon, ns, keys, bufs)
 
 
+def test_a_parent_that_is_not_a_whole_key_is_refused(daemon: DaemonProcess) -> None:
+    """A put's ``parent`` is the 16-byte key of the block before its first: a shorter or
+    longer one (b"abc", 17 bytes) is a ProtocolError, not a chain parent stored truncated
+    or zero-padded into frames and the journal (the block's recorded parent would name no
+    block). The connection and the daemon keep serving, and a whole key is taken."""
+    ns, keys, bufs = _stored(daemon)
+    s = _raw(daemon)
+    register(s, ns)
+    fresh = block_keys(ns, np.arange(64 * 6))[4:]   # blocks 4-5 of the stored chain
+    for bad in (b"abc", b"x" * 17):
+        s.sendall(pack({"id": 5, "op": "put_prepare", "ns": ns.digest, "parent": bad,
+                        "depth": 4, "layout_fp": LAYOUT.fingerprint,
+                        "keys": b"".join(fresh)}))
+        r = _reply(s)
+        assert not r["ok"] and r["code"] == ProtocolError.code, r
+    s.sendall(pack({"id": 6, "op": "put_prepare", "ns": ns.digest, "parent": keys[-1],
+                    "depth": 4, "layout_fp": LAYOUT.fingerprint, "keys": b"".join(fresh)}))
+    r = _reply(s)
+    assert r["ok"], r
+    s.sendall(pack({"id": 7, "op": "put_abort", "lease": r["lease"]}))
+    assert _reply(s)["ok"]
+    s.close()
+    _still_intact(daemon, ns, keys, bufs)
+
+
+def test_a_layout_whose_block_no_tier_can_hold_is_refused(daemon: DaemonProcess) -> None:
+    """A layout is refused at register_layout when one block is larger than a frame may
+    carry (MAX_PAYLOAD, 64 GiB): no tier could ever hold such a block, so registering it
+    would hand out a namespace every put of which fails later and deeper. A typed
+    LayoutMismatch naming the size; the connection goes on registering sound layouts."""
+    huge = KVLayout(num_layers=2**20, num_kv_heads=8, head_dim=128, dtype="float16",
+                    tokens_per_block=32)   # 2 x 2**20 x 8 x 128 x 2 B x 32 = 2**37 B
+    s = _raw(daemon)
+    s.sendall(pack({"id": 2, "op": "register_layout", "layout": huge.to_dict(),
+                    "model_id": "m"}))
+    r = _reply(s)
+    assert not r["ok"] and r["code"] == LayoutMismatch.code, r
+    assert str(huge.block_bytes) in r["error"], r
+    register(s, Namespace("m", LAYOUT))
+    s.close()
+
+
 def test_wrong_buffer_sizes(daemon: DaemonProcess) -> None:
     ns, keys, bufs = _stored(daemon)
     c = connect(daemon.socket)

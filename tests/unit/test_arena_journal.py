@@ -17,13 +17,26 @@ import xxhash
 from kvtier.errors import ConfigError
 from kvtier.frame import FLAG_CHAIN, FrameHeader, make_header, parent_tag
 from kvtier.index import BlockMeta
+from kvtier.store import TieredStore
+from kvtier.store.recovery import RecoveryCounters, _merge
 from kvtier.tiers import arena_journal as aj
 from kvtier.tiers.arena import Arena, journal_path, remove_stale_arenas, stable_arena_name
 from kvtier.tiers.arena_journal import ArenaJournal
-from kvtier.tiers.journal_format import RECORD, CommitInfo
+from kvtier.tiers.journal_format import (
+    MAGIC,
+    RECORD,
+    VERSION,
+    CommitInfo,
+    CommittedSlot,
+    RecordType,
+    header_record,
+    open_private,
+    pack_record,
+)
 from kvtier.tiers.journal_replay import read_journal
 from kvtier.tiers.slab import PAGE, SlabAllocator
 from tests.support.arena import shm_root
+from tests.support.store import BLOCK, DIGEST, FP, chain
 
 SLAB = 16 * 1024
 RUN = bytes(range(16))   # a daemon run's id, as kvtier.tiers.journal_run makes one
@@ -88,6 +101,77 @@ def test_a_torn_last_record_is_dropped(shm_dir: Path) -> None:
     assert state is not None and state.torn == 1
     assert state.committed == [] and state.writing == [(0, PAGE)]
     j.close(unlink=True)
+
+
+def _journal_of(path: Path, *records: bytes, mode: int = 0o600) -> Path:
+    """A journal file holding ``records`` as written, of ``mode``."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, b"".join(records))
+    finally:
+        os.close(fd)
+    os.chmod(path, mode)
+    return path
+
+
+def _alloc(offset: int, generation: int) -> bytes:
+    return pack_record(RecordType.ALLOC, offset=offset, nbytes=PAGE, generation=generation)
+
+
+def _commit(offset: int, generation: int) -> bytes:
+    return pack_record(RecordType.COMMIT, offset=offset, nbytes=PAGE, key=b"k" * 16,
+                       namespace=b"n" * 16, layout_fp=7, checksum=11, generation=generation)
+
+
+@pytest.mark.parametrize(("magic", "version"), [(b"NOTAJOURNAL\0\0\0\0\1", VERSION),
+                                                (MAGIC, VERSION + 1)],
+                         ids=["magic", "version"])
+def test_a_journal_of_another_format_is_not_read(shm_dir: Path, magic: bytes,
+                                                 version: int) -> None:
+    """A header with another magic or format version (a later kvtier's journal, or another
+    file under the name) is not replayed: its records would be read in a layout they were
+    not written in, so a warm restart starts cold instead of adopting slots from them."""
+    good = header_record(8 * SLAB, SLAB, RUN)
+    assert read_journal(_journal_of(shm_dir / "ok.journal", good, _alloc(0, 1))) is not None
+    other = pack_record(RecordType.HEADER, offset=8 * SLAB, nbytes=SLAB, key=magic,
+                        namespace=RUN, layout_fp=version)
+    assert read_journal(_journal_of(shm_dir / "j.journal", other, _alloc(0, 1))) is None
+
+
+def test_a_header_that_fails_its_own_check_is_not_read(shm_dir: Path) -> None:
+    """The header record carries its own xxh3 like every record: one whose check fails (a
+    torn or tampered write: here a bit of the arena size flipped) gives no geometry to trust,
+    so the journal is not replayed at all (not one with a wrong arena size)."""
+    head = bytearray(header_record(8 * SLAB, SLAB, RUN))
+    head[9] ^= 1   # the arena size (offset field), under the record's check
+    assert read_journal(_journal_of(shm_dir / "j.journal", bytes(head), _alloc(0, 1))) is None
+
+
+def test_a_commit_of_another_generation_of_its_slot_is_not_adopted(shm_dir: Path) -> None:
+    """A COMMIT names the generation of the ALLOC it completes: one of another generation
+    (a commit of the slot's previous tenant, after the slot was handed out again) says
+    nothing about what the slot holds now, so it is counted inconsistent and the slot stays
+    one being written (quarantined), not a block adopted under the old key."""
+    head = header_record(8 * SLAB, SLAB, RUN)
+    same = read_journal(_journal_of(shm_dir / "ok.journal", head, _alloc(0, 1), _commit(0, 1)))
+    assert same is not None and [c.offset for c in same.committed] == [0]
+    state = read_journal(_journal_of(shm_dir / "j.journal", head, _alloc(0, 1), _commit(0, 2)))
+    assert state is not None and state.committed == [] and state.inconsistent == 1
+    assert state.writing == [(0, PAGE)]
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o602], ids=lambda m: f"{m:04o}")
+def test_a_journal_others_may_read_or_write_is_refused(shm_dir: Path, mode: int) -> None:
+    """A journal in a shared /dev/shm is only ours when no group/other bit is set: another
+    user who can write it can forge COMMITs (so blocks adopted under any key), one who can
+    read it learns every key. open_private refuses it and replay reads nothing from it."""
+    path = _journal_of(shm_dir / "j.journal", header_record(8 * SLAB, SLAB, RUN),
+                       _alloc(0, 1), _commit(0, 1), mode=mode)
+    with pytest.raises(PermissionError):
+        os.close(open_private(path, os.O_RDONLY))
+    assert read_journal(path) is None
+    path.chmod(0o600)
+    assert read_journal(path) is not None   # the same bytes, private: read
 
 
 def test_compaction_keeps_the_live_state(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,6 +333,40 @@ def test_reserve_takes_exactly_the_named_slots() -> None:
     for off in (PAGE, 3 * PAGE, SLAB + 8192, 2 * SLAB, *got):
         s.free(off)   # type: ignore[arg-type]
     assert s.used_bytes == 0 and s.could_fit(4 * SLAB)
+
+
+def test_reserve_refuses_a_slot_that_would_run_past_its_free_slab() -> None:
+    """On free slabs, a slot must end inside the unit its class would take there: 3-page
+    slots cut a 4-page slab into one slot (pages 0-2); one "at page 3" would reach into the
+    next slab, which another class may hand out, so a replayed journal naming it (a
+    corrupt or foreign one) must not have it adopted, and the slab stays free."""
+    s = SlabAllocator(4 * SLAB, SLAB)
+    assert not s.reserve(3 * PAGE, 3 * PAGE)
+    assert s.used_bytes == 0 and s.allocated_slots == 0
+    assert s.reserve(SLAB, 2 * SLAB)        # slabs 1-2 as one unit: slab 1 is untouched
+    assert s.reserve(0, 3 * PAGE)           # and slab 0 still takes the class's real slot
+
+
+def test_reserve_refuses_a_slot_past_the_last_one_of_its_unit() -> None:
+    """Inside a unit that already serves the class, the slot must be one of its slots: 3-page
+    slots cut a 4-page slab into one (pages 0-2); page 3 is aligned to the class but would
+    overlap the next slab, so the reservation is refused and the unit keeps one slot."""
+    s = SlabAllocator(4 * SLAB, SLAB)
+    assert s.reserve(0, 3 * PAGE)           # slab 0 now serves 3-page slots
+    assert not s.reserve(3 * PAGE, 3 * PAGE)
+    assert s.used_bytes == 3 * PAGE
+    assert s.reserve(SLAB, PAGE)            # slab 1 is still free for any class
+
+
+def test_reserve_of_a_multi_slab_slot_refuses_slabs_another_class_holds() -> None:
+    """A slot of two slabs at slab 0 needs slabs 0 and 1 free: slab 1 serving 1-page slots
+    must not be taken over (its unit would be overwritten and its slot handed out twice)."""
+    s = SlabAllocator(4 * SLAB, SLAB)
+    assert s.reserve(SLAB, PAGE)            # slab 1 serves 1-page slots
+    assert not s.reserve(0, 2 * SLAB)       # slabs 0-1: slab 1 is taken
+    assert s.used_bytes == PAGE
+    s.free(SLAB)                            # slab 1's unit is intact: its slot frees
+    assert s.used_bytes == 0 and s.reserve(0, 2 * SLAB)
 
 
 # -- stable arenas ---------------------------------------------------------------------------
@@ -474,3 +592,34 @@ def test_a_record_beyond_the_format_is_skipped_not_the_batch(shm_dir: Path) -> N
     replay = read_journal(j.path)
     assert replay is not None
     assert sorted(c.offset for c in replay.committed) == [offsets[0], offsets[2], offsets[3]]
+
+
+# -- warm restart: arena commits merged with the nvme frames ---------------------------------
+@pytest.mark.parametrize("field", ["same", "namespace", "layout_fp", "nbytes"])
+async def test_an_arena_commit_that_disagrees_with_its_keys_nvme_frame_is_not_adopted(
+        store: TieredStore, field: str) -> None:
+    """A key both in a journal COMMIT and in an nvme frame is one block only when both say
+    the same namespace, layout and size: otherwise one of them is another block under the
+    same key (another tenant's namespace, an older layout), and adopting the arena slot
+    into the frame's entry would serve its bytes as the frame's block. The commit is
+    dropped (counted a conflict, its slot freed) and the nvme frame alone is indexed."""
+    key = chain(1)[0]
+    slot = store.nvme.alloc(BLOCK) if store.nvme is not None else None
+    assert slot is not None
+    entries = [(slot, make_header(DIGEST, key, FP, bytes(BLOCK)))]
+    said = {"namespace": DIGEST, "layout_fp": FP, "nbytes": BLOCK}
+    if field != "same":
+        said[field] = {"namespace": b"\xee" * 16, "layout_fp": FP + 1,
+                       "nbytes": BLOCK // 2}[field]
+    committed = [CommittedSlot(0, CommitInfo(key, said["namespace"], said["layout_fp"],
+                                                said["nbytes"], None, 0, 1), 11)]
+    counters = RecoveryCounters()
+    adopted, _ = _merge(store, entries, committed, [], counters)
+    meta = store.index[key]
+    assert (meta.namespace, meta.nvme) == (DIGEST, slot)
+    if field == "same":   # one block in both tiers
+        assert [s.offset for s in adopted] == [0] and meta.cpu == 0
+        assert counters.dropped_conflict == 0
+    else:
+        assert adopted == [] and meta.cpu is None and counters.dropped_conflict == 1
+        assert store.arena.used_bytes == 0

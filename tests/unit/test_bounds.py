@@ -19,7 +19,7 @@ from kvtier.daemon.limits import (
     ProcessShares,
     read_request,
 )
-from kvtier.errors import CapacityError, ConfigError, ProtocolError
+from kvtier.errors import CapacityError, ConfigError, Overloaded, ProtocolError
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 from kvtier.protocol import (
@@ -219,6 +219,33 @@ async def test_a_trickled_frame_holds_only_what_arrived_and_small_frames_never_w
         with pytest.raises(asyncio.CancelledError):
             await reading
     assert pending.used == pending.limit - 1001   # the cancelled frame gave its bytes back
+
+
+async def test_a_connections_pipelined_requests_wait_for_its_own_budget() -> None:
+    """One connection's requests in flight hold at most conn_pending_bytes
+    (daemon.max_conn_pending_bytes), charged from a frame's length before its body is read:
+    a client pipelining frames it does not wait the answers of waits for its own requests
+    to be answered, however much room the shared budgets have (they are sized for many
+    connections), and is told Overloaded after read_timeout_s."""
+    lim = Limits(read_timeout_s=0.3)
+    pending, counters = ByteBudget(lim.total_pending_bytes), LimitCounters()
+    held = ByteBudget(1000)
+    frame = pack({"id": 1, "op": "ping", "pad": b"x" * 600})
+    conn = asyncio.StreamReader(limit=STREAM_LIMIT)
+    conn.feed_data(frame * 3)
+    first = await read_request(conn, lim, pending, counters, held)
+    assert first is not None
+    assert held.used == len(frame) - LENGTH.size              # the first request holds it
+    second = asyncio.ensure_future(read_request(conn, lim, pending, counters, held))
+    await asyncio.sleep(0.05)
+    assert not second.done() and pending.used == len(frame) - LENGTH.size
+    first[1].release()                                         # the first is answered
+    got = await asyncio.wait_for(second, 1)
+    assert got is not None and got[0]["op"] == "ping"
+    with pytest.raises(Overloaded, match="max_conn_pending_bytes"):
+        await read_request(conn, lim, pending, counters, held)  # the second is not
+    got[1].release()
+    assert held.used == 0 and pending.used == 0
 
 
 def test_request_decoding_bounds_containers() -> None:

@@ -3,6 +3,7 @@ blocks leaves the GIL to other threads."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 import time
@@ -38,6 +39,33 @@ def test_header_and_verify_match_frame_module() -> None:
         rc.verify(ours, bytes(bad))
     with pytest.raises(ChecksumError):
         rc.verify(ours, payload[:-1])
+
+
+class _FakeLibxxhash:
+    """Stands for ``ctypes.CDLL(name)``: an XXH3_64bits that hashes as the package does up
+    to ``right_up_to`` bytes and gives another number above (a broken build's SIMD path)."""
+
+    def __init__(self, right_up_to: int) -> None:
+        def xxh3(address: int, size: int) -> int:
+            right = payload_checksum(ctypes.string_at(address, size))
+            return right if size <= right_up_to else right ^ 1
+
+        self.XXH3_64bits = xxh3   # (restype and argtypes are set on it: a plain attribute)
+
+    def __call__(self, name: str) -> _FakeLibxxhash:
+        return self
+
+
+def test_a_libxxhash_that_disagrees_with_the_package_is_not_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library's XXH3 is checked on sample inputs before it is used: one that gives
+    another hash than the package for some size (here only above 4 KiB) would make
+    background-hashed checksums disagree with the frames', so every block it hashed would
+    read as corrupt (or a corrupt one as sound). It is not used; one that agrees is."""
+    monkeypatch.setattr(rc.ctypes, "CDLL", _FakeLibxxhash(right_up_to=1 << 40))
+    assert rc._load() is not None
+    monkeypatch.setattr(rc.ctypes, "CDLL", _FakeLibxxhash(right_up_to=4096))
+    assert rc._load() is None
 
 
 def test_fallback_without_the_native_library(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 from kvtier.client import connect, connect_async
+from kvtier.client.replies import devices_of, get_slots, lookup_hits, prefix_results, slot_offsets
 from kvtier.errors import BufferSizeError, HandshakeError, ProtocolError
 from kvtier.keys import KEY_SCHEME, block_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers import hbm as hbm_mod
+from kvtier.tiers.aligned import PAGE
 from kvtier.tiers.hbm_mapping import HbmMapping
 from tests.support.fake_daemon import HostileSocketDaemon
 
@@ -167,6 +169,59 @@ def test_hbm_offsets_get_the_checks_cpu_offsets_get(tmp_path: Path, offsets: lis
         c.ping()   # (the release went out without a wait)
         assert released == [3]
         c.close()
+
+
+ARENA = 16 * NB
+PREFIX_RESULT = {"tokens_per_block": 16, "prompt_blocks": 2, "hit_blocks": 2,
+                 "local_blocks": 2, "redis_blocks": 0, "tier_blocks": {"cpu": 2},
+                 "redis": "off"}
+REPLY_CHECKS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+    # name: (the check on a reply it must refuse, the same check on a sound one)
+    "a slot running past the arena's end": (
+        lambda: slot_offsets([ARENA - PAGE], 1, NB, ARENA, exact=False),
+        lambda: slot_offsets([ARENA - NB], 1, NB, ARENA, exact=False)),
+    "a get offset of None": (
+        lambda: slot_offsets([0, None], 2, NB, ARENA, exact=False),
+        lambda: slot_offsets([0, None], 2, NB, ARENA, exact=True)),   # a put's: no write
+    "an offset a float": (
+        lambda: slot_offsets([0.0], 1, NB, ARENA, exact=False),
+        lambda: slot_offsets([0], 1, NB, ARENA, exact=False)),
+    "an offset a bool": (
+        lambda: slot_offsets([NB, False], 2, NB, ARENA, exact=False),
+        lambda: slot_offsets([NB, 0], 2, NB, ARENA, exact=False)),
+    "more hits than keys": (
+        lambda: lookup_hits({"hits": 3, "tiers": ["cpu"] * 3}, 2),
+        lambda: lookup_hits({"hits": 2, "tiers": ["cpu"] * 2}, 2)),
+    "hbm slots to a client that asked for none": (
+        lambda: get_slots({"offsets": [0], "devices": ["hbm"]}, 1, NB, ARENA, None),
+        lambda: get_slots({"offsets": [0], "devices": ["hbm"]}, 1, NB, ARENA, ARENA)),
+    "a device neither cpu nor hbm": (
+        lambda: get_slots({"offsets": [0, NB], "devices": ["cpu", "gpu"]}, 2, NB, ARENA,
+                          ARENA),
+        lambda: get_slots({"offsets": [0, NB], "devices": ["cpu", "hbm"]}, 2, NB, ARENA,
+                          ARENA)),
+    "a device spelled otherwise": (
+        lambda: devices_of({"devices": ["CPU"]}, 1),
+        lambda: devices_of({"devices": ["cpu"]}, 1)),
+    "more hit blocks than prompt blocks": (
+        lambda: prefix_results({"results": [dict(PREFIX_RESULT, hit_blocks=3)]}, 1),
+        lambda: prefix_results({"results": [PREFIX_RESULT]}, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(REPLY_CHECKS))
+def test_each_reply_check_refuses_what_it_guards(case: str) -> None:
+    """The checks of kvtier.client.replies on reply values, without a socket: a slot that
+    ends past the arena (the copy would read or write beyond the mapping), a get offset of
+    None or of another type than int (a bool or float is no slot), a hit count beyond the
+    keys asked (with a tiers list that agrees with it), hbm slots to a client that mapped
+    no pool, a device the client does not know (it would copy from the wrong memory), a
+    prefix result with more hit blocks than blocks: each a ProtocolError, where the same
+    reply made sound is accepted."""
+    refused, sound = REPLY_CHECKS[case]
+    sound()
+    with pytest.raises(ProtocolError):
+        refused()
 
 
 def test_an_hbm_mapping_refuses_a_bool_or_float_offset() -> None:

@@ -28,6 +28,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_mapping import ArenaMapping
 from tests.support.store import (  # noqa: F401 - fixtures
+    BLOCK,
     DIGEST,
     FP,
     FakeClock,
@@ -113,6 +114,30 @@ async def test_a_client_process_holds_at_most_its_limit_of_leases(
     assert srv.counters.refused_leases == 2 and len(store.leases) == 3
     await store.release_get(1, leases[0])     # one given back: room for one more
     assert (await srv._get_prepare(first, request(keys)))["offsets"]
+
+
+async def test_a_dropped_connections_quarantined_slots_count_against_its_process(
+        store: TieredStore, arena: Arena, tmp_path: Path) -> None:
+    """A connection the daemon dropped while it held put slots leaves them quarantined
+    until its process exits (the process may still write into them). They stay part of
+    what that process holds for writing: another connection of the same process gets no
+    fresh share of the arena (else a client could take the whole arena by getting itself
+    dropped again and again), while another process still can."""
+    srv = server(store, arena, tmp_path, client_put_bytes=2 * BLOCK)
+    first = connection(srv, 1)
+    assert sum(o is not None for o in
+               (await srv._put_prepare(first, request(chain(2))))["offsets"]) == 2
+    first.dropped = True
+    srv._release(first)                        # dropped: its slots stay quarantined
+    assert srv.orphans == {1: os.getpid()} and store.held_put_bytes(1) == 2 * BLOCK
+    second = connection(srv, 2)                # the same process, a new connection
+    reply = await srv._put_prepare(second, request(chain(2, start=5)))
+    assert all(o is None for o in reply["offsets"]) and srv.counters.capped_puts == 1
+    other = Connection(3, os.getpid() + 1, os.getuid())   # another process
+    other.registered(DIGEST)
+    srv.connections[other.id] = other
+    assert sum(o is not None for o in
+               (await srv._put_prepare(other, request(chain(2, start=9))))["offsets"]) == 2
 
 
 def _meta(i: int) -> BlockMeta:

@@ -80,11 +80,13 @@ def test_same_keys_for_every_container_of_the_same_ids(tokens: object) -> None:
     [2**32, 0, 0, 0],
     np.array([2**32, 0, 0, 0], dtype=np.int64),
     np.array([-1, 0, 0, 0], dtype=np.int64),
+    np.array([2**32 + 5, 0, 0, 0], dtype=np.uint64),   # unsigned, but wider than u4
     [1.5, 0.0, 0.0, 0.0],
     [[1, 2, 3, 4]],
-], ids=["negative", "too-big", "np-too-big", "np-negative", "float", "2d"])
+], ids=["negative", "too-big", "np-too-big", "np-negative", "np-uint64-too-big", "float", "2d"])
 def test_token_ids_that_would_wrap_are_refused(tokens: object) -> None:
-    # a silent cast would make two different prompts share keys
+    # a silent cast would make two different prompts share keys (a uint64 2**32 + 5
+    # would become token 5: unsigned ids wider than u4 need the range check too)
     with pytest.raises(ValueError):
         block_keys(ns(), tokens)  # type: ignore[arg-type]
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from kvtier.daemon.limits import Limits
 from kvtier.daemon.prefix import MAX_PROMPTS, PrefixProbe
-from kvtier.errors import KVTierError, LimitExceeded
+from kvtier.daemon.prefix_input import digest_of, json_prompt, split_prompts
+from kvtier.errors import KVTierError, LimitExceeded, ProtocolError
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
@@ -276,3 +277,75 @@ def test_a_salt_with_a_layout_answers_alike_whether_registered_or_not(arena: Are
         ns = p.namespace({"model_id": "acme#w=1111111111111111", "cache_salt": salt,
                           "layout": layout})
         assert ns == Namespace("acme#w=1111111111111111", LAYOUT, 0, 1, salt)
+
+
+# -- wire forms (kvtier.daemon.prefix_input) -------------------------------------------------
+def test_lengths_that_leave_bytes_of_the_body_uncounted_are_refused(probe: PrefixProbe) -> None:
+    """``lengths`` must add up to the whole body: a body of two tokens cut as one prompt
+    of one token is malformed (a router's bug, or a body meant for another cut), not a
+    prompt with its tail silently dropped and answered as if it were the whole."""
+    two = np.array([1, 2], dtype="<u4").tobytes()
+    assert len(run(probe.from_control({"model_id": "m", "tokens": two,
+                                       "lengths": [1, 1]}))["results"]) == 2
+    for lengths in ([1], [0, 1], [3]):
+        with pytest.raises(ProtocolError, match="add up to"):
+            run(probe.from_control({"model_id": "m", "tokens": two, "lengths": lengths}))
+
+
+def test_more_prompts_than_the_cap_are_refused_before_they_are_cut() -> None:
+    """``split_prompts`` bounds the batch itself (MAX_PROMPTS) before it makes a prompt
+    per length: a long list of zero lengths would otherwise be cut into as many prompts
+    before the probe's own count refused them."""
+    assert len(split_prompts(b"", None, [0] * MAX_PROMPTS, 10)) == MAX_PROMPTS
+    with pytest.raises(LimitExceeded, match="prompts in one request"):
+        split_prompts(b"", None, [0] * (MAX_PROMPTS + 1), 10)
+
+
+def test_a_prompt_of_more_keys_than_allowed_is_refused_before_it_is_split(
+        probe: PrefixProbe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One prompt of max_keys + 1 block keys, within the batch's budget: refused from the
+    blob's length (daemon.max_context_tokens) before a key object is built, as the batch
+    budget is; the probe's own per-prompt check would come only after the split."""
+    max_keys = LIMITS.max_keys(16)
+    assert len(split_prompts(None, b"k" * 16 * max_keys, None, max_keys)[0].keys or []) \
+        == max_keys
+
+    def no_split(raw: bytes) -> list[bytes]:
+        raise AssertionError("keys split before the prompt's bound was checked")
+
+    monkeypatch.setattr(TieredStore, "split_keys", staticmethod(no_split))
+    with pytest.raises(LimitExceeded, match="keys in one prompt"):
+        run(probe.from_control({"model_id": "m", "keys": b"k" * 16 * (max_keys + 1)}))
+
+
+@pytest.mark.parametrize("raw", [b"x" * 15, b"x" * 17, "ab" * 15, "ab" * 17],
+                         ids=["15-bytes", "17-bytes", "30-hex-digits", "34-hex-digits"])
+def test_a_namespace_digest_of_another_length_is_a_protocol_error(probe: PrefixProbe,
+                                                                  raw: object) -> None:
+    """A namespace digest is 16 bytes: one of another length is a malformed request
+    (ProtocolError: the caller's bug), not looked up and answered "unknown namespace" as
+    if a namespace could have that digest."""
+    with pytest.raises(ProtocolError, match="16-byte digest"):
+        digest_of(raw)
+    with pytest.raises(ProtocolError, match="16-byte digest"):
+        run(probe.from_control({"ns": raw, "tokens": b""}))
+
+
+@pytest.mark.parametrize("key", ["00" * 15, "00" * 17], ids=["15-bytes", "17-bytes"])
+def test_a_json_block_key_of_another_length_is_refused(key: str) -> None:
+    """JSON ``block_keys`` are 32 hex digits each: a shorter or longer one (valid hex) is
+    a ProtocolError, not a key that no block can have walked as a miss."""
+    assert json_prompt({"block_keys": ["00" * 16]}).keys == [bytes(16)]
+    with pytest.raises(ProtocolError, match="16 bytes"):
+        json_prompt({"block_keys": ["00" * 16, key]})
+
+
+@pytest.mark.parametrize("ids", [[1.5, 2.0], [1.0, 2.0], [True, False]],
+                         ids=["fractional", "whole-floats", "bools"])
+def test_json_token_ids_that_are_not_ints_are_refused(ids: list[object]) -> None:
+    """JSON ``token_ids`` must be ints: floats (even whole ones) or bools are refused at
+    the wire, not passed on as a float array whose ids would be cast (1.5 read as 1, so two
+    prompts sharing keys) or refused later by a check that is not this one's."""
+    assert json_prompt({"token_ids": [1, 2]}).tokens is not None
+    with pytest.raises(ProtocolError, match="flat list of ints"):
+        json_prompt({"token_ids": ids})

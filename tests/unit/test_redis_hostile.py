@@ -57,8 +57,8 @@ def rkey(key: bytes) -> bytes:
     return b"kvtier:" + key.hex().encode()
 
 
-def frame(key: bytes, payload: bytes) -> bytes:
-    return FrameHeader(NS, key, LAYOUT_FP, len(payload), len(payload),
+def frame(key: bytes, payload: bytes, namespace: bytes = NS) -> bytes:
+    return FrameHeader(namespace, key, LAYOUT_FP, len(payload), len(payload),
                        payload_checksum(payload)).pack() + payload
 
 
@@ -477,6 +477,40 @@ def test_another_keys_frame_stored_under_a_key_is_still_deleted(tmp_path: Path) 
 
     keys, seen = run_stray(tmp_path, True, check)
     assert [cmd for cmd in seen if cmd[0] == b"DEL"] == [[b"DEL", rkey(keys[1])]]
+
+
+def test_another_namespaces_frame_found_when_read_again_is_left_alone(tmp_path: Path) -> None:
+    """B's GET answered with A's frame (a reply out of step) has B's header read again on a
+    fresh connection: a sound frame of another namespace there is someone else's value (a
+    server shared with another tenant or deployment), no evidence that B is corrupt for
+    this namespace. A miss, counted as the stray reply, and not deleted: only a frame of
+    this namespace that fails its checks for B is."""
+    a, b = b"A" * 16, b"B" * 16
+    payloads = {k: os.urandom(4096) for k in (a, b)}
+    theirs = frame(b, payloads[b], namespace=bytes(reversed(NS)))
+    seen: list[list[bytes]] = []
+
+    def answer(cmd: list[bytes]) -> bytes:
+        seen.append(cmd)
+        if cmd[0] == b"GET":
+            return bulk(frame(a, payloads[a]))   # B's too: out of step
+        if cmd[0] == b"GETRANGE":
+            value = frame(a, payloads[a]) if cmd[1] == rkey(a) else theirs
+            return bulk(value[:int(cmd[3]) + 1])
+        return b":1\r\n" if cmd[0] == b"DEL" else b"+PONG\r\n"
+
+    async def main(url: str) -> None:
+        async with running(cfg_for(url, max_connections=1, max_inflight=1)) as tier:
+            outs = [memoryview(bytearray(4096)) for _ in (a, b)]
+            assert await tier.get_into([a, b], outs, namespace=NS, layout_fp=LAYOUT_FP) == 1
+            assert bytes(outs[0]) == payloads[a] and bytes(outs[1]) == bytes(4096)
+            assert tier.counters.checksum_failures == 0
+            assert tier.counters.errors == 1 and "another key" in tier.last_error
+
+    with server(tmp_path, answer) as addr:
+        asyncio.run(main(f"unix://{addr.host}"))
+    assert [cmd for cmd in seen if cmd[0] == b"GETRANGE" and cmd[1] == rkey(b)]   # read again
+    assert not any(cmd[0] == b"DEL" for cmd in seen)
 
 
 # --- round 8: a CLUSTER NODES reply naming tens of thousands of members -------------------

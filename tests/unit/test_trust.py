@@ -21,6 +21,7 @@ from kvtier.socket_path import claim_socket_path, prepare_socket_dir
 from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.trust import (
     arena_problem,
+    data_dir_problem,
     dirs_on_path,
     ensure_private_dir,
     owned_file_problem,
@@ -155,6 +156,21 @@ def test_dirs_on_path_refuses_a_symlink_loop(tmp_path: Path) -> None:
     (tmp_path / "b").symlink_to(tmp_path / "a")
     with pytest.raises(OSError):
         dirs_on_path(tmp_path / "a" / "x")
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o1770], ids=lambda m: f"{m:04o}")
+def test_a_sticky_data_dir_others_may_write_is_refused(tmp_path: Path, mode: int) -> None:
+    """The data directory itself gets the owned-directory rule, not the shared one the
+    directories above it get: a sticky bit (fine on /tmp above it) stops others replacing
+    our files but not adding one (a planted slot file or lock), so a sticky directory that
+    group or others may write is refused, and a private one is not."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    os.chmod(data, 0o700)
+    assert data_dir_problem(data, ME) is None       # the directories above pass
+    os.chmod(data, mode)
+    found = data_dir_problem(data, ME)
+    assert found is not None and found[0] == data and "writable by" in found[1]
 
 
 # -- socket directory (same uid) -------------------------------------------------------------
