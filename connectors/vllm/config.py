@@ -9,8 +9,6 @@ every worker, so both sides derive the identical layout and hence the same names
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +19,8 @@ from kvtier.errors import ConfigError
 from kvtier.keys import name_refusal
 from kvtier.layout import default_tokens_per_block
 from kvtier.weights import WEIGHTS_MARK, fingerprint
+
+from .overrides import callable_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -209,29 +209,10 @@ class ConnectorConfig:
                                   getattr(vllm_config, "cache_config", None)))
 
 
-def _config_digest(hf_config: Any) -> str | None:
-    """A digest of a Transformers config's values (None when it has none to give)."""
-    to_dict = getattr(hf_config, "to_dict", None)
-    if to_dict is None:
-        return None
-    try:
-        values = json.dumps(to_dict(), sort_keys=True, default=_stable_text)
-    except Exception:   # (a config that cannot list its values: counted by the name only)
-        return None
-    return hashlib.blake2b(values.encode(), digest_size=16).hexdigest()
-
-
-def _stable_text(value: object) -> str:
-    """A value JSON cannot hold, as text every process of the engine writes alike (not an
-    address: the scheduler and the workers must name the same namespace)."""
-    text = str(value)
-    return type(value).__qualname__ if " at 0x" in text else text
-
-
 def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None) -> str:
     """The weights fingerprint of a vLLM ``ModelConfig``: its checkpoint, revision, dtype,
-    quantization and ``hf_overrides`` (a callable override counts by its name and the
-    values of the config it made); with a
+    quantization and ``hf_overrides`` (a callable override counts by its name and what it
+    does: ``overrides.callable_digest``); with a
     draft model (``speculative``), its fingerprint too: a draft's layers share the engine's
     KV pages, so its weights decide part of every block.
 
@@ -242,11 +223,9 @@ def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None) -
     ``max_model_len`` selects the long factors for every token."""
     overrides = model.hf_overrides
     if callable(overrides):
-        # by the config it made, not its name: a factory's inner functions (and every
-        # lambda) share one, and two engines whose overrides changed the model differently
-        # shared KV (wrong tokens; found by review)
+        # by what it does, not its name alone (overrides.py)
         overrides = {"callable": getattr(overrides, "__qualname__", type(overrides).__name__),
-                     "kvtier.hf_config": _config_digest(getattr(model, "hf_config", None))}
+                     "kvtier.code": callable_digest(overrides)}
     settings = dict(overrides) if isinstance(overrides, Mapping) else {}
     draft = getattr(speculative, "draft_model_config", None)
     if draft is not None and getattr(draft, "model", None):

@@ -220,8 +220,10 @@ def context_loads(mode: str, vllm_config: Any, layout: KVLayout) -> tuple[bool, 
                           f"\"auto\" (saves only)")
     if mode == "on" or (mode == "auto" and engine_reuses_context(vllm_config, layout)):
         return True, ""
+    if mode != "auto":   # the operator's choice, whatever else holds
+        return False, ""
     return False, refused or ("vLLM runs this MLA model on its reference CPU attention "
-                              "and keeps context reuse off for it" if mode == "auto" else "")
+                              "and keeps context reuse off for it")
 
 
 def engine_reuses_context(vllm_config: Any, layout: KVLayout) -> bool:

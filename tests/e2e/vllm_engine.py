@@ -97,6 +97,49 @@ def build_tiny_mla(path: Path, *, layers: int = 2, seed: int = 0) -> Path:
     return path
 
 
+def build_tiny_eagle3(path: Path, *, aux_layers: tuple[int, ...] = (1, 2, 4),
+                      seed: int = 0) -> Path:
+    """A random EAGLE3 draft (one Llama layer on the target's hidden size 64) for the tiny
+    Llama of at least ``max(aux_layers) + 1`` layers: vLLM's speculative decoding with a
+    draft model of its own weights and config, no download."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 32, 128
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter,
+                      num_hidden_layers=1, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg.architectures = ["LlamaForCausalLMEagle3"]
+    cfg.draft_vocab_size = VOCAB
+    cfg.eagle_aux_hidden_state_layer_ids = list(aux_layers)
+    cfg.save_pretrained(path)
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.05
+
+    layer = "midlayer."
+    weights = {
+        f"{layer}self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        f"{layer}self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        f"{layer}self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        f"{layer}self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        f"{layer}mlp.gate_proj.weight": rand(inter, hidden),
+        f"{layer}mlp.up_proj.weight": rand(inter, hidden),
+        f"{layer}mlp.down_proj.weight": rand(hidden, inter),
+        f"{layer}input_layernorm.weight": torch.ones(hidden),
+        f"{layer}hidden_norm.weight": torch.ones(hidden),
+        f"{layer}post_attention_layernorm.weight": torch.ones(hidden),
+        "norm.weight": torch.ones(hidden),
+        "fc.weight": rand(hidden, 3 * hidden),
+        "lm_head.weight": rand(VOCAB, hidden),
+    }
+    save_file(weights, str(path / "model.safetensors"))
+    return path
+
+
 def engine_model_id(model_id: str, model: Path, dtype: str = "float32") -> str:
     """The model id the connector registers for ``model_id`` on an engine of ``model``
     (its weights fingerprint appended, ``model_fingerprint = "auto"``)."""

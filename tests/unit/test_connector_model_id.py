@@ -130,14 +130,18 @@ def test_a_model_id_the_daemon_would_refuse_is_refused_at_start() -> None:
         model_id(model_id="m\ud800", model_fingerprint="off")
 
 
-def test_a_function_given_as_hf_overrides_counts_by_the_config_it_made(tmp_path: Any) -> None:
+def test_a_function_given_as_hf_overrides_counts_by_what_it_does(tmp_path: Any) -> None:
     """Two engines whose ``hf_overrides`` were inner functions of one factory (one name)
     but changed the model differently shared KV and gave wrong tokens (review repro:
-    ``rms_norm_eps`` 0.5 against 1e-6). The config each made is in the fingerprint; the
-    same config gives the same one in every process (no address in it)."""
+    ``rms_norm_eps`` 0.5 against 1e-6): the function's code and the values it closes over
+    count. The config it made does not: vLLM's model loading changes the workers' copy
+    (an EAGLE draft sets ``target_layer_count``), not the scheduler's, and a digest of it
+    split one engine into two namespaces (found by review)."""
+    import functools
     from types import SimpleNamespace
 
     from kvtier.connectors.vllm.config import engine_fingerprint
+    from kvtier.connectors.vllm.overrides import _plain, callable_digest
     from transformers import LlamaConfig
 
     ckpt = tmp_path / "m"
@@ -145,27 +149,30 @@ def test_a_function_given_as_hf_overrides_counts_by_the_config_it_made(tmp_path:
     (ckpt / "config.json").write_text("{}")
     (ckpt / "model.safetensors").write_bytes(b"w" * 4096)
 
-    def factory(eps: float) -> Any:
+    def factory(eps: float, marker: object = None) -> Any:
         def override(cfg: Any) -> Any:
             cfg.rms_norm_eps = eps
+            cfg.marker = marker
             return cfg
         return override
 
-    def engine(eps: float) -> Any:
-        fn = factory(eps)
+    def engine(fn: Any) -> Any:
         return SimpleNamespace(model=str(ckpt), revision=None, dtype="float32",
                                quantization=None, hf_overrides=fn,
                                hf_config=fn(LlamaConfig(hidden_size=64)),
                                hf_config_path=None, hf_text_config=None, max_model_len=64)
 
-    a, b = engine(0.5), engine(1e-6)
+    a, b = engine(factory(0.5)), engine(factory(1e-6))
     assert a.hf_overrides.__qualname__ == b.hf_overrides.__qualname__
     assert engine_fingerprint(a) != engine_fingerprint(b)
-    assert engine_fingerprint(a) == engine_fingerprint(engine(0.5))
-    # a value JSON cannot hold is written without its address, so the scheduler and the
-    # workers (other processes, other addresses) name one namespace
-    from kvtier.connectors.vllm.config import _config_digest
-
-    c, d = engine(0.5).hf_config, engine(0.5).hf_config
-    c.odd, d.odd = object(), object()
-    assert _config_digest(c) == _config_digest(d) != _config_digest(a.hf_config)
+    assert engine_fingerprint(a) == engine_fingerprint(engine(factory(0.5)))
+    # the worker's copy of the config, changed as vLLM loads the model: the same key
+    before = engine_fingerprint(a)
+    a.hf_config.target_layer_count = 6
+    assert engine_fingerprint(a) == before
+    # values without a stable text: no address (each process has its own), sets sorted
+    assert callable_digest(factory(0.5, object())) == callable_digest(factory(0.5, object()))
+    assert _plain({"b", "a", "c"}, 0) == ["a", "b", "c"]
+    assert _plain({3: 1, "k": 2}, 0) == {"3": 1, "k": 2}
+    part = functools.partial(factory, 0.5)
+    assert callable_digest(part) != callable_digest(functools.partial(factory, 0.25))

@@ -252,7 +252,7 @@ def test_context_reuse_on_is_refused_where_vllm_caches_no_prefix() -> None:
     assert context_loads("auto", engine, heads) == (
         False, "vLLM does not support prefix caching for this model (a pooling model with "
         "CLS pooling)")
-    assert context_loads("off", engine, heads)[0] is False
+    assert context_loads("off", engine, heads) == (False, "")   # the operator's reason
     with pytest.raises(ConfigError, match="CLS pooling") as err:
         context_loads("on", engine, heads)
     assert "\n" not in str(err.value)
