@@ -74,6 +74,11 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     # requests vLLM finished whose saves every worker had acknowledged: their free was not
     # delayed, so the workers must not report them in finished_sending
     undelayed: list[str] = field(default_factory=list)
+    # the scheduler side's model id and kv_format: what the workers name namespaces by
+    # (WorkerSide.adopt: each side derives them in its own process, from a config vLLM's
+    # model loading may change in the workers only)
+    model_id: str = ""
+    kv_format: str = ""
 
 
 @dataclass(slots=True)

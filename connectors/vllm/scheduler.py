@@ -272,6 +272,7 @@ class SchedulerSide:
             for req_id, state, before in steps:
                 self._plan_save(meta, req_id, state, before + scheduled.get(req_id, 0))
         meta.step = self._step
+        meta.model_id, meta.kv_format = self.config.model_id, self.link.layout.kv_format
         self._step += 1
         self.outcomes.loads_planned(meta)
         self.outcomes.mark_loaded(meta, self._pages_of)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -77,6 +78,7 @@ class WorkerSide:
         self.arenas = ArenaRegistry(register)
         self._register_override = register is not None
         self.device_loads = bool(config.device_loads)
+        self._links: list[DaemonLink] = []   # every link made (``adopt`` renames them)
         self.link = self._new_link("")
         # ranks holding the same KV (an MLA latent): the first of them alone saves it (the
         # others still agree on the cuts, which depend on every rank's loads through the
@@ -105,11 +107,29 @@ class WorkerSide:
     # -- setup -------------------------------------------------------------------------
 
     def _new_link(self, suffix: str) -> DaemonLink:
-        return DaemonLink(self.config, self.layout, tp_size=self.tp_size,
+        link = DaemonLink(self.config, self.layout, tp_size=self.tp_size,
                           replicas=self.replicas,
                           name=f"worker{self.tp_rank}{suffix}",
                           device=self.device_loads,
                           on_connect=self._on_connect)
+        self._links.append(link)
+        return link
+
+    def adopt(self, meta: KVTierConnectorMetadata) -> None:
+        """Name namespaces as the scheduler side does: a model id or ``kv_format`` derived
+        here from a config vLLM's model loading changed would key saves where no lookup
+        looks (an EAGLE engine's did; found by review). Logged once, before any save."""
+        model_id, kv_format = meta.model_id or self.config.model_id, \
+            meta.kv_format or self.layout.kv_format
+        if (model_id, kv_format) == (self.config.model_id, self.layout.kv_format):
+            return
+        logger.warning("kvtier: worker %d names its namespaces as the scheduler does "
+                       "(model_id %r, kv_format %r), not %r, %r", self.tp_rank, model_id,
+                       kv_format, self.config.model_id, self.layout.kv_format)
+        self.config = replace(self.config, model_id=model_id)
+        self.layout = replace(self.layout, kv_format=kv_format)
+        for link in self._links:
+            link.config, link.layout = self.config, self.layout
 
     def _on_connect(self, client: Any) -> None:
         self.put_room = int(getattr(client, "put_bytes", 0) or 0)
@@ -166,6 +186,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
         """Start this step's loads layer by layer; hand asynchronous ones to the pool."""
+        self.adopt(meta)
         self._step = meta.step
         self._load_errors.update(meta.stale_pages)   # (see KVTierConnectorMetadata)
         for req_id in meta.undelayed:   # (before this step's get_finished)

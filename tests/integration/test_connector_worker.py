@@ -650,3 +650,35 @@ def test_an_async_load_on_a_gpu_finishes_its_copies_before_it_releases_its_lease
     assert w.take_load_errors() == set() and pages_equal(kv, src, dst)
     assert daemon.stats()["requests"]["get_blocks"] >= 2
     w.shutdown()
+
+
+def test_workers_name_namespaces_as_the_scheduler_side_does(tmp_path: Path) -> None:
+    """Each side derives the model id and layout in its own process, from a config vLLM's
+    model loading may change in the workers only (an EAGLE engine's split in two: saves
+    under one namespace, lookups under another). The scheduler side's names travel in the
+    step's metadata and every link of the worker, its threads' too, takes them."""
+
+    from kvtier.keys import Namespace
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
+                      tokens_per_block=64)
+    cfg = ConnectorConfig.from_extra({"socket_path": str(tmp_path / "none.sock"),
+                                      "tokens_per_block": 64, "model_id": "m"},
+                                     block_size=32, default_model_id="m")
+    worker = WorkerSide(cfg, layout, 32, 0, 1)
+    try:
+        links = []
+        t = threading.Thread(target=lambda: links.append(worker._thread_link("-save")))
+        t.start()
+        t.join()
+        worker.adopt(KVTierConnectorMetadata())               # nothing named: unchanged
+        assert worker.link.namespace(None, 0) == Namespace("m", layout, 0, 1, None)
+        worker.adopt(KVTierConnectorMetadata(model_id="m#w=abc", kv_format="x:fp8"))
+        want = Namespace("m#w=abc", KVLayout(num_layers=2, num_kv_heads=2, head_dim=32,
+                                             dtype="float32", tokens_per_block=64,
+                                             kv_format="x:fp8"), 0, 1, "s")
+        assert worker.link.namespace("s", 0) == links[0].namespace("s", 0) == want
+        assert worker.config.model_id == "m#w=abc"
+        assert worker.layout.block_bytes == layout.block_bytes
+    finally:
+        worker.shutdown()

@@ -176,3 +176,4 @@ def test_a_function_given_as_hf_overrides_counts_by_what_it_does(tmp_path: Any) 
     assert _plain({3: 1, "k": 2}, 0) == {"3": 1, "k": 2}
     part = functools.partial(factory, 0.5)
     assert callable_digest(part) != callable_digest(functools.partial(factory, 0.25))
+
