@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -363,7 +364,6 @@ def test_retries_against_a_stalled_daemon_hold_the_engine_briefly(
     d.kill()
 
 
-
 def test_a_get_lease_lost_with_a_restarted_daemon_is_a_load_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon restarts while a load copies: its get lease went with the old connection,
@@ -652,6 +652,17 @@ def test_an_async_load_on_a_gpu_finishes_its_copies_before_it_releases_its_lease
     w.shutdown()
 
 
+LAYOUT_NOWHERE = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
+                          tokens_per_block=64)
+
+
+def _worker_nowhere(tmp_path: Path) -> WorkerSide:
+    cfg = ConnectorConfig.from_extra({"socket_path": str(tmp_path / "none.sock"),
+                                      "tokens_per_block": 64, "model_id": "m"},
+                                     block_size=32, default_model_id="m")
+    return WorkerSide(cfg, LAYOUT_NOWHERE, 32, 0, 1)
+
+
 def test_workers_name_namespaces_as_the_scheduler_side_does(tmp_path: Path) -> None:
     """Each side derives the model id and layout in its own process, from a config vLLM's
     model loading may change in the workers only (an EAGLE engine's split in two: saves
@@ -660,12 +671,8 @@ def test_workers_name_namespaces_as_the_scheduler_side_does(tmp_path: Path) -> N
 
     from kvtier.keys import Namespace
 
-    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
-                      tokens_per_block=64)
-    cfg = ConnectorConfig.from_extra({"socket_path": str(tmp_path / "none.sock"),
-                                      "tokens_per_block": 64, "model_id": "m"},
-                                     block_size=32, default_model_id="m")
-    worker = WorkerSide(cfg, layout, 32, 0, 1)
+    layout = LAYOUT_NOWHERE
+    worker = _worker_nowhere(tmp_path)
     try:
         links = []
         t = threading.Thread(target=lambda: links.append(worker._thread_link("-save")))
@@ -682,3 +689,32 @@ def test_workers_name_namespaces_as_the_scheduler_side_does(tmp_path: Path) -> N
         assert worker.layout.block_bytes == layout.block_bytes
     finally:
         worker.shutdown()
+
+
+def test_the_stale_pages_the_scheduler_names_are_the_step_s_load_errors(
+        tmp_path: Path) -> None:
+    """The scheduler side names the bad pages a request of this step counts computed (a
+    sharer of a page whose load failed): the worker reports them as the step's load
+    errors, the only way vLLM rolls that request back; unreported, it decoded on the
+    failed page's zeroed KV (wrong tokens)."""
+    w = _worker_nowhere(tmp_path)
+    try:
+        w.start_load_kv(KVTierConnectorMetadata(stale_pages=[3, 4], step=0))
+        assert w.take_load_errors() == {3, 4}
+        assert w.take_load_errors() == set()
+    finally:
+        w.shutdown()
+
+
+def test_an_async_load_s_failed_pages_are_load_errors(tmp_path: Path) -> None:
+    """An asynchronous load that failed on some pages ends (finished_recving) with those
+    pages in the load errors, so that vLLM recomputes them rather than using them."""
+    w = _worker_nowhere(tmp_path)
+    try:
+        fut: Future[set[int]] = Future()
+        fut.set_result({7, 8})
+        w._async["A"] = fut
+        assert w.get_finished(set()) == (set(), {"A"})
+        assert w.take_load_errors() == {7, 8}
+    finally:
+        w.shutdown()

@@ -1,11 +1,6 @@
-"""The connector's reload-versus-recompute decision and its configuration, and the
-scheduler side applying it (no daemon, or the daemon's answer given)."""
+"""The connector's reload-versus-recompute decision and its configuration."""
 
 from __future__ import annotations
-
-from pathlib import Path
-from types import SimpleNamespace as NS
-from typing import Any
 
 import pytest
 
@@ -14,11 +9,7 @@ from kvtier.errors import ConfigError
 pytest.importorskip("vllm", reason="the connector package imports vLLM")
 
 from kvtier.connectors.vllm.config import DEFAULT_MAX_INFLIGHT_SAVE_BYTES, ConnectorConfig
-from kvtier.connectors.vllm.link import DaemonLink
 from kvtier.connectors.vllm.recompute import RecomputeModel
-from kvtier.connectors.vllm.scheduler import SchedulerSide
-
-from kvtier.layout import KVLayout
 
 BLOCK = 1_000_000           # bytes per block
 TPB = 100                   # tokens per block
@@ -91,49 +82,3 @@ def test_data_path_config_defaults() -> None:
 def test_bad_data_path_config_is_refused(extra: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         config(**extra)
-
-
-PAGE, SCHED_TPB = 32, 64
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
-                  tokens_per_block=SCHED_TPB)
-
-
-def _request(rid: str, ids: list[int]) -> Any:
-    return NS(request_id=rid, all_token_ids=ids, num_prompt_tokens=len(ids),
-              num_tokens=len(ids), cache_salt=None, mm_features=None, prompt_embeds=None,
-              lora_request=None)
-
-
-def _sched(tmp_path: Path, **extra: Any) -> SchedulerSide:
-    cfg = ConnectorConfig.from_extra({"socket_path": str(tmp_path / "none.sock"),
-                                      "tokens_per_block": SCHED_TPB, "model_id": "m", **extra},
-                                     block_size=PAGE, default_model_id="m")
-    return SchedulerSide(cfg, LAYOUT, PAGE, 1)
-
-
-def test_an_unreachable_daemon_matches_no_tokens(tmp_path: Path) -> None:
-    """No daemon at the socket: the lookup fails and kvtier offers nothing (0, not the
-    whole prompt: a load planned on a miss would only fail and cost a recompute)."""
-    sched = _sched(tmp_path)
-    try:
-        req = _request("A", list(range(1, 4 * SCHED_TPB + 2)))
-        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-        assert "A" not in sched._spans
-    finally:
-        sched.shutdown()
-
-
-def test_blocks_slower_to_reload_than_to_recompute_are_not_loaded(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The daemon holds all 4 blocks, but in a tier measured at 1 KB/s: reloading any of
-    them is slower than recomputing it, so nothing is loaded (the 4 are counted skipped)."""
-    sched = _sched(tmp_path)
-    try:
-        monkeypatch.setattr(DaemonLink, "leading_bound", lambda self, keys: None)
-        monkeypatch.setattr(DaemonLink, "lookup_result", lambda self, ns, keys: NS(
-            hits=len(keys), tiers=["redis"] * len(keys), bandwidth={"redis": 1000.0}))
-        req = _request("A", list(range(1, 4 * SCHED_TPB + 2)))
-        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-        assert sched._skips == {"A": 4}
-    finally:
-        sched.shutdown()

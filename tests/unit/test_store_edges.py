@@ -1,7 +1,7 @@
 """Edges of the store's reads and writes a mutation review found no test pinned: a put's
 ``max_new`` on a full arena, a chain piece's parent, a durable commit behind a block that
 did not reach nvme, the tier a lookup reports for a block being promoted, and the read lock
-of a get that could not promote."""
+of a get that could not promote, and a put naming a key twice."""
 
 from __future__ import annotations
 
@@ -89,3 +89,16 @@ async def test_a_get_that_cannot_promote_leaves_the_block_unpinned(
     assert await store.delete(DIGEST, FP, old) == 1
     assert old[0] not in store.index
     assert await get(store, client, new) != []
+
+
+async def test_a_put_naming_a_key_twice_takes_one_slot(
+        store: TieredStore, client: ArenaMapping) -> None:
+    """A put whose keys name one block twice (a client's bug, or a hostile one) gets a
+    slot for its first occurrence only: a second slot would be written under a key the
+    index maps to the other, reachable by no lookup and never freed (the arena shrinks by
+    a slot per such put)."""
+    k = chain(1)[0]
+    lease, offsets = await store.prepare_put(CLIENT, DIGEST, FP, [k, k])
+    assert offsets[0] is not None and offsets[1] is None
+    await store.commit_put(CLIENT, lease)
+    assert store.index[k].in_cpu
