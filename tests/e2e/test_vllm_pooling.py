@@ -6,7 +6,6 @@ for it, while it still saves."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +29,6 @@ PROMPTS = [prompt(61, 200), prompt(62, 277)]
 def pool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a tokenizer (a pooling engine loads one)."""
     return add_tiny_tokenizer(build_tiny_llama(tmp_path_factory.mktemp("tiny-pool")))
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    with DaemonProcess(tmp_path_factory.mktemp("kvtierd-pool"), cpu_bytes="64MiB") as d:
-        yield d
 
 
 def test_a_mean_pooling_engine_embeds_the_same_prompts_again(

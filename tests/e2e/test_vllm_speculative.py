@@ -7,7 +7,6 @@ review). The second pass over the same prompts must hit, with the same tokens.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,12 +31,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A 6-layer tiny Llama and an EAGLE3 draft for it."""
     return (build_tiny_llama(tmp_path_factory.mktemp("tiny-six"), layers=6),
             build_tiny_eagle3(tmp_path_factory.mktemp("tiny-eagle3")))
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    with DaemonProcess(tmp_path_factory.mktemp("kvtierd-spec"), cpu_bytes="64MiB") as d:
-        yield d
 
 
 def test_an_eagle3_engine_in_multiprocess_mode_hits_its_own_kv(
