@@ -8,9 +8,13 @@ workers each derive the model id in their own process, and vLLM's model loading 
 the workers' copy of the config (EAGLE drafts set ``target_layer_count``, Falcon and
 Llama 4 fill fields in), so the two sides named different namespaces and nothing saved
 was ever found (both found by review). The digest is of the callable itself: its code
-(bytecode, constants, names, defaults) and the values it closes over, or a
-``functools.partial``'s function and arguments, written without addresses and with sets
-sorted, so it is the same in every process and across restarts.
+(bytecode, constants, names, defaults), the values it closes over and the module-level
+values it names (``EPS = 0.5`` read by the function: two engines whose module set it
+differently computed different KV under one name), or a ``functools.partial``'s function
+and arguments, written without addresses and with sets sorted, so it is the same in every
+process and across restarts. A module or a class it names counts by its name, a function
+of another module by its module and name (following library code would cost much and say
+little), a function of its own module by what it does.
 """
 
 from __future__ import annotations
@@ -56,7 +60,36 @@ def _describe(fn: Any, depth: int) -> Any:
     return {"name": getattr(fn, "__qualname__", ""), "code": _code(code, depth),
             "defaults": _plain(getattr(fn, "__defaults__", None), depth),
             "kwdefaults": _plain(getattr(fn, "__kwdefaults__", None), depth),
-            "closure": cells}
+            "closure": cells, "globals": _globals(fn, code, depth)}
+
+
+def _globals(fn: Any, code: types.CodeType, depth: int) -> dict[str, Any]:
+    """The module-level values ``code`` (and the code nested in it) names."""
+    space = getattr(fn, "__globals__", None)
+    if not isinstance(space, dict) or depth >= MAX_DEPTH:
+        return {}
+    module = space.get("__name__")
+    found: dict[str, Any] = {}
+    for name in sorted(_names(code, 0)):
+        if name not in space:   # a builtin, or an attribute's name
+            continue
+        value = space[name]
+        if isinstance(value, (types.ModuleType, type)):
+            found[name] = getattr(value, "__name__", name)
+        elif callable(value) and getattr(value, "__module__", module) != module:
+            where = getattr(value, "__module__", "")
+            found[name] = f"{where}.{getattr(value, '__qualname__', name)}"
+        elif value is not fn:
+            found[name] = _plain(value, depth + 1)
+    return found
+
+
+def _names(code: types.CodeType, depth: int) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType) and depth < MAX_DEPTH:
+            names |= _names(const, depth + 1)
+    return names
 
 
 def _code(code: types.CodeType, depth: int) -> Any:

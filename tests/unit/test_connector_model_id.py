@@ -177,3 +177,61 @@ def test_a_function_given_as_hf_overrides_counts_by_what_it_does(tmp_path: Any) 
     part = functools.partial(factory, 0.5)
     assert callable_digest(part) != callable_digest(functools.partial(factory, 0.25))
 
+
+
+EPS_SOURCE = """
+import math
+
+SETTINGS = {"rms_norm_eps": EPS}
+
+def helper(cfg):
+    cfg.rope_theta = THETA
+    return cfg
+
+def override(cfg):
+    cfg.rms_norm_eps = EPS
+    cfg.update(SETTINGS)
+    cfg.scale = math.sqrt(2.0)
+    return helper(cfg)
+"""
+
+
+def _override_in_module(**values: Any) -> Any:
+    """``override`` of a module whose module-level values are ``values``."""
+    space: dict[str, Any] = {"__name__": "user_overrides", **values}
+    exec(compile(EPS_SOURCE, "user_overrides.py", "exec"), space)
+    return space["override"]
+
+
+def test_module_level_values_an_override_reads_count_too() -> None:
+    """An override that reads a module-level value (``EPS = float(os.environ[...])``) and
+    two engines that set it differently: one name, one code, other KV. The value counts,
+    and so does a value a function of the same module reads; a module counts by its name
+    (not walked), and a value read nowhere does not count."""
+    from kvtier.connectors.vllm.overrides import callable_digest
+
+    base = callable_digest(_override_in_module(EPS=0.5, THETA=1e4))
+    assert base == callable_digest(_override_in_module(EPS=0.5, THETA=1e4))
+    assert base != callable_digest(_override_in_module(EPS=1e-6, THETA=1e4))
+    assert base != callable_digest(_override_in_module(EPS=0.5, THETA=5e5))   # in helper
+    assert base == callable_digest(_override_in_module(EPS=0.5, THETA=1e4, UNUSED=3))
+    fn = _override_in_module(EPS=0.5, THETA=1e4)
+    fn.__globals__["SETTINGS"]["rms_norm_eps"] = 0.25    # a dict it reads, changed
+    assert callable_digest(fn) != base
+
+
+def test_an_override_that_calls_itself_or_library_code_has_a_bounded_digest() -> None:
+    """Functions of other modules count by their module and name, and a function that
+    names itself is not followed again: the digest stays small and fast."""
+    import json
+
+    from kvtier.connectors.vllm.overrides import _describe, callable_digest
+
+    space: dict[str, Any] = {"__name__": "user_overrides", "json": json}
+    exec("from json import dumps\n"
+         "def override(cfg, n=3):\n"
+         "    return override(cfg, n - 1) if n else dumps(cfg)\n", space)
+    found = _describe(space["override"], 0)["globals"]
+    assert found == {"dumps": "json.dumps"}
+    assert _describe(_override_in_module(EPS=0.5, THETA=1e4), 0)["globals"]["math"] == "math"
+    assert len(callable_digest(space["override"])) == 32
