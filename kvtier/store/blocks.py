@@ -69,8 +69,13 @@ class Blocks:
     def _reachable_parent(self, parent: bytes | None) -> bool:
         """Whether ``parent`` is back as a block of a chain: indexed and in the forest, not
         itself an orphan waiting to go (found by review: a child that rejoined under a
-        pending parent outlived it for good)."""
-        return (parent is not None and parent in self.index and parent not in self.pending
+        pending parent outlived it for good). A pending entry that is no longer the parent's
+        live one (deleted and stored anew before the sweep) does not count: the parent is
+        back, and its child was dropped for it (found by mutation review)."""
+        if parent is None:
+            return False
+        live = self.index.get(parent)
+        return (live is not None and self.pending.get(parent) is not live
                 and (self.forest is None or parent in self.forest))
 
     def retry_orphans(self) -> int:
