@@ -243,14 +243,20 @@ def _run_stats(a: argparse.Namespace) -> int:
         time.sleep(a.watch)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (``command``: ``serve``, ``plan``...) only what that
+    command needs: the other commands' modules are not imported, so ``kvtier serve``
+    starts about 0.1 s sooner (and every CLI call but help and typos)."""
     parser = OneLineParser(prog="kvtier",
                            description="Tiered KV-cache offload service for LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(sub)
     _add_stats(sub)
+    known = {name for _, name in _PLUGGABLE} | {"serve", "stats"}
     for module, name in _PLUGGABLE:
+        if command in known and command != name:
+            continue
         try:
             mod = importlib.import_module(module)
         except ImportError as exc:
@@ -269,7 +275,8 @@ def _unavailable(name: str, exc: Exception) -> int:
 def main(argv: list[str] | None = None, *, parts: DaemonParts | None = None) -> int:
     """The ``kvtier`` command; ``parts`` (for ``serve``) builds the daemon's tiers another
     way (kvtier.daemon.parts; the CPU tests' fake HBM pool comes in through it)."""
-    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((a for a in given if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     args.daemon_parts = parts
     if not getattr(args, "func", None):

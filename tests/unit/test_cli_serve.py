@@ -111,3 +111,19 @@ def test_enum_flags_refuse_other_values(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--eviction", "random"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_command_builds_only_its_own_parser() -> None:
+    """``kvtier serve`` (every daemon start) does not import plan, doctor, replay and
+    explain; a pluggable command gets its own parser only, help and typos all of them."""
+    def commands(command: str | None) -> list[str]:
+        sub = next(a for a in build_parser(command)._actions
+                   if isinstance(a, argparse._SubParsersAction))
+        return list(sub.choices)
+
+    every = ["serve", "stats", "plan", "doctor", "replay", "explain"]
+    assert commands(None) == every and commands("bogus") == every
+    assert commands("serve") == ["serve", "stats"]
+    assert commands("doctor") == ["serve", "stats", "doctor"]
+    args = build_parser("plan").parse_args(["plan", "--model", "llama-3-8b"])
+    assert args.command == "plan" and callable(args.func)
