@@ -73,9 +73,14 @@ test: $(TSTAMP) prometheus-tools redis-tools
 	$(VENV)/bin/ruff check .
 	$(MAKE) --no-print-directory typecheck
 	$(MAKE) --no-print-directory kernels-check
+	@# byte-compiled once here: every daemon, client and engine process the tests start
+	@# imports these, and with PYTHONDONTWRITEBYTECODE set (as on these machines) each one
+	@# compiled ~100 modules again (~0.25 s of a daemon's 0.85 s start)
+	$(PY) -m compileall -q -j 0 kvtier connectors kernels tests >/dev/null
 	$(PY) -m pytest $(PYTEST_PAR) $(PYTEST_ARGS)
 
 test-fast: $(TSTAMP) prometheus-tools redis-tools
+	$(PY) -m compileall -q -j 0 kvtier connectors kernels tests >/dev/null
 	$(PY) -m pytest $(PYTEST_PAR) -m "not e2e" $(PYTEST_ARGS)
 
 lint: $(TSTAMP)
