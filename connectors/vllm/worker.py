@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Any
@@ -35,6 +35,7 @@ from kvtier.kernels.pipeline import LayerPipeline
 from kvtier.layout import KVLayout
 from kvtier.lograte import LogRate
 
+from .asyncloads import AsyncLoads
 from .config import ConnectorConfig
 from .device import ArenaRegistry, Register, cuda_register
 from .geometry import engine_caches
@@ -96,9 +97,8 @@ class WorkerSide:
         self._failed_at: dict[int, set[int]] = {}
         self._step = -1          # the step of the metadata bound last (start_load_kv)
         self._batch_step = -1    # the step of the loads in ``_batch``
-        self._pool: ThreadPoolExecutor | None = None
-        self._async: dict[str, Future[set[int]]] = {}
-        self._async_load_stream: Any = None   # the async-load thread's (GPU engines)
+        self.async_loads = AsyncLoads(lambda: self._thread_link("-async"), tp_rank,
+                                      self._count)
         self.ledger = SaveLedger()   # saves in flight, delayed frees, per-step reports
         self.loaded_blocks = 0
         self.saved_blocks = 0
@@ -196,13 +196,10 @@ class WorkerSide:
                               self.tp_rank, self.device_loads)
             self._batch, self._batch_step = batch, meta.step
             self.pipeline.start_loads(batch)
-        for spec in meta.async_loads:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
-            # GPU: the load waits for the compute already queued (its fresh pages may have
-            # been another request's until this step, still read by queued kernels)
-            fence = self.pipeline.streams.compute_fence() if self.pipeline else None
-            self._async[spec.req_id] = self._pool.submit(self._load_whole, spec, fence)
+        if meta.async_loads and self.pipeline is not None and self.caches is not None:
+            fence = self.pipeline.streams.compute_fence()   # (GPU: see AsyncLoads.submit)
+            for spec in meta.async_loads:
+                self.async_loads.submit(spec, self.caches, self.device_loads, fence)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Wait for this layer of the step's loads only."""
@@ -225,48 +222,6 @@ class WorkerSide:
                 self.loaded_blocks += batch.loaded_blocks
                 self._count("loaded_blocks", batch.loaded_blocks)
                 self._batch = None
-
-    def _load_whole(self, spec: TransferSpec, fence: Any = None) -> set[int]:
-        """An asynchronous load (between steps): every layer at once, on the pool thread.
-        On a GPU its copies run on this thread's own stream, after ``fence`` (an event on
-        the compute stream), and are finished before the leases are released: the daemon
-        may reuse a slot the moment its lease is given back."""
-        assert self.caches is not None
-        stream = self._async_stream()
-        batch = LoadBatch([spec], self.caches, lambda: self._thread_link("-async"),
-                          self.tp_rank, self.device_loads)
-        try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if fence is not None and stream is not None:
-                    stream.wait_event(fence)
-                batch.open()
-                for layer in range(self.caches.num_layers):
-                    batch.load_layer(layer, stream)
-            if stream is not None:
-                stream.synchronize()
-            failed = batch.close()
-        except Exception:
-            logger.exception("kvtier: load of request %s failed; vLLM recomputes it",
-                             spec.req_id)
-            if stream is not None:   # nothing may still read the slots being given back
-                with contextlib.suppress(Exception):
-                    stream.synchronize()
-            failed = batch.all_pages()
-        self._count("loaded_blocks", batch.loaded_blocks)
-        return failed
-
-    def _async_stream(self) -> Any:
-        """The async-load thread's CUDA stream on the caches' device (None on the CPU);
-        made on first use, with that thread's current device set to the caches' (its
-        other CUDA calls would go to GPU 0)."""
-        assert self.caches is not None
-        device = self.caches.caches[0].device
-        if device.type != "cuda":
-            return None
-        if self._async_load_stream is None:
-            torch.cuda.set_device(device)
-            self._async_load_stream = torch.cuda.Stream(device=device)
-        return self._async_load_stream
 
     def take_load_errors(self) -> set[int]:
         """Pages that failed to load in this step (the step's load is joined first)."""
@@ -390,16 +345,8 @@ class WorkerSide:
         completed). A finished request that had saves is reported once they are over; the
         scheduler side delayed freeing exactly those (it planned the saves)."""
         sending = self.ledger.finished_sending(finished_req_ids)
-        recving: set[str] = set()
-        for req_id, fut in list(self._async.items()):
-            if not fut.done():
-                continue
-            del self._async[req_id]
-            try:
-                self._load_errors |= fut.result()
-            except Exception:  # _load_whole never raises; defensive
-                logger.exception("kvtier: async load of %s crashed", req_id)
-            recving.add(req_id)
+        recving, failed = self.async_loads.take_done()
+        self._load_errors |= failed
         return sending, recving
 
     def worker_meta(self) -> KVTierWorkerMetadata:
@@ -416,6 +363,5 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self.pipeline is not None:
             self.pipeline.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        self.async_loads.shutdown()
         self.link.close()

@@ -620,7 +620,7 @@ def test_an_async_load_on_a_gpu_finishes_its_copies_before_it_releases_its_lease
     finished(w, "s")
     events: list[str] = []
     stream = RecordingStream(events)
-    monkeypatch.setattr(w, "_async_stream", lambda: stream)
+    monkeypatch.setattr(w.async_loads, "stream", lambda caches: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     assert w.pipeline is not None
     monkeypatch.setattr(w.pipeline.streams, "compute_fence", lambda: "compute-fence")
@@ -713,7 +713,7 @@ def test_an_async_load_s_failed_pages_are_load_errors(tmp_path: Path) -> None:
     try:
         fut: Future[set[int]] = Future()
         fut.set_result({7, 8})
-        w._async["A"] = fut
+        w.async_loads.running["A"] = fut
         assert w.get_finished(set()) == (set(), {"A"})
         assert w.take_load_errors() == {7, 8}
     finally:
