@@ -1,4 +1,5 @@
-"""Demotion: a cpu victim goes to nvme (if admitted), an nvme victim to Redis (if admitted).
+"""Demotion: a cpu victim goes to nvme (if admitted), an nvme victim to Redis (if admitted);
+without an nvme tier a cpu victim goes to Redis (if admitted).
 
 The store wires ``evict_cpu`` and ``evict_nvme`` as the residencies' ``on_victim``, so
 making room in a tier walks the chain cpu -> nvme -> redis. ``persist`` is the cpu -> nvme
@@ -62,6 +63,12 @@ class Demoter:
                 # leave the arena again
                 self.cpu.keep(meta, self.clock())
                 raise
+        elif (self.nvme is None and meta.cpu_state is SlotState.READY and not meta.readers
+              and self._to_redis(meta)):
+            # no nvme tier (``nvme.bytes = 0``): the next tier down is Redis; a copy is
+            # queued, so the slot is free now (the victims of a node without nvme were
+            # dropped, and its kv_both engines shared nothing through Redis: found by review)
+            await self.transfers.move(TierName.CPU, TierName.REDIS, Transfer([meta], copy=True))
         if meta.readers or meta.cpu_state is not SlotState.READY:
             self.cpu.keep(meta, self.clock())
             return  # re-pinned while we were writing
@@ -81,13 +88,18 @@ class Demoter:
         if meta.nvme_busy:
             self.nvme.policy.set_pinned(key, True)
             return
-        if self.redis is not None and self.redis.up and not self.redis_write_through \
-                and self.admit(meta, TierName.REDIS):
+        if self._to_redis(meta):
             await self.transfers.move(TierName.NVME, TierName.REDIS, Transfer([meta]))
         if meta.nvme_busy or not meta.in_nvme:
             return
         self.nvme.drop(meta, EvictionReason.CAPACITY)
         self.blocks.forget_if_gone(meta)
+
+    def _to_redis(self, meta: BlockMeta) -> bool:
+        """Whether a block leaving this node's last local tier goes to Redis: not when
+        every commit is written through already, nor when admission refuses it."""
+        return (self.redis is not None and self.redis.up and not self.redis_write_through
+                and self.admit(meta, TierName.REDIS))
 
     async def persist(self, meta: BlockMeta, *, sync: bool = False) -> bool:
         """Write the arena copy of ``meta`` to nvme as a frame; True when it is there."""

@@ -42,11 +42,14 @@ __all__ = ["Transfer", "TransferResult", "Transfers"]
 @dataclass(slots=True)
 class Transfer:
     """What to move: ``metas`` (one block, or a batch for Redis reads); ``slot`` the
-    reserved destination of a write to nvme; ``sync`` makes that write durable."""
+    reserved destination of a write to nvme; ``sync`` makes that write durable; ``copy``
+    sends a block to Redis as a copy, not from its pinned slot (a block leaving the arena:
+    its slot is freed at once, not when the SET is over)."""
 
     metas: list[BlockMeta]
     slot: NvmeSlot | None = None
     sync: bool = False
+    copy: bool = False
 
 
 @dataclass(slots=True)
@@ -198,7 +201,13 @@ class Transfers:
             for m in metas])
 
     async def _cpu_to_redis(self, job: Transfer) -> TransferResult:
-        self._submit_from_slots(job.metas)
+        if job.copy:
+            assert self.redis is not None
+            for m in job.metas:   # (``submit`` copies a payload it is not lent)
+                self.redis.submit(m.namespace, m.key, m.layout_fp, self._arena_view(m, m.nbytes),
+                                  seq=m.seq)
+        else:
+            self._submit_from_slots(job.metas)
         self._count(TierName.CPU, TierName.REDIS, job.metas)
         return TransferResult(moved=len(job.metas))
 

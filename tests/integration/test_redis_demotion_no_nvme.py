@@ -1,0 +1,78 @@
+"""A node without an nvme tier (``nvme.bytes = 0``, the P/D recipe's daemons) demotes its
+cpu victims to Redis, its next tier down: they were dropped, so ``kv_both`` engines on such
+nodes shared nothing through Redis unless ``redis.write_through`` was on (found by an
+operator's walkthrough). Real redis-server, real arena."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from kvtier.store import TieredStore
+from kvtier.tiers.arena import Arena
+from kvtier.tiers.arena_mapping import ArenaMapping
+from kvtier.tiers.redis import RedisTier
+from tests.support.arena import temp_arena
+from tests.support.redis_servers import RedisServer
+from tests.support.redis_tier import cfg_for, running
+from tests.support.store import BLOCK, DIGEST, FP, LAYOUT, NAMESPACE, chain, get, payload, put
+
+ARENA_BLOCKS = 4
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    with temp_arena(ARENA_BLOCKS * BLOCK, BLOCK) as a:
+        yield a
+
+
+@pytest.fixture
+def client(arena: Arena) -> Iterator[ArenaMapping]:
+    m = ArenaMapping(str(arena.path), arena.size)
+    yield m
+    m.close()
+
+
+@pytest.fixture(params=[False, True], ids=["write-behind", "write-through"])
+async def tier(request: pytest.FixtureRequest,
+               redis_server: RedisServer) -> AsyncIterator[RedisTier]:
+    async with running(cfg_for(redis_server.url, write_through=request.param)) as t:
+        yield t
+
+
+@pytest.fixture
+async def store(arena: Arena, tier: RedisTier) -> AsyncIterator[TieredStore]:
+    s = TieredStore(arena, redis=tier, eviction="lru", prefetch_wait="wait",
+                    redis_write_through=tier.cfg.write_through)
+    assert s.register_namespace(LAYOUT, "test/model", 0, 1, None) == NAMESPACE
+    yield s
+    await s.drain(s.clock() + 5)
+
+
+async def test_cpu_victims_of_a_node_without_nvme_go_to_redis(
+        store: TieredStore, tier: RedisTier, arena: Arena, client: ArenaMapping) -> None:
+    """Three prompts of four blocks through a four-block arena: the first two are evicted
+    to make room. Each evicted block is in Redis once (a copy: its slot was free at once,
+    the arena is never over its size), a lookup finds the whole of the first prompt (cpu
+    or Redis) and the get returns every byte exactly. With ``write_through`` every commit
+    is in Redis already and eviction adds no second write."""
+    prompts = [chain(ARENA_BLOCKS, start=i) for i in range(3)]
+    for keys in prompts:
+        offsets = await put(store, client, keys)
+        assert all(off is not None for off in offsets)
+        assert arena.used_bytes <= ARENA_BLOCKS * BLOCK
+        # (written through, a slot stays pinned until its SET is over: zero-copy puts)
+        assert await tier.flush(timeout=10)
+    assert await tier.flush(timeout=10)
+    evicted = [k for keys in prompts[:2] for k in keys if k not in store.index]
+    assert len(evicted) == 2 * ARENA_BLOCKS
+    assert await tier.exists_prefix(evicted, namespace=DIGEST) == len(evicted)
+    moved = store.transfers.moved.by_pair
+    expect = 3 * ARENA_BLOCKS if tier.cfg.write_through else 2 * ARENA_BLOCKS
+    assert moved.get(("cpu", "redis"), 0) == expect * BLOCK, moved
+
+    found = await store.lookup(DIGEST, FP, prompts[0])
+    assert found.hits == ARENA_BLOCKS
+    assert set(found.tiers) == {"redis"}
+    assert await get(store, client, prompts[0]) == [payload(k) for k in prompts[0]]
