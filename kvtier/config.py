@@ -267,6 +267,8 @@ class RedisConfig:
     codec: RedisCodec = RedisCodec.NONE
     write_through: bool = False           # also write puts through (not only demotions)
     write_queue_blocks: Count = 256       # bounded write-behind queue; full: drop oldest
+    write_queue_copy_bytes: ByteSize = ByteSize(256 * 2**20)  # of the queue's own copies
+    #                                       (demotions, writes while down); over: drop oldest
     max_inflight: Count = 8               # GET pipelines in flight per read ...
     inflight_bytes_per_server: ByteSize = ByteSize(8 * 2**20)  # GETs in flight per live
     #                                       server: about this many bytes, >= 2 pipelines

@@ -80,7 +80,7 @@ class RedisLink:
         self._layout_of: Callable[[bytes], KVLayout | None] | None = None
         self._prefix = cfg.key_prefix.encode()
         self._ttl = cfg.ttl_s if cfg.ttl_s > 0 else None
-        self._queue = WriteQueue(cfg.write_queue_blocks)
+        self._queue = WriteQueue(cfg.write_queue_blocks, cfg.write_queue_copy_bytes)
         self._outcomes = WriteOutcomes()       # per key: is its newest write in Redis
         self._inflight = asyncio.Semaphore(max(1, cfg.write_inflight))   # SET batches
         self._writing = 0                      # SET batches in flight

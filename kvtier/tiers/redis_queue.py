@@ -64,6 +64,7 @@ class PendingWrite:
     ok: bool = False                    # Redis answered OK to this SET
     on_settled: Callable[[PendingWrite], None] | None = None  # told first in done()
     tag: int = 0   # a striped write's own tag: its header's seq, its stripes' names
+    owned: bool = False   # the payload is this write's own copy (``copy_of``)
 
     def __post_init__(self) -> None:
         if self.striped:   # drawn per write: a rewrite's stripes never share a name
@@ -76,7 +77,7 @@ class PendingWrite:
         """Snapshot ``payload`` (one memcpy): the caller may reuse its buffer at once."""
         data = memoryview(bytes(_flat(payload)))
         return cls(redis_key, namespace, key, layout_fp, seq, data, data.nbytes,
-                   elem_bytes=elem_bytes)
+                   elem_bytes=elem_bytes, owned=True)
 
     @classmethod
     def borrow(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
@@ -150,29 +151,66 @@ def frame_pending(item: PendingWrite, codec: Codec | codecs.AutoCodec) -> None:
 
 
 class WriteQueue:
-    """FIFO of PendingWrite bounded by block count; ``push`` evicts the oldest when full."""
+    """FIFO of PendingWrite bounded by block count, and by the bytes of the copies it owns
+    (``max_copy_bytes``: a borrowed payload is the caller's memory, an arena slot; a copy
+    is the daemon's own: 256 copies of 32 MiB blocks demoted to a slow Redis were 8 GiB);
+    ``push`` drops the oldest write when full, the oldest copies when they are over."""
 
-    __slots__ = ("_items", "capacity", "dropped", "queued_bytes")
+    __slots__ = ("_items", "capacity", "copy_bytes", "dropped", "max_copy_bytes",
+                 "queued_bytes")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_copy_bytes: int = 0) -> None:
+        """``max_copy_bytes`` 0: copies bounded by ``capacity`` alone."""
         self.capacity = max(1, capacity)
+        self.max_copy_bytes = max_copy_bytes
         self._items: deque[PendingWrite] = deque()
         self.dropped = 0
         self.queued_bytes = 0
+        self.copy_bytes = 0   # of the queued writes that own their payload
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def push(self, item: PendingWrite) -> PendingWrite | None:
-        """Append ``item``; returns the dropped oldest write when the queue was full."""
-        dropped = None
+    def push(self, item: PendingWrite) -> list[PendingWrite]:
+        """Append ``item``; returns the writes dropped for it: the oldest when the queue
+        was full, then the oldest copies while copies are over ``max_copy_bytes`` (never
+        ``item`` itself: the newest block is the likeliest to be asked for again)."""
+        dropped: list[PendingWrite] = []
         if len(self._items) >= self.capacity:
-            dropped = self._items.popleft()
-            self.queued_bytes -= dropped.raw_len
-            self.dropped += 1
+            dropped.append(self._forget(self._items.popleft()))
         self._items.append(item)
         self.queued_bytes += item.raw_len
+        if item.owned:
+            self.copy_bytes += item.raw_len
+            if self.max_copy_bytes and self.copy_bytes > self.max_copy_bytes:
+                over = self._oldest_copies(self.copy_bytes - self.max_copy_bytes, item)
+                if over:
+                    gone = {id(it) for it in over}
+                    self._items = deque(it for it in self._items if id(it) not in gone)
+                    dropped += [self._forget(it) for it in over]
         return dropped
+
+    def _oldest_copies(self, nbytes: int, keep: PendingWrite) -> list[PendingWrite]:
+        """The oldest queued copies (not ``keep``) holding at least ``nbytes``."""
+        found: list[PendingWrite] = []
+        for it in self._items:
+            if nbytes <= 0:
+                break
+            if it.owned and it is not keep:
+                found.append(it)
+                nbytes -= it.raw_len
+        return found
+
+    def _forget(self, item: PendingWrite) -> PendingWrite:
+        """``item`` left the queue unsent (dropped): its bytes no longer count."""
+        self._taken(item)
+        self.dropped += 1
+        return item
+
+    def _taken(self, item: PendingWrite) -> None:
+        self.queued_bytes -= item.raw_len
+        if item.owned:
+            self.copy_bytes -= item.raw_len
 
     def take(self, max_items: int, max_bytes: int) -> list[PendingWrite]:
         """Pop up to ``max_items`` writes totalling about ``max_bytes`` (at least one)."""
@@ -183,7 +221,7 @@ class WriteQueue:
             if batch and size + nxt > max_bytes:
                 break
             item = self._items.popleft()
-            self.queued_bytes -= item.raw_len
+            self._taken(item)
             size += nxt
             batch.append(item)
         return batch
@@ -197,7 +235,7 @@ class WriteQueue:
         dropped = {id(it) for it in gone}
         self._items = deque(it for it in self._items if id(it) not in dropped)
         for item in gone:
-            self.queued_bytes -= item.raw_len
+            self._taken(item)
             item.done()
         return len(gone)
 
@@ -207,7 +245,7 @@ class WriteQueue:
         dropped = [it for it in self._items if it.release is not None]
         for item in dropped:
             item.done()
-            self.queued_bytes -= item.raw_len
+            self._taken(item)
         self._items = keep
         self.dropped += len(dropped)
         return len(dropped)
@@ -218,7 +256,7 @@ class WriteQueue:
         for item in self._items:
             item.done()
         self._items.clear()
-        self.queued_bytes = 0
+        self.queued_bytes = self.copy_bytes = 0
         self.dropped += n
         return n
 

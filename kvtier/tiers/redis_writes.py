@@ -157,8 +157,7 @@ class RedisWrites(RedisReads):
 
     def _enqueue(self, item: PendingWrite) -> None:
         self._outcomes.track(item)
-        dropped = self._queue.push(item)
-        if dropped is not None:
+        for dropped in self._queue.push(item):
             dropped.done()
             self.counters.dropped_writes += 1
 

@@ -132,7 +132,7 @@ def test_write_queue_unit() -> None:
     items = [PendingWrite.copy_of(b"k%d" % i, NS, bytes(16), 0, i, memoryview(b"x" * 10))
              for i in range(5)]
     dropped = [q.push(it) for it in items]
-    assert [d.seq if d else None for d in dropped] == [None, None, None, 0, 1]
+    assert [[d.seq for d in ds] for ds in dropped] == [[], [], [], [0], [1]]
     assert q.dropped == 2 and q.queued_bytes == 30
     assert [it.seq for it in q.take(2, 1 << 20)] == [2, 3]
     assert [it.seq for it in q.take(9, 1)] == [4]  # at least one, even over the byte bound
