@@ -80,6 +80,7 @@ class TieredStore:
         self.cpu = CpuResidency(arena, self.index, make(eviction, TierName.CPU),
                                 on_ready=self.commit_log.ready_many, tokens_of=self.block_tokens)
         self.transfers = Transfers(arena, nvme, redis, pin=self.cpu.pin, unpin=self.cpu.unpin,
+                                   alive=lambda m: self.index.get(m.key) is m,
                                    journal_defer=self.commit_log.defer)
         self.bandwidth = self.transfers.bandwidth  # reload rates returned with lookups
         self.nvme_policy: EvictionPolicy = make(eviction, TierName.NVME)

@@ -59,7 +59,8 @@ class RedisPort(Tier, Protocol):
 
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
                seq: int = 0, release: Callable[[], None] | None = None,
-               on_checksum: Callable[[int | None], None] | None = None) -> None: ...
+               on_checksum: Callable[[int | None], None] | None = None,
+               owned: bool = False) -> None: ...
 
     def submit_many(self, blocks: Sequence[Borrowed]) -> None: ...
 

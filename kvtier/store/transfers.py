@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
+
 from kvtier.bandwidth import BandwidthTracker
 from kvtier.errors import FrameError, KVTierError
 from kvtier.frame import Codec, FrameHeader, make_header, payload_checksum
@@ -63,12 +65,17 @@ class TransferResult:
 Handler = Callable[[Transfer], Awaitable[TransferResult]]
 
 
-def _nothing() -> None:
-    """Release callback for a buffer that nobody else holds."""
-
-
 def _no_lock(metas: list[BlockMeta]) -> None:
     return None
+
+
+def _always(meta: BlockMeta) -> bool:
+    return True
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """A block's bytes into a private buffer, on a worker thread (numpy drops the GIL)."""
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 
 def _not_plain(header: FrameHeader, meta: BlockMeta) -> str | None:
@@ -94,6 +101,8 @@ class Transfers:
     redis: RedisPort | None = None
     pin: Callable[[list[BlockMeta]], None] = _no_lock
     unpin: Callable[[list[BlockMeta]], None] = _no_lock
+    # whether a block is still the live entry of its key (not deleted meanwhile)
+    alive: Callable[[BlockMeta], bool] = _always
     # the commit journal's CommitLog.defer: a block framed for Redis from its slot hands its
     # frame checksum (the same xxh3-64 of the same bytes) to the journal, hashed once
     journal_defer: Callable[[BlockMeta], Callable[[int | None], None] | None] | None = None
@@ -201,15 +210,32 @@ class Transfers:
             for m in metas])
 
     async def _cpu_to_redis(self, job: Transfer) -> TransferResult:
-        if job.copy:
-            assert self.redis is not None
-            for m in job.metas:   # (``submit`` copies a payload it is not lent)
-                self.redis.submit(m.namespace, m.key, m.layout_fp, self._arena_view(m, m.nbytes),
-                                  seq=m.seq)
-        else:
+        if not job.copy:
             self._submit_from_slots(job.metas)
-        self._count(TierName.CPU, TierName.REDIS, job.metas)
-        return TransferResult(moved=len(job.metas))
+            self._count(TierName.CPU, TierName.REDIS, job.metas)
+            return TransferResult(moved=len(job.metas))
+        assert self.redis is not None
+        moved = []
+        for m in job.metas:
+            if m.nbytes < HASH_OFF_LOOP_BYTES:   # ``submit`` copies what it is not lent
+                self.redis.submit(m.namespace, m.key, m.layout_fp,
+                                  self._arena_view(m, m.nbytes), seq=m.seq)
+                moved.append(m)
+                continue
+            # a large block is copied on a worker thread (a fresh 32 MiB buffer is ms of
+            # page faults and memcpy), its slot pinned meanwhile; deleted by then, the copy
+            # is not sent (it would bring the block back in Redis after its DEL)
+            buf = np.empty(m.nbytes, np.uint8).data
+            self.pin([m])
+            try:
+                await asyncio.to_thread(_copy, buf, self._arena_view(m, m.nbytes))
+            finally:
+                self.unpin([m])
+            if self.alive(m) and m.in_cpu:
+                self.redis.submit(m.namespace, m.key, m.layout_fp, buf, seq=m.seq, owned=True)
+                moved.append(m)
+        self._count(TierName.CPU, TierName.REDIS, moved)
+        return TransferResult(moved=len(moved))
 
     async def _nvme_to_redis(self, job: Transfer) -> TransferResult:
         """A block leaving nvme: from its arena copy when it has one, else read back."""
@@ -230,8 +256,8 @@ class Transfers:
             if _not_plain(header, meta) is not None:
                 nvme.counters.checksum_failures += 1
                 return TransferResult()
-            assert self.redis is not None  # buf is ours: no copy
+            assert self.redis is not None  # buf is ours: no copy (counted as the queue's)
             self.redis.submit(meta.namespace, meta.key, meta.layout_fp, buf[: meta.nbytes],
-                              seq=meta.seq, release=_nothing)
+                              seq=meta.seq, owned=True)
         self._count(TierName.NVME, TierName.REDIS, job.metas)
         return TransferResult(moved=1)

@@ -73,9 +73,10 @@ class PendingWrite:
     @classmethod
     def copy_of(cls, redis_key: bytes, namespace: bytes, key: bytes, layout_fp: int,
                 seq: int, payload: memoryview,
-                elem_bytes: int = DEFAULT_ELEM_BYTES) -> PendingWrite:
-        """Snapshot ``payload`` (one memcpy): the caller may reuse its buffer at once."""
-        data = memoryview(bytes(_flat(payload)))
+                elem_bytes: int = DEFAULT_ELEM_BYTES, *, copy: bool = True) -> PendingWrite:
+        """Snapshot ``payload`` (one memcpy): the caller may reuse its buffer at once.
+        ``copy=False``: ``payload`` is already a private copy, handed over as it is."""
+        data = memoryview(bytes(_flat(payload))) if copy else _flat(payload)
         return cls(redis_key, namespace, key, layout_fp, seq, data, data.nbytes,
                    elem_bytes=elem_bytes, owned=True)
 

@@ -96,7 +96,8 @@ class RedisWrites(RedisReads):
 
     def submit(self, namespace: bytes, key: bytes, layout_fp: int, payload: memoryview, *,
                seq: int = 0, release: Release | None = None,
-               elem_bytes: int | None = None, on_checksum: OnChecksum | None = None) -> None:
+               elem_bytes: int | None = None, on_checksum: OnChecksum | None = None,
+               owned: bool = False) -> None:
         """Queue a block for writing (write-behind).
 
         With ``release``, ``payload`` is used in place (no copy: the caller keeps it
@@ -109,6 +110,8 @@ class RedisWrites(RedisReads):
         and a borrowed write submitted while down is copied, so a dead Redis never pins
         the caller's memory. ``elem_bytes`` (the shuffle codecs' element width) defaults
         to the width of ``namespace``'s layout (``use_layouts``), else ``elem_bytes_hint``.
+        ``owned`` (without ``release``): ``payload`` is a private copy the caller hands
+        over, queued without another copy (and counted in ``write_queue_copy_bytes``).
         ``on_checksum`` (borrowed writes only) is called once, on the event loop, just
         before ``release``: with the payload's xxh3-64 (``kvtier.frame.payload_checksum``)
         when its frame was built uncompressed, else None; a caller that needs that number
@@ -129,7 +132,8 @@ class RedisWrites(RedisReads):
             on_checksum(None)
             on_checksum = None
         width = self._elem_bytes_for(namespace) if elem_bytes is None else elem_bytes
-        item = (PendingWrite.copy_of(rkey, namespace, key, layout_fp, seq, payload, width)
+        item = (PendingWrite.copy_of(rkey, namespace, key, layout_fp, seq, payload, width,
+                                     copy=not owned)
                 if release is None else
                 PendingWrite.borrow(rkey, namespace, key, layout_fp, seq, payload, release,
                                     width, on_checksum))
