@@ -223,12 +223,14 @@ class Transfers:
                 moved.append(m)
                 continue
             # a large block is copied on a worker thread (a fresh 32 MiB buffer is ms of
-            # page faults and memcpy), its slot pinned meanwhile; deleted by then, the copy
-            # is not sent (it would bring the block back in Redis after its DEL)
+            # page faults and memcpy), its slot pinned meanwhile (a delete skips it, as it
+            # skips a block being read); no longer the key's live block after all, the
+            # copy is not sent (a SET after the key's DEL would bring it back in Redis)
             buf = np.empty(m.nbytes, np.uint8).data
             self.pin([m])
             try:
-                await asyncio.to_thread(_copy, buf, self._arena_view(m, m.nbytes))
+                await asyncio.get_running_loop().run_in_executor(
+                    None, _copy, buf, self._arena_view(m, m.nbytes))
             finally:
                 self.unpin([m])
             if self.alive(m) and m.in_cpu:
