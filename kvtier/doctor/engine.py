@@ -40,6 +40,7 @@ OUTPUT_LEN = ("vllm:request_generation_tokens",)
 E2E = ("vllm:e2e_request_latency_seconds",)
 QUEUE_TIME = ("vllm:request_queue_time_seconds",)
 CACHE_INFO = "vllm:cache_config_info"
+VLLM_PREFIX = "vllm:"  # every vLLM metric's name starts so; other exporters' do not
 GPU_UTIL = ("DCGM_FI_DEV_GPU_UTIL",)  # percent
 DRAM_ACTIVE = ("DCGM_FI_PROF_DRAM_ACTIVE",)  # ratio of cycles the memory interface is busy
 TENSOR_ACTIVE = ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",)  # ratio
@@ -87,8 +88,11 @@ class EngineSample:
 
     @property
     def has_engine_metrics(self) -> bool:
-        """Whether any vLLM metric doctor knows was found."""
-        return any(name in self.values for name in _KNOWN) or bool(self.histograms)
+        """Whether any of vLLM's metrics (a ``vllm:`` name) was found. Another exporter's
+        histograms (kvtier's own /metrics, ``foo_seconds``) are not the engine's: counting
+        them read any such page as a healthy engine (found by review)."""
+        return bool(self.cache_info) or any(
+            name.startswith(VLLM_PREFIX) for name in (*self.values, *self.histograms))
 
 
 def _pool_tokens(info: dict[str, str]) -> int | None:

@@ -284,3 +284,45 @@ def test_a_number_too_large_for_a_float_is_exit_2(capsys: pytest.CaptureFixture[
     assert code == 2 and out == "" and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert f"{'.'.join(where)} is a number too large to show" in err
+
+
+def _kvtier_metrics_page() -> str:
+    """kvtier's own /metrics, rendered by the daemon's registry: histograms, no vllm: name."""
+    from prometheus_client import generate_latest
+
+    from kvtier.daemon.metrics import Metrics
+
+    metrics = Metrics(lambda: {})
+    metrics.observe("lookup", 0.002)
+    return generate_latest(metrics.registry).decode()
+
+
+FOREIGN_HISTOGRAM = ("# TYPE foo_seconds histogram\n"
+                     'foo_seconds_bucket{le="0.1"} 3\nfoo_seconds_bucket{le="+Inf"} 4\n'
+                     "foo_seconds_sum 0.5\nfoo_seconds_count 4\n")
+
+
+@pytest.mark.parametrize("page", [_kvtier_metrics_page(), FOREIGN_HISTOGRAM],
+                         ids=["kvtier-metrics", "foo-seconds"])
+def test_a_page_of_other_histograms_is_not_the_engines_metrics(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, page: str) -> None:
+    """Any histogram used to count as vLLM's: such a page was 'healthy', exit 0."""
+    prom = tmp_path / "other.prom"
+    prom.write_text(page)
+    assert parse_engine(page, str(prom)).histograms  # the page does hold histograms
+    code, out, err = doctor(capsys, "--engine-metrics", str(prom))
+    assert (code, out) == (2, "")
+    assert f"no vLLM metrics in {prom}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_vllm_page_is_still_the_engines_metrics(capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    """A real vLLM scrape, and one holding only a vllm: histogram, are read."""
+    code, out, _ = doctor(capsys, "--engine-metrics",
+                          str(FIXTURES / "healthy" / "engine-0.prom"))
+    assert code == 0 and out.startswith("kvtier doctor: healthy")
+    prom = tmp_path / "ttft-only.prom"
+    prom.write_text(FOREIGN_HISTOGRAM.replace("foo_seconds", "vllm:time_to_first_token_seconds"))
+    assert parse_engine(prom.read_text(), str(prom)).has_engine_metrics
+    code, _, err = doctor(capsys, "--engine-metrics", str(prom))
+    assert code == 0, err
