@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import mmap
 import os
 import stat as stat_mod
@@ -11,11 +12,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config import Config
+from kvtier.config import Config, default_runtime_dir
 from kvtier.daemon.preflight import dir_path_problem, shm_dir_problem, shm_side_bytes
 from kvtier.doctor.env import Check, Host, Verdict
 from kvtier.socket_path import socket_dir_problem, socket_path_problem
-from kvtier.trust import owned_dir_problem
+from kvtier.trust import owned_dir_problem, private_dir_problem
 from kvtier.units import format_bytes
 
 
@@ -70,6 +71,12 @@ def _arena_bytes(shm: str, host: Host) -> int:
     return total
 
 
+def mount_size(nbytes: float) -> str:
+    """``nbytes`` as tmpfs's ``size=`` takes it: whole MiB with an ``m`` suffix, rounded
+    up so that it is enough. ``70.9 GiB`` (a space, a decimal) was no mount option."""
+    return f"{max(1, math.ceil(nbytes / 2**20))}m"
+
+
 def check_shm(cfg: Config, host: Host) -> Check:
     """The cpu tier is a file in cpu.shm_dir: it must fit, and be memory (tmpfs); so should
     its presence filter and journal, without which the daemon serves degraded."""
@@ -92,8 +99,9 @@ def check_shm(cfg: Config, host: Host) -> Check:
               + (f" + {format_bytes(mine)} in kvtier arenas" if mine else "")
               + f"; cpu tier needs {format_bytes(need)} + {format_bytes(side)} for its "
               "presence filter and journal")
-    grow = (f"grow it: mount -o remount,size={format_bytes((need + side) * 1.1 + total - avail)}"
-            f" {shm} (docker: --shm-size; Kubernetes: mount the host's /dev/shm or an emptyDir "
+    size = (need + side) * 1.1 + total - avail
+    grow = (f"grow it to {format_bytes(size)}: mount -o remount,size={mount_size(size)} "
+            f"{shm} (docker: --shm-size; Kubernetes: mount the host's /dev/shm or an emptyDir "
             "with medium: Memory and a sizeLimit), or lower cpu.bytes (kvtier plan)")
     if total < need:
         return Check("shm size", Verdict.FAIL, detail + " -> smaller than the cpu tier", grow)
@@ -265,8 +273,11 @@ def check_dir_owner(path: Path, host: Host) -> Check:
 
 
 def check_socket_dir(cfg: Config, host: Host) -> Check:
-    """The socket's directory must be the daemon user's and closed to others: whoever can
-    write there can replace the socket and receive the engines' KV."""
+    """The socket's directory, with the rules a start applies (kvtier.socket_path,
+    kvtier.trust): every directory on its path root's or the daemon user's and not
+    writable by others unless sticky (as /tmp), the daemon's user able to create the
+    socket there, and the default directory private (0700). Doctor failed a sticky /tmp
+    the start accepts and told root to chmod it (found by review)."""
     sock = str(cfg.daemon.socket)
     d = os.path.dirname(sock)
     refused = _refused_socket(cfg.daemon.socket, host.uid())
@@ -279,46 +290,72 @@ def check_socket_dir(cfg: Config, host: Host) -> Check:
     uid = host.uid()
     mode = stat_mod.S_IMODE(st.st_mode)
     detail = f"{d}: owner uid {st.st_uid}, mode {mode:04o}; the daemon runs as uid {uid}"
-    chmod = f"chmod 0700 {d} (systemd: RuntimeDirectoryMode=0700)"
-    if st.st_uid != uid:
-        return Check("socket dir", Verdict.FAIL, detail + " -> owned by another user",
-                     f"chown {uid} {d} && {chmod}, or run doctor as the daemon's user")
-    if mode & 0o022 and not mode & stat_mod.S_ISVTX:
-        return Check("socket dir", Verdict.FAIL, detail + " -> others can write it and "
-                     "replace the socket", chmod)
+    if Path(d) == default_runtime_dir(uid=uid):
+        lst = os.lstat(d)
+        problem = private_dir_problem(lst, uid)
+        if problem is not None:
+            ours = stat_mod.S_ISDIR(lst.st_mode) and lst.st_uid == uid
+            return Check("socket dir", Verdict.FAIL, f"{detail} -> the default socket "
+                         f"directory {problem}: kvtier serve refuses to start (someone else "
+                         "may have made it to take the socket over)",
+                         f"chmod 0700 {d}" if ours else f"rm -r {d} (the daemon creates it "
+                         "0700), or set daemon.socket (--socket) to a path in a directory "
+                         "of yours")
+    elif not os.access(d, os.W_OK | os.X_OK):
+        return Check("socket dir", Verdict.FAIL, f"{detail} -> not writable by the daemon's "
+                     "user: kvtier serve cannot create the socket there",
+                     "set daemon.socket (--socket) to a path in a directory of yours "
+                     "(created 0700), or run doctor as the daemon's user")
     if host.exists(sock):
         smode = stat_mod.S_IMODE(host.stat(sock).st_mode)
         if smode & 0o077:
             return Check("socket dir", Verdict.FAIL, detail + f"; socket mode {smode:04o}",
                          f"chmod 0600 {sock} (the daemon creates it 0600: restart it)")
-    if mode & 0o077:
-        return Check("socket dir", Verdict.WARN, detail + " -> readable by others", chmod)
+    if mode & stat_mod.S_ISVTX and mode & 0o022:
+        detail += (" -> shared, with the sticky bit: others cannot replace the socket "
+                   "(born 0600)")
     return Check("socket dir", Verdict.OK, detail)
+
+
+def _socket_dir_fix(where: Path, problem: str, uid: int) -> str:
+    """The fix for a directory on the socket's path that a start refuses: chmod only a
+    directory of the daemon's (non-root) user; a shared or root's directory (/tmp, /run)
+    is never chmod-ed or chown-ed, the socket moves instead."""
+    move = "set daemon.socket (--socket) to a path in a directory of yours (created 0700)"
+    if "writable by" not in problem or uid == 0:
+        return move
+    try:
+        mine = os.stat(where).st_uid == uid
+    except OSError:
+        mine = False
+    return f"chmod go-w {where}, or {move}" if mine else move
 
 
 def _refused_socket(socket_path: Path, uid: int) -> Check | None:
     """What a start refuses about the socket's path, with the checks it uses (kvtier.trust,
     kvtier.daemon.preflight): longer than a Unix socket allows, a directory that cannot be
-    one (a regular file, a symbolic link loop), or a directory above it that another user
-    could change (the directory itself: ``check_socket_dir``). None when none applies."""
+    one (a regular file, a symbolic link loop), or a directory on its path that another
+    user could change (kvtier.socket_path.socket_dir_problem; what is not there yet, the
+    start creates 0700). None when none applies."""
     too_long = socket_path_problem(socket_path)
     if too_long is not None:
         return Check("socket dir", Verdict.FAIL, f"{too_long} (kvtier serve refuses to "
                      "start)", "set daemon.socket (--socket) to a shorter path")
     directory = socket_path.parent
     found = dir_path_problem(directory)
-    if found is None:   # the directories above it (check_socket_dir reads the directory)
-        above = directory.parent
-        while not os.path.lexists(above) and above != above.parent:
-            above = above.parent   # the start creates the rest 0700
+    if found is None:
+        nearest = directory
+        while not os.path.lexists(nearest) and nearest != nearest.parent:
+            nearest = nearest.parent   # the start creates the rest 0700
         try:
-            found = socket_dir_problem(above, uid)
+            found = socket_dir_problem(nearest, uid)
         except OSError as exc:
-            found = (Path(exc.filename or above), exc.strerror or str(exc))
+            found = (Path(exc.filename or nearest), exc.strerror or str(exc))
     if found is None:
         return None
     where, problem = found
+    risk = (", so another user could replace the socket"
+            if "owned by" in problem or "writable by" in problem else "")
     return Check("socket dir", Verdict.FAIL,
-                 f"{directory} (daemon.socket's directory): {where} {problem}; kvtier serve "
-                 "refuses to start", "set daemon.socket (--socket) to a path in a directory "
-                 "of yours (created 0700)")
+                 f"{directory} (daemon.socket's directory): {where} {problem}{risk}; "
+                 "kvtier serve refuses to start", _socket_dir_fix(where, problem, uid))

@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import resource
+import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvtier.config import Config, load_config
+from kvtier.config import Config, default_runtime_dir, load_config
+from kvtier.daemon.preflight import shm_side_bytes
 from kvtier.doctor import env_daemon, env_fs, env_host, env_redis
 from kvtier.doctor.env import Check, Host, Verdict, exit_status, run_checks, to_json
+from kvtier.errors import StartupError
 from kvtier.keys import KEY_SCHEME
+from kvtier.socket_path import prepare_socket_dir
 
 GiB = 2**30
 OVERLAY = (
@@ -59,6 +65,22 @@ def test_shm_smaller_than_the_cpu_tier_fails(tmp_path: Path) -> None:
     c = env_fs.check_shm(config(tmp_path, cpu="1GiB"), h)
     assert c.verdict is Verdict.FAIL and "smaller than the cpu tier" in c.detail
     assert "--shm-size" in c.fix and "remount,size=" in c.fix
+
+
+def test_shm_grow_fix_is_a_size_mount_accepts_and_enough(tmp_path: Path) -> None:
+    """It said ``size=70.9 GiB`` (a space and a decimal: mount refuses it)."""
+    total, avail = 64 * 2**20, 60 * 2**20
+    cfg = config(tmp_path, cpu="1GiB")
+    h = host(statvfs=lambda p: (total, avail), mountinfo=lambda: OVERLAY)
+    c = env_fs.check_shm(cfg, h)
+    m = re.search(r"mount -o remount,size=(\S+) /dev/shm ", c.fix)
+    assert m is not None, c.fix
+    value = re.fullmatch(r"(\d+)m", m.group(1))
+    assert value is not None, m.group(1)
+    wanted = (cfg.cpu.bytes + shm_side_bytes(warm_restart=cfg.cpu.warm_restart)) * 1.1 \
+        + total - avail
+    assert (int(value.group(1)) - 1) * 2**20 < wanted <= int(value.group(1)) * 2**20
+    assert env_fs.mount_size(3 * GiB) == "3072m" and env_fs.mount_size(GiB + 1) == "1025m"
 
 
 def test_shm_without_enough_free_fails_but_counts_our_arenas(tmp_path: Path) -> None:
@@ -199,8 +221,9 @@ def test_socket_dir_with_the_wrong_mode_fails(tmp_path: Path) -> None:
     run.chmod(0o777)
     c = env_fs.check_socket_dir(cfg, host())
     assert c.verdict is Verdict.FAIL and "replace the socket" in c.detail and "0700" in c.fix
-    run.chmod(0o755)
-    assert env_fs.check_socket_dir(cfg, host()).verdict is Verdict.WARN
+    assert "kvtier serve refuses to start" in c.detail
+    run.chmod(0o755)   # a start accepts it: only writers could replace the socket
+    assert env_fs.check_socket_dir(cfg, host()).verdict is Verdict.OK
     run.chmod(0o700)
     assert env_fs.check_socket_dir(cfg, host()).verdict is Verdict.OK
     cfg.daemon.socket.write_bytes(b"")
@@ -208,11 +231,82 @@ def test_socket_dir_with_the_wrong_mode_fails(tmp_path: Path) -> None:
     assert env_fs.check_socket_dir(cfg, host()).verdict is Verdict.FAIL
 
 
+def _owned_by_another(path: Path, daemon_uid: int) -> None:
+    """Make ``path`` another user's than ``daemon_uid`` (and not root's): chown it when
+    this test runs as root, else it is the test's own uid, which is not ``daemon_uid``."""
+    if os.getuid() == 0:
+        os.chown(path, daemon_uid + 1, -1)
+
+
 def test_socket_dir_owned_by_another_user_fails(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     cfg.daemon.socket.parent.mkdir(mode=0o700)
-    c = env_fs.check_socket_dir(cfg, host(uid=lambda: os.getuid() + 4242))
-    assert c.verdict is Verdict.FAIL and "another user" in c.detail and "chown" in c.fix
+    daemon_uid = os.getuid() + 4242
+    _owned_by_another(cfg.daemon.socket.parent, daemon_uid)
+    c = env_fs.check_socket_dir(cfg, host(uid=lambda: daemon_uid))
+    assert c.verdict is Verdict.FAIL and f"only root or uid {daemon_uid}" in c.detail
+    assert "chown" not in c.fix and "chmod" not in c.fix and "daemon.socket" in c.fix
+
+
+@pytest.mark.parametrize("daemon_uid", [os.getuid(), 65534 if os.getuid() != 65534 else 1])
+def test_socket_in_sticky_tmp_is_accepted_as_the_start_accepts_it(
+        tmp_path: Path, daemon_uid: int) -> None:
+    """/tmp (root's, 1777): doctor warned 'chmod 0700 /tmp' to root and failed with
+    'chown 65534 /tmp && chmod 0700 /tmp' for another uid; kvtier serve accepts it."""
+    cfg = config(tmp_path)
+    cfg.daemon.socket = Path(tempfile.gettempdir()) / f"kvtier-doctor-{os.getpid()}.sock"
+    assert os.stat(cfg.daemon.socket.parent).st_mode & stat.S_ISVTX
+    c = env_fs.check_socket_dir(cfg, host(uid=lambda: daemon_uid))
+    assert c.verdict is Verdict.OK, c
+    assert "sticky" in c.detail and c.fix == ""
+    prepare_socket_dir(cfg.daemon.socket, default_dir=None)   # the start's own check
+
+
+def test_a_sticky_dir_of_another_user_fails_without_a_chmod_fix(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    cfg = config(tmp_path)
+    cfg.daemon.socket = shared / "kvtier.sock"
+    daemon_uid = os.getuid() + 4242
+    assert env_fs.check_socket_dir(cfg, host(uid=lambda: os.getuid())).verdict is Verdict.OK
+    _owned_by_another(shared, daemon_uid)
+    c = env_fs.check_socket_dir(cfg, host(uid=lambda: daemon_uid))
+    assert c.verdict is Verdict.FAIL and "owned by uid" in c.detail
+    assert "chmod" not in c.fix and "chown" not in c.fix
+
+
+@pytest.mark.parametrize("mode", [0o700, 0o755, 0o775, 0o777, 0o1777, 0o1700])
+def test_doctor_fails_the_socket_dir_exactly_when_the_start_refuses_it(
+        tmp_path: Path, mode: int) -> None:
+    """The start's own function (kvtier.socket_path.prepare_socket_dir) is the rule."""
+    cfg = config(tmp_path)
+    run = cfg.daemon.socket.parent
+    run.mkdir()
+    run.chmod(mode)
+    try:
+        prepare_socket_dir(cfg.daemon.socket, default_dir=None)
+        start_ok = True
+    except StartupError:
+        start_ok = False
+    c = env_fs.check_socket_dir(cfg, host())
+    assert (c.verdict is not Verdict.FAIL) == start_ok, c
+
+
+def test_default_socket_dir_must_be_private_as_the_start_requires(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    cfg = config(tmp_path)
+    cfg.daemon.socket = default_runtime_dir() / "kvtier.sock"
+    cfg.daemon.socket.parent.mkdir(mode=0o755)
+    cfg.daemon.socket.parent.chmod(0o755)
+    c = env_fs.check_socket_dir(cfg, host())
+    assert c.verdict is Verdict.FAIL and "not 0700" in c.detail
+    assert c.fix == f"chmod 0700 {cfg.daemon.socket.parent}"
+    cfg.daemon.socket.parent.chmod(0o700)
+    assert env_fs.check_socket_dir(cfg, host()).verdict is Verdict.OK
 
 
 # -- memlock, huge pages, numa, gpu ----------------------------------------------------------
