@@ -13,7 +13,8 @@ stored (or aged out of the removal record), evicted (by which tier's policy, whe
 refused by admission on its way down (e.g. the nvme write budget), dropped after a failed
 checksum, deleted, orphaned (its parent left every tier), its put never committed (lease
 expired or the client left), the tier that may hold it is down, still being written, or
-the lookup named a namespace/layout the daemon does not know.
+the lookup named a namespace/layout the daemon does not know (or the block is stored
+under another namespace than the lookup's).
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ class MissReason(str, Enum):
     LEASE = "lease_lost"                 # the put's lease expired / client left uncommitted
     TIER_DOWN = "tier_down"              # a lower tier that may hold it is unreachable
     IN_FLIGHT = "in_flight"              # being written right now (not committed yet)
-    NAMESPACE = "namespace_mismatch"     # unknown namespace or layout fingerprint
+    NAMESPACE = "namespace_mismatch"     # unknown namespace or layout fingerprint, or the
+    #                                      block is stored under another namespace
 
 
 # The hot path keeps plain strings (the enum's values): hashing and comparing them is
 # cheaper than an Enum member's Python-level __hash__.
 _NONE, _NEVER_STORED = MissReason.NONE.value, MissReason.NEVER_STORED.value
 _IN_FLIGHT, _TIER_DOWN = MissReason.IN_FLIGHT.value, MissReason.TIER_DOWN.value
+_NAMESPACE = MissReason.NAMESPACE.value
 _EVICTED, _ADMISSION = MissReason.EVICTED.value, MissReason.ADMISSION.value
 _FROM_EVICTION = {
     "capacity": _EVICTED, "expired": _EVICTED, "deleted": MissReason.DELETED.value,
@@ -67,6 +70,15 @@ class Removal:
     tier: str
     policy: str
     at: float            # wall clock (time.time())
+
+
+def _owner(index: Container[BlockKey], key: BlockKey) -> bytes | None:
+    """The namespace digest ``key`` is stored under, when ``index`` tells it (the store's
+    Index maps a key to its BlockMeta; a plain set of keys does not): a key held for
+    another namespace is no write in flight for this one. Read on a miss only."""
+    get = getattr(index, "get", None)
+    namespace = getattr(get(key), "namespace", None) if callable(get) else None
+    return namespace if isinstance(namespace, bytes) else None
 
 
 # (wall time, namespace digest, blocks asked, cpu hits, cpu+nvme hits, all hits, reason,
@@ -125,7 +137,8 @@ class MissLog:
             return
         removal: Removal | None = None
         if keys[hits] in index:
-            reason = _IN_FLIGHT
+            owner = _owner(index, keys[hits])
+            reason = _NAMESPACE if owner is not None and owner != digest else _IN_FLIGHT
         else:
             removal = self._removals.get(keys[hits])
             if removal is not None:
@@ -189,6 +202,9 @@ class MissLog:
             if code:
                 item["error"] = code
             hint = _hint(reason, ns, per_model)
+            if reason is MissReason.NAMESPACE and not code:   # not a refused lookup
+                hint = ("the block is stored under another namespace (another model, "
+                        "cache_salt, tp rank or layout): keys of one never match another")
             if self.redis_tier and removal is not None and removal.tier == "nvme" \
                     and reason is MissReason.EVICTED:
                 hint = ("evicted from nvme and handed to redis (when it was up), which no "

@@ -78,9 +78,19 @@ def _field(r: dict[str, Any], key: str, kinds: tuple[type, ...], where: str,
     return v
 
 
+MAX_HINT_CHARS = 2048
+"""A hint longer than this is not the daemon's (its own are a few hundred characters)."""
+
+
+def _printable(v: object, most: int = MAX_HINT_CHARS) -> str:
+    """A peer's text made safe for a table cell: every unprintable character a ``?``, at
+    most ``most`` characters."""
+    return "".join(c if c.isprintable() else "?" for c in str(v)[:most])
+
+
 def _text(v: object) -> str:
-    """A peer's value made safe for one table cell: printable, at most 80 characters."""
-    return "".join(c if c.isprintable() else "?" for c in str(v)[:80])
+    """A peer's value for one table cell: printable, at most 80 characters."""
+    return _printable(v, 80)
 
 
 def _seconds(r: dict[str, Any], key: str, where: str) -> float:
@@ -120,7 +130,9 @@ def _cells(i: int, r: dict[str, Any], now: float) -> tuple[str, ...]:
         by = f" ({_text(policy)})" if policy else ""
         age = _seconds(rm, "age_s", w + " removed")
         detail = f"left {_text(_field(rm, 'tier', _VALUE, w + ' removed'))}{by} {age:.1f}s before"
-    if hint := _text(_field(r, "hint", (str, type(None)), w, None) or ""):
+    # the hint whole: cut at 80 characters it lost its advice ("raise nvme.wr"; found by
+    # review); it is the daemon's own text (with a model id of 1024 characters at most)
+    if hint := _printable(_field(r, "hint", (str, type(None)), w, None) or ""):
         detail = f"{detail}; {hint}" if detail else hint
     style = "green" if reason == "none" else "yellow"
     first = ("-" if reason == "none" else

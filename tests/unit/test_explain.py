@@ -218,3 +218,21 @@ def test_records_are_bounded_and_misses_filter() -> None:
     assert log.stats()["first_miss"][MissReason.NONE.value] == 2
     with pytest.raises(ValueError):
         MissLog(ring=0)
+
+
+async def test_a_block_of_another_namespace_is_a_namespace_mismatch_not_in_flight(
+        store: TieredStore, client: ArenaMapping) -> None:
+    """The same keys looked up under another namespace: committed, so not in flight (it
+    said in_flight); the store counts it as a namespace mismatch, and so does explain."""
+    keys = chain(2)
+    await put(store, client, keys)
+    salted = store.register_namespace(LAYOUT, "test/model", 0, 1, "tenant-b")
+    before = store.requests.namespace_mismatch
+    await store.lookup(salted.digest, FP, keys)
+    assert store.requests.namespace_mismatch == before + 1
+    row = store.explain.recent(1)[0]
+    assert row["reason"] == "namespace_mismatch" and row["first_miss"] == 0
+    assert "error" not in row and "another namespace" in row["hint"]
+    assert "register_layout" not in row["hint"]
+    await store.lookup(NS.digest, FP, keys)   # the owner still hits
+    assert last(store)["reason"] == "none"
