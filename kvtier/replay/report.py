@@ -145,22 +145,36 @@ def _policy_label(r: ReplayResult) -> str:
     return f"{r.policy}({modes},{switches}sw)"
 
 
+_MRC_SCALES = (0.25, 0.5, 1, 2, 4)
+
+
 def format_mrc(results: Sequence[ReplayResult]) -> str:
     """The adaptive runs' live miss-ratio curves: per tier, the token hit rate the shadows
-    predict at 0.25x .. 4x the tier's size under the final mode."""
-    rows = []
+    predict at 0.25x .. 4x the tier's size under the final mode, after the share of block
+    references the shadows sampled. That column was headed "rate" under a title about hit
+    rates, and a ``--tier`` capacity overflowed its column (found by review)."""
+    head = ["capacity", "tier", "mode", "sampled", *(f"{s:g}x" for s in _MRC_SCALES)]
+    rows: list[list[str]] = []
     for r in results:
         for t, sh in zip(r.tiers, r.shadows, strict=False):
             # a shadow snapshot's "mrc" is a list of {"scale", "hit_rate"} dicts
             pts = {p["scale"]: p["hit_rate"] for p in sh["mrc"]}  # type: ignore[attr-defined]
-            rows.append(f"{_capacity_label(r):>8}  {t.name:<5} {sh['mode']!s:<5} "
-                        f"{float(str(sh['sample_rate'])):>6.4f}  "
-                        + "  ".join(f"{pts.get(s, 0.0):.4f}" for s in (0.25, 0.5, 1, 2, 4)))
+            rows.append([_capacity_label(r), t.name, str(sh["mode"]),
+                         f"{float(str(sh['sample_rate'])):.4f}",
+                         *(f"{pts[s]:.4f}" if s in pts else "-" for s in _MRC_SCALES)])
     if not rows:
         return ""
-    head = ("live miss-ratio curve (adaptive shadows): token hit rate at x the tier's size\n"
-            "capacity  tier  mode    rate   0.25x    0.5x      1x      2x      4x")
-    return "\n".join([head, *rows])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    left = {1, 2}   # tier and mode names; the numbers right-aligned
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    title = ("live miss-ratio curve (adaptive shadows): the token hit rate each tier would "
+             "have at 0.25x .. 4x its size, under its final mode; sampled: the share of "
+             "block references the shadows follow")
+    return "\n".join([title, line(head), *(line(row) for row in rows)])
 
 
 def belady_note(results: Sequence[ReplayResult]) -> str:
