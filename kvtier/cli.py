@@ -126,7 +126,8 @@ def _add_stats(sub: Any) -> None:
     p.add_argument("--config", metavar="FILE")
     p.add_argument("--json", action="store_true", help="print the /v1/stats JSON")
     p.add_argument("--watch", type=float_in(0, MAX_WATCH_S, above=True), metavar="N",
-                   help=f"refresh every N seconds (at most {MAX_WATCH_S:g})")
+                   help=f"refresh every N seconds (at most {MAX_WATCH_S:g}); a failed "
+                   "scrape is one line with the time, and the watch goes on")
     p.set_defaults(func=_run_stats)
 
 
@@ -218,9 +219,11 @@ def _capacity(t: dict[str, Any], where: str) -> str:
 
 
 def _run_stats(a: argparse.Namespace) -> int:
-    """Print the daemon's stats (once, or every ``--watch`` seconds). Exit status 1, with one
-    line, when no daemon answered or its answer is not kvtier stats (cut short, too slow,
-    too large, not JSON, or a field of the wrong type)."""
+    """Print the daemon's stats (once, or every ``--watch`` seconds). Once: exit status 1,
+    with one line, when no daemon answered or its answer is not kvtier stats (cut short,
+    too slow, too large, not JSON, or a field of the wrong type). Watching: that line with
+    the time, and the next refresh as usual, so a daemon restart does not end the watch
+    (it did, found by review); Ctrl-C ends it."""
     from kvtier.config import daemon_url
 
     url = daemon_url(a.url, a.config)
@@ -229,15 +232,22 @@ def _run_stats(a: argparse.Namespace) -> int:
             s = fetch_stats(url, timeout=STATS_DEADLINE_S)
             shown = json.dumps(s, indent=2, sort_keys=True) if a.json else render_stats(s)
         except httpget.Unreachable as exc:
-            print(f"kvtier: no daemon answered at {url} ({exc})", file=sys.stderr)
-            return 1
+            failed = f"no daemon answered at {url} ({exc})"
         except (httpget.FetchError, ValueError) as exc:
-            print(f"kvtier: the answer from {url}/v1/stats is not kvtier stats ({exc}); "
-                  "is --url the daemon's HTTP port?", file=sys.stderr)
+            failed = (f"the answer from {url}/v1/stats is not kvtier stats ({exc}); is --url "
+                      "the daemon's HTTP port?")
+        else:
+            failed = ""
+        if failed and not a.watch:
+            print(f"kvtier: {failed}", file=sys.stderr)
             return 1
-        if a.watch and not a.json:
-            print("\x1b[2J\x1b[H", end="")
-        print(shown)
+        if failed:
+            print(f"kvtier: {time.strftime('%H:%M:%S')} {failed}; next try in {a.watch:g}s",
+                  file=sys.stderr, flush=True)
+        else:
+            if a.watch and not a.json:
+                print("\x1b[2J\x1b[H", end="")
+            print(shown, flush=bool(a.watch))
         if not a.watch:
             return 0
         time.sleep(a.watch)
