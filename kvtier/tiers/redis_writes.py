@@ -187,6 +187,9 @@ class RedisWrites(RedisReads):
                 self._wake.clear()
                 await self._wake.wait()
             await self._inflight.acquire()
+            if not self._up:   # went down while a batch in flight held the slot: what is
+                self._inflight.release()   # queued waits for the tier (found by review)
+                continue
             batch = self._queue.take(SET_BATCH_KEYS, SET_BATCH_BYTES)
             if not batch:
                 self._inflight.release()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.frame import STRIPED_MIN_BYTES, FrameHeader, payload_checksum
-from tests.support.redis_servers import RedisServer, free_port, running_cluster
+from tests.support.redis_servers import RedisServer, free_port, running_cluster, start_server
 from tests.support.redis_tier import LAYOUT_FP, NS, cfg_for, eventually, running
 
 # kvtier's documented ACL rule, but its keys limited to block heads (``kvtier:`` and 32
@@ -272,3 +272,27 @@ async def test_a_truncated_large_frame_leaves_nothing_unverified_in_the_buffer(
         assert tier.counters.checksum_failures == 1
     assert bytes(out) == bytes(len(out))
     assert admin.exists(rkey) == 0
+
+
+async def test_a_write_queued_behind_a_batch_in_flight_waits_when_the_tier_goes_down(
+        tmp_path: Path) -> None:
+    """One SET batch in flight (its server stopped), a second write queued behind it; the
+    server dies and the tier goes down. The writer took the queue again as soon as the
+    failed batch gave back its slot, without looking at ``up``: the queued copy was sent to
+    a dead server and dropped, where a write queued while down waits for the tier to come
+    back (found by mutation review)."""
+    server = start_server(tmp_path / "redis")
+    try:
+        async with running(cfg_for(server.url, write_inflight=1)) as tier:
+            server.proc.send_signal(signal.SIGSTOP)          # the first batch hangs
+            tier.submit(NS, os.urandom(16), LAYOUT_FP, memoryview(os.urandom(1024)))
+            await eventually(lambda: tier.stats_extra()["queue_depth"] == 0, timeout=5.0)
+            tier.submit(NS, os.urandom(16), LAYOUT_FP, memoryview(os.urandom(1024)))
+            assert tier.stats_extra()["queue_depth"] == 1
+            server.kill()
+            await eventually(lambda: not tier.up, timeout=5.0)
+            await asyncio.sleep(0.2)   # the writer's turn after the failed batch
+            assert tier.stats_extra()["queue_depth"] == 1   # still waiting for the tier
+            assert tier.counters.dropped_writes == 1         # only the batch in flight
+    finally:
+        server.stop()
