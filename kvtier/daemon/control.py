@@ -29,6 +29,7 @@ from typing import Any
 from kvtier.daemon.engines import EngineReports
 from kvtier.daemon.exits import ExitWatcher
 from kvtier.daemon.greeting import Greeter
+from kvtier.daemon.heap import HeapTrim
 from kvtier.daemon.inflight import InFlight
 from kvtier.daemon.limits import (
     STREAM_LIMIT,
@@ -82,6 +83,7 @@ class ControlServer(ControlOps):
             process_pending_bytes=2 * max_frame)
         self.max_frame = self.limits.max_frame
         self.pending = ByteBudget(self.limits.total_pending_bytes)
+        self.heap = HeapTrim()   # large frames' memory back to the system once answered
         # per client process: its request bytes, and its requests in flight over all its
         # connections (as many as one connection may have)
         self.shares = ProcessShares(self.limits.process_pending_bytes, max_inflight)
@@ -237,6 +239,7 @@ class ControlServer(ControlOps):
             inflight.release()
             share.inflight.release()
             charge.release()
+            self.heap.after(charge.nbytes)
 
         try:
             await self.greeter.greet(conn, functools.partial(self._read, reader, share.budget),
@@ -261,6 +264,8 @@ class ControlServer(ControlOps):
                     charge.release()
                     raise
                 t = asyncio.ensure_future(self._dispatch(conn, msg, writer, write_lock))
+                del frame, msg   # (held here until the next frame, a 16 MB one outlived
+                #                  its answer and every heap trim)
                 tasks.add(t)
                 self._requests.add(t)
                 t.add_done_callback(functools.partial(done, charge=charge))
