@@ -9,6 +9,10 @@ import pytest
 
 from tests.support.redis_servers import RedisServer, running_server
 
+# the TieredStore bench's arena and client mapping (tests/support/store.py), as in the
+# unit tests; a module with an arena of its own size defines ``arena`` itself
+from tests.support.store import arena, client  # noqa: F401
+
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:

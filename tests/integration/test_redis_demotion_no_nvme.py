@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -15,25 +15,20 @@ from kvtier.store import TieredStore, transfers
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.redis import RedisTier
-from tests.support.arena import temp_arena
 from tests.support.redis_servers import RedisServer
 from tests.support.redis_tier import cfg_for, running
-from tests.support.store import BLOCK, DIGEST, FP, LAYOUT, NAMESPACE, chain, get, payload, put
-
-ARENA_BLOCKS = 4
-
-
-@pytest.fixture
-def arena() -> Iterator[Arena]:
-    with temp_arena(ARENA_BLOCKS * BLOCK, BLOCK) as a:
-        yield a
-
-
-@pytest.fixture
-def client(arena: Arena) -> Iterator[ArenaMapping]:
-    m = ArenaMapping(str(arena.path), arena.size)
-    yield m
-    m.close()
+from tests.support.store import (
+    ARENA_BLOCKS,
+    BLOCK,
+    DIGEST,
+    FP,
+    LAYOUT,
+    NAMESPACE,
+    chain,
+    get,
+    payload,
+    put,
+)
 
 
 @pytest.fixture(params=[False, True], ids=["write-behind", "write-through"])

@@ -40,13 +40,6 @@ def arena() -> Iterator[Arena]:
 
 
 @pytest.fixture
-def client(arena: Arena) -> Iterator[ArenaMapping]:
-    m = ArenaMapping(str(arena.path), arena.size)
-    yield m
-    m.close()
-
-
-@pytest.fixture
 async def tier(redis_server: RedisServer) -> AsyncIterator[RedisTier]:
     async with running(cfg_for(redis_server.url)) as t:
         yield t
