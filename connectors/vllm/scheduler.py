@@ -8,8 +8,9 @@ kvtier or being loaded or saved; ``known_blocks`` drops only when a load fails, 
 blocks are saved again once vLLM recomputed them. A request whose saves may still read its
 pages is freed when the workers report them over (``delay_free``); a lookup whose next
 block is being saved answers "not yet" for a bounded time (:mod:`.pending`); only blocks
-faster to reload than to recompute are loaded (:mod:`.recompute`). A ``kv_consumer`` plans
-no saves; a ``kv_producer`` saves every full prompt block (docs/pd-disaggregation.md).
+faster to reload than to recompute are loaded (:mod:`.recompute`); the leading blocks of
+every TP shard are found by :mod:`.lookup`. A ``kv_consumer`` plans no saves; a
+``kv_producer`` saves every full prompt block (docs/pd-disaggregation.md).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
 
 from .config import ConnectorConfig
 from .link import DaemonLink
 from .loadpages import LoadPages
+from .lookup import leading_blocks
 from .mapping import LoadSpan, PageMap
 from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, TransferSpec
 from .outcomes import PageOutcomes
@@ -133,33 +134,14 @@ class SchedulerSide:
         n_blocks = self.pages.full_blocks(len(tokens))
         if n_blocks * self.config.tokens_per_block <= num_computed_tokens:
             return 0, False
-        hits = usable = n_blocks
         start = num_computed_tokens // self.config.tokens_per_block
-        tpb = self.config.tokens_per_block
-        for rank in range(0, self.tp_size, self.link.replicas):   # one rank per shard
-            ns = self.link.namespace(salt, rank)
-            # the chain up to the first block past vLLM's own hit decides most misses (a
-            # new prompt, however long, is ruled out by its first key): hash the rest only
-            # when the presence filter cannot answer from that head
-            head = min(hits, start + 1)
-            keys = block_keys(ns, tokens[: head * tpb])
-            bound = self.link.leading_bound(keys) if self.config.presence_filter else None
-            if bound is not None and bound <= start:
-                # nothing kvtier holds goes past what vLLM already has: no round trip
-                hits = min(hits, bound)
-                self.counters["lookups_without_round_trip"] += 1
-                break
-            if hits > head:
-                keys += block_keys(ns, tokens[head * tpb: hits * tpb], parent=keys[-1])
-                if bound is not None:
-                    bound = self.link.leading_bound(keys)
-            res = self.link.lookup_result(ns, keys if bound is None else keys[:bound])
-            hits = min(hits, res.hits if res is not None else 0)
-            if res is not None and self.config.skip_slower_than_recompute:
-                usable = min(usable, self.recompute.worth_loading(
-                    res.tiers, res.bandwidth, start, res.hits))
-            if hits == 0:
-                break
+        found = leading_blocks(
+            self.link, self.recompute if self.config.skip_slower_than_recompute else None,
+            salt, tokens, n_blocks, start, self.config.tokens_per_block,
+            presence_filter=self.config.presence_filter)
+        hits, usable = found.hits, found.usable
+        if found.filtered:
+            self.counters["lookups_without_round_trip"] += 1
         self.lookups += 1
         if hits < n_blocks and self._pending_saves.holds(salt, tokens, max(hits, start)):
             return None, False   # the next block is being saved: ask again next step
