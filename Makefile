@@ -89,9 +89,11 @@ lint: $(TSTAMP)
 # mypy at the settings in pyproject's [tool.mypy]; the script checks connectors/ and
 # kernels/ under their installed names (kvtier.connectors, kvtier.kernels). benchmarks/
 # (and the test helpers they import) are checked too: a benchmark that rots is found here,
-# not on the device machine.
+# not on the device machine. tests/ too: a test that calls the code wrongly (a keyword
+# that does not exist, a name that is not there) is found here, not by a check that passes
+# vacuously. Tests import the connector as kvtier.connectors, never connectors.
 typecheck: $(TSTAMP)
-	$(PY) scripts/typecheck.py kvtier connectors kernels benchmarks
+	$(PY) scripts/typecheck.py kvtier connectors kernels benchmarks tests
 
 kernels-check: $(STAMP)
 	@if command -v nvcc >/dev/null 2>&1; then $(PY) -m kvtier.kernels.build --arch sm_90; \

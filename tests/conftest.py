@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,10 +18,10 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
 
 
 @pytest.fixture
-def daemon_factory(tmp_path: Path) -> Iterator:
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     made: list[DaemonProcess] = []
 
-    def make(name: str = "kvd", **kwargs) -> DaemonProcess:
+    def make(name: str = "kvd", **kwargs: Any) -> DaemonProcess:
         d = DaemonProcess(tmp_path / name, **kwargs)
         made.append(d)
         return d

@@ -229,11 +229,16 @@ def test_layer_waits_follow_the_copies_in_the_engine(llm: Any, live: DaemonProce
                                                      baseline: dict[str, list[int]]) -> None:
     """In the real engine every attention layer waits for its own layer's load, and none
     runs before that layer's copy is complete."""
+    from kvtier.connectors.vllm.connector import KVTierConnector
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    worker = get_kv_transfer_group()._worker
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, KVTierConnector)
+    worker = connector._worker
+    assert worker is not None
     run(llm, "repeat")
     assert run(llm, "repeat") == (baseline["repeat"], full_blocks_tokens("repeat"))
+    assert worker.pipeline is not None
     trace = worker.pipeline.last_trace
     assert trace is not None and trace.finished_at is not None
     for ready, waited in zip(trace.ready_at, trace.waited_at, strict=True):

@@ -104,10 +104,10 @@ def test_an_mla_model_reloads_its_latents_bit_for_bit(
             assert c.lookup(ns, keys, prefetch=False).hits == len(keys)
         assert _layout().block_bytes == LAYERS * TOKENS_PER_BLOCK * LATENT * 4
         with c.prepare_get(ns, block_keys(ns, PROMPT)[1:2]) as lease:
-            block = np.frombuffer(bytes(lease.views[0]), dtype=np.float32)
+            stored = np.frombuffer(bytes(lease.views[0]), dtype=np.float32)
         canonical = np.concatenate([page.reshape(-1) for page in
                                     _pages(tmp_path, "computed", 0, None, PROMPT, 1)])
-        assert np.array_equal(block, canonical)
+        assert np.array_equal(stored, canonical)
     finally:
         c.close()
 

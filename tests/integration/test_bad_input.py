@@ -206,6 +206,7 @@ def test_commit_of_unknown_used_or_expired_lease(daemon_factory) -> None:
         c._run(c._ops.op_commit(424242, False, None))
     lease = c.prepare_put(ns, keys)
     for v in lease.views:
+        assert v is not None
         v[:] = 7
     assert lease.commit() == 2
     with pytest.raises(LeaseError):

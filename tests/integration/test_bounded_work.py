@@ -114,6 +114,7 @@ class _Pinger(threading.Thread):
 def test_million_key_lookup_and_put_are_refused_while_others_are_served(
         daemon: DaemonProcess) -> None:
     ns, keys, bufs = _stored(daemon)
+    assert daemon.proc is not None
     pid = daemon.proc.pid
     big = os.urandom(16) * 10**6      # 10^6 keys in one 16 MB frame (under the frame limit)
     ctx = multiprocessing.get_context("spawn")
@@ -399,7 +400,9 @@ def test_two_thousand_concurrent_connects_succeed_or_are_refused(daemon_factory)
         deadline = time.monotonic() + 90
         while len(replies) < len(socks) and time.monotonic() < deadline:
             for key, _ in sel.select(1.0):
-                s = key.fileobj
+                fileobj = key.fileobj
+                assert isinstance(fileobj, socket.socket)
+                s = fileobj
                 try:
                     chunk = s.recv(4096)
                 except OSError:
@@ -412,7 +415,7 @@ def test_two_thousand_concurrent_connects_succeed_or_are_refused(daemon_factory)
                 elif not chunk:
                     replies[s] = {"ok": False, "code": "eof"}
                     sel.unregister(s)
-        codes: dict[str, int] = {}
+        codes: dict[str | None, int] = {}
         for r in replies.values():
             code = "ok" if r.get("ok") else r.get("code")
             codes[code] = codes.get(code, 0) + 1
@@ -491,6 +494,7 @@ def test_namespaces_are_bounded_and_clients_re_register(daemon_factory) -> None:
 
 def test_namespace_churn_does_not_grow_the_daemon(daemon: DaemonProcess) -> None:
     """50k distinct 1000-character model ids: unbounded, they would keep ~80 MB."""
+    assert daemon.proc is not None
     pid = daemon.proc.pid
     s = _raw(daemon, timeout=60)
     layout = LAYOUT.to_dict()
@@ -528,7 +532,7 @@ def test_every_handler_error_is_a_typed_counted_reply(daemon: DaemonProcess) -> 
     s.sendall(pack({"id": 1, "op": "hello", "version": True}))      # 1, but not an int
     assert _reply(s)["code"] == HandshakeError.code
     s = _raw(daemon)
-    bad = [
+    bad: list[tuple[dict[str, Any], str]] = [
         ({"tp_rank": "0"}, ProtocolError.code),
         ({"tp_size": 1.5}, ProtocolError.code),
         ({"tp_rank": 3, "tp_size": 2}, ProtocolError.code),

@@ -31,7 +31,7 @@ STRIDED: dict[str, Callable[[], Any]] = {
     "fortran": lambda: np.zeros((128, B // 128), np.uint8, order="F"),
     "transposed": lambda: np.zeros((B // 2 // 64, 64), np.float16).T,
     "column slice": lambda: np.zeros((64, 2 * B // 64), np.uint8)[:, : B // 64],
-    "strided memoryview": lambda: memoryview(np.zeros(2 * B, np.uint8))[::2],
+    "strided memoryview": lambda: np.zeros(2 * B, np.uint8).data[::2],
 }
 
 

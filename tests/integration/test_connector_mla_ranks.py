@@ -6,25 +6,29 @@ rank's report before it frees them)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the connector package imports vLLM")
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 
-from kvtier.connectors.vllm.config import ConnectorConfig  # noqa: E402
-from kvtier.connectors.vllm.metadata import (  # noqa: E402
+from kvtier.connectors.vllm.config import ConnectorConfig
+from kvtier.connectors.vllm.metadata import (
     KVTierConnectorMetadata,
     TransferSpec,
 )
-from kvtier.connectors.vllm.worker import WorkerSide  # noqa: E402
+from kvtier.connectors.vllm.worker import WorkerSide
 
-from kvtier.client import connect  # noqa: E402
-from kvtier.keys import block_keys  # noqa: E402
-from kvtier.layout import KVLayout  # noqa: E402
-from tests.support.daemon import DaemonProcess  # noqa: E402
-from tests.support.worker_side import finished  # noqa: E402
+from kvtier.client import connect
+from kvtier.keys import block_keys
+from kvtier.layout import KVLayout
+from tests.support.daemon import DaemonProcess
+from tests.support.worker_side import finished
 
 LAYERS, PAGE, TPB, LATENT, NUM_PAGES = 3, 16, 64, 576, 32
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=1, head_dim=LATENT, dtype="float32",

@@ -57,8 +57,12 @@ def test_a_save_still_running_at_preemption_is_withdrawn_not_waited_for(
                                                            save_id=1)]))
         assert copying.wait(WAIT_S)
         done = threading.Event()
-        threading.Thread(target=lambda: (w.handle_preemptions(["p"]), done.set()),
-                         daemon=True).start()
+
+        def preempt() -> None:
+            w.handle_preemptions(["p"])
+            done.set()
+
+        threading.Thread(target=preempt, daemon=True).start()
         assert done.wait(PREEMPTED_SAVES_WAIT_S + 2.0), "the step waited for the save"
         gate.set()                                # the save goes on: its pages are reused
         deadline = time.monotonic() + WAIT_S
@@ -69,7 +73,7 @@ def test_a_save_still_running_at_preemption_is_withdrawn_not_waited_for(
         assert meta is not None and meta.counters.get("withdrawn_saves") == 1
         assert w.saved_blocks == 0
         ns = w.link.namespace(None, 0)
-        assert w.link.call(lambda c: c.lookup(ns, block_keys(ns, toks)), 0).hits == 0
+        assert w.link.lookup_result(ns, block_keys(ns, toks)).hits == 0
     finally:
         gate.set()
         w.shutdown()
@@ -84,6 +88,6 @@ def test_a_save_over_in_time_is_kept(daemon: DaemonProcess) -> None:
         w.handle_preemptions(["q"])
         assert w.saved_blocks == 2
         ns = w.link.namespace(None, 0)
-        assert w.link.call(lambda c: c.lookup(ns, block_keys(ns, toks)), 0).hits == 2
+        assert w.link.lookup_result(ns, block_keys(ns, toks)).hits == 2
     finally:
         w.shutdown()

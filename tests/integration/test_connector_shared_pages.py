@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace as NS
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,7 @@ from kvtier.connectors.vllm.worker import WorkerSide  # noqa: E402
 from kvtier.keys import block_keys  # noqa: E402
 from kvtier.layout import KVLayout  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
+from tests.support.vllm_fakes import fake as NS  # noqa: E402
 
 LAYERS, PAGE, TPB, HEADS, HEAD_DIM, NUM_PAGES = 2, 32, 64, 2, 32, 32
 LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype="float32",
@@ -79,7 +79,7 @@ def setup(d: DaemonProcess, seed: int) -> tuple[WorkerSide, SchedulerSide, Any, 
         time.sleep(0.005)
     ns = sched.link.namespace(None, 0)
     keys = block_keys(ns, b_ids)
-    assert sched.link.call(lambda c: c.lookup(ns, keys[:2]), 0).hits == 2
+    assert sched.link.lookup_result(ns, keys[:2]).hits == 2
     return w, sched, (request("A", a_ids), request("B", b_ids)), ns, keys
 
 
@@ -126,7 +126,7 @@ def test_a_save_built_on_pages_another_request_failed_to_load_is_dropped(
         sched.update_connector_output(NS(kv_connector_worker_meta=None,
                                          invalid_block_ids=failed))
         assert sched._states["B"].known_blocks == 0     # saved again once recomputed
-        assert sched.link.call(lambda c: c.lookup(ns, keys[:3]), 0).hits == 0
+        assert sched.link.lookup_result(ns, keys[:3]).hits == 0
     finally:
         sched.shutdown()
         w.shutdown()
@@ -174,7 +174,7 @@ def test_with_async_scheduling_a_save_one_step_later_is_dropped_too(
             sched.update_connector_output(NS(kv_connector_worker_meta=wmeta,
                                              invalid_block_ids=invalid))
         assert sched.outcomes.confirmed(2**31) == set()   # both steps' outcomes are known
-        assert sched.link.call(lambda c: c.lookup(ns, keys[:3]), 0).hits == 0
+        assert sched.link.lookup_result(ns, keys[:3]).hits == 0
     finally:
         sched.shutdown()
         w.shutdown()
@@ -260,8 +260,8 @@ def test_a_load_that_failed_on_another_tp_rank_cuts_this_ranks_save(
             time.sleep(0.005)
             over |= w.get_finished(set())[0]
         ns = w.link.namespace(None, 0)
-        assert w.link.call(lambda c: c.lookup(ns, block_keys(ns, toks)), 0).hits == 3
+        assert w.link.lookup_result(ns, block_keys(ns, toks)).hits == 3
         q_keys = block_keys(ns, toks[::-1].copy())
-        assert w.link.call(lambda c: c.lookup(ns, q_keys), 0).hits == 1   # block 0 only
+        assert w.link.lookup_result(ns, q_keys).hits == 1   # block 0 only
     finally:
         w.shutdown()

@@ -53,9 +53,10 @@ WAIT_S = 30.0
 def make_daemon(root: Path, *, program: tuple[str, ...] | None = None,
                 **env: str) -> DaemonProcess:
     """A real daemon; ``program``: DAEMON_PROGRAM for one with the fake HBM pool injected."""
-    extra = {"program": program} if program is not None else {}
-    return DaemonProcess(root, cpu_bytes="32MiB", nvme_bytes="64MiB", env=env,
-                         **extra).start()
+    d = DaemonProcess(root, cpu_bytes="32MiB", nvme_bytes="64MiB", env=env)
+    if program is not None:
+        d.program = program
+    return d.start()
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def test_save_then_pipelined_load_is_exact(daemon: DaemonProcess,
     assert trace.waited_at[0] < trace.ready_at[-1]  # type: ignore[operator]
     assert all(r <= t for r, t in zip(trace.ready_at, trace.waited_at, strict=True))  # type: ignore[operator]
     assert pages_equal(kv, src, dst)
-    assert w.worker_meta().counters["loaded_blocks"] == 4  # type: ignore[union-attr]
+    assert w.worker_meta().counters["loaded_blocks"] == 4
     w.shutdown()
 
 
@@ -445,9 +446,9 @@ def test_a_failed_load_into_pages_a_preempted_request_gave_up_is_not_its_own(
     them fails. Only B must forget the blocks it could not load: A's finished load, still
     remembered, used to match B's pages too, so A forgot blocks kvtier holds and saved
     them again once resumed (from its own pages: redundant, never wrong KV)."""
-    from types import SimpleNamespace as NS
-
     from kvtier.connectors.vllm.scheduler import SchedulerSide
+
+    from tests.support.vllm_fakes import fake as NS
 
     w = worker(daemon, "stale", caches(18))
     ta, tb = tokens(18, 3), tokens(19, 3)
@@ -515,9 +516,9 @@ def test_the_scheduler_times_only_steps_without_kvtier_waits_and_reports_going_i
     prefill, so recomputing looked slower than it is; the engine's gauges kept their last
     value once it went idle (no step reports it), and the context-length percentiles the
     doctor and the dashboard read were never sent."""
-    from types import SimpleNamespace as NS
-
     from kvtier.connectors.vllm.scheduler import SchedulerSide
+
+    from tests.support.vllm_fakes import fake as NS
 
     w = worker(daemon, "gauges", caches(21))
     ta = tokens(21, 3)

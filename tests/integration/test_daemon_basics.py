@@ -273,11 +273,18 @@ def test_a_stop_lets_a_writer_commit_and_does_not_wait_for_idle_clients(
         d.proc.send_signal(15)
         time.sleep(0.3)                    # the stop has begun; the writer is still copying
         for k, view in zip(keys, lease.views, strict=True):
+            assert view is not None
             view[:] = block_bytes_for(k, LAYOUT.block_bytes)
         assert lease.commit() == 4
         t0 = time.monotonic()
         done = threading.Event()
-        threading.Thread(target=lambda: (d.proc.wait(30), done.set()), daemon=True).start()
+        proc = d.proc
+
+        def stopped() -> None:
+            proc.wait(30)
+            done.set()
+
+        threading.Thread(target=stopped, daemon=True).start()
         assert done.wait(10), "the stop waited for the idle client"
         assert d.proc.returncode == 0 and time.monotonic() - t0 < 10
         idle.close()

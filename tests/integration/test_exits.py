@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 
@@ -77,7 +78,7 @@ def test_many_callbacks_on_one_process_share_one_watch() -> None:
         watcher = ExitWatcher(3600)
         fired: list[int] = []
         for i in range(200):
-            watcher.watch(child.pid, lambda i=i: fired.append(i))
+            watcher.watch(child.pid, partial(fired.append, i))
         assert watcher.watches == 1 and len(watcher) == 200
         assert len(os.listdir("/proc/self/fd")) <= fds + 1
         assert child.stdin is not None

@@ -74,6 +74,7 @@ def test_mixed_geometries_round_trip_exactly_through_every_tier(
             for i in range(n):   # one block per put: the arena turns over under the big ones
                 lease = ca.prepare_put(ns, keys[i:i + 1])
                 for view in lease.views:
+                    assert view is not None
                     np.copyto(view, payload(name, layout, i))
                 assert lease.commit(redis_sync_s=30.0) == 1, (name, i)
             spaces[name] = (ns, layout, keys)

@@ -93,7 +93,7 @@ class HostileDaemon:
         self.arena.unlink()
 
 
-def answering(**replies: dict[str, Any]) -> Script:
+def answering(**replies: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """A daemon that registers any namespace and answers ``op`` with ``replies[op]``."""
     def script(req: dict[str, Any]) -> dict[str, Any]:
         op = req["op"]

@@ -263,9 +263,9 @@ def test_trickled_bodies_do_not_hold_the_body_budget(daemon_factory) -> None:
         t0 = time.monotonic()
         slowest = 0.0
         for _ in range(10):
-            t = time.monotonic()
+            t1 = time.monotonic()
             status, doc = _post(d, body)
-            slowest = max(slowest, time.monotonic() - t)
+            slowest = max(slowest, time.monotonic() - t1)
             assert status == 200 and doc["prompt_blocks"] == 4, (status, doc)
         elapsed = time.monotonic() - t0
         held = d.stats()["http"]["body_bytes"]

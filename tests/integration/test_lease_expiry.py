@@ -78,7 +78,11 @@ def churn(client: KVTierClient, ns: Namespace, start: int, blocks: int) -> list[
     keys = block_keys(ns, np.arange(blocks * 64) + start * 10_000_000)
     for i in range(0, len(keys), 32):
         part = keys[i: i + 32]
-        retried(lambda part=part: client.put(ns, part, data_for(part)))
+
+        def put(part: list[bytes] = part) -> int:
+            return client.put(ns, part, data_for(part))
+
+        retried(put)
     return keys
 
 
@@ -89,7 +93,11 @@ def verify_all(client: KVTierClient, ns: Namespace, keys: list[bytes]) -> int:
     for i in range(0, len(keys), 32):
         part = keys[i: i + 32]
         outs = [np.zeros(BLOCK, np.uint8) for _ in part]
-        n = retried(lambda part=part, outs=outs: client.get(ns, part, outs))
+
+        def get(part: list[bytes] = part, outs: list[np.ndarray] = outs) -> int:
+            return client.get(ns, part, outs)
+
+        n = retried(get)
         for out, want in zip(outs[:n], data_for(part[:n]), strict=True):
             assert np.array_equal(out, want), "a block came back with wrong bytes"
         got += n
@@ -129,11 +137,13 @@ def test_a_stalled_writer_stores_nothing_and_never_touches_other_blocks(
     lease = writer.prepare_put(ns, keys)
     assert all(v is not None for v in lease.views)
     for view, data in zip(lease.views[:8], data_for(keys[:8]), strict=True):
+        assert view is not None
         view[:] = data   # half written, then the writer stalls past its TTL
     wait_for(lambda: other.stats()["leases"]["quarantined_slots"] == 16)
     ons = other.register_layout(LAYOUT, "m", cache_salt="other")
     theirs = churn(other, ons, 2, 2 * ARENA_BLOCKS)
     for view in lease.views:            # the slow writer wakes up and keeps writing
+        assert view is not None
         view[:] = 0xAB
     assert other.stats()["leases"]["quarantined_bytes"] >= 16 * BLOCK   # still held
     # every block of the other client still in the daemon is exact, in the arena and on nvme
@@ -194,7 +204,10 @@ def test_clients_stopped_at_random_points_never_see_wrong_bytes(
             if field("gets_expired") >= 1 and field("puts_expired") >= 1:
                 break
             start = field("iterations")
-            wait_for(lambda s=start: field("iterations") >= s + 1 or child.poll() is not None)
+            def stepped(s: int = start) -> bool:
+                return field("iterations") >= s + 1 or child.poll() is not None
+
+            wait_for(stepped)
             time.sleep(rng.uniform(0, 0.01))   # a random point of the loop
             expired = other.stats()["requests"]["lease_expired"]
             stopped = time.monotonic()

@@ -230,7 +230,8 @@ def test_a_salted_namespace_is_not_named_by_its_digest_alone(daemon: DaemonProce
     # over the socket, the connection that registered it may name it by its digest
     assert c.prefix_locality(ns, toks).hit_blocks == 3
     # absurd layout numbers are a typed refusal, not a server error
-    huge = {**salted, "layout": {**LAYOUT.to_dict(), "num_layers": 2**80}, "token_ids": [1]}
+    huge: dict[str, Any] = {**salted, "layout": {**LAYOUT.to_dict(), "num_layers": 2**80},
+                            "token_ids": [1]}
     assert post_json(daemon, huge)[0] == 400
     c.close()
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
 from kvtier.client import connect
 from kvtier.keys import block_keys

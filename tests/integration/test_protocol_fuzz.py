@@ -222,7 +222,7 @@ def test_fuzzed_protocol_never_breaks_the_daemon(daemon: DaemonProcess) -> None:
           f"{st_['daemon']['errors']}")
     assert SEEN["ok"] > 0 and len(SEEN) >= 5   # the fuzzer reaches past the framing
     assert "internal" not in st_["daemon"]["errors"]
-    assert daemon.proc.poll() is None
+    assert daemon.proc is not None and daemon.proc.poll() is None
     target.check()
     # ~20-30 s idle; 82 s on a machine other work loaded (2026-12-06): the bound is for a
     # daemon that stalls on some input, not for a slow machine

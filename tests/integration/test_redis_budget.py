@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +34,14 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
                 server.proc.send_signal(signal.SIGCONT)
 
 
-def node(factory, name: str, url: str, budget_s: float) -> DaemonProcess:  # type: ignore[no-untyped-def]
+def node(factory: Callable[..., DaemonProcess], name: str, url: str,
+         budget_s: float) -> DaemonProcess:
     return factory(name, extra_args=["--redis-url", url], env={
         "KVTIER_REDIS_OP_TIMEOUT_S": str(OP_TIMEOUT_S),
         "KVTIER_REDIS_LOOKUP_BUDGET_S": str(budget_s)}).start()
 
 
-def slowest(fn, n: int = 5) -> float:  # type: ignore[no-untyped-def]
+def slowest(fn: Callable[[], object], n: int = 5) -> float:
     worst = 0.0
     for _ in range(n):
         t = time.monotonic()

@@ -210,8 +210,12 @@ def test_shuffle_codec_takes_each_namespace_element_width(
             data = [content(bytes(k), layout.block_bytes) for k in keys]
             assert c.put(ns, keys, data) == 1
             rkey = b"kvtier:" + bytes(keys[0]).hex().encode()
-            wait_for(lambda k=rkey: admin.exists(k) == 1)
+            def stored(k: bytes = rkey) -> bool:
+                return admin.exists(k) == 1
+
+            wait_for(stored)
             value = admin.get(rkey)
+            assert isinstance(value, bytes)
             header = FrameHeader.unpack(value[:HEADER_SIZE])
             assert header.codec is Codec.SHUFFLE_LZ4 and header.raw_len == layout.block_bytes
             widths[layout.dtype] = value[HEADER_SIZE]   # the shuffle codec's elem_bytes
@@ -236,8 +240,9 @@ def test_large_blocks_cross_nodes_as_stripes_and_a_delete_takes_them_all(
     assert ca.put(ns_a, keys, data) == 2
     admin = redis_server.client()
     wait_for(lambda: admin.dbsize() == 2 * 3)          # two heads, four stripes
-    head = FrameHeader.unpack(admin.getrange(b"kvtier:" + bytes(keys[0]).hex().encode(),
-                                             0, HEADER_SIZE - 1))
+    raw = admin.getrange(b"kvtier:" + bytes(keys[0]).hex().encode(), 0, HEADER_SIZE - 1)
+    assert isinstance(raw, bytes)
+    head = FrameHeader.unpack(raw)
     assert head.payload_len == big.block_bytes
 
     ns_b = cb.register_layout(big, "model")

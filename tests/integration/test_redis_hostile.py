@@ -20,7 +20,16 @@ from kvtier.tiers import redis_reads
 from kvtier.tiers.redis import RedisTier
 from tests.support.memory import peak_bytes
 from tests.support.redis_servers import RedisServer
-from tests.support.redis_tier import LAYOUT_FP, NS, blocks, cfg_for, put_all, read_exact, running
+from tests.support.redis_tier import (
+    LAYOUT_FP,
+    NS,
+    blocks,
+    cfg_for,
+    put_all,
+    read_exact,
+    running,
+    stored_bytes,
+)
 
 BLOCK = 64 << 10
 LARGE = STRIPED_MIN_BYTES            # read through a header first (ranges, stripes)
@@ -150,7 +159,7 @@ async def test_a_delete_takes_stripes_along_only_for_a_sound_head(
             admin.set(rkey(key), head)
         keys, data = blocks(1, size=LARGE, seed=5)
         await put_all(tier, keys, data)
-        seq = FrameHeader.unpack(admin.getrange(rkey(keys[0]), 0, 95)).seq
+        seq = FrameHeader.unpack(stored_bytes(admin.getrange(rkey(keys[0]), 0, 95))).seq
         assert admin.exists(rkey(keys[0]) + b":%016x:1" % seq)
         admin.config_resetstat()
         assert await tier.delete(planted + keys, namespace=NS) == 3

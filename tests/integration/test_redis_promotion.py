@@ -96,7 +96,7 @@ async def test_blocks_from_redis_are_journaled_with_the_frame_checksum(
         assert slot.offset == store.index[key].cpu
         assert slot.checksum == xxhash.xxh3_64_intdigest(payload(key))
         assert slot.checksum == xxhash.xxh3_64_intdigest(
-            journaled_arena.view(slot.offset, BLOCK))
+            journaled_arena.view(slot.offset, BLOCK).data)
 
 
 async def test_compressed_frames_are_still_hashed_by_the_journal(

@@ -12,7 +12,16 @@ from kvtier import codec as codecs
 from kvtier.frame import HEADER_SIZE, Codec, FrameHeader, encode_frame, make_header
 from kvtier.tiers.redis_ranged import RANGE_PART_BYTES, RANGED_MIN_BYTES, ranged
 from tests.support.redis_servers import RedisServer
-from tests.support.redis_tier import LAYOUT_FP, NS, blocks, buffers, cfg_for, read_exact, running
+from tests.support.redis_tier import (
+    LAYOUT_FP,
+    NS,
+    blocks,
+    buffers,
+    cfg_for,
+    read_exact,
+    running,
+    stored_bytes,
+)
 
 SIZE = RANGED_MIN_BYTES + 3 * RANGE_PART_BYTES // 2 + 4096   # ranges of unequal sizes
 
@@ -70,7 +79,7 @@ async def test_a_frame_of_another_namespace_is_left_alone(redis_server: RedisSer
     admin = redis_server.client()
     async with running(cfg_for(redis_server.url, op_timeout_s=10.0)) as tier:
         put_whole(redis_server, keys, data)
-        frame = admin.get(rkey(keys[0]))
+        frame = stored_bytes(admin.get(rkey(keys[0])))
         header = FrameHeader.unpack(frame[:HEADER_SIZE])
         other = dataclasses.replace(header, namespace=bytes(16))
         admin.set(rkey(keys[0]), FrameHeader.pack(other) + frame[HEADER_SIZE:])

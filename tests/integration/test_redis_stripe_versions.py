@@ -7,12 +7,14 @@ stored, so a block every SET of which was answered OK was gone for every node)."
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvtier.checksum import header_for
-from kvtier.frame import FLAG_STRIPE_TAG, FLAG_STRIPED, STRIPE_BYTES
+from kvtier.frame import FLAG_STRIPE_TAG, FLAG_STRIPED, STRIPE_BYTES, FrameHeader
 from kvtier.tiers import redis_stripes
+from kvtier.tiers.redis_blocks import BlockRead
 from tests.support.redis_servers import RedisServer
 from tests.support.redis_tier import (
     ACL_RULE,
@@ -26,7 +28,11 @@ from tests.support.redis_tier import (
     read_exact,
     rkey,
     running,
+    stored_bytes,
 )
+
+if TYPE_CHECKING:
+    from kvtier.tiers.redis_reads import RedisReads
 
 SIZE = 3 * STRIPE_BYTES   # three stripes: a head (stripe 0) and two more
 
@@ -66,9 +72,10 @@ async def test_a_reader_cleaning_up_an_old_version_keeps_a_rewrite(
         old = head_at(admin, keys[0])
         admin.delete(rkey(keys[0]) + b":%016x:2" % old.seq)   # evicted in Redis
         real = redis_stripes._read_stripes
-        held: list[bytes] = []
+        held: list[bytes | str | None] = []
 
-        async def rewritten_meanwhile(tier, rk, header, out):   # type: ignore[no-untyped-def]
+        async def rewritten_meanwhile(tier: RedisReads, rk: bytes, header: FrameHeader,
+                                      out: memoryview) -> BlockRead:
             got = await real(tier, rk, header, out)
             await put_all(writer, keys, new_data)            # A's whole write
             if not head_landed:                              # A's head not in yet
@@ -82,7 +89,7 @@ async def test_a_reader_cleaning_up_an_old_version_keeps_a_rewrite(
         assert bytes(out[0]) == bytes(SIZE)
         monkeypatch.setattr(redis_stripes, "_read_stripes", real)
         if held:                                             # A's head lands now
-            admin.set(rkey(keys[0]), held[0])
+            admin.set(rkey(keys[0]), stored_bytes(held[0]))
         await read_exact(reader, keys, new_data, SIZE)
         assert not admin.keys(rkey(keys[0]) + b":%016x:*" % old.seq)   # old stripes gone
 

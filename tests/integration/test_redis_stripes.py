@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -23,6 +23,7 @@ from kvtier.frame import (
 )
 from kvtier.tiers import redis_stripes
 from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_blocks import BlockRead
 from kvtier.tiers.redis_resp import ErrorReply
 from kvtier.tiers.redis_wire import Conn
 from tests.support.redis_servers import LocalCluster, RedisServer, running_cluster
@@ -37,7 +38,11 @@ from tests.support.redis_tier import (
     read_exact,
     rkey,
     running,
+    stored_bytes,
 )
+
+if TYPE_CHECKING:
+    from kvtier.tiers.redis_reads import RedisReads
 
 SIZE = STRIPED_MIN_BYTES + 3 * STRIPE_BYTES // 2 + 4096   # head + 3 stripes, the last short
 STRIPES = -(-SIZE // STRIPE_BYTES)
@@ -66,11 +71,12 @@ async def test_a_large_block_is_stored_in_stripes_and_read_back_exactly(
     async with stored(redis_server, 3, seed=21) as (tier, keys, data):
         assert admin.dbsize() == 3 * STRIPES
         for key, raw in zip(keys, data, strict=True):
-            head = admin.get(rkey(key))
+            head = stored_bytes(admin.get(rkey(key)))
             header = FrameHeader.unpack(head[:HEADER_SIZE])
             assert header.flags & FLAG_STRIPED and header.payload_len == SIZE
             assert head[HEADER_SIZE:] == raw[:STRIPE_BYTES]        # stripe 0 after the header
-            assert b"".join(admin.get(k) for k in stripe_keys(admin, key)) == raw[STRIPE_BYTES:]
+            assert b"".join(stored_bytes(admin.get(k))
+                            for k in stripe_keys(admin, key)) == raw[STRIPE_BYTES:]
         admin.config_resetstat()
         await read_exact(tier, keys, data, SIZE)
         calls = admin.info("commandstats")
@@ -80,8 +86,7 @@ async def test_a_large_block_is_stored_in_stripes_and_read_back_exactly(
         # blocks under the threshold are stored whole, as before
         small_keys, small = blocks(2, size=STRIPED_MIN_BYTES - 4096, seed=22)
         await put_all(tier, small_keys, small)
-        assert not FrameHeader.unpack(admin.getrange(rkey(small_keys[0]), 0, HEADER_SIZE - 1)
-                                      ).flags & FLAG_STRIPED
+        assert not head_at(admin, small_keys[0]).flags & FLAG_STRIPED
         # a delete takes the stripes along and counts blocks, not keys
         assert await tier.delete(keys + small_keys, namespace=NS) == 5
         assert admin.dbsize() == 0
@@ -121,7 +126,8 @@ async def test_a_block_rewritten_while_read_is_a_miss_and_is_kept(
     admin = redis_server.client()
     real = redis_stripes._read_stripes
 
-    async def rewritten_meanwhile(tier, rk, header, out):   # type: ignore[no-untyped-def]
+    async def rewritten_meanwhile(tier: RedisReads, rk: bytes, header: FrameHeader,
+                                  out: memoryview) -> BlockRead:
         # another node stores the same key while this read is between its stripes
         admin.setrange(stripe_keys(admin, keys[0])[1], 0, b"\x01\x02\x03")
         newer = dataclasses.replace(header, seq=header.seq + 1)
@@ -170,7 +176,7 @@ async def test_compressed_large_blocks_are_striped_by_their_encoded_size(
                                op_timeout_s=10.0)) as tier:
         await put_all(tier, keys, data)
         for key in keys:
-            header = FrameHeader.unpack(admin.getrange(rkey(key), 0, HEADER_SIZE - 1))
+            header = head_at(admin, key)
             assert header.flags & FLAG_STRIPED and header.raw_len == SIZE
             assert admin.exists(rkey(key) + b":%016x:1" % header.seq) == (
                     header.payload_len > STRIPE_BYTES)

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from tests.support.redis_tier import (
     put_all,
     read_exact,
     running,
+    stored_bytes,
 )
 
 MiB = 1 << 20
@@ -169,7 +171,7 @@ async def test_shuffle_width_comes_from_the_namespace_layout(redis_server: Redis
         tier.submit(other, keys[2], LAYOUT_FP, memoryview(data[2]), elem_bytes=8)
         assert await tier.flush(timeout=10)
         admin = redis_server.client()
-        widths = [admin.get(tier._rkey(k))[HEADER_SIZE] for k in keys]
+        widths = [stored_bytes(admin.get(tier._rkey(k)))[HEADER_SIZE] for k in keys]
         assert widths == [4, 2, 8]
         for i, ns in enumerate((NS, other, other)):
             out = buffers(1, fp32.block_bytes)
@@ -310,9 +312,9 @@ async def test_corrupt_values_are_misses_counted_and_deleted(
     rkeys = [b"kvtier:" + k.hex().encode() for k in keys]
     async with running(cfg_for(redis_server.url)) as tier:
         await put_all(tier, keys, data)
-        good = admin.get(rkeys[0])
+        good = stored_bytes(admin.get(rkeys[0]))
         admin.set(rkeys[0], os.urandom(BLOCK))                       # garbage
-        flipped = bytearray(admin.get(rkeys[1]))
+        flipped = bytearray(stored_bytes(admin.get(rkeys[1])))
         flipped[HEADER_SIZE + 100] ^= 0xFF                           # payload bit rot
         admin.set(rkeys[1], bytes(flipped))
         admin.set(rkeys[2], good)                                    # another key's frame
@@ -421,7 +423,7 @@ async def test_borrowed_submit_is_sent_in_place_and_released_once(
     async with running(cfg_for(redis_server.url, write_queue_blocks=4)) as tier:
         for i in range(2):
             tier.submit(NS, keys[i], LAYOUT_FP, memoryview(slots[i]),
-                        release=lambda i=i: released.append(i))
+                        release=partial(released.append, i))
         assert released == []           # still queued: the caller's slots stay pinned
         assert await tier.flush(timeout=10)
         assert sorted(released) == [0, 1]
@@ -432,7 +434,7 @@ async def test_borrowed_submit_is_sent_in_place_and_released_once(
         released.clear()
         for i in range(2, 6):
             tier.submit(NS, keys[i], LAYOUT_FP, memoryview(slots[i]),
-                        release=lambda i=i: released.append(i))
+                        release=partial(released.append, i))
         tier.submit(NS, keys[0], LAYOUT_FP, memoryview(slots[0]),
                     release=lambda: released.append(0))
         assert released == [2] and tier.counters.dropped_writes == 1
@@ -451,7 +453,7 @@ async def test_submit_many_borrows_each_block_and_releases_it_once(
 
     def batch(idx: range) -> list[Borrowed]:
         return [Borrowed(NS, keys[i], LAYOUT_FP, memoryview(slots[i]), 0,
-                         lambda i=i: released.append(i)) for i in idx]
+                         partial(released.append, i)) for i in idx]
 
     async with running(cfg_for(redis_server.url)) as tier:
         tier.submit_many(batch(range(3)))
@@ -481,7 +483,7 @@ async def test_a_write_outcome_is_told_before_its_buffer_is_given_back(
         since = time.monotonic()
         for i in range(4):
             tier.submit(NS, keys[i], LAYOUT_FP, memoryview(bytearray(data[i])),
-                        release=lambda i=i: released.append(i))
+                        release=partial(released.append, i))
 
         async def waiter() -> None:
             assert await tier.written(keys, since) == [True] * 4

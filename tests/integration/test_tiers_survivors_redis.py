@@ -284,6 +284,7 @@ async def test_a_write_queued_behind_a_batch_in_flight_waits_when_the_tier_goes_
     server = start_server(tmp_path / "redis")
     try:
         async with running(cfg_for(server.url, write_inflight=1)) as tier:
+            assert server.proc is not None
             server.proc.send_signal(signal.SIGSTOP)          # the first batch hangs
             tier.submit(NS, os.urandom(16), LAYOUT_FP, memoryview(os.urandom(1024)))
             await eventually(lambda: tier.stats_extra()["queue_depth"] == 0, timeout=5.0)

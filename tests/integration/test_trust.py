@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +112,7 @@ def test_daemon_creates_the_default_socket_dir_private_and_clients_find_it(
         monkeypatch.delenv("KVTIER_SOCKET", raising=False)
         with connect() as client:                          # the default path, same rules
             client.ping()
-            assert client._ops.arena.source == "fd"
+            assert client._ops.arena is not None and client._ops.arena.source == "fd"
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o700], ids=["0777", "0700"])
@@ -357,7 +357,7 @@ def test_real_daemon_passes_the_arena_by_fd_to_both_clients(daemon: DaemonProces
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, 32000, size=4 * LAYOUT.tokens_per_block).tolist()
     with connect(daemon.socket) as client:
-        assert client._ops.arena.source == "fd"
+        assert client._ops.arena is not None and client._ops.arena.source == "fd"
         ns = client.register_layout(LAYOUT, "trust/model")
         keys = block_keys(ns, tokens)
         blocks = [rng.integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8) for _ in keys]
@@ -366,7 +366,7 @@ def test_real_daemon_passes_the_arena_by_fd_to_both_clients(daemon: DaemonProces
     async def read_back() -> list[np.ndarray]:
         aclient = await connect_async(daemon.socket)
         try:
-            assert aclient._ops.arena.source == "fd"
+            assert aclient._ops.arena is not None and aclient._ops.arena.source == "fd"
             ans = await aclient.register_layout(LAYOUT, "trust/model")
             out = [np.zeros(LAYOUT.block_bytes, np.uint8) for _ in keys]
             assert await aclient.get(ans, keys, out) == len(keys)
@@ -413,7 +413,7 @@ def test_a_client_built_on_a_raw_socket_verifies_too(daemon: DaemonProcess) -> N
     sock.connect(str(daemon.socket))
     with KVTierClient(sock, 5.0) as client:
         client.ping()
-        assert client._ops.arena.source == "fd"
+        assert client._ops.arena is not None and client._ops.arena.source == "fd"
 
 
 def test_an_unreachable_daemon_is_still_daemon_unavailable(tmp_path: Path) -> None:
@@ -443,7 +443,7 @@ def _raw_status(url: str, header: bytes) -> int:
     return int(data.split(b" ", 2)[1])
 
 
-def test_admin_bearer_tokens(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+def test_admin_bearer_tokens(daemon_factory: Callable[..., DaemonProcess]) -> None:
     d = daemon_factory(env={"KVTIER_HTTP_ADMIN_TOKEN": "s3cret"}).start()
     url = d.http_url + "/v1/admin/config"
     assert _status(url, {"Authorization": "Bearer s3cret"}) == 200

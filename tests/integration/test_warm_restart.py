@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.client import connect, connect_async
-from kvtier.keys import block_keys
+from kvtier.client import KVTierClient, connect, connect_async
+from kvtier.keys import Namespace, block_keys
 from kvtier.tiers.arena import journal_path
 from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.journal_replay import read_journal
@@ -50,7 +50,8 @@ with open(log, "a", buffering=1) as out, open(bad, "a", buffering=1) as wrong:
 """
 
 
-def read_back(c, ns, keys: list[bytes], tries: int = 1) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+def read_back(c: KVTierClient, ns: Namespace, keys: list[bytes], tries: int = 1
+              ) -> tuple[int, int]:
     """(blocks served with exact bytes, blocks served wrong) for one chain. With ``tries``,
     a short answer is asked again: the default prefetch policy answers with what is in the
     arena when its deadline passes, and a loaded machine can miss it while nvme reads run."""
@@ -137,6 +138,7 @@ def test_blocks_in_flight_at_the_kill_are_never_served(daemon_factory) -> None:
     pending = [bytes(k) for k in block_keys(ns, 1_000_000 + np.arange(64 * 4))]
     lease = c.prepare_put(ns, pending)
     for k, view in zip(pending[:2], lease.views[:2], strict=True):
+        assert view is not None
         np.copyto(view, content(k))   # half written, never committed
     d.wait_journal_commits(8)
     d.crash()
@@ -148,6 +150,7 @@ def test_blocks_in_flight_at_the_kill_are_never_served(daemon_factory) -> None:
     arena.view(slot5.offset + 7, 1, writable=True)[0] ^= 0xFF
     # the dead daemon's client still has its lease views mapped and keeps writing garbage
     for view in lease.views:
+        assert view is not None
         view[:] = 0xAB
 
     d.start()
@@ -167,6 +170,7 @@ def test_blocks_in_flight_at_the_kill_are_never_served(daemon_factory) -> None:
         piece = fresh[i: i + 16]
         assert c2.put(ns2, piece, [content(k) for k in piece]) == 16
         for view in lease.views:
+            assert view is not None
             view[:] = 0xCD
         assert read_back(c2, ns2, piece) == (16, 0)
     slot = d.stats()["tiers"]["cpu"]
@@ -213,6 +217,7 @@ def test_a_durable_put_behind_a_head_stored_without_durable_survives_a_cold_star
     assert c.put(ns, keys[:1], [content(keys[0])]) == 1           # head: cpu only
     lease = c.prepare_put(ns, keys[1:], parent=keys[0], start_depth=1)
     for k, view in zip(keys[1:], lease.views, strict=True):
+        assert view is not None
         np.copyto(view, content(k))
     assert lease.commit(durable=True) == 7                        # tail, and the head
     assert d.stats()["tiers"]["nvme"]["blocks"] == 8
@@ -245,6 +250,7 @@ def test_nvme_frames_behind_a_lost_head_are_collected(daemon_factory) -> None:
         lease = c.prepare_put(ns, keys[i:i + 16], parent=keys[i - 1] if i else None,
                               start_depth=i)
         for k, view in zip(keys[i:i + 16], lease.views, strict=True):
+            assert view is not None
             np.copyto(view, content(k))
         assert lease.commit() == 16
     tiers = c.lookup(ns, keys, prefetch=False).tiers
@@ -329,15 +335,16 @@ def test_concurrent_durable_puts_sharing_a_prefix_are_each_counted_whole(
         b = await connect_async(d.socket, timeout=30)
         ns = await a.register_layout(LAYOUT, "m")
         await b.register_layout(LAYOUT, "m")
-        counts = []
+        counts: list[tuple[int, int]] = []
         for t in range(3):
             prefix = np.arange(64 * 48) + t * 10**7
             ka, kb = (block_keys(ns, np.concatenate([prefix, t * 10**7 + off + np.arange(
                 64 * 8)])) for off in (5 * 10**6, 6 * 10**6))
             await a.put(ns, ka[:48], [content(bytes(k)) for k in ka[:48]])   # arena only
-            counts.append(tuple(await asyncio.gather(
+            na, nb = await asyncio.gather(
                 a.put(ns, ka, [content(bytes(k)) for k in ka], durable=True),
-                b.put(ns, kb, [content(bytes(k)) for k in kb], durable=True))))
+                b.put(ns, kb, [content(bytes(k)) for k in kb], durable=True))
+            counts.append((na, nb))
         await a.close()
         await b.close()
         return counts

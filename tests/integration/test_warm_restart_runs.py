@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,8 @@ def _newer(key: bytes) -> np.ndarray:
     return np.bitwise_xor(content(key), np.uint8(0x5A))
 
 
-def _journaled(daemon_factory) -> tuple[DaemonProcess, list[bytes]]:  # type: ignore[no-untyped-def]
+def _journaled(daemon_factory: Callable[..., DaemonProcess]
+               ) -> tuple[DaemonProcess, list[bytes]]:
     """A daemon without nvme holding a chain of BLOCKS blocks in its arena, journaled."""
     d: DaemonProcess = daemon_factory(cpu_bytes="8MiB", nvme_bytes="0").start()
     c = connect(d.socket)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.keys import block_keys
+from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
@@ -19,7 +19,7 @@ def content(key: bytes) -> np.ndarray:
         0, 256, LAYOUT.block_bytes, dtype=np.uint8)
 
 
-def chain_keys(ns, client: int, i: int) -> list[bytes]:  # type: ignore[no-untyped-def]
+def chain_keys(ns: Namespace, client: int, i: int) -> list[bytes]:
     """Chain ``i`` of client ``client``: the shared head block, then 3 blocks of its own."""
     own = 10_000_000 * (client + 1) + i * (CHAIN_TOKENS - HEAD_TOKENS)
     tokens = np.concatenate([np.arange(HEAD_TOKENS),

@@ -106,5 +106,6 @@ def no_libcuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ctypes, "CDLL", refuse)
 
 
-def with_driver(monkeypatch: pytest.MonkeyPatch, driver: FakeDriver) -> None:
+def with_driver(monkeypatch: pytest.MonkeyPatch, driver: object) -> None:
+    """``driver`` (a ``FakeDriver``, or anything a test wants refused) as the loaded libcuda."""
     monkeypatch.setattr(nb, "_load_libcuda", lambda: driver)

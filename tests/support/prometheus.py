@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
 _GROWING = re.compile(r"^(\S+?(?:_total|_bucket|_sum|_count)(?:\{[^}]*\})?) (\S+)$")
 

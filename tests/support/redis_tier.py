@@ -8,8 +8,10 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import numpy as np
+import redis
 
 from kvtier.checksum import checksum
 from kvtier.config import RedisConfig
@@ -30,12 +32,19 @@ def rkey(key: bytes) -> bytes:
     return b"kvtier:" + key.hex().encode()
 
 
-def head_at(admin: object, key: bytes) -> FrameHeader:
+def stored_bytes(reply: object) -> bytes:
+    """A redis-py admin client's reply (no ``decode_responses``) as the bytes it is: typed
+    ``bytes | str | None``; a missing key (None) fails here."""
+    assert isinstance(reply, bytes), reply
+    return reply
+
+
+def head_at(admin: redis.Redis, key: bytes) -> FrameHeader:
     """The frame header stored at block ``key`` (``admin``: a redis-py client)."""
-    return FrameHeader.unpack(admin.getrange(rkey(key), 0, HEADER_SIZE - 1))  # type: ignore[attr-defined]
+    return FrameHeader.unpack(stored_bytes(admin.getrange(rkey(key), 0, HEADER_SIZE - 1)))
 
 
-def cfg_for(url: str, **over: object) -> RedisConfig:
+def cfg_for(url: str, **over: Any) -> RedisConfig:
     base = RedisConfig(enabled=True, url=url, connect_timeout_s=0.5, op_timeout_s=1.0)
     return dataclasses.replace(base, **over)
 

@@ -130,6 +130,7 @@ async def get(store: TieredStore, client: ArenaMapping, keys: list[bytes], *,
 def nvme_corrupt_payload(nvme: NvmeTier, store: TieredStore, key: bytes) -> None:
     """Flip one payload byte of ``key``'s frame on disk."""
     slot = store.index[key].nvme
+    assert slot is not None
     path = nvme.root / f"slots-{slot.slot_bytes}.dat"
     fd = os.open(path, os.O_RDWR)
     try:

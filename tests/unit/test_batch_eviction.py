@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, Key
 from kvtier.policy.cost import CostPolicy
 from kvtier.policy.lru import LRUPolicy
 from kvtier.store import TieredStore
@@ -39,8 +39,8 @@ def _chains(policy: EvictionPolicy) -> EvictionPolicy:
     return policy
 
 
-def _one_at_a_time(policy: EvictionPolicy, n: int) -> list[bytes]:
-    out = []
+def _one_at_a_time(policy: EvictionPolicy, n: int) -> list[Key]:
+    out: list[Key] = []
     for _ in range(n):
         key = policy.victim()
         if key is None:

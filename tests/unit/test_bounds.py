@@ -32,6 +32,7 @@ from kvtier.protocol import (
     unpack_body,
 )
 from kvtier.store import TieredStore
+from kvtier.units import ByteSize
 from tests.support.arena import temp_arena
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16",
@@ -47,10 +48,11 @@ def test_keys_per_request_follow_the_longest_context_and_the_block_size() -> Non
 
 
 def test_limits_from_config_derive_the_pending_budgets_from_the_frame() -> None:
-    lim = Limits.from_config(DaemonConfig(max_frame_bytes=2**20))
+    lim = Limits.from_config(DaemonConfig(max_frame_bytes=ByteSize(2**20)))
     assert lim.conn_pending_bytes == 2**20 and lim.total_pending_bytes == 4 * 2**20
-    lim = Limits.from_config(DaemonConfig(max_frame_bytes=2**20, max_conn_pending_bytes=10,
-                                          max_total_pending_bytes=2**30))
+    lim = Limits.from_config(DaemonConfig(max_frame_bytes=ByteSize(2**20),
+                                          max_conn_pending_bytes=ByteSize(10),
+                                          max_total_pending_bytes=ByteSize(2**30)))
     assert lim.conn_pending_bytes == 2**20          # never below one frame
     assert lim.total_pending_bytes == 2**30
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtier.connectors.vllm import link as link_mod
+from kvtier.connectors.vllm.config import ConnectorConfig
+from kvtier.connectors.vllm.link import DaemonLink
 
-from connectors.vllm import link as link_mod
-from connectors.vllm.config import ConnectorConfig
-from connectors.vllm.link import DaemonLink
 from kvtier.errors import ProtocolError, RequestTimeout, error_from_code
 from kvtier.layout import KVLayout
 from tests.support.fake_daemon import HostileSocketDaemon

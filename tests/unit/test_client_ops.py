@@ -139,6 +139,7 @@ def test_put_batches_copies_and_commits(ops: Ops, driver: Any) -> None:
     assert [c["output_tokens"] for c in commits] == [None, 42]
     assert all(c["durable"] for c in commits)
     # the second batch's 3 blocks were the last copied into slots 0..2
+    assert ops.arena is not None
     assert bytes(ops.arena.view(0, BLOCK, writable=False)) == bytes([PUT_BATCH + 1]) * BLOCK
 
 
@@ -169,6 +170,7 @@ def test_lease_expired_at_commit_surfaces_from_put(ops: Ops, driver: Any) -> Non
 
 def test_get_copies_then_releases(ops: Ops, driver: Any) -> None:
     daemon = ScriptedDaemon()
+    assert ops.arena is not None
     ops.arena.view(SLOT, BLOCK, writable=True)[:] = 9
     out = [np.zeros(BLOCK, np.uint8) for _ in range(2)]
     assert driver(daemon).run(ops.op_get(NS, keys(2), out)) == 2
@@ -208,13 +210,14 @@ def strided_buffers() -> list[Any]:
             np.zeros((BLOCK // 16, 16), np.uint8).T,                  # a transposed view
             np.zeros((16, 2 * BLOCK // 16), np.uint8)[:, : BLOCK // 16],   # a column slice
             np.zeros((BLOCK // 2 // 8, 8), np.float16).T,             # another dtype
-            memoryview(np.zeros(2 * BLOCK, np.uint8))[::2]]           # a strided memoryview
+            np.zeros(2 * BLOCK, np.uint8).data[::2]]                  # a strided memoryview
 
 
 @pytest.mark.parametrize("index", range(5))
 def test_buffers_that_are_not_c_contiguous_fail_before_any_request(
         ops: Ops, driver: Any, index: int) -> None:
     daemon = ScriptedDaemon()
+    assert ops.arena is not None
     ops.arena.view(0, BLOCK, writable=True)[:] = 9
     for op in (ops.op_get(NS, keys(2), [np.zeros(BLOCK, np.uint8), strided_buffers()[index]]),
                ops.op_put(NS, keys(2), [blocks(1)[0], strided_buffers()[index]], False, None)):

@@ -54,7 +54,7 @@ def test_decode_into_typed_view() -> None:
     out = np.zeros(1000, dtype=np.float16)
     for codec in USABLE:
         out[:] = 0
-        codecs.decode(codec, codecs.encode(codec, data), len(data), memoryview(out))
+        codecs.decode(codec, codecs.encode(codec, data), len(data), out.data)
         assert out.tobytes() == data
 
 

@@ -4,7 +4,6 @@ scheduler side plans around them (no daemon: a save is only planned here)."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace as NS
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from kvtier.connectors.vllm.metadata import KVTierWorkerMetadata, TransferSpec
 from kvtier.connectors.vllm.scheduler import SchedulerSide
 
 from kvtier.layout import KVLayout
+from tests.support.vllm_fakes import fake as NS
 
 PAGE, TPB = 32, 64
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",

@@ -5,7 +5,6 @@ pages go fresh to another request (no daemon: loads are only planned here)."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace as NS
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from kvtier.connectors.vllm.metadata import KVTierWorkerMetadata
 from kvtier.connectors.vllm.scheduler import SchedulerSide
 
 from kvtier.layout import KVLayout
+from tests.support.vllm_fakes import fake as NS
 
 PAGE, TPB = 32, 64
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",

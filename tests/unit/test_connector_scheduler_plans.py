@@ -7,7 +7,6 @@ a mutation review: a test fails on its mutant."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace as NS
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from kvtier.connectors.vllm.metadata import KVTierWorkerMetadata
 from kvtier.connectors.vllm.scheduler import SchedulerSide
 
 from kvtier.layout import KVLayout
+from tests.support.vllm_fakes import fake as NS
 
 PAGE, TPB = 32, 64
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32",
@@ -228,7 +228,7 @@ def test_a_request_in_flight_at_a_reset_saves_nothing_more(tmp_path: Path) -> No
     own: wrong tokens). A request arriving after the reset saves under the new salt."""
     sched = _sched(tmp_path)
     try:
-        def req(rid: str) -> NS:
+        def req(rid: str) -> Any:
             ids = list(range(1, 2 * TPB + 2))
             return NS(request_id=rid, all_token_ids=ids, num_prompt_tokens=len(ids),
                       num_tokens=len(ids), cache_salt=None, mm_features=None,

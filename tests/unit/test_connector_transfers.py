@@ -6,7 +6,6 @@ by a mutation review: a test fails on its mutant."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace as NS
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from kvtier.connectors.vllm.transfers import LoadBatch, SaveRequest
 
 from kvtier.keys import block_keys
 from kvtier.layout import KVLayout
+from tests.support.vllm_fakes import fake as NS
 
 TPB = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",

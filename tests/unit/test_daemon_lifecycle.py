@@ -15,6 +15,7 @@ from kvtier.config import Config, load_config
 from kvtier.daemon.parts import DaemonParts, make_nvme
 from kvtier.daemon.service import Daemon, Deadline
 from kvtier.errors import ConfigError
+from kvtier.tiers.hbm_pool import DevicePool
 from tests.support.fake_hbm import ShmDevicePool, fake_hbm_tier, fake_parts
 
 MiB = 2**20
@@ -38,7 +39,7 @@ def port_is_free(port: int) -> bool:
 
 
 async def test_the_fake_hbm_pool_is_injected_not_patched(tmp_path: Path) -> None:
-    pools: list[ShmDevicePool] = []
+    pools: list[DevicePool | None] = []
 
     def hbm(cfg: Config):  # the test factory, wrapped to see the pool it made
         tier = fake_hbm_tier(cfg)
@@ -68,7 +69,8 @@ def test_default_parts_still_refuse_hbm_without_a_device(
         DaemonParts().hbm(small_config(tmp_path, **{"hbm.enabled": True, "hbm.bytes": "1MiB"}))
 
 
-async def test_a_failed_start_undoes_what_it_made_in_reverse_order(tmp_path: Path) -> None:
+async def test_a_failed_start_undoes_what_it_made_in_reverse_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     closed: list[str] = []
 
     def nvme(cfg: Config):
@@ -78,7 +80,7 @@ async def test_a_failed_start_undoes_what_it_made_in_reverse_order(tmp_path: Pat
         def close() -> None:
             closed.append("nvme")
             inner()
-        tier.close = close
+        monkeypatch.setattr(tier, "close", close)
         return tier
 
     def broken_redis(cfg: Config):

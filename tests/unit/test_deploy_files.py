@@ -16,9 +16,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import kubernetes_validate
+import kubernetes_validate  # type: ignore[import-untyped]  # no type hints (no py.typed)
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
 from kvtier import __version__
 from kvtier.config import load_config

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML ships no type hints
 
 from kvtier.config import load_config
 from kvtier.daemon.metrics import KVTierCollector

@@ -207,9 +207,11 @@ def test_what_serve_refuses_about_the_socket_and_shm_fails(tmp_path: Path) -> No
 
 
 def test_mountinfo_parsing() -> None:
-    assert env_fs.mount_of("/dev/shm/x", OVERLAY).fstype == "tmpfs"
-    assert env_fs.mount_of("/tmp dir/a", OVERLAY).point == "/tmp dir"
-    assert env_fs.mount_of("/var/lib", OVERLAY).fstype == "overlay"
+    shm, tmp, lib = (env_fs.mount_of(p, OVERLAY) for p in ("/dev/shm/x", "/tmp dir/a",
+                                                            "/var/lib"))
+    assert shm is not None and shm.fstype == "tmpfs"
+    assert tmp is not None and tmp.point == "/tmp dir"
+    assert lib is not None and lib.fstype == "overlay"
     assert env_fs.parse_mountinfo("garbage\n") == []
 
 

@@ -74,8 +74,15 @@ async def put(store: TieredStore, client: ArenaMapping, keys: list[bytes]) -> No
     await store.commit_put(1, lease)
 
 
+def miss_log(store: TieredStore) -> MissLog:
+    """The store's explain log (``make_store`` set it)."""
+    log = store.explain
+    assert isinstance(log, MissLog)
+    return log
+
+
 def last(store: TieredStore) -> dict[str, Any]:
-    return store.explain.recent(1, namespaces={NS.digest: {"model_id": "test/model"}})[0]
+    return miss_log(store).recent(1, namespaces={NS.digest: {"model_id": "test/model"}})[0]
 
 
 async def test_full_hit_and_never_stored(store: TieredStore, client: ArenaMapping) -> None:
@@ -99,7 +106,7 @@ async def test_evicted_names_the_policy_and_when(store: TieredStore,
     assert row["reason"] == "evicted"
     assert row["removed"]["tier"] == "cpu" and row["removed"]["policy"] == "lru"
     assert row["removed"]["age_s"] >= 0
-    assert store.explain.stats()["first_miss"]["evicted"] == 1
+    assert miss_log(store).stats()["first_miss"]["evicted"] == 1
 
 
 async def test_dropped_by_admission(arena: Arena, client: ArenaMapping, tmp_path: Path) -> None:
@@ -169,7 +176,7 @@ async def test_namespace_mismatch_and_sibling_hint(store: TieredStore,
     salted = store.register_namespace(LAYOUT, "test/model", 0, 1, "tenant-b")
     await store.lookup(salted.digest, FP, block_keys(salted, list(range(128))))
     names = {d: {"model_id": e.namespace.model_id} for d, e in store.namespaces.items()}
-    row = store.explain.recent(1, namespaces=names)[0]
+    row = miss_log(store).recent(1, namespaces=names)[0]
     assert row["reason"] == "never_stored" and "other namespace" in row["hint"]
 
 
@@ -230,7 +237,7 @@ async def test_a_block_of_another_namespace_is_a_namespace_mismatch_not_in_fligh
     before = store.requests.namespace_mismatch
     await store.lookup(salted.digest, FP, keys)
     assert store.requests.namespace_mismatch == before + 1
-    row = store.explain.recent(1)[0]
+    row = miss_log(store).recent(1)[0]
     assert row["reason"] == "namespace_mismatch" and row["first_miss"] == 0
     assert "error" not in row and "another namespace" in row["hint"]
     assert "register_layout" not in row["hint"]

@@ -89,7 +89,7 @@ async def store(arena: Arena, hbm: HbmTier, clock: FakeClock) -> AsyncIterator[T
 
 
 def pool(store: TieredStore) -> ShmDevicePool:
-    assert store.hbm is not None
+    assert isinstance(store.hbm, HbmTier)
     p = store.hbm._pool
     assert isinstance(p, ShmDevicePool)
     return p

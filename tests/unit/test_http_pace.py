@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from functools import partial
 
 import pytest
 
@@ -73,6 +74,6 @@ def test_a_slow_render_pauses_at_most_max_gap() -> None:
 def test_a_lone_caller_is_not_refused(share: float) -> None:
     async def main() -> list[int]:
         pacer = Pacer(share=share, max_waiting=1)
-        return [await pacer.run(lambda i=i: i) for i in range(5)]
+        return [await pacer.run(partial(int, i)) for i in range(5)]   # renders i
 
     assert asyncio.run(main()) == [0, 1, 2, 3, 4]

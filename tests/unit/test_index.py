@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.errors import KVTierError
 from kvtier.index import BlockIndex, BlockMeta, SlotState
+from kvtier.tiers.nvme import NvmeSlot
 
 LEGAL = {
     (SlotState.NONE, SlotState.WRITING),
@@ -20,7 +21,10 @@ LEGAL = {
 }
 
 
-def meta(key: int = 0, state: SlotState = SlotState.NONE, *, nvme: object = None,
+SLOT = NvmeSlot(4096, 0)   # a frame's slot (only whether there is one matters here)
+
+
+def meta(key: int = 0, state: SlotState = SlotState.NONE, *, nvme: NvmeSlot | None = None,
          nvme_ready: bool = False) -> BlockMeta:
     m = BlockMeta(key.to_bytes(16, "little"), b"n" * 16, 1, 4096, None, 0, nvme=nvme,
                   nvme_ready=nvme_ready)
@@ -56,13 +60,13 @@ def test_put_and_promotion_paths() -> None:
     (SlotState.WRITING, None, False, False, False, False, "none"),
     (SlotState.LOADING, None, False, False, False, True, "cpu"),
     (SlotState.READY, None, False, True, False, True, "cpu"),
-    (SlotState.NONE, "slot", False, False, False, False, "none"),   # write still in flight
-    (SlotState.NONE, "slot", True, False, True, True, "nvme"),
-    (SlotState.READY, "slot", True, True, True, True, "cpu"),
-    (SlotState.WRITING, "slot", True, False, True, True, "nvme"),
+    (SlotState.NONE, SLOT, False, False, False, False, "none"),   # write still in flight
+    (SlotState.NONE, SLOT, True, False, True, True, "nvme"),
+    (SlotState.READY, SLOT, True, True, True, True, "cpu"),
+    (SlotState.WRITING, SLOT, True, False, True, True, "nvme"),
 ])
-def test_residency(state: SlotState, nvme: object, ready: bool, in_cpu: bool, in_nvme: bool,
-                   present: bool, where: str) -> None:
+def test_residency(state: SlotState, nvme: NvmeSlot | None, ready: bool, in_cpu: bool,
+                   in_nvme: bool, present: bool, where: str) -> None:
     m = meta(state=state, nvme=nvme, nvme_ready=ready)
     assert (m.in_cpu, m.in_nvme, m.present, m.where) == (in_cpu, in_nvme, present, where)
 
@@ -82,7 +86,7 @@ def test_cpu_pinned() -> None:
 
 def test_leading_present_stops_at_the_first_gap() -> None:
     index = BlockIndex()
-    metas = [meta(0, SlotState.READY), meta(1, nvme="s", nvme_ready=True),
+    metas = [meta(0, SlotState.READY), meta(1, nvme=SLOT, nvme_ready=True),
              meta(2, SlotState.LOADING), meta(3, SlotState.WRITING), meta(4, SlotState.READY)]
     for m in metas:
         index[m.key] = m

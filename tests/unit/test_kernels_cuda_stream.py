@@ -17,7 +17,10 @@ def test_cpu_fallback_runs_transfers_synchronously_in_order():
     calls: list[tuple[str, int, object]] = []
     streams.start_step()
     for layer in range(3):
-        streams.load_layer(layer, lambda s, i=layer: calls.append(("load", i, s)))
+        def load(s: object, i: int = layer) -> None:
+            calls.append(("load", i, s))
+
+        streams.load_layer(layer, load)
         assert streams.layer_loaded(layer)
     assert calls == [("load", 0, None), ("load", 1, None), ("load", 2, None)]
     for layer in range(3):

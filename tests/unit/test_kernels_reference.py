@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import threading
 import zlib
+from typing import TYPE_CHECKING
 
 import pytest
 
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 
-from kvtier.kernels import (  # noqa: E402
+from kvtier.kernels import (
     KernelPath,
     PagedLayout,
     block_bytes,
@@ -21,13 +25,13 @@ from kvtier.kernels import (  # noqa: E402
     scatter_blocks,
     select_path,
 )
-from kvtier.kernels.reference import (  # noqa: E402
+from kvtier.kernels.reference import (
     gather_reference,
     plan_transfer,
     scatter_reference,
 )
 
-from kvtier.errors import BufferSizeError, LayoutMismatch  # noqa: E402
+from kvtier.errors import BufferSizeError, LayoutMismatch
 
 NUM_LAYERS, NUM_PAGES, HEADS, DIM = 3, 13, 2, 8
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.frame import make_header
+from kvtier.policy.base import Key
 from kvtier.policy.lru import LRUPolicy
 from kvtier.store.nvme import NvmeResidency
 from kvtier.tiers.aligned import aligned_buffer
@@ -40,8 +41,8 @@ class Full:
         self.n, self.freed = n, freed
         self.tier = NvmeTier(root, n * (PAGE + 4096), direct="off", io_threads=2)
         self.policy = LRUPolicy()
-        self.slots: dict[bytes, NvmeSlot] = {}
-        self.evicted: list[bytes] = []
+        self.slots: dict[Key, NvmeSlot] = {}     # by key_of(i), the policy's keys
+        self.evicted: list[Key] = []
 
     async def fill(self) -> NvmeResidency:
         self.tier.open()
@@ -59,7 +60,7 @@ class Full:
             self.tier.free(self.slots.pop(key_of(i)))
             self.policy.remove(key_of(i))
 
-        async def on_victim(key: bytes) -> None:
+        async def on_victim(key: Key) -> None:
             self.tier.free(self.slots.pop(key))
             self.policy.remove(key)
             self.evicted.append(key)

@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -159,9 +160,9 @@ async def test_wrong_key_namespace_or_layout_is_a_frame_error(tier: NvmeTier) ->
     buf = block(random.Random(3), 5000)
     slot, _ = await put(tier, 7, buf, 5000)
     out = aligned_buffer(slot.slot_bytes)
-    wrong = [dict(namespace=NS, key=key_of(8), layout_fp=LAYOUT),
-             dict(namespace=bytes(16), key=key_of(7), layout_fp=LAYOUT),
-             dict(namespace=NS, key=key_of(7), layout_fp=LAYOUT + 1)]
+    wrong: list[dict[str, Any]] = [dict(namespace=NS, key=key_of(8), layout_fp=LAYOUT),
+                                   dict(namespace=bytes(16), key=key_of(7), layout_fp=LAYOUT),
+                                   dict(namespace=NS, key=key_of(7), layout_fp=LAYOUT + 1)]
     for kwargs in wrong:
         with pytest.raises(FrameError):
             await tier.read_into(slot, out, **kwargs)
@@ -182,8 +183,10 @@ async def test_illegal_slot_transitions_raise(tier: NvmeTier) -> None:
     await tier.write(slot, header, buf)
     with pytest.raises(KVTierError):
         await tier.write(slot, header, buf)                      # already stored
+    small = tier.alloc(PAGE)
+    assert small is not None
     with pytest.raises(BufferSizeError):
-        await tier.write(tier.alloc(PAGE), make_header(NS, key_of(1), LAYOUT, bytes(5000)),
+        await tier.write(small, make_header(NS, key_of(1), LAYOUT, bytes(5000)),
                          buf)                                    # frame larger than its slot
     tier.free(slot)
     with pytest.raises(KVTierError):

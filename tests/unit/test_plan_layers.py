@@ -54,12 +54,13 @@ def test_jamba_attention_every_eighth_layer_from_the_fifth() -> None:
 
 
 def test_llama4_chunked_layers_keep_one_chunk_and_nope_layers_everything() -> None:
-    cfg = {"model_type": "llama4", "torch_dtype": "bfloat16",
-           "text_config": config(model_type="llama4_text", num_hidden_layers=48,
-                                 hidden_size=5120, num_attention_heads=40,
-                                 num_key_value_heads=8, attention_chunk_size=8192,
-                                 num_local_experts=16, vocab_size=202048,
-                                 max_position_embeddings=10485760)}
+    cfg: dict[str, Any] = {
+        "model_type": "llama4", "torch_dtype": "bfloat16",
+        "text_config": config(model_type="llama4_text", num_hidden_layers=48,
+                              hidden_size=5120, num_attention_heads=40,
+                              num_key_value_heads=8, attention_chunk_size=8192,
+                              num_local_experts=16, vocab_size=202048,
+                              max_position_embeddings=10485760)}
     m = spec_from_config(cfg)
     assert m.layer_windows[:4] == (8192, 8192, 8192, None)  # every 4th layer is NoPE, global
     assert (m.windowed_layers, m.kv_layers, m.state_layers) == (36, 48, 0)

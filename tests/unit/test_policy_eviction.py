@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvtier.policy import EvictionPolicy, FakeClock, eviction_policy_names, make_eviction_policy
 from kvtier.policy.admission import SecondHitAdmission, TierAdmission, WriteBudget
+from kvtier.policy.cost import CostPolicy
 from kvtier.policy.costmodel import BlockCosts, PrefillModel
+from kvtier.policy.lfu import LFUPolicy
 from kvtier.policy.prefix import PrefixForest
 from kvtier.policy.stats import WorkloadStats
 
@@ -21,6 +25,20 @@ def chain(pol: EvictionPolicy, keys: list[str], now: float = 0.0) -> None:
         parent = key
 
 
+def lfu(**kwargs: Any) -> LFUPolicy:
+    """The registry's ``lfu`` policy as its own class (its calls' defaults, no ``now``)."""
+    pol = make_eviction_policy("lfu", **kwargs)
+    assert isinstance(pol, LFUPolicy)
+    return pol
+
+
+def cost(**kwargs: Any) -> CostPolicy:
+    """The registry's ``cost`` policy as its own class (``value`` is not the interface's)."""
+    pol = make_eviction_policy("cost", **kwargs)
+    assert isinstance(pol, CostPolicy)
+    return pol
+
+
 def test_registry_knows_all_three() -> None:
     assert {"lru", "lfu", "cost"} <= set(eviction_policy_names())
     for name in ("lru", "lfu", "cost"):
@@ -29,7 +47,7 @@ def test_registry_knows_all_three() -> None:
 
 # ------------------------------------------------------------------ lfu
 def test_lfu_evicts_least_frequent_and_ages() -> None:
-    pol = make_eviction_policy("lfu", half_life_uses=2.0)
+    pol = lfu(half_life_uses=2.0)
     for k in "abc":
         pol.insert(k, nbytes=1, parent=None, depth=0)
     for _ in range(3):
@@ -45,7 +63,7 @@ def test_lfu_evicts_least_frequent_and_ages() -> None:
 
 
 def test_lfu_counts_outlive_residency() -> None:
-    pol = make_eviction_policy("lfu", half_life_uses=100.0)
+    pol = lfu(half_life_uses=100.0)
     pol.insert("hot", nbytes=1)
     for _ in range(4):
         pol.touch("hot")
@@ -55,7 +73,7 @@ def test_lfu_counts_outlive_residency() -> None:
     pol.insert("y", nbytes=1)
     pol.insert("hot", nbytes=1)  # comes back with five uses behind it, not one
     assert pol.victim() in {"x", "y"}
-    forgetful = make_eviction_policy("lfu", half_life_uses=100.0, history=0)
+    forgetful = lfu(half_life_uses=100.0, history=0)
     forgetful.insert("hot", nbytes=1)
     for _ in range(4):
         forgetful.touch("hot")
@@ -120,7 +138,7 @@ def test_cost_skips_pinned_leaves_and_their_ancestors() -> None:
 
 def test_cost_prefers_to_keep_blocks_the_workload_reuses() -> None:
     stats = WorkloadStats(horizon=100)
-    pol = make_eviction_policy("cost", stats=stats)
+    pol = cost(stats=stats)
     # teach the stats: 'hot' prompts come back, one-off prompts never do
     for i in range(50):
         stats.on_lookup([f"hot{i % 5}"], 1 if i >= 5 else 0)
@@ -137,7 +155,7 @@ def test_cost_prefers_to_keep_blocks_the_workload_reuses() -> None:
 def test_cost_values_late_chunks_of_long_prompts_more() -> None:
     costs = BlockCosts(block_tokens=512, block_bytes=512 * 131072, prefill=PrefillModel())
     assert costs.recompute_s(100) > 2 * costs.recompute_s(0)
-    pol = make_eviction_policy("cost", costs=costs)
+    pol = cost(costs=costs)
     pol.insert("early", nbytes=costs.block_bytes, parent=None, depth=0, now=0.0)
     pol.insert("late", nbytes=costs.block_bytes, parent=None, depth=100, now=0.0)
     assert pol.value("late") > pol.value("early")
@@ -147,10 +165,10 @@ def test_cost_values_late_chunks_of_long_prompts_more() -> None:
 def test_cost_block_cheaper_to_reload_than_recompute_is_worth_nothing() -> None:
     costs = BlockCosts(block_tokens=16, block_bytes=16 * 131072)
     # the tier below reloads at 1 TB/s: recomputing 16 early tokens is slower? no: faster
-    pol = make_eviction_policy("cost", costs=costs, reload_bandwidth=1e15)
+    pol = cost(costs=costs, reload_bandwidth=1e15)
     pol.insert("k", nbytes=costs.block_bytes, parent=None, depth=0, now=0.0)
     assert pol.value("k") > 0
-    slow = make_eviction_policy("cost", costs=costs, reload_bandwidth=1e6)
+    slow = cost(costs=costs, reload_bandwidth=1e6)
     slow.insert("k", nbytes=costs.block_bytes, parent=None, depth=0, now=0.0)
     assert slow.value("k") == 0.0  # reloading from below costs more than recomputing
 
@@ -164,7 +182,7 @@ def test_prefix_forest_reports_orphaned_descendants() -> None:
     forest.add("a2", "a")
     forest.add("b", "r")
     assert forest.n_children("a") == 2
-    assert sorted(forest.discard("a")) == ["a1", "a2"]
+    assert sorted(forest.discard("a"), key=str) == ["a1", "a2"]
     assert "a1" not in forest and "b" in forest and forest.n_children("r") == 1
     assert forest.discard("a") == []
     assert forest.discard("r") == ["b"]
@@ -343,7 +361,7 @@ def test_stats_a_key_own_reuses_count_before_the_horizon_has_passed() -> None:
     p_hot, gap_hot = stats.reuse_estimate("h3")
     p_new, _ = stats.reuse_estimate("o11.3")
     assert p_hot > 3 * p_new and gap_hot < 10
-    pol = make_eviction_policy("cost", stats=stats)
+    pol = cost(stats=stats)
     pol.insert("h3", nbytes=MB, parent=None, depth=3, now=0.0)
     pol.insert("o11.3", nbytes=MB, parent=None, depth=3, now=0.0)
     assert pol.value("h3") > 4 * pol.value("o11.3")

@@ -124,7 +124,7 @@ class OneByOne(HindsightStats):
 
     __slots__ = ()
 
-    def _labels(self, keys: object, start: int, stop: int) -> None:  # type: ignore[override]
+    def _labels(self, keys: object, start: int, stop: int) -> None:
         return None
 
 

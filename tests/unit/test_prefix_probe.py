@@ -145,14 +145,14 @@ def test_a_long_probe_takes_turns_with_the_other_clients(arena: Arena) -> None:
             spin()
             return real(*args, **kwargs)
 
-        module.block_keys = slow_keys   # type: ignore[assignment]
+        module.block_keys = slow_keys
         try:
             before = ticks
             reply = await probe.from_control({"model_id": "fine", "tokens": tokens.tobytes() * 4,
                                               "lengths": [len(tokens)] * 4, "redis": False})
             during = ticks - before
         finally:
-            module.block_keys = real   # type: ignore[assignment]
+            module.block_keys = real
             stop.set()
             await ticker
         # a pause before each of the 8 pieces but the first (without turns, the other

@@ -83,8 +83,8 @@ class Store:
                 return b"$-99999999999999999999\r\n"
             if stripe and self.mode == "giant":
                 return b"$%d\r\n" % HUGE + os.urandom(4096)
-            value = self.data.get(args[0])
-            reply = b"$-1\r\n" if value is None else bulk(value)
+            stored = self.data.get(args[0])
+            reply = b"$-1\r\n" if stored is None else bulk(stored)
             if stripe and self.mode == "late":
                 # stripe 0's reply once more, before stripe 1's; each later reply sent
                 # after the client looked for bytes past the one before

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +35,7 @@ class MRUPolicy:
         self._order: OrderedDict[Key, None] = OrderedDict()
 
     def insert(self, key: Key, *, nbytes: int = 0, parent: Key | None = None, depth: int = 0,
-               now: float = 0.0) -> None:
+               now: float = 0.0, block_tokens: int = 0) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
@@ -58,7 +60,7 @@ class MRUPolicy:
 
 
 def _make(mode: str) -> EvictionPolicy:
-    return MRUPolicy() if mode == "mru" else LRUPolicy()  # type: ignore[return-value]
+    return MRUPolicy() if mode == "mru" else LRUPolicy()
 
 
 def _sliding(n: int) -> list[list[int]]:
@@ -114,10 +116,11 @@ def test_shadow_cache_hits_the_longest_resident_prefix_and_drops_orphans() -> No
     assert cache.resident == {1, 2, 3}
     # a policy that evicts a chain's head (MRU: the head is the most recent) orphans the
     # rest of its chain, which leaves with it
-    mru = ShadowCache(MRUPolicy(), 3)  # type: ignore[arg-type]
+    mru_policy = MRUPolicy()
+    mru = ShadowCache(mru_policy, 3)
     mru.access([(1, 0, 10), (2, 1, 10), (3, 2, 10)], 0.0, 30)
     mru.access([(5, 0, 10), (6, 1, 10)], 0.0, 20)  # room for 2: 1 goes, 2 and 3 with it
-    assert mru.resident == {5, 6} and not {1, 2, 3} & set(mru.policy._order)
+    assert mru.resident == {5, 6} and not {1, 2, 3} & set(mru_policy._order)
 
 
 def test_shadows_switch_to_the_mode_that_hits_more() -> None:
@@ -163,7 +166,7 @@ def test_adaptive_policy_follows_its_shadows_and_keeps_residency() -> None:
     for _ in range(40):  # a pinned block is never the victim, across a rebuild too
         v = pol.victim()
         assert v != keys[0]
-        pol.remove(v)  # type: ignore[arg-type]
+        pol.remove(v)
     assert keys[0] in pol and len(pol) == 1
 
 
@@ -183,7 +186,7 @@ def test_observer_feeds_every_tier_and_forwards() -> None:
     seen: list[int] = []
 
     class Inner:
-        def on_lookup(self, keys, hit_blocks, *, now):  # type: ignore[no-untyped-def]
+        def on_lookup(self, keys: Sequence[Key], hit_blocks: int, *, now: float) -> None:
             seen.append(len(keys))
 
     sh = TierShadows(_make, capacity_blocks=8, modes=("lru",), rate=1.0)
@@ -193,7 +196,9 @@ def test_observer_feeds_every_tier_and_forwards() -> None:
     assert seen == [3, 3] and sh.references == 6
     snap = obs.snapshot()["cpu"]
     assert snap["mode"] == "lru" and snap["sampled_references"] == 6
-    assert {p["scale"]: p["hit_rate"] for p in snap["mrc"]}[1.0] == pytest.approx(0.5)
+    mrc = snap["mrc"]
+    assert isinstance(mrc, list)
+    assert {p["scale"]: p["hit_rate"] for p in mrc}[1.0] == pytest.approx(0.5)
 
 
 STATS = {
@@ -247,7 +252,7 @@ def _cli(module: str, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[i
 
 
 def test_plan_and_doctor_read_a_saved_live_curve(capsys: pytest.CaptureFixture[str],
-                                                 tmp_path) -> None:  # type: ignore[no-untyped-def]
+                                                 tmp_path: Path) -> None:
     import json
 
     path = tmp_path / "stats.json"

@@ -99,7 +99,9 @@ def test_shadow_estimates_stay_at_or_below_belady_on_a_rag_trace() -> None:
         belady = simulate(trace, "belady", cfg).token_hit_rate
         sh = TierShadows(make, capacity_blocks=cap, modes=("lru", "lfu"))
         for r in trace.requests:
-            sh.on_request(r.blocks, lambda d, n=r.input_tokens: max(0, min(512, n - 512 * d)),
-                          r.arrival_s)
+            def tokens(d: int, n: int = r.input_tokens) -> int:
+                return max(0, min(512, n - 512 * d))
+
+            sh.on_request(r.blocks, tokens, r.arrival_s)
         rates = sh.hit_rates()
         assert sh.sampled > 1000 and max(rates.values()) <= belady, (fraction, rates, belady)

@@ -227,7 +227,7 @@ async def test_a_block_being_promoted_is_not_evicted_from_nvme_by_its_own_room(
         def __getattr__(self, name: str) -> Any:
             return getattr(self.inner, name)
 
-    residency.policy = XFirst(residency.policy)  # type: ignore[assignment]
+    residency.policy = XFirst(residency.policy)
     result = await store.lookup(DIGEST, FP, [x], prefetch=True)
     assert result.hits == 1
     data = await get(store, client, [x])
@@ -324,6 +324,7 @@ async def test_a_durable_commit_counts_only_blocks_a_cold_start_would_keep(
     orphan = chain(2, start=9)
     lease, offsets = await store.prepare_put(CLIENT, DIGEST, FP, orphan[1:], parent=orphan[0],
                                              depth=1)
+    assert offsets[0] is not None
     client.view(offsets[0], BLOCK, writable=True)[:] = memoryview(payload(orphan[1]))
     assert await store.commit_put(CLIENT, lease, durable=True) == 0
 

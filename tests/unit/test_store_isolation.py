@@ -42,6 +42,7 @@ async def test_a_commit_past_the_deadline_fails_before_the_sweep_and_stores_noth
     keys = chain(2)
     lease, offsets = await store.prepare_put(CLIENT, DIGEST, FP, keys)
     for key, off in zip(keys, offsets, strict=True):
+        assert off is not None
         client.view(off, BLOCK, writable=True)[:] = memoryview(payload(key))
     clock.advance(TTL)  # no sweep ran: the deadline alone decides
     with pytest.raises(LeaseExpired, match="nothing was stored"):
@@ -66,6 +67,7 @@ async def test_quarantined_slots_are_never_handed_to_another_client(
     assert got.count(None) == 2   # two slots stay quarantined, nothing else to evict
     # the slow writer's late writes land in its quarantined slots only
     for off in slow_offsets:
+        assert off is not None
         client.view(off, BLOCK, writable=True)[:] = 0xAB
     stored = [k for k, off in zip(others, got, strict=True) if off is not None]
     assert await get(store, client, stored, owner=OTHER_CLIENT) == [payload(k) for k in stored]

@@ -42,6 +42,12 @@ def meta(key: bytes, *, cpu: int | None = None) -> BlockMeta:
     return m
 
 
+def no_slot() -> int | None:
+    """An allocator with no room left."""
+    return None
+
+
+
 async def test_allocation_evicts_policy_victims_until_it_fits() -> None:
     policy = make_eviction_policy("lru")
     free: list[int] = []
@@ -57,7 +63,7 @@ async def test_allocation_evicts_policy_victims_until_it_fits() -> None:
 
     got = await allocate_with_eviction(lambda: free.pop() if free else None, policy, evict)
     assert got == 7 and evicted == [b"\x00", b"\x01"]   # least recently used first
-    assert await allocate_with_eviction(lambda: None, policy, evict) is None
+    assert await allocate_with_eviction(no_slot, policy, evict) is None
     assert evicted == [b"\x00", b"\x01", b"\x02"]       # no victim left: None
 
 
@@ -70,7 +76,7 @@ async def test_allocation_is_bounded_when_victims_cannot_go() -> None:
         nonlocal calls
         calls += 1
 
-    assert await allocate_with_eviction(lambda: None, policy, refuse) is None
+    assert await allocate_with_eviction(no_slot, policy, refuse) is None
     assert calls == MAX_EVICTIONS_PER_ALLOC
 
 

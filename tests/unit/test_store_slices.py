@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Iterator
+from typing import TypeVar
 
 import pytest
 
@@ -30,6 +31,7 @@ from tests.support.store import (
     put,
 )
 
+T = TypeVar("T")
 N = 1024   # blocks per long request: N / CHECK_EVERY checks, each a pause here
 
 
@@ -45,7 +47,7 @@ def no_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(slices, "SLICE_S", 0.0)
 
 
-async def interleaved(request: Awaitable[object]) -> tuple[object, int]:
+async def interleaved(request: Awaitable[T]) -> tuple[T, int]:
     """Run ``request``; its result and how many times a competing task ran meanwhile."""
     task = asyncio.ensure_future(request)
     turns = 0
@@ -64,7 +66,7 @@ async def test_lookup_get_release_and_delete_of_a_long_chain_take_turns(
     keys = chain(N)
     await put(store, client, keys)
     found, turns = await interleaved(store.lookup(DIGEST, FP, keys))
-    assert found.hits == N and turns >= min_turns()   # type: ignore[attr-defined]
+    assert found.hits == N and turns >= min_turns()
     (lease, offsets), turns = await interleaved(store.prepare_get(CLIENT, DIGEST, FP, keys))
     assert len(offsets) == N and turns >= min_turns()
     for key, off in zip(keys[::97], offsets[::97], strict=True):

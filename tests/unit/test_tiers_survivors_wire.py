@@ -121,9 +121,9 @@ def test_a_pool_keeps_at_most_its_limit_of_idle_connections(tmp_path: Path) -> N
             assert pool.open == 2
             idle = [pool.take_idle(), pool.take_idle()]
             assert None not in idle and pool.take_idle() is None
-            for conn in idle:
-                assert conn is not None
-                pool.give(conn)
+            for idle_conn in idle:
+                assert idle_conn is not None
+                pool.give(idle_conn)
         finally:
             pool.close()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -81,10 +82,10 @@ def test_an_unreadable_file_does_not_fail_the_start(tmp_path: Path,
     fine = fingerprint(str(a))
     real_open = Path.open
 
-    def refuse(self: Path, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+    def refuse(self: Path, *args: Any, **kwargs: Any) -> Any:
         if self.name.startswith("model-00002"):
             raise PermissionError(13, "Permission denied")
-        return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
+        return real_open(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "open", refuse)
     unreadable = fingerprint(str(a))
