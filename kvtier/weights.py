@@ -3,8 +3,10 @@ vLLM connector appends to the model id (``MODEL#w=FINGERPRINT``), so that KV com
 other weights under the same name (a fine-tune or a new revision deployed at the same path,
 a hub name pointing at a new commit) is a miss, never served.
 
-What goes in: the checkpoint's ``config.json`` (a LoRA adapter's ``adapter_config.json``:
-the connector fingerprints adapters too) and, for every weight file next to it, its
+What goes in: the checkpoint's ``config.json`` (a Mistral-format checkpoint's
+``params.json``, which vLLM reads instead with ``config_format="mistral"``; a LoRA adapter's
+``adapter_config.json``: the connector fingerprints adapters too) and, for every weight
+file next to it, its
 name, its size and eight 64 KiB windows spread over it; a safetensors file also gives its
 header (every tensor's name, dtype, shape and place) and three 4 KiB windows inside each
 tensor: its start, middle and end. A fine-tune that changes a few tensors only (a merged
@@ -38,7 +40,9 @@ log = logging.getLogger(__name__)
 WEIGHTS_MARK = "#w="
 """Between a model id and its weights' fingerprint."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-CONFIG_FILES = ("config.json", "adapter_config.json")   # a model's, a LoRA adapter's
+# a model's, a Mistral-format model's (its rope_theta, sizes: found left out by review), a
+# LoRA adapter's
+CONFIG_FILES = ("config.json", "params.json", "adapter_config.json")
 WINDOWS = 8
 WINDOW_BYTES = 64 << 10
 TENSOR_WINDOW_BYTES = 4 << 10

@@ -45,6 +45,22 @@ def test_copies_agree_and_changes_are_seen(tmp_path: Path) -> None:
     assert fingerprint(str(a), dtype="bfloat16", overrides={"rope_theta": 1e6}) != fp
 
 
+def test_a_mistral_format_params_json_counts(tmp_path: Path) -> None:
+    """A Mistral-format checkpoint (``consolidated.safetensors`` and ``params.json``, run with
+    ``config_format="mistral"``) has its sizes and rope_theta in ``params.json``: changed in
+    place, the same weights compute other KV, which a fresh engine loaded (found by review:
+    wrong tokens)."""
+    m = tmp_path / "mistral"
+    m.mkdir()
+    (m / "params.json").write_text('{"dim": 64, "rope_theta": 10000.0}')
+    (m / "consolidated.safetensors").write_bytes(bytes(range(256)) * 64)
+    before = fingerprint(str(m), dtype="float32")
+    assert [p.name for p in checkpoint_files(str(m)) or []] == [
+        "params.json", "consolidated.safetensors"]
+    (m / "params.json").write_text('{"dim": 64, "rope_theta": 500000.0}')
+    assert fingerprint(str(m), dtype="float32") != before
+
+
 @pytest.mark.parametrize("window", range(WINDOWS))
 def test_a_change_in_any_window_is_seen(tmp_path: Path, window: int) -> None:
     a = checkpoint(tmp_path / "a")
