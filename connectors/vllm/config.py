@@ -206,10 +206,21 @@ class ConnectorConfig:
                               role=getattr(transfer, "kv_role", None),
                               weights=lambda: engine_fingerprint(
                                   model, getattr(vllm_config, "speculative_config", None),
-                                  getattr(vllm_config, "cache_config", None)))
+                                  getattr(vllm_config, "cache_config", None),
+                                  getattr(vllm_config, "load_config", None)))
 
 
-def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None) -> str:
+# vLLM's load formats that read the weights from the checkpoint's own files, which the
+# fingerprint hashes; any other (dummy, tensorizer, ipc_cache, modelexpress, a plugin's)
+# takes them from elsewhere, and joins the fingerprint with its loader settings
+FILE_LOAD_FORMATS = frozenset({
+    "auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor",
+    "mistral", "gguf", "bitsandbytes", "runai_streamer", "runai_streamer_sharded",
+    "sharded_state"})
+
+
+def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None,
+                       load: Any = None) -> str:
     """The weights fingerprint of a vLLM ``ModelConfig``: its checkpoint, revision, dtype,
     quantization and ``hf_overrides`` (a callable override counts by its name and what it
     does: ``overrides.callable_digest``); with a
@@ -220,7 +231,10 @@ def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None) -
     when left out): the KV cache dtype of ``cache`` (every fp8 variant is stored as uint8,
     so the layout cannot tell e4m3 from e5m2), a config given apart from the checkpoint
     (``hf_config_path``), and for LongRoPE models (Phi-3/3.5, Phi-4-mini) whether
-    ``max_model_len`` selects the long factors for every token."""
+    ``max_model_len`` selects the long factors for every token; and of ``load`` (vLLM's
+    ``LoadConfig``), a load format that does not read the checkpoint's files: an engine
+    started with ``load_format="dummy"`` (random weights, for benchmarks) saved KV that
+    engines serving the real checkpoint loaded (found by review)."""
     overrides = model.hf_overrides
     if callable(overrides):
         # by what it does, not its name alone (overrides.py)
@@ -237,11 +251,25 @@ def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None) -
     config_path = getattr(model, "hf_config_path", None)
     if config_path and str(config_path) != str(model.model):
         settings["kvtier.hf_config"] = fingerprint(str(config_path))
+    load_format = str(getattr(load, "load_format", None) or "auto").lower()
+    if load_format not in FILE_LOAD_FORMATS:
+        settings["kvtier.load"] = [load_format, getattr(load, "model_loader_extra_config",
+                                                        None), _device_type()]
     long_rope = _long_rope(model)
     if long_rope is not None:
         settings["kvtier.long_rope"] = long_rope
     return fingerprint(str(model.model), revision=model.revision, dtype=model.dtype,
                        quantization=model.quantization, overrides=settings or None)
+
+
+def _device_type() -> str:
+    """The platform's device type: dummy weights are drawn from a seeded generator of the
+    device they live on, so another kind of device draws other weights."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:   # (no vLLM: unit tests of the fingerprint alone)
+        return "unknown"
+    return str(getattr(current_platform, "device_type", "unknown"))
 
 
 def _long_rope(model: Any) -> bool | None:

@@ -118,6 +118,37 @@ def test_settings_that_change_the_kv_of_the_same_weights_count_too(tmp_path: Any
         engine_fingerprint(config(hf_text_config=llama3, max_model_len=8192))
 
 
+def test_a_load_format_that_does_not_read_the_files_counts(tmp_path: Any) -> None:
+    """An engine started with ``load_format="dummy"`` runs random weights whatever the
+    checkpoint holds: its KV was loaded by engines serving the real checkpoint (found by
+    review, wrong tokens). Formats that read the checkpoint's files (auto, safetensors, ...)
+    agree, as the files decide; any other format counts with its loader settings."""
+    from types import SimpleNamespace
+
+    from kvtier.connectors.vllm.config import engine_fingerprint
+
+    ckpt = tmp_path / "m"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"w" * 4096)
+    model = SimpleNamespace(model=str(ckpt), revision=None, dtype="float32", quantization=None,
+                            hf_overrides={}, max_model_len=4096, hf_config_path=None,
+                            hf_text_config=None)
+
+    def load(fmt: str, extra: Any = None) -> Any:
+        return SimpleNamespace(load_format=fmt, model_loader_extra_config=extra or {})
+
+    real = engine_fingerprint(model)
+    for fmt in ("auto", "safetensors", "SafeTensors", "pt", "mistral"):
+        assert engine_fingerprint(model, None, None, load(fmt)) == real, fmt
+    dummy = engine_fingerprint(model, None, None, load("dummy"))
+    assert dummy != real
+    assert engine_fingerprint(model, None, None, load("dummy")) == dummy   # deterministic
+    a = engine_fingerprint(model, None, None, load("tensorizer", {"tensorizer_uri": "s3://a"}))
+    b = engine_fingerprint(model, None, None, load("tensorizer", {"tensorizer_uri": "s3://b"}))
+    assert len({real, dummy, a, b}) == 4
+
+
 def test_a_model_id_the_daemon_would_refuse_is_refused_at_start() -> None:
     """Over 1024 characters with its namespace and weights mark, or not valid Unicode:
     every lookup and save was a refused round trip (found by review)."""
