@@ -8,25 +8,28 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from kvtier.keys import name_refusal
 from kvtier.lograte import LogRate
-from kvtier.weights import fingerprint
+from kvtier.weights import checkpoint_files, fingerprint
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["adapter_fingerprint", "namespace_salt", "request_salt", "usable_salt"]
 
-_warn = LogRate(logging.getLogger("kvtier.connectors.vllm"))
+_log = logging.getLogger("kvtier.connectors.vllm")
+_warn = LogRate(_log)
 
 
 def request_salt(request: Request, generation: str | None = None
                  ) -> str | Literal[False] | None:
     """The namespace salt of a request, or ``False`` when its KV is not a function of its
-    token ids alone (multimodal inputs, prompt embeddings) and must not be cached, or when
-    the daemon cannot take its salt (``usable_salt``).
+    token ids alone (multimodal inputs, prompt embeddings, a LoRA adapter changed on disk
+    since the process read it) and must not be cached, or when the daemon cannot take its
+    salt (``usable_salt``).
 
     A LoRA adapter changes the KV, so it joins the tenant's ``cache_salt``, and so does the
     engine's weights ``generation`` (``namespace_salt``).
@@ -39,8 +42,10 @@ def request_salt(request: Request, generation: str | None = None
     if lora is not None:
         path = str(getattr(lora, "lora_path", "") or "")
         lora_id = int(getattr(lora, "lora_int_id", 0) or 0)
-        adapter = (str(getattr(lora, "lora_name", "")), path, lora_id,
-                   adapter_fingerprint(path, lora_id))
+        weights = adapter_fingerprint(path, lora_id)
+        if weights is None:   # changed in place: which version vLLM runs is unknown
+            return False
+        adapter = (str(getattr(lora, "lora_name", "")), path, lora_id, weights)
     tenant = getattr(request, "cache_salt", None)
     if tenant is not None and not isinstance(tenant, str):   # (offline API misuse)
         return False
@@ -61,23 +66,59 @@ def usable_salt(salt: str) -> bool:
     return False
 
 
-_ADAPTER_FINGERPRINTS: dict[tuple[str, int], str] = {}
+@dataclass(slots=True)
+class _Adapter:
+    """What this process read of an adapter: its fingerprint, and its files as they were
+    (name, size, inode, modification and change times) to see them replaced in place."""
+
+    fingerprint: str
+    files: tuple[tuple[str, int, int, int, int], ...]
+    changed: bool = False
+
+
+_ADAPTER_FINGERPRINTS: dict[tuple[str, int], _Adapter] = {}
 MAX_ADAPTER_FINGERPRINTS = 4096
 
 
-def adapter_fingerprint(path: str, lora_id: int) -> str:
+def _files_now(path: str) -> tuple[tuple[str, int, int, int, int], ...]:
+    """The adapter's files as they are (a stat each: ~10 us a request for an adapter)."""
+    found = []
+    for f in checkpoint_files(path) or ():
+        try:
+            st = f.stat()
+        except OSError:
+            found.append((f.name, -1, 0, 0, 0))
+            continue
+        found.append((f.name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(found)
+
+
+def adapter_fingerprint(path: str, lora_id: int) -> str | None:
     """The weights fingerprint of a LoRA adapter (``kvtier.weights``: its config and
     sampled weight windows), read once per adapter per process: an adapter retrained and
-    deployed under the same name and path must not be served the old one's KV. (vLLM
-    itself keeps an adapter it loaded by its id until it drops it, so a process that saw
-    an adapter once goes on with what it read first, as vLLM does.)"""
+    deployed under the same name and path must not be served the old one's KV.
+
+    None once its files changed in place since this process read them: vLLM keeps an
+    adapter it loaded until its LRU cache drops it, then reads the files again, so the
+    engine may run either version and nothing tells which. Its requests are then neither
+    loaded nor saved for the rest of the process (found by review: after a reload the old
+    KV was served to the new adapter). Deploy a retrained adapter under a new id or path."""
+    if not path:
+        return ""
     key = (path, lora_id)
-    found = _ADAPTER_FINGERPRINTS.get(key)
-    if found is None:
+    now = _files_now(path)
+    known = _ADAPTER_FINGERPRINTS.get(key)
+    if known is None:
         if len(_ADAPTER_FINGERPRINTS) >= MAX_ADAPTER_FINGERPRINTS:
             _ADAPTER_FINGERPRINTS.clear()
-        found = _ADAPTER_FINGERPRINTS[key] = fingerprint(path) if path else ""
-    return found
+        known = _ADAPTER_FINGERPRINTS[key] = _Adapter(fingerprint(path), now)
+    elif not known.changed and now != known.files:
+        known.changed = True
+        _log.warning("kvtier: LoRA adapter %s (id %d) changed on disk since "
+                      "this engine first read it: its requests are no longer cached by "
+                      "kvtier in this process (deploy a retrained adapter under a new id "
+                      "or path)", path, lora_id)
+    return None if known.changed else known.fingerprint
 
 
 _RESERVED = "\x1f"   # opens every salt this connector derives; a tenant's is escaped

@@ -284,6 +284,10 @@ class SchedulerSide:
             limit = min(limit, state.request.num_prompt_tokens)
         if limit < (state.known_blocks + 1) * self.config.tokens_per_block:
             return   # no new whole block (most requests of a decode step)
+        if getattr(state.request, "lora_request", None) is not None and \
+                request_salt(state.request, self.generation) != state.salt:
+            state.reset = True   # its adapter changed on disk: KV of either version
+            return
         full = self.pages.full_blocks(limit)
         ppb = self.pages.pages_per_block
         bad = self._bad.first(state.page_ids, full * ppb)

@@ -72,6 +72,41 @@ def test_an_adapter_retrained_in_place_gets_another_salt(tmp_path: Any) -> None:
     assert len({first, retrained, rank_changed}) == 3
 
 
+def test_an_adapter_changed_on_disk_under_a_running_engine_is_not_cached(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Same name, path and id, files replaced while the engine runs: vLLM goes on with the
+    version it loaded until its LoRA cache drops it, then reads the new files, so which
+    version computes a request is unknown. Its requests are neither loaded nor saved for the
+    rest of the process (before, the fingerprint read first was kept, and after vLLM
+    reloaded the adapter the old version's KV was served to the new: wrong tokens, found by
+    review). Other adapters are unaffected; a new process fingerprints the new files."""
+    from kvtier.connectors.vllm import salts
+
+    def make(name: str, payload: bytes) -> Any:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+        (d / "adapter_model.safetensors").write_bytes(payload)
+        return d
+
+    x, y = make("x", bytes(range(256)) * 16), make("y", bytes(range(1, 256)) * 16)
+    lx, ly = ("x", str(x), 3), ("y", str(y), 4)
+    salts._ADAPTER_FINGERPRINTS.clear()
+    first = request_salt(request("t", lx))
+    assert isinstance(first, str) and request_salt(request("t", lx)) == first
+    other = request_salt(request("t", ly))
+    (x / "adapter_model.safetensors").write_bytes(bytes(range(255, -1, -1)) * 16)
+    with caplog.at_level("WARNING", logger="kvtier.connectors.vllm"):
+        assert request_salt(request("t", lx)) is False
+        assert request_salt(request("t", lx)) is False
+    assert sum("changed on disk" in r.getMessage() for r in caplog.records) == 1
+    assert request_salt(request("t", ly)) == other
+    (x / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 16)   # put back
+    assert request_salt(request("t", lx)) is False      # still unknown which vLLM runs
+    salts._ADAPTER_FINGERPRINTS.clear()                 # a new engine process
+    assert request_salt(request("t", lx)) == first
+
+
 def test_without_an_adapter_the_tenants_salt_is_kept() -> None:
     """What engines stored before keeps its namespace."""
     assert request_salt(request("acme")) == "acme"

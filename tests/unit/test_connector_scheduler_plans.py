@@ -248,6 +248,52 @@ def test_a_request_in_flight_at_a_reset_saves_nothing_more(tmp_path: Path) -> No
         sched.shutdown()
 
 
+def test_a_request_whose_adapter_changes_on_disk_saves_nothing_more(tmp_path: Path) -> None:
+    """A LoRA request's salt names its adapter's fingerprint when it arrived; its files
+    replaced before its next save (vLLM may have reloaded them: its later KV may be the new
+    version's), that save and every later one of it are dropped, never published under the
+    old version's name. A request of an unchanged adapter saves as before."""
+    from kvtier.connectors.vllm import salts
+
+    sched = _sched(tmp_path)
+    salts._ADAPTER_FINGERPRINTS.clear()
+    try:
+        adapters = {}
+        for name in ("x", "y"):
+            d = tmp_path / name
+            d.mkdir()
+            (d / "adapter_config.json").write_text('{"r": 8}')
+            (d / "adapter_model.safetensors").write_bytes(name.encode() * 4096)
+            adapters[name] = d
+
+        def req(rid: str, adapter: str) -> Any:
+            ids = list(range(1, 2 * TPB + 2))
+            lora = NS(lora_name=adapter, lora_path=str(adapters[adapter]), lora_int_id=7)
+            return NS(request_id=rid, all_token_ids=ids, num_prompt_tokens=len(ids),
+                      num_tokens=len(ids), cache_salt=None, mm_features=None,
+                      prompt_embeds=None, lora_request=lora)
+
+        def step(computed: int, n: int) -> list[tuple[str, int]]:
+            """Both requests compute ``n`` tokens from ``computed``: the saves planned."""
+            meta = sched.build_connector_meta(NS(
+                preempted_req_ids=[], num_scheduled_tokens={"A": n, "B": n},
+                total_num_scheduled_tokens=2 * n, scheduled_new_reqs=[],
+                scheduled_cached_reqs=NS(req_ids=["A", "B"], new_block_ids=[None, None],
+                                         resumed_req_ids=set(),
+                                         num_computed_tokens=[computed, computed])))
+            return [(s.req_id, s.end_block) for s in meta.saves]
+
+        for rid, adapter, pages in (("A", "x", [1, 2, 3, 4, 5]), ("B", "y", [6, 7, 8, 9])):
+            sched.update_state_after_alloc(req(rid, adapter),
+                                           NS(get_block_ids=lambda p=pages: (p,)), 0)
+        assert step(0, TPB) == [("A", 1), ("B", 1)]
+        (adapters["x"] / "adapter_model.safetensors").write_bytes(b"z" * 4096)
+        assert step(TPB, TPB + 1) == [("B", 2)]
+    finally:
+        sched.shutdown()
+        salts._ADAPTER_FINGERPRINTS.clear()
+
+
 @pytest.mark.parametrize("role", ["kv_producer", "kv_both"])
 def test_a_producer_saves_the_prefix_it_loaded(tmp_path: Path, role: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
