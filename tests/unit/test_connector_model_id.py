@@ -46,7 +46,7 @@ def test_a_draft_models_weights_count_too(tmp_path: Any) -> None:
     another fingerprint; the target alone fingerprints as before (no draft, no change)."""
     from types import SimpleNamespace
 
-    from kvtier.connectors.vllm.config import engine_fingerprint
+    from kvtier.connectors.vllm.fingerprint import engine_fingerprint
 
     from kvtier.weights import fingerprint
 
@@ -78,7 +78,7 @@ def test_settings_that_change_the_kv_of_the_same_weights_count_too(tmp_path: Any
     LongRoPE model's ``max_model_len`` (which picks the rope factors of every token)."""
     from types import SimpleNamespace
 
-    from kvtier.connectors.vllm.config import engine_fingerprint
+    from kvtier.connectors.vllm.fingerprint import engine_fingerprint
 
     ckpt = tmp_path / "m"
     ckpt.mkdir()
@@ -125,7 +125,7 @@ def test_a_load_format_that_does_not_read_the_files_counts(tmp_path: Any) -> Non
     agree, as the files decide; any other format counts with its loader settings."""
     from types import SimpleNamespace
 
-    from kvtier.connectors.vllm.config import engine_fingerprint
+    from kvtier.connectors.vllm.fingerprint import engine_fingerprint
 
     ckpt = tmp_path / "m"
     ckpt.mkdir()
@@ -171,7 +171,7 @@ def test_a_function_given_as_hf_overrides_counts_by_what_it_does(tmp_path: Any) 
     import functools
     from types import SimpleNamespace
 
-    from kvtier.connectors.vllm.config import engine_fingerprint
+    from kvtier.connectors.vllm.fingerprint import engine_fingerprint
     from kvtier.connectors.vllm.overrides import _plain, callable_digest
     from transformers import LlamaConfig
 
