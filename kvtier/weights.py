@@ -33,7 +33,7 @@ from typing import Any
 
 import xxhash
 
-__all__ = ["WEIGHTS_MARK", "base_model_id", "checkpoint_files", "fingerprint"]
+__all__ = ["WEIGHTS_MARK", "base_model_id", "checkpoint_files", "code_digest", "fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,26 @@ def checkpoint_files(model: str) -> list[Path] | None:
                    if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file())
     configs = [path / name for name in CONFIG_FILES if (path / name).is_file()]
     return configs + files
+
+
+MAX_CODE_FILES = 256
+
+
+def code_digest(model: str) -> str | None:
+    """A digest of the Python files beside a local checkpoint's config (its names and
+    contents): the model code an engine runs with ``trust_remote_code``, which can change
+    the KV the same weights compute; None when ``model`` is not a local directory."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return None
+    h = xxhash.xxh3_128()
+    for f in sorted(p for p in path.iterdir() if p.suffix == ".py")[:MAX_CODE_FILES]:
+        h.update(f"{f.name}:".encode())
+        try:
+            h.update(f.read_bytes())
+        except OSError:
+            h.update(b":unreadable:")
+    return h.hexdigest()[:16]
 
 
 def fingerprint(model: str, *, revision: str | None = None, dtype: object = None,

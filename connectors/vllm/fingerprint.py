@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.weights import fingerprint
+from kvtier.weights import code_digest, fingerprint
 
-from .overrides import callable_digest
+from .overrides import callable_digest, plain_value
 
 # vLLM's load formats that read the weights from the checkpoint's own files, which the
 # fingerprint hashes; any other (dummy, tensorizer, ipc_cache, modelexpress, a plugin's)
@@ -35,7 +35,8 @@ def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None,
     ``max_model_len`` selects the long factors for every token; and of ``load`` (vLLM's
     ``LoadConfig``), a load format that does not read the checkpoint's files: an engine
     started with ``load_format="dummy"`` (random weights, for benchmarks) saved KV that
-    engines serving the real checkpoint loaded (found by review)."""
+    engines serving the real checkpoint loaded (found by review); and the settings that
+    load other weights or model code from the same files (``_loaded_otherwise``)."""
     overrides = model.hf_overrides
     if callable(overrides):
         # by what it does, not its name alone (overrides.py)
@@ -56,11 +57,36 @@ def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None,
     if load_format not in FILE_LOAD_FORMATS:
         settings["kvtier.load"] = [load_format, getattr(load, "model_loader_extra_config",
                                                         None), _device_type()]
+    settings.update(_loaded_otherwise(model))
     long_rope = _long_rope(model)
     if long_rope is not None:
         settings["kvtier.long_rope"] = long_rope
     return fingerprint(str(model.model), revision=model.revision, dtype=model.dtype,
                        quantization=model.quantization, overrides=settings or None)
+
+
+def _loaded_otherwise(model: Any) -> dict[str, Any]:
+    """What of a ``ModelConfig`` makes other weights or other model code of the same
+    checkpoint files, when set (found by review, each changing the KV with no change to
+    the files hashed): weights streamed from elsewhere (``model_weights``, the object
+    store URI of a runai checkpoint whose local directory holds its config only), online
+    quantization's settings (``quantization_config``: which layers, which scheme), another
+    model class (``model_class_overrides``) and, with ``trust_remote_code``, the model's
+    own Python files and ``code_revision``."""
+    out: dict[str, Any] = {}
+    uri = getattr(model, "model_weights", None)
+    if uri and str(uri) != str(model.model):
+        out["kvtier.model_weights"] = str(uri)
+    quant = getattr(model, "quantization_config", None)
+    if quant is not None:
+        out["kvtier.quantization_config"] = plain_value(quant)
+    classes = getattr(model, "model_class_overrides", None)
+    if classes:
+        out["kvtier.model_classes"] = plain_value(classes)
+    if getattr(model, "trust_remote_code", False):
+        out["kvtier.remote_code"] = [code_digest(str(model.model)),
+                                     getattr(model, "code_revision", None)]
+    return out
 
 
 def _device_type() -> str:

@@ -34,6 +34,11 @@ def callable_digest(fn: Any) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
+def plain_value(value: Any) -> Any:
+    """``value`` as JSON every process writes alike (settings given as objects)."""
+    return _plain(value, 0)
+
+
 def _describe(fn: Any, depth: int) -> Any:
     if depth > MAX_DEPTH:
         return "..."

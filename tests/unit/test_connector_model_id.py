@@ -149,6 +149,46 @@ def test_a_load_format_that_does_not_read_the_files_counts(tmp_path: Any) -> Non
     assert len({real, dummy, a, b}) == 4
 
 
+def test_settings_that_load_other_weights_or_code_from_the_same_files_count(
+        tmp_path: Any) -> None:
+    """Each of these makes other weights or other model code from the same checkpoint
+    files: weights streamed from an object store URI (``model_weights``: the local
+    directory holds the config only), online quantization's settings, another model class,
+    and with ``trust_remote_code`` the model's own Python files. Unset, the fingerprint is
+    what it was (engines keep their namespace)."""
+    from types import SimpleNamespace
+
+    from kvtier.connectors.vllm.fingerprint import engine_fingerprint
+
+    ckpt = tmp_path / "m"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"w" * 4096)
+    (ckpt / "modeling_tiny.py").write_text("SCALE = 1.0\n")
+
+    def config(**kw: Any) -> Any:
+        base: dict[str, Any] = dict(model=str(ckpt), revision=None, dtype="float32",
+                                    quantization=None, hf_overrides={}, max_model_len=4096,
+                                    hf_config_path=None, hf_text_config=None)
+        return SimpleNamespace(**{**base, **kw})
+
+    plain = engine_fingerprint(config())
+    unset: dict[str, Any] = dict(model_weights="", quantization_config=None,
+                                 model_class_overrides={}, trust_remote_code=False,
+                                 code_revision=None)
+    assert engine_fingerprint(config(**unset)) == plain
+    assert engine_fingerprint(config(model_weights=str(ckpt))) == plain   # its own files
+    uris = {engine_fingerprint(config(model_weights=f"s3://bucket/{w}")) for w in "ab"}
+    quants = {engine_fingerprint(config(quantization="fp8", quantization_config=q))
+              for q in ({"linear": "fp8"}, {"linear": "fp8", "ignore": ["lm_head"]})}
+    classes = engine_fingerprint(config(model_class_overrides={"LlamaForCausalLM": "x:Y"}))
+    code = engine_fingerprint(config(trust_remote_code=True))
+    (ckpt / "modeling_tiny.py").write_text("SCALE = 2.0\n")
+    code2 = engine_fingerprint(config(trust_remote_code=True))
+    assert len({plain, *uris, *quants, classes, code, code2}) == 8
+    assert engine_fingerprint(config()) == plain   # code counts with trust_remote_code only
+
+
 def test_a_model_id_the_daemon_would_refuse_is_refused_at_start() -> None:
     """Over 1024 characters with its namespace and weights mark, or not valid Unicode:
     every lookup and save was a refused round trip (found by review)."""
