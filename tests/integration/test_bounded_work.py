@@ -64,8 +64,11 @@ def _reply(s: socket.socket) -> dict:
     return unpack_body(s.recv(n, socket.MSG_WAITALL), 64 * MIB)
 
 
-def _closed(s: socket.socket) -> bool:
-    """Drain what the daemon sent; True once it has closed the connection."""
+def _closed(s: socket.socket, timeout: float = 10.0) -> bool:
+    """Drain what the daemon sent; True once it has closed the connection, False when it
+    sends nothing for ``timeout`` s without closing it (a daemon that never closes it must
+    fail the test, not hang the suite: found by mutation review)."""
+    s.settimeout(timeout)
     try:
         while True:
             chunk = s.recv(65536)
@@ -73,6 +76,8 @@ def _closed(s: socket.socket) -> bool:
                 return True
     except (ConnectionResetError, BrokenPipeError):
         return True
+    except TimeoutError:
+        return False
 
 
 def _stored(d: DaemonProcess, n: int = 4) -> tuple[Namespace, list[bytes], list[np.ndarray]]:
