@@ -55,8 +55,8 @@ def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None,
         settings["kvtier.hf_config"] = fingerprint(str(config_path))
     load_format = str(getattr(load, "load_format", None) or "auto").lower()
     if load_format not in FILE_LOAD_FORMATS:
-        settings["kvtier.load"] = [load_format, getattr(load, "model_loader_extra_config",
-                                                        None), _device_type()]
+        settings["kvtier.load"] = [load_format, plain_value(getattr(
+            load, "model_loader_extra_config", None)), _device_type()]
     settings.update(_loaded_otherwise(model))
     long_rope = _long_rope(model)
     if long_rope is not None:
@@ -67,12 +67,13 @@ def engine_fingerprint(model: Any, speculative: Any = None, cache: Any = None,
 
 def _loaded_otherwise(model: Any) -> dict[str, Any]:
     """What of a ``ModelConfig`` makes other weights or other model code of the same
-    checkpoint files, when set (found by review, each changing the KV with no change to
-    the files hashed): weights streamed from elsewhere (``model_weights``, the object
-    store URI of a runai checkpoint whose local directory holds its config only), online
-    quantization's settings (``quantization_config``: which layers, which scheme), another
-    model class (``model_class_overrides``) and, with ``trust_remote_code``, the model's
-    own Python files and ``code_revision``."""
+    checkpoint files, when set (read from vLLM's ``ModelConfig`` in review, not run on
+    this CPU build; each changes the KV with no change to the files hashed): weights
+    streamed from elsewhere (``model_weights``, the object store URI of a runai checkpoint
+    whose local directory holds its config only), online quantization's settings
+    (``quantization_config``: which layers, which scheme), another model class
+    (``model_class_overrides``) and, with ``trust_remote_code``, the model's own Python
+    files and ``code_revision``."""
     out: dict[str, Any] = {}
     uri = getattr(model, "model_weights", None)
     if uri and str(uri) != str(model.model):
