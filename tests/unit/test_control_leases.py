@@ -18,8 +18,6 @@ from typing import Any
 
 import pytest
 
-from kvtier.daemon.control import ControlServer
-from kvtier.daemon.limits import Limits
 from kvtier.daemon.ops import Connection
 from kvtier.errors import LimitExceeded
 from kvtier.index import BlockMeta
@@ -27,6 +25,7 @@ from kvtier.leases import LeaseKind, LeaseTable
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_mapping import ArenaMapping
+from tests.support.control import connection, request, server
 from tests.support.store import (  # noqa: F401 - fixtures
     BLOCK,
     DIGEST,
@@ -40,24 +39,6 @@ from tests.support.store import (  # noqa: F401 - fixtures
     put,
     store,
 )
-
-
-def server(store: TieredStore, arena: Arena, tmp_path: Path, **limits: Any) -> ControlServer:
-    lim = Limits(**limits)
-    return ControlServer(store, tmp_path / "kvtier.sock", max_frame=lim.max_frame,
-                         max_inflight=8, arena_path=str(arena.path), arena_size=arena.size,
-                         limits=lim)
-
-
-def connection(srv: ControlServer, conn_id: int = 1) -> Connection:
-    conn = Connection(conn_id, os.getpid(), os.getuid())
-    conn.registered(DIGEST)
-    srv.connections[conn.id] = conn
-    return conn
-
-
-def request(keys: list[bytes]) -> dict[str, Any]:
-    return {"ns": DIGEST, "layout_fp": FP, "keys": b"".join(keys)}
 
 
 @pytest.mark.parametrize("dropped", [False, True])

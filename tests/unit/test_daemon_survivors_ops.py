@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from kvtier.daemon.control import ControlServer
-from kvtier.daemon.limits import Limits
 from kvtier.daemon.ops import Connection
 from kvtier.errors import ProtocolError, UnknownNamespace
 from kvtier.keys import Namespace, block_keys
 from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena
 from kvtier.tiers.arena_mapping import ArenaMapping
+from tests.support.control import connection, request, server
 from tests.support.store import (  # noqa: F401 - fixtures
     DIGEST,
     FP,
@@ -33,24 +31,6 @@ from tests.support.store import (  # noqa: F401 - fixtures
     put,
     store,
 )
-
-
-def server(store: TieredStore, arena: Arena, tmp_path: Path, **limits: Any) -> ControlServer:
-    lim = Limits(**limits)
-    return ControlServer(store, tmp_path / "kvtier.sock", max_frame=lim.max_frame,
-                         max_inflight=8, arena_path=str(arena.path), arena_size=arena.size,
-                         limits=lim)
-
-
-def connection(srv: ControlServer) -> Connection:
-    conn = Connection(1, os.getpid(), os.getuid())
-    conn.registered(DIGEST)
-    srv.connections[conn.id] = conn
-    return conn
-
-
-def request(keys: list[bytes]) -> dict[str, Any]:
-    return {"ns": DIGEST, "layout_fp": FP, "keys": b"".join(keys)}
 
 
 async def test_a_tp_rank_must_be_below_the_tp_size(
