@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.daemon.limits import Limits
 from kvtier.daemon.prefix import PrefixProbe
-from kvtier.daemon.prefix_input import split_prompts
+from kvtier.daemon.prefix_input import MAX_PROMPTS, ModelIndex, json_prompt, split_prompts
 from kvtier.errors import LimitExceeded, ProtocolError
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
@@ -99,3 +99,68 @@ def test_negative_prompt_lengths_are_refused(as_keys: bool) -> None:
         split_prompts(None if as_keys else blob, blob if as_keys else None, [3, -1], 64)
     assert len(split_prompts(None if as_keys else blob, blob if as_keys else None,
                              [2, 0], 64)) == 2
+
+
+@pytest.mark.parametrize("doc", [
+    {"token_ids": [1, 2], "block_keys": ["00" * 16]},   # two forms at once
+    {"token_ids": [[1, 2], [3, 4]]},                      # not flat
+])
+def test_a_json_prompt_is_one_flat_form_of_whole_keys(doc: dict[str, Any]) -> None:
+    """A JSON prompt gives exactly one of ``token_ids``, ``tokens_b64`` or ``block_keys``;
+    its token ids are a flat list: anything else is a ProtocolError (a 400), not a probe
+    of something else than the router meant. Mutants that survived: two forms taken, the
+    first used (pi-given), and a nested list taken as tokens (pi-ndim)."""
+    with pytest.raises(ProtocolError):
+        json_prompt(doc)
+
+
+
+def test_the_model_index_sees_a_namespace_registered_in_an_evicted_ones_place() -> None:
+    """``ModelIndex`` rebuilds its by-model table when the registered set changed, its
+    size or the count of evictions: a namespace evicted and another registered (the same
+    size) is seen, so /v1/prefix by model id finds the new model. Mutant that survived
+    (pi-version): only the size was compared, so the old model was still named and the
+    new one was not found."""
+    old, new = Namespace("old", LAYOUT), Namespace("new", LAYOUT)
+    store = SimpleNamespace(namespaces={old.digest: SimpleNamespace(namespace=old)},
+                            namespaces_evicted=0)
+    index = ModelIndex(store)  # type: ignore[arg-type]
+    assert index.named("old", 0, 1) == [old]
+    store.namespaces = {new.digest: SimpleNamespace(namespace=new)}
+    store.namespaces_evicted = 1
+    assert index.named("new", 0, 1) == [new] and index.named("old", 0, 1) == []
+
+
+def test_a_binary_token_batchs_body_limit_is_counted_in_tokens(arena: Arena) -> None:
+    """For a binary batch cut by ``?lengths=``, the most body bytes to read is what the
+    lengths make in the body's own unit: 4 bytes a token (16 a key with
+    ``?input=keys``); a larger declared body is refused before it is read. Mutant that
+    survived (px-httplim-unit): tokens were counted at 16 bytes, so a body four times
+    what its lengths allow was read before being refused."""
+    store = TieredStore(arena)
+    store.register_namespace(LAYOUT, NS.model_id, 0, 1, None)
+    probe = PrefixProbe(store, LIMITS)
+    query = {"namespace": NS.digest.hex(), "lengths": "3,4"}
+    assert probe.http_limit("application/octet-stream", query, None) == 7 * 4
+    keys = {**query, "input": "keys"}
+    assert probe.http_limit("application/octet-stream", keys, None) == 7 * 16
+
+
+def test_a_binary_probes_query_is_checked_before_its_body(arena: Arena) -> None:
+    """What ``?lengths=`` and ``?redis=`` say is read from the query before the body:
+    ``MAX_PROMPTS`` commas name one prompt too many (LimitExceeded before a byte of the
+    body is read, whatever the lengths add up to), and ``redis=false``/``no``/``0`` each
+    skip Redis. Mutants that survived: one prompt too many let through
+    (px-lengths-commas) and only ``0`` read as no (px-redis-query)."""
+    store = TieredStore(arena)
+    store.register_namespace(LAYOUT, NS.model_id, 0, 1, None)
+    probe = PrefixProbe(store, LIMITS)
+    query = {"namespace": NS.digest.hex()}
+    with pytest.raises(LimitExceeded, match="prompts in one request"):
+        probe.http_limit("application/octet-stream",
+                         {**query, "lengths": ",".join(["0"] * (MAX_PROMPTS + 1))}, None)
+    assert probe.http_limit("application/octet-stream",
+                            {**query, "lengths": ",".join(["0"] * MAX_PROMPTS)}, None) == 0
+    for no in ("0", "false", "No"):
+        assert probe._octet_query({**query, "redis": no})[3] is False
+    assert probe._octet_query(query)[3] is True

@@ -14,10 +14,10 @@ import pytest
 
 from kvtier import codec as codecs
 from kvtier.daemon.engines import EngineReports
-from kvtier.errors import FrameError
+from kvtier.errors import ConfigError, FrameError, LeaseError, LeaseExpired
 from kvtier.frame import Codec
 from kvtier.index import BlockMeta
-from kvtier.leases import LeaseKind, LeaseTable
+from kvtier.leases import EXPIRED_IDS_PER_OWNER, LeaseKind, LeaseTable
 from kvtier.prefix import PrefixLocality, RedisProbe
 from tests.support.store import DIGEST, FP, FakeClock
 
@@ -87,3 +87,45 @@ def test_connections_that_never_reported_are_not_counted_as_engines() -> None:
     engine: dict[str, float] = {}
     reports.report(engine, {"running": 2})
     assert reports.summary([engine, {}, {}]) == {"engines": 1, "running": 2.0}
+
+
+def test_an_expired_lease_is_reported_expired_once_and_its_ids_are_bounded() -> None:
+    """A swept lease's id is remembered for its owner: the first late use of it is a
+    LeaseExpired, a second a plain LeaseError (it was used); at most
+    ``EXPIRED_IDS_PER_OWNER`` ids are kept per owner (oldest forgotten), and none once the
+    owner's connection closed. Mutants that survived: the id kept after it was reported
+    (leases-expired-once), no bound (leases-expired-bound), and a closed owner's ids kept
+    for good (leases-owner-expired-forget)."""
+    clock = FakeClock()
+    table = LeaseTable(10.0, clock)
+    leases = [table.open(LeaseKind.GET, 7, []) for _ in range(EXPIRED_IDS_PER_OWNER + 1)]
+    clock.advance(10.0)
+    assert len(table.take_expired()) == EXPIRED_IDS_PER_OWNER + 1
+    last = leases[-1].id
+    with pytest.raises(LeaseExpired):
+        table.take(7, last, LeaseKind.GET)
+    with pytest.raises(LeaseError) as second:
+        table.take(7, last, LeaseKind.GET)
+    assert not isinstance(second.value, LeaseExpired)
+    with pytest.raises(LeaseError) as forgotten:   # the oldest id, beyond the bound
+        table.take(7, leases[0].id, LeaseKind.GET)
+    assert not isinstance(forgotten.value, LeaseExpired)
+    with pytest.raises(LeaseExpired):
+        table.take(7, leases[1].id, LeaseKind.GET)
+    table.take_owner(7)
+    with pytest.raises(LeaseError) as closed:
+        table.take(7, leases[2].id, LeaseKind.GET)
+    assert not isinstance(closed.value, LeaseExpired)
+
+
+def test_a_configured_codec_whose_library_is_missing_is_refused_at_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``redis.codec`` naming a codec whose library is not installed is a ConfigError
+    when the config is read (the daemon does not start), not failed writes later; ``auto``
+    is taken. Mutant that survived (codec-config-avail): the check dropped (this machine
+    has both libraries, so no test had a codec unavailable)."""
+    monkeypatch.setattr(codecs, "available", lambda codec: False)
+    for name in ("shuffle-lz4", "shuffle-zstd"):
+        with pytest.raises(ConfigError, match="needs the"):
+            codecs.from_config(name)
+    assert codecs.from_config("auto") is None
