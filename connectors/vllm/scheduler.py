@@ -60,7 +60,8 @@ class RequestState:
     saved_any: bool = False
     save_ids: list[int] = field(default_factory=list)   # its saves since it last (re)started
     load_failed: bool = False   # a load of it failed: it recomputes, kvtier is not asked again
-    reset: bool = False   # in flight at a cache reset: kvtier neither loads nor saves it
+    reset: bool = False   # in flight at a cache reset, or its LoRA adapter changed on
+    # disk: kvtier neither loads nor saves it
 
 
 class SchedulerSide:
