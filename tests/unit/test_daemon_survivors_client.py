@@ -37,18 +37,13 @@ from kvtier.errors import (
     RequestTimeout,
 )
 from kvtier.keys import Namespace, block_keys
-from kvtier.layout import KVLayout
 from kvtier.protocol import LENGTH, pack
-from kvtier.tiers.aligned import round_up
 from kvtier.tiers.arena_mapping import ArenaMapping
 from tests.support.arena import temp_arena
 from tests.support.fake_daemon import HostileSocketDaemon
+from tests.unit.test_client_ops import BLOCK, LAYOUT, SLOT
 
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
-                  tokens_per_block=16)   # 256-byte blocks
-BLOCK = LAYOUT.block_bytes
-SLOT = round_up(BLOCK)
-NS = Namespace("test/survivors", LAYOUT)
+NS = Namespace("test/survivors", LAYOUT)   # (the 256-byte blocks of test_client_ops)
 
 
 def request(sent: Any) -> dict[str, Any]:
