@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,18 @@ class DaemonProcess:
                 arena.unlink(missing_ok=True)
                 Path(f"{arena}.presence").unlink(missing_ok=True)   # kvtier.presence
             journal_path(self.arena_path).unlink(missing_ok=True)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The daemon SIGSTOPped for the block and continued after it (also on failure):
+        what a test sends meanwhile waits in the kernel, so the daemon's loop meets it all
+        at once, however fast it would otherwise have answered each piece."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
 
     def terminate(self, timeout: float = 30.0) -> int:
         assert self.proc is not None
