@@ -52,15 +52,26 @@ def test_a_gone_pid_fires_at_once_and_an_unknown_one_after_the_grace() -> None:
         assert child.stdin is not None
         child.stdin.close()
         child.wait()   # reaped: the pid is gone
+        loop = asyncio.get_running_loop()
         fired: list[str] = []
+        fired_at: list[float] = []
         watcher = ExitWatcher(0.1)
         watcher.watch(child.pid, lambda: fired.append("gone"))
         assert fired == ["gone"]
-        watcher.watch(0, lambda: fired.append("unknown"))
-        await asyncio.sleep(0.02)
+
+        def unknown_over() -> None:
+            fired.append("unknown")
+            fired_at.append(loop.time())
+
+        watched_at = loop.time()
+        watcher.watch(0, unknown_over)
+        # not at once, and not before the grace: measured on the loop's clock, not by a
+        # short sleep (a process stalled past the 0.1 s grace during asyncio.sleep(0.02)
+        # woke with the grace timer due in the same loop pass, run before the sleeper)
         assert fired == ["gone"]
         await asyncio.sleep(0.2)
         assert fired == ["gone", "unknown"]
+        assert fired_at[0] - watched_at >= 0.1 - 0.005, fired_at[0] - watched_at
         watcher.watch(0, lambda: fired.append("never"))
         watcher.close()   # the daemon stops: nothing more is called
         await asyncio.sleep(0.2)
