@@ -108,7 +108,15 @@ def test_when_every_connection_is_busy_a_new_one_is_refused(daemon: DaemonProces
     head = (f"POST /v1/prefix{query} HTTP/1.1\r\nHost: x\r\nContent-Type: application/"
             f"octet-stream\r\nContent-Length: {4 * 4 * 131072}\r\n\r\n").encode()
     busy = [raw_http(daemon, head + b"\0" * 64) for _ in range(MAX_CONNECTIONS)]
-    time.sleep(0.3)
+    # Every handler is reading its body (busy) once all 16 bodies' first bytes are counted
+    # (on the control socket: an HTTP stats request would take a slot). A fixed 0.3 s was
+    # not enough for a daemon a loaded machine held up: a connection whose request was not
+    # handled yet counts as idle, and the new one closed it for room instead of a 503.
+    deadline = time.monotonic() + 2.5     # within the bodies' own 3 s deadline
+    with connect(daemon.socket) as c:
+        while c.stats()["http"]["body_bytes"] < MAX_CONNECTIONS * 64:
+            assert time.monotonic() < deadline, c.stats()["http"]
+            time.sleep(0.02)
     refused = raw_http(daemon)
     reply = closed_within(refused, 5)
     assert reply.startswith(b"HTTP/1.1 503") and b"too many HTTP connections" in reply
