@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -233,16 +234,20 @@ def test_http_port_in_use(tmp_path: Path) -> None:
 
 
 def test_arena_larger_than_free_shared_memory(tmp_path: Path) -> None:
-    # The daemon may reclaim our stale arenas (other data dirs' warm restarts) to make
-    # room, so ask for more than free space plus all of them.
-    shm = Path("/dev/shm")
-    ours = sum(p.stat().st_size for p in shm.glob(f"kvtier-{os.getuid()}-*")
-               if p.is_file())
-    too_big = shm_free_bytes(shm) + ours + 2**30
-    args = _args(tmp_path, "--nvme-bytes", "64MiB")
-    args[args.index("--cpu-bytes") + 1] = str(too_big)
-    line = one_line_error(run_serve(args))
-    assert "but /dev/shm has only" in line and "--cpu-bytes" in line
+    # A start short of room first reclaims the stale arenas of its shm directory. In
+    # /dev/shm itself those are other tests' warm restarts in waiting (another pytest-xdist
+    # worker's daemon between crash() and start()): this start took them away, and that
+    # test restarted cold. So the arena is asked for in a private directory on the same
+    # tmpfs (the same free space), where nothing else lives.
+    shm = Path(tempfile.mkdtemp(prefix="kvtier-test-shm-", dir="/dev/shm"))
+    try:
+        too_big = shm_free_bytes(shm) + 2**30
+        args = _args(tmp_path, "--nvme-bytes", "64MiB", "--cpu-shm-dir", str(shm))
+        args[args.index("--cpu-bytes") + 1] = str(too_big)
+        line = one_line_error(run_serve(args))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert f"but {shm} has only" in line and "--cpu-bytes" in line
     assert not (tmp_path / "data").exists()    # a refused start leaves no directories
 
 
