@@ -27,7 +27,6 @@ from kvtier.daemon.ops import Connection
 from kvtier.errors import (
     HandshakeError,
     ProtocolError,
-    StartupError,
     TrustError,
     UntrustedDaemon,
 )
@@ -43,7 +42,6 @@ from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena
 from kvtier.trust import (
     PeerCred,
-    hold_flock,
 )
 from tests.support.control import server
 from tests.support.store import arena, clock, nvme, store  # noqa: F401 - fixtures
@@ -292,24 +290,6 @@ def test_the_first_request_must_be_a_hello() -> None:
     with pytest.raises(HandshakeError, match="first request must be 'hello'"):
         asyncio.run(greeter.greet(Connection(1, os.getpid(), ME), read,
                                   None))  # type: ignore[arg-type]
-
-
-def test_a_busy_lock_closes_its_descriptor(tmp_path: Path) -> None:
-    """``hold_flock`` closes the descriptor it was given when another holds the lock (a
-    daemon refused at start does not keep the lock file open). Mutant that survived: the
-    descriptor was left open."""
-    path = tmp_path / "lock"
-    holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        hold_flock(holder, lambda: "unused")
-        fd = os.open(path, os.O_RDWR)
-        with pytest.raises(StartupError, match="held elsewhere"):
-            hold_flock(fd, lambda: "held elsewhere")
-        with pytest.raises(OSError) as err:
-            os.fstat(fd)
-        assert err.value.errno == errno.EBADF
-    finally:
-        os.close(holder)
 
 
 # -- the daemon's peer check (kvtier.daemon.control) -------------------------------------------

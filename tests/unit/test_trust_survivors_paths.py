@@ -32,6 +32,7 @@ from kvtier.trust import (
     arena_problem,
     data_dir_problem,
     dirs_on_path,
+    hold_flock,
     open_owned_file,
     owned_dir_problem,
     owned_file_problem,
@@ -177,6 +178,24 @@ def test_a_data_file_is_created_private_whatever_the_umask(tmp_path: Path,
         assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
     finally:
         os.close(fd)
+
+
+def test_a_busy_lock_closes_its_descriptor(tmp_path: Path) -> None:
+    """``hold_flock`` closes the descriptor it was given when another holds the lock (a
+    daemon refused at start does not keep the lock file open). Mutant that survived: the
+    descriptor was left open."""
+    path = tmp_path / "lock"
+    holder = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        hold_flock(holder, lambda: "unused")
+        fd = os.open(path, os.O_RDWR)
+        with pytest.raises(StartupError, match="held elsewhere"):
+            hold_flock(fd, lambda: "held elsewhere")
+        with pytest.raises(OSError) as err:
+            os.fstat(fd)
+        assert err.value.errno == errno.EBADF
+    finally:
+        os.close(holder)
 
 
 # -- the socket path ---------------------------------------------------------------------------
