@@ -39,20 +39,35 @@ def test_a_request_at_the_key_limit_lets_a_ping_through(daemon_factory) -> None:
             ("put", put), ("lookup", lambda: c.lookup(ns, keys)), ("get", get),
             ("delete", lambda: c.delete(ns, keys))]
         order: dict[str, list[str]] = {}
+        late: list[str] = []   # rounds whose ping left after the long reply came back
         for name, op in ops:
             done: list[str] = []
-            long = threading.Thread(
-                target=lambda op=op, done=done, name=name: (op(), done.append(name)))
+            finished: list[float] = []
+
+            def run(op: Callable[[], object] = op, done: list[str] = done,
+                    finished: list[float] = finished, name: str = name) -> None:
+                op()
+                finished.append(time.perf_counter())
+                done.append(name)
+
+            long = threading.Thread(target=run)
             start = time.perf_counter()
             long.start()
             time.sleep(0.003)   # the long request is sent and running in the daemon
+            sent = time.perf_counter()
             other.ping()
             done.append("ping")
             long.join(30)
-            order[name] = done
+            if finished and finished[0] < sent:
+                # this process stalled longer than the whole request (a loaded CI box):
+                # the ping was never in the daemon beside it, and this round tells nothing
+                late.append(name)
+            else:
+                order[name] = done
             print(f"{name}: {(time.perf_counter() - start) * 1e3:.0f} ms, replies {done}")
             time.sleep(0.3)   # the request's own background work (journal, learning) ends
-        assert order == {name: ["ping", name] for name, _ in ops}
+        assert len(late) <= 1, f"the test stalled past the long request in {late}"
+        assert order == {name: ["ping", name] for name, _ in ops if name not in late}
         assert c.lookup(ns, keys).hits == 0   # the delete removed every block
     loop = d.stats()["daemon"]["loop"]   # the lag monitor ran all along (its histogram:
     assert loop["lag_ticks"] > 0 and loop["lag_worst_s"] >= 0.0   # test_prometheus_dashboard)
