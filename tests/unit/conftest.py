@@ -40,3 +40,14 @@ def _no_processes(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(os, "fork", refuse)
     monkeypatch.setattr(os, "posix_spawn", refuse)
     yield
+
+
+@pytest.fixture
+def no_umask() -> Iterator[None]:
+    """A umask of 0 for the test: files a module creates get the modes it asks for, so a
+    test can tell a private mode asked for from one the umask happened to give."""
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)

@@ -10,7 +10,6 @@ import fcntl
 import os
 import secrets
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +29,6 @@ from kvtier.tiers.nvme import probe
 from kvtier.tiers.nvme.probe import choose_direct
 
 ME = os.getuid()
-
-
-@pytest.fixture
-def no_umask() -> Iterator[None]:
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 # -- the presence filter (kvtier.presence) -----------------------------------------------------
@@ -167,15 +157,20 @@ def test_mappings_of_one_file_at_two_sizes_are_not_shared(tmp_path: Path) -> Non
         large.close()
 
 
+def _arena_4k(tmp_path: Path) -> ArenaMapping:
+    """A private 4 KiB arena file, mapped."""
+    arena = tmp_path / "arena"
+    arena.write_bytes(bytes(4096))
+    os.chmod(arena, 0o600)
+    return ArenaMapping(str(arena), 4096)
+
+
 @pytest.mark.parametrize(("offset", "nbytes"), [(-1, 1), (4096 - 10, 11), (4096, 1)])
 def test_a_view_outside_the_arena_is_refused(tmp_path: Path, offset: int, nbytes: int) -> None:
     """A slot that starts before the arena or ends past it is a ProtocolError, not a
     shorter slice (or one counted from the end). Mutants that survived: a negative offset
     passed; the end compared one byte late."""
-    arena = tmp_path / "arena"
-    arena.write_bytes(bytes(4096))
-    os.chmod(arena, 0o600)
-    m = ArenaMapping(str(arena), 4096)
+    m = _arena_4k(tmp_path)
     try:
         with pytest.raises(ProtocolError, match="outside the arena"):
             m.view(offset, nbytes, writable=False)
@@ -190,10 +185,7 @@ def test_a_view_at_an_offset_that_is_not_an_int_is_refused(tmp_path: Path,
     """A slot offset from a reply must be an int: anything else is a ProtocolError, not a
     TypeError from the slice (or a slice of another meaning). Mutant that survived: the
     offset's type was not checked."""
-    arena = tmp_path / "arena"
-    arena.write_bytes(bytes(4096))
-    os.chmod(arena, 0o600)
-    m = ArenaMapping(str(arena), 4096)
+    m = _arena_4k(tmp_path)
     try:
         with pytest.raises(ProtocolError, match="outside the arena"):
             m.view(offset, 16, writable=False)  # type: ignore[arg-type]

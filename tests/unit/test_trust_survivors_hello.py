@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the fixtures of tests/support/store.py are imported by name)
 """Survivors of the trust-boundary mutation round, part 2 of 3: the hello on both sides
 (``kvtier.handshake``, ``kvtier.daemon.greeting``), the client's trusted uids and the
 daemon's peer check (``kvtier.daemon.control``), on real Unix sockets in this process.
@@ -44,7 +43,6 @@ from kvtier.trust import (
     PeerCred,
 )
 from tests.support.control import server
-from tests.support.store import arena, clock, nvme, store  # noqa: F401 - fixtures
 
 ME = os.getuid()
 

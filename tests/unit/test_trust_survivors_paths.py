@@ -10,7 +10,6 @@ import errno
 import os
 import socket
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,15 +45,6 @@ USER = 1000 if ME == 0 else ME   # a daemon's uid that is not root's
 def st(kind: int, mode: int, uid: int, size: int = 0, nlink: int = 1) -> os.stat_result:
     """A stat result: ``kind`` (stat.S_IFDIR, ...) | ``mode``, owned by ``uid``."""
     return os.stat_result((kind | mode, 1, 1, nlink, uid, 0, size, 0, 0, 0))
-
-
-@pytest.fixture
-def no_umask() -> Iterator[None]:
-    old = os.umask(0)
-    try:
-        yield
-    finally:
-        os.umask(old)
 
 
 # -- pure rules --------------------------------------------------------------------------------
