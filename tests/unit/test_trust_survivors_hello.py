@@ -265,29 +265,29 @@ def test_a_presence_filter_that_cannot_be_opened_is_not_announced(tmp_path: Path
             os.close(fd)
 
 
+def _greet_first(request: dict[str, Any]) -> None:
+    """A greeter (arena never opened) given ``request`` as a connection's first."""
+    async def read() -> dict[str, Any]:
+        return request
+
+    greeter = Greeter(arena={"path": "/nonexistent", "size": 4096})
+    asyncio.run(greeter.greet(Connection(1, os.getpid(), ME), read,
+                              None))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("version", [True, 1.0, "1"], ids=["bool", "float", "str"])
 def test_a_hello_version_must_be_an_int(version: object) -> None:
     """The hello's version is an int of the supported ones: ``True`` (which equals 1) and
     other look-alikes are refused. Mutant that survived: ``True`` was taken for 1."""
-    async def read() -> dict[str, Any]:
-        return {"op": "hello", "version": version, "id": 1}
-
-    greeter = Greeter(arena={"path": "/nonexistent", "size": 4096})
     with pytest.raises(HandshakeError, match="not supported"):
-        asyncio.run(greeter.greet(Connection(1, os.getpid(), ME), read,
-                                  None))  # type: ignore[arg-type]
+        _greet_first({"op": "hello", "version": version, "id": 1})
 
 
 def test_the_first_request_must_be_a_hello() -> None:
     """Any other first request is a HandshakeError: nothing is served before the hello.
     Mutant that survived: any op was greeted as a hello."""
-    async def read() -> dict[str, Any]:
-        return {"op": "stats", "version": PROTOCOL_VERSION, "id": 1}
-
-    greeter = Greeter(arena={"path": "/nonexistent", "size": 4096})
     with pytest.raises(HandshakeError, match="first request must be 'hello'"):
-        asyncio.run(greeter.greet(Connection(1, os.getpid(), ME), read,
-                                  None))  # type: ignore[arg-type]
+        _greet_first({"op": "stats", "version": PROTOCOL_VERSION, "id": 1})
 
 
 # -- the daemon's peer check (kvtier.daemon.control) -------------------------------------------
