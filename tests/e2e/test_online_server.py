@@ -47,6 +47,7 @@ pytestmark = pytest.mark.e2e
 MODEL = "tiny-online"
 START_TIMEOUT_S = 240
 SETTLE_S = 30            # deadline for what the server and the daemon do after a reply
+MAX_MODEL_LEN = 4096     # the tiny model's max_position_embeddings
 MAX_TOKENS = 12
 PREFIX = 4 * TOKENS_PER_BLOCK                # shared by every prompt: 4 kvtier blocks
 SUFFIX = 100                                 # each prompt's own tail
@@ -121,9 +122,10 @@ class Server:
                 "--model", str(model), "--served-model-name", MODEL,
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
-                "--max-model-len", "4096", "--seed", "0", "--enable-prefix-caching",
+                "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",
-                "--disable-access-log-for-endpoints", "/health,/metrics",
+                "--enable-server-load-tracking",         # /load: requests the API server holds
+                "--disable-access-log-for-endpoints", "/health,/metrics,/load",
                 "--kv-transfer-config", json.dumps(transfer)]
         env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "1",   # the engine core in its own process
@@ -194,6 +196,13 @@ class Server:
         """vLLM's running and waiting requests."""
         m = self.metrics()
         return m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]
+
+    def in_flight(self) -> int:
+        """The chats the API server is still handling (``/load``: a stream counts until
+        it ended, or until its disconnect was seen and the request aborted)."""
+        status, body = self.request("GET", "/load")
+        assert status == 200, f"/load: {status}\n{self.tail()}"
+        return int(json.loads(body)["server_load"])
 
     def reset_prefix_cache(self) -> None:
         """vLLM's own prefix cache only (not the connector's: that would change the
@@ -333,25 +342,13 @@ def test_a_cache_salt_shares_nothing(server: Server, daemon: DaemonProcess,
 
 def test_clients_disconnecting_mid_stream_leave_nothing_held(
         server: Server, daemon: DaemonProcess, first_wave: list[Chat]) -> None:
-    generated0 = server.metrics()["vllm:generation_tokens_total"]
     # a long decode, dropped after a few tokens
-    conn, resp = server.open_chat(PROMPTS[1], max_tokens=LONG)
-    seen = 0
-    for event in events(resp):
-        assert event is not None, "the long stream ended before the disconnect"
-        seen += sum(len(c.get("token_ids") or []) for c in event.get("choices") or [])
-        if seen >= 3:
-            break
-    drop(conn)
+    seen, generated = drop_until_aborted(server, PROMPTS[1], read=3)
+    assert seen <= generated < LONG, (seen, generated, server.tail())
     # one dropped before its first token (its prompt to be loaded from kvtier)
-    server.reset_prefix_cache()
-    drop(server.open_chat(PROMPTS[2], max_tokens=LONG)[0])
+    _, generated = drop_until_aborted(server, PROMPTS[2], read=0, reset=True)
+    assert generated < LONG, (generated, server.tail())
 
-    poll("requests running or waiting", server.requests_in_engine, lambda r: r == (0, 0),
-         tail=server.tail)
-    # both ended long before their max_tokens: vLLM aborted them on the disconnects
-    generated = server.metrics()["vllm:generation_tokens_total"] - generated0
-    assert seen <= generated < LONG, (generated, server.tail())
     # the pages of the aborted requests are free (a delayed free never reported keeps
     # them), and so are the daemon's leases
     poll("vLLM's KV cache usage", lambda: server.metrics()["vllm:kv_cache_usage_perc"],
@@ -369,7 +366,65 @@ def test_clients_disconnecting_mid_stream_leave_nothing_held(
         assert chat.cached == FULL_BLOCKS_TOKENS, (i, chat.cached, server.tail())
 
 
-LONG = 2000   # max_tokens of the requests dropped mid-stream (never reached)
+# max_tokens of the requests dropped mid-stream: all the context left after the prompt
+# (vLLM clamps to it), so that a run to the end takes the longest (~30 s on 2 CPUs) and is
+# least likely to beat the disconnect
+LONG = MAX_MODEL_LEN - (PREFIX + SUFFIX)
+DROP_TRIES = 3       # drops of a request until vLLM is seen to abort one
+RUN_OUT_S = 180      # deadline for the API server to be done with a dropped request,
+                     # a run to LONG included
+
+
+def finished_requests(metrics: dict[str, float]) -> float:
+    """The requests vLLM finished, whatever their ``finished_reason``: a request a client
+    aborts is counted under none (``OutputProcessor.abort_requests`` drops its state
+    before any stats; ``finished_reason="abort"`` counts only aborts the engine core
+    reports itself)."""
+    return sum(v for k, v in metrics.items() if k.startswith("vllm:request_success_total"))
+
+
+def drop_until_aborted(server: Server, ids: list[int], read: int,
+                       reset: bool = False) -> tuple[int, int]:
+    """A streaming chat of ``ids`` with max_tokens=LONG, dropped once ``read`` of its
+    tokens are seen (at once for 0), then waited out of vLLM: ``(tokens seen, tokens
+    generated)`` once vLLM aborted it on the disconnect, i.e. it left the engine with no
+    request finished (``vllm:request_success_total`` unchanged) and short of LONG.
+
+    vLLM's API server notices a disconnect on its event loop (starlette's
+    ``StreamingResponse.listen_for_disconnect``, then ``AsyncLLM.abort``) while the
+    engine core, a process of its own, decodes on: on a loaded CPU the API server can be
+    starved long enough that the engine runs the request to max_tokens first, and that
+    run proves nothing about an abort. So such a run is dropped again, DROP_TRIES times
+    in all, and a failure after them says that vLLM never aborted. ``reset`` resets
+    vLLM's prefix cache before each drop (the prompt is then loaded from kvtier)."""
+    runs: list[tuple[int, float, float]] = []
+    for _ in range(DROP_TRIES):
+        if reset:
+            server.reset_prefix_cache()
+        before = server.metrics()
+        conn, resp = server.open_chat(ids, max_tokens=LONG)
+        seen = 0
+        if read:
+            for event in events(resp):
+                assert event is not None, "the long stream ended before the disconnect"
+                seen += sum(len(c.get("token_ids") or []) for c in event.get("choices") or [])
+                if seen >= read:
+                    break
+        drop(conn)
+        # the API server is done with it (aborted, or streamed to its end), and then so
+        # is the engine (its running gauge alone may be one not yet counting the request)
+        poll("chats in flight in the API server", server.in_flight, lambda n: n == 0,
+             timeout=RUN_OUT_S, tail=server.tail)
+        poll("requests running or waiting", server.requests_in_engine,
+             lambda r: r == (0, 0), tail=server.tail)
+        after = server.metrics()
+        finished = finished_requests(after) - finished_requests(before)
+        generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+        if finished == 0 and generated < LONG:
+            return seen, int(generated)
+        runs.append((seen, finished, generated))   # run to its end: not an abort
+    raise AssertionError(f"vLLM never aborted a dropped request (seen, finished, generated "
+                         f"of each drop): {runs}\n{server.tail()}")
 
 
 def drop(conn: http.client.HTTPConnection) -> None:
