@@ -120,13 +120,34 @@ class DaemonProcess:
     def paused(self) -> Iterator[None]:
         """The daemon SIGSTOPped for the block and continued after it (also on failure):
         what a test sends meanwhile waits in the kernel, so the daemon's loop meets it all
-        at once, however fast it would otherwise have answered each piece."""
+        at once, however fast it would otherwise have answered each piece. The block
+        starts once every thread of the daemon is stopped: SIGSTOP takes effect when the
+        kernel next schedules each, and a daemon waiting for a CPU (a loaded machine)
+        could otherwise still take the first of what is sent in a select of its own."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
         try:
+            self._wait_stopped()
             yield
         finally:
             self.proc.send_signal(signal.SIGCONT)
+
+    def _wait_stopped(self, timeout: float = 5.0) -> None:
+        """Until every thread of the daemon is in the stopped state (``T`` in its
+        /proc stat)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            states = []
+            for stat in Path(f"/proc/{self.proc.pid}/task").glob("*/stat"):
+                try:
+                    states.append(stat.read_text().rpartition(")")[2].split()[0])
+                except (OSError, IndexError):   # a thread that just exited
+                    continue
+            if states and all(state == "T" for state in states):
+                return
+            assert time.monotonic() < deadline, f"the daemon did not stop: {states}"
+            time.sleep(0.001)
 
     def terminate(self, timeout: float = 30.0) -> int:
         assert self.proc is not None
