@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from .badpages import BadPages
+from .mapping import NULL_PAGE
 from .metadata import KVTierConnectorMetadata
 from .pieces import FAILED_STEPS_KEPT
 
@@ -100,3 +101,14 @@ class PageOutcomes:
         if failed and self._stale_sent:
             failed -= set().union(*self._stale_sent)
         return failed
+
+    def not_loaded(self, page_ids: Sequence[int], first_block: int, end_block: int) -> None:
+        """A load vLLM accepted for kvtier blocks ``[.., end_block)`` of a request holding
+        ``page_ids`` has no whole row of real pages from ``first_block`` on (fewer pages, or
+        a window's null page; not with full attention), so it stops short: the pages it
+        holds there are bad, and are reported as load errors once the request counts them
+        computed (``report_stale``), so vLLM recomputes them and no save includes them."""
+        ppb = self.pages_per_block
+        held = [p for p in page_ids[first_block * ppb:end_block * ppb] if p != NULL_PAGE]
+        if held:
+            self.bad.failed(page_ids, {held[0]})

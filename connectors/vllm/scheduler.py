@@ -180,12 +180,15 @@ class SchedulerSide:
         if num_external_tokens <= 0 or span is None:
             return
         rows = self.pages.block_pages(state.page_ids, span.first_block, span.end_block)
-        if len(rows) != span.end_block - span.first_block:
-            # vLLM allocated fewer pages than promised; load nothing, report the tail as
-            # failed so the scheduler recomputes it (cannot happen with full attention).
-            logger.warning("kvtier: request %s has %d pages for a %d-block load",
-                           req_id, len(state.page_ids), span.end_block)
-        tokens = np.asarray(request.all_token_ids[: span.end_block * self.config.tokens_per_block],
+        end_block = span.first_block + len(rows)
+        if end_block != span.end_block:   # (not with full attention: outcomes.not_loaded)
+            logger.warning("kvtier: request %s has %d pages for a %d-block load: blocks "
+                           "from %d recomputed", req_id, len(state.page_ids), span.end_block,
+                           end_block)
+            self.outcomes.not_loaded(state.page_ids, end_block, span.end_block)
+            if not rows:
+                return
+        tokens = np.asarray(request.all_token_ids[: end_block * self.config.tokens_per_block],
                             dtype=np.uint32)
         spec = TransferSpec(req_id, state.salt, tokens, span.first_block, rows, span.skip_pages)
         # an older load into its fresh pages (this request's alone) is over: its request
@@ -198,11 +201,13 @@ class SchedulerSide:
         state.load = spec
         self._load_pages.add(req_id, spec.page_ids)
         if not self.config.producer:
-            state.known_blocks = max(state.known_blocks, span.end_block)
+            state.known_blocks = max(state.known_blocks, end_block)
         # a producer saves the loaded prefix too: its put skips the blocks the daemon has
         # (no copy) and its synchronous commit makes the whole chain visible in Redis
         self._pending_loads.append(spec)
-        self.hit_tokens += num_external_tokens
+        tpb, page = self.config.tokens_per_block, self.pages.block_size
+        self.hit_tokens += min(num_external_tokens,
+                               (end_block - span.first_block) * tpb - span.skip_pages * page)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
         """This step's loads (planned at allocation) and saves (blocks completed by it)."""
