@@ -100,10 +100,10 @@ def _device_type() -> str:
     return str(getattr(current_platform, "device_type", "unknown"))
 
 
-def _long_rope(model: Any) -> bool | None:
+def _long_rope(model: Any) -> bool | str | None:
     """For a LongRoPE model, whether vLLM uses the long factors (``max_model_len`` beyond
     the original context): the rotary embedding of every token, so the KV, depends on it.
-    None for any other rope."""
+    ``"unknown"`` when the lengths cannot be read; None for any other rope."""
     cfg = getattr(model, "hf_text_config", None)
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
     if not isinstance(params, Mapping) or \
@@ -113,5 +113,7 @@ def _long_rope(model: Any) -> bool | None:
                           getattr(cfg, "original_max_position_embeddings", None))
     max_len = getattr(model, "max_model_len", None)
     if not isinstance(original, int) or not isinstance(max_len, int):
-        return True   # undecidable here: its own namespace, never another's KV
+        # undecidable here: a namespace of its own, neither the long factors' nor the
+        # short ones' (True shared the long factors' namespace: found by review)
+        return "unknown"
     return max_len > original

@@ -157,7 +157,7 @@ def _model(ckpt: Path, **kw: Any) -> Any:
 def test_quantization_and_an_undecidable_longrope_count(tmp_path: Path) -> None:
     """The same checkpoint quantized on load (awq) computes other KV: another fingerprint.
     A LongRoPE model whose lengths cannot be read is never the namespace of the same
-    checkpoint without the rope setting (nor of its short factors)."""
+    checkpoint without the rope setting, nor of its short factors or its long ones."""
     ckpt = tmp_path / "m"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
@@ -171,3 +171,6 @@ def test_quantization_and_an_undecidable_longrope_count(tmp_path: Path) -> None:
     unknown = engine_fingerprint(_model(ckpt, hf_text_config=rope))
     assert unknown != plain
     assert unknown != engine_fingerprint(_model(ckpt, hf_text_config=short))
+    long = NS(rope_parameters={"rope_type": "longrope", "short_factor": [1.0],
+                               "long_factor": [4.0], "original_max_position_embeddings": 1024})
+    assert unknown != engine_fingerprint(_model(ckpt, hf_text_config=long))
