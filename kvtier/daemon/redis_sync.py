@@ -21,6 +21,7 @@ after it do not.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,12 +74,14 @@ class RedisSync:
                    timeout_s: float, since: float) -> SyncResult:
         """``chain``: every key of the put; ``fresh``: the blocks this commit stored;
         ``since``: when the commit began (``time.monotonic()``): a write of a chain key that
-        ended since then confirms it without asking Redis."""
+        ended since then confirms it without asking Redis, and the bound of ``timeout_s``
+        counts from it (the commit's wait for room in the write queue spent part of it)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         progress = _Progress()
+        left = min(max(timeout_s, 0.0), MAX_SYNC_S) - (time.monotonic() - since)
         try:
-            async with asyncio.timeout(min(max(timeout_s, 0.0), MAX_SYNC_S)):
+            async with asyncio.timeout(max(left, 0.0)):
                 result = await self._sync(digest, chain, fresh, since, progress)
         except TimeoutError:
             result = SyncResult(progress.visible, False, "timeout")
