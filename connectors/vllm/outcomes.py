@@ -107,7 +107,9 @@ class PageOutcomes:
         ``page_ids`` has no whole row of real pages from ``first_block`` on (fewer pages, or
         a window's null page; not with full attention), so it stops short: the pages it
         holds there are bad, and are reported as load errors once the request counts them
-        computed (``report_stale``), so vLLM recomputes them and no save includes them."""
+        computed (``report_stale``), so vLLM recomputes them and no save includes them.
+        (Under vLLM's async scheduling stale reports are off: the pages stay out of saves,
+        but vLLM is not told; a geometry that could get here is refused before that.)"""
         ppb = self.pages_per_block
         held = [p for p in page_ids[first_block * ppb:end_block * ppb] if p != NULL_PAGE]
         if held:
