@@ -198,12 +198,18 @@ def test_binary_bodies_are_bounded_and_stalled_ones_dropped_fast(
     router = b"\1\0\0\0" * 32768
     status, reply, _ = post(d, router, OCTET, "?model_id=m")
     assert status == 200 and reply["prompt_blocks"] == 2048
+    codes = []
     for h in stalled:
         got = b""
         while chunk := h.recv(4096):
             got += chunk
         h.close()
-        assert got.startswith(b"HTTP/1.1 408"), got[:100]
+        codes.append(got[9:12])
+    # 8 bodies of 2 MiB share a budget of 4 (4 x max_body): a body still waiting for room
+    # at its deadline was held back by the daemon, not the client, and is told to retry
+    # (503); one that had its room was stalled by its client (408). The oldest holder never
+    # waits, so at least one is a 408; which others are depends on the loop's turns.
+    assert set(codes) <= {b"408", b"503"} and b"408" in codes, codes
     # each had 1 s + 2 MiB at 1 MiB/s = 3 s; read_timeout_s is 60
     assert time.monotonic() - t0 < 20
     assert d.stats()["http"]["body_bytes"] == 0
