@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -9,6 +13,14 @@ from typing import Any
 import pytest
 
 from tests.support.daemon import DaemonProcess
+
+# vLLM names its ZMQ sockets ipc://<VLLM_RPC_BASE_PATH>/<uuid4> (tempfile.gettempdir() by
+# default) and leaves them behind when its processes are stopped: a suite run left dozens in
+# /tmp. The engines the tests start (in process or as servers) put them in a directory of
+# this run's, removed when the worker exits.
+_VLLM_IPC = tempfile.mkdtemp(prefix="kvtier-test-ipc-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_IPC)
+atexit.register(shutil.rmtree, _VLLM_IPC, True)
 
 
 @pytest.fixture
