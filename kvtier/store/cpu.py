@@ -79,7 +79,10 @@ class CpuResidency:
                 self.policy.set_pinned(meta.key, True)
 
     def unpin(self, metas: list[BlockMeta]) -> None:
-        for meta in metas:
+        """Give back read-locks, a chain's tail first (``metas`` head first): the head
+        re-enters a recency policy as the most recent block (``touch_chain``'s rule;
+        unpinned head first, LRU evicted the head and made its chain unreachable)."""
+        for meta in reversed(metas):
             meta.readers -= 1
             if meta.readers == 0 and meta.in_cpu:
                 self.policy.set_pinned(meta.key, meta.cpu_pinned)

@@ -209,8 +209,11 @@ class HbmPlacement:
         self.policy.set_pinned(entry.key, True)
 
     def release(self, entries: list[HbmEntry]) -> None:
-        """Give back the read-locks of a get lease (released, expired or owner gone)."""
-        for entry in entries:
+        """Give back the read-locks of a get lease (released, expired or owner gone), a
+        chain's tail first (``entries`` head first): the head re-enters a recency policy
+        as the most recent block, so the chain is shortened from its tail (``touch_chain``).
+        """
+        for entry in reversed(entries):
             entry.readers -= 1
             if entry.readers == 0 and self.entries.get(entry.key) is entry:
                 self.policy.set_pinned(entry.key, False)

@@ -125,7 +125,7 @@ class LeaseKeeper:
         unpinned a piece at a time (kvtier.store.slices): still pinned during a pause."""
         self._release_hbm(lease)
         turn = Turn()
-        for part in slices(lease.metas, RELEASE_PIECE):
+        for part in reversed(list(slices(lease.metas, RELEASE_PIECE))):   # tail first
             if turn.over():
                 await turn.pause()
             self.cpu.unpin(list(part))
