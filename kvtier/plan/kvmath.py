@@ -26,7 +26,6 @@ from kvtier.plan.errors import PlanError
 from kvtier.plan.indexer import indexer_bytes
 from kvtier.plan.layers import NO_KV
 from kvtier.plan.model import AttentionKind, ModelSpec
-from kvtier.plan.quant import FP8_METHODS
 
 #: Bytes per element of the dtypes ``--kv-dtype`` and ``--weights-dtype`` accept. nvfp4
 #: KV (vLLM's packed layout: head/2 bytes of 4-bit values + head/16 fp8 scales) is 9/16.
@@ -61,14 +60,15 @@ def normalize_dtype(name: str, allowed: tuple[str, ...] = tuple(DTYPE_BYTES),
 
 
 def serving_dtype(model: ModelSpec) -> str:
-    """The dtype an engine serves the unquantized weights in (vLLM's ``--dtype auto``).
+    """The dtype an engine serves the weights no quantization narrows in (vLLM's ``--dtype
+    auto``): the checkpoint's 16-bit dtype; fp32 and fp8 ones are served in bf16.
 
-    fp8-quantized checkpoints stay fp8; fp32 checkpoints are served in bf16.
+    A quantization narrows only the layers it quantizes (kvtier.plan.quant): vLLM's fp8
+    methods quantize linear layers and experts, and leave the embeddings, the LM head and
+    the norms at this dtype.
     """
-    if model.quantization is not None and model.quantization.method in FP8_METHODS:
-        return "fp8"
     dtype = normalize_dtype(model.torch_dtype) if model.torch_dtype else "bf16"
-    return "bf16" if dtype == "fp32" else dtype
+    return dtype if dtype in ("fp16", "bf16") else "bf16"
 
 
 def kv_width(model: ModelSpec, layer: int = 0) -> int:
@@ -201,7 +201,7 @@ class WeightsFormat:
 
     @property
     def uniform(self) -> bool:
-        """Every part at the same width (no quantization, fp8, or ``--weights-dtype``)."""
+        """Every part at the same width (no quantization, or ``--weights-dtype``)."""
         return self.embed_bytes == self.dense_bytes == self.expert_bytes
 
 
@@ -218,7 +218,7 @@ def weights_format(model: ModelSpec, dtype: str | None = None) -> WeightsFormat:
         return _uniform(normalize_dtype(dtype, WEIGHT_DTYPES, "--weights-dtype"))
     base = serving_dtype(model)
     q = model.quantization
-    if q is None or base == "fp8":
+    if q is None:
         return _uniform(base)
     if q.problem:
         raise PlanError(q.problem)

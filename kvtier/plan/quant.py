@@ -24,7 +24,7 @@ BNB_BLOCK = 64
 whose own fp32 scale covers 256 blocks)."""
 _AWQ_GPTQ = frozenset({"awq", "awq_marlin", "gptq", "gptq_marlin", "marlin"})
 FP8_METHODS = frozenset({"fp8", "fbgemm_fp8"})
-"""Methods that store every weight in one byte."""
+"""Methods that store the linear layers' and experts' weights in one byte."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +138,9 @@ def read_quantization(cfg: dict[str, Any], source: str) -> Quantization | None:
         return _unknown("?", source, f"has no quant_method ({brief(raw)})")
     method = raw.strip().lower()
     if method in FP8_METHODS:
-        return Quantization(method, "fp8", linear_bits=8.0, expert_bits=8.0, embed_bits=8.0)
+        # vLLM's Fp8Config quantizes LinearBase layers and experts only: the vocabulary
+        # embedding and the LM head keep the checkpoint's 16-bit dtype
+        return Quantization(method, "fp8", linear_bits=8.0, expert_bits=8.0)
     if method in _AWQ_GPTQ:
         return _awq_gptq(method, q, source)
     if method == "bitsandbytes":
