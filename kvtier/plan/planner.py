@@ -295,9 +295,10 @@ def _tiers(p: PlanInput, spill: int, hbm_pool: int, per_token: int,
 
 
 def _weights_note(p: PlanInput, weights: int, weights_gpu: int) -> str:
-    """Weights that do not fit: the smallest TP that holds them and shards the heads."""
+    """Weights that do not fit: the smallest TP that holds them with room left for KV
+    (weights that fill a GPU exactly leave none) and shards the heads."""
     room = p.gpu.memory_bytes * p.mem_util - p.reserve_bytes
-    need = max(1, math.ceil(weights / room)) if room > 0 else None
+    need = math.floor(weights / room) + 1 if room > 0 else None
     fit = None if need is None else next(
         (t for t in range(need, p.model.num_attention_heads + 1) if _shards(p.model, t)), None)
     advice = (f"use TP {fit} (the smallest TP that holds them and shards the heads) or a "
