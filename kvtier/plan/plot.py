@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvtier.plan.connector_fit import as_the_connector_runs
 from kvtier.plan.errors import PlanError
 from kvtier.plan.kvmath import kv_bytes_per_sequence
 from kvtier.plan.planner import Plan
+
+STEPS = 200   # points of the demand curve
 
 
 def check_plot_path(name: str) -> Path:
@@ -30,6 +33,20 @@ def check_plot_path(name: str) -> Path:
     return path
 
 
+def plot_series(plan: Plan) -> tuple[list[int], list[float], float]:
+    """The plot's numbers, in GB, as the report counts them: the KV of ``concurrency``
+    sequences per context length (of the model as the connector runs it) and the HBM KV
+    pool, each token counted once. (The pool was drawn as every GPU's KV room, 8 times
+    the real pool for an MLA model at TP 8, where every rank holds the whole latent.)"""
+    p = plan.inputs
+    runs = as_the_connector_runs(p.model)
+    top = max(plan.sequence_tokens["p99"] * 5 // 4, 1024)
+    xs = [max(1, top * i // STEPS) for i in range(STEPS + 1)]
+    ys = [p.concurrency * kv_bytes_per_sequence(runs, p.kv_dtype, x, p.block_tokens) / 1e9
+          for x in xs]
+    return xs, ys, plan.kv_pool_bytes / 1e9
+
+
 def write_plot(plan: Plan, path: str | Path) -> Path:
     """Draw the deployment's KV demand per context length and its HBM KV budget."""
     try:
@@ -41,16 +58,11 @@ def write_plot(plan: Plan, path: str | Path) -> Path:
         raise PlanError("--plot needs matplotlib: pip install 'kvtier[plot]' "
                         "(or pip install matplotlib)") from exc
     p = plan.inputs
-    top = max(plan.sequence_tokens["p99"] * 5 // 4, 1024)
-    steps = 200
-    xs = [max(1, top * i // steps) for i in range(steps + 1)]
-    ys = [p.concurrency * kv_bytes_per_sequence(p.model, p.kv_dtype, x, p.block_tokens) / 1e9
-          for x in xs]
-    budget = plan.kv_budget_bytes_per_gpu * p.gpus / 1e9
+    xs, ys, pool = plot_series(plan)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     ax.plot(xs, ys, label=f"KV of {p.concurrency} sequences ({p.kv_dtype})")
-    ax.axhline(budget, color="tab:red", linestyle="--",
-               label=f"HBM left for KV: {budget:,.1f} GB on {p.gpus} GPU(s)")
+    ax.axhline(pool, color="tab:red", linestyle="--",
+               label=f"HBM KV pool: {pool:,.1f} GB on {p.gpus} GPU(s)")
     for name, tokens in plan.sequence_tokens.items():
         ax.axvline(tokens, color="grey", linestyle=":", linewidth=1)
         ax.annotate(name.upper(), (tokens, ax.get_ylim()[1] * 0.95), rotation=90,
