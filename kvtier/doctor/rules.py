@@ -270,8 +270,11 @@ def agent_chain_ttft(s: Signals, t: Thresholds) -> Finding | None:
 
 
 def sized_below_p99(s: Signals, t: Thresholds) -> Finding | None:
-    """8: KV fills up under a steady workload: the pool is sized below the P99 demand."""
-    if s.kv_usage_last is None or s.kv_usage_last < t.kv_full or _prompt_shift(s, t):
+    """8: KV fills up under a steady workload: the pool is sized below the P99 demand.
+    Not beside pattern 1, which a full kvtier tier's failures fire without a prompt shift
+    (one cause, one finding)."""
+    if s.kv_usage_last is None or s.kv_usage_last < t.kv_full or _prompt_shift(s, t) \
+            or long_prompts_kv_full(s, t) is not None:
         return None
     evidence = [f"KV cache usage {_pct(s.kv_usage_first)} -> {_pct(s.kv_usage_last)}"]
     climbed = s.trend and s.kv_usage_first is not None \
