@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.arena import shm_tempdir
 from tests.support.daemon import DaemonProcess
 
 # vLLM names its ZMQ sockets ipc://<VLLM_RPC_BASE_PATH>/<uuid4> (tempfile.gettempdir() by
@@ -21,6 +22,13 @@ from tests.support.daemon import DaemonProcess
 _VLLM_IPC = tempfile.mkdtemp(prefix="kvtier-test-ipc-")
 os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_IPC)
 atexit.register(shutil.rmtree, _VLLM_IPC, True)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A private directory for arenas under /dev/shm (or the temp dir without it)."""
+    with shm_tempdir() as d:
+        yield d
 
 
 @pytest.fixture

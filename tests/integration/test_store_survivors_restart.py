@@ -6,15 +6,9 @@ block, the leak a restart would otherwise repeat at every start."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pytest
 import xxhash
 
 from kvtier.frame import make_header
@@ -27,7 +21,7 @@ from kvtier.tiers.journal_format import CommitInfo
 from kvtier.tiers.journal_replay import read_journal
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.slab import PAGE
-from tests.support.arena import shm_root, temp_arena
+from tests.support.arena import kill_arena, temp_arena
 from tests.support.store import (
     BLOCK,
     CLIENT,
@@ -45,26 +39,6 @@ from tests.support.store import (
 ARENA_BLOCKS = 8
 RUN, NEXT_RUN = bytes(range(16)), bytes(range(16, 32))
 OTHER = Namespace("other/model", LAYOUT)   # another tenant's namespace, same layout
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-        yield Path(d)
-
-
-def die(arena: Arena) -> None:
-    """kill -9 of the arena's daemon: its lock and the journal's mapping go, the arena
-    file and the journal stay for the next start to adopt."""
-    assert arena.journal is not None
-    arena.journal.close(unlink=False)
-    arena.journal = None
-    arena.buf = np.empty(0, np.uint8)
-    with contextlib.suppress(BufferError):
-        arena._mm.close()
-    fcntl.flock(arena._fd, fcntl.LOCK_UN)
-    os.close(arena._fd)
-    arena._fd = -1
 
 
 def new_store(arena: Arena, nvme: NvmeTier | None = None) -> TieredStore:
@@ -98,7 +72,7 @@ async def test_a_key_committed_in_two_arena_slots_is_adopted_from_one_and_frees_
     assert gen is not None
     assert arena.journal.commit(second, gen, CommitInfo(key, DIGEST, FP, BLOCK, None, 0, 0),
                                 xxhash.xxh3_64_intdigest(payload(key)))
-    die(arena)
+    kill_arena(arena)
 
     again = Arena(ARENA_BLOCKS * BLOCK, shm_dir=shm_dir, slab_bytes=BLOCK, prefault=False,
                   name=name, adopt=True)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 from kvtier.tiers.arena import Arena
 
@@ -26,3 +29,25 @@ def temp_arena(capacity_bytes: int, slab_bytes: int) -> Iterator[Arena]:
             yield arena
         finally:
             arena.close()
+
+
+@contextlib.contextmanager
+def shm_tempdir() -> Iterator[Path]:
+    """A private directory under ``shm_root()``, removed with its files afterwards."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
+        yield Path(d)
+
+
+def kill_arena(arena: Arena) -> None:
+    """What kill -9 does to an arena's daemon: the journal's mapping, the arena's mapping,
+    descriptor and lock go (the mapping's duplicate shares the lock); the arena file and
+    its journal stay for the next start to adopt."""
+    if arena.journal is not None:
+        arena.journal.close(unlink=False)
+        arena.journal = None
+    arena.buf = np.empty(0, np.uint8)
+    with contextlib.suppress(BufferError):
+        arena._mm.close()
+    fcntl.flock(arena._fd, fcntl.LOCK_UN)
+    os.close(arena._fd)
+    arena._fd = -1

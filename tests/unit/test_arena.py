@@ -32,12 +32,6 @@ N_SLABS = 8
 
 
 @pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-        yield Path(d)
-
-
-@pytest.fixture
 def arena(shm_dir: Path) -> Iterator[Arena]:
     a = Arena(N_SLABS * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False)
     yield a

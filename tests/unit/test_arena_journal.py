@@ -5,9 +5,7 @@ frame's chain fields, and the store's commit log writing checksums off the event
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +34,11 @@ from kvtier.tiers.journal_format import (
 )
 from kvtier.tiers.journal_replay import read_journal
 from kvtier.tiers.slab import PAGE, SlabAllocator
-from tests.support.arena import shm_root
+from tests.support.arena import kill_arena
 from tests.support.store import BLOCK, DIGEST, FP, chain
 
 SLAB = 16 * 1024
 RUN = bytes(range(16))   # a daemon run's id, as kvtier.tiers.journal_run makes one
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-        yield Path(d)
 
 
 def info(i: int, parent: bytes | None = None) -> CommitInfo:
@@ -382,15 +374,6 @@ def test_reserve_of_a_multi_slab_slot_refuses_slabs_another_class_holds() -> Non
 
 
 # -- stable arenas ---------------------------------------------------------------------------
-def die(arena: Arena) -> None:
-    """What kill -9 does to an arena: every descriptor (the mapping's too) closes, the file
-    and its contents stay."""
-    arena.buf = np.empty(0, np.uint8)
-    arena._mm.close()
-    os.close(arena._fd)
-    arena._fd = -1
-
-
 def test_stable_arena_is_adopted_with_its_bytes_and_locked(shm_dir: Path,
                                                            tmp_path: Path) -> None:
     name = stable_arena_name(tmp_path)
@@ -402,11 +385,11 @@ def test_stable_arena_is_adopted_with_its_bytes_and_locked(shm_dir: Path,
         Arena(4 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False, name=name,
               adopt=True)
     assert remove_stale_arenas(shm_dir) == []         # locked: its daemon lives
-    die(a)                                            # the daemon dies (kill -9)
+    kill_arena(a)                                            # the daemon dies (kill -9)
     b = Arena(4 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=True, name=name,
               adopt=True)
     assert b.adopted and list(b.view(PAGE, 4)) == [1, 2, 3, 4]
-    die(b)
+    kill_arena(b)
     c = Arena(8 * SLAB, shm_dir=shm_dir, slab_bytes=SLAB, prefault=False, name=name,
               adopt=True)                              # resized: a new, empty file
     assert not c.adopted and not c.view(PAGE, 4).any()

@@ -5,16 +5,11 @@ after it adopts exactly the blocks the arena holds (it stayed off until a restar
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import logging
 import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvtier.backoff import BackoffPolicy
@@ -26,7 +21,7 @@ from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.journal_format import CommitInfo
 from kvtier.tiers.journal_replay import read_journal
 from kvtier.tiers.slab import PAGE
-from tests.support.arena import shm_root
+from tests.support.arena import kill_arena
 from tests.support.store import (
     BLOCK,
     DIGEST,
@@ -43,12 +38,6 @@ from tests.support.store import (
 SLAB = 16 * 1024
 RUN = bytes(range(16))
 LOGGER = "kvtier.tiers.arena"
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-        yield Path(d)
 
 
 @pytest.fixture
@@ -166,20 +155,6 @@ def test_a_stopped_journal_resumes_with_exactly_the_live_slots(
     assert not list(shm_dir.iterdir())
 
 
-def die(arena: Arena) -> None:
-    """kill -9: the arena's lock and the journal's mapping go, the files stay. (Its own
-    mapping may still be exported to a view: closed when it can be.)"""
-    assert arena.journal is not None
-    arena.journal.close(unlink=False)
-    arena.journal = None
-    arena.buf = np.empty(0, np.uint8)
-    with contextlib.suppress(BufferError):
-        arena._mm.close()
-    fcntl.flock(arena._fd, fcntl.LOCK_UN)   # (the mapping's duplicate shares the lock)
-    os.close(arena._fd)
-    arena._fd = -1
-
-
 async def test_warm_restart_after_a_resume_adopts_exactly_the_live_blocks(
         shm_dir: Path, tmp_path: Path, small_files: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,7 +202,7 @@ async def test_warm_restart_after_a_resume_adopts_exactly_the_live_blocks(
     kept += newest
     assert {k for k in store.index} == set(kept)
     client.close()
-    die(arena)                                  # kill -9
+    kill_arena(arena)                                  # kill -9
 
     again = Arena(16 * BLOCK, shm_dir=shm_dir, slab_bytes=BLOCK, prefault=False, name=name,
                   adopt=True)

@@ -6,11 +6,7 @@ compaction."""
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from kvtier.tiers.arena_journal import ArenaJournal
 from kvtier.tiers.journal_format import (
@@ -23,16 +19,9 @@ from kvtier.tiers.journal_format import (
 )
 from kvtier.tiers.journal_replay import JournalState, read_journal
 from kvtier.tiers.slab import PAGE
-from tests.support.arena import shm_root
 
 SLAB = 16 * 1024
 RUN = bytes(range(16))
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-        yield Path(d)
 
 
 def info(i: int) -> CommitInfo:

@@ -6,14 +6,9 @@ erased on nvme; adopted blocks keep their commit order in the cpu tier's LRU."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
-import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvtier.frame import make_header
@@ -25,7 +20,7 @@ from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.journal_replay import read_journal
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.slab import PAGE
-from tests.support.arena import shm_root
+from tests.support.arena import kill_arena, shm_root
 from tests.support.store import (
     BLOCK,
     CLIENT,
@@ -45,12 +40,6 @@ RUN, NEXT_RUN = bytes(range(16)), bytes(range(16, 32))
 TTL = 0.2
 
 
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-        yield Path(d)
-
-
 def new_arena(shm_dir: Path, name: str, *, adopt: bool = False) -> Arena:
     return Arena(ARENA_BLOCKS * BLOCK, shm_dir=shm_dir, slab_bytes=BLOCK, prefault=False,
                  name=name, adopt=adopt)
@@ -61,19 +50,6 @@ def new_store(arena: Arena, nvme: NvmeTier | None = None) -> TieredStore:
                         prefetch_wait="wait")
     assert store.register_namespace(LAYOUT, "test/model", 0, 1, None) == NAMESPACE
     return store
-
-
-def die(arena: Arena) -> None:
-    """kill -9: the journal's mapping and the arena's lock go, both files stay."""
-    assert arena.journal is not None
-    arena.journal.close(unlink=False)
-    arena.journal = None
-    arena.buf = np.empty(0, np.uint8)
-    with contextlib.suppress(BufferError):
-        arena._mm.close()
-    fcntl.flock(arena._fd, fcntl.LOCK_UN)
-    os.close(arena._fd)
-    arena._fd = -1
 
 
 def journaled(shm_dir: Path, name: str) -> tuple[Arena, Path]:
@@ -114,7 +90,7 @@ async def test_a_slot_in_flight_at_the_crash_is_held_for_a_lease_ttl_then_freed(
         client.close()
     held = offsets[0]
     assert held is not None
-    die(arena)
+    kill_arena(arena)
 
     again, store2, rec = await restart(shm_dir, name, jpath)
     try:
@@ -148,7 +124,7 @@ async def test_an_adopted_block_whose_parent_failed_its_checksum_is_freed(
         client.close()
     assert offsets[0] is not None
     arena.view(offsets[0], 8)[:] ^= 0xFF
-    die(arena)
+    kill_arena(arena)
 
     again, store2, rec = await restart(shm_dir, name, jpath)
     try:
@@ -214,7 +190,7 @@ async def test_adopted_blocks_keep_their_commit_order_for_eviction(
             await store.commit_log.flush()
     finally:
         client.close()
-    die(arena)
+    kill_arena(arena)
 
     again, store2, rec = await restart(shm_dir, name, jpath)
     client2 = ArenaMapping(str(again.path), again.size)
@@ -247,7 +223,7 @@ async def test_a_journal_of_another_run_or_slab_geometry_is_not_adopted(
         await store.commit_log.flush()
     finally:
         client.close()
-    die(arena)
+    kill_arena(arena)
 
     again = new_arena(shm_dir, name, adopt=True)
     try:
