@@ -55,6 +55,20 @@ def check_books(t: NvmeTier) -> None:
                                           for c in t._slots.classes.values())
 
 
+
+def hold_erases(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold every erase in its I/O thread until the returned event is set (at most 10 s)."""
+    gate = threading.Event()
+    real_erase = reclaim_module._erase_sync
+
+    def gated_erase(fd: int, offset: int, prev: object) -> int:
+        gate.wait(10)
+        return real_erase(fd, offset, prev)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reclaim_module, "_erase_sync", gated_erase)
+    return gate
+
+
 async def test_a_hole_taken_again_counts_its_disk_again(tmp_path: Path) -> None:
     """Eight 4 KiB frames fill the tier; four are evicted, three of them punched out for
     a 16 KiB block. A small block then takes the one free slot that kept its disk, and
@@ -103,14 +117,7 @@ async def test_a_slot_whose_erase_is_still_queued_is_not_punched(
     rng = random.Random(2)
     t = NvmeTier(tmp_path / "nvme", N * STRIDE, direct="off", io_threads=2)
     t.open()
-    gate = threading.Event()
-    real_erase = reclaim_module._erase_sync
-
-    def gated_erase(fd: int, offset: int, prev: object) -> int:
-        gate.wait(10)
-        return real_erase(fd, offset, prev)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(reclaim_module, "_erase_sync", gated_erase)
+    gate = hold_erases(monkeypatch)
     try:
         slots = [await put(t, i, rng) for i in range(N)]
         t.free(slots[2], erase=True)
@@ -168,14 +175,7 @@ async def test_a_free_tail_slot_whose_erase_is_queued_is_not_cut(
     rng = random.Random(4)
     t = NvmeTier(tmp_path / "nvme", N * STRIDE, direct="off", io_threads=2)
     t.open()
-    gate = threading.Event()
-    real_erase = reclaim_module._erase_sync
-
-    def gated_erase(fd: int, offset: int, prev: object) -> int:
-        gate.wait(10)
-        return real_erase(fd, offset, prev)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(reclaim_module, "_erase_sync", gated_erase)
+    gate = hold_erases(monkeypatch)
     try:
         slots = [await put(t, i, rng) for i in range(N)]
         t.free(slots[7], erase=True)
@@ -319,14 +319,7 @@ async def test_a_delete_waits_for_every_erase_even_after_the_list_is_pruned(
     flight: pruning must drop the finished ones only, or ``erased()`` (what a delete
     awaits before it answers) returns while erases are still queued, and a crash then
     brings deleted blocks back."""
-    gate = threading.Event()
-    real_erase = reclaim_module._erase_sync
-
-    def gated_erase(fd: int, offset: int, prev: object) -> int:
-        gate.wait(10)
-        return real_erase(fd, offset, prev)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(reclaim_module, "_erase_sync", gated_erase)
+    gate = hold_erases(monkeypatch)
     t = NvmeTier(tmp_path / "nvme", 100 * STRIDE, direct="off", io_threads=2)
     t.open()
     try:
