@@ -11,6 +11,7 @@ so the rest of the code trusts it; ``kvtier serve`` makes one flag per field fro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
@@ -122,10 +123,15 @@ def default_runtime_dir(env: Mapping[str, str] | None = None, uid: int | None = 
 
 
 def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
-    """Where clients look for the daemon when nothing else is configured."""
+    """Where clients look for the daemon when nothing else is configured: where the daemon's
+    config puts it (``~`` expanded: ``Environment=`` or ``docker -e`` has no shell)."""
     environ = os.environ if env is None else env
     explicit = environ.get("KVTIER_SOCKET") or environ.get("KVTIER_DAEMON_SOCKET")
-    return Path(explicit) if explicit else default_runtime_dir(environ) / "kvtier.sock"
+    if not explicit:
+        return default_runtime_dir(environ) / "kvtier.sock"
+    with contextlib.suppress(RuntimeError):   # no home: the daemon refuses it (ConfigError)
+        return Path(explicit).expanduser()
+    return Path(explicit)
 
 
 TRUSTED_UIDS_ENV = "KVTIER_TRUSTED_UIDS"
