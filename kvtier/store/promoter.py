@@ -20,7 +20,7 @@ from kvtier.store.namespaces import NamespaceEntry
 from kvtier.store.nvme import NvmeResidency
 from kvtier.store.ports import ForestPort
 from kvtier.store.stats import PrefetchCounters
-from kvtier.store.transfers import Transfer, Transfers
+from kvtier.store.transfers import Transfer, TransferResult, Transfers
 from kvtier.tiers.base import EvictionReason, TierName
 
 log = logging.getLogger("kvtier.store")
@@ -73,9 +73,20 @@ class Promoter:
         self._spawn(self._load_nvme(meta, off, fut))
         return True
 
+    async def _move_in(self, src: TierName, job: Transfer) -> TransferResult:
+        """The load's result; a miss when the move raised (its handlers catch what they
+        expect): the blocks' futures must resolve and their slots go back whatever
+        happened, or every get waiting on them (no deadline under ``wait``) waits for good
+        and the blocks stay LOADING."""
+        try:
+            return await self.transfers.move(src, TierName.CPU, job)
+        except Exception:
+            log.exception("%s -> cpu load of %d blocks failed", src.value, len(job.metas))
+            return TransferResult()
+
     async def _load_nvme(self, meta: BlockMeta, off: int, fut: asyncio.Future[bool]) -> None:
         try:
-            done = await self.transfers.move(TierName.NVME, TierName.CPU, Transfer([meta]))
+            done = await self._move_in(TierName.NVME, Transfer([meta]))
         finally:
             self._unbusy(meta)
         meta.loading = None
@@ -134,7 +145,7 @@ class Promoter:
             self._spawn(self._load_redis(metas))
 
     async def _load_redis(self, metas: list[BlockMeta]) -> None:
-        done = await self.transfers.move(TierName.REDIS, TierName.CPU, Transfer(metas))
+        done = await self._move_in(TierName.REDIS, Transfer(metas))
         n, sums = done.moved, done.checksums
         # the frames' verified checksums, when known, spare the journal a hash
         self.cpu.ready_many(metas[:n], self.clock(), [sums[i] if i < len(sums) else None
