@@ -13,6 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 from kvtier.index import BlockMeta, SlotState
+from kvtier.lograte import LogRate
 from kvtier.policy.prefetch import TIMEOUT_BASE_S, PrefetchWait, prefetch_deadline
 from kvtier.store.blocks import Blocks
 from kvtier.store.cpu import CpuResidency
@@ -24,6 +25,7 @@ from kvtier.store.transfers import Transfer, TransferResult, Transfers
 from kvtier.tiers.base import EvictionReason, TierName
 
 log = logging.getLogger("kvtier.store")
+_warn = LogRate(log)
 
 __all__ = ["Promoter"]
 
@@ -80,8 +82,9 @@ class Promoter:
         and the blocks stay LOADING."""
         try:
             return await self.transfers.move(src, TierName.CPU, job)
-        except Exception:
-            log.exception("%s -> cpu load of %d blocks failed", src.value, len(job.metas))
+        except Exception as exc:   # rate-limited: a bug hit by every get floods the log
+            _warn.warning(f"load-{src.value}", "%s -> cpu load of %d blocks failed, served "
+                          "as a miss: %r", src.value, len(job.metas), exc)
             return TransferResult()
 
     async def _load_nvme(self, meta: BlockMeta, off: int, fut: asyncio.Future[bool]) -> None:

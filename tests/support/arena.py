@@ -23,8 +23,8 @@ def shm_root() -> Path:
 @contextlib.contextmanager
 def temp_arena(capacity_bytes: int, slab_bytes: int) -> Iterator[Arena]:
     """An un-prefaulted arena, closed and unlinked with its directory afterwards."""
-    with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-        arena = Arena(capacity_bytes, shm_dir=Path(d), slab_bytes=slab_bytes, prefault=False)
+    with shm_tempdir() as d:
+        arena = Arena(capacity_bytes, shm_dir=d, slab_bytes=slab_bytes, prefault=False)
         try:
             yield arena
         finally:
