@@ -641,9 +641,10 @@ def test_trickled_frames_do_not_hold_the_shared_request_budget(daemon_factory) -
 
 
 def test_one_process_cannot_hold_the_whole_shared_request_budget(daemon_factory) -> None:
-    """One process sends 6 frames of 16 MiB but their last byte, and stalls: it holds at
-    most its share (half of max_total_pending_bytes), so another process's 8 MiB request
-    is read and answered at once instead of waiting read_timeout_s for Overloaded."""
+    """One process sends 6 frames of 16 MiB but their last byte, and stalls: it holds its
+    share (half of max_total_pending_bytes) and at most one frame more, so another
+    process's 8 MiB request is read and answered at once instead of waiting
+    read_timeout_s for Overloaded."""
     d = daemon_factory(env={"KVTIER_DAEMON_READ_TIMEOUT_S": "6"}).start()
     with connect(d.socket) as c:
         ns = c.register_layout(LAYOUT, "m")
@@ -669,7 +670,11 @@ def test_one_process_cannot_hold_the_whole_shared_request_budget(daemon_factory)
               f"8 MiB request answered in {elapsed * 1e3:.0f} ms: {r.get('code')}")
         assert not r["ok"] and r["code"] == LimitExceeded.code, r   # read, then refused
         assert elapsed < 2.0
-        assert held <= 34 * MIB
+        # its share (32 MiB), exceeded by at most what its oldest frame still needs, one
+        # frame at most (kvtier.daemon.limits.ByteBudget: frames that each hold part of
+        # their bytes must not wait for each other); CI saw 34.6 MiB. Without the share
+        # it holds the whole 64 MiB budget and more.
+        assert held <= (32 + 16) * MIB
     finally:
         stop.set()
         attack.join(10)
