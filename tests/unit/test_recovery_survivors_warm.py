@@ -6,7 +6,6 @@ erased on nvme; adopted blocks keep their commit order in the cpu tier's LRU."""
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.tiers.journal_replay import read_journal
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.slab import PAGE
-from tests.support.arena import kill_arena, shm_root
+from tests.support.arena import kill_arena, temp_arena
 from tests.support.store import (
     BLOCK,
     CLIENT,
@@ -38,6 +37,11 @@ from tests.support.store import (
 ARENA_BLOCKS = 4
 RUN, NEXT_RUN = bytes(range(16)), bytes(range(16, 32))
 TTL = 0.2
+
+
+def nvme_tier(root: Path) -> NvmeTier:
+    """An nvme tier of NVME_BLOCKS blocks at ``root`` (not opened)."""
+    return NvmeTier(root, NVME_BLOCKS * (PAGE + BLOCK), direct="off", io_threads=2)
 
 
 def new_arena(shm_dir: Path, name: str, *, adopt: bool = False) -> Arena:
@@ -142,7 +146,7 @@ async def test_an_nvme_frame_behind_a_lost_head_is_erased_not_only_unindexed(
     its parent key is ever stored anew)."""
     root = tmp_path / "nvme"
     head, kid = chain(2)
-    nvme = NvmeTier(root, NVME_BLOCKS * (PAGE + BLOCK), direct="off", io_threads=2)
+    nvme = nvme_tier(root)
     nvme.open()
     try:
         slot = nvme.alloc(BLOCK)
@@ -152,22 +156,17 @@ async def test_an_nvme_frame_behind_a_lost_head_is_erased_not_only_unindexed(
                                            chain=(head,)), memoryview(data))
     finally:
         nvme.close()
-    nvme2 = NvmeTier(root, NVME_BLOCKS * (PAGE + BLOCK), direct="off", io_threads=2)
+    nvme2 = nvme_tier(root)
     try:
-        with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-            arena = Arena(ARENA_BLOCKS * BLOCK, shm_dir=Path(d), slab_bytes=BLOCK,
-                          prefault=False)
-            try:
-                store = new_store(arena, nvme2)
-                rec = await store.recover(None, last_run=None, begin_run=lambda: NEXT_RUN)
-                assert (rec.nvme_blocks, rec.orphans_dropped) == (1, 1)
-                assert kid not in store.index and nvme2.used_bytes == 0
-                await nvme2.erased()
-            finally:
-                arena.close()
+        with temp_arena(ARENA_BLOCKS * BLOCK, BLOCK) as arena:
+            store = new_store(arena, nvme2)
+            rec = await store.recover(None, last_run=None, begin_run=lambda: NEXT_RUN)
+            assert (rec.nvme_blocks, rec.orphans_dropped) == (1, 1)
+            assert kid not in store.index and nvme2.used_bytes == 0
+            await nvme2.erased()
     finally:
         nvme2.close()
-    nvme3 = NvmeTier(root, NVME_BLOCKS * (PAGE + BLOCK), direct="off", io_threads=2)
+    nvme3 = nvme_tier(root)
     try:
         assert nvme3.open() == []
     finally:
@@ -248,7 +247,7 @@ async def test_nvme_frames_reenter_the_nvme_lru_oldest_first(tmp_path: Path) -> 
     is x, the oldest (reversed, a restart would evict the newest frames first)."""
     root = tmp_path / "nvme"
     keys = [chain(1, start=s)[0] for s in (1, 2, 3)]
-    nvme = NvmeTier(root, NVME_BLOCKS * (PAGE + BLOCK), direct="off", io_threads=2)
+    nvme = nvme_tier(root)
     nvme.open()
     try:
         for k in keys:
@@ -259,17 +258,12 @@ async def test_nvme_frames_reenter_the_nvme_lru_oldest_first(tmp_path: Path) -> 
                                                chain=(None,)), memoryview(data))
     finally:
         nvme.close()
-    nvme2 = NvmeTier(root, NVME_BLOCKS * (PAGE + BLOCK), direct="off", io_threads=2)
+    nvme2 = nvme_tier(root)
     try:
-        with tempfile.TemporaryDirectory(prefix="kvtier-test-", dir=shm_root()) as d:
-            arena = Arena(ARENA_BLOCKS * BLOCK, shm_dir=Path(d), slab_bytes=BLOCK,
-                          prefault=False)
-            try:
-                store = new_store(arena, nvme2)
-                rec = await store.recover(None, last_run=None, begin_run=lambda: NEXT_RUN)
-                assert rec.nvme_blocks == 3
-                assert store.nvme_policy.victim() == keys[0]
-            finally:
-                arena.close()
+        with temp_arena(ARENA_BLOCKS * BLOCK, BLOCK) as arena:
+            store = new_store(arena, nvme2)
+            rec = await store.recover(None, last_run=None, begin_run=lambda: NEXT_RUN)
+            assert rec.nvme_blocks == 3
+            assert store.nvme_policy.victim() == keys[0]
     finally:
         nvme2.close()
