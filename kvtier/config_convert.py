@@ -165,6 +165,22 @@ def convert_value(s: Setting, value: Any, source: str) -> Any:
             from None
 
 
+def anchored(value: Any, base: Path | None, source: str) -> Any:
+    """A relative path made absolute: against ``base`` (the TOML file's directory, for the
+    file's values) or the working directory (env and flags, as a shell reads them).
+
+    Each process would otherwise resolve it against its own working directory: a daemon
+    under systemd (``/``) and a client started elsewhere would look in two places, and
+    the daemon's logs and ``kvtier stats`` would name a path no reader can place."""
+    if not isinstance(value, Path) or value.is_absolute():
+        return value
+    try:
+        return (base / value if base is not None else value).absolute()   # '..' kept as is
+    except OSError as exc:   # the working directory was removed
+        raise ConfigError(f"{source}: relative path {value} cannot be placed ({exc}); "
+                          "give an absolute path") from None
+
+
 def _lookup(tree: type, section: str, name: str, source: str) -> Setting:
     known = settings(tree)
     if section not in known:
@@ -245,13 +261,14 @@ def build(tree: type[T], path: str | Path | None, environ: Mapping[str, str],
     chosen: dict[str, dict[str, Any]] = {section: {} for section in settings(known)}
     source: dict[tuple[str, str], int] = {}
 
-    def take(layer: Iterator[tuple[Setting, Any, str]], rank: int) -> None:
+    def take(layer: Iterator[tuple[Setting, Any, str]], rank: int,
+             base: Path | None = None) -> None:
         for s, value, where in layer:
-            chosen[s.section][s.name] = convert_value(s, value, where)
+            chosen[s.section][s.name] = anchored(convert_value(s, value, where), base, where)
             source[(s.section, s.name)] = rank
 
     if path is not None:
-        take(_file_layer(tree, Path(path)), 0)
+        take(_file_layer(tree, Path(path)), 0, Path(path).parent)
     take(_env_layer(tree, environ, aliases), 1)
     take(((_lookup(tree, *dotted.partition(".")[::2], f"flag {dotted}"), value,
            f"flag {dotted}") for dotted, value in overrides.items() if value is not None), 2)
