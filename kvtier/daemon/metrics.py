@@ -190,7 +190,7 @@ def admission_stats(admission: Any, nvme_budget_bytes_per_s: int,
     budget = by_tier.get("nvme")
     if budget is not None and hasattr(budget, "available_at"):
         out["nvme_write_budget"] = {"bytes_per_s": nvme_budget_bytes_per_s,
-                                    "available_bytes": float(budget.available_at(now)),
+                                    "available_bytes": max(0.0, float(budget.available_at(now))),
                                     "refused_bytes": int(budget.refused_bytes)}
     return out
 

@@ -64,13 +64,19 @@ class SecondHitAdmission:
         return self.seen(key) >= 2
 
 
+DEFAULT_BURST_BYTES = 2**26   # a budget's burst when not given: one second, at least 64 MiB
+
+
 class WriteBudget:
     """A token bucket of ``bytes_per_s`` with ``burst_bytes``; optional inner policy.
 
-    A write is admitted when the inner policy agrees and the bucket holds ``nbytes``; only
-    admitted writes spend budget. ``now`` must not go backward. ``rejected`` counts every
-    refusal; ``refused_bytes`` only those of the budget itself (what the write-budget alert
-    reads: the inner policy's refusals are its normal work).
+    A write is admitted when the inner policy agrees and the bucket holds ``nbytes``, or,
+    for a write larger than the whole burst, when the bucket is full: it then runs into
+    debt that the refill pays back first, so the long-run rate holds and a block bigger
+    than the burst (a 512-token block of a 70B model is 160 MiB) is not refused forever.
+    Only admitted writes spend budget. ``now`` must not go backward. ``rejected`` counts
+    every refusal; ``refused_bytes`` only those of the budget itself (what the write-budget
+    alert reads: the inner policy's refusals are its normal work).
     """
 
     __slots__ = ("_burst", "_inner", "_level", "_rate", "_t", "refused_bytes", "rejected")
@@ -88,10 +94,17 @@ class WriteBudget:
         self.rejected = 0
         self.refused_bytes = 0
 
+    @classmethod
+    def per_second(cls, bytes_per_s: float, *,
+                   inner: AdmissionPolicy | None = None) -> WriteBudget:
+        """A budget whose burst is one second of it, at least ``DEFAULT_BURST_BYTES``: the
+        daemon's (``nvme.write_budget_bytes_per_s``) and ``kvtier replay``'s alike."""
+        return cls(bytes_per_s, max(float(bytes_per_s), DEFAULT_BURST_BYTES), inner=inner)
+
     def admit(self, key: Key, *, tier: str, nbytes: int, now: float) -> bool:
         self._level = self.available_at(now)
         self._t = now if self._t is None else max(self._t, now)
-        if self._level < nbytes:
+        if self._level < min(nbytes, self._burst):
             self.rejected += 1
             self.refused_bytes += nbytes
             return False
@@ -103,8 +116,9 @@ class WriteBudget:
         return True
 
     def available_at(self, now: float) -> float:
-        """Budget it could admit at ``now`` (refilled since the last write; spends nothing):
-        what the ``available_bytes`` gauge shows, also on an idle daemon."""
+        """Budget it could admit at ``now`` (refilled since the last write; spends nothing;
+        below 0 while a write larger than the burst is paid back): what the
+        ``available_bytes`` gauge shows (at 0 or more), also on an idle daemon."""
         if self._t is None or now <= self._t:
             return self._level
         return min(self._burst, self._level + (now - self._t) * self._rate)

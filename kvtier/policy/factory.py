@@ -104,8 +104,8 @@ def build_policies(cfg: Any) -> dict[str, Any]:
 
     admission = None
     if cfg.nvme.write_budget_bytes_per_s > 0:
-        rate = cfg.nvme.write_budget_bytes_per_s
-        admission = TierAdmission({"nvme": WriteBudget(rate, burst_bytes=max(rate, 2**26))})
+        admission = TierAdmission(
+            {"nvme": WriteBudget.per_second(cfg.nvme.write_budget_bytes_per_s)})
     # the shadows are fed by the observer; the store builds the tiers' policies (and so
     # fills ``shadows``) when it is constructed, before its first lookup
     observer = (ShadowObserver(shadows, inner=stats, defer=_call_soon,

@@ -104,8 +104,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "nvme 3e9, redis 1e9)")
     p.add_argument("--nvme-admission", choices=["always", "second-hit"], default="always")
     p.add_argument("--nvme-write-budget", type=float_in(0), default=None, metavar="B/S",
-                   help="token-bucket write budget of the nvme tier (0: no writes past the "
-                   "first)")
+                   help="token-bucket write budget of the nvme tier, as the daemon's "
+                   "nvme.write_budget_bytes_per_s (burst: one second, at least 64 MiB; "
+                   "0: nothing past the first burst)")
     p.add_argument("--prefetch", choices=[w.value for w in PrefetchWait], default="wait")
     p.add_argument("--order", choices=[o.value for o in Order], default=Order.STORE.value,
                    help="how a request's blocks reach the policy: 'store' as kvtier's store "
@@ -143,9 +144,8 @@ def _admission(args: argparse.Namespace) -> Callable[[str], AdmissionPolicy]:
         inner: AdmissionPolicy | None = (
             SecondHitAdmission() if args.nvme_admission == "second-hit" else None
         )
-        if args.nvme_write_budget is not None:
-            burst = max(args.nvme_write_budget, 1.0)
-            return WriteBudget(args.nvme_write_budget, burst, inner=inner)
+        if args.nvme_write_budget is not None:   # the daemon's budget (policy/factory.py)
+            return WriteBudget.per_second(args.nvme_write_budget, inner=inner)
         return inner or AlwaysAdmit()
 
     return build

@@ -236,6 +236,25 @@ def test_write_budget_with_inner_policy_spends_only_on_admitted_writes() -> None
     assert not adm.admit("a", tier="nvme", nbytes=60, now=0.0)  # budget exhausted
 
 
+def test_a_block_larger_than_the_burst_is_written_from_a_full_bucket_and_paid_back() -> None:
+    """A 160 MiB block (512 tokens of a 70B model) under a 64 MiB burst: refused forever
+    when the bucket had to hold it whole. Admitted from a full bucket, it leaves a debt the
+    refill pays back before the next write, so the long-run rate still holds."""
+    mib = 2**20
+    adm = WriteBudget.per_second(10 * mib)             # burst: 64 MiB, not 10
+    assert adm.available_at(0.0) == 64 * mib
+    assert adm.admit("first", tier="nvme", nbytes=65 * mib, now=0.0)      # from full
+    assert adm.available_at(0.0) == -1 * mib                              # in debt
+    assert not adm.admit("one", tier="nvme", nbytes=1, now=0.05)          # debt first
+    assert not adm.admit("big", tier="nvme", nbytes=160 * mib, now=1.0)   # 9 MiB: not full
+    assert adm.refused_bytes == 160 * mib + 1
+    assert adm.admit("big", tier="nvme", nbytes=160 * mib, now=6.5)       # full again
+    assert adm.available_at(6.5) == pytest.approx(-96 * mib)
+    assert not adm.admit("one", tier="nvme", nbytes=mib, now=16.0)        # -1 MiB
+    assert adm.admit("one", tier="nvme", nbytes=mib, now=16.3)            # +2 MiB
+    assert WriteBudget.per_second(100 * mib).available_at(0.0) == 100 * mib   # one second
+
+
 def test_tier_admission_dispatches_by_tier() -> None:
     adm = TierAdmission({"nvme": SecondHitAdmission()})
     assert adm.admit("a", tier="cpu", nbytes=1, now=0.0)
@@ -385,3 +404,15 @@ def test_a_chain_arriving_tail_first_still_leaves_from_its_tail(name: str) -> No
         order.append(victim)
         p.remove(victim)
     assert order == [b"C", b"B", b"A"]
+
+
+def test_the_budget_gauge_shows_zero_not_a_debt() -> None:
+    """/v1/stats and the ``available_bytes`` gauge say what the budget can admit: nothing
+    while a block larger than the burst is paid back, never a negative byte count."""
+    from kvtier.daemon.metrics import admission_stats
+
+    budget = WriteBudget.per_second(2**20)
+    assert budget.admit("big", tier="nvme", nbytes=2**27, now=0.0)
+    out = admission_stats(TierAdmission({"nvme": budget}), 2**20, 1.0)
+    assert out["nvme_write_budget"]["available_bytes"] == 0.0
+    assert budget.available_at(1.0) < 0
