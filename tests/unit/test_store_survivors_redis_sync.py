@@ -274,6 +274,21 @@ async def test_an_outage_that_cost_one_sync_its_bound_is_not_waited_out_again(
     assert rs.stats()["gave_up_by_reason"] == {"timeout": 1, "missing": 1}
 
 
+async def test_a_sync_cut_while_waiting_for_a_heal_reports_what_its_resend_confirmed(
+        store: TieredStore, client: ArenaMapping, redis: SyncRedis) -> None:
+    """Head in Redis, block 1 resent and confirmed, block 2 gone from the arena while a
+    slot heals: the bound ends the wait, and the result counts the two confirmed blocks
+    (mutant: the progress not updated after the resend, reporting 1)."""
+    keys = chain(3)
+    await put(store, client, keys)
+    redis.frames = {keys[0]: payload(keys[0])}
+    store.cpu.drop(store.index[keys[2]])
+    redis.healing_since = 5.0
+    done = await _sync(store, keys, 0.3)
+    assert (done.visible, done.complete, done.reason) == (2, False, "timeout")
+    assert redis.sent == [keys[1]]
+
+
 async def test_a_heal_that_ends_lets_the_sync_send_again(
         store: TieredStore, client: ArenaMapping, redis: SyncRedis) -> None:
     """Outage over mid-sync: the sync looks again after the heal and finishes (the held
