@@ -168,6 +168,12 @@ def _configs(args: argparse.Namespace, trace: Trace) -> list[tuple[float | None,
     if args.tier and args.capacity_fraction:
         raise KVTierError("give either --tier sizes or --capacity-fraction, not both")
     names = [name for name, _ in args.tier]
+    nvme_flags = [flag for flag, given in (
+        ("--nvme-admission", args.nvme_admission != "always"),
+        ("--nvme-write-budget", args.nvme_write_budget is not None)) if given]
+    if nvme_flags and "nvme" not in names:
+        raise KVTierError(f"{' and '.join(nvme_flags)} act on a tier named nvme: add "
+                          "--tier nvme=BLOCKS (--capacity-fraction replays one cpu tier)")
     for name in names:
         if names.count(name) > 1:
             raise KVTierError(f"--tier {name}= is given {names.count(name)} times: name each "

@@ -254,3 +254,14 @@ def test_the_plot_draws_each_policy_by_increasing_capacity(
     monkeypatch.setattr(Figure, "savefig", refuse)
     with pytest.raises(KVTierError, match=r"cannot write plot .*Permission denied"):
         plot_hit_rates(runs, tmp_path / "q.png")
+
+
+@pytest.mark.parametrize("argv", [["--nvme-write-budget", "1e8"],
+                                  ["--nvme-admission", "second-hit"],
+                                  ["--tier", "cpu=4", "--nvme-write-budget", "1e8"]])
+def test_nvme_flags_without_an_nvme_tier_are_refused(
+        capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """--capacity-fraction replays one cpu tier: an nvme admission flag there changed
+    nothing, and the report looked as if the budget had been simulated."""
+    assert cli.main(["replay", str(MOONCAKE), "--policy", "lru", *argv]) != 0
+    assert "act on a tier named nvme: add --tier nvme=BLOCKS" in capsys.readouterr().err
