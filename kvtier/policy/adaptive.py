@@ -119,6 +119,10 @@ class AdaptivePolicy:
 
     def _size_shadows(self, blocks: int) -> None:
         shadows = self.shadows
+        if shadows.above is not None and not shadows.above.capacity_blocks:
+            # the tier above has not learned its size yet (a restart indexes the nvme
+            # frames before any cpu block): size later, as the cache of both tiers
+            return
         above = shadows.above.capacity_blocks if shadows.above is not None else 0
         if blocks > 0:
             shadows.set_capacity(blocks, above or shadows.above_blocks)

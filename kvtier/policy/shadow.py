@@ -270,6 +270,7 @@ class TierShadows:
         self.tokens = 0.0
         self._since = 0
         self._epochs = 0
+        self._weight = self._base = self._epoch_tokens = 0.0   # no evidence of the old size
 
     def _cache(self, mode: str, scale: float) -> ShadowCache:
         blocks = self.above_blocks + scale * self.capacity_blocks
