@@ -12,8 +12,9 @@ MAX_BYTES = httpget.MAX_BODY_BYTES
 
 
 def is_url(ref: str) -> bool:
-    """Whether ``ref`` names an endpoint rather than a file."""
-    return ref.startswith(("http://", "https://"))
+    """Whether ``ref`` names an endpoint rather than a file (a URL's scheme is
+    case-insensitive: ``HTTP://host/metrics`` is no file name)."""
+    return ref[:8].lower().startswith(("http://", "https://"))
 
 
 def read_text(ref: str, what: str) -> str:
