@@ -127,6 +127,10 @@ def test_gemma4_global_layers_take_their_own_heads_and_are_refused(
     doc = plan_json(capsys, "--model", write(tmp_path, {"model_type": "gemma4_unified",
                                                         "text_config": text}))
     assert doc["kv_bytes_per_token"] == 344_064
+    # --json names every shape with its layer count, the first KV layer's as kv_heads
+    assert doc["model"]["kv_shapes"] == [{"kv_heads": 8, "head_dim": 256, "layers": 40},
+                                         {"kv_heads": 1, "head_dim": 512, "layers": 8}]
+    assert (doc["model"]["kv_heads"], doc["model"]["head_dim"]) == (8, 256)
     assert REFUSED in notes(doc) and "different page sizes" in notes(doc)
     assert "--disable-sliding-window" not in notes(doc)
     # without attention_k_eq_v Transformers keeps num_key_value_heads for global layers
@@ -154,6 +158,12 @@ def test_gemma3n_layers_sharing_kv_hold_none_and_are_refused(
                                                         "text_config": text}))
     assert REFUSED in notes(doc) and "num_kv_shared_layers" in notes(doc)
     assert "--disable-sliding-window" not in notes(doc)
+    # widths differing per layer count as their mean (the total MLP weights), not the
+    # first layer's; a bad entry is named by its index
+    mixed = {**text, "intermediate_size": [8192] * 10 + [16384] * 25}
+    assert spec_from_config(mixed).intermediate_size == round((10 * 8192 + 25 * 16384) / 35)
+    with pytest.raises(PlanError, match=r"intermediate_size\[3\]"):
+        spec_from_config({**text, "intermediate_size": [16384] * 3 + ["wide"] + [1] * 31})
 
 
 def test_step3p5_kv_heads_are_num_attention_groups() -> None:
