@@ -18,6 +18,7 @@ Pure bookkeeping, no I/O, safe to call on the event loop.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ class BandwidthTracker:
 
     def observe(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
         """One finished transfer of ``nbytes`` from ``src`` to ``dst`` in ``seconds``."""
-        if nbytes < MIN_SAMPLE_BYTES or seconds <= 0.0:
+        if nbytes < MIN_SAMPLE_BYTES or not 0.0 < seconds < math.inf:   # NaN fails too
             return
         leg = self._legs.get((src, dst))
         if leg is None:

@@ -98,12 +98,12 @@ def get(url: str, *, deadline_s: float = DEFAULT_DEADLINE_S,
             conn.connect()
         except (OSError, ValueError) as exc:   # ValueError: a host name IDNA cannot encode
             if expired.is_set():
-                raise FetchError(f"no connection within {deadline_s:g} s") from None
+                raise Unreachable(f"no connection within {deadline_s:g} s") from None
             raise Unreachable(_phrase(exc)) from None
         if conn.sock is not None:
             opened.append(conn.sock)
         if expired.is_set():   # the timer fired before ``conn.sock`` was set: nothing cut
-            raise FetchError(f"no connection within {deadline_s:g} s")
+            raise Unreachable(f"no connection within {deadline_s:g} s")
         return _exchange(conn, target, max_bytes, expired, deadline_s)
     finally:
         timer.cancel()
