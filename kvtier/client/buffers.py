@@ -26,14 +26,26 @@ def as_bytes(buf: Any) -> np.ndarray:
     return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
 
 
-def check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> None:
+def check_buffers(ns: Namespace, keys: Sequence[BlockKey], buffers: Sequence[Any], *,
+                  writable: bool = False) -> None:
     """BufferSizeError unless there is one C-contiguous buffer of the layout's block size
-    per key (a strided buffer would be copied to or from a temporary, not itself)."""
+    per key (a strided buffer would be copied to or from a temporary, not itself), of bytes
+    (not Python objects), and writable when a get fills it (``writable``): each of those
+    failed only after the daemon had granted a lease, with a bare TypeError or ValueError."""
     if len(buffers) != len(keys):
         raise BufferSizeError(f"{len(keys)} keys but {len(buffers)} buffers")
     nbytes = ns.layout.block_bytes
     for i, b in enumerate(buffers):
-        with memoryview(b) as view:
+        try:
+            view = memoryview(b)
+        except TypeError:
+            raise BufferSizeError(f"buffer {i} is a {type(b).__name__}, not a buffer (bytes, "
+                                  "a numpy array, a memoryview)") from None
+        with view:
+            if "O" in view.format:
+                raise BufferSizeError(f"buffer {i} holds Python objects, not bytes")
+            if writable and view.readonly:
+                raise BufferSizeError(f"buffer {i} is read-only: a get writes into it")
             if view.nbytes != nbytes:
                 raise BufferSizeError(f"buffer {i} has {view.nbytes} bytes; the layout's "
                                       f"block is {nbytes} bytes")

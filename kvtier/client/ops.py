@@ -303,7 +303,7 @@ class Ops:
         returns how many. The release that follows the copy raises ``LeaseExpired`` when
         the copy outlived the TTL (the bytes may be another block's); a failed copy
         releases quietly and its error propagates."""
-        check_buffers(ns, keys, out_buffers)
+        check_buffers(ns, keys, out_buffers, writable=True)
         lease, views, _, safe_until = yield from self.op_prepare_get(ns, keys,
                                                                      prefer_device=False)
         try:
