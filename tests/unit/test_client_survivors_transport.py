@@ -26,6 +26,7 @@ from kvtier.errors import (
 from kvtier.keys import block_keys
 from tests.support.fake_daemon import HostileSocketDaemon
 from tests.unit.test_client_ops import BLOCK, LAYOUT, NS
+from tests.unit.test_daemon_survivors_client import ExactView
 
 TIMEOUT = 1.0
 
@@ -156,18 +157,6 @@ def test_a_sync_client_used_from_two_threads_at_once_refuses_the_second(
         assert "two threads" in str(errors[0])
         c.ping()   # the connection itself is fine
         c.close()
-
-
-class ExactView:
-    """A presence filter that says every key may be present."""
-
-    exact = True
-
-    def leading_bound(self, keys: Any) -> int:
-        return len(keys)
-
-    def close(self) -> None:
-        pass
 
 
 def test_the_presence_bound_is_not_given_by_an_unusable_client(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.arena import Arena
 from tests.support.control import server
 from tests.support.store import arena, clock, nvme, store  # noqa: F401 - fixtures
+from tests.unit.test_descriptors import Limit
 
 
 def small_config(tmp_path: Path, **extra: object) -> Config:
@@ -93,28 +94,15 @@ def test_recent_lookups_show_a_salt_id_never_the_salt() -> None:
     assert describe.recent_lookups(explain, None, 5, False) == []  # type: ignore[arg-type]
 
 
-class _Limit:
-    def __init__(self, soft: int, hard: int) -> None:
-        self.now = (soft, hard)
-        self.asked: list[tuple[int, int]] = []
-
-    def get(self) -> tuple[int, int]:
-        return self.now
-
-    def set(self, lim: tuple[int, int]) -> None:
-        self.asked.append(lim)
-        self.now = lim
-
-
 def test_a_limit_of_exactly_what_is_needed_is_left_alone() -> None:
-    lim = _Limit(100 + 20 + RESERVED_FDS, 100 + 20 + RESERVED_FDS)
+    lim = Limit(100 + 20 + RESERVED_FDS, 100 + 20 + RESERVED_FDS)
     assert fit_connections(100, 20, get=lim.get, set_=lim.set) == 100
     assert lim.asked == []
 
 
 def test_room_for_fewer_than_min_connections_is_a_startup_error() -> None:
     """Room for a handful of control connections (here 5) is no daemon worth starting."""
-    lim = _Limit(5 + 20 + RESERVED_FDS, 5 + 20 + RESERVED_FDS)
+    lim = Limit(5 + 20 + RESERVED_FDS, 5 + 20 + RESERVED_FDS)
     with pytest.raises(StartupError, match="leaves room for 5 control connections"):
         fit_connections(100, 20, get=lim.get, set_=lim.set)
 
