@@ -123,9 +123,10 @@ class AdaptivePolicy:
             # the tier above has not learned its size yet (a restart indexes the nvme
             # frames before any cpu block): size later, as the cache of both tiers
             return
-        above = shadows.above.capacity_blocks if shadows.above is not None else 0
+        above = (shadows.above.capacity_blocks if shadows.above is not None
+                 else shadows.above_blocks)
         if blocks > 0:
-            shadows.set_capacity(blocks, above or shadows.above_blocks)
+            shadows.set_capacity(blocks, above)
             if self._on_capacity is not None:
                 self._on_capacity(blocks)
 

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the ops fixture of tests/unit/test_client_ops.py is imported by name)
 """Survivors of the client mutation round, part two: what the copying ``put`` and ``get``
 accept as buffers (``kvtier.client.buffers``), what a hello maps (``kvtier.client.hello``)
 and the fork hook (``kvtier.client.forks``).
@@ -26,7 +27,6 @@ from kvtier.client.hello import map_arena, mapped, open_presence
 from kvtier.client.ops import Ops
 from kvtier.errors import BufferSizeError, ClientForked, DaemonUnavailable
 from kvtier.handshake import Hello
-from kvtier.tiers.arena_mapping import ArenaMapping
 from kvtier.trust import PeerCred
 from tests.support.arena import temp_arena
 from tests.unit.test_client_ops import (
@@ -36,6 +36,7 @@ from tests.unit.test_client_ops import (
     ScriptedDaemon,
     SyncDriver,
     keys,
+    ops,  # noqa: F401 - fixture
 )
 
 
@@ -54,16 +55,6 @@ def test_an_object_that_is_no_buffer_is_a_buffer_size_error(buf: Any) -> None:
     naming the buffer, not memoryview's bare TypeError."""
     with pytest.raises(BufferSizeError, match="buffer 0"):
         check_buffers(NS, keys(1), [buf])
-
-
-@pytest.fixture
-def ops() -> Any:
-    with temp_arena(1 << 20, 1 << 20) as arena:
-        o = Ops()
-        o.arena = ArenaMapping(str(arena.path), arena.size)
-        o._registered.add(NS.digest)
-        yield o
-        o.close()
 
 
 DRIVERS = [SyncDriver, AsyncDriver]
