@@ -77,24 +77,34 @@ def _run_async(d: HostileSocketDaemon, body: Any, timeout: float = TIMEOUT) -> N
     asyncio.run(run())
 
 
-def _half_closing(conn: socket.socket, req: dict[str, Any]) -> None:
-    """A get granted, then the daemon closes its end (it is going away)."""
-    if req["op"] == "get_prepare":
-        HostileSocketDaemon.send(conn, {"id": req["id"], "ok": True, "lease": 3,
-                                        "offsets": [0], "ttl_s": 30.0})
-        conn.shutdown(socket.SHUT_WR)
-    else:
-        _ok(conn, req)
-
-
 def test_a_sync_get_from_a_daemon_that_hung_up_waits_for_its_release(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A release is sent without waiting only while the connection is up: a daemon that
     closed its end after granting the get may have restarted and handed the slots out
     again, so the release is asked as usual and the get fails (DaemonUnavailable) rather
     than report bytes it cannot vouch for. Mutant that survived: the hang-up was not
-    looked at, so the get returned the block as loaded."""
-    with HostileSocketDaemon(tmp_path, BLOCK, handler=_half_closing) as d:
+    looked at, so the get returned the block as loaded. (The client's copy waits until the
+    daemon's thread has closed its end: without that, on a busy machine the release could
+    be sent before the hang-up happened, and the test failed.)"""
+    closed = threading.Event()
+
+    def half_closing(conn: socket.socket, req: dict[str, Any]) -> None:
+        if req["op"] == "get_prepare":
+            HostileSocketDaemon.send(conn, {"id": req["id"], "ok": True, "lease": 3,
+                                            "offsets": [0], "ttl_s": 30.0})
+            conn.shutdown(socket.SHUT_WR)
+            closed.set()
+        else:
+            _ok(conn, req)
+
+    real_copy = np.copyto
+
+    def copy_after_the_hang_up(dst: Any, src: Any) -> None:
+        assert closed.wait(TIMEOUT)
+        real_copy(dst, src)
+
+    monkeypatch.setattr(np, "copyto", copy_after_the_hang_up)
+    with HostileSocketDaemon(tmp_path, BLOCK, handler=half_closing) as d:
         c = connect(d.path, timeout=TIMEOUT)
         ns = c.register_layout(LAYOUT, "m")
         keys = block_keys(ns, range(LAYOUT.tokens_per_block))
