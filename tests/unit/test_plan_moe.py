@@ -92,3 +92,50 @@ def test_weights_advice_names_a_tp_that_shards_the_heads(
     doc = plan_json(capsys, "--model", "llama-3-70b", "--gpu", "l4")
     note = next(n for n in doc["notes"] if "weights do not fit" in n)
     assert "use TP 8 " in note and "TP >= 7" not in note
+
+
+# ERNIE-4.5-21B-A3B: experts in moe_num_experts, top-k in moe_k, MoE from layer 1 on.
+ERNIE = {
+    "model_type": "ernie4_5_moe", "num_hidden_layers": 28, "hidden_size": 2560,
+    "num_attention_heads": 20, "num_key_value_heads": 4, "head_dim": 128,
+    "intermediate_size": 12288, "moe_num_experts": 64, "moe_k": 6,
+    "moe_intermediate_size": 1536, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
+    "moe_layer_interval": 1, "vocab_size": 103424, "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize(("extra", "total"), [
+    ({}, 21_825_437_888), ({"moe_layer_end_index": 10}, 10_191_322_240),
+    ({"moe_layer_interval": 2}, 12_928_761_216)])
+def test_ernie_counts_moe_num_experts_and_its_layer_range(extra: dict[str, Any],
+                                                          total: int) -> None:
+    """Read as dense (its experts are in moe_num_experts), Ernie 4.5 counted 5 B, not 21 B."""
+    counted = estimate_params(spec_from_config({**ERNIE, **extra}))
+    assert counted.total == pytest.approx(total, rel=1e-6)  # Transformers' count
+    moe = spec_from_config({**ERNIE, **extra}).moe
+    assert moe is not None and moe.active_experts == 6
+
+
+@pytest.mark.parametrize(("model_type", "top_k"), [("qwen3_moe", 8), ("mixtral", 2),
+                                                   ("llama4_text", 1), ("qwen3_next", 10)])
+def test_a_missing_top_k_is_the_familys_default(model_type: str, top_k: int) -> None:
+    """One active expert for every family made Qwen3-MoE's prefill look 8x cheaper."""
+    cfg = {k: v for k, v in QWEN15_MOE.items() if k != "num_experts_per_tok"}
+    moe = spec_from_config({**cfg, "model_type": model_type}).moe
+    assert moe is not None and moe.active_experts == top_k
+
+
+@pytest.mark.parametrize("key", ["moe_k", "moe_topk", "num_experts_per_token", "moe_top_k",
+                                 "top_k_experts"])
+def test_the_top_k_spellings_of_other_families_are_read(key: str) -> None:
+    cfg = {k: v for k, v in QWEN15_MOE.items() if k != "num_experts_per_tok"}
+    moe = spec_from_config({**cfg, key: 3}).moe
+    assert moe is not None and moe.active_experts == 3
+
+
+def test_an_unknown_family_without_top_k_is_refused_with_the_fix() -> None:
+    cfg = {k: v for k, v in QWEN15_MOE.items() if k != "num_experts_per_tok"}
+    with pytest.raises(PlanError, match="add 'num_experts_per_tok'.*config.json"):
+        spec_from_config({**cfg, "model_type": "somebodys_moe"})
+    with pytest.raises(PlanError, match="num_experts_per_tok"):
+        spec_from_config({**QWEN15_MOE, "num_experts_per_tok": 61})  # more than routed
