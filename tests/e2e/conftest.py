@@ -31,6 +31,19 @@ SUBPROCESS_TIMEOUT_S = 300
 EngineRun = Callable[..., list[list[tuple[list[int], int]]]]
 
 
+@pytest.fixture(autouse=True)
+def _vllm_tp_shm() -> Iterator[None]:
+    """vLLM's CPU TP communicator unlinks its shared-memory broadcast buffers
+    (/dev/shm/vllm_dist_*-tp:*, 8 MiB a rank) at shutdown, but not always: TP runs on a
+    loaded machine left pairs behind (the MLA TP test as well as the TP test). Those made
+    during a test and still there after it are removed."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("vllm_dist_*-tp:*"))
+    yield
+    for leftover in set(shm.glob("vllm_dist_*-tp:*")) - before:
+        leftover.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

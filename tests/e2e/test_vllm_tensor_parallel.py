@@ -11,7 +11,6 @@ tokens (kvtier.connectors.vllm.ranks).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -30,19 +29,6 @@ PROMPT = PREFIX + prompt(41, 150)     # loads 3 blocks, computes blocks 3 and 4 
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     with DaemonProcess(tmp_path_factory.mktemp("kvtierd-tp"), cpu_bytes="64MiB") as d:
         yield d
-
-
-@pytest.fixture(autouse=True)
-def _vllm_tp_shm() -> Iterator[None]:
-    """vLLM's CPU TP communicator unlinks its shared-memory broadcast buffers
-    (/dev/shm/vllm_dist_*-tp:*, 16 MiB an engine) at shutdown, but not always: runs of
-    this test on a loaded machine left three pairs behind in a day. Those made during the
-    test and still there after it are removed."""
-    shm = Path("/dev/shm")
-    before = set(shm.glob("vllm_dist_*-tp:*"))
-    yield
-    for leftover in set(shm.glob("vllm_dist_*-tp:*")) - before:
-        leftover.unlink(missing_ok=True)
 
 
 def test_a_load_that_fails_on_one_rank_leaves_no_wrong_shard(
