@@ -163,8 +163,10 @@ def read_moe(cfg: dict[str, Any], layers: int, source: str) -> MoESpec | None:
                    if n), 0)
     if not routed:
         return None
-    expert = opt_int(cfg, "moe_intermediate_size", source,
-                     require_int(cfg, "intermediate_size", source))
+    # an all-MoE config (Qwen3.5-MoE, DeepSeek-V4) need not give a dense intermediate_size
+    expert = (opt_int(cfg, "moe_intermediate_size", source)
+              or opt_int(cfg, "expert_ffn_hidden_size", source)   # LongCat-Flash
+              or require_int(cfg, "intermediate_size", source))
     return MoESpec(
         routed_experts=routed,
         active_experts=_top_k(cfg, routed, source),

@@ -135,7 +135,20 @@ def test_the_top_k_spellings_of_other_families_are_read(key: str) -> None:
 
 def test_an_unknown_family_without_top_k_is_refused_with_the_fix() -> None:
     cfg = {k: v for k, v in QWEN15_MOE.items() if k != "num_experts_per_tok"}
-    with pytest.raises(PlanError, match="add 'num_experts_per_tok'.*config.json"):
+    with pytest.raises(PlanError, match=r"add 'num_experts_per_tok'.*config\.json"):
         spec_from_config({**cfg, "model_type": "somebodys_moe"})
     with pytest.raises(PlanError, match="num_experts_per_tok"):
         spec_from_config({**QWEN15_MOE, "num_experts_per_tok": 61})  # more than routed
+
+
+def test_an_all_moe_config_needs_no_dense_intermediate_size() -> None:
+    """Qwen3.5-MoE's, DeepSeek-V4's and Solar Open's configs give only expert widths: the
+    planner refused them for a missing intermediate_size that no layer uses."""
+    cfg = {k: v for k, v in QWEN15_MOE.items() if k != "intermediate_size"}
+    assert estimate_params(spec_from_config(cfg)) == estimate_params(
+        spec_from_config(QWEN15_MOE))
+    longcat = {**{k: v for k, v in cfg.items() if k != "moe_intermediate_size"},
+               "expert_ffn_hidden_size": 1408}
+    assert estimate_params(spec_from_config(longcat)) == estimate_params(spec_from_config(cfg))
+    with pytest.raises(PlanError, match="intermediate_size"):
+        spec_from_config({k: v for k, v in cfg.items() if k != "moe_intermediate_size"})
