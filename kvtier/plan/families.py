@@ -18,7 +18,9 @@ from kvtier.plan.fields import MAX_DIM, brief, flag, int_field, opt_int
 FALCON = frozenset({"falcon", "RefinedWeb", "RefinedWebModel"})
 """Falcon and its legacy (trust_remote_code) RefinedWeb model types."""
 TWO_MATRIX_MLP = frozenset(FALCON | {"gpt2", "gpt_bigcode", "gptj", "gpt_neo", "gpt_neox",
-                                     "mpt", "opt", "bloom", "phi", "starcoder2"})
+                                     "mpt", "opt", "bloom", "phi", "starcoder2", "apertus",
+                                     "arcee", "persimmon", "nanochat", "jais2", "biogpt",
+                                     "codegen"})
 """Model types whose MLP is up and down projections only (not gated)."""
 TIED_BY_DEFAULT = frozenset(FALCON | {"gpt2", "gpt_bigcode", "gpt_neo", "mpt", "opt",
                                       "bloom", "gemma", "gemma2", "gemma3", "gemma3_text"})
