@@ -289,8 +289,8 @@ def estimate_params(model: ModelSpec) -> ParamCount:
     """
     m = model
     h = m.hidden_size
-    embed = m.vocab_size * h * (1 if m.tie_embeddings else 2)
-    dense = h  # final norm
+    embed = m.vocab_size * h * (1 if m.tie_embeddings else 2) + m.side.embeddings
+    dense = h + m.side.dense  # final norm, and the weights beside the layers
     experts = active_experts = 0
     if m.blocks:
         dense += _block_params(m)
@@ -307,5 +307,8 @@ def estimate_params(model: ModelSpec) -> ParamCount:
         dense += base + h * m.moe.routed_experts  # the router
         experts += expert * m.moe.routed_experts + shared
         active_experts += expert * m.moe.active_experts + shared
+    # the last layers reading an earlier layer's KV (Gemma-3n) have a Q projection only
+    kv_out = m.num_kv_heads * m.head_dim
+    dense -= m.shared_kv_layers * (2 * h * kv_out + (2 * kv_out if m.attention_bias else 0))
     return ParamCount(total=embed + dense + experts, active=embed + dense + active_experts,
                       embeddings=embed, experts=experts)

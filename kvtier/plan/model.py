@@ -28,6 +28,7 @@ from kvtier.plan.moe import MoESpec, read_moe
 from kvtier.plan.presets import find_preset, preset_names
 from kvtier.plan.quant import Quantization, kv_cache_dtype, read_quantization
 from kvtier.plan.shapes import MLA_ROPE_DEFAULT, Shape, expanded_head_dim, is_mla, layer_shapes
+from kvtier.plan.side_weights import NO_SIDE_WEIGHTS, SideWeights, read_side_weights
 from kvtier.statsdoc import clean
 
 MAX_CONFIG_BYTES = 64 << 20
@@ -87,6 +88,7 @@ class ModelSpec:
     layer_shapes: tuple[Shape, ...] = ()  # per layer (KV heads, head size); (): all alike
     checkpoint_kv_dtype: str = ""  # the KV dtype quantization_config asks vLLM for; "": none
     shared_kv_layers: int = 0  # last layers reading an earlier layer's KV (NO_KV above)
+    side: SideWeights = NO_SIDE_WEIGHTS  # per-layer embeddings, AltUp, LAuReL (Gemma-3n/4)
 
     @property
     def windowed_layers(self) -> int:
@@ -219,6 +221,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         layer_shapes=shapes,
         checkpoint_kv_dtype=kv_cache_dtype(cfg),
         shared_kv_layers=shared,
+        side=read_side_weights(cfg, layers, hidden, source),
     )
 
 

@@ -30,3 +30,40 @@ def test_an_ungated_mlp_counts_two_matrices(model_type: str) -> None:
     assert not spec.gated_mlp
     llama = estimate_params(spec_from_config({**cfg, "model_type": "llama"}))
     assert llama.total - estimate_params(spec).total == 4 * 512 * 2048  # one matrix a layer
+
+
+# Gemma-3n-E4B's text config: per-layer embeddings, AltUp, LAuReL, 15 KV-sharing layers.
+GEMMA3N_E4B: dict[str, Any] = {
+    "model_type": "gemma3n_text", "num_hidden_layers": 35, "hidden_size": 2048,
+    "intermediate_size": 16384, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 256, "vocab_size": 262400, "vocab_size_per_layer_input": 262144,
+    "hidden_size_per_layer_input": 256, "altup_num_inputs": 4, "laurel_rank": 64,
+    "num_kv_shared_layers": 15, "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize(("extra", "total"), [
+    ({}, 6_835_235_568), ({"altup_num_inputs": 2, "laurel_rank": 0}, 6_809_137_572),
+    ({"hidden_size_per_layer_input": 128}, 5_633_305_200)])
+def test_gemma3n_counts_per_layer_embeddings_altup_and_laurel(extra: dict[str, Any],
+                                                              total: int) -> None:
+    """Without them Gemma-3n-E4B counted 4.4 B of Transformers' 6.8 B: the plan's KV
+    budget was 2.4 GB (bf16) larger than the GPU has."""
+    counted = estimate_params(spec_from_config({**GEMMA3N_E4B, **extra}))
+    assert counted.total == pytest.approx(total, rel=1e-4)
+    per_layer_embed = 262144 * 35 * extra.get("hidden_size_per_layer_input", 256)
+    assert counted.embeddings == 262400 * 2048 + per_layer_embed
+
+
+def test_kv_sharing_layers_have_no_k_and_v_projections() -> None:
+    """vLLM's and Transformers' Gemma-3n give a KV-sharing layer a Q projection only."""
+    own = {**GEMMA3N_E4B, "num_kv_shared_layers": 0}
+    diff = estimate_params(spec_from_config(own)).total - estimate_params(
+        spec_from_config(GEMMA3N_E4B)).total
+    assert diff == 15 * 2 * 2048 * 2 * 256
+
+
+def test_a_family_without_side_weights_counts_none() -> None:
+    spec = spec_from_config({**_SMALL, "model_type": "llama"})
+    assert (spec.side.embeddings, spec.side.dense) == (0, 0)
+    assert estimate_params(spec).embeddings == 2 * 1000 * 512
