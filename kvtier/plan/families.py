@@ -13,14 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.plan.errors import PlanError
-from kvtier.plan.fields import MAX_DIM, brief, flag, int_field, opt_int
+from kvtier.plan.fields import MAX_DIM, brief, flag, int_field, opt_int, require_int
 
 FALCON = frozenset({"falcon", "RefinedWeb", "RefinedWebModel"})
 """Falcon and its legacy (trust_remote_code) RefinedWeb model types."""
 TWO_MATRIX_MLP = frozenset(FALCON | {"gpt2", "gpt_bigcode", "gptj", "gpt_neo", "gpt_neox",
                                      "mpt", "opt", "bloom", "phi", "starcoder2", "apertus",
                                      "arcee", "persimmon", "nanochat", "jais2", "biogpt",
-                                     "codegen"})
+                                     "codegen", "nemotron_h"})
 """Model types whose MLP is up and down projections only (not gated)."""
 TIED_BY_DEFAULT = frozenset(FALCON | {"gpt2", "gpt_bigcode", "gpt_neo", "mpt", "opt",
                                       "bloom", "gemma", "gemma2", "gemma3", "gemma3_text"})
@@ -92,6 +92,8 @@ def mlp_width(cfg: dict[str, Any], hidden: int, source: str) -> int:
     4 x hidden (every one of those configs' default). Llama-4's ``intermediate_size_mlp``
     comes first: its dense layers' width, where ``intermediate_size`` is the experts'. A
     list of one width per layer (Gemma-3n) counts as its mean."""
+    if str(cfg.get("model_type", "")) == "lfm2":
+        return _lfm2_width(cfg, source)
     for key in ("intermediate_size_mlp", "intermediate_size", "ffn_hidden_size", "n_inner",
                 "ffn_dim"):
         widths = cfg.get(key)
@@ -110,6 +112,21 @@ def mlp_width(cfg: dict[str, Any], hidden: int, source: str) -> int:
                             f"0 and at most {_MAX_RATIO:g}, got {brief(ratio)}")
         return int(ratio * hidden)
     return 4 * hidden
+
+
+def _lfm2_width(cfg: dict[str, Any], source: str) -> int:
+    """LFM2's MLP width as vLLM's Lfm2MLP adjusts ``intermediate_size``: 2/3 of it, times
+    ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of``."""
+    width = require_int(cfg, "intermediate_size", source)
+    if cfg.get("block_auto_adjust_ff_dim", True) is not False:
+        width = int(2 * width / 3)
+        factor = cfg.get("block_ffn_dim_multiplier")
+        if isinstance(factor, int | float) and not isinstance(factor, bool) \
+                and 0 < factor <= _MAX_RATIO:
+            width = int(factor * width)
+        step = opt_int(cfg, "block_multiple_of", source, 256, low=1)
+        width = step * -(-width // step)
+    return width
 
 
 def gated_mlp(model_type: str) -> bool:

@@ -296,15 +296,22 @@ def estimate_params(model: ModelSpec) -> ParamCount:
         dense += _block_params(m)
         return ParamCount(total=embed + dense, active=embed + dense, embeddings=embed,
                           experts=0)
-    base = _attention_params(m) + 2 * h  # attention and two norms
+    attention = _attention_params(m)
     dense_mlp = _mlp_params(m, m.intermediate_size)
+    mix = m.mixers
     for layer in range(m.num_layers):
+        mixer = (attention if mix is None or mix.attention[layer] else 0) + (
+            mix.state[layer] if mix else 0)
+        has_mlp = mix is None or mix.mlp[layer]
+        dense += mixer + h * (1 + (has_mlp and mixer > 0))  # a norm before each block
+        if not has_mlp:
+            continue
         if m.moe is None or not m.moe.moe_layers[layer]:
-            dense += base + dense_mlp
+            dense += dense_mlp
             continue
         expert = _mlp_params(m, m.moe.expert_intermediate)
         shared = _mlp_params(m, m.moe.shared_intermediate)
-        dense += base + h * m.moe.routed_experts  # the router
+        dense += h * m.moe.routed_experts  # the router
         experts += expert * m.moe.routed_experts + shared
         active_experts += expert * m.moe.active_experts + shared
     # the last layers reading an earlier layer's KV (Gemma-3n) have a Q projection only

@@ -79,6 +79,9 @@ def _types_from_fields(cfg: dict[str, Any], layers: int) -> list[str] | None:
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             offset = 4
         return ["full_attention" if i % period == offset else "mamba" for i in range(layers)]
+    indices = cfg.get("attn_layer_indices")  # Bamba: attention in the listed layers
+    if model_type == "bamba" and isinstance(indices, list):
+        return ["full_attention" if i in indices else "mamba" for i in range(layers)]
     if model_type == "lfm2" and isinstance(cfg.get("full_attn_idxs"), list):
         full = set(cfg["full_attn_idxs"])
         return ["full_attention" if i in full else "conv" for i in range(layers)]
@@ -102,8 +105,9 @@ def _types_from_fields(cfg: dict[str, Any], layers: int) -> list[str] | None:
     return None
 
 
-def layer_reach(cfg: dict[str, Any], layers: int, source: str) -> LayerReach:
-    """Each layer's reach, from ``layer_types`` or the older per-architecture fields."""
+def layer_types(cfg: dict[str, Any], layers: int, source: str) -> list[str] | None:
+    """Each layer's type, from ``layer_types`` or the older per-architecture fields; None
+    when every layer is of one kind."""
     types = cfg.get("layer_types")
     if not isinstance(types, list) or not types:
         types = cfg.get("layers_block_type")  # Jamba, Bamba, Falcon-H1, Zamba 2
@@ -116,6 +120,12 @@ def layer_reach(cfg: dict[str, Any], layers: int, source: str) -> LayerReach:
         if types is not None and len(types) != layers:
             raise PlanError(f"{source}: the layer pattern has {len(types)} layers for "
                             f"num_hidden_layers={layers}")
+    return None if types is None else [str(t) for t in types]
+
+
+def layer_reach(cfg: dict[str, Any], layers: int, source: str) -> LayerReach:
+    """Each layer's reach, from ``layer_types`` or the older per-architecture fields."""
+    types = layer_types(cfg, layers, source)
     if types is None:  # one kind for every layer
         # a window at least max_position_embeddings long (Phi-3-mini-128k, Ministral) holds
         # every token, but vLLM still builds a sliding-window cache for it, which kvtier's

@@ -10,7 +10,7 @@ Older configs' own spellings (GPT-2's ``n_layer``, MPT's ``d_model``, Falcon's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,8 @@ from kvtier.plan.errors import PlanError
 from kvtier.plan.families import gated_mlp, kv_heads, mlp_width, tied_embeddings
 from kvtier.plan.fields import MAX_CONTEXT, MAX_DIM, MAX_LAYERS, key_of, opt_int, require_int
 from kvtier.plan.indexer import index_head_dim, indexer_layers
-from kvtier.plan.layers import NO_KV, LayerReach, layer_reach
+from kvtier.plan.layers import NO_KV, LayerReach, layer_reach, layer_types
+from kvtier.plan.mixers import MLP_BLOCKS, LayerMixers, read_mixers
 from kvtier.plan.moe import MoESpec, read_moe
 from kvtier.plan.presets import find_preset, preset_names
 from kvtier.plan.quant import Quantization, kv_cache_dtype, read_quantization
@@ -89,6 +90,7 @@ class ModelSpec:
     checkpoint_kv_dtype: str = ""  # the KV dtype quantization_config asks vLLM for; "": none
     shared_kv_layers: int = 0  # last layers reading an earlier layer's KV (NO_KV above)
     side: SideWeights = NO_SIDE_WEIGHTS  # per-layer embeddings, AltUp, LAuReL (Gemma-3n/4)
+    mixers: LayerMixers | None = None  # hybrid stacks' per-layer blocks; None: attention + MLP
 
     @property
     def windowed_layers(self) -> int:
@@ -135,6 +137,18 @@ def _unwrap(cfg: dict[str, Any]) -> dict[str, Any]:
     return inner
 
 
+def _layer_count(cfg: dict[str, Any], source: str) -> int:
+    """``num_hidden_layers``, or the length of the per-layer pattern where Transformers 5
+    derives the count from it and config.json leaves it out (Nemotron-H)."""
+    key = key_of(cfg, "num_hidden_layers")
+    if cfg.get(key) is None:
+        for field in ("layers_block_type", "layer_types", "hybrid_override_pattern"):
+            pattern = cfg.get(field)
+            if isinstance(pattern, list | str) and 0 < len(pattern) <= MAX_LAYERS:
+                return len(pattern)
+    return require_int(cfg, key, source, MAX_LAYERS)
+
+
 def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     """Build a ModelSpec from the fields of a Hugging Face config.json.
 
@@ -145,7 +159,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         raise PlanError(f"{name or 'config'}: expected a JSON object, got {type(cfg).__name__}")
     cfg = with_class_defaults(_unwrap(cfg))
     source = name or str(cfg.get("_name_or_path") or "config.json")
-    layers = require_int(cfg, key_of(cfg, "num_hidden_layers"), source, MAX_LAYERS)
+    layers = _layer_count(cfg, source)
     hidden = require_int(cfg, key_of(cfg, "hidden_size"), source)
     heads = require_int(cfg, key_of(cfg, "num_attention_heads"), source)
     stack = read_blocks(cfg, layers, heads, hidden, source)
@@ -170,6 +184,11 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
                         f"num_key_value_heads={kv}")
     _check_widths(source, heads * head_dim, 2 * kv * head_dim)
     moe = read_moe(cfg, layers, source)
+    types = None if stack else layer_types(cfg, layers, source)
+    mixers = read_mixers(cfg, types, hidden, source)
+    if moe is not None and types is not None and any(t in MLP_BLOCKS for t in types):
+        # one block per layer (Nemotron-H): the MoE layers are the ones the pattern names
+        moe = replace(moe, moe_layers=tuple(t in ("moe", "sparse") for t in types))
     reach = (LayerReach(tuple(None if b.attention == FULL else NO_KV for b in stack.blocks), 0)
              if stack else layer_reach(cfg, layers, source))
     shared = opt_int(cfg, "num_kv_shared_layers", source, high=layers)
@@ -222,6 +241,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         checkpoint_kv_dtype=kv_cache_dtype(cfg),
         shared_kv_layers=shared,
         side=read_side_weights(cfg, layers, hidden, source),
+        mixers=mixers,
     )
 
 
