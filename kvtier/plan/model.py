@@ -137,6 +137,15 @@ def _unwrap(cfg: dict[str, Any]) -> dict[str, Any]:
     return inner
 
 
+def _default_head_dim(cfg: dict[str, Any], hidden: int, heads: int, source: str) -> int:
+    """The head size without ``head_dim``: hidden / heads, but Zamba2's attention runs on
+    the hidden state concatenated with the embeddings (vLLM reads ``attention_head_dim``,
+    which Zamba2Config makes 2 x hidden / heads)."""
+    if str(cfg.get("model_type", "")) == "zamba2":
+        return opt_int(cfg, "attention_head_dim", source, 2 * hidden // heads, low=1)
+    return hidden // heads
+
+
 def _layer_count(cfg: dict[str, Any], source: str) -> int:
     """``num_hidden_layers``, or the length of the per-layer pattern where Transformers 5
     derives the count from it and config.json leaves it out (Nemotron-H)."""
@@ -168,7 +177,8 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     if expanded:  # MLA projections served as plain attention (MiniCPM3): a K/V per head
         kv, head_dim = heads, expanded
     else:
-        head_dim = opt_int(cfg, "head_dim", source, hidden // heads, low=1)
+        head_dim = opt_int(cfg, "head_dim", source, _default_head_dim(cfg, hidden, heads, source),
+                           low=1)
     if head_dim < 1:
         raise PlanError(f"{source}: hidden_size={hidden} is smaller than "
                         f"num_attention_heads={heads}; the config must give head_dim")

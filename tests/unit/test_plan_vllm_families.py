@@ -303,3 +303,17 @@ def test_absurd_sizes_are_one_line_errors(capsys: pytest.CaptureFixture[str],
     code, out, err = plan(capsys, "--model", write(tmp_path, {**LLAMA_8B, **fields}))
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "must be an integer" in err or "not a real model" in err
+
+
+def test_zamba2_heads_are_twice_the_hidden_size_wide() -> None:
+    """Zamba2's shared attention reads [hidden, embeddings]: vLLM's head size is
+    attention_head_dim (2 x hidden / heads), 160 for Zamba2-2.7B, where hidden / heads
+    planned half its KV. Only the hybrid layers hold KV."""
+    cfg = {"model_type": "zamba2", "num_hidden_layers": 54, "hidden_size": 2560,
+           "num_attention_heads": 32, "vocab_size": 32000,
+           "layers_block_type": ["hybrid" if i in (6, 12, 18, 24, 30, 36, 42, 47, 51)
+                                 else "mamba" for i in range(54)]}
+    spec = spec_from_config(cfg)
+    assert (spec.head_dim, spec.num_kv_heads, spec.kv_layers) == (160, 32, 9)
+    assert kv_bytes_per_token(spec, "bfloat16") == 9 * 2 * 32 * 160 * 2
+    assert spec_from_config({**cfg, "attention_head_dim": 128}).head_dim == 128
