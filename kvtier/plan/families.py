@@ -39,9 +39,9 @@ def kv_heads(cfg: dict[str, Any], heads: int, source: str) -> int:
 
     Falcon (Transformers' FalconAttention): ``num_kv_heads`` if ``new_decoder_architecture``
     or not ``multi_query`` (default true), else 1. GPT-BigCode: 1 when ``multi_query``
-    (default true). MPT: from ``attn_config``. ChatGLM / older GLM-4 (vLLM's chatglm.py):
-    ``multi_query_group_num`` when ``multi_query_attention`` (default false), else one per
-    attention head.
+    (default true). MPT: from ``attn_config``; DBRX: ``attn_config.kv_n_heads``. ChatGLM /
+    older GLM-4 (vLLM's chatglm.py): ``multi_query_group_num`` when
+    ``multi_query_attention`` (default false), else one per attention head.
     """
     model_type = str(cfg.get("model_type", ""))
     key = next((k for k in _KV_KEYS if cfg.get(k) is not None), _KV_KEYS[0])
@@ -58,6 +58,13 @@ def kv_heads(cfg: dict[str, Any], heads: int, source: str) -> int:
         return 1 if flag(cfg, "multi_query", source, True) else heads
     elif model_type == "mpt":
         return _mpt_kv_heads(cfg, heads, source)
+    elif model_type == "dbrx":  # vLLM's DbrxModelArchConfigConvertor
+        attn = cfg.get("attn_config") or {}
+        if not isinstance(attn, dict):
+            raise PlanError(f"{source}: config field 'attn_config' must be an object, got "
+                            f"{brief(attn)}")
+        return int_field(attn, "kv_n_heads", source, 1, MAX_DIM,
+                         "attn_config.kv_n_heads") or heads
     elif model_type == "chatglm":
         if not flag(cfg, "multi_query_attention", source, False):
             return heads

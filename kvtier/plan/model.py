@@ -138,12 +138,13 @@ def _unwrap(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _default_head_dim(cfg: dict[str, Any], hidden: int, heads: int, source: str) -> int:
-    """The head size without ``head_dim``: hidden / heads, but Zamba2's attention runs on
-    the hidden state concatenated with the embeddings (vLLM reads ``attention_head_dim``,
-    which Zamba2Config makes 2 x hidden / heads)."""
+    """The head size without ``head_dim``: ``hidden_size_per_head`` or hidden / heads, but
+    Zamba2's attention runs on the hidden state concatenated with the embeddings (vLLM
+    reads ``attention_head_dim``, which Zamba2Config makes 2 x hidden / heads)."""
     if str(cfg.get("model_type", "")) == "zamba2":
         return opt_int(cfg, "attention_head_dim", source, 2 * hidden // heads, low=1)
-    return hidden // heads
+    # PLaMo 2 names it hidden_size_per_head (vLLM's get_head_size reads it next)
+    return opt_int(cfg, "hidden_size_per_head", source, hidden // heads, low=1)
 
 
 def _layer_count(cfg: dict[str, Any], source: str) -> int:

@@ -157,8 +157,30 @@ def _top_k(cfg: dict[str, Any], routed: int, source: str) -> int:
                     "'num_experts_per_tok' from the model card to config.json")
 
 
+def _dbrx(cfg: dict[str, Any], layers: int, source: str) -> MoESpec:
+    """DBRX keeps its experts in ``ffn_config`` (DbrxFFNConfig's defaults where a field is
+    left out): every layer MoE, no shared expert."""
+    ffn = cfg.get("ffn_config") or {}
+    if not isinstance(ffn, dict):
+        raise PlanError(f"{source}: config field 'ffn_config' must be an object, got "
+                        f"{brief(ffn)}")
+    routed = opt_int(ffn, "moe_num_experts", source, 4, low=1, high=MAX_EXPERTS,
+                     label="ffn_config.moe_num_experts")
+    return MoESpec(
+        routed_experts=routed,
+        active_experts=opt_int(ffn, "moe_top_k", source, 1, low=1, high=routed,
+                               label="ffn_config.moe_top_k"),
+        expert_intermediate=opt_int(ffn, "ffn_hidden_size", source, 3584, low=1,
+                                    label="ffn_config.ffn_hidden_size"),
+        shared_intermediate=0,
+        moe_layers=(True,) * layers,
+    )
+
+
 def read_moe(cfg: dict[str, Any], layers: int, source: str) -> MoESpec | None:
     """The MoE shape of a config, or None for a dense model (no routed experts)."""
+    if str(cfg.get("model_type", "")) == "dbrx":
+        return _dbrx(cfg, layers, source)
     routed = next((n for n in (opt_int(cfg, key, source, high=MAX_EXPERTS) for key in _ROUTED)
                    if n), 0)
     if not routed:

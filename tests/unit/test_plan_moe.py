@@ -152,3 +152,28 @@ def test_an_all_moe_config_needs_no_dense_intermediate_size() -> None:
     assert estimate_params(spec_from_config(longcat)) == estimate_params(spec_from_config(cfg))
     with pytest.raises(PlanError, match="intermediate_size"):
         spec_from_config({k: v for k, v in cfg.items() if k != "moe_intermediate_size"})
+
+
+# DBRX-132B: d_model/n_heads/n_layers, KV heads and experts in nested objects.
+DBRX = {
+    "model_type": "dbrx", "d_model": 6144, "n_heads": 48, "n_layers": 40,
+    "max_seq_len": 32768, "vocab_size": 100352,
+    "attn_config": {"kv_n_heads": 8, "clip_qkv": 8, "rope_theta": 500000},
+    "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4},
+}
+
+
+def test_dbrx_reads_its_kv_heads_and_experts_from_the_nested_configs() -> None:
+    """Read as 48 KV heads and a dense model, DBRX planned 6x its KV and 25 B weights;
+    it is 132 B with 36 B active (Databricks' figures), KV heads 8 (vLLM's convertor)."""
+    spec = spec_from_config(DBRX)
+    assert spec.num_kv_heads == 8
+    counted = estimate_params(spec)
+    assert counted.total / 1e9 == pytest.approx(132, rel=0.01)
+    assert counted.active / 1e9 == pytest.approx(36, rel=0.02)
+    bare = spec_from_config({**DBRX, "attn_config": {}, "ffn_config": {}})
+    assert bare.num_kv_heads == 48 and bare.moe is not None
+    assert (bare.moe.routed_experts, bare.moe.active_experts,
+            bare.moe.expert_intermediate) == (4, 1, 3584)   # DbrxFFNConfig's defaults
+    with pytest.raises(PlanError, match="ffn_config"):
+        spec_from_config({**DBRX, "ffn_config": [16]})

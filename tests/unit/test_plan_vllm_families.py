@@ -317,3 +317,13 @@ def test_zamba2_heads_are_twice_the_hidden_size_wide() -> None:
     assert (spec.head_dim, spec.num_kv_heads, spec.kv_layers) == (160, 32, 9)
     assert kv_bytes_per_token(spec, "bfloat16") == 9 * 2 * 32 * 160 * 2
     assert spec_from_config({**cfg, "attention_head_dim": 128}).head_dim == 128
+
+
+def test_hidden_size_per_head_is_the_head_size_without_head_dim() -> None:
+    """vLLM's get_head_size reads PLaMo 2's hidden_size_per_head before hidden / heads."""
+    cfg = {"model_type": "plamo2", "num_hidden_layers": 4, "hidden_size": 2048,
+           "num_attention_heads": 32, "num_key_value_heads": 4, "hidden_size_per_head": 128}
+    assert spec_from_config(cfg).head_dim == 128
+    assert spec_from_config({**cfg, "head_dim": 96}).head_dim == 96
+    del cfg["hidden_size_per_head"]
+    assert spec_from_config(cfg).head_dim == 64
