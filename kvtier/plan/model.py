@@ -34,6 +34,8 @@ from kvtier.statsdoc import clean
 
 MAX_CONFIG_BYTES = 64 << 20
 """Largest model config.json read (64 MiB): real ones are a few KiB."""
+PURE_SSM = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"})
+"""Model types without attention (vLLM's MambaModelArchConfigConvertor and kin)."""
 
 
 class AttentionKind(str, Enum):
@@ -171,6 +173,10 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     source = name or str(cfg.get("_name_or_path") or "config.json")
     layers = _layer_count(cfg, source)
     hidden = require_int(cfg, key_of(cfg, "hidden_size"), source)
+    if str(cfg.get("model_type", "")) in PURE_SSM:
+        raise PlanError(f"{source}: a {cfg['model_type']} model has no attention layers: its "
+                        "state per sequence has a fixed size and no KV grows with the "
+                        "context, so there is no KV for kvtier to plan or offload")
     heads = require_int(cfg, key_of(cfg, "num_attention_heads"), source)
     stack = read_blocks(cfg, layers, heads, hidden, source)
     kv = stack.kv_heads if stack else kv_heads(cfg, heads, source)

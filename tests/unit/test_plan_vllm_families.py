@@ -327,3 +327,12 @@ def test_hidden_size_per_head_is_the_head_size_without_head_dim() -> None:
     assert spec_from_config({**cfg, "head_dim": 96}).head_dim == 96
     del cfg["hidden_size_per_head"]
     assert spec_from_config(cfg).head_dim == 64
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"])
+def test_a_pure_ssm_is_refused_as_having_no_kv(model_type: str) -> None:
+    """It was refused for a missing num_attention_heads, as if the config were broken."""
+    cfg = {"model_type": model_type, "num_hidden_layers": 64, "hidden_size": 4096,
+           "vocab_size": 50280}
+    with pytest.raises(PlanError, match=r"no attention layers.*no KV"):
+        spec_from_config(cfg)
