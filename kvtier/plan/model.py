@@ -177,6 +177,10 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         raise PlanError(f"{source}: a {cfg['model_type']} model has no attention layers: its "
                         "state per sequence has a fixed size and no KV grows with the "
                         "context, so there is no KV for kvtier to plan or offload")
+    if cfg.get("compress_ratios") is not None or cfg.get("compress_rates") is not None:
+        raise PlanError(f"{source}: compressed sparse attention (DeepSeek-V4: "
+                        "compress_ratios) keeps a KV per layer that kvtier plan does not "
+                        "model; it is not planned rather than planned wrong")
     heads = require_int(cfg, key_of(cfg, "num_attention_heads"), source)
     stack = read_blocks(cfg, layers, heads, hidden, source)
     kv = stack.kv_heads if stack else kv_heads(cfg, heads, source)

@@ -336,3 +336,14 @@ def test_a_pure_ssm_is_refused_as_having_no_kv(model_type: str) -> None:
            "vocab_size": 50280}
     with pytest.raises(PlanError, match=r"no attention layers.*no KV"):
         spec_from_config(cfg)
+
+
+@pytest.mark.parametrize("field", ["compress_ratios", "compress_rates"])
+def test_deepseek_v4_compressed_attention_is_refused_not_planned_wrong(field: str) -> None:
+    """Its compressed layers keep a fraction of the tokens' KV: read as plain attention the
+    plan was many times too large, and its mlp_layer_types refusal named the wrong cause."""
+    cfg = {"model_type": "deepseek_v4", "num_hidden_layers": 43, "hidden_size": 4096,
+           "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+           field: {"compressed_sparse_attention": 4}}
+    with pytest.raises(PlanError, match="compressed sparse attention"):
+        spec_from_config(cfg)
