@@ -327,8 +327,10 @@ def _hybrid_note(m: ModelSpec) -> str:
     state = (f"{m.state_layers} carry a fixed-size recurrent state per sequence (linear "
              "attention, SSM or convolution) that the engine keeps in HBM beside the KV: not "
              "counted here, and not stored by kvtier" if m.state_layers else "")
-    weights = ("Weights are counted as if every layer were attention + MLP: pass --params "
-               "for the exact count")
+    known = m.mixers is not None and (any(m.mixers.state) or not all(m.mixers.mlp))
+    weights = ("Weights count each layer's own blocks (Mamba, DeltaNet, convolution, "
+               "attention, MLP)" if known else "Weights are counted as if every layer were "
+               "attention + MLP: pass --params for the exact count")
     if not no_kv:  # Falcon-H1: attention and Mamba side by side in every layer
         return (f"hybrid model: all {m.num_layers} layers hold attention KV and {state}. "
                 + weights)

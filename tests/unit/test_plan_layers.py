@@ -120,7 +120,13 @@ def test_the_plan_of_a_hybrid_model_says_what_it_left_out(
     assert doc["kv_bytes_per_token"] == 24_576
     assert (doc["model"]["kv_layers"], doc["model"]["state_layers"]) == (12, 36)
     (note,) = [n for n in doc["notes"] if n.startswith("hybrid model")]
-    assert "only 12 of 48 layers hold attention KV" in note and "--params" in note
+    assert "only 12 of 48 layers hold attention KV" in note and "own blocks" in note
+    assert "--params" not in note   # its DeltaNet layers are counted as such
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_NEXT, "model_type": "new_hybrid",
+                                                      "full_attention_interval": 4}))
+    (guessed,) = [n for n in plan_json(capsys, "--model", str(tmp_path), "--gpu", "h200")[
+        "notes"] if n.startswith("hybrid model")]
+    assert "as if every layer were attention + MLP: pass --params" in guessed
     (refused,) = [n for n in doc["notes"] if "connector refuses this model at start" in n]
     assert "disable-sliding-window" not in refused   # recurrent layers: no such way out
     full = plan_json(capsys, "--model", "llama-3-8b")
