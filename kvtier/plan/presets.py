@@ -25,6 +25,35 @@ _QWEN25_BASE: dict[str, Any] = {
     "use_sliding_window": False, "sliding_window": 131072, "hidden_act": "silu",
 }
 
+_QWEN3_BASE: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+    "max_position_embeddings": 40960, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "head_dim": 128, "attention_bias": False, "use_sliding_window": False,
+    "sliding_window": None, "hidden_act": "silu",
+}
+_QWEN3_MOE_BASE: dict[str, Any] = {
+    **_QWEN3_BASE, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "num_experts": 128,
+    "num_experts_per_tok": 8,
+}
+
+
+def _gpt_oss(name: str, layers: int, experts: int) -> dict[str, Any]:
+    """gpt-oss: MXFP4 experts, sliding-window (128) and full attention alternating."""
+    return {
+        "_name_or_path": name, "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss", "num_hidden_layers": layers, "num_local_experts": experts,
+        "num_experts_per_tok": 4, "hidden_size": 2880, "intermediate_size": 2880,
+        "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "sliding_window": 128, "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "vocab_size": 201088, "max_position_embeddings": 131072, "attention_bias": True,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]},
+    }
+
 
 def _with(base: dict[str, Any], **fields: Any) -> dict[str, Any]:
     merged = dict(base)
@@ -82,6 +111,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 256, "vocab_size": 256000, "max_position_embeddings": 8192,
         "sliding_window": 4096, "torch_dtype": "float32", "tie_word_embeddings": True,
     },
+    "qwen3-8b": _with(_QWEN3_BASE, _name_or_path="Qwen/Qwen3-8B", num_hidden_layers=36,
+                      hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                      num_key_value_heads=8, max_window_layers=36),
+    "qwen3-32b": _with(_QWEN3_BASE, _name_or_path="Qwen/Qwen3-32B", num_hidden_layers=64,
+                       hidden_size=5120, intermediate_size=25600, num_attention_heads=64,
+                       num_key_value_heads=8, max_window_layers=64),
+    "qwen3-30b-a3b": _with(_QWEN3_MOE_BASE, _name_or_path="Qwen/Qwen3-30B-A3B",
+                           num_hidden_layers=48, hidden_size=2048, intermediate_size=6144,
+                           moe_intermediate_size=768, num_attention_heads=32,
+                           num_key_value_heads=4, max_window_layers=48),
+    "qwen3-235b-a22b": _with(_QWEN3_MOE_BASE, _name_or_path="Qwen/Qwen3-235B-A22B",
+                             num_hidden_layers=94, hidden_size=4096, intermediate_size=12288,
+                             moe_intermediate_size=1536, num_attention_heads=64,
+                             num_key_value_heads=4, max_window_layers=94),
+    "gpt-oss-20b": _gpt_oss("openai/gpt-oss-20b", 24, 32),
+    "gpt-oss-120b": _gpt_oss("openai/gpt-oss-120b", 36, 128),
     "deepseek-v3": {
         "_name_or_path": "deepseek-ai/DeepSeek-V3", "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168,

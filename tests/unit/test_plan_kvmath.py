@@ -36,6 +36,8 @@ PUBLISHED_PARAMS = {
 ROUNDED_PARAMS = {
     "qwen2.5-14b": (14.7, None), "qwen2.5-32b": (32.5, None), "qwen2.5-72b": (72.7, None),
     "gemma-2-9b": (9.24, None), "mixtral-8x7b": (46.7, 12.9), "deepseek-v3": (671, 37),
+    "qwen3-8b": (8.2, None), "qwen3-32b": (32.8, None), "qwen3-30b-a3b": (30.5, 3.3),
+    "qwen3-235b-a22b": (235, 22), "gpt-oss-20b": (20.9, None), "gpt-oss-120b": (116.8, None),
 }
 
 
