@@ -1,8 +1,9 @@
 """Mixture-of-experts shape read from a config.json: which layers are MoE, expert widths.
 
 Families say it in their own fields, read as vLLM's model code reads them: DeepSeek leads
-with ``first_k_dense_replace`` dense layers (then every ``moe_layer_freq``-th is MoE), Qwen
-MoEs are MoE every ``decoder_sparse_step``-th layer except ``mlp_only_layers``, Llama-4
+with ``first_k_dense_replace`` dense layers (AFMoE and LFM2-MoE: ``num_dense_layers``),
+then every ``moe_layer_freq``-th is MoE; Qwen MoEs are MoE every ``decoder_sparse_step``-th
+layer except ``mlp_only_layers``, Llama-4
 Maverick every ``interleave_moe_layer_step``-th (or the listed ``moe_layers``), Jamba every
 ``expert_layer_period``-th from ``expert_layer_offset``, and
 Transformers 5 configs list ``mlp_layer_types``; the other layers have a dense MLP.
@@ -122,7 +123,8 @@ def moe_layer_mask(cfg: dict[str, Any], layers: int, source: str) -> tuple[bool,
     step = (opt_int(cfg, "interleave_moe_layer_step", source, high=MAX_LAYERS)
             or opt_int(cfg, "decoder_sparse_step", source, 1, high=MAX_LAYERS))
     dense_only = _layer_list(cfg, "mlp_only_layers", layers, source)
-    first_moe = opt_int(cfg, "first_k_dense_replace", source, high=layers)
+    first_moe = (opt_int(cfg, "first_k_dense_replace", source, high=layers)
+                 or opt_int(cfg, "num_dense_layers", source, high=layers))  # AFMoE, LFM2-MoE
     freq = opt_int(cfg, "moe_layer_freq", source, 1, high=MAX_LAYERS)
     return tuple(i not in dense_only and (i + 1) % step == 0 and i >= first_moe
                  and i % freq == 0 for i in range(layers))

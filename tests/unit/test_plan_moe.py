@@ -177,3 +177,10 @@ def test_dbrx_reads_its_kv_heads_and_experts_from_the_nested_configs() -> None:
             bare.moe.expert_intermediate) == (4, 1, 3584)   # DbrxFFNConfig's defaults
     with pytest.raises(PlanError, match="ffn_config"):
         spec_from_config({**DBRX, "ffn_config": [16]})
+
+
+def test_num_dense_layers_leads_with_dense_layers() -> None:
+    """AFMoE's and LFM2-MoE's first num_dense_layers layers have a dense MLP (vLLM's
+    afmoe.py: moe_enabled = layer_idx >= num_dense_layers); all were counted as MoE."""
+    moe = spec_from_config({**QWEN15_MOE, "num_dense_layers": 2}).moe
+    assert moe is not None and moe.moe_layers == (False, False) + (True,) * 22
