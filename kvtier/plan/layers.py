@@ -79,6 +79,9 @@ def _types_from_fields(cfg: dict[str, Any], layers: int) -> list[str] | None:
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             offset = 4
         return ["full_attention" if i % period == offset else "mamba" for i in range(layers)]
+    ids = cfg.get("hybrid_layer_ids")  # Zamba2: Mamba layers, a shared block in these
+    if model_type == "zamba2" and isinstance(ids, list):
+        return ["hybrid" if i in ids else "mamba" for i in range(layers)]
     indices = cfg.get("attn_layer_indices")  # Bamba: attention in the listed layers
     if model_type == "bamba" and isinstance(indices, list):
         return ["full_attention" if i in indices else "mamba" for i in range(layers)]

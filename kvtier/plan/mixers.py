@@ -129,6 +129,10 @@ def read_mixers(cfg: dict[str, Any], types: list[str] | None, hidden: int,
         state = conv_params(cfg, hidden, source)
     else:
         state = 0   # unknown mixer: counted as attention
+    if model_type == "zamba2":  # every layer a Mamba mixer; shared blocks: side_weights
+        state = mamba2_params(cfg, hidden, source)
+        return LayerMixers(attention=(False,) * len(types), state=(state,) * len(types),
+                           mlp=(False,) * len(types))
     single = any(t in MLP_BLOCKS for t in types)
     stateful = [bool(state) and (t in _STATE or t in _BOTH) for t in types]
     return LayerMixers(

@@ -110,3 +110,26 @@ def test_an_unknown_familys_state_layers_keep_the_attention_count() -> None:
     spec = spec_from_config(cfg)
     assert spec.mixers is not None and all(spec.mixers.attention)
     assert not any(spec.mixers.state) and spec.kv_layers == 12
+
+
+ZAMBA2: dict[str, Any] = {
+    "model_type": "zamba2", "vocab_size": 32000, "hidden_size": 2560,
+    "num_hidden_layers": 54, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "intermediate_size": 10240, "tie_word_embeddings": True, "mamba_d_state": 64,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_ngroups": 1, "n_mamba_heads": 8,
+    "mamba_headdim": 640, "use_conv_bias": True, "add_bias_linear": False,
+    "num_mem_blocks": 1, "use_shared_attention_adapter": False, "adapter_rank": 128,
+    "attention_hidden_size": 5120, "hybrid_layer_ids": [6, 12, 18, 24, 30, 36, 42, 47, 51],
+}
+
+
+@pytest.mark.parametrize(("extra", "total"), [
+    ({}, 2_481_848_336), ({"num_mem_blocks": 2}, 2_652_249_616),
+    ({"use_shared_attention_adapter": True}, 2_517_237_776)])
+def test_zamba2_counts_its_shared_blocks_once(extra: dict[str, Any], total: int) -> None:
+    """Zamba2's 54 layers are Mamba mixers; its attention and MLP blocks are shared by the
+    9 hybrid layers (each adding a projection and LoRA adapters). Counted per layer as
+    attention + MLP, Zamba2-2.7B was 5.7 B of Transformers' 2.5 B."""
+    spec = spec_from_config({**ZAMBA2, **extra})
+    assert estimate_params(spec).total == total
+    assert spec.kv_layers == 9 and spec.head_dim == 160   # hybrid_layer_ids alone
