@@ -243,9 +243,10 @@ def weights_bytes(count: ParamCount, fmt: WeightsFormat, params: int | None = No
     return round(counted * params / count.total)
 
 
-def _attention_params(m: ModelSpec) -> int:
+def _attention_params(m: ModelSpec, layer: int = 0) -> int:
     """One layer's attention weights: MLA projections wherever the config has them (also
-    MiniCPM3's, which vLLM caches as plain attention), else Q, K, V and O."""
+    MiniCPM3's, which vLLM caches as plain attention), else Q, K, V and O at the layer's
+    own head size and KV heads (Gemma-4's global layers)."""
     h = m.hidden_size
     if m.kv_lora_rank:
         qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -257,8 +258,9 @@ def _attention_params(m: ModelSpec) -> int:
         kv = (h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
               + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim))
         return q + kv + heads * m.v_head_dim * h
-    q_out = m.num_attention_heads * m.head_dim
-    kv_out = m.num_kv_heads * m.head_dim
+    kv_heads, head_dim = m.shape(layer)
+    q_out = m.num_attention_heads * head_dim
+    kv_out = kv_heads * head_dim
     bias = (q_out + 2 * kv_out) if m.attention_bias else 0
     return h * q_out + 2 * h * kv_out + q_out * h + bias
 
@@ -296,10 +298,10 @@ def estimate_params(model: ModelSpec) -> ParamCount:
         dense += _block_params(m)
         return ParamCount(total=embed + dense, active=embed + dense, embeddings=embed,
                           experts=0)
-    attention = _attention_params(m)
     dense_mlp = _mlp_params(m, m.intermediate_size)
     mix = m.mixers
     for layer in range(m.num_layers):
+        attention = _attention_params(m, layer)
         mixer = (attention if mix is None or mix.attention[layer] else 0) + (
             mix.state[layer] if mix else 0)
         has_mlp = mix is None or mix.mlp[layer]

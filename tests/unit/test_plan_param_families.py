@@ -67,3 +67,20 @@ def test_a_family_without_side_weights_counts_none() -> None:
     spec = spec_from_config({**_SMALL, "model_type": "llama"})
     assert (spec.side.embeddings, spec.side.dense) == (0, 0)
     assert estimate_params(spec).embeddings == 2 * 1000 * 512
+
+
+def test_gemma4_global_layers_project_at_their_own_head_size() -> None:
+    """Q, K, V and O of Gemma-4's global layers are 512 wide per head, not 256: with its
+    per-layer embeddings, the count is Transformers' (5,077,177,856) within 1e-4."""
+    cfg = {"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2304,
+           "intermediate_size": 9216, "num_hidden_layers": 30, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True,
+           "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256,
+           "per_layer_config": {f"{i:02d}": {"head_dim": 512} for i in (5, 11, 17, 23, 29)}}
+    counted = estimate_params(spec_from_config(cfg))
+    assert counted.total == pytest.approx(5_077_177_856, rel=1e-4)
+    uniform = {**{k: v for k, v in cfg.items() if k != "per_layer_config"},
+               "global_head_dim": 256}
+    # 5 layers of Q, O (8 heads) and K, V (4 heads) at 256 more per head
+    assert counted.total - estimate_params(spec_from_config(uniform)).total == \
+        5 * 2304 * 256 * (2 * 8 + 2 * 4)
