@@ -6,8 +6,9 @@ state into x, z, B, C and dt, runs a short convolution over x, B and C, and proj
 back; a gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo hybrid) projects q, k, v, z, beta and
 alpha, convolves q, k and v, and projects back. Nemotron-H's layers hold one block each
 (Mamba, attention, MLP or MoE: ``hybrid_override_pattern`` or ``layers_block_type``),
-where the other families put an MLP after every mixer. Counted as attention plus MLP in
-every layer, Nemotron-H-8B came out at 47 B and Qwen3.5 9% short.
+where the other families put an MLP after every mixer; Zamba2's layers are all Mamba, its
+attention and MLP blocks shared (kvtier.plan.side_weights). Counted as attention plus MLP
+in every layer, Nemotron-H-8B came out at 47 B, Zamba2 2.3x and Qwen3.5 9% short.
 
 A state layer of a family not known here keeps the attention count: the plan may then be
 off on the weights, never on the KV (kvtier.plan.layers decides which layers hold KV).
@@ -119,6 +120,10 @@ def read_mixers(cfg: dict[str, Any], types: list[str] | None, hidden: int,
     if types is None:
         return None
     model_type = str(cfg.get("model_type", ""))
+    if model_type == "zamba2":  # every layer a Mamba mixer; its shared blocks: side_weights
+        state = mamba2_params(cfg, hidden, source)
+        return LayerMixers(attention=(False,) * len(types), state=(state,) * len(types),
+                           mlp=(False,) * len(types))
     if model_type in MAMBA2_TYPES:
         state = mamba2_params(cfg, hidden, source)
     elif model_type in DELTANET_TYPES:
@@ -129,10 +134,6 @@ def read_mixers(cfg: dict[str, Any], types: list[str] | None, hidden: int,
         state = conv_params(cfg, hidden, source)
     else:
         state = 0   # unknown mixer: counted as attention
-    if model_type == "zamba2":  # every layer a Mamba mixer; shared blocks: side_weights
-        state = mamba2_params(cfg, hidden, source)
-        return LayerMixers(attention=(False,) * len(types), state=(state,) * len(types),
-                           mlp=(False,) * len(types))
     single = any(t in MLP_BLOCKS for t in types)
     stateful = [bool(state) and (t in _STATE or t in _BOTH) for t in types]
     return LayerMixers(
