@@ -32,6 +32,7 @@ class AsyncLoads:
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
         self.running: dict[str, Future[set[int]]] = {}   # request id -> its failed pages
+        self._pages: dict[str, set[int]] = {}   # request id -> the pages its load fills
 
     def submit(self, spec: TransferSpec, caches: CacheSet, device_loads: bool,
                fence: Any = None) -> None:
@@ -40,6 +41,7 @@ class AsyncLoads:
         still read by queued kernels)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
+        self._pages[spec.req_id] = _pages_of(spec)
         self.running[spec.req_id] = self._pool.submit(self._load_whole, spec, caches,
                                                       device_loads, fence)
 
@@ -51,10 +53,12 @@ class AsyncLoads:
             if not fut.done():
                 continue
             del self.running[req_id]
+            pages = self._pages.pop(req_id, set())
             try:
                 failed |= fut.result()
-            except Exception:  # _load_whole never raises; defensive
+            except BaseException:  # _load_whole does not raise; a crash copied nothing sure
                 logger.exception("kvtier: async load of %s crashed", req_id)
+                failed |= pages
             done.add(req_id)
         return done, failed
 
@@ -63,8 +67,13 @@ class AsyncLoads:
         """Every layer at once, on the pool thread. On a GPU the copies run on this
         thread's own stream, after ``fence``, and are finished before the leases are
         released: the daemon may reuse a slot the moment its lease is given back."""
-        stream = self.stream(caches)
-        batch = LoadBatch([spec], caches, self._link, self._tp_rank, device_loads)
+        try:   # a load that cannot even start (a CUDA fault) fails every page it fills
+            stream = self.stream(caches)
+            batch = LoadBatch([spec], caches, self._link, self._tp_rank, device_loads)
+        except Exception:
+            logger.exception("kvtier: load of request %s could not start; vLLM recomputes "
+                             "it", spec.req_id)
+            return _pages_of(spec)
         try:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if fence is not None and stream is not None:
@@ -100,3 +109,8 @@ class AsyncLoads:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _pages_of(spec: TransferSpec) -> set[int]:
+    """The pages a load of ``spec`` fills (those before ``skip_pages`` vLLM computes)."""
+    return set(spec.page_ids[spec.skip_pages:])
