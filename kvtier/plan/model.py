@@ -30,6 +30,7 @@ from kvtier.plan.presets import find_preset, preset_names
 from kvtier.plan.quant import Quantization, kv_cache_dtype, read_quantization
 from kvtier.plan.shapes import MLA_ROPE_DEFAULT, Shape, expanded_head_dim, is_mla, layer_shapes
 from kvtier.plan.side_weights import NO_SIDE_WEIGHTS, SideWeights, read_side_weights
+from kvtier.plan.vision import vision_params
 from kvtier.statsdoc import clean
 
 MAX_CONFIG_BYTES = 64 << 20
@@ -149,6 +150,15 @@ def _default_head_dim(cfg: dict[str, Any], hidden: int, heads: int, source: str)
     return opt_int(cfg, "hidden_size_per_head", source, hidden // heads, low=1)
 
 
+def _side_weights(outer: dict[str, Any], cfg: dict[str, Any], layers: int, hidden: int,
+                  source: str) -> SideWeights:
+    """The language model's weights beside its layers, and a multimodal checkpoint's
+    vision encoder (kvtier.plan.vision), which only the outer config describes."""
+    side = read_side_weights(cfg, layers, hidden, source)
+    vision = vision_params(outer, hidden, source)
+    return replace(side, dense=side.dense + vision) if vision else side
+
+
 def _layer_count(cfg: dict[str, Any], source: str) -> int:
     """``num_hidden_layers``, or the length of the per-layer pattern where Transformers 5
     derives the count from it and config.json leaves it out (Nemotron-H)."""
@@ -169,6 +179,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     """
     if not isinstance(cfg, dict):
         raise PlanError(f"{name or 'config'}: expected a JSON object, got {type(cfg).__name__}")
+    outer = cfg
     cfg = with_class_defaults(_unwrap(cfg))
     source = name or str(cfg.get("_name_or_path") or "config.json")
     layers = _layer_count(cfg, source)
@@ -261,7 +272,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         layer_shapes=shapes,
         checkpoint_kv_dtype=kv_cache_dtype(cfg),
         shared_kv_layers=shared,
-        side=read_side_weights(cfg, layers, hidden, source),
+        side=_side_weights(outer, cfg, layers, hidden, source),
         mixers=mixers,
     )
 

@@ -84,3 +84,59 @@ def test_gemma4_global_layers_project_at_their_own_head_size() -> None:
     # 5 layers of Q, O (8 heads) and K, V (4 heads) at 256 more per head
     assert counted.total - estimate_params(spec_from_config(uniform)).total == \
         5 * 2304 * 256 * (2 * 8 + 2 * 4)
+
+
+# LLaVA-1.5-7B: a CLIP ViT-L/14-336 encoder and a two-layer projector beside Llama.
+LLAVA: dict[str, Any] = {
+    "model_type": "llava", "projector_hidden_act": "gelu",
+    "text_config": {"model_type": "llama", "vocab_size": 32064, "hidden_size": 4096,
+                    "intermediate_size": 11008, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 32,
+                    "tie_word_embeddings": False},
+    "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024,
+                      "intermediate_size": 4096, "num_hidden_layers": 24,
+                      "num_attention_heads": 16, "patch_size": 14, "image_size": 336,
+                      "hidden_act": "quick_gelu"},
+}
+
+
+def test_a_multimodal_checkpoint_counts_its_vision_encoder() -> None:
+    """vLLM loads the vision tower and projector on the GPU too: 0.32 B of LLaVA-1.5-7B's
+    7.06 B (Transformers' count), which the plan gave to the KV."""
+    counted = estimate_params(spec_from_config(LLAVA)).total
+    assert counted == pytest.approx(7_063_427_072, rel=1e-5)
+    text_only = {k: v for k, v in LLAVA.items() if k != "vision_config"}
+    assert counted - estimate_params(spec_from_config(text_only)).total == pytest.approx(
+        324.5e6, rel=1e-3)
+
+
+def test_merged_patches_and_deepstack_mergers_widen_the_projector() -> None:
+    """Qwen-VL's merger reads 2x2 patches at once (4x the width) and Qwen3-VL adds one
+    merger per deepstack layer; InternVL's downsample_ratio 0.5 merges 4 patches too."""
+    vision = {"hidden_size": 1152, "intermediate_size": 4304, "depth": 27,
+              "patch_size": 16, "in_channels": 3, "hidden_act": "gelu_pytorch_tanh",
+              "out_hidden_size": 4096, "temporal_patch_size": 2,
+              "num_position_embeddings": 2304}
+    base = {"model_type": "qwen3_vl", "text_config": LLAVA["text_config"]}
+
+    def total(**extra: Any) -> int:
+        return estimate_params(spec_from_config(
+            {**base, "vision_config": {**vision, **extra}})).total
+
+    merger = 1152 * 4 * 4096 + 4096 * 4096
+    assert total(spatial_merge_size=2) - total(spatial_merge_size=1) == 1152 * 3 * 4096
+    assert total(spatial_merge_size=2, deepstack_visual_indexes=[8, 16, 24]) - total(
+        spatial_merge_size=2) == 3 * merger
+    internvl = {"model_type": "internvl", "text_config": LLAVA["text_config"],
+                "vision_config": {**LLAVA["vision_config"], "patch_size": [14, 14],
+                                  "image_size": [448, 448]}}
+    assert estimate_params(spec_from_config({**internvl, "downsample_ratio": 0.5})).total \
+        - estimate_params(spec_from_config(internvl)).total == 1024 * 3 * 4096
+
+
+def test_an_encoder_without_vit_layers_is_not_guessed() -> None:
+    """Gemma-3n's vision_config describes a MobileNet in timm's fields: no layer count, so
+    nothing is added rather than a projector alone."""
+    cfg = {**LLAVA, "vision_config": {"model_type": "gemma3n_vision", "hidden_size": 2048}}
+    text_only = {k: v for k, v in LLAVA.items() if k != "vision_config"}
+    assert estimate_params(spec_from_config(cfg)) == estimate_params(spec_from_config(text_only))
