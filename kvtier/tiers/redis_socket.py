@@ -100,10 +100,15 @@ class RedisSocket:
 
     def send(self, bufs: Sequence[bytes | bytearray | memoryview]) -> None:
         """Write every buffer in order without joining them (no copy of large values)."""
-        if not self._plain:
-            self._arm()
-            for buf in bufs:
-                self._sock.sendall(buf)
+        if not self._plain:   # TLS: sendall would give each call (and record) the
+            for buf in bufs:      # whole timeout again; each send gets the deadline's rest
+                view = memoryview(buf).cast("B")
+                while view:
+                    self._arm()
+                    try:
+                        view = view[self._sock.send(view):]
+                    except TimeoutError:
+                        raise self._timed_out() from None
             return
         views = [memoryview(b).cast("B") for b in bufs if len(b)]
         if len(views) <= _IOV_MAX:
