@@ -32,7 +32,7 @@ class AsyncLoads:
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
         self.running: dict[str, Future[set[int]]] = {}   # request id -> its failed pages
-        self._pages: dict[str, set[int]] = {}   # request id -> the pages its load fills
+        self._specs: dict[str, TransferSpec] = {}   # request id -> what its load fills
 
     def submit(self, spec: TransferSpec, caches: CacheSet, device_loads: bool,
                fence: Any = None) -> None:
@@ -41,7 +41,7 @@ class AsyncLoads:
         still read by queued kernels)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-async-load")
-        self._pages[spec.req_id] = _pages_of(spec)
+        self._specs[spec.req_id] = spec
         self.running[spec.req_id] = self._pool.submit(self._load_whole, spec, caches,
                                                       device_loads, fence)
 
@@ -53,12 +53,12 @@ class AsyncLoads:
             if not fut.done():
                 continue
             del self.running[req_id]
-            pages = self._pages.pop(req_id, set())
+            spec = self._specs.pop(req_id, None)
             try:
                 failed |= fut.result()
             except BaseException:  # _load_whole does not raise; a crash copied nothing sure
                 logger.exception("kvtier: async load of %s crashed", req_id)
-                failed |= pages
+                failed |= _pages_of(spec) if spec is not None else set()
             done.add(req_id)
         return done, failed
 
