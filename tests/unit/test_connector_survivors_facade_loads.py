@@ -53,30 +53,12 @@ def test_the_report_s_p99_is_the_99th_percentile() -> None:
     assert values["context_tokens_p99"] == pytest.approx(99.01)
 
 
-def test_an_async_load_that_crashed_is_still_reported_done(
+def test_an_async_load_that_crashed_is_reported_done_with_all_its_pages_failed(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A load whose thread raised outside its batch (no stream could be made) is over:
-    left unreported, vLLM waited for the request forever."""
-    def no_stream(self: asyncloads.AsyncLoads, caches: Any) -> Any:
-        raise RuntimeError("CUDA error: an illegal memory access")
-
-    monkeypatch.setattr(asyncloads.AsyncLoads, "stream", no_stream)
-    loads = asyncloads.AsyncLoads(lambda: None, 0,   # type: ignore[arg-type, return-value]
-                                  lambda name, n: None)
-    try:
-        spec = fake(req_id="r", pages=[[3, 4]], page_ids=[3, 4], skip_pages=0)
-        loads.submit(spec, fake(caches=[torch.zeros(1)], num_layers=2), False)
-        loads.running["r"].exception(timeout=30)
-        done, _ = loads.take_done()
-        assert done == {"r"} and loads.running == {}
-    finally:
-        loads.shutdown()
-
-
-def test_an_async_load_that_crashed_fails_all_its_pages(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A crashed load copied nothing trustworthy: every page it was to fill must go out as
-    a load error, or vLLM decodes on pages nothing wrote (wrong tokens)."""
+    """A load whose thread raised outside its batch (no stream could be made) is over
+    (left unreported, vLLM waited for the request forever), and it copied nothing
+    trustworthy: every page it was to fill goes out as a load error, or vLLM decodes on
+    pages nothing wrote (wrong tokens)."""
     def no_stream(self: asyncloads.AsyncLoads, caches: Any) -> Any:
         raise RuntimeError("CUDA error: an illegal memory access")
 
@@ -88,6 +70,7 @@ def test_an_async_load_that_crashed_fails_all_its_pages(
         loads.submit(spec, fake(caches=[torch.zeros(1)], num_layers=2), False)
         loads.running["r"].exception(timeout=30)
         assert loads.take_done() == ({"r"}, {3, 4})
+        assert loads.running == {}
     finally:
         loads.shutdown()
 

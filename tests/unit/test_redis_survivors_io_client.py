@@ -5,19 +5,15 @@ the password masked in the cluster-db error, a client key in its own file, and
 
 from __future__ import annotations
 
-import datetime
 import ssl
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvtier.config import RedisConfig
 from kvtier.errors import ConfigError
 from kvtier.tiers.redis_client import MAX_DB, RedisMode, parse_target, tls_context
+from tests.support.certs import self_signed
 
 
 @pytest.mark.parametrize(("url", "cluster"), [
@@ -53,28 +49,10 @@ def test_the_display_of_a_target_carries_no_credentials() -> None:
     assert t.tls and t.db == 2 and t.mode is RedisMode.SINGLE
 
 
-def _cert_and_key(tmp_path: Path) -> tuple[Path, Path]:
-    """A self-signed client certificate and its key, in two PEM files."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvtier-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(1)
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = tmp_path / "client.pem", tmp_path / "client.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 def test_a_client_key_in_its_own_file_is_loaded(tmp_path: Path) -> None:
     """``redis.tls_key`` is passed with the certificate: dropped, a certificate without
     its key inside fails to load and mutual TLS cannot be configured at all."""
-    cert, key = _cert_and_key(tmp_path)
+    cert, key = self_signed(tmp_path, "kvtier-test")
     ctx = tls_context(RedisConfig(url="rediss://h:1/0", tls_cert=str(cert),
                                   tls_key=str(key)))
     assert isinstance(ctx, ssl.SSLContext)

@@ -6,7 +6,6 @@ exchange would read them as its own reply)."""
 
 from __future__ import annotations
 
-import datetime
 import socket
 import ssl
 import threading
@@ -15,13 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvtier.tiers.redis_resp import ConnOptions
 from kvtier.tiers.redis_socket import RedisSocket
+from tests.support.certs import self_signed
 from tests.support.resp_peer import peer
 
 
@@ -113,20 +109,8 @@ def test_a_tls_send_after_the_deadline_times_out(tmp_path: Path) -> None:
 
 def _server_context(tmp_path: Path) -> ssl.SSLContext:
     """A TLS server context with a fresh self-signed certificate."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(1)
-            .not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .sign(key, hashes.SHA256()))
-    pem = tmp_path / "server.pem"
-    pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(str(pem))
+    ctx.load_cert_chain(*map(str, self_signed(tmp_path, "localhost")))
     return ctx
 
 
