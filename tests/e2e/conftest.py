@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,16 +33,20 @@ EngineRun = Callable[..., list[list[tuple[list[int], int]]]]
 
 
 @pytest.fixture(autouse=True)
-def _vllm_tp_shm() -> Iterator[None]:
+def _vllm_dist_leftovers() -> Iterator[None]:
     """vLLM's CPU TP communicator unlinks its shared-memory broadcast buffers
     (/dev/shm/vllm_dist_*-tp:*, 8 MiB a rank) at shutdown, but not always: TP runs on a
-    loaded machine left pairs behind (the MLA TP test as well as the TP test). Those made
-    during a test and still there after it are removed."""
-    shm = Path("/dev/shm")
-    before = set(shm.glob("vllm_dist_*-tp:*"))
+    loaded machine left pairs behind (the MLA TP test as well as the TP test). Its
+    ``file://`` rendezvous (a torch FileStore, <tempdir>/vllm_dist_<hex>) is left when an
+    engine is stopped before the store's last user closes it: a day of runs left 59 in
+    /tmp. Those made during a test and still there after it are removed."""
+    places = ((Path("/dev/shm"), "vllm_dist_*-tp:*"),
+              (Path(tempfile.gettempdir()), "vllm_dist_*"))
+    before = {p for d, pattern in places for p in d.glob(pattern)}
     yield
-    for leftover in set(shm.glob("vllm_dist_*-tp:*")) - before:
-        leftover.unlink(missing_ok=True)
+    for leftover in {p for d, pattern in places for p in d.glob(pattern)} - before:
+        if leftover.is_file():
+            leftover.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
