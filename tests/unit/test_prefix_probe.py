@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvtier.daemon.limits import Limits
 from kvtier.daemon.prefix import MAX_PROMPTS, PrefixProbe
-from kvtier.daemon.prefix_input import digest_of, json_prompt, split_prompts
+from kvtier.daemon.prefix_input import digest_of, json_prompt, json_values, split_prompts
 from kvtier.errors import KVTierError, LimitExceeded, ProtocolError
 from kvtier.keys import Namespace, block_keys
 from kvtier.layout import KVLayout
@@ -349,3 +349,31 @@ def test_json_token_ids_that_are_not_ints_are_refused(ids: list[object]) -> None
     assert json_prompt({"token_ids": [1, 2]}).tokens is not None
     with pytest.raises(ProtocolError, match="flat list of ints"):
         json_prompt({"token_ids": ids})
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (b'{"model_id": "m", "token_ids": [NaN]}', "invalid character"),
+    (b'{"model_id": "m", "token_ids": [1]} {}', "trailing characters"),
+    ('{"model_id": "m", "token_ids": [1]}'.encode("utf-16"), "invalid character"),
+    (b'{"model_id": "\\ud800", "token_ids": [1]}', "surrogate"),
+    (b'{"model_id": "\xff", "token_ids": [1]}', "UTF-8"),
+    (b"[" * 3000 + b"]" * 3000, "nested too deep"),
+    (b'[{"model_id": "m", "token_ids": [1]}]', "a JSON object"),
+], ids=["nan", "trailing", "utf-16", "lone-surrogate", "bad-utf-8", "deep", "not-an-object"])
+def test_a_json_body_is_read_strictly_and_a_refusal_says_why(
+        probe: PrefixProbe, body: bytes, why: str) -> None:
+    """JSON bodies are read as RFC 8259 has them (UTF-8, no NaN, no lone surrogate):
+    anything else is a ProtocolError naming the reason and where, not a guess and not a
+    crash; the same prompt well formed is answered."""
+    with pytest.raises(ProtocolError, match=why):
+        run(probe.from_http(body, "application/json", {}))
+    ok = json.dumps({"model_id": "m", "token_ids": list(range(16))}).encode()
+    assert run(probe.from_http(ok, "application/json", {}))["prompt_blocks"] == 1
+
+
+@given(body=st.binary(max_size=300) | st.text(alphabet=",[{:]} 0", max_size=300).map(
+    str.encode))
+def test_the_values_bound_counts_every_separator_and_opener(body: bytes) -> None:
+    """The bound checked before a parse: one more than the commas, brackets, braces and
+    colons (counted with numpy in one pass, not four ``bytes.count``)."""
+    assert json_values(body) == sum(body.count(c) for c in (b",", b"[", b"{", b":")) + 1
