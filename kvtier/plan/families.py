@@ -25,6 +25,10 @@ TWO_MATRIX_MLP = frozenset(FALCON | {"gpt2", "gpt_bigcode", "gptj", "gpt_neo", "
 TIED_BY_DEFAULT = frozenset(FALCON | {"gpt2", "gpt_bigcode", "gpt_neo", "mpt", "opt",
                                       "bloom", "gemma", "gemma2", "gemma3", "gemma3_text"})
 """Model types whose config class ties the LM head to the embeddings unless told not to."""
+GATED_ATTENTION_OUTPUT = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                    "qwen3_5_moe_text"})
+"""Model types whose full-attention layers gate their output per head (vLLM's
+``Qwen3NextAttention``: a Q projection twice as wide) unless ``attn_output_gate`` is false."""
 _KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num",
             "num_attention_groups")
 """Fields giving the KV heads, as vLLM's ``get_total_num_kv_heads`` reads them (ChatGLM's
@@ -139,6 +143,14 @@ def _lfm2_width(cfg: dict[str, Any], source: str) -> int:
 def gated_mlp(model_type: str) -> bool:
     """Whether the MLP has a gate matrix beside up and down (Llama, Qwen, Mistral, ...)."""
     return model_type not in TWO_MATRIX_MLP
+
+
+def attention_output_gate(cfg: dict[str, Any], source: str) -> bool:
+    """Whether attention projects a gate beside Q (``GATED_ATTENTION_OUTPUT``): without it
+    Qwen3.5-9B's weights were 1.5% short."""
+    if str(cfg.get("model_type", "")) not in GATED_ATTENTION_OUTPUT:
+        return False
+    return flag(cfg, "attn_output_gate", source, True)
 
 
 def tied_embeddings(cfg: dict[str, Any], source: str) -> bool:

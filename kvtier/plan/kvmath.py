@@ -261,8 +261,10 @@ def _attention_params(m: ModelSpec, layer: int = 0) -> int:
     kv_heads, head_dim = m.shape(layer)
     q_out = m.num_attention_heads * head_dim
     kv_out = kv_heads * head_dim
+    if m.attn_output_gate:   # the gate is projected as wide as Q
+        q_out *= 2
     bias = (q_out + 2 * kv_out) if m.attention_bias else 0
-    return h * q_out + 2 * h * kv_out + q_out * h + bias
+    return h * q_out + 2 * h * kv_out + m.num_attention_heads * head_dim * h + bias
 
 
 def _mlp_params(m: ModelSpec, width: int) -> int:

@@ -20,7 +20,13 @@ from kvtier.files import TooLarge, read_regular
 from kvtier.plan.blocks import FULL, Block, read_blocks
 from kvtier.plan.defaults import TEXT_TYPE, with_class_defaults
 from kvtier.plan.errors import PlanError
-from kvtier.plan.families import gated_mlp, kv_heads, mlp_width, tied_embeddings
+from kvtier.plan.families import (
+    attention_output_gate,
+    gated_mlp,
+    kv_heads,
+    mlp_width,
+    tied_embeddings,
+)
 from kvtier.plan.fields import MAX_CONTEXT, MAX_DIM, MAX_LAYERS, key_of, opt_int, require_int
 from kvtier.plan.indexer import index_head_dim, indexer_layers
 from kvtier.plan.layers import NO_KV, LayerReach, layer_reach, layer_types
@@ -37,6 +43,9 @@ MAX_CONFIG_BYTES = 64 << 20
 """Largest model config.json read (64 MiB): real ones are a few KiB."""
 PURE_SSM = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"})
 """Model types without attention (vLLM's MambaModelArchConfigConvertor and kin)."""
+PREFIX_LM = frozenset({"hrm_text"})
+"""Model types vLLM runs with the prompt attending both ways (``PrefillPrefixLMAttention``),
+whatever their config says."""
 
 
 class AttentionKind(str, Enum):
@@ -85,6 +94,7 @@ class ModelSpec:
     quantization: Quantization | None = None
     state_layers: int = 0
     gated_mlp: bool = True  # gate, up and down matrices (Llama); False: up and down (GPT-2)
+    attn_output_gate: bool = False  # a per-head output gate projected beside Q (Qwen3-Next)
     blocks: tuple[Block, ...] = ()
     index_head_dim: int = 0  # DeepSeek-V3.2's indexer key (kvtier.plan.indexer); 0: none
     indexer_layers: tuple[bool, ...] = ()  # per layer, whether it holds an indexer cache
@@ -171,6 +181,14 @@ def _layer_count(cfg: dict[str, Any], source: str) -> int:
     return require_int(cfg, key, source, MAX_LAYERS)
 
 
+def _prefix_lm(cfg: dict[str, Any]) -> bool:
+    """A model whose prompt tokens attend to the ones after them: ``PREFIX_LM`` or
+    ``prefix_lm`` set (top level or in MPT's ``attn_config``)."""
+    attn = cfg.get("attn_config")
+    return (str(cfg.get("model_type", "")) in PREFIX_LM or cfg.get("prefix_lm") is True
+            or (isinstance(attn, dict) and attn.get("prefix_lm") is True))
+
+
 def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
     """Build a ModelSpec from the fields of a Hugging Face config.json.
 
@@ -188,6 +206,11 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         raise PlanError(f"{source}: a {cfg['model_type']} model has no attention layers: its "
                         "state per sequence has a fixed size and no KV grows with the "
                         "context, so there is no KV for kvtier to plan or offload")
+    if _prefix_lm(cfg):
+        raise PlanError(f"{source}: a prefix-LM model (its prompt attends both ways): a "
+                        "token's KV depends on the whole prompt, not on the tokens before it, "
+                        "so vLLM turns prefix caching off for it and kvtier's connector "
+                        "refuses it; there is no reusable KV to plan")
     if cfg.get("compress_ratios") is not None or cfg.get("compress_rates") is not None:
         raise PlanError(f"{source}: compressed sparse attention (DeepSeek-V4: "
                         "compress_ratios) keeps a KV per layer that kvtier plan does not "
@@ -265,6 +288,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "") -> ModelSpec:
         attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
         quantization=read_quantization(cfg, source),
         gated_mlp=gated_mlp(model_type),
+        attn_output_gate=attention_output_gate(cfg, source),
         blocks=stack.blocks if stack else (),
         index_head_dim=index_head_dim(cfg, source),
         indexer_layers=indexer_layers(cfg, layers, source),

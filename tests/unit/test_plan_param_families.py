@@ -140,3 +140,27 @@ def test_an_encoder_without_vit_layers_is_not_guessed() -> None:
     cfg = {**LLAVA, "vision_config": {"model_type": "gemma3n_vision", "hidden_size": 2048}}
     text_only = {k: v for k, v in LLAVA.items() if k != "vision_config"}
     assert estimate_params(spec_from_config(cfg)) == estimate_params(spec_from_config(text_only))
+
+
+# A small Qwen3.5 text stack: three gated-DeltaNet layers, then one full-attention layer.
+QWEN3_5_TEXT: dict[str, Any] = {
+    "model_type": "qwen3_5_text", "num_hidden_layers": 4, "hidden_size": 512,
+    "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 64, "vocab_size": 1000, "tie_word_embeddings": False,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+}
+
+
+def test_qwen3_next_attention_projects_an_output_gate_as_wide_as_q() -> None:
+    """vLLM's Qwen3NextAttention (Qwen3-Next, Qwen3.5) projects a per-head gate beside Q
+    unless ``attn_output_gate`` is false: without it Qwen3.5-9B's weights were 1.5% short
+    of Transformers' count. Other families do not read the field."""
+    gated = estimate_params(spec_from_config(QWEN3_5_TEXT)).total
+    assert gated == pytest.approx(9_841_424, rel=1e-4)   # Transformers, this config
+    plain = estimate_params(spec_from_config({**QWEN3_5_TEXT, "attn_output_gate": False}))
+    assert gated - plain.total == 512 * 8 * 64           # one full-attention layer's gate
+    llama = {**_SMALL, "model_type": "llama"}
+    assert estimate_params(spec_from_config({**llama, "attn_output_gate": True})).total \
+        == estimate_params(spec_from_config(llama)).total

@@ -338,6 +338,26 @@ def test_a_pure_ssm_is_refused_as_having_no_kv(model_type: str) -> None:
         spec_from_config(cfg)
 
 
+@pytest.mark.parametrize("extra", [
+    {"model_type": "hrm_text"},                                  # vLLM runs it prefix-LM
+    {"model_type": "hrm_text", "prefix_lm": False},              # (whatever the config says)
+    {"model_type": "llama", "prefix_lm": True},
+    {"model_type": "mpt", "attn_config": {"prefix_lm": True}},
+], ids=["hrm_text", "hrm_text-flag-off", "prefix_lm", "mpt-attn_config"])
+def test_a_prefix_lm_model_is_refused_as_having_no_reusable_kv(extra: dict[str, Any]) -> None:
+    """A prompt that attends both ways (HRM-Text: vLLM's PrefillPrefixLMAttention) makes a
+    token's KV depend on the tokens after it: vLLM turns prefix caching off and the
+    connector refuses the model, so a plan of its reusable KV would be wrong. HRM-Text was
+    planned instead, at 2.8x Transformers' weights (its 128 KV layers reuse 32 layers'
+    weights)."""
+    cfg = {"num_hidden_layers": 8, "hidden_size": 1024, "num_attention_heads": 8,
+           "vocab_size": 1000, **extra}
+    with pytest.raises(PlanError, match=r"prefix-LM.*connector refuses it"):
+        spec_from_config(cfg)
+    plain = {**cfg, "model_type": "llama", "prefix_lm": False, "attn_config": None}
+    assert spec_from_config(plain).num_layers == 8
+
+
 @pytest.mark.parametrize("field", ["compress_ratios", "compress_rates"])
 def test_deepseek_v4_compressed_attention_is_refused_not_planned_wrong(field: str) -> None:
     """Its compressed layers keep a fraction of the tokens' KV: read as plain attention the
