@@ -34,14 +34,17 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 def test_a_load_that_fails_on_one_rank_leaves_no_wrong_shard(
         run_engine: EngineRun, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
-    ((baseline, _),), = run_engine([{"prompts": [PROMPT]}], transfer=None, engine_args=TP2)
     cfg = kv_transfer_config(daemon.socket, model_id="tp-one-rank")
-    # one engine, three phases (vLLM's own prefix cache is off: each phase's prompt is
-    # looked up in kvtier, and a lookup waits for the saves of the blocks it asks for)
-    _, ((failed, tried),), ((again, cached),) = run_engine(
-        [{"prompts": [PREFIX + prompt(42, 30)], "max_tokens": 2},
+    # one engine, four phases (vLLM's own prefix cache is off: each phase's prompt is
+    # looked up in kvtier, and a lookup waits for the saves of the blocks it asks for). The
+    # first computes the prompt from nothing under a salt of its own: the baseline, without
+    # a second TP 2 engine start (~30 s)
+    ((baseline, computed),), _, ((failed, tried),), ((again, cached),) = run_engine(
+        [{"prompts": [PROMPT], "salts": ["baseline"]},
+         {"prompts": [PREFIX + prompt(42, 30)], "max_tokens": 2},
          {"prompts": [PROMPT], "lose_blocks_at_load": {"blocks": [1, 3], "rank": 1}},
          {"prompts": [PROMPT]}], cfg, engine_args=TP2)
+    assert computed == 0
     assert tried == 3 * TOKENS_PER_BLOCK   # the load of the prefix was tried (and failed)
     assert failed == baseline
     assert again == baseline
