@@ -10,7 +10,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,20 +32,28 @@ EngineRun = Callable[..., list[list[tuple[list[int], int]]]]
 
 
 @pytest.fixture(autouse=True)
-def _vllm_dist_leftovers() -> Iterator[None]:
+def _vllm_tp_shm() -> Iterator[None]:
     """vLLM's CPU TP communicator unlinks its shared-memory broadcast buffers
     (/dev/shm/vllm_dist_*-tp:*, 8 MiB a rank) at shutdown, but not always: TP runs on a
-    loaded machine left pairs behind (the MLA TP test as well as the TP test). Its
-    ``file://`` rendezvous (a torch FileStore, <tempdir>/vllm_dist_<hex>) is left when an
-    engine is stopped before the store's last user closes it: a day of runs left 59 in
-    /tmp. Those made during a test and still there after it are removed."""
-    places = ((Path("/dev/shm"), "vllm_dist_*-tp:*"),
-              (Path(tempfile.gettempdir()), "vllm_dist_*"))
-    before = {p for d, pattern in places for p in d.glob(pattern)}
+    loaded machine left pairs behind (the MLA TP test as well as the TP test). Those made
+    during a test, still there after it and mapped by no process are removed: a TP engine
+    of a test on the other xdist worker may be setting up its own at that moment."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("vllm_dist_*-tp:*"))
     yield
-    for leftover in {p for d, pattern in places for p in d.glob(pattern)} - before:
-        if leftover.is_file():
-            leftover.unlink(missing_ok=True)
+    left = set(shm.glob("vllm_dist_*-tp:*")) - before
+    for leftover in left - _mapped(left) if left else ():
+        leftover.unlink(missing_ok=True)
+
+
+def _mapped(paths: set[Path]) -> set[Path]:
+    """Those of ``paths`` some process maps (read from every /proc/PID/maps)."""
+    found: set[Path] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):   # (a process gone, or not ours to read)
+            text = maps.read_text()
+            found.update(p for p in paths if str(p) in text)
+    return found
 
 
 @pytest.fixture(scope="session")
