@@ -105,11 +105,15 @@ class DaemonProcess:
 
     def kill(self) -> None:
         """SIGKILL (as a crash would), then remove the arena (and journal) the dead daemon
-        left in shm, so the next start is cold, and any fake HBM pool it made."""
+        left in shm, so the next start is cold, any fake HBM pool it made, and the files
+        it had half made (NAME.PID.HEX.tmp: a kill while the journal grew left 4 MiB in
+        /dev/shm that no later start of that data directory would clear)."""
         self.crash()
         if self.proc is not None:
             for pool in pool_dir().glob(f"{POOL_PREFIX}{self.proc.pid}-*"):
                 pool.unlink(missing_ok=True)
+            for half in SHM.glob(f"kvtier-{os.getuid()}-*.{self.proc.pid}.*.tmp"):
+                half.unlink(missing_ok=True)
             for arena in [*SHM.glob(f"kvtier-{os.getuid()}-{self.proc.pid}-*.arena"),
                           self.arena_path]:
                 arena.unlink(missing_ok=True)
