@@ -171,7 +171,12 @@ def _side_weights(outer: dict[str, Any], cfg: dict[str, Any], layers: int, hidde
 
 def _layer_count(cfg: dict[str, Any], source: str) -> int:
     """``num_hidden_layers``, or the length of the per-layer pattern where Transformers 5
-    derives the count from it and config.json leaves it out (Nemotron-H)."""
+    derives the count from it and config.json leaves it out (Nemotron-H); LongCat-Flash's
+    attention sublayers."""
+    if cfg.get("model_type") == "longcat_flash" and cfg.get("num_layers") is not None:
+        # two attention sublayers per decoder layer, each its own KV in vLLM (Transformers
+        # derives num_hidden_layers = 2 x num_layers): counted as layers of their own
+        return 2 * require_int(cfg, "num_layers", source, MAX_LAYERS // 2)
     key = key_of(cfg, "num_hidden_layers")
     if cfg.get(key) is None:
         for field in ("layers_block_type", "layer_types", "hybrid_override_pattern"):

@@ -111,6 +111,8 @@ def moe_layer_mask(cfg: dict[str, Any], layers: int, source: str) -> tuple[bool,
         period = opt_int(cfg, "expert_layer_period", source, 2, low=1, high=MAX_LAYERS)
         offset = opt_int(cfg, "expert_layer_offset", source, 1, high=MAX_LAYERS)
         return tuple(i % period == offset for i in range(layers))
+    if model_type == "longcat_flash":  # one MoE per decoder layer of two sublayers
+        return tuple(i % 2 == 1 for i in range(layers))
     if model_type.startswith("ernie4_5"):  # Ernie4_5_MoeDecoderLayer
         start = opt_int(cfg, "moe_layer_start_index", source, 1, high=MAX_LAYERS)
         end = int_field(cfg, "moe_layer_end_index", source, -1, MAX_LAYERS)
@@ -131,7 +133,10 @@ def moe_layer_mask(cfg: dict[str, Any], layers: int, source: str) -> tuple[bool,
 
 
 def _shared_width(cfg: dict[str, Any], expert: int, source: str) -> int:
-    """The shared experts' total MLP width (0 when there are none)."""
+    """The shared experts' total MLP width (0 when there are none). LongCat-Flash's second
+    dense MLP of a decoder layer counts as one: it sits in the sublayer with the MoE."""
+    if str(cfg.get("model_type", "")) == "longcat_flash":
+        return opt_int(cfg, "ffn_hidden_size", source)
     for key in _SHARED_WIDTH:
         width = opt_int(cfg, key, source)
         if width:

@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 
 from kvtier.plan import PlanError
-from kvtier.plan.kvmath import check_tensor_parallel, kv_bytes_per_token, kv_share_per_rank
+from kvtier.plan.kvmath import (
+    check_tensor_parallel,
+    estimate_params,
+    kv_bytes_per_token,
+    kv_share_per_rank,
+)
 from kvtier.plan.model import AttentionKind, spec_from_config
 from tests.unit.test_plan_cli import plan, plan_json
 
@@ -356,6 +361,31 @@ def test_a_prefix_lm_model_is_refused_as_having_no_reusable_kv(extra: dict[str, 
         spec_from_config(cfg)
     plain = {**cfg, "model_type": "llama", "prefix_lm": False, "attn_config": None}
     assert spec_from_config(plain).num_layers == 8
+
+
+# LongCat-Flash-Chat's config.json: 28 decoder layers of two MLA sublayers each.
+LONGCAT_FLASH: dict[str, Any] = {
+    "model_type": "longcat_flash", "num_layers": 28, "hidden_size": 6144,
+    "num_attention_heads": 64, "ffn_hidden_size": 12288, "expert_ffn_hidden_size": 2048,
+    "n_routed_experts": 512, "zero_expert_num": 256, "moe_topk": 12, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "vocab_size": 131072, "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+
+
+def test_longcat_flash_keeps_a_latent_in_both_attention_sublayers() -> None:
+    """vLLM's FlashDecoderLayer holds two MLA attentions, each with its own KV cache, two
+    dense MLPs and one MoE: the plan read 28 layers, half the KV per token (so twice the
+    sequences), and 545 B of weights for the model card's 560 B."""
+    spec = spec_from_config(LONGCAT_FLASH)
+    assert spec.num_layers == 56 and spec.attention is AttentionKind.MLA
+    assert kv_bytes_per_token(spec, "bfloat16") == 56 * (512 + 64) * 2
+    assert spec.moe is not None and spec.moe.moe_layers == (False, True) * 28
+    assert estimate_params(spec).total == pytest.approx(560e9, rel=0.005)
+    # a config that gives Transformers' num_hidden_layers (the sublayers) reads the same
+    sub = {k: v for k, v in LONGCAT_FLASH.items() if k != "num_layers"}
+    assert spec_from_config({**sub, "num_hidden_layers": 56}) == spec
 
 
 @pytest.mark.parametrize("field", ["compress_ratios", "compress_rates"])
