@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from contextlib import closing
 from pathlib import Path
 from typing import Any, cast
 
@@ -88,12 +89,8 @@ def test_a_cancelled_exchange_discards_its_connection(tmp_path: Path) -> None:
 
 def test_a_clean_exchange_gives_its_connection_back(tmp_path: Path) -> None:
     pool = Pool()
-    with peer(tmp_path, sends(b":1\r\n")) as addr:
-        conn = connect(addr)
-        try:
-            got = asyncio.run(taken(pool, conn))
-        finally:
-            conn.close()
+    with peer(tmp_path, sends(b":1\r\n")) as addr, closing(connect(addr)) as conn:
+        got = asyncio.run(taken(pool, conn))
     assert got == [1] and pool.given == [conn] and pool.discarded == []
 
 
@@ -105,13 +102,9 @@ def test_each_exchange_starts_its_own_deadline(tmp_path: Path) -> None:
         sock.sendall(b":1\r\n")
         time.sleep(0.5)
 
-    with peer(tmp_path, script) as addr:
-        conn = connect(addr, timeout_s=0.2)
-        try:
-            time.sleep(0.3)
-            assert asyncio.run(loopio.exchange(conn, [CMD])) == [1]
-        finally:
-            conn.close()
+    with peer(tmp_path, script) as addr, closing(connect(addr, timeout_s=0.2)) as conn:
+        time.sleep(0.3)
+        assert asyncio.run(loopio.exchange(conn, [CMD])) == [1]
 
 
 def test_the_loop_watches_the_socket_no_longer_after_an_exchange(tmp_path: Path) -> None:
@@ -141,27 +134,19 @@ def test_the_loop_watches_the_socket_no_longer_after_an_exchange(tmp_path: Path)
                                           (loopio.MAX_BULK + 1, False)])
 def test_a_bulk_string_up_to_max_bulk_is_read(tmp_path: Path, size: int, ok: bool) -> None:
     """The bound is MAX_BULK bytes exactly: one past it is refused unread."""
-    with peer(tmp_path, sends(bulk(b"v" * size))) as addr:
-        conn = connect(addr)
-        try:
-            if ok:
-                assert asyncio.run(loopio.exchange(conn, [CMD])) == [b"v" * size]
-            else:
-                with pytest.raises(ProtocolError):
-                    asyncio.run(loopio.exchange(conn, [CMD]))
-        finally:
-            conn.close()
+    with peer(tmp_path, sends(bulk(b"v" * size))) as addr, closing(connect(addr)) as conn:
+        if ok:
+            assert asyncio.run(loopio.exchange(conn, [CMD])) == [b"v" * size]
+        else:
+            with pytest.raises(ProtocolError):
+                asyncio.run(loopio.exchange(conn, [CMD]))
 
 
 def test_only_minus_one_is_nil(tmp_path: Path) -> None:
     """``$-2`` is not RESP: a ProtocolError, not a nil read as a missing key."""
-    with peer(tmp_path, sends(b"$-2\r\n")) as addr:
-        conn = connect(addr)
-        try:
-            with pytest.raises(ProtocolError):
-                asyncio.run(loopio.exchange(conn, [CMD]))
-        finally:
-            conn.close()
+    with (peer(tmp_path, sends(b"$-2\r\n")) as addr, closing(connect(addr)) as conn,
+          pytest.raises(ProtocolError)):
+        asyncio.run(loopio.exchange(conn, [CMD]))
 
 
 def test_a_large_pipeline_is_sent_whole_while_the_peer_reads_slowly(tmp_path: Path) -> None:
@@ -195,11 +180,8 @@ def test_a_large_pipeline_is_sent_whole_while_the_peer_reads_slowly(tmp_path: Pa
 def test_an_error_reply_is_an_error_reply_not_a_status(tmp_path: Path) -> None:
     """``-ERR`` comes back as an ErrorReply (equal as text to a status, so compare the
     type): read as a status, a probe's WRONGTYPE would never delete the key."""
-    with peer(tmp_path, sends(b"-WRONGTYPE wrong kind\r\n+OK\r\n")) as addr:
-        conn = connect(addr)
-        try:
-            got = asyncio.run(loopio.exchange(conn, [CMD, CMD]))
-        finally:
-            conn.close()
+    with (peer(tmp_path, sends(b"-WRONGTYPE wrong kind\r\n+OK\r\n")) as addr,
+          closing(connect(addr)) as conn):
+        got = asyncio.run(loopio.exchange(conn, [CMD, CMD]))
     assert [type(r) for r in got] == [ErrorReply, str]
     assert isinstance(got[0], ErrorReply) and got[0].kind == "WRONGTYPE"

@@ -11,6 +11,7 @@ import socket
 import struct
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +54,13 @@ def test_a_pipeline_of_more_buffers_than_one_sendmsg_takes_arrives_whole(
     bufs = [b"%05d;" % i for i in range(1500)]
     want = b"".join(bufs)
     got = bytearray()
-    with peer(tmp_path, sink(got, len(want)), read_first=False) as addr:
-        sock = RedisSocket(addr, opts())
-        try:
-            sock.begin()
-            sock.send(bufs)
-            deadline = time.monotonic() + 5
-            while len(got) < len(want) and time.monotonic() < deadline:
-                time.sleep(0.01)
-        finally:
-            sock.close()
+    with (peer(tmp_path, sink(got, len(want)), read_first=False) as addr,
+          closing(RedisSocket(addr, opts())) as sock):
+        sock.begin()
+        sock.send(bufs)
+        deadline = time.monotonic() + 5
+        while len(got) < len(want) and time.monotonic() < deadline:
+            time.sleep(0.01)
     assert bytes(got) == want
 
 
@@ -95,16 +93,13 @@ def test_the_kernel_timeout_never_reaches_past_the_deadline(tmp_path: Path) -> N
         sock.sendall(b"+OK\r\n")
         time.sleep(1)
 
-    with peer(tmp_path, answer, read_first=False) as addr:
-        sock = RedisSocket(addr, opts(op_timeout_s=1.0))
-        try:
-            sock.begin()
-            assert sock._line() == b"+OK"
-            sec, usec = TIMEVAL.unpack(sock._sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_RCVTIMEO, TIMEVAL.size))
-            assert 0 < sec + usec / 1e6 <= 1.0 - 0.015
-        finally:
-            sock.close()
+    with (peer(tmp_path, answer, read_first=False) as addr,
+          closing(RedisSocket(addr, opts(op_timeout_s=1.0))) as sock):
+        sock.begin()
+        assert sock._line() == b"+OK"
+        sec, usec = TIMEVAL.unpack(sock._sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVTIMEO, TIMEVAL.size))
+        assert 0 < sec + usec / 1e6 <= 1.0 - 0.015
 
 
 def test_many_small_replies_past_the_read_buffer_are_read_exact(tmp_path: Path) -> None:
@@ -120,13 +115,10 @@ def test_many_small_replies_past_the_read_buffer_are_read_exact(tmp_path: Path) 
         for piece in pieces:
             sock.sendall(piece)
 
-    with peer(tmp_path, script, read_first=False) as addr:
-        sock = RedisSocket(addr, opts())
-        try:
-            sock.begin()
-            got = [sock._line() for _ in lines]
-        finally:
-            sock.close()
+    with (peer(tmp_path, script, read_first=False) as addr,
+          closing(RedisSocket(addr, opts())) as sock):
+        sock.begin()
+        got = [sock._line() for _ in lines]
     assert got == [line[:-2] for line in lines]
 
 
@@ -136,16 +128,13 @@ def test_a_hang_up_mid_line_is_a_reset_not_a_timeout(tmp_path: Path) -> None:
     def script(sock: socket.socket) -> None:
         sock.sendall(b"+PAR")
 
-    with peer(tmp_path, script, read_first=False) as addr:
-        sock = RedisSocket(addr, opts(op_timeout_s=5.0))
-        try:
-            sock.begin()
-            started = time.monotonic()
-            with pytest.raises(ConnectionResetError):
-                sock._line()
-            assert time.monotonic() - started < 2
-        finally:
-            sock.close()
+    with (peer(tmp_path, script, read_first=False) as addr,
+          closing(RedisSocket(addr, opts(op_timeout_s=5.0))) as sock):
+        sock.begin()
+        started = time.monotonic()
+        with pytest.raises(ConnectionResetError):
+            sock._line()
+        assert time.monotonic() - started < 2
 
 
 def test_a_hang_up_mid_value_is_a_reset_not_a_timeout(tmp_path: Path) -> None:
@@ -153,16 +142,13 @@ def test_a_hang_up_mid_value_is_a_reset_not_a_timeout(tmp_path: Path) -> None:
     def script(sock: socket.socket) -> None:
         sock.sendall(b"x" * 10000)
 
-    with peer(tmp_path, script, read_first=False) as addr:
-        sock = RedisSocket(addr, opts(op_timeout_s=5.0))
-        try:
-            sock.begin()
-            started = time.monotonic()
-            with pytest.raises(ConnectionResetError):
-                sock._read_into(memoryview(bytearray(100000)))
-            assert time.monotonic() - started < 2
-        finally:
-            sock.close()
+    with (peer(tmp_path, script, read_first=False) as addr,
+          closing(RedisSocket(addr, opts(op_timeout_s=5.0))) as sock):
+        sock.begin()
+        started = time.monotonic()
+        with pytest.raises(ConnectionResetError):
+            sock._read_into(memoryview(bytearray(100000)))
+        assert time.monotonic() - started < 2
 
 
 def test_a_hang_up_seen_without_blocking_is_a_reset(tmp_path: Path) -> None:
@@ -171,17 +157,14 @@ def test_a_hang_up_seen_without_blocking_is_a_reset(tmp_path: Path) -> None:
     def script(sock: socket.socket) -> None:
         pass
 
-    with peer(tmp_path, script, read_first=False) as addr:
-        sock = RedisSocket(addr, opts())
-        try:
-            sock.begin()
-            time.sleep(0.2)
-            with pytest.raises(ConnectionResetError):
-                sock.fill_nowait()
-            with pytest.raises(ConnectionResetError):
-                sock.recv_nowait(memoryview(bytearray(8)))
-        finally:
-            sock.close()
+    with (peer(tmp_path, script, read_first=False) as addr,
+          closing(RedisSocket(addr, opts())) as sock):
+        sock.begin()
+        time.sleep(0.2)
+        with pytest.raises(ConnectionResetError):
+            sock.fill_nowait()
+        with pytest.raises(ConnectionResetError):
+            sock.recv_nowait(memoryview(bytearray(8)))
 
 
 def test_a_line_longer_than_the_read_buffer_is_a_protocol_error(tmp_path: Path) -> None:
@@ -190,32 +173,26 @@ def test_a_line_longer_than_the_read_buffer_is_a_protocol_error(tmp_path: Path) 
         sock.sendall(b"+" + b"a" * (1 << 17))
         time.sleep(1)
 
-    with peer(tmp_path, script, read_first=False) as addr:
-        sock = RedisSocket(addr, opts())
-        try:
-            sock.begin()
-            with pytest.raises(ProtocolError):
-                sock._line()
-        finally:
-            sock.close()
+    with (peer(tmp_path, script, read_first=False) as addr,
+          closing(RedisSocket(addr, opts())) as sock):
+        sock.begin()
+        with pytest.raises(ProtocolError):
+            sock._line()
 
 
 def test_begin_puts_the_low_water_mark_back_to_one_byte(tmp_path: Path) -> None:
     """A read that ended mid-value left SO_RCVLOWAT raised: the next exchange's poll must
     wake on its first byte again (else a short reply never wakes the reader)."""
     served = threading.Event()
-    with peer(tmp_path, held(served), tcp=True, read_first=False) as addr:
-        sock = RedisSocket(addr, opts())
+    with (peer(tmp_path, held(served), tcp=True, read_first=False) as addr,
+          closing(RedisSocket(addr, opts())) as sock):
         served.wait(5)
-        try:
-            lowat = sock._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
-            sock.wake_at(5000)
-            if sock._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == lowat:
-                pytest.skip("this kernel does not raise SO_RCVLOWAT")
-            sock.begin()
-            assert sock._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
-        finally:
-            sock.close()
+        lowat = sock._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+        sock.wake_at(5000)
+        if sock._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == lowat:
+            pytest.skip("this kernel does not raise SO_RCVLOWAT")
+        sock.begin()
+        assert sock._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
 
 
 class _RefusesLowering:
@@ -237,29 +214,23 @@ def test_a_mark_that_cannot_be_lowered_again_raises(tmp_path: Path) -> None:
     """Raising the mark may fail quietly (reads then wake as data comes), lowering it may
     not: the connection would keep a mark above the next reply and stall on it."""
     served = threading.Event()
-    with peer(tmp_path, held(served), tcp=True, read_first=False) as addr:
-        sock = RedisSocket(addr, opts())
+    with (peer(tmp_path, held(served), tcp=True, read_first=False) as addr,
+          closing(RedisSocket(addr, opts())) as sock):
         served.wait(5)
-        try:
-            real = sock._sock
-            sock._sock = _RefusesLowering(real)  # type: ignore[assignment]
-            sock.wake_at(5000)
-            with pytest.raises(OSError):
-                sock.wake_at(1)
-        finally:
-            sock.close()
+        real = sock._sock
+        sock._sock = _RefusesLowering(real)  # type: ignore[assignment]
+        sock.wake_at(5000)
+        with pytest.raises(OSError):
+            sock.wake_at(1)
 
 
 def test_a_tcp_connection_sends_without_delay(tmp_path: Path) -> None:
     """TCP_NODELAY: a pipeline's last segment is not held back by Nagle for 40 ms."""
     served = threading.Event()
-    with peer(tmp_path, held(served), tcp=True, read_first=False) as addr:
-        sock = RedisSocket(addr, opts())
+    with (peer(tmp_path, held(served), tcp=True, read_first=False) as addr,
+          closing(RedisSocket(addr, opts())) as sock):
         served.wait(5)
-        try:
-            assert sock._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-        finally:
-            sock.close()
+        assert sock._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
 
 def test_a_unix_socket_that_cannot_connect_is_closed(
@@ -334,16 +305,13 @@ def test_a_new_exchange_rearms_the_kernel_timeout(tmp_path: Path) -> None:
         sock.sendall(b"+B\r\n")
         time.sleep(0.5)
 
-    with peer(tmp_path, script, read_first=False) as addr:
-        sock = RedisSocket(addr, opts(op_timeout_s=1.0))
-        try:
-            sock.begin()
-            time.sleep(0.88)   # about 0.1 s left: armed for about 0.08 s
-            assert sock._line() == b"+A"
-            sock.begin()
-            assert sock._line() == b"+B"
-        finally:
-            sock.close()
+    with (peer(tmp_path, script, read_first=False) as addr,
+          closing(RedisSocket(addr, opts(op_timeout_s=1.0))) as sock):
+        sock.begin()
+        time.sleep(0.88)   # about 0.1 s left: armed for about 0.08 s
+        assert sock._line() == b"+A"
+        sock.begin()
+        assert sock._line() == b"+B"
 
 
 def test_buffered_bytes_come_first_and_drop_and_skip_take_exactly(tmp_path: Path) -> None:
@@ -358,18 +326,15 @@ def test_buffered_bytes_come_first_and_drop_and_skip_take_exactly(tmp_path: Path
         sock.sendall(data)
         time.sleep(0.5)
 
-    with peer(tmp_path, script, read_first=False) as addr:
-        sock = RedisSocket(addr, opts())
-        try:
-            sock.begin()
-            time.sleep(0.1)
-            assert sock.fill_nowait(3) and sock.buffered() == 3
-            out = memoryview(bytearray(6))
-            assert sock.recv_nowait(out) == 3
-            assert sock.recv_nowait(out[3:]) == 3 and bytes(out) == b"abcdef"
-            assert sock.fill_nowait(2) and sock.drop(10) == 2 and sock.buffered() == 0
-            sock._skip(big - 2)
-            assert sock._line() == b"+OK" and sock.stale()   # "+X" buffered: stale
-            assert sock._line() == b"+X" and not sock.stale()
-        finally:
-            sock.close()
+    with (peer(tmp_path, script, read_first=False) as addr,
+          closing(RedisSocket(addr, opts())) as sock):
+        sock.begin()
+        time.sleep(0.1)
+        assert sock.fill_nowait(3) and sock.buffered() == 3
+        out = memoryview(bytearray(6))
+        assert sock.recv_nowait(out) == 3
+        assert sock.recv_nowait(out[3:]) == 3 and bytes(out) == b"abcdef"
+        assert sock.fill_nowait(2) and sock.drop(10) == 2 and sock.buffered() == 0
+        sock._skip(big - 2)
+        assert sock._line() == b"+OK" and sock.stale()   # "+X" buffered: stale
+        assert sock._line() == b"+X" and not sock.stale()

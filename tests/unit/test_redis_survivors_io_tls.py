@@ -10,6 +10,7 @@ import socket
 import ssl
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +81,11 @@ def test_a_tls_read_is_bounded_by_what_is_left_of_the_exchange(tmp_path: Path) -
     """The socket timeout set before a read is the deadline's rest, not op_timeout_s
     again (each read of a slow reply would restart the clock)."""
     tls = FakeTLS()
-    with peer(tmp_path, answers(b"+OK\r\n"), tcp=True, read_first=False) as addr:
-        sock = RedisSocket(addr, opts(tls, op_timeout_s=1.0))
-        try:
-            sock.begin()
-            time.sleep(0.3)
-            assert sock._line() == b"+OK"
-        finally:
-            sock.close()
+    with (peer(tmp_path, answers(b"+OK\r\n"), tcp=True, read_first=False) as addr,
+          closing(RedisSocket(addr, opts(tls, op_timeout_s=1.0))) as sock):
+        sock.begin()
+        time.sleep(0.3)
+        assert sock._line() == b"+OK"
     last = tls.wrapped[0].timeouts[-1]
     assert last is not None and 0 < last <= 0.75
 
@@ -96,15 +94,12 @@ def test_a_tls_send_after_the_deadline_times_out(tmp_path: Path) -> None:
     """A send is armed like a read: past the deadline it raises before writing (else
     a command goes out on an exchange already given up)."""
     tls = FakeTLS()
-    with peer(tmp_path, answers(b""), tcp=True, read_first=False) as addr:
-        sock = RedisSocket(addr, opts(tls, op_timeout_s=0.1))
-        try:
-            sock.begin()
-            time.sleep(0.15)
-            with pytest.raises(TimeoutError):
-                sock.send([b"*1\r\n$4\r\nPING\r\n"])
-        finally:
-            sock.close()
+    with (peer(tmp_path, answers(b""), tcp=True, read_first=False) as addr,
+          closing(RedisSocket(addr, opts(tls, op_timeout_s=0.1))) as sock):
+        sock.begin()
+        time.sleep(0.15)
+        with pytest.raises(TimeoutError):
+            sock.send([b"*1\r\n$4\r\nPING\r\n"])
 
 
 def _server_context(tmp_path: Path) -> ssl.SSLContext:
@@ -178,13 +173,10 @@ def test_a_tls_send_of_several_buffers_ends_by_the_deadline(tmp_path: Path) -> N
     """A value goes out as header, payload and CRLF: sendall per buffer gave each the
     whole op_timeout_s again (and Python's TLS sendall per 16 KiB record), so a slow
     reader held one exchange several times its deadline."""
-    with peer(tmp_path, lambda s: time.sleep(1.5), tcp=True, read_first=False) as addr:
-        sock = RedisSocket(addr, opts(SlowContext(), op_timeout_s=0.4))
-        try:
-            sock.begin()
-            started = time.monotonic()
-            with pytest.raises(TimeoutError, match="did not answer within"):
-                sock.send([b"*3\r\n", b"x" * 100, b"\r\n", b"y" * 100])
-            assert time.monotonic() - started <= 0.47
-        finally:
-            sock.close()
+    with (peer(tmp_path, lambda s: time.sleep(1.5), tcp=True, read_first=False) as addr,
+          closing(RedisSocket(addr, opts(SlowContext(), op_timeout_s=0.4))) as sock):
+        sock.begin()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not answer within"):
+            sock.send([b"*3\r\n", b"x" * 100, b"\r\n", b"y" * 100])
+        assert time.monotonic() - started <= 0.47
