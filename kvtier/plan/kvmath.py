@@ -259,12 +259,11 @@ def _attention_params(m: ModelSpec, layer: int = 0) -> int:
               + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim))
         return q + kv + heads * m.v_head_dim * h
     kv_heads, head_dim = m.shape(layer)
-    q_out = m.num_attention_heads * head_dim
+    q_width = m.num_attention_heads * head_dim
+    q_out = q_width * (2 if m.attn_output_gate else 1)   # a gate projected as wide as Q
     kv_out = kv_heads * head_dim
-    if m.attn_output_gate:   # the gate is projected as wide as Q
-        q_out *= 2
     bias = (q_out + 2 * kv_out) if m.attention_bias else 0
-    return h * q_out + 2 * h * kv_out + m.num_attention_heads * head_dim * h + bias
+    return h * q_out + 2 * h * kv_out + q_width * h + bias
 
 
 def _mlp_params(m: ModelSpec, width: int) -> int:
